@@ -1,0 +1,13 @@
+# Two entry points (README): `make demo` runs the main job, `make test` runs the tests.
+# Both set up .venv on first use (scripts/setup.sh).
+PY := .venv/bin/python
+
+.PHONY: setup demo test
+setup:
+	@bash scripts/setup.sh
+
+demo: setup
+	$(PY) -m diffrl.cli.main evaluate
+
+test: setup
+	$(PY) -m pytest

@@ -1,0 +1,1 @@
+"""The `diffrl` command line (tyro over typed dataclass configs)."""

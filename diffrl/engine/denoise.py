@@ -1,0 +1,77 @@
+"""The denoising loop: the family's velocity, then the shared transition, step after step.
+
+Steps listed in `sde_step_indices` run the stochastic transition (`sde` or `cps`) and record a
+log-prob; every other step runs ODE. The latents entering the requested steps (and the final
+latent) are kept, which is what training pairs are made of.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass, field
+
+import torch
+
+from diffrl.models.base import FamilyAdapter, Latents, PromptEmbeds
+from diffrl.sampling import SDE_TYPES, transition
+
+
+@dataclass
+class DenoiseResult:
+    latents: torch.Tensor  # final clean latents [B, S, C], fp32
+    sigmas: torch.Tensor  # the schedule used, [N + 1]
+    log_probs: torch.Tensor  # [B, len(sde_step_indices)], ascending step order
+    # step index i → latents x_{σ_i} entering step i (index N is the final latent)
+    trajectory: dict[int, torch.Tensor] = field(default_factory=dict)
+
+
+@torch.no_grad()
+def denoise(
+    family: FamilyAdapter,
+    latents: Latents,
+    sigmas: torch.Tensor,
+    cond: PromptEmbeds,
+    uncond: PromptEmbeds | None,
+    guidance_scale: float,
+    *,
+    generators: Sequence[torch.Generator],
+    sde_type: str = "ode",
+    noise_level: float = 0.0,
+    sde_step_indices: Iterable[int] = (),
+    return_step_indices: Iterable[int] = (),
+    log_prob_no_const: bool = False,
+    transformer: torch.nn.Module | None = None,
+) -> DenoiseResult:
+    if sde_type not in SDE_TYPES:
+        raise ValueError(f"unknown sde type {sde_type!r}; expected one of {SDE_TYPES}")
+    transformer = transformer if transformer is not None else family.transformer
+    num_steps = len(sigmas) - 1
+    sde_steps = sorted(set(sde_step_indices))
+    keep = set(return_step_indices)
+    for name, indices, limit in (("sde_step_indices", sde_steps, num_steps - 1), ("return_step_indices", keep, num_steps)):
+        bad = [i for i in indices if not 0 <= i <= limit]
+        if bad:
+            raise ValueError(f"{name} {bad} out of range 0..{limit} for {num_steps} steps")
+    sigma_max = float(sigmas[1]) if num_steps > 1 else float(sigmas[0])
+    x = latents.tokens.float()
+    batch = x.shape[0]
+    log_probs = []
+    trajectory: dict[int, torch.Tensor] = {}
+    for i in range(num_steps):
+        if i in keep:
+            trajectory[i] = x.clone()
+        sigma = sigmas[i].expand(batch)
+        v = family.velocity(transformer, Latents(x, latents.ids), sigma, cond, uncond, guidance_scale)
+        stochastic = i in sde_steps and sde_type != "ode"
+        out = transition(
+            sde_type if stochastic else "ode", x, v, sigmas[i], sigmas[i + 1],
+            noise_level if stochastic else 0.0, sigma_max=sigma_max, generators=generators,
+            log_prob_no_const=log_prob_no_const,
+        )
+        if i in sde_steps:
+            log_probs.append(out.log_prob if out.log_prob is not None else torch.zeros(batch, device=x.device))
+        x = out.next_latents
+    if num_steps in keep:
+        trajectory[num_steps] = x.clone()
+    stacked = torch.stack(log_probs, dim=1) if log_probs else x.new_zeros(batch, 0)
+    return DenoiseResult(latents=x, sigmas=sigmas, log_probs=stacked, trajectory=trajectory)

@@ -1,0 +1,1 @@
+"""Held-out evaluation: ODE sampling at fixed seeds, scored by the shapes verifier."""

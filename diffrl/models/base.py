@@ -1,0 +1,112 @@
+"""What every model family provides: the adapter interface shared by the engine and the trainer.
+
+A family adapter owns the loaded components of one checkpoint and knows the family's
+conventions (prompt encoding, latent packing, position ids, timestep scaling, CFG, decoding).
+`velocity` takes the transformer as an argument so the trainer can pass its own (LoRA-wrapped,
+sharded) copy and still run exactly the code the engine runs.
+"""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from collections.abc import Sequence
+from dataclasses import dataclass, replace
+from pathlib import Path
+from typing import ClassVar
+
+import torch
+
+
+class ModelLoadError(RuntimeError):
+    """A checkpoint directory is missing a file or holds a corrupt one; the message names the file."""
+
+
+@dataclass
+class PromptEmbeds:
+    """Text conditioning for a batch of prompts, as the family's transformer consumes it."""
+
+    embeds: torch.Tensor  # [B, L, D]
+    ids: torch.Tensor  # [L, n_axes] position ids, shared by the batch
+
+    def __len__(self) -> int:
+        return self.embeds.shape[0]
+
+    def repeat(self, n: int) -> PromptEmbeds:
+        """Each prompt's conditioning repeated n times in place (prompt-major), without re-encoding."""
+        return replace(self, embeds=self.embeds.repeat_interleave(n, dim=0))
+
+    def cat(self, other: PromptEmbeds) -> PromptEmbeds:
+        """Stack two conditionings along the batch (CFG: uncond then cond in one forward)."""
+        if not torch.equal(self.ids, other.ids):
+            raise ValueError("cannot batch conditionings with different position ids")
+        return replace(self, embeds=torch.cat([self.embeds, other.embeds]))
+
+    def to(self, device: torch.device | str) -> PromptEmbeds:
+        return PromptEmbeds(self.embeds.to(device), self.ids.to(device))
+
+
+@dataclass
+class Latents:
+    """Packed noisy latents `[B, S, C]` and their position ids `[S, n_axes]`."""
+
+    tokens: torch.Tensor
+    ids: torch.Tensor
+
+
+class FamilyAdapter(ABC):
+    """One model family. Subclasses register themselves in `diffrl.models.registry`."""
+
+    name: ClassVar[str]
+    # Substrings matched (case-insensitively) against a checkpoint directory's name.
+    name_patterns: ClassVar[tuple[str, ...]]
+    # Text-to-image families refuse image-conditioned requests instead of ignoring them.
+    accepts_image_conditioning: ClassVar[bool] = False
+    # Module names peft wraps when training a LoRA.
+    lora_target_modules: ClassVar[tuple[str, ...]]
+
+    transformer: torch.nn.Module
+
+    @classmethod
+    @abstractmethod
+    def load(
+        cls,
+        model_path: str | Path,
+        *,
+        device: torch.device | str = "cpu",
+        dtype: torch.dtype = torch.float32,
+        load_text_encoder: bool = True,
+    ) -> FamilyAdapter:
+        """Load a local diffusers-format directory (never a hub id)."""
+
+    @abstractmethod
+    def encode_prompts(self, prompts: Sequence[str]) -> PromptEmbeds:
+        """Encode each prompt once."""
+
+    @abstractmethod
+    def prepare_latents(self, generators: Sequence[torch.Generator], height: int, width: int) -> Latents:
+        """Initial noise, one row per generator (per-sample streams, see `diffrl.sampling.noise`)."""
+
+    @abstractmethod
+    def sigmas(self, num_steps: int, height: int, width: int) -> torch.Tensor:
+        """The family's schedule `[N + 1]` for this resolution (terminal 0 included)."""
+
+    @abstractmethod
+    def velocity(
+        self,
+        transformer: torch.nn.Module,
+        latents: Latents,
+        sigma: torch.Tensor,
+        cond: PromptEmbeds,
+        uncond: PromptEmbeds | None,
+        guidance_scale: float,
+    ) -> torch.Tensor:
+        """Predicted velocity for `latents` at `sigma` ([B]); CFG when guidance_scale > 1,
+        a single conditional forward otherwise."""
+
+    @abstractmethod
+    def decode(self, latents: torch.Tensor, height: int, width: int) -> torch.Tensor:
+        """Packed latents → images `[B, 3, H, W]` in [0, 1]."""
+
+    @abstractmethod
+    def check_size(self, height: int, width: int) -> None:
+        """Raise ValueError naming `height`/`width` when the model cannot take this size."""

@@ -1,0 +1,293 @@
+"""The `demo` family: a small text-to-image model for the shapes world, shipped in the repository.
+
+It is the FLUX 3 architecture (diffusers' `Flux3Transformer2DModel`) at a small config, in pixel
+space: a 64×64 RGB image in [-1, 1] is cut into 4×4 patches, so each token carries 48 values and
+the image is 256 tokens. The text encoder is a small T5 encoder over a word-level tokenizer built
+in code from the shapes vocabulary. Stored in diffusers layout:
+
+    model_index.json            components + the `diffrl` block (family, image and patch size, shift)
+    transformer/                config.json + diffusion_pytorch_model.safetensors
+    text_encoder/               config.json + model.safetensors
+    tokenizer/                  tokenizer.json + tokenizer_config.json
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Sequence
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+
+import torch
+from diffusers import Flux3Transformer2DModel
+from safetensors import SafetensorError
+from safetensors.torch import load_file, save_file
+from transformers import PreTrainedTokenizerFast, T5Config, T5EncoderModel
+
+from diffrl.models.base import FamilyAdapter, Latents, ModelLoadError, PromptEmbeds
+from diffrl.models.registry import register_family
+from diffrl.sampling import make_sigmas, randn_per_sample
+
+PAD, UNK, EOS = "<pad>", "<unk>", "</s>"
+
+
+@dataclass
+class DemoConfig:
+    image_size: int = 64
+    patch_size: int = 4
+    max_text_len: int = 16
+    shift: float = 3.0
+    # Flux3Transformer2DModel keyword arguments (in_channels and joint_attention_dim are derived).
+    transformer: dict = field(default_factory=lambda: dict(
+        num_layers=2, num_single_layers=6, attention_head_dim=32, num_attention_heads=4,
+        timestep_channels=128, mlp_ratio=3.0, axes_dims_rope=(8, 8, 8, 8),
+    ))
+    # T5Config keyword arguments (vocab_size is derived from the tokenizer).
+    text_encoder: dict = field(default_factory=lambda: dict(
+        d_model=128, d_kv=32, d_ff=256, num_layers=2, num_heads=4,
+        relative_attention_num_buckets=8, relative_attention_max_distance=16, dropout_rate=0.0,
+    ))
+
+    @property
+    def in_channels(self) -> int:
+        return 3 * self.patch_size**2
+
+
+def shapes_vocabulary() -> list[str]:
+    """Every word of the shapes grammar, sorted (the demo tokenizer's vocabulary)."""
+    from diffrl.data.shapes import CATEGORIES, all_prompts
+
+    return sorted({word for category in CATEGORIES for prompt in all_prompts(category) for word in prompt.split()})
+
+
+def build_word_tokenizer(words: Sequence[str], max_length: int) -> PreTrainedTokenizerFast:
+    """A word-level tokenizer made in code (no download): lowercase, split on whitespace and
+    punctuation, unknown words → <unk>, an </s> appended, padded to `max_length`."""
+    from tokenizers import Tokenizer, normalizers, pre_tokenizers, processors
+    from tokenizers.models import WordLevel
+
+    vocab = {PAD: 0, EOS: 1, UNK: 2}
+    for word in words:
+        vocab.setdefault(word, len(vocab))
+    tok = Tokenizer(WordLevel(vocab, unk_token=UNK))
+    tok.normalizer = normalizers.Lowercase()
+    tok.pre_tokenizer = pre_tokenizers.Whitespace()
+    tok.post_processor = processors.TemplateProcessing(single=f"$A {EOS}", special_tokens=[(EOS, 1)])
+    return PreTrainedTokenizerFast(
+        tokenizer_object=tok, pad_token=PAD, unk_token=UNK, eos_token=EOS, model_max_length=max_length,
+    )
+
+
+def patchify(images: torch.Tensor, patch: int) -> torch.Tensor:
+    """[B, 3, H, W] → [B, (H/p)·(W/p), 3·p·p] tokens in raster order."""
+    b, c, h, w = images.shape
+    x = images.reshape(b, c, h // patch, patch, w // patch, patch)
+    return x.permute(0, 2, 4, 1, 3, 5).reshape(b, (h // patch) * (w // patch), c * patch * patch)
+
+
+def unpatchify(tokens: torch.Tensor, height: int, width: int, patch: int) -> torch.Tensor:
+    b = tokens.shape[0]
+    x = tokens.reshape(b, height // patch, width // patch, 3, patch, patch)
+    return x.permute(0, 3, 1, 4, 2, 5).reshape(b, 3, height, width)
+
+
+def image_position_ids(height_tokens: int, width_tokens: int, device=None) -> torch.Tensor:
+    """(t, h, w, l) ids of the image tokens: t = l = 0, (h, w) the patch grid."""
+    h = torch.arange(height_tokens, device=device).repeat_interleave(width_tokens)
+    w = torch.arange(width_tokens, device=device).repeat(height_tokens)
+    zeros = torch.zeros_like(h)
+    return torch.stack([zeros, h, w, zeros], dim=-1)
+
+
+def text_position_ids(length: int, device=None) -> torch.Tensor:
+    """(t, h, w, l) ids of the text tokens: only l, the token index, varies."""
+    l = torch.arange(length, device=device)
+    zeros = torch.zeros_like(l)
+    return torch.stack([zeros, zeros, zeros, l], dim=-1)
+
+
+def _read_json(path: Path) -> dict:
+    if not path.is_file():
+        raise ModelLoadError(f"missing file: {path}")
+    try:
+        return json.loads(path.read_text())
+    except (json.JSONDecodeError, UnicodeDecodeError) as err:
+        raise ModelLoadError(f"corrupt file: {path} ({err.__class__.__name__}: {err})") from None
+
+
+def _read_weights(path: Path) -> dict[str, torch.Tensor]:
+    if not path.is_file():
+        raise ModelLoadError(f"missing file: {path}")
+    try:
+        return load_file(str(path))
+    except (SafetensorError, OSError, ValueError) as err:
+        raise ModelLoadError(f"corrupt file: {path} ({err})") from None
+
+
+def _load_state(module: torch.nn.Module, path: Path) -> None:
+    try:
+        module.load_state_dict(_read_weights(path), strict=True)
+    except RuntimeError as err:
+        first_line = str(err).strip().splitlines()[0]
+        raise ModelLoadError(f"weights do not fit the config: {path} ({first_line})") from None
+
+
+@register_family
+class DemoFamily(FamilyAdapter):
+    name = "demo"
+    name_patterns = ("demo",)
+    lora_target_modules = ("to_q", "to_k", "to_v", "to_out.0", "linear_in", "linear_out")
+
+    def __init__(
+        self,
+        config: DemoConfig,
+        transformer: Flux3Transformer2DModel,
+        text_encoder: T5EncoderModel | None,
+        tokenizer: PreTrainedTokenizerFast,
+    ):
+        self.config = config
+        self.transformer = transformer
+        self.text_encoder = text_encoder
+        self.tokenizer = tokenizer
+
+    # ---------------------------------------------------------------- build, save, load
+    @classmethod
+    def build_random(cls, config: DemoConfig | None = None, seed: int = 0) -> DemoFamily:
+        """Fresh random weights (pretraining starts here; tests use it with tiny configs)."""
+        config = config or DemoConfig()
+        tokenizer = build_word_tokenizer(shapes_vocabulary(), config.max_text_len)
+        torch.manual_seed(seed)
+        text_encoder = T5EncoderModel(T5Config(
+            vocab_size=len(tokenizer), pad_token_id=0, eos_token_id=1, decoder_start_token_id=0,
+            **config.text_encoder,
+        ))
+        transformer = Flux3Transformer2DModel(
+            in_channels=config.in_channels, cond_in_channels=config.in_channels,
+            joint_attention_dim=config.text_encoder["d_model"], **config.transformer,
+        )
+        return cls(config, transformer, text_encoder, tokenizer)
+
+    def save(self, path: str | Path) -> None:
+        path = Path(path)
+        path.mkdir(parents=True, exist_ok=True)
+        self.transformer.save_pretrained(path / "transformer", safe_serialization=True)
+        if self.text_encoder is None:
+            raise ValueError("cannot save a demo model loaded without its text encoder")
+        self.text_encoder.save_pretrained(path / "text_encoder", safe_serialization=True)
+        self.tokenizer.save_pretrained(path / "tokenizer")
+        index = {
+            "_class_name": "DiffrlDemoPipeline",
+            "_diffusers_version": "0.42.1",
+            "transformer": ["diffusers", "Flux3Transformer2DModel"],
+            "text_encoder": ["transformers", "T5EncoderModel"],
+            "tokenizer": ["transformers", "PreTrainedTokenizerFast"],
+            "diffrl": {"family": self.name, **asdict(self.config)},
+        }
+        (path / "model_index.json").write_text(json.dumps(index, indent=2) + "\n")
+
+    @classmethod
+    def load(cls, model_path, *, device="cpu", dtype=torch.float32, load_text_encoder=True) -> DemoFamily:
+        root = Path(model_path)
+        if not root.is_dir():
+            raise ModelLoadError(f"model directory not found: {root}")
+        index = _read_json(root / "model_index.json")
+        try:
+            settings = dict(index["diffrl"])
+            settings.pop("family", None)
+            config = DemoConfig(**settings)
+        except (KeyError, TypeError) as err:
+            raise ModelLoadError(f"corrupt file: {root / 'model_index.json'} (bad 'diffrl' block: {err})") from None
+
+        transformer = Flux3Transformer2DModel.from_config(_read_json(root / "transformer" / "config.json"))
+        _load_state(transformer, root / "transformer" / "diffusion_pytorch_model.safetensors")
+        transformer.to(device=device).eval().requires_grad_(False)
+        if dtype != torch.float32:
+            transformer.to(dtype=dtype)
+
+        tokenizer_dir = root / "tokenizer"
+        _read_json(tokenizer_dir / "tokenizer.json")  # names the file when it is missing or corrupt
+        tokenizer = PreTrainedTokenizerFast.from_pretrained(str(tokenizer_dir), local_files_only=True)
+
+        text_encoder = None
+        if load_text_encoder:
+            encoder_dir = root / "text_encoder"
+            _read_json(encoder_dir / "config.json")
+            _read_weights(encoder_dir / "model.safetensors")  # names the file when it is missing or corrupt
+            # from_pretrained restores the tied input embedding that save_pretrained leaves out.
+            text_encoder = T5EncoderModel.from_pretrained(str(encoder_dir), local_files_only=True)
+            text_encoder.to(device=device).eval().requires_grad_(False)
+        return cls(config, transformer, text_encoder, tokenizer)
+
+    # ---------------------------------------------------------------- the family's conventions
+    @property
+    def device(self) -> torch.device:
+        return next(self.transformer.parameters()).device
+
+    def check_size(self, height: int, width: int) -> None:
+        size = self.config.image_size
+        for name, value in (("height", height), ("width", width)):
+            if value != size:
+                raise ValueError(f"{name}={value}: the demo model generates {size}x{size} images only")
+
+    def sigmas(self, num_steps: int, height: int, width: int) -> torch.Tensor:
+        return make_sigmas(num_steps, shift=self.config.shift, device=self.device)
+
+    def tokenize(self, prompts: Sequence[str]) -> tuple[torch.Tensor, torch.Tensor]:
+        batch = self.tokenizer(
+            list(prompts), padding="max_length", truncation=True, max_length=self.config.max_text_len,
+            return_tensors="pt",
+        )
+        return batch["input_ids"], batch["attention_mask"]
+
+    def encode_tokens(self, input_ids: torch.Tensor, attention_mask: torch.Tensor) -> PromptEmbeds:
+        """Token ids → conditioning; differentiable, so pretraining can train the encoder with it."""
+        if self.text_encoder is None:
+            raise RuntimeError("this demo model was loaded without its text encoder")
+        device = next(self.text_encoder.parameters()).device
+        input_ids, attention_mask = input_ids.to(device), attention_mask.to(device)
+        hidden = self.text_encoder(input_ids=input_ids, attention_mask=attention_mask).last_hidden_state
+        # Padding positions are zeroed: the transformer has no text mask, so they must carry nothing.
+        hidden = hidden * attention_mask.unsqueeze(-1).to(hidden.dtype)
+        return PromptEmbeds(hidden, text_position_ids(hidden.shape[1], device=device))
+
+    @torch.no_grad()
+    def encode_prompts(self, prompts: Sequence[str]) -> PromptEmbeds:
+        return self.encode_tokens(*self.tokenize(prompts))
+
+    def prepare_ids(self, device=None) -> torch.Tensor:
+        tokens_per_side = self.config.image_size // self.config.patch_size
+        return image_position_ids(tokens_per_side, tokens_per_side, device=device or self.device)
+
+    def prepare_latents(self, generators, height, width) -> Latents:
+        self.check_size(height, width)
+        noise = randn_per_sample((len(generators), 3, height, width), generators, device=self.device)
+        return Latents(patchify(noise, self.config.patch_size), self.prepare_ids())
+
+    def velocity(self, transformer, latents, sigma, cond, uncond, guidance_scale) -> torch.Tensor:
+        tokens = latents.tokens
+        sigma = torch.as_tensor(sigma, device=tokens.device, dtype=torch.float32).expand(tokens.shape[0])
+        dtype = next(transformer.parameters()).dtype
+        if guidance_scale > 1.0:
+            if uncond is None:
+                raise ValueError("guidance_scale > 1 needs the unconditional (negative) conditioning")
+            both = uncond.cat(cond)
+            v_uncond, v_cond = transformer(
+                hidden_states=torch.cat([tokens, tokens]).to(dtype),
+                encoder_hidden_states=both.embeds.to(dtype),
+                timestep=torch.cat([sigma, sigma]).to(dtype),
+                img_ids=latents.ids, txt_ids=both.ids, return_dict=False,
+            )[0].float().chunk(2)
+            return v_uncond + guidance_scale * (v_cond - v_uncond)
+        # CFG off: one conditional forward per step.
+        return transformer(
+            hidden_states=tokens.to(dtype), encoder_hidden_states=cond.embeds.to(dtype),
+            timestep=sigma.to(dtype), img_ids=latents.ids, txt_ids=cond.ids, return_dict=False,
+        )[0].float()
+
+    def decode(self, latents: torch.Tensor, height: int, width: int) -> torch.Tensor:
+        images = unpatchify(latents.float(), height, width, self.config.patch_size)
+        return ((images + 1) / 2).clamp(0, 1)
+
+    def encode_images(self, images: torch.Tensor) -> torch.Tensor:
+        """Images in [0, 1] → clean latents x0 (the inverse of `decode`, for flow-matching SFT)."""
+        return patchify(images * 2 - 1, self.config.patch_size)

@@ -1,0 +1,62 @@
+"""The family registry: one adapter class per model family, and how a run picks one.
+
+Resolution order (DESIGN §5): an explicit `--diffusion-model-family`, then the environment
+variable `DIFFRL_MODEL_FAMILY`, then the checkpoint directory's name matched against each
+family's `name_patterns`.
+"""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+from diffrl.models.base import FamilyAdapter
+
+FAMILY_ENV_VAR = "DIFFRL_MODEL_FAMILY"
+_FAMILIES: dict[str, type[FamilyAdapter]] = {}
+
+
+def register_family(cls: type[FamilyAdapter]) -> type[FamilyAdapter]:
+    if cls.name in _FAMILIES:
+        raise ValueError(f"model family {cls.name!r} is registered twice")
+    _FAMILIES[cls.name] = cls
+    return cls
+
+
+def family_names() -> list[str]:
+    _import_builtin_families()
+    return sorted(_FAMILIES)
+
+
+def get_family(name: str) -> type[FamilyAdapter]:
+    _import_builtin_families()
+    try:
+        return _FAMILIES[name]
+    except KeyError:
+        raise ValueError(f"unknown model family {name!r}; known: {', '.join(sorted(_FAMILIES))}") from None
+
+
+def resolve_family(explicit: str | None = None, model_path: str | Path | None = None) -> type[FamilyAdapter]:
+    """Pick the family for a run: flag, then environment, then the checkpoint's directory name."""
+    if explicit:
+        return get_family(explicit)
+    from_env = os.environ.get(FAMILY_ENV_VAR)
+    if from_env:
+        return get_family(from_env)
+    if model_path is not None:
+        _import_builtin_families()
+        dir_name = Path(model_path).resolve().name.lower()
+        matches = [cls for cls in _FAMILIES.values() if any(p in dir_name for p in cls.name_patterns)]
+        if len(matches) == 1:
+            return matches[0]
+        if len(matches) > 1:
+            names = ", ".join(sorted(cls.name for cls in matches))
+            raise ValueError(f"checkpoint name {dir_name!r} matches several families ({names}); "
+                             "pass --diffusion-model-family")
+    raise ValueError(f"cannot tell the model family of {str(model_path)!r}; pass --diffusion-model-family "
+                     f"or set {FAMILY_ENV_VAR} (known: {', '.join(family_names())})")
+
+
+def _import_builtin_families() -> None:
+    # Importing a family module registers it; done lazily so `registry` has no import cycle.
+    import diffrl.models.demo  # noqa: F401

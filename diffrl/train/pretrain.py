@@ -1,0 +1,250 @@
+"""`diffrl pretrain`: flow-matching SFT of the demo model on rendered shapes scenes.
+
+x_t = (1 − t)·x0 + t·ε with t drawn logit-normal and then shifted like the sampling schedule,
+target velocity ε − x0, MSE. The text encoder trains with the transformer; 10% of prompts are
+dropped to "" so classifier-free guidance works. An EMA of the weights is what gets saved.
+
+Run folder: config.json, metrics.jsonl, samples/step-N.png, checkpoints/step-N/{model/, train_state.pt},
+and final/ (the EMA model in the demo family's diffusers layout).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import math
+import os
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+from torch.utils.data import DataLoader
+from tqdm import tqdm
+
+from diffrl.data.scenes import RenderedScenes
+from diffrl.models.base import Latents
+from diffrl.models.demo import DemoConfig, DemoFamily
+from diffrl.utils.device import autocast, resolve_device
+
+
+@dataclass
+class PretrainConfig:
+    output_dir: Path = Path("runs/pretrain")
+    """Run folder (created; an existing one is resumed only with --resume)."""
+    steps: int = 2000
+    batch_size: int = 64
+    lr: float = 3e-4
+    warmup_steps: int = 200
+    weight_decay: float = 0.0
+    grad_clip: float = 1.0
+    ema_decay: float = 0.999
+    cfg_dropout: float = 0.1
+    """Fraction of prompts replaced by "" (trains the unconditional branch for CFG)."""
+    seed: int = 0
+    device: str = "auto"
+    bf16: bool = True
+    """bf16 autocast on CUDA; fp32 master weights."""
+    num_workers: int = -1
+    """Render workers; -1 = one per CPU core minus one."""
+    log_every: int = 50
+    checkpoint_every: int = 1000
+    max_minutes: float | None = None
+    """Stop (and checkpoint) after this much wall-clock training time."""
+    resume: bool = False
+    init_from: Path | None = None
+    """Start from a saved demo model directory (its weights and size) instead of random weights."""
+    compile: bool = False
+    """torch.compile the transformer (CUDA; falls back to eager where dynamo cannot compile)."""
+    # Model size (the shipped demo model uses these defaults).
+    num_attention_heads: int = 4
+    attention_head_dim: int = 32
+    num_layers: int = 2
+    num_single_layers: int = 6
+    text_d_model: int = 128
+    # Sample grid after each checkpoint.
+    sample_steps: int = 10
+    sample_guidance_scale: float = 3.0
+
+    def demo_config(self) -> DemoConfig:
+        config = DemoConfig()
+        config.transformer.update(
+            num_attention_heads=self.num_attention_heads, attention_head_dim=self.attention_head_dim,
+            num_layers=self.num_layers, num_single_layers=self.num_single_layers,
+            axes_dims_rope=(self.attention_head_dim // 4,) * 4,
+        )
+        config.text_encoder.update(d_model=self.text_d_model, d_ff=2 * self.text_d_model)
+        return config
+
+
+def sample_training_sigmas(batch: int, shift: float, generator: torch.Generator, device) -> torch.Tensor:
+    """Logit-normal t, then the schedule's shift, so training sees noise levels where sampling spends time."""
+    t = torch.sigmoid(torch.randn(batch, generator=generator, device=device))
+    return shift * t / (1 + (shift - 1) * t)
+
+
+def flow_matching_loss(family: DemoFamily, transformer, x0, cond, sigma, noise) -> torch.Tensor:
+    s = sigma.view(-1, 1, 1)
+    x_t = (1 - s) * x0 + s * noise
+    ids = family.prepare_ids(x0.device)
+    v = family.velocity(transformer, Latents(x_t, ids), sigma, cond, None, 1.0)
+    return F.mse_loss(v, noise - x0)
+
+
+def _lr_factor(step: int, warmup: int, progress: float) -> float:
+    """Linear warm-up, then cosine from 1 to 0.1 over `progress` ∈ [0, 1]."""
+    if step < warmup:
+        return (step + 1) / warmup
+    return 0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * min(1.0, progress)))
+
+
+class _EMA:
+    def __init__(self, modules: list[torch.nn.Module], decay: float):
+        self.params = [p for m in modules for p in m.parameters()]
+        self.shadow = [p.detach().clone() for p in self.params]
+        self.decay = decay
+
+    @torch.no_grad()
+    def update(self, step: int) -> None:
+        decay = min(self.decay, (1 + step) / (10 + step))  # short warm-up so early EMAs are not stale
+        torch._foreach_lerp_(self.shadow, [p.detach() for p in self.params], 1 - decay)
+
+    def state_dict(self) -> list[torch.Tensor]:
+        return self.shadow
+
+    def load_state_dict(self, shadow: list[torch.Tensor]) -> None:
+        for dst, src in zip(self.shadow, shadow, strict=True):
+            dst.copy_(src)
+
+    def swapped_in(self):
+        """Context manager: the live params hold the EMA weights inside the block."""
+        ema = self
+
+        class _Swap:
+            def __enter__(self):
+                self.backup = [p.detach().clone() for p in ema.params]
+                with torch.no_grad():
+                    torch._foreach_copy_([p.data for p in ema.params], ema.shadow)
+
+            def __exit__(self, *exc):
+                with torch.no_grad():
+                    torch._foreach_copy_([p.data for p in ema.params], self.backup)
+
+        return _Swap()
+
+
+def _latest_checkpoint(output_dir: Path) -> Path | None:
+    ckpts = sorted((output_dir / "checkpoints").glob("step-*"))
+    return ckpts[-1] if ckpts else None
+
+
+def pretrain(cfg: PretrainConfig) -> Path:
+    """Train; returns the path of the final EMA model."""
+    from diffrl.evaluation.shapes import sample_grid  # late import: evaluation imports the engine
+
+    device = resolve_device(cfg.device)
+    out = cfg.output_dir
+    if out.exists() and any(out.iterdir()) and not cfg.resume:
+        raise FileExistsError(f"{out} is not empty; pass --resume to continue it or choose another --output-dir")
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "config.json").write_text(json.dumps(dataclasses.asdict(cfg), default=str, indent=2) + "\n")
+
+    if cfg.init_from is not None:
+        family = DemoFamily.load(cfg.init_from)
+        print(f"initialized from {cfg.init_from}")
+    else:
+        family = DemoFamily.build_random(cfg.demo_config(), seed=cfg.seed)
+    family.transformer.to(device).train().requires_grad_(True)
+    family.text_encoder.to(device).train().requires_grad_(True)
+    modules = [family.transformer, family.text_encoder]
+    params = [p for m in modules for p in m.parameters()]
+    optimizer = torch.optim.AdamW(params, lr=cfg.lr, weight_decay=cfg.weight_decay, betas=(0.9, 0.99))
+    ema = _EMA(modules, cfg.ema_decay)
+    step = 0
+    ckpt = _latest_checkpoint(out) if cfg.resume else None
+    if ckpt is not None:
+        state = torch.load(ckpt / "train_state.pt", map_location=device, weights_only=True)
+        family.transformer.load_state_dict(state["transformer"])
+        family.text_encoder.load_state_dict(state["text_encoder"])
+        optimizer.load_state_dict(state["optimizer"])
+        ema.load_state_dict(state["ema"])
+        step = state["step"]
+        print(f"resumed from {ckpt} at step {step}")
+
+    workers = cfg.num_workers if cfg.num_workers >= 0 else max(0, (os.cpu_count() or 1) - 1)
+    loader = DataLoader(
+        RenderedScenes(seed=cfg.seed + step, image_size=family.config.image_size),
+        batch_size=cfg.batch_size, num_workers=workers, pin_memory=device.type == "cuda",
+        persistent_workers=workers > 0, prefetch_factor=8 if workers > 0 else None,
+    )
+    gen = torch.Generator(device=device).manual_seed(cfg.seed + 1_000_003 * step)
+    train_transformer = family.transformer
+    if cfg.compile:
+        torch._dynamo.config.suppress_errors = True
+        train_transformer = torch.compile(family.transformer)
+    n_params = sum(p.numel() for p in family.transformer.parameters())
+    print(f"demo model: transformer {n_params / 1e6:.2f}M params, device {device}, {workers} render workers")
+
+    def save_checkpoint() -> Path:
+        path = out / "checkpoints" / f"step-{step:07d}"
+        with ema.swapped_in():
+            family.save(path / "model")
+        torch.save(
+            {"transformer": family.transformer.state_dict(), "text_encoder": family.text_encoder.state_dict(),
+             "optimizer": optimizer.state_dict(), "ema": ema.state_dict(), "step": step},
+            path / "train_state.pt",
+        )
+        with ema.swapped_in():
+            sample_grid(family, out / "samples" / f"step-{step:07d}.png",
+                        num_steps=cfg.sample_steps, guidance_scale=cfg.sample_guidance_scale)
+        return path
+
+    metrics = (out / "metrics.jsonl").open("a")
+    start = time.monotonic()
+    bar = tqdm(total=cfg.steps, initial=step, desc="pretrain", dynamic_ncols=True)
+    last_log = time.monotonic()
+    for prompts, images in loader:
+        # Progress is by steps or, with --max-minutes, by wall clock, whichever is further along:
+        # a time-boxed run still finishes its learning-rate decay.
+        progress = step / cfg.steps
+        if cfg.max_minutes:
+            progress = max(progress, (time.monotonic() - start) / (60 * cfg.max_minutes))
+        if progress >= 1.0:
+            break
+        images = images.to(device, non_blocking=True).float() / 255.0
+        keep = torch.rand(len(prompts), generator=gen, device=device) >= cfg.cfg_dropout
+        prompts = [p if k else "" for p, k in zip(prompts, keep.tolist())]
+        for group in optimizer.param_groups:
+            group["lr"] = cfg.lr * _lr_factor(step, cfg.warmup_steps, progress)
+        with autocast(device, cfg.bf16):
+            x0 = family.encode_images(images)
+            cond = family.encode_tokens(*family.tokenize(prompts))
+            sigma = sample_training_sigmas(len(prompts), family.config.shift, gen, device)
+            noise = torch.randn(x0.shape, generator=gen, device=device)
+            loss = flow_matching_loss(family, train_transformer, x0, cond, sigma, noise)
+        optimizer.zero_grad(set_to_none=True)
+        loss.backward()
+        grad_norm = torch.nn.utils.clip_grad_norm_(params, cfg.grad_clip)
+        optimizer.step()
+        ema.update(step)
+        step += 1
+        bar.update(1)
+        if step % cfg.log_every == 0:
+            now = time.monotonic()
+            record = {"step": step, "loss": loss.item(), "grad_norm": float(grad_norm),
+                      "lr": optimizer.param_groups[0]["lr"], "samples_per_s": cfg.log_every * cfg.batch_size / (now - last_log),
+                      "elapsed_s": now - start}
+            last_log = now
+            metrics.write(json.dumps(record) + "\n")
+            metrics.flush()
+            bar.set_postfix(loss=f"{record['loss']:.4f}", sps=f"{record['samples_per_s']:.0f}")
+        if step % cfg.checkpoint_every == 0:
+            save_checkpoint()
+    bar.close()
+    ckpt = save_checkpoint()
+    final = out / "final"
+    with ema.swapped_in():
+        family.save(final)
+    print(f"trained {step} steps in {(time.monotonic() - start) / 60:.1f} min; EMA model in {final}, last checkpoint {ckpt}")
+    return final

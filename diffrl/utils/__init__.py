@@ -1,0 +1,1 @@
+"""Small helpers with no better home (images on disk, devices)."""
