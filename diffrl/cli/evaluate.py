@@ -10,10 +10,11 @@ from typing import Literal
 from diffrl.data.shapes import prompts_by_category, test_prompts, train_prompts
 from diffrl.evaluation.shapes import evaluate_prompts, format_summary, records_as_dicts, summarize
 from diffrl.models import resolve_family
+from diffrl.models.demo import SHIPPED_DEMO_MODEL
 from diffrl.utils.device import resolve_device
 from diffrl.utils.images import save_grid
 
-DEFAULT_DEMO_MODEL = Path(__file__).resolve().parents[1] / "assets" / "demo-shapes"
+DEFAULT_DEMO_MODEL = SHIPPED_DEMO_MODEL
 
 
 @dataclass

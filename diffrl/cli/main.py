@@ -7,18 +7,21 @@ import sys
 import tyro
 
 from diffrl.cli.evaluate import EvaluateConfig, evaluate
+from diffrl.engine.server import ServeConfig, serve
 from diffrl.models.base import ModelLoadError
 from diffrl.train.pretrain import PretrainConfig, pretrain
 
 
 def main(argv: list[str] | None = None) -> int:
     config = tyro.extras.subcommand_cli_from_dict(
-        {"pretrain": PretrainConfig, "evaluate": EvaluateConfig},
+        {"pretrain": PretrainConfig, "evaluate": EvaluateConfig, "serve": ServeConfig},
         args=argv, description="diffrl: RL post-training for flow-matching diffusion models",
     )
     try:
         if isinstance(config, PretrainConfig):
             pretrain(config)
+        elif isinstance(config, ServeConfig):
+            serve(config)
         else:
             evaluate(config)
     except (ModelLoadError, FileExistsError, ValueError) as err:

@@ -16,9 +16,7 @@ from typing import ClassVar
 
 import torch
 
-
-class ModelLoadError(RuntimeError):
-    """A checkpoint directory is missing a file or holds a corrupt one; the message names the file."""
+from diffrl.errors import ModelLoadError  # noqa: F401  (re-exported)
 
 
 @dataclass
@@ -61,6 +59,10 @@ class FamilyAdapter(ABC):
     name_patterns: ClassVar[tuple[str, ...]]
     # Text-to-image families refuse image-conditioned requests instead of ignoring them.
     accepts_image_conditioning: ClassVar[bool] = False
+    # Guidance scale used when a request leaves it unset.
+    default_guidance_scale: ClassVar[float] = 1.0
+    # Model timestep = timestep_scale · σ (1 for families whose transformer takes σ itself).
+    timestep_scale: ClassVar[float] = 1.0
     # Module names peft wraps when training a LoRA.
     lora_target_modules: ClassVar[tuple[str, ...]]
 
@@ -108,5 +110,9 @@ class FamilyAdapter(ABC):
         """Packed latents → images `[B, 3, H, W]` in [0, 1]."""
 
     @abstractmethod
+    def default_size(self) -> tuple[int, int]:
+        """(height, width) used when a request leaves them unset."""
+
+    @abstractmethod
     def check_size(self, height: int, width: int) -> None:
-        """Raise ValueError naming `height`/`width` when the model cannot take this size."""
+        """Raise `RequestError` naming `height`/`width` when the model cannot take this size."""

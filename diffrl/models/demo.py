@@ -24,11 +24,14 @@ from safetensors import SafetensorError
 from safetensors.torch import load_file, save_file
 from transformers import PreTrainedTokenizerFast, T5Config, T5EncoderModel
 
-from diffrl.models.base import FamilyAdapter, Latents, ModelLoadError, PromptEmbeds
+from diffrl.errors import ModelLoadError, RequestError
+from diffrl.models.base import FamilyAdapter, Latents, PromptEmbeds
 from diffrl.models.registry import register_family
 from diffrl.sampling import make_sigmas, randn_per_sample
 
 PAD, UNK, EOS = "<pad>", "<unk>", "</s>"
+# The pretrained demo model that ships with the package (the main job's default).
+SHIPPED_DEMO_MODEL = Path(__file__).resolve().parents[1] / "assets" / "demo-shapes"
 
 
 @dataclass
@@ -106,6 +109,26 @@ def text_position_ids(length: int, device=None) -> torch.Tensor:
     return torch.stack([zeros, zeros, zeros, l], dim=-1)
 
 
+def _embed_rows_one_at_a_time(embedder: torch.nn.Module) -> None:
+    """Make the timestep MLP batch-invariant: each distinct input row goes through its own
+    single-row matmul.
+
+    It is the only matmul whose row count is the batch size (every other one sees batch × tokens
+    rows), and BLAS picks different kernels — with different rounding — for 1, 2, 3 or 5 rows
+    than for 4 or 16. Rows of a rollout request share one timestep, so this is one call per step
+    there; training batches pay one tiny call per distinct timestep. Sample k then gets the same
+    velocity whatever batch, microgroup or trainer micro-batch it sits in (exactly, on CPU).
+    """
+    forward = embedder.forward
+
+    def rowwise_forward(sample, *args, **kwargs):
+        unique, inverse = torch.unique(sample, dim=0, return_inverse=True)
+        rows = [forward(unique[i : i + 1], *args, **kwargs) for i in range(unique.shape[0])]
+        return torch.cat(rows)[inverse]
+
+    embedder.forward = rowwise_forward
+
+
 def _read_json(path: Path) -> dict:
     if not path.is_file():
         raise ModelLoadError(f"missing file: {path}")
@@ -136,6 +159,7 @@ def _load_state(module: torch.nn.Module, path: Path) -> None:
 class DemoFamily(FamilyAdapter):
     name = "demo"
     name_patterns = ("demo",)
+    default_guidance_scale = 3.0
     lora_target_modules = ("to_q", "to_k", "to_v", "to_out.0", "linear_in", "linear_out")
 
     def __init__(
@@ -144,15 +168,19 @@ class DemoFamily(FamilyAdapter):
         transformer: Flux3Transformer2DModel,
         text_encoder: T5EncoderModel | None,
         tokenizer: PreTrainedTokenizerFast,
+        *,
+        batch_invariant: bool = True,
     ):
         self.config = config
         self.transformer = transformer
         self.text_encoder = text_encoder
         self.tokenizer = tokenizer
+        if batch_invariant:  # off only for pretraining, where every row has its own timestep
+            _embed_rows_one_at_a_time(transformer.timestep_embedder)
 
     # ---------------------------------------------------------------- build, save, load
     @classmethod
-    def build_random(cls, config: DemoConfig | None = None, seed: int = 0) -> DemoFamily:
+    def build_random(cls, config: DemoConfig | None = None, seed: int = 0, *, batch_invariant: bool = True) -> DemoFamily:
         """Fresh random weights (pretraining starts here; tests use it with tiny configs)."""
         config = config or DemoConfig()
         tokenizer = build_word_tokenizer(shapes_vocabulary(), config.max_text_len)
@@ -165,7 +193,7 @@ class DemoFamily(FamilyAdapter):
             in_channels=config.in_channels, cond_in_channels=config.in_channels,
             joint_attention_dim=config.text_encoder["d_model"], **config.transformer,
         )
-        return cls(config, transformer, text_encoder, tokenizer)
+        return cls(config, transformer, text_encoder, tokenizer, batch_invariant=batch_invariant)
 
     def save(self, path: str | Path) -> None:
         path = Path(path)
@@ -186,7 +214,9 @@ class DemoFamily(FamilyAdapter):
         (path / "model_index.json").write_text(json.dumps(index, indent=2) + "\n")
 
     @classmethod
-    def load(cls, model_path, *, device="cpu", dtype=torch.float32, load_text_encoder=True) -> DemoFamily:
+    def load(
+        cls, model_path, *, device="cpu", dtype=torch.float32, load_text_encoder=True, batch_invariant: bool = True,
+    ) -> DemoFamily:
         root = Path(model_path)
         if not root.is_dir():
             raise ModelLoadError(f"model directory not found: {root}")
@@ -216,18 +246,21 @@ class DemoFamily(FamilyAdapter):
             # from_pretrained restores the tied input embedding that save_pretrained leaves out.
             text_encoder = T5EncoderModel.from_pretrained(str(encoder_dir), local_files_only=True)
             text_encoder.to(device=device).eval().requires_grad_(False)
-        return cls(config, transformer, text_encoder, tokenizer)
+        return cls(config, transformer, text_encoder, tokenizer, batch_invariant=batch_invariant)
 
     # ---------------------------------------------------------------- the family's conventions
     @property
     def device(self) -> torch.device:
         return next(self.transformer.parameters()).device
 
+    def default_size(self) -> tuple[int, int]:
+        return self.config.image_size, self.config.image_size
+
     def check_size(self, height: int, width: int) -> None:
         size = self.config.image_size
         for name, value in (("height", height), ("width", width)):
             if value != size:
-                raise ValueError(f"{name}={value}: the demo model generates {size}x{size} images only")
+                raise RequestError(name, f"{name}={value}: the demo model generates {size}x{size} images only")
 
     def sigmas(self, num_steps: int, height: int, width: int) -> torch.Tensor:
         return make_sigmas(num_steps, shift=self.config.shift, device=self.device)

@@ -151,10 +151,10 @@ def pretrain(cfg: PretrainConfig) -> Path:
     (out / "config.json").write_text(json.dumps(dataclasses.asdict(cfg), default=str, indent=2) + "\n")
 
     if cfg.init_from is not None:
-        family = DemoFamily.load(cfg.init_from)
+        family = DemoFamily.load(cfg.init_from, batch_invariant=False)
         print(f"initialized from {cfg.init_from}")
     else:
-        family = DemoFamily.build_random(cfg.demo_config(), seed=cfg.seed)
+        family = DemoFamily.build_random(cfg.demo_config(), seed=cfg.seed, batch_invariant=False)
     family.transformer.to(device).train().requires_grad_(True)
     family.text_encoder.to(device).train().requires_grad_(True)
     modules = [family.transformer, family.text_encoder]

@@ -1,0 +1,121 @@
+"""`diffrl serve`: the engine behind HTTP (FastAPI + uvicorn), loopback by default.
+
+- `POST /rollout/generate`: a `RolloutRequest` as JSON → msgpack list of outputs (`wire.py`).
+- `POST /v1/images/generations`: OpenAI-style plain generation (PNG as base64), for eval and serving.
+- `GET /health`: status, family, weight version and the in-flight count used for routing.
+
+A bad request gets 400 (engine checks) or 422 (schema) naming the field, and changes nothing.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import base64
+import io
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Literal
+
+import torch
+from fastapi import FastAPI, Request
+from fastapi.responses import JSONResponse, Response
+from PIL import Image
+from pydantic import BaseModel, ConfigDict, Field
+
+from diffrl.engine.engine import Engine, EngineConfig
+from diffrl.engine.protocol import RolloutRequest
+from diffrl.engine.wire import MEDIA_TYPE, encode_outputs
+from diffrl.errors import RequestError
+from diffrl.utils.images import to_uint8
+
+
+class ImageGenerationRequest(BaseModel):
+    """The subset of OpenAI's images API that makes sense here, plus seed and sampler knobs."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    prompt: str
+    n: int = 1
+    size: str | None = None
+    """"WIDTHxHEIGHT"; default: the family's size."""
+    response_format: Literal["b64_json"] = "b64_json"
+    seed: int = Field(0, ge=0, lt=2**63)
+    negative_prompt: str = ""
+    num_inference_steps: int = Field(10, ge=1, le=1000)
+    guidance_scale: float | None = Field(None, ge=0)
+    model: str | None = None  # accepted for client compatibility; the server has one model
+
+
+def _parse_size(size: str | None) -> tuple[int | None, int | None]:
+    if size is None:
+        return None, None
+    try:
+        width, height = (int(v) for v in size.lower().split("x"))
+    except ValueError:
+        raise RequestError("size", f"expected 'WIDTHxHEIGHT', got {size!r}") from None
+    return width, height
+
+
+def create_app(engine: Engine) -> FastAPI:
+    app = FastAPI(title="diffrl engine")
+
+    @app.exception_handler(RequestError)
+    async def _request_error(_: Request, err: RequestError) -> JSONResponse:
+        return JSONResponse(status_code=400, content={"error": {"field": err.field, "message": err.message}})
+
+    @app.get("/health")
+    async def health() -> dict:
+        return {"status": "ok", "family": engine.family.name, "in_flight": engine.in_flight,
+                "weight_version": engine.weight_version,
+                "max_outputs_per_request": engine.config.max_outputs_per_request}
+
+    @app.post("/rollout/generate")
+    async def rollout_generate(req: RolloutRequest) -> Response:
+        outputs = await engine.agenerate(req)
+        body = await asyncio.to_thread(encode_outputs, outputs)  # serialization off the event loop
+        return Response(content=body, media_type=MEDIA_TYPE)
+
+    @app.post("/v1/images/generations")
+    async def images_generations(req: ImageGenerationRequest) -> dict:
+        width, height = _parse_size(req.size)
+        rollout_req = RolloutRequest(
+            prompt=req.prompt, negative_prompt=req.negative_prompt, seed=req.seed, num_outputs_per_prompt=req.n,
+            width=width, height=height, num_inference_steps=req.num_inference_steps, guidance_scale=req.guidance_scale,
+        )
+        outputs = await engine.agenerate(rollout_req)
+        images = to_uint8(torch.stack([o.generated_output for o in outputs]))
+        return {"created": int(time.time()), "data": [{"b64_json": _png_b64(img)} for img in images]}
+
+    return app
+
+
+def _png_b64(array) -> str:
+    buffer = io.BytesIO()
+    Image.fromarray(array).save(buffer, format="PNG")
+    return base64.b64encode(buffer.getvalue()).decode("ascii")
+
+
+@dataclass
+class ServeConfig:
+    model_path: Path | None = None
+    """Local diffusers-format model directory (default: the shipped demo model)."""
+    diffusion_model_family: str | None = None
+    host: str = "127.0.0.1"
+    """Loopback by default; binding elsewhere exposes the engine to the network."""
+    port: int = 30000
+    device: str = "auto"
+    max_outputs_per_request: int = 64
+
+
+def serve(cfg: ServeConfig) -> None:
+    import uvicorn
+
+    from diffrl.models import resolve_family
+    from diffrl.models.demo import SHIPPED_DEMO_MODEL
+    from diffrl.utils.device import resolve_device
+
+    model_path = cfg.model_path or SHIPPED_DEMO_MODEL
+    family = resolve_family(cfg.diffusion_model_family, model_path).load(model_path, device=resolve_device(cfg.device))
+    engine = Engine(family, EngineConfig(max_outputs_per_request=cfg.max_outputs_per_request))
+    uvicorn.run(create_app(engine), host=cfg.host, port=cfg.port, log_level="info")

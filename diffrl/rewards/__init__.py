@@ -1,0 +1,35 @@
+"""Rewards: a registry of scorers with one signature, `score(images, prompts, metadata) -> list[float]`.
+
+`images` are `[B, C, H, W]` floats in [0, 1]; a scorer may be sync or async.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+_REWARDS: dict[str, Callable] = {}
+
+
+def register_reward(name: str):
+    def decorator(fn: Callable) -> Callable:
+        if name in _REWARDS:
+            raise ValueError(f"reward {name!r} is registered twice")
+        _REWARDS[name] = fn
+        return fn
+    return decorator
+
+
+def get_reward(name: str) -> Callable:
+    try:
+        return _REWARDS[name]
+    except KeyError:
+        raise ValueError(f"unknown reward {name!r}; known: {', '.join(sorted(_REWARDS))}") from None
+
+
+@register_reward("shapes")
+def shapes_reward(images, prompts, metadata=None) -> list[float]:
+    """Partial credit of the shapes verifier (strict pass/fail is for evaluation)."""
+    from diffrl.data.shapes import verify
+    from diffrl.utils.images import to_uint8
+
+    return [verify(image, prompt).score for image, prompt in zip(to_uint8(images), prompts, strict=True)]

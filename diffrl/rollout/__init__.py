@@ -1,0 +1,18 @@
+"""Rollouts: the seed layout, engine clients and the async manager (DESIGN §2)."""
+
+from diffrl.rollout.clients import EngineClient, EngineUnavailable, HttpEngineClient, InProcessEngineClient
+from diffrl.rollout.layout import check_batch_invariant, group_seed_base, microgroups
+from diffrl.rollout.manager import RolloutConfig, RolloutManager, Sample
+
+__all__ = [
+    "EngineClient",
+    "EngineUnavailable",
+    "HttpEngineClient",
+    "InProcessEngineClient",
+    "RolloutConfig",
+    "RolloutManager",
+    "Sample",
+    "check_batch_invariant",
+    "group_seed_base",
+    "microgroups",
+]

@@ -1,0 +1,84 @@
+"""Engine clients: one interface over an in-process engine and an engine behind HTTP.
+
+The rollout manager only sees `EngineClient.generate(request) -> list[RolloutOutput]`. A refused
+request raises `RequestError` (not retried: another engine would refuse it too); an engine that
+cannot answer raises `EngineUnavailable` (retried on another engine).
+"""
+
+from __future__ import annotations
+
+import asyncio
+from concurrent.futures import Executor
+from typing import Protocol
+
+import httpx
+
+from diffrl.engine.engine import Engine
+from diffrl.engine.protocol import RolloutOutput, RolloutRequest
+from diffrl.engine.wire import MEDIA_TYPE, decode_outputs
+from diffrl.errors import RequestError
+
+
+class EngineUnavailable(RuntimeError):
+    """The engine failed or could not be reached; the request may be retried elsewhere."""
+
+
+class EngineClient(Protocol):
+    name: str
+
+    async def generate(self, request: RolloutRequest) -> list[RolloutOutput]: ...
+
+
+class InProcessEngineClient:
+    """The embedded default: no server, no serialization."""
+
+    def __init__(self, engine: Engine, name: str = "local"):
+        self.engine = engine
+        self.name = name
+
+    async def generate(self, request: RolloutRequest) -> list[RolloutOutput]:
+        try:
+            return await self.engine.agenerate(request)
+        except RequestError:
+            raise
+        except Exception as err:
+            raise EngineUnavailable(f"{self.name}: {err.__class__.__name__}: {err}") from err
+
+
+class HttpEngineClient:
+    """An engine behind `diffrl serve` (or sglang-diffusion's `/rollout/generate`)."""
+
+    def __init__(self, base_url: str, *, executor: Executor | None = None, timeout_s: float = 600.0):
+        self.name = base_url
+        self._http = httpx.AsyncClient(base_url=base_url, timeout=timeout_s)
+        self._executor = executor  # msgpack/safetensors decoding runs here, off the event loop
+
+    async def generate(self, request: RolloutRequest) -> list[RolloutOutput]:
+        try:
+            response = await self._http.post(
+                "/rollout/generate", json=request.model_dump(exclude_none=True), headers={"accept": MEDIA_TYPE},
+            )
+        except httpx.HTTPError as err:
+            raise EngineUnavailable(f"{self.name}: {err.__class__.__name__}: {err}") from err
+        if response.status_code in (400, 422):
+            raise RequestError(*_field_and_message(response))
+        if response.status_code != 200:
+            raise EngineUnavailable(f"{self.name}: HTTP {response.status_code}: {response.text[:200]}")
+        loop = asyncio.get_running_loop()
+        return await loop.run_in_executor(self._executor, decode_outputs, response.content)
+
+    async def aclose(self) -> None:
+        await self._http.aclose()
+
+
+def _field_and_message(response: httpx.Response) -> tuple[str, str]:
+    try:
+        body = response.json()
+    except ValueError:
+        return "request", response.text[:200]
+    if "error" in body:  # our 400: {"error": {"field", "message"}}
+        return body["error"].get("field", "request"), body["error"].get("message", "")
+    detail = body.get("detail") or [{}]  # FastAPI's 422: [{"loc": [...], "msg": ...}]
+    first = detail[0] if isinstance(detail, list) and detail else {}
+    loc = [str(part) for part in first.get("loc", []) if part != "body"]
+    return ".".join(loc) or "request", first.get("msg", str(detail))

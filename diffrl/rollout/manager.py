@@ -1,0 +1,141 @@
+"""The rollout manager: prompt groups → microgroup requests → scored samples, in group order.
+
+Every microgroup of every group is its own asyncio task. A global semaphore caps in-flight
+requests at `engine_concurrency × number_of_engines`; each request goes to the engine with the
+fewest in-flight requests (ties: the first listed). The reward of a microgroup is computed as
+soon as it lands, while other microgroups are still generating (the semaphore is released first,
+so scoring never holds an engine slot). A failed engine costs a retry elsewhere, not a sample:
+the seeds fix the result.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import inspect
+import time
+from collections.abc import Awaitable, Callable, Sequence
+from dataclasses import dataclass, field
+
+import torch
+
+from diffrl.engine.protocol import RolloutOutput, RolloutRequest
+from diffrl.errors import RequestError
+from diffrl.rollout.clients import EngineClient, EngineUnavailable
+from diffrl.rollout.layout import group_seed_base, microgroups
+
+# score(images [B,C,H,W] in [0,1], prompts, metadata) -> one float per image; sync or async.
+RewardFn = Callable[[torch.Tensor, list[str], list[dict]], "list[float] | Awaitable[list[float]]"]
+
+
+@dataclass
+class RolloutConfig:
+    n_samples_per_prompt: int = 16
+    rollout_microgroup_size: int = 8
+    engine_concurrency: int = 2
+    """In-flight requests per engine; the manager's global cap is this × number of engines."""
+    rollout_seed: int = 0
+    max_retries: int = 2
+    request: dict = field(default_factory=dict)
+    """Fields copied into every `RolloutRequest` (steps, guidance, sde type, noise level, …)."""
+
+
+@dataclass
+class Sample:
+    prompt: str
+    group_index: int
+    sample_index: int  # k within its group
+    seed: int
+    output: RolloutOutput
+    engine: str
+    reward: float | None = None
+
+
+@dataclass
+class RolloutStats:
+    seconds: float = 0.0
+    requests: int = 0
+    retries: int = 0
+    images_per_s: float = 0.0
+
+
+class RolloutManager:
+    def __init__(self, clients: Sequence[EngineClient], config: RolloutConfig, reward_fn: RewardFn | None = None):
+        if not clients:
+            raise ValueError("the rollout manager needs at least one engine")
+        if config.engine_concurrency < 1:
+            raise ValueError(f"--engine-concurrency must be >= 1, got {config.engine_concurrency}")
+        microgroups(config.n_samples_per_prompt, config.rollout_microgroup_size)  # validates both sizes
+        self.clients = list(clients)
+        self.config = config
+        self.reward_fn = reward_fn
+        self.next_group_index = 0  # monotonic across the run (checkpointed by the trainer)
+        self._in_flight = [0] * len(self.clients)
+        self._slots: asyncio.Semaphore | None = None  # made per rollout: a semaphore belongs to one event loop
+        self.last_stats = RolloutStats()
+
+    def in_flight(self) -> list[int]:
+        return list(self._in_flight)
+
+    async def rollout(self, prompts: Sequence[str]) -> list[list[Sample]]:
+        """One group per prompt; returns the groups in order, each with its samples in order."""
+        cfg = self.config
+        start, stats = time.perf_counter(), RolloutStats()
+        self._slots = asyncio.Semaphore(cfg.engine_concurrency * len(self.clients))
+        first = self.next_group_index
+        self.next_group_index += len(prompts)
+        tasks = []
+        for offset, prompt in enumerate(prompts):
+            base = group_seed_base(cfg.rollout_seed, first + offset, cfg.n_samples_per_prompt)
+            for idx, size in microgroups(cfg.n_samples_per_prompt, cfg.rollout_microgroup_size):
+                tasks.append(self._microgroup(prompt, first + offset, idx, size, base + idx, stats))
+        results = await asyncio.gather(*tasks)
+        groups: list[list[Sample]] = [[] for _ in prompts]
+        for samples in results:  # gather keeps task order: group by group, microgroup by microgroup
+            groups[samples[0].group_index - first].extend(samples)
+        stats.seconds = time.perf_counter() - start
+        stats.images_per_s = len(prompts) * cfg.n_samples_per_prompt / stats.seconds
+        self.last_stats = stats
+        return groups
+
+    async def _microgroup(self, prompt, group_index, idx, size, seed, stats) -> list[Sample]:
+        request = RolloutRequest(prompt=prompt, seed=seed, num_outputs_per_prompt=size, **self.config.request)
+        outputs, engine = await self._dispatch(request, stats)
+        samples = [Sample(prompt, group_index, idx + i, o.seed, o, engine) for i, o in enumerate(outputs)]
+        if self.reward_fn is not None:  # streamed: scored now, while other microgroups generate
+            images = torch.stack([o.generated_output for o in outputs])
+            meta = [{"seed": s.seed, "group_index": group_index, "sample_index": s.sample_index} for s in samples]
+            rewards = self.reward_fn(images, [prompt] * size, meta)
+            if inspect.isawaitable(rewards):
+                rewards = await rewards
+            for sample, reward in zip(samples, rewards, strict=True):
+                sample.reward = float(reward)
+        return samples
+
+    async def _dispatch(self, request: RolloutRequest, stats: RolloutStats) -> tuple[list[RolloutOutput], str]:
+        failed: set[int] = set()
+        async with self._slots:
+            for attempt in range(self.config.max_retries + 1):
+                k = self._least_loaded(exclude=failed)
+                self._in_flight[k] += 1
+                stats.requests += 1
+                try:
+                    outputs = await self.clients[k].generate(request)
+                except RequestError:
+                    raise
+                except EngineUnavailable as err:
+                    failed.add(k)
+                    if attempt == self.config.max_retries:
+                        raise EngineUnavailable(f"request seed={request.seed} failed {attempt + 1} times; last: {err}")
+                    stats.retries += 1
+                    continue
+                finally:
+                    self._in_flight[k] -= 1
+                if len(outputs) != request.num_outputs_per_prompt:
+                    raise EngineUnavailable(f"{self.clients[k].name} returned {len(outputs)} outputs for "
+                                            f"{request.num_outputs_per_prompt} requested")
+                return outputs, self.clients[k].name
+        raise AssertionError("unreachable")
+
+    def _least_loaded(self, exclude: set[int]) -> int:
+        candidates = [k for k in range(len(self.clients)) if k not in exclude] or list(range(len(self.clients)))
+        return min(candidates, key=lambda k: self._in_flight[k])

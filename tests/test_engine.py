@@ -1,0 +1,105 @@
+"""The in-process engine: encode once, per-output seeds, outputs reproducible across microgroup
+sizes, and every bad input refused by name with the engine still serving."""
+
+import asyncio
+
+import pytest
+import torch
+
+from diffrl.engine.engine import Engine, EngineConfig
+from diffrl.engine.protocol import RolloutRequest
+from diffrl.errors import RequestError
+from diffrl.rollout import InProcessEngineClient, RolloutConfig, RolloutManager
+
+ROLLOUT = dict(num_inference_steps=4, guidance_scale=3.0, rollout=True, rollout_sde_type="sde",
+               rollout_noise_level=0.7, rollout_sde_step_indices=[1, 2], rollout_return_dit_trajectory=True)
+
+
+@pytest.fixture
+def engine(tiny_family):
+    return Engine(tiny_family, EngineConfig(max_outputs_per_request=16))
+
+
+def test_generate_returns_one_record_per_output(engine):
+    engine.weight_version = 7
+    outs = engine.generate(RolloutRequest(prompt="a red circle", seed=100, num_outputs_per_prompt=3,
+                                          rollout_return_denoising_env=True, **ROLLOUT))
+    assert [o.seed for o in outs] == [100, 101, 102]
+    assert all(o.weight_version == 7 for o in outs)
+    first = outs[0]
+    assert first.generated_output.shape == (3, 64, 64)
+    assert first.rollout_log_probs.shape == (2,)
+    traj = first.dit_trajectory
+    assert traj.latent_step_indices.tolist() == [1, 2, 3]  # each SDE step and the one after
+    assert traj.latents.shape == (3, 256, 48) and traj.sigmas.shape == (5,)
+    torch.testing.assert_close(traj.timesteps, traj.sigmas[[1, 2, 3]])
+    # Conditioning travels once per request, unexpanded.
+    assert first.denoising_env["prompt_embeds"].shape[0] == 1
+    assert "negative_prompt_embeds" in first.denoising_env
+    assert all(o.denoising_env is None for o in outs[1:])
+    assert not torch.equal(outs[0].generated_output, outs[1].generated_output)
+
+
+def test_prompt_is_encoded_once_per_request(engine, monkeypatch):
+    calls = []
+    original = engine.family.encode_prompts
+    monkeypatch.setattr(engine.family, "encode_prompts", lambda prompts: calls.append(list(prompts)) or original(prompts))
+    engine.generate(RolloutRequest(prompt="two squares", num_outputs_per_prompt=8, negative_prompt="blurry", **ROLLOUT))
+    assert calls == [["two squares"], ["blurry"]]
+    calls.clear()
+    engine.generate(RolloutRequest(prompt="two squares", num_outputs_per_prompt=8, num_inference_steps=2, guidance_scale=1.0))
+    assert calls == [["two squares"]]  # CFG off: no negative branch at all
+
+
+def test_plain_generation_is_ode_without_log_probs(engine):
+    out = engine.generate(RolloutRequest(prompt="a red circle", num_inference_steps=3))[0]
+    assert out.rollout_log_probs is None and out.dit_trajectory is None and out.denoising_env is None
+
+
+def _group_through_manager(engine, microgroup_size, n=16):
+    config = RolloutConfig(n_samples_per_prompt=n, rollout_microgroup_size=microgroup_size, engine_concurrency=2,
+                           rollout_seed=31, request=ROLLOUT)
+    manager = RolloutManager([InProcessEngineClient(engine)], config)
+    manager.next_group_index = 3
+    return asyncio.run(manager.rollout(["a blue square to the left of a yellow circle"]))[0]
+
+
+def test_sample_k_is_bit_identical_for_every_microgroup_size(engine):
+    reference = _group_through_manager(engine, 16)
+    assert [s.seed for s in reference] == [31 + 3 * 16 + k for k in range(16)]
+    for m in (1, 2, 4, 8, 5):
+        group = _group_through_manager(engine, m)
+        for ref, sample in zip(reference, group, strict=True):
+            assert sample.seed == ref.seed and sample.sample_index == ref.sample_index
+            assert torch.equal(sample.output.generated_output, ref.output.generated_output), (m, sample.sample_index)
+            assert torch.equal(sample.output.rollout_log_probs, ref.output.rollout_log_probs)
+            assert torch.equal(sample.output.dit_trajectory.latents, ref.output.dit_trajectory.latents)
+
+
+@pytest.mark.parametrize("fields,field", [
+    (dict(num_outputs_per_prompt=0), "num_outputs_per_prompt"),
+    (dict(num_outputs_per_prompt=17), "num_outputs_per_prompt"),
+    (dict(height=48), "height"),
+    (dict(width=1024), "width"),
+    (dict(image="data:image/png;base64,AAAA"), "image"),
+    (dict(input_reference="ref.png"), "input_reference"),
+    (dict(num_frames=9), "num_frames"),
+    (dict(true_cfg_scale=4.0), "true_cfg_scale"),
+    (dict(rollout=True, rollout_sde_step_indices=[0, 10]), "rollout_sde_step_indices"),
+    (dict(rollout=True, rollout_sde_step_indices=[1, 1]), "rollout_sde_step_indices"),
+    (dict(rollout=True, rollout_return_step_indices=[11]), "rollout_return_step_indices"),
+])
+def test_bad_requests_are_refused_by_name_and_the_engine_keeps_serving(engine, fields, field):
+    with pytest.raises(RequestError) as err:
+        engine.generate(RolloutRequest(prompt="a red circle", num_inference_steps=10, **fields))
+    assert err.value.field == field
+    assert engine.in_flight == 0
+    assert len(engine.generate(RolloutRequest(prompt="a red circle", num_inference_steps=1))) == 1
+
+
+def test_schema_refuses_unknown_fields_and_types():
+    from pydantic import ValidationError
+
+    for bad in (dict(prompt="x", rollout_sde_type="euler"), dict(prompt="x", bogus=1), dict(prompt="x", seed=-1)):
+        with pytest.raises(ValidationError):
+            RolloutRequest(**bad)

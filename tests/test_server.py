@@ -1,0 +1,150 @@
+"""The engine behind HTTP: same tensors as in-process, 4xx naming the field, server stays up."""
+
+import asyncio
+import base64
+import io
+import socket
+import threading
+import time
+
+import httpx
+import numpy as np
+import pytest
+import torch
+import uvicorn
+from PIL import Image
+
+from diffrl.engine.engine import Engine, EngineConfig
+from diffrl.engine.protocol import RolloutRequest
+from diffrl.engine.server import create_app
+from diffrl.engine.wire import WireFormatError, decode_outputs, encode_outputs
+from diffrl.errors import RequestError
+from diffrl.rollout import HttpEngineClient, InProcessEngineClient, RolloutConfig, RolloutManager
+
+ROLLOUT = dict(num_inference_steps=3, guidance_scale=3.0, rollout=True, rollout_sde_step_indices=[0, 1],
+               rollout_return_dit_trajectory=True, rollout_return_denoising_env=True)
+
+
+@pytest.fixture
+def served(tiny_family):
+    engine = Engine(tiny_family, EngineConfig(max_outputs_per_request=8))
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    server = uvicorn.Server(uvicorn.Config(create_app(engine), host="127.0.0.1", port=port, log_level="warning"))
+    thread = threading.Thread(target=server.run, daemon=True)
+    thread.start()
+    deadline = time.time() + 20
+    while not server.started:
+        assert time.time() < deadline, "server did not start"
+        time.sleep(0.05)
+    yield engine, f"http://127.0.0.1:{port}"
+    server.should_exit = True
+    thread.join(timeout=10)
+
+
+def _assert_same_outputs(a, b):
+    assert len(a) == len(b)
+    for x, y in zip(a, b):
+        assert x.seed == y.seed and x.weight_version == y.weight_version
+        assert torch.equal(x.generated_output, y.generated_output)
+        assert torch.equal(x.rollout_log_probs, y.rollout_log_probs)
+        for name in ("latents", "timesteps", "sigmas", "latent_step_indices"):
+            assert torch.equal(getattr(x.dit_trajectory, name), getattr(y.dit_trajectory, name))
+        assert (x.denoising_env is None) == (y.denoising_env is None)
+        if x.denoising_env is not None:
+            assert x.denoising_env.keys() == y.denoising_env.keys()
+            assert all(torch.equal(x.denoising_env[k], y.denoising_env[k]) for k in x.denoising_env)
+
+
+def test_http_path_returns_the_same_tensors_as_in_process(served):
+    engine, url = served
+    request = RolloutRequest(prompt="a red circle and a blue square", seed=5, num_outputs_per_prompt=3, **ROLLOUT)
+
+    async def both():
+        http = HttpEngineClient(url)
+        try:
+            return await http.generate(request), await InProcessEngineClient(engine).generate(request)
+        finally:
+            await http.aclose()
+
+    over_http, in_process = asyncio.run(both())
+    _assert_same_outputs(over_http, in_process)
+
+
+def test_manager_mixes_http_and_in_process_engines(served):
+    engine, url = served
+    config = RolloutConfig(n_samples_per_prompt=4, rollout_microgroup_size=1, engine_concurrency=1, request=ROLLOUT)
+
+    async def run(clients):
+        return await RolloutManager(clients, config).rollout(["two circles"])
+
+    mixed = asyncio.run(run([HttpEngineClient(url), InProcessEngineClient(engine)]))[0]
+    local = asyncio.run(run([InProcessEngineClient(engine)]))[0]
+    assert {s.engine for s in mixed} == {url, "local"}
+    for a, b in zip(mixed, local, strict=True):
+        assert torch.equal(a.output.generated_output, b.output.generated_output)
+
+
+@pytest.mark.parametrize("body,status,field", [
+    (dict(prompt="a red circle", num_outputs_per_prompt=0), 400, "num_outputs_per_prompt"),
+    (dict(prompt="a red circle", num_outputs_per_prompt=9), 400, "num_outputs_per_prompt"),
+    (dict(prompt="a red circle", width=4096, height=4096), 400, "height"),
+    (dict(prompt="a red circle", rollout=True, rollout_sde_type="langevin"), 422, "rollout_sde_type"),
+    (dict(prompt="a red circle", image="data:image/png;base64,AAAA"), 400, "image"),
+    (dict(prompt="a red circle", rollout=True, rollout_sde_step_indices=[99]), 400, "rollout_sde_step_indices"),
+    (dict(prompt="a red circle", surprise=True), 422, "surprise"),
+    (dict(negative_prompt="no prompt"), 422, "prompt"),
+])
+def test_bad_input_gets_a_4xx_naming_the_field_and_the_server_stays_up(served, body, status, field):
+    _, url = served
+    response = httpx.post(f"{url}/rollout/generate", json=body, timeout=30)
+    assert response.status_code == status
+    assert field in response.text
+    health = httpx.get(f"{url}/health", timeout=10).json()
+    assert health["status"] == "ok" and health["in_flight"] == 0
+    ok = httpx.post(f"{url}/rollout/generate", json=dict(prompt="a red circle", num_inference_steps=1), timeout=30)
+    assert ok.status_code == 200 and ok.headers["content-type"] == "application/msgpack"
+
+
+def test_http_client_raises_request_error_with_the_field(served):
+    _, url = served
+
+    async def call():
+        client = HttpEngineClient(url)
+        try:
+            await client.generate(RolloutRequest(prompt="x", num_outputs_per_prompt=9))
+        finally:
+            await client.aclose()
+
+    with pytest.raises(RequestError) as err:
+        asyncio.run(call())
+    assert err.value.field == "num_outputs_per_prompt"
+
+
+def test_openai_style_images_endpoint(served):
+    _, url = served
+    response = httpx.post(f"{url}/v1/images/generations", timeout=30,
+                          json=dict(prompt="a red circle", n=2, size="64x64", num_inference_steps=2, seed=3))
+    assert response.status_code == 200
+    data = response.json()["data"]
+    images = [np.asarray(Image.open(io.BytesIO(base64.b64decode(d["b64_json"])))) for d in data]
+    assert len(images) == 2 and images[0].shape == (64, 64, 3) and not np.array_equal(images[0], images[1])
+    bad = httpx.post(f"{url}/v1/images/generations", json=dict(prompt="x", size="big"), timeout=30)
+    assert bad.status_code == 400 and "size" in bad.text
+
+
+def test_wire_codec_refuses_malformed_payloads(tiny_family):
+    outputs = Engine(tiny_family).generate(RolloutRequest(prompt="a circle", num_inference_steps=1, **{
+        k: v for k, v in ROLLOUT.items() if k != "num_inference_steps" and k != "rollout_sde_step_indices"}))
+    payload = encode_outputs(outputs)
+    _assert_same_outputs(decode_outputs(payload), outputs)
+    with pytest.raises(WireFormatError):
+        decode_outputs(b"\xc1 not msgpack")
+    with pytest.raises(WireFormatError):
+        decode_outputs(payload[: len(payload) // 2])
+    import msgpack
+    with pytest.raises(WireFormatError, match="does not match"):
+        bad = msgpack.unpackb(payload, raw=False)
+        bad[0]["generated_output"]["shape"] = [1, 2, 3]
+        decode_outputs(msgpack.packb(bad, use_bin_type=True))
