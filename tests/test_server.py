@@ -148,3 +148,12 @@ def test_wire_codec_refuses_malformed_payloads(tiny_family):
         bad = msgpack.unpackb(payload, raw=False)
         bad[0]["generated_output"]["shape"] = [1, 2, 3]
         decode_outputs(msgpack.packb(bad, use_bin_type=True))
+
+
+def test_http_client_survives_one_event_loop_per_rollout(served):
+    _, url = served
+    manager = RolloutManager([HttpEngineClient(url)], RolloutConfig(n_samples_per_prompt=2, rollout_microgroup_size=1,
+                                                                    request=dict(num_inference_steps=1)))
+    for _ in range(2):  # a training loop calls asyncio.run once per rollout
+        groups = asyncio.run(manager.rollout(["a circle"]))
+        assert len(groups[0]) == 2

@@ -50,12 +50,23 @@ class HttpEngineClient:
 
     def __init__(self, base_url: str, *, executor: Executor | None = None, timeout_s: float = 600.0):
         self.name = base_url
-        self._http = httpx.AsyncClient(base_url=base_url, timeout=timeout_s)
+        self._base_url, self._timeout_s = base_url, timeout_s
+        self._http: httpx.AsyncClient | None = None
+        self._loop: asyncio.AbstractEventLoop | None = None
         self._executor = executor  # msgpack/safetensors decoding runs here, off the event loop
+
+    def _client(self) -> httpx.AsyncClient:
+        # An httpx client's connections belong to one event loop; a training loop may call
+        # asyncio.run once per rollout, so each new loop gets its own client.
+        loop = asyncio.get_running_loop()
+        if self._http is None or self._loop is not loop:
+            self._http = httpx.AsyncClient(base_url=self._base_url, timeout=self._timeout_s)
+            self._loop = loop
+        return self._http
 
     async def generate(self, request: RolloutRequest) -> list[RolloutOutput]:
         try:
-            response = await self._http.post(
+            response = await self._client().post(
                 "/rollout/generate", json=request.model_dump(exclude_none=True), headers={"accept": MEDIA_TYPE},
             )
         except httpx.HTTPError as err:
@@ -68,7 +79,9 @@ class HttpEngineClient:
         return await loop.run_in_executor(self._executor, decode_outputs, response.content)
 
     async def aclose(self) -> None:
-        await self._http.aclose()
+        if self._http is not None and self._loop is asyncio.get_running_loop():
+            await self._http.aclose()
+        self._http = None
 
 
 def _field_and_message(response: httpx.Response) -> tuple[str, str]:
