@@ -1,4 +1,7 @@
-"""Entry point: `diffrl <subcommand> [--flags]`; every flag is a field of a typed config."""
+"""Entry point: `diffrl <subcommand> [--flags]`; every flag is a field of a typed config.
+
+`diffrl train --recipe NAME [--flags]` loads the recipe's values as defaults, then applies the flags.
+"""
 
 from __future__ import annotations
 
@@ -8,23 +11,46 @@ import tyro
 
 from diffrl.cli.evaluate import EvaluateConfig, evaluate
 from diffrl.engine.server import ServeConfig, serve
-from diffrl.models.base import ModelLoadError
+from diffrl.errors import ModelLoadError
+from diffrl.recipes import recipe_config
+from diffrl.train.config import TrainConfig
 from diffrl.train.pretrain import PretrainConfig, pretrain
+
+SUBCOMMANDS = {"train": TrainConfig, "pretrain": PretrainConfig, "evaluate": EvaluateConfig, "serve": ServeConfig}
+
+
+def _flag_value(args: list[str], flag: str) -> str | None:
+    for i, arg in enumerate(args):
+        if arg == flag and i + 1 < len(args):
+            return args[i + 1]
+        if arg.startswith(flag + "="):
+            return arg.split("=", 1)[1]
+    return None
+
+
+def parse(argv: list[str]):
+    if argv[:1] == ["train"]:
+        default = recipe_config(_flag_value(argv[1:], "--recipe"))
+        return tyro.cli(TrainConfig, default=default, args=argv[1:], prog="diffrl train")
+    return tyro.extras.subcommand_cli_from_dict(
+        SUBCOMMANDS, args=argv, description="diffrl: RL post-training for flow-matching diffusion models")
 
 
 def main(argv: list[str] | None = None) -> int:
-    config = tyro.extras.subcommand_cli_from_dict(
-        {"pretrain": PretrainConfig, "evaluate": EvaluateConfig, "serve": ServeConfig},
-        args=argv, description="diffrl: RL post-training for flow-matching diffusion models",
-    )
+    argv = list(sys.argv[1:] if argv is None else argv)
     try:
-        if isinstance(config, PretrainConfig):
+        config = parse(argv)
+        if isinstance(config, TrainConfig):
+            from diffrl.train.trainer import train
+
+            train(config)
+        elif isinstance(config, PretrainConfig):
             pretrain(config)
         elif isinstance(config, ServeConfig):
             serve(config)
         else:
             evaluate(config)
-    except (ModelLoadError, FileExistsError, ValueError) as err:
+    except (ModelLoadError, FileExistsError, FileNotFoundError, ValueError) as err:
         # Bad configuration or a broken checkpoint: one line, no traceback.
         print(f"error: {err}", file=sys.stderr)
         return 2

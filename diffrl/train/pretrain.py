@@ -26,6 +26,7 @@ from tqdm import tqdm
 from diffrl.data.scenes import RenderedScenes
 from diffrl.models.base import Latents
 from diffrl.models.demo import DemoConfig, DemoFamily
+from diffrl.train.ema import ParameterEMA
 from diffrl.utils.device import autocast, resolve_device
 
 
@@ -99,41 +100,6 @@ def _lr_factor(step: int, warmup: int, progress: float) -> float:
     return 0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * min(1.0, progress)))
 
 
-class _EMA:
-    def __init__(self, modules: list[torch.nn.Module], decay: float):
-        self.params = [p for m in modules for p in m.parameters()]
-        self.shadow = [p.detach().clone() for p in self.params]
-        self.decay = decay
-
-    @torch.no_grad()
-    def update(self, step: int) -> None:
-        decay = min(self.decay, (1 + step) / (10 + step))  # short warm-up so early EMAs are not stale
-        torch._foreach_lerp_(self.shadow, [p.detach() for p in self.params], 1 - decay)
-
-    def state_dict(self) -> list[torch.Tensor]:
-        return self.shadow
-
-    def load_state_dict(self, shadow: list[torch.Tensor]) -> None:
-        for dst, src in zip(self.shadow, shadow, strict=True):
-            dst.copy_(src)
-
-    def swapped_in(self):
-        """Context manager: the live params hold the EMA weights inside the block."""
-        ema = self
-
-        class _Swap:
-            def __enter__(self):
-                self.backup = [p.detach().clone() for p in ema.params]
-                with torch.no_grad():
-                    torch._foreach_copy_([p.data for p in ema.params], ema.shadow)
-
-            def __exit__(self, *exc):
-                with torch.no_grad():
-                    torch._foreach_copy_([p.data for p in ema.params], self.backup)
-
-        return _Swap()
-
-
 def _latest_checkpoint(output_dir: Path) -> Path | None:
     ckpts = sorted((output_dir / "checkpoints").glob("step-*"))
     return ckpts[-1] if ckpts else None
@@ -160,7 +126,7 @@ def pretrain(cfg: PretrainConfig) -> Path:
     modules = [family.transformer, family.text_encoder]
     params = [p for m in modules for p in m.parameters()]
     optimizer = torch.optim.AdamW(params, lr=cfg.lr, weight_decay=cfg.weight_decay, betas=(0.9, 0.99))
-    ema = _EMA(modules, cfg.ema_decay)
+    ema = ParameterEMA(params)
     step = 0
     ckpt = _latest_checkpoint(out) if cfg.resume else None
     if ckpt is not None:
@@ -227,7 +193,7 @@ def pretrain(cfg: PretrainConfig) -> Path:
         loss.backward()
         grad_norm = torch.nn.utils.clip_grad_norm_(params, cfg.grad_clip)
         optimizer.step()
-        ema.update(step)
+        ema.update(min(cfg.ema_decay, (1 + step) / (10 + step)))  # short warm-up: early EMAs not stale
         step += 1
         bar.update(1)
         if step % cfg.log_every == 0:

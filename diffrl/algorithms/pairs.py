@@ -1,0 +1,96 @@
+"""Train pairs: what one optimizer step consumes, built from scored rollout samples.
+
+- Flow-GRPO: one pair per (sample, trained SDE step i): (x_i, x_{i+1}, σ_i, σ_{i+1}, logp_old, A).
+- DiffusionNFT: one pair per (sample, timestep t): (x0, t, ε, A) with x_t = (1 − t)·x0 + t·ε; the
+  timesteps are the rollout schedule's σ's without the terminal 0, the first int(0.99·K) of a
+  per-sample shuffle; ε comes from a generator seeded by the sample's seed, so pairs are reproducible.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass, fields
+
+import torch
+
+
+@dataclass
+class PairBatch:
+    """Pairs as stacked tensors; `select(idx)` takes a micro-batch."""
+
+    def select(self, idx: torch.Tensor):
+        return type(self)(**{f.name: getattr(self, f.name)[idx] for f in fields(self)})
+
+    def __len__(self) -> int:
+        return len(getattr(self, fields(self)[0].name))
+
+
+@dataclass
+class GrpoPairs(PairBatch):
+    x: torch.Tensor
+    x_next: torch.Tensor
+    sigma: torch.Tensor
+    sigma_next: torch.Tensor
+    old_log_prob: torch.Tensor
+    advantages: torch.Tensor
+    cond: torch.Tensor  # [P, L, D] prompt embeddings
+    uncond: torch.Tensor  # [P, L, D] negative-prompt embeddings (zeros when CFG is off)
+
+
+@dataclass
+class NftPairs(PairBatch):
+    x0: torch.Tensor
+    t: torch.Tensor
+    noise: torch.Tensor
+    advantages: torch.Tensor
+    cond: torch.Tensor
+
+
+def grpo_pairs(
+    trajectories: Sequence[torch.Tensor],
+    step_indices: Sequence[int],
+    log_probs: Sequence[torch.Tensor],
+    sigmas: torch.Tensor,
+    advantages: torch.Tensor,
+    conds: Sequence[torch.Tensor],
+    unconds: Sequence[torch.Tensor],
+    trained_steps: Sequence[int],
+) -> GrpoPairs:
+    """`trajectories[s]` holds sample s's latents at `step_indices`; `log_probs[s]` its log-probs at
+    `trained_steps` (the SDE steps, ascending)."""
+    position = {step: k for k, step in enumerate(step_indices)}
+    rows = {name: [] for name in ("x", "x_next", "sigma", "sigma_next", "old_log_prob", "advantages", "cond", "uncond")}
+    for s, trajectory in enumerate(trajectories):
+        for j, i in enumerate(trained_steps):
+            rows["x"].append(trajectory[position[i]])
+            rows["x_next"].append(trajectory[position[i + 1]])
+            rows["sigma"].append(sigmas[i])
+            rows["sigma_next"].append(sigmas[i + 1])
+            rows["old_log_prob"].append(log_probs[s][j])
+            rows["advantages"].append(advantages[s])
+            rows["cond"].append(conds[s])
+            rows["uncond"].append(unconds[s])
+    return GrpoPairs(**{k: torch.stack([torch.as_tensor(v) for v in vs]) for k, vs in rows.items()})
+
+
+def nft_pairs(
+    x0: torch.Tensor,
+    seeds: Sequence[int],
+    sigmas: torch.Tensor,
+    advantages: torch.Tensor,
+    conds: Sequence[torch.Tensor],
+    timestep_fraction: float = 0.99,
+) -> NftPairs:
+    schedule = sigmas[:-1]  # without the terminal 0
+    per_sample = int(len(schedule) * timestep_fraction)
+    rows = {name: [] for name in ("x0", "t", "noise", "advantages", "cond")}
+    for s, seed in enumerate(seeds):
+        g = torch.Generator().manual_seed(int(seed))
+        order = torch.randperm(len(schedule), generator=g)[:per_sample]
+        for k in order.tolist():
+            rows["x0"].append(x0[s])
+            rows["t"].append(schedule[k])
+            rows["noise"].append(torch.randn(x0[s].shape, generator=g))
+            rows["advantages"].append(advantages[s])
+            rows["cond"].append(conds[s])
+    return NftPairs(**{k: torch.stack([torch.as_tensor(v) for v in vs]) for k, vs in rows.items()})

@@ -1,0 +1,85 @@
+"""The training configuration: one typed dataclass; every field is a flag (`--n-samples-per-prompt`, …).
+
+Flag names follow the field's established names (DESIGN §8). Recipes (`recipes.py`) are named
+sets of overrides; `--recipe NAME` applies one, later flags override it.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Literal
+
+from diffrl.models.demo import SHIPPED_DEMO_MODEL
+
+
+@dataclass
+class TrainConfig:
+    recipe: str | None = None
+    """Preset applied before the other flags (see `diffrl/recipes.py`)."""
+    output_dir: Path = Path("runs/train")
+    resume: bool = False
+    """Continue the run in --output-dir from its last checkpoint."""
+    seed: int = 0
+    device: str = "auto"
+    deterministic_mode: bool = False
+    """torch.use_deterministic_algorithms: slower, bit-reproducible where the hardware allows."""
+
+    # model
+    model_path: Path = SHIPPED_DEMO_MODEL
+    diffusion_model_family: str | None = None
+    use_lora: bool = True
+    lora_rank: int = 8
+    lora_alpha: float = 16.0
+    use_ema: bool = False
+    """Keep an EMA of the trained weights and evaluate with it (NFT always keeps one: its old policy)."""
+    ema_decay: float = 0.9
+
+    # algorithm
+    loss_type: Literal["flow_grpo", "nft"] = "flow_grpo"
+    reward: str = "shapes"
+    diffusion_clip_range: float = 1e-4
+    diffusion_adv_clip_max: float = 5.0
+    diffusion_kl_beta: float = 0.0
+    globalize_reward_std: bool = False
+    globalize_reward_mean: bool = False
+    drop_zero_std_groups: bool = False
+    diffusion_nft_beta: float = 1.0
+    nft_adaptive_weighting: bool = True
+    nft_ema_ramp: float = 0.001
+    nft_ema_max: float = 0.5
+    nft_ema_flat: int = 0
+
+    # rollout
+    num_rollout: int = 12
+    rollout_batch_size: int = 8
+    """Prompt groups per rollout."""
+    n_samples_per_prompt: int = 8
+    rollout_microgroup_size: int = 8
+    engine_concurrency: int = 1
+    rollout_seed: int = 0
+    diffusion_num_steps: int = 10
+    diffusion_guidance_scale: float = 1.0
+    diffusion_noise_level: float = 0.7
+    diffusion_sde_type: Literal["sde", "cps"] = "sde"
+    diffusion_sde_window_range: tuple[int, int] = (0, 10)
+    """SDE steps are a window of --diffusion-num-sde-steps steps inside [lo, hi)."""
+    diffusion_num_sde_steps: int = 2
+
+    # optimization
+    global_batch_size: int = 64
+    """Samples per optimizer step."""
+    num_steps_per_rollout: int = 1
+    micro_batch_size: int = 32
+    """Train pairs per forward/backward (gradient accumulation up to the optimizer step)."""
+    lr: float = 3e-4
+    weight_decay: float = 0.0
+    grad_clip: float = 1.0
+
+    # evaluation and checkpoints
+    eval_interval: int = 4
+    """Evaluate on the held-out prompts every this many rollouts (and before the first)."""
+    eval_num_seeds: int = 1
+    eval_guidance_scale: float | None = None
+    """None: the rollout guidance scale."""
+    checkpoint_interval: int = 4

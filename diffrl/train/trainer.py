@@ -1,0 +1,390 @@
+"""`diffrl train`: the RL loop, readable top to bottom.
+
+    for each rollout:
+        prompts → RolloutManager (engine in-process, shares the trained module) → scored samples
+        rewards → advantages → train pairs
+        num_steps_per_rollout optimizer steps (micro-batches, gradient accumulation, grad-norm clip)
+        weight version bump (the in-process engine already sees the new weights)
+        eval on held-out prompts every --eval-interval; checkpoint every --checkpoint-interval
+
+Flow-GRPO trains the SDE window's steps with the clipped ratio; DiffusionNFT samples ODE without
+CFG under its EMA old policy and trains on the final latents. Both call the family's `velocity`
+and the shared transition kernels, exactly as the engine does, so the first pass of an on-policy
+Flow-GRPO step reproduces the rollout's log-probs (ratio 1).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import dataclasses
+import json
+import time
+from pathlib import Path
+
+import numpy as np
+import torch
+from safetensors.torch import save_file
+from tqdm import tqdm
+
+from diffrl.algorithms.advantages import compute_advantages
+from diffrl.algorithms.losses import ema_decay, flow_grpo_loss, nft_loss
+from diffrl.algorithms.pairs import GrpoPairs, NftPairs, grpo_pairs, nft_pairs
+from diffrl.data.shapes import prompts_by_category, test_prompts
+from diffrl.engine.engine import Engine, EngineConfig
+from diffrl.evaluation.shapes import evaluate_prompts, summarize
+from diffrl.models import resolve_family
+from diffrl.models.base import Latents, PromptEmbeds
+from diffrl.rewards import get_reward
+from diffrl.rollout import InProcessEngineClient, RolloutConfig, RolloutManager, check_batch_invariant
+from diffrl.sampling import cps_step, sde_step
+from diffrl.train.config import TrainConfig
+from diffrl.train.ema import ParameterEMA
+from diffrl.train.metrics import MetricsLogger
+from diffrl.utils.device import autocast, resolve_device
+from diffrl.utils.images import save_grid
+
+
+def validate_config(cfg: TrainConfig) -> None:
+    """Refuse contradictory settings up front, naming the flags."""
+    check_batch_invariant(cfg.rollout_batch_size, cfg.n_samples_per_prompt, cfg.global_batch_size,
+                          cfg.num_steps_per_rollout)
+    lo, hi = cfg.diffusion_sde_window_range
+    if not 0 <= lo < hi <= cfg.diffusion_num_steps:
+        raise ValueError(f"--diffusion-sde-window-range {lo},{hi} must satisfy 0 <= lo < hi <= "
+                         f"--diffusion-num-steps ({cfg.diffusion_num_steps})")
+    if not 1 <= cfg.diffusion_num_sde_steps <= hi - lo:
+        raise ValueError(f"--diffusion-num-sde-steps {cfg.diffusion_num_sde_steps} does not fit in "
+                         f"--diffusion-sde-window-range {lo},{hi}")
+    if cfg.diffusion_kl_beta > 0 and not cfg.use_lora and not cfg.use_ema:
+        raise ValueError("--diffusion-kl-beta with a full finetune needs a reference: pass --use-lora "
+                         "(reference = adapter disabled) or --use-ema")
+    for name in ("micro_batch_size", "num_rollout", "eval_interval", "checkpoint_interval"):
+        if getattr(cfg, name) < 1:
+            raise ValueError(f"--{name.replace('_', '-')} must be >= 1")
+
+
+class Trainer:
+    def __init__(self, cfg: TrainConfig):
+        validate_config(cfg)
+        self.cfg = cfg
+        self.device = resolve_device(cfg.device)
+        if cfg.deterministic_mode:
+            torch.use_deterministic_algorithms(True)
+        out = cfg.output_dir
+        if out.exists() and any(out.iterdir()) and not cfg.resume:
+            raise FileExistsError(f"{out} is not empty; pass --resume to continue it or choose another --output-dir")
+        out.mkdir(parents=True, exist_ok=True)
+
+        torch.manual_seed(cfg.seed)
+        self.family = resolve_family(cfg.diffusion_model_family, cfg.model_path).load(cfg.model_path, device=self.device)
+        transformer = self.family.transformer
+        if cfg.use_lora:
+            from peft import LoraConfig
+
+            transformer.add_adapter(LoraConfig(r=cfg.lora_rank, lora_alpha=cfg.lora_alpha, init_lora_weights="gaussian",
+                                               target_modules=list(self.family.lora_target_modules)))
+            self.params = [p for n, p in transformer.named_parameters() if "lora_" in n]
+        else:
+            self.params = list(transformer.parameters())
+        for p in self.params:
+            p.requires_grad_(True)
+        self.optimizer = torch.optim.AdamW(self.params, lr=cfg.lr, weight_decay=cfg.weight_decay)
+        self.ema = ParameterEMA(self.params) if (cfg.use_ema or cfg.loss_type == "nft") else None
+
+        self.engine = Engine(self.family, EngineConfig(max_outputs_per_request=max(64, cfg.rollout_microgroup_size)))
+        self.manager = RolloutManager(
+            [InProcessEngineClient(self.engine)],
+            RolloutConfig(n_samples_per_prompt=cfg.n_samples_per_prompt, rollout_microgroup_size=cfg.rollout_microgroup_size,
+                          engine_concurrency=cfg.engine_concurrency, rollout_seed=cfg.rollout_seed),
+            reward_fn=get_reward(cfg.reward),
+        )
+        self.train_groups = [p for p in prompts_by_category("train").values() if p]
+        self.rollout_index = 0
+        if cfg.resume:
+            self._load_checkpoint()
+        (out / "config.json").write_text(json.dumps(dataclasses.asdict(cfg), default=str, indent=2) + "\n")
+        self.metrics = MetricsLogger(out)
+
+    # ------------------------------------------------------------------ the loop
+    def train(self) -> dict:
+        cfg = self.cfg
+        bar = tqdm(total=cfg.num_rollout, initial=self.rollout_index, desc=f"train {cfg.loss_type}", dynamic_ncols=True)
+        last = {}
+        if self.rollout_index == 0:
+            self.metrics.log(0, self.evaluate(0))
+        while self.rollout_index < cfg.num_rollout:
+            k = self.rollout_index
+            record = self.rollout_and_update(k)
+            self.rollout_index = k + 1
+            if self.rollout_index % cfg.eval_interval == 0 or self.rollout_index == cfg.num_rollout:
+                record.update(self.evaluate(self.rollout_index))
+            self.metrics.log(self.rollout_index, record)
+            if self.rollout_index % cfg.checkpoint_interval == 0 or self.rollout_index == cfg.num_rollout:
+                self.save_checkpoint()
+            bar.update(1)
+            bar.set_postfix(reward=f"{record['rollout/reward/raw_mean']:.3f}", loss=f"{record.get('train/loss', float('nan')):.4f}")
+            last = record
+        bar.close()
+        self.metrics.plot_curves()
+        self.metrics.close()
+        return last
+
+    def _prompts(self, k: int) -> list[str]:
+        """Category-balanced train prompts, a function of (seed, rollout index) so a resumed run repeats them."""
+        rng = np.random.default_rng([self.cfg.seed, k])
+        return [group[rng.integers(len(group))]
+                for group in (self.train_groups[rng.integers(len(self.train_groups))]
+                              for _ in range(self.cfg.rollout_batch_size))]
+
+    def _sde_window(self, k: int) -> list[int]:
+        lo, hi = self.cfg.diffusion_sde_window_range
+        width = self.cfg.diffusion_num_sde_steps
+        start = int(np.random.default_rng([self.cfg.seed, k, 1]).integers(lo, hi - width + 1))
+        return list(range(start, start + width))
+
+    def rollout_and_update(self, k: int) -> dict:
+        cfg = self.cfg
+        nft = cfg.loss_type == "nft"
+        window = [] if nft else self._sde_window(k)
+        n_steps = cfg.diffusion_num_steps
+        if nft:  # deterministic ODE without CFG under the old policy; only the final latent is kept
+            request = dict(num_inference_steps=n_steps, guidance_scale=1.0, rollout=False,
+                           rollout_return_dit_trajectory=True, rollout_return_step_indices=[n_steps],
+                           rollout_return_denoising_env=True)
+        else:
+            request = dict(num_inference_steps=n_steps, guidance_scale=cfg.diffusion_guidance_scale, rollout=True,
+                           rollout_sde_type=cfg.diffusion_sde_type, rollout_noise_level=cfg.diffusion_noise_level,
+                           rollout_sde_step_indices=window, rollout_return_dit_trajectory=True,
+                           rollout_return_denoising_env=True)
+        self.manager.config.request = request
+        start = time.perf_counter()
+        with (self.ema.swapped_in() if nft else contextlib.nullcontext()):
+            groups = asyncio.run(self.manager.rollout(self._prompts(k)))
+        rollout_s = time.perf_counter() - start
+        samples = [s for g in groups for s in g]
+        rewards = torch.tensor([s.reward for s in samples], dtype=torch.float64)
+        adv = compute_advantages(rewards, [s.prompt for s in samples], globalize_reward_mean=cfg.globalize_reward_mean,
+                                 globalize_reward_std=cfg.globalize_reward_std,
+                                 drop_zero_std_groups=cfg.drop_zero_std_groups)
+        record = {"rollout/reward/raw_mean": rewards.mean().item(), "rollout/reward/std": rewards.std().item(),
+                  "rollout/zero_std_ratio": adv.zero_std_ratio, "rollout/seconds": rollout_s,
+                  "rollout/images_per_s": len(samples) / rollout_s, "rollout/sde_window_start": window[0] if window else -1}
+        kept = [i for i in range(len(samples)) if adv.keep[i]]
+        if not kept:
+            record["train/skipped"] = 1.0
+            return record
+        env = self._conditioning(samples)
+        sigmas = samples[0].output.dit_trajectory.sigmas
+        start = time.perf_counter()
+        if nft:
+            x0 = torch.stack([samples[i].output.dit_trajectory.latents[0] for i in kept])
+            pairs = nft_pairs(x0, [samples[i].seed for i in kept], sigmas, adv.values[kept].float(),
+                              [env["cond"][i] for i in kept])
+            stats = self._optimize(pairs, env, sigmas)
+            with torch.no_grad():
+                self.ema.update(ema_decay(k, ramp=cfg.nft_ema_ramp, max_decay=cfg.nft_ema_max, flat=cfg.nft_ema_flat))
+        else:
+            trajectories = [samples[i].output.dit_trajectory for i in kept]
+            pairs = grpo_pairs(
+                [t.latents for t in trajectories], trajectories[0].latent_step_indices.tolist(),
+                [samples[i].output.rollout_log_probs for i in kept], sigmas, adv.values[kept].float(),
+                [env["cond"][i] for i in kept], [env["uncond"][i] for i in kept], window,
+            )
+            stats = self._optimize(pairs, env, sigmas)
+        train_s = time.perf_counter() - start
+        record.update(stats)
+        record.update({"train/seconds": train_s, "train/pairs_per_s": len(pairs) / train_s, "train/pairs": len(pairs)})
+        return record
+
+    @staticmethod
+    def _conditioning(samples) -> dict:
+        """Per-sample prompt embeddings from each request's denoising env (sent once per request)."""
+        cond, uncond, env = [], [], None
+        for s in samples:
+            env = s.output.denoising_env or env  # the first output of each microgroup carries it
+            cond.append(env["prompt_embeds"][0])
+            negative = env.get("negative_prompt_embeds")
+            uncond.append(negative[0] if negative is not None else torch.zeros_like(env["prompt_embeds"][0]))
+        return {"cond": cond, "uncond": uncond, "text_ids": env["text_ids"], "image_ids": env["image_ids"]}
+
+    # ------------------------------------------------------------------ optimization
+    def _optimize(self, pairs: GrpoPairs | NftPairs, env: dict, sigmas: torch.Tensor) -> dict:
+        cfg = self.cfg
+        gen = torch.Generator().manual_seed(cfg.seed * 1_000_003 + self.rollout_index)
+        order = torch.randperm(len(pairs), generator=gen)
+        chunks = [c for c in order.chunk(cfg.num_steps_per_rollout) if len(c)]
+        totals: dict[str, float] = {}
+        first_pass_diff, first_pass_n = 0.0, 0
+        for step, chunk in enumerate(chunks):
+            self.optimizer.zero_grad(set_to_none=True)
+            step_stats: dict[str, float] = {}
+            for mb in chunk.split(cfg.micro_batch_size):
+                batch = pairs.select(mb)
+                weight = len(mb) / len(chunk)
+                if isinstance(batch, GrpoPairs):
+                    loss, stats, abs_diff = self._grpo_micro_batch(batch, env, float(sigmas[1]))
+                    if step == 0:  # weights untouched yet: the rollout-vs-trainer log-prob agreement
+                        first_pass_diff += abs_diff * len(mb)
+                        first_pass_n += len(mb)
+                else:
+                    loss, stats = self._nft_micro_batch(batch, env)
+                if not torch.isfinite(loss):
+                    step_stats["train/nonfinite_loss"] = 1.0
+                    continue
+                (loss * weight).backward()
+                for key, value in stats.items():
+                    step_stats[key] = step_stats.get(key, 0.0) + value * weight
+            if step_stats.get("train/nonfinite_loss"):
+                self.optimizer.zero_grad(set_to_none=True)
+                totals["train/skipped_steps"] = totals.get("train/skipped_steps", 0.0) + 1
+                continue
+            grad_norm = torch.nn.utils.clip_grad_norm_(self.params, cfg.grad_clip)
+            if not torch.isfinite(grad_norm):
+                totals["train/skipped_steps"] = totals.get("train/skipped_steps", 0.0) + 1
+                continue
+            self.optimizer.step()
+            self.engine.weight_version += 1
+            if self.ema is not None and cfg.loss_type != "nft":
+                self.ema.update(cfg.ema_decay)
+            step_stats["train/grad_norm"] = float(grad_norm)
+            for key, value in step_stats.items():
+                totals[key] = totals.get(key, 0.0) + value / len(chunks)
+        if first_pass_n:
+            totals["train/log_prob_mean_abs_diff"] = first_pass_diff / first_pass_n
+        return totals
+
+    def _velocity(self, x, sigma, cond, uncond, guidance_scale, env):
+        text_ids = env["text_ids"].to(self.device)
+        return self.family.velocity(
+            self.family.transformer, Latents(x, env["image_ids"].to(self.device)), sigma,
+            PromptEmbeds(cond, text_ids), PromptEmbeds(uncond, text_ids) if uncond is not None else None, guidance_scale,
+        )
+
+    def _grpo_micro_batch(self, batch: GrpoPairs, env: dict, sigma_max: float):
+        cfg, dev = self.cfg, self.device
+        guidance = cfg.diffusion_guidance_scale
+        x, x_next = batch.x.to(dev), batch.x_next.to(dev)
+        sigma, sigma_next = batch.sigma.to(dev), batch.sigma_next.to(dev)
+        cond = batch.cond.to(dev)
+        uncond = batch.uncond.to(dev) if guidance > 1.0 else None
+
+        def step(v):
+            if cfg.diffusion_sde_type == "cps":
+                return cps_step(x, v, sigma, sigma_next, cfg.diffusion_noise_level, next_latents=x_next)
+            return sde_step(x, v, sigma, sigma_next, cfg.diffusion_noise_level, sigma_max=sigma_max, next_latents=x_next)
+
+        ref_mean = None
+        if cfg.diffusion_kl_beta > 0:
+            with torch.no_grad(), self._reference():
+                ref_mean = step(self._velocity(x, sigma, cond, uncond, guidance, env)).mean
+        with autocast(dev, True):
+            v = self._velocity(x, sigma, cond, uncond, guidance, env)
+        out = step(v)
+        terms = flow_grpo_loss(out.log_prob, batch.old_log_prob.to(dev), batch.advantages.to(dev),
+                               clip_range=cfg.diffusion_clip_range, adv_clip_max=cfg.diffusion_adv_clip_max,
+                               kl_beta=cfg.diffusion_kl_beta, mean=out.mean, ref_mean=ref_mean, std=out.std)
+        abs_diff = (out.log_prob.detach() - batch.old_log_prob.to(dev)).abs().mean().item()
+        stats = {"train/loss": terms.loss.item(), "train/policy_loss": terms.policy_loss.item(),
+                 "train/kl_loss": terms.kl_loss.item(), "train/approx_kl": terms.approx_kl.item(),
+                 "train/clipfrac": terms.clipfrac.item(), "train/ratio_mean": terms.ratio.mean().item()}
+        return terms.loss, stats, abs_diff
+
+    def _nft_micro_batch(self, batch: NftPairs, env: dict):
+        cfg, dev = self.cfg, self.device
+        x0, noise, t = batch.x0.to(dev), batch.noise.to(dev), batch.t.to(dev)
+        cond = batch.cond.to(dev)
+        s = t.view(-1, 1, 1)
+        x_t = (1 - s) * x0 + s * noise
+        # The old policy first, with no graph: swapping parameters after building v_θ's graph would corrupt it.
+        with torch.no_grad(), self.ema.swapped_in():
+            v_old = self._velocity(x_t, t, cond, None, 1.0, env)
+        v_ref = None
+        if cfg.diffusion_kl_beta > 0:
+            with torch.no_grad(), self._reference():
+                v_ref = self._velocity(x_t, t, cond, None, 1.0, env)
+        with autocast(dev, True):
+            v_theta = self._velocity(x_t, t, cond, None, 1.0, env)
+        terms = nft_loss(v_theta.float(), v_old, x_t, x0, t, batch.advantages.to(dev), beta=cfg.diffusion_nft_beta,
+                         adv_clip_max=cfg.diffusion_adv_clip_max, adaptive_weighting=cfg.nft_adaptive_weighting,
+                         kl_beta=cfg.diffusion_kl_beta, v_ref=v_ref)
+        stats = {"train/loss": terms.loss.item(), "train/nft_positive_loss": terms.positive_loss.item(),
+                 "train/nft_negative_loss": terms.negative_loss.item(), "train/kl_loss": terms.kl_loss.item()}
+        return terms.loss, stats
+
+    @contextlib.contextmanager
+    def _reference(self):
+        """The KL reference: the base model (LoRA disabled) or the EMA."""
+        if self.cfg.use_lora:
+            self.family.transformer.disable_adapters()
+            try:
+                yield
+            finally:
+                self.family.transformer.enable_adapters()
+        else:
+            with self.ema.swapped_in():
+                yield
+
+    # ------------------------------------------------------------------ evaluation
+    def evaluate(self, k: int) -> dict:
+        cfg = self.cfg
+        guidance = cfg.eval_guidance_scale if cfg.eval_guidance_scale is not None else cfg.diffusion_guidance_scale
+        weights = self.ema.swapped_in() if (self.ema is not None and cfg.use_ema) else contextlib.nullcontext()
+        with weights:
+            records, images = evaluate_prompts(self.family, test_prompts(), num_seeds=cfg.eval_num_seeds, seed=10_000,
+                                               num_steps=cfg.diffusion_num_steps, guidance_scale=guidance)
+        summary = summarize(records)
+        captions = [("ok " if r.strict else "X ") + r.prompt for r in records[:32]]
+        save_grid(images[:32], cfg.output_dir / "eval" / f"rollout-{k:05d}.png", ncols=8, captions=captions, caption_lines=3)
+        out = {"eval/strict": summary["overall_strict"], "eval/score": summary["overall_score"]}
+        for cat, c in summary["categories"].items():
+            out[f"eval/strict/{cat}"] = c["strict"]
+        return out
+
+    # ------------------------------------------------------------------ checkpoints
+    def save_checkpoint(self) -> Path:
+        path = self.cfg.output_dir / "checkpoints" / f"rollout-{self.rollout_index:05d}"
+        path.mkdir(parents=True, exist_ok=True)
+        transformer = self.family.transformer
+        if self.cfg.use_lora:
+            from peft import get_peft_model_state_dict
+
+            lora_dir = path / "lora"
+            lora_dir.mkdir(exist_ok=True)
+            save_file({k: v.contiguous() for k, v in get_peft_model_state_dict(transformer).items()},
+                      str(lora_dir / "adapter_model.safetensors"))
+            transformer.peft_config["default"].save_pretrained(str(lora_dir))
+        else:
+            self.family.save(path / "model")
+        torch.save({
+            "params": [p.detach().cpu() for p in self.params],
+            "optimizer": self.optimizer.state_dict(),
+            "ema": self.ema.state_dict() if self.ema is not None else None,
+            "rollout_index": self.rollout_index,
+            "next_group_index": self.manager.next_group_index,
+            "weight_version": self.engine.weight_version,
+        }, path / "train_state.pt")
+        return path
+
+    def _load_checkpoint(self) -> None:
+        checkpoints = sorted((self.cfg.output_dir / "checkpoints").glob("rollout-*"))
+        if not checkpoints:
+            raise FileNotFoundError(f"--resume: no checkpoint under {self.cfg.output_dir / 'checkpoints'}")
+        state = torch.load(checkpoints[-1] / "train_state.pt", map_location=self.device, weights_only=True)
+        with torch.no_grad():
+            for p, saved in zip(self.params, state["params"], strict=True):
+                p.copy_(saved)
+        self.optimizer.load_state_dict(state["optimizer"])
+        if self.ema is not None and state["ema"] is not None:
+            self.ema.load_state_dict(state["ema"])
+        self.rollout_index = state["rollout_index"]
+        self.manager.next_group_index = state["next_group_index"]
+        self.engine.weight_version = state["weight_version"]
+        print(f"resumed from {checkpoints[-1]} at rollout {self.rollout_index}")
+
+
+def train(cfg: TrainConfig) -> dict:
+    return Trainer(cfg).train()
+
+
+__all__ = ["Trainer", "train", "validate_config"]
