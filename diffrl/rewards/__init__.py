@@ -20,10 +20,20 @@ def register_reward(name: str):
 
 
 def get_reward(name: str) -> Callable:
+    """A registered reward by name, or a custom one given as a Python path `module:function`."""
+    if ":" in name:
+        import importlib
+
+        module_name, _, attr = name.partition(":")
+        try:
+            return getattr(importlib.import_module(module_name), attr)
+        except (ImportError, AttributeError) as err:
+            raise ValueError(f"custom reward {name!r} cannot be imported: {err}") from None
     try:
         return _REWARDS[name]
     except KeyError:
-        raise ValueError(f"unknown reward {name!r}; known: {', '.join(sorted(_REWARDS))}") from None
+        raise ValueError(f"unknown reward {name!r}; known: {', '.join(sorted(_REWARDS))} "
+                         "(or a custom one as module:function)") from None
 
 
 @register_reward("shapes")

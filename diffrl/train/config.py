@@ -17,7 +17,8 @@ from diffrl.models.demo import SHIPPED_DEMO_MODEL
 class TrainConfig:
     recipe: str | None = None
     """Preset applied before the other flags (see `diffrl/recipes.py`)."""
-    output_dir: Path = Path("runs/train")
+    output_dir: Path | None = None
+    """Run folder; default runs/<recipe or loss type>-<date-time>."""
     resume: bool = False
     """Continue the run in --output-dir from its last checkpoint."""
     seed: int = 0
@@ -38,6 +39,8 @@ class TrainConfig:
     # algorithm
     loss_type: Literal["flow_grpo", "nft"] = "flow_grpo"
     reward: str = "shapes"
+    train_categories: tuple[str, ...] = ()
+    """Shapes categories to draw train prompts from (default: all six, balanced)."""
     diffusion_clip_range: float = 1e-4
     diffusion_adv_clip_max: float = 5.0
     diffusion_kl_beta: float = 0.0
@@ -62,8 +65,11 @@ class TrainConfig:
     diffusion_guidance_scale: float = 1.0
     diffusion_noise_level: float = 0.7
     diffusion_sde_type: Literal["sde", "cps"] = "sde"
-    diffusion_sde_window_range: tuple[int, int] = (0, 10)
-    """SDE steps are a window of --diffusion-num-sde-steps steps inside [lo, hi)."""
+    diffusion_sde_window_range: tuple[int, int] | None = None
+    """SDE steps are a window of --diffusion-num-sde-steps steps inside [lo, hi) (default: all steps)."""
+
+    def sde_window_range(self) -> tuple[int, int]:
+        return self.diffusion_sde_window_range or (0, self.diffusion_num_steps)
     diffusion_num_sde_steps: int = 2
 
     # optimization

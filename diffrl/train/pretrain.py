@@ -19,10 +19,10 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import torch
-import torch.nn.functional as F
 from torch.utils.data import DataLoader
 from tqdm import tqdm
 
+from diffrl.algorithms.losses import sft_loss
 from diffrl.data.scenes import RenderedScenes
 from diffrl.models.base import Latents
 from diffrl.models.demo import DemoConfig, DemoFamily
@@ -90,7 +90,7 @@ def flow_matching_loss(family: DemoFamily, transformer, x0, cond, sigma, noise) 
     x_t = (1 - s) * x0 + s * noise
     ids = family.prepare_ids(x0.device)
     v = family.velocity(transformer, Latents(x_t, ids), sigma, cond, None, 1.0)
-    return F.mse_loss(v, noise - x0)
+    return sft_loss(v, x0, noise)
 
 
 def _lr_factor(step: int, warmup: int, progress: float) -> float:

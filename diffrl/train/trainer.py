@@ -41,7 +41,7 @@ from diffrl.sampling import cps_step, sde_step
 from diffrl.train.config import TrainConfig
 from diffrl.train.ema import ParameterEMA
 from diffrl.train.metrics import MetricsLogger
-from diffrl.utils.device import autocast, resolve_device
+from diffrl.utils.device import resolve_device
 from diffrl.utils.images import save_grid
 
 
@@ -49,7 +49,9 @@ def validate_config(cfg: TrainConfig) -> None:
     """Refuse contradictory settings up front, naming the flags."""
     check_batch_invariant(cfg.rollout_batch_size, cfg.n_samples_per_prompt, cfg.global_batch_size,
                           cfg.num_steps_per_rollout)
-    lo, hi = cfg.diffusion_sde_window_range
+    lo, hi = cfg.sde_window_range()
+    if cfg.loss_type != "flow_grpo":
+        lo, hi = 0, cfg.diffusion_num_steps  # NFT samples ODE: the SDE window does not apply
     if not 0 <= lo < hi <= cfg.diffusion_num_steps:
         raise ValueError(f"--diffusion-sde-window-range {lo},{hi} must satisfy 0 <= lo < hi <= "
                          f"--diffusion-num-steps ({cfg.diffusion_num_steps})")
@@ -67,6 +69,11 @@ def validate_config(cfg: TrainConfig) -> None:
 class Trainer:
     def __init__(self, cfg: TrainConfig):
         validate_config(cfg)
+        if cfg.output_dir is None:
+            if cfg.resume:
+                raise ValueError("--resume needs the --output-dir of the run to continue")
+            stamp = time.strftime("%Y%m%d-%H%M%S")
+            cfg = dataclasses.replace(cfg, output_dir=Path("runs") / f"{cfg.recipe or cfg.loss_type}-{stamp}")
         self.cfg = cfg
         self.device = resolve_device(cfg.device)
         if cfg.deterministic_mode:
@@ -99,7 +106,11 @@ class Trainer:
                           engine_concurrency=cfg.engine_concurrency, rollout_seed=cfg.rollout_seed),
             reward_fn=get_reward(cfg.reward),
         )
-        self.train_groups = [p for p in prompts_by_category("train").values() if p]
+        by_category = prompts_by_category("train")
+        unknown = sorted(set(cfg.train_categories) - set(by_category))
+        if unknown:
+            raise ValueError(f"--train-categories: unknown {unknown}; known: {', '.join(by_category)}")
+        self.train_groups = [by_category[c] for c in (cfg.train_categories or by_category) if by_category[c]]
         self.rollout_index = 0
         if cfg.resume:
             self._load_checkpoint()
@@ -126,7 +137,9 @@ class Trainer:
             bar.set_postfix(reward=f"{record['rollout/reward/raw_mean']:.3f}", loss=f"{record.get('train/loss', float('nan')):.4f}")
             last = record
         bar.close()
-        self.metrics.plot_curves()
+        curve = self.metrics.plot_curves()
+        print(run_summary(self.metrics.records()))
+        print(f"run folder: {cfg.output_dir}  (metrics.jsonl, tensorboard/, eval/, checkpoints/, {curve.name})")
         self.metrics.close()
         return last
 
@@ -138,7 +151,7 @@ class Trainer:
                               for _ in range(self.cfg.rollout_batch_size))]
 
     def _sde_window(self, k: int) -> list[int]:
-        lo, hi = self.cfg.diffusion_sde_window_range
+        lo, hi = self.cfg.sde_window_range()
         width = self.cfg.diffusion_num_sde_steps
         start = int(np.random.default_rng([self.cfg.seed, k, 1]).integers(lo, hi - width + 1))
         return list(range(start, start + width))
@@ -278,8 +291,8 @@ class Trainer:
         if cfg.diffusion_kl_beta > 0:
             with torch.no_grad(), self._reference():
                 ref_mean = step(self._velocity(x, sigma, cond, uncond, guidance, env)).mean
-        with autocast(dev, True):
-            v = self._velocity(x, sigma, cond, uncond, guidance, env)
+        # Same precision as the engine's rollout (no autocast), so the first pass reproduces its log-probs.
+        v = self._velocity(x, sigma, cond, uncond, guidance, env)
         out = step(v)
         terms = flow_grpo_loss(out.log_prob, batch.old_log_prob.to(dev), batch.advantages.to(dev),
                                clip_range=cfg.diffusion_clip_range, adv_clip_max=cfg.diffusion_adv_clip_max,
@@ -303,8 +316,7 @@ class Trainer:
         if cfg.diffusion_kl_beta > 0:
             with torch.no_grad(), self._reference():
                 v_ref = self._velocity(x_t, t, cond, None, 1.0, env)
-        with autocast(dev, True):
-            v_theta = self._velocity(x_t, t, cond, None, 1.0, env)
+        v_theta = self._velocity(x_t, t, cond, None, 1.0, env)
         terms = nft_loss(v_theta.float(), v_old, x_t, x0, t, batch.advantages.to(dev), beta=cfg.diffusion_nft_beta,
                          adv_clip_max=cfg.diffusion_adv_clip_max, adaptive_weighting=cfg.nft_adaptive_weighting,
                          kl_beta=cfg.diffusion_kl_beta, v_ref=v_ref)
@@ -381,6 +393,26 @@ class Trainer:
         self.manager.next_group_index = state["next_group_index"]
         self.engine.weight_version = state["weight_version"]
         print(f"resumed from {checkpoints[-1]} at rollout {self.rollout_index}")
+
+
+def run_summary(records: list[dict], window: int = 4) -> str:
+    """First vs last rollouts' mean reward (± standard error) and held-out accuracy before/after."""
+    rewards = [r["rollout/reward/raw_mean"] for r in records if "rollout/reward/raw_mean" in r]
+    evals = [(r["rollout"], r["eval/strict"]) for r in records if "eval/strict" in r]
+    lines = []
+    if len(rewards) >= 2:
+        w = max(1, min(window, len(rewards) // 2))
+
+        def mean_se(xs):
+            m = sum(xs) / len(xs)
+            var = sum((x - m) ** 2 for x in xs) / max(1, len(xs) - 1)
+            return m, (var / len(xs)) ** 0.5
+
+        (m0, s0), (m1, s1) = mean_se(rewards[:w]), mean_se(rewards[-w:])
+        lines.append(f"reward: first {w} rollouts {m0:.3f} ± {s0:.3f} → last {w} rollouts {m1:.3f} ± {s1:.3f}")
+    if len(evals) >= 2:
+        lines.append(f"held-out strict accuracy: rollout {evals[0][0]} {evals[0][1]:.3f} → rollout {evals[-1][0]} {evals[-1][1]:.3f}")
+    return "\n".join(lines)
 
 
 def train(cfg: TrainConfig) -> dict:

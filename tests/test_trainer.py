@@ -1,0 +1,121 @@
+"""The training loop on a tiny random model: on-policy exactness, NFT, config checks, resume."""
+
+import json
+
+import pytest
+import torch
+
+from diffrl.cli.main import main as cli_main
+from diffrl.train.config import TrainConfig
+from diffrl.train.trainer import Trainer, validate_config
+
+
+def tiny_config(model_dir, out, **overrides) -> TrainConfig:
+    base = dict(model_path=model_dir, output_dir=out, num_rollout=1, rollout_batch_size=2, n_samples_per_prompt=3,
+                rollout_microgroup_size=2, global_batch_size=3, num_steps_per_rollout=2, micro_batch_size=2,
+                diffusion_num_steps=3, diffusion_sde_window_range=(0, 3), diffusion_num_sde_steps=2,
+                diffusion_guidance_scale=2.0, lr=1e-3, eval_interval=1, checkpoint_interval=1, use_lora=False,
+                reward="rewards_for_tests:darkness")
+    base.update(overrides)
+    return TrainConfig(**base)
+
+
+def _records(out):
+    return [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+
+
+@pytest.mark.parametrize("use_lora", [False, True])
+def test_first_on_policy_step_has_ratio_one_and_zero_log_prob_gap(tiny_model_dir, tmp_path, use_lora):
+    cfg = tiny_config(tiny_model_dir, tmp_path / "run", use_lora=use_lora)
+    trainer = Trainer(cfg)
+    before = [p.detach().clone() for p in trainer.params]
+    record = trainer.rollout_and_update(0)
+    assert record["train/log_prob_mean_abs_diff"] == 0.0
+    assert record["train/pairs"] == 2 * 3 * 2  # groups × samples × trained steps
+    assert record["train/grad_norm"] > 0
+    assert trainer.engine.weight_version == 2  # one bump per optimizer step
+    assert any(not torch.equal(a, b) for a, b in zip(before, trainer.params))  # the weights moved
+
+
+def test_first_pass_ratio_is_exactly_one(tiny_model_dir, tmp_path):
+    cfg = tiny_config(tiny_model_dir, tmp_path / "run", num_steps_per_rollout=1, global_batch_size=6)
+    record = Trainer(cfg).rollout_and_update(0)
+    # approx_kl = ½·mean(Δlogp²) is exactly 0 only if every ratio is exactly exp(0) = 1.
+    assert record["train/approx_kl"] == 0.0 and record["train/clipfrac"] == 0.0
+    assert record["train/ratio_mean"] == pytest.approx(1.0, abs=1e-12)  # a weighted mean of ones
+
+
+def test_nft_rollout_and_update(tiny_model_dir, tmp_path):
+    cfg = tiny_config(tiny_model_dir, tmp_path / "run", loss_type="nft")
+    trainer = Trainer(cfg)
+    old = [s.clone() for s in trainer.ema.shadow]
+    record = trainer.rollout_and_update(0)
+    assert record["train/pairs"] == 6 * 2  # int(0.99 · 3 timesteps) = 2 per sample
+    assert torch.isfinite(torch.tensor(record["train/loss"]))
+    # δ = 0 at the first rollout: the old policy becomes the current one.
+    assert all(torch.equal(s, p.detach()) for s, p in zip(trainer.ema.shadow, trainer.params))
+    assert any(not torch.equal(a, b) for a, b in zip(old, trainer.ema.shadow))
+
+
+def test_contradictory_batch_sizes_are_refused_naming_the_flags(tiny_model_dir, tmp_path, capsys):
+    code = cli_main(["train", "--model-path", str(tiny_model_dir), "--output-dir", str(tmp_path / "x"),
+                     "--rollout-batch-size", "4", "--n-samples-per-prompt", "4", "--global-batch-size", "5"])
+    err = capsys.readouterr().err
+    assert code == 2
+    assert "--rollout-batch-size" in err and "--global-batch-size" in err and "--num-steps-per-rollout" in err
+    assert not (tmp_path / "x").exists()  # refused before anything was written
+    with pytest.raises(ValueError, match="--diffusion-sde-window-range"):
+        validate_config(TrainConfig(diffusion_sde_window_range=(5, 12)))
+    with pytest.raises(ValueError, match="--diffusion-num-sde-steps"):
+        validate_config(TrainConfig(diffusion_sde_window_range=(3, 5), diffusion_num_sde_steps=3))
+    assert cli_main(["train", "--recipe", "no-such-recipe"]) == 2
+
+
+def test_recipe_then_flags(tmp_path):
+    from diffrl.cli.main import parse
+
+    cfg = parse(["train", "--recipe", "shapes-nft", "--lr", "0.5", "--output-dir", str(tmp_path)])
+    assert cfg.recipe == "shapes-nft" and cfg.loss_type == "nft" and cfg.lr == 0.5
+
+
+def test_resume_continues_the_run_exactly(tiny_model_dir, tmp_path):
+    straight = tmp_path / "straight"
+    Trainer(tiny_config(tiny_model_dir, straight, num_rollout=3)).train()
+
+    split = tmp_path / "split"
+    Trainer(tiny_config(tiny_model_dir, split, num_rollout=2)).train()  # "killed" after rollout 2's checkpoint
+    resumed = Trainer(tiny_config(tiny_model_dir, split, num_rollout=3, resume=True))
+    assert resumed.rollout_index == 2 and resumed.manager.next_group_index == 4
+    assert resumed.optimizer.state_dict()["state"]  # Adam moments restored
+    resumed.train()
+
+    a, b = _records(straight), _records(split)
+    assert [r["rollout"] for r in b] == [0, 1, 2, 3]
+    for key in ("rollout/reward/raw_mean", "train/loss", "eval/strict"):
+        assert a[3][key] == b[3][key], key
+    state_a = torch.load(straight / "checkpoints" / "rollout-00003" / "train_state.pt", weights_only=True)
+    state_b = torch.load(split / "checkpoints" / "rollout-00003" / "train_state.pt", weights_only=True)
+    assert all(torch.equal(x, y) for x, y in zip(state_a["params"], state_b["params"]))
+    assert (split / "reward_curve.png").is_file() and (split / "checkpoints" / "rollout-00003" / "model").is_dir()
+
+
+def test_lora_checkpoint_is_peft_format(tiny_model_dir, tmp_path):
+    out = tmp_path / "run"
+    Trainer(tiny_config(tiny_model_dir, out, use_lora=True)).train()
+    lora = out / "checkpoints" / "rollout-00001" / "lora"
+    config = json.loads((lora / "adapter_config.json").read_text())
+    assert config["r"] == 8 and config["peft_type"] == "LORA"
+    from safetensors.torch import load_file
+
+    weights = load_file(str(lora / "adapter_model.safetensors"))
+    assert weights and all("lora_" in k for k in weights)
+
+
+def test_unknown_rewards_are_named():
+    from diffrl.rewards import get_reward
+
+    with pytest.raises(ValueError, match="unknown reward 'nope'"):
+        get_reward("nope")
+    with pytest.raises(ValueError, match="cannot be imported"):
+        get_reward("no_such_module:fn")
+    assert get_reward("rewards_for_tests:darkness") is not None
