@@ -37,7 +37,7 @@ from diffrl.models import resolve_family
 from diffrl.models.base import Latents, PromptEmbeds
 from diffrl.rewards import get_reward
 from diffrl.rollout import InProcessEngineClient, RolloutConfig, RolloutManager, check_batch_invariant
-from diffrl.sampling import cps_step, sde_step
+from diffrl.sampling import transition
 from diffrl.train.config import TrainConfig
 from diffrl.train.ema import ParameterEMA
 from diffrl.train.metrics import MetricsLogger
@@ -282,10 +282,9 @@ class Trainer:
         cond = batch.cond.to(dev)
         uncond = batch.uncond.to(dev) if guidance > 1.0 else None
 
-        def step(v):
-            if cfg.diffusion_sde_type == "cps":
-                return cps_step(x, v, sigma, sigma_next, cfg.diffusion_noise_level, next_latents=x_next)
-            return sde_step(x, v, sigma, sigma_next, cfg.diffusion_noise_level, sigma_max=sigma_max, next_latents=x_next)
+        def step(v):  # the engine's transition, scoring the rollout's x_next instead of drawing one
+            return transition(cfg.diffusion_sde_type, x, v, sigma, sigma_next, cfg.diffusion_noise_level,
+                              sigma_max=sigma_max, next_latents=x_next)
 
         ref_mean = None
         if cfg.diffusion_kl_beta > 0:
