@@ -43,3 +43,12 @@ def shapes_reward(images, prompts, metadata=None) -> list[float]:
     from diffrl.utils.images import to_uint8
 
     return [verify(image, prompt).score for image, prompt in zip(to_uint8(images), prompts, strict=True)]
+
+
+@register_reward("shapes_strict")
+def shapes_strict_reward(images, prompts, metadata=None) -> list[float]:
+    """1 when the verifier passes the image strictly, else 0 (a sharper signal than partial credit)."""
+    from diffrl.data.shapes import verify
+    from diffrl.utils.images import to_uint8
+
+    return [float(verify(image, prompt).strict) for image, prompt in zip(to_uint8(images), prompts, strict=True)]
