@@ -13,7 +13,7 @@ import time
 
 import torch
 
-from diffrl.cli.evaluate import DEFAULT_DEMO_MODEL
+from diffrl.models.demo import SHIPPED_DEMO_MODEL
 from diffrl.evaluation.shapes import generate
 from diffrl.models.base import Latents
 from diffrl.models.demo import DemoFamily
@@ -39,7 +39,7 @@ def main() -> None:
     parser.add_argument("--reps", type=int, default=3)
     args = parser.parse_args()
     device = torch.device(args.device)
-    family = DemoFamily.load(DEFAULT_DEMO_MODEL, device=device)
+    family = DemoFamily.load(SHIPPED_DEMO_MODEL, device=device)
     results = {"device": str(device), "machine": platform.node(), "torch": torch.__version__,
                "threads": torch.get_num_threads(), "forward_ms_per_sample": {}, "image_s": {}}
     for batch in (1, 8, 16):

@@ -14,12 +14,10 @@ from diffrl.models.demo import SHIPPED_DEMO_MODEL
 from diffrl.utils.device import resolve_device
 from diffrl.utils.images import save_grid
 
-DEFAULT_DEMO_MODEL = SHIPPED_DEMO_MODEL
-
 
 @dataclass
 class EvaluateConfig:
-    model_path: Path = DEFAULT_DEMO_MODEL
+    model_path: Path = SHIPPED_DEMO_MODEL
     """Local diffusers-format model directory (default: the shipped demo model)."""
     diffusion_model_family: str | None = None
     split: Literal["test", "train"] = "test"
