@@ -6,7 +6,6 @@ import pytest
 import torch
 
 from diffrl.models import ModelLoadError, get_family, resolve_family
-from diffrl.models.base import Latents
 from diffrl.models.demo import DemoFamily, patchify, unpatchify
 from diffrl.sampling import make_generators
 

@@ -4,7 +4,6 @@ import pytest
 import torch
 
 from diffrl.engine import denoise
-from diffrl.models.base import Latents
 from diffrl.sampling import make_generators
 
 

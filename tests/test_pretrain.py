@@ -2,7 +2,6 @@
 
 import json
 
-import pytest
 import torch
 
 from diffrl.cli.main import main as cli_main

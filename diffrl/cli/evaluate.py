@@ -8,11 +8,10 @@ from pathlib import Path
 from typing import Literal
 
 from diffrl.data.shapes import prompts_by_category, test_prompts, train_prompts
-from diffrl.evaluation.shapes import evaluate_prompts, format_summary, records_as_dicts, summarize
+from diffrl.evaluation.shapes import evaluate_prompts, format_summary, records_as_dicts, save_records_grid, summarize
 from diffrl.models import resolve_family
 from diffrl.models.demo import SHIPPED_DEMO_MODEL
 from diffrl.utils.device import resolve_device
-from diffrl.utils.images import save_grid
 
 
 @dataclass
@@ -52,9 +51,7 @@ def evaluate(cfg: EvaluateConfig) -> dict:
     report = {"config": {k: str(v) for k, v in asdict(cfg).items()}, **summary}
     (out / "report.json").write_text(json.dumps(report, indent=2) + "\n")
     (out / "samples.jsonl").write_text("".join(json.dumps(r) + "\n" for r in records_as_dicts(records)))
-    shown = min(len(records), 64)
-    captions = [("ok " if r.strict else "X ") + r.prompt for r in records[:shown]]
-    save_grid(images[:shown], out / "grid.png", ncols=8, captions=captions, caption_lines=3)
+    save_records_grid(records, images, out / "grid.png", limit=64)
     print(format_summary(summary))
     print(f"report: {out / 'report.json'}  grid: {out / 'grid.png'}")
     return report

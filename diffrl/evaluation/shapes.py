@@ -116,6 +116,14 @@ def records_as_dicts(records: Sequence[SampleRecord]) -> list[dict]:
     return [asdict(r) for r in records]
 
 
+def save_records_grid(records: Sequence[SampleRecord], images: torch.Tensor, path: str | Path,
+                      limit: int | None = None) -> Path:
+    """A grid of scored samples, each captioned "ok <prompt>" (strict pass) or "X <prompt>"."""
+    shown = len(records) if limit is None else min(limit, len(records))
+    captions = [("ok " if r.strict else "X ") + r.prompt for r in records[:shown]]
+    return save_grid(images[:shown], path, ncols=8, captions=captions, caption_lines=3)
+
+
 def sample_grid(
     family: FamilyAdapter,
     path: str | Path,
@@ -132,5 +140,4 @@ def sample_grid(
     records, images = evaluate_prompts(family, test_prompts()[:num_prompts], num_seeds=num_seeds, seed=seed,
                                        num_steps=num_steps, guidance_scale=guidance_scale)
     family.transformer.train(was_training)
-    captions = [("ok " if r.strict else "X ") + r.prompt for r in records]
-    return save_grid(images, path, ncols=8, captions=captions, scale=2, caption_lines=3), records
+    return save_records_grid(records, images, path), records

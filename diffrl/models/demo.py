@@ -21,7 +21,7 @@ from pathlib import Path
 import torch
 from diffusers import Flux3Transformer2DModel
 from safetensors import SafetensorError
-from safetensors.torch import load_file, save_file
+from safetensors.torch import load_file
 from transformers import PreTrainedTokenizerFast, T5Config, T5EncoderModel
 
 from diffrl.errors import ModelLoadError, RequestError

@@ -32,7 +32,7 @@ from diffrl.algorithms.losses import ema_decay, flow_grpo_loss, nft_loss
 from diffrl.algorithms.pairs import GrpoPairs, NftPairs, grpo_pairs, nft_pairs
 from diffrl.data.shapes import prompts_by_category, test_prompts
 from diffrl.engine.engine import Engine, EngineConfig
-from diffrl.evaluation.shapes import evaluate_prompts, summarize
+from diffrl.evaluation.shapes import evaluate_prompts, save_records_grid, summarize
 from diffrl.models import resolve_family
 from diffrl.models.base import Latents, PromptEmbeds
 from diffrl.rewards import get_reward
@@ -42,7 +42,6 @@ from diffrl.train.config import TrainConfig
 from diffrl.train.ema import ParameterEMA
 from diffrl.train.metrics import MetricsLogger
 from diffrl.utils.device import resolve_device
-from diffrl.utils.images import save_grid
 
 
 def validate_config(cfg: TrainConfig) -> None:
@@ -345,8 +344,7 @@ class Trainer:
             records, images = evaluate_prompts(self.family, test_prompts(), num_seeds=cfg.eval_num_seeds, seed=10_000,
                                                num_steps=cfg.diffusion_num_steps, guidance_scale=guidance)
         summary = summarize(records)
-        captions = [("ok " if r.strict else "X ") + r.prompt for r in records[:32]]
-        save_grid(images[:32], cfg.output_dir / "eval" / f"rollout-{k:05d}.png", ncols=8, captions=captions, caption_lines=3)
+        save_records_grid(records, images, cfg.output_dir / "eval" / f"rollout-{k:05d}.png", limit=32)
         out = {"eval/strict": summary["overall_strict"], "eval/score": summary["overall_score"]}
         for cat, c in summary["categories"].items():
             out[f"eval/strict/{cat}"] = c["strict"]
