@@ -15,12 +15,12 @@ RECIPES: dict[str, dict] = {
     "shapes-grpo-gpu": dict(
         loss_type="flow_grpo", use_lora=False, lr=1e-4, num_rollout=200, rollout_batch_size=32,
         n_samples_per_prompt=16, rollout_microgroup_size=16, global_batch_size=256, num_steps_per_rollout=2,
-        micro_batch_size=256, diffusion_guidance_scale=3.0, eval_interval=10, eval_num_seeds=4, checkpoint_interval=50,
+        micro_batch_size=256, diffusion_guidance_scale=3.0, engine_concurrency=32, engine_max_batch_outputs=512, eval_interval=10, eval_images_per_category=32, checkpoint_interval=50,
     ),
     "shapes-nft-gpu": dict(
         loss_type="nft", use_lora=False, lr=1e-4, num_rollout=200, rollout_batch_size=32, n_samples_per_prompt=16,
         rollout_microgroup_size=16, global_batch_size=256, num_steps_per_rollout=2, micro_batch_size=256,
-        eval_interval=10, eval_num_seeds=4, checkpoint_interval=50,
+        engine_concurrency=32, engine_max_batch_outputs=512, eval_interval=10, eval_images_per_category=32, checkpoint_interval=50,
     ),
 }
 

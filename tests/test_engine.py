@@ -103,3 +103,37 @@ def test_schema_refuses_unknown_fields_and_types():
     for bad in (dict(prompt="x", rollout_sde_type="euler"), dict(prompt="x", bogus=1), dict(prompt="x", seed=-1)):
         with pytest.raises(ValidationError):
             RolloutRequest(**bad)
+
+
+def test_waiting_requests_share_one_batch_and_give_the_same_samples(tiny_family):
+    """Requests that queue while the model is busy are denoised together when their settings agree;
+    each output is still exactly what its request alone would give (per-output generators)."""
+    import threading
+
+    fields = {**ROLLOUT, "rollout_return_denoising_env": True}
+    requests = [RolloutRequest(prompt="a red circle", seed=5, num_outputs_per_prompt=2, **fields),
+                RolloutRequest(prompt="two blue squares", seed=40, num_outputs_per_prompt=3, negative_prompt="x", **fields),
+                RolloutRequest(prompt="a red circle", seed=5, num_outputs_per_prompt=2, **{**fields, "guidance_scale": 1.0})]
+    alone = Engine(tiny_family, EngineConfig(max_outputs_per_request=8))
+    expected = [alone.generate(r) for r in requests]
+    assert alone.denoise_batches == 3
+
+    engine = Engine(tiny_family, EngineConfig(max_outputs_per_request=8, max_batch_outputs=8))
+    results: dict[int, list] = {}
+    with engine._model_lock:  # the model is "busy": all three requests queue up
+        threads = [threading.Thread(target=lambda k=k: results.update({k: engine.generate(requests[k])}))
+                   for k in range(3)]
+        for t in threads:
+            t.start()
+        while len(engine._waiting) < 3:
+            threading.Event().wait(0.01)
+    for t in threads:
+        t.join()
+    assert engine.denoise_batches == 2  # the two CFG-3 requests together, the CFG-1 one alone
+    for k in range(3):
+        for got, want in zip(results[k], expected[k], strict=True):
+            assert got.seed == want.seed
+            assert torch.equal(got.generated_output, want.generated_output)
+            assert torch.equal(got.rollout_log_probs, want.rollout_log_probs)
+            assert torch.equal(got.dit_trajectory.latents, want.dit_trajectory.latents)
+        assert results[k][0].denoising_env["prompt_embeds"].shape[0] == 1  # still once per request

@@ -5,6 +5,12 @@ untouched), encodes the prompt (and the negative prompt when CFG is on) once, re
 conditioning to `num_outputs_per_prompt`, gives output i its own generator seeded `seed + i`
 (initial noise and every SDE draw), and runs the shared denoising loop. It is usable in-process
 as is; `diffrl.engine.server` puts the same object behind HTTP.
+
+Requests that wait while the model is busy are denoised together when their sampling settings
+agree (`_Plan.batch_key`): one forward per step for several microgroups, up to
+`max_batch_outputs` outputs. Each output keeps its own generator, so what a sample looks like does
+not depend on what it was batched with (exactly on CPU; on GPU up to batch-size-dependent kernels).
+A small model is launch-bound on a GPU, so this is where its rollout speed comes from.
 """
 
 from __future__ import annotations
@@ -13,14 +19,20 @@ import asyncio
 import resource
 import threading
 import time
-from dataclasses import dataclass
+from concurrent.futures import Future, ThreadPoolExecutor
+from dataclasses import dataclass, field, replace
 
 import torch
 
 from diffrl.engine.denoise import denoise
-from diffrl.engine.protocol import IMAGE_CONDITIONING_FIELDS, DitTrajectory, RolloutOutput, RolloutRequest
+from diffrl.engine.protocol import (
+    IMAGE_CONDITIONING_FIELDS,
+    DitTrajectory,
+    RolloutOutput,
+    RolloutRequest,
+)
 from diffrl.errors import RequestError
-from diffrl.models.base import FamilyAdapter
+from diffrl.models.base import FamilyAdapter, PromptEmbeds
 from diffrl.sampling import make_generators
 
 
@@ -28,6 +40,9 @@ from diffrl.sampling import make_generators
 class EngineConfig:
     max_outputs_per_request: int = 64
     """Upper bound on num_outputs_per_prompt (memory guard)."""
+    max_batch_outputs: int = 64
+    """Waiting requests with the same sampling settings are denoised together up to this many outputs
+    (1: never merge). A request larger than this still runs, alone."""
 
 
 @dataclass(frozen=True)
@@ -40,6 +55,16 @@ class _Plan:
     sde_type: str
     sde_steps: tuple[int, ...]
     return_steps: tuple[int, ...]
+    batch_key: tuple  # requests with equal keys can share one denoising batch
+
+
+@dataclass
+class _Ticket:
+    """A request waiting for (or in) a denoising batch."""
+
+    req: RolloutRequest
+    plan: _Plan
+    result: Future = field(default_factory=Future)
 
 
 class Engine:
@@ -48,8 +73,11 @@ class Engine:
         self.config = config or EngineConfig()
         self.weight_version = 0
         self._model_lock = threading.Lock()  # one denoise at a time on this model
-        self._count_lock = threading.Lock()
+        self._count_lock = threading.Lock()  # guards _in_flight and _waiting
         self._in_flight = 0
+        self._waiting: list[_Ticket] = []
+        self.denoise_batches = 0  # batches run so far (fewer than requests when requests share batches)
+        self._threads = ThreadPoolExecutor(max_workers=256, thread_name_prefix="engine")
 
     @property
     def in_flight(self) -> int:
@@ -88,70 +116,131 @@ class Engine:
             return_steps = tuple(sorted(set(req.rollout_return_step_indices)))
         _check_indices("rollout_return_step_indices", return_steps, n)
         guidance = family.default_guidance_scale if req.guidance_scale is None else req.guidance_scale
-        return _Plan(height, width, guidance, sde_type, tuple(sorted(sde_steps)), return_steps)
+        sde_steps = tuple(sorted(sde_steps))
+        key = (height, width, guidance, sde_type, sde_steps, return_steps, req.num_inference_steps,
+               req.rollout, req.rollout_noise_level, req.rollout_log_prob_no_const,
+               req.rollout_return_dit_trajectory, req.rollout_return_denoising_env)
+        return _Plan(height, width, guidance, sde_type, sde_steps, return_steps, key)
 
     # ------------------------------------------------------------------ generation
     def generate(self, req: RolloutRequest) -> list[RolloutOutput]:
-        plan = self.plan(req)  # refuse before counting: a bad request never occupies the engine
+        ticket = _Ticket(req, self.plan(req))  # refuse before counting: a bad request never occupies the engine
         with self._count_lock:
             self._in_flight += 1
+            self._waiting.append(ticket)
         try:
-            with self._model_lock:
-                return self._generate(req, plan)
+            # Whoever holds the model runs a batch that may include this ticket; otherwise we take
+            # the model and run our ticket with whatever compatible requests wait behind it.
+            while not ticket.result.done():
+                with self._model_lock:
+                    if ticket.result.done():
+                        break
+                    self._run_batch(self._take_batch(ticket))
+            return ticket.result.result()
         finally:
             with self._count_lock:
                 self._in_flight -= 1
 
+    def _take_batch(self, first: _Ticket) -> list[_Ticket]:
+        """`first` and the waiting requests that can share its batch, in arrival order."""
+        with self._count_lock:
+            batch, total = [first], first.req.num_outputs_per_prompt
+            for t in self._waiting:
+                n = t.req.num_outputs_per_prompt
+                if t is not first and t.plan.batch_key == first.plan.batch_key and total + n <= self.config.max_batch_outputs:
+                    batch.append(t)
+                    total += n
+            self._waiting = [t for t in self._waiting if t not in batch]
+        return batch
+
+    def _run_batch(self, batch: list[_Ticket]) -> None:
+        # If even an interrupt stops the batch, its other callers must hear of it, not wait forever.
+        outputs: list = [RuntimeError("the engine was interrupted")] * len(batch)
+        try:
+            outputs = self._generate(batch)
+        except Exception as err:  # noqa: BLE001 - handed to every caller of the batch below
+            outputs = [err] * len(batch)
+        finally:
+            for t, out in zip(batch, outputs, strict=True):
+                if isinstance(out, BaseException):
+                    t.result.set_exception(out)
+                else:
+                    t.result.set_result(out)
+
     async def agenerate(self, req: RolloutRequest) -> list[RolloutOutput]:
-        """`generate` on a worker thread, so an event loop keeps serving while the model runs."""
-        return await asyncio.to_thread(self.generate, req)
+        """`generate` on a worker thread, so an event loop keeps serving while the model runs. The
+        engine's own pool is wide: a request waiting for a shared batch only sleeps in its thread."""
+        return await asyncio.get_running_loop().run_in_executor(self._threads, self.generate, req)
 
     @torch.no_grad()
-    def _generate(self, req: RolloutRequest, plan: _Plan) -> list[RolloutOutput]:
+    def _generate(self, batch: list[_Ticket]) -> list[list[RolloutOutput] | Exception]:
+        """Denoise the requests of `batch` (same batch key) as one batch; outputs (or the error) per request."""
         family = self.family
         device = family.device
+        plan = batch[0].plan
+        req0 = batch[0].req
         if device.type == "cuda":
             torch.cuda.reset_peak_memory_stats(device)
         start = time.perf_counter()
-        n = req.num_outputs_per_prompt
-        cond_one = family.encode_prompts([req.prompt])  # encoded once, repeated below
-        uncond_one = family.encode_prompts([req.negative_prompt]) if plan.guidance_scale > 1.0 else None
-        seeds = [req.seed + i for i in range(n)]
+        self.denoise_batches += 1
+        sizes = [t.req.num_outputs_per_prompt for t in batch]
+        # Each request's prompt is encoded once, then repeated to its outputs.
+        conds = [family.encode_prompts([t.req.prompt]) for t in batch]
+        unconds = [family.encode_prompts([t.req.negative_prompt]) for t in batch] if plan.guidance_scale > 1.0 else None
+        if any(not torch.equal(c.ids, conds[0].ids) for c in conds + (unconds or [])):
+            return [out for t in batch for out in self._generate([t])]  # text lengths differ: no shared batch
+        cond = _concat([c.repeat(n) for c, n in zip(conds, sizes)])
+        uncond = _concat([u.repeat(n) for u, n in zip(unconds, sizes)]) if unconds is not None else None
+        seeds = [t.req.seed + i for t in batch for i in range(t.req.num_outputs_per_prompt)]
         generators = make_generators(seeds, device=device)
         latents = family.prepare_latents(generators, plan.height, plan.width)
-        sigmas = family.sigmas(req.num_inference_steps, plan.height, plan.width)
+        sigmas = family.sigmas(req0.num_inference_steps, plan.height, plan.width)
         result = denoise(
-            family, latents, sigmas, cond_one.repeat(n), uncond_one.repeat(n) if uncond_one is not None else None,
-            plan.guidance_scale, generators=generators, sde_type=plan.sde_type, noise_level=req.rollout_noise_level,
-            sde_step_indices=plan.sde_steps,
-            return_step_indices=plan.return_steps if req.rollout_return_dit_trajectory else (),
-            log_prob_no_const=req.rollout_log_prob_no_const,
+            family, latents, sigmas, cond, uncond, plan.guidance_scale, generators=generators,
+            sde_type=plan.sde_type, noise_level=req0.rollout_noise_level, sde_step_indices=plan.sde_steps,
+            return_step_indices=plan.return_steps if req0.rollout_return_dit_trajectory else (),
+            log_prob_no_const=req0.rollout_log_prob_no_const,
         )
-        if not torch.isfinite(result.latents).all():
-            raise FloatingPointError(f"non-finite latents for prompt {req.prompt!r} seed {req.seed}")
+        finite = torch.isfinite(result.latents).flatten(1).all(1).cpu()
         images = family.decode(result.latents, plan.height, plan.width).cpu()
         elapsed = time.perf_counter() - start
         peak_mb = _peak_memory_mb(device)
-        env = _denoising_env(cond_one, uncond_one, latents.ids, sigmas, plan) if req.rollout_return_denoising_env else None
         steps = torch.tensor(plan.return_steps, dtype=torch.int64)
-        outputs = []
-        for i, seed in enumerate(seeds):
-            trajectory = None
-            if req.rollout_return_dit_trajectory:
-                trajectory = DitTrajectory(
-                    latents=torch.stack([result.trajectory[s][i] for s in plan.return_steps]).cpu()
-                    if plan.return_steps else torch.empty(0),
-                    timesteps=(sigmas.cpu()[steps] * family.timestep_scale),
-                    sigmas=sigmas.cpu(),
-                    latent_step_indices=steps,
-                )
-            outputs.append(RolloutOutput(
-                seed=seed, generated_output=images[i],
-                rollout_log_probs=result.log_probs[i].cpu() if req.rollout else None,
-                dit_trajectory=trajectory, denoising_env=env if i == 0 else None,
-                weight_version=self.weight_version, inference_time_s=elapsed, peak_memory_mb=peak_mb,
-            ))
+        kept = {s: result.trajectory[s].cpu() for s in plan.return_steps} if req0.rollout_return_dit_trajectory else {}
+        log_probs = result.log_probs.cpu()
+        outputs, row = [], 0
+        for k, t in enumerate(batch):
+            req, n = t.req, t.req.num_outputs_per_prompt
+            if not finite[row:row + n].all():  # this request fails; the others of the batch stand
+                outputs.append(FloatingPointError(f"non-finite latents for prompt {req.prompt!r} seed {req.seed}"))
+                row += n
+                continue
+            env = (_denoising_env(conds[k], unconds[k] if unconds else None, latents.ids, sigmas, plan)
+                   if req.rollout_return_denoising_env else None)
+            mine = []
+            for i in range(n):
+                trajectory = None
+                if req.rollout_return_dit_trajectory:
+                    trajectory = DitTrajectory(
+                        latents=torch.stack([kept[s][row + i] for s in plan.return_steps])
+                        if plan.return_steps else torch.empty(0),
+                        timesteps=(sigmas.cpu()[steps] * family.timestep_scale),
+                        sigmas=sigmas.cpu(),
+                        latent_step_indices=steps,
+                    )
+                mine.append(RolloutOutput(
+                    seed=req.seed + i, generated_output=images[row + i],
+                    rollout_log_probs=log_probs[row + i] if req.rollout else None,
+                    dit_trajectory=trajectory, denoising_env=env if i == 0 else None,
+                    weight_version=self.weight_version, inference_time_s=elapsed, peak_memory_mb=peak_mb,
+                ))
+            outputs.append(mine)
+            row += n
         return outputs
+
+
+def _concat(parts: list[PromptEmbeds]) -> PromptEmbeds:
+    return replace(parts[0], embeds=torch.cat([p.embeds for p in parts]))
 
 
 def _check_indices(field: str, indices, limit: int) -> None:

@@ -59,7 +59,10 @@ class TrainConfig:
     """Prompt groups per rollout."""
     n_samples_per_prompt: int = 8
     rollout_microgroup_size: int = 8
-    engine_concurrency: int = 1
+    engine_concurrency: int = 8
+    """In-flight requests per engine; the in-process engine denoises waiting requests together."""
+    engine_max_batch_outputs: int = 64
+    """Outputs the engine denoises in one batch across requests (launch-bound GPUs want many)."""
     rollout_seed: int = 0
     diffusion_num_steps: int = 10
     diffusion_guidance_scale: float = 1.0
@@ -85,7 +88,10 @@ class TrainConfig:
     # evaluation and checkpoints
     eval_interval: int = 4
     """Evaluate on the held-out prompts every this many rollouts (and before the first)."""
-    eval_num_seeds: int = 1
+    eval_images_per_category: int = 8
+    """Held-out images per category (prompts × seeds, seeds balanced so small categories are not noise)."""
     eval_guidance_scale: float | None = None
     """None: the rollout guidance scale."""
     checkpoint_interval: int = 4
+    time_budget_minutes: float | None = None
+    """Stop after the rollout that passes this wall-clock budget (then the final eval and checkpoint)."""

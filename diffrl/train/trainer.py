@@ -32,7 +32,7 @@ from diffrl.algorithms.losses import ema_decay, flow_grpo_loss, nft_loss
 from diffrl.algorithms.pairs import GrpoPairs, NftPairs, grpo_pairs, nft_pairs
 from diffrl.data.shapes import prompts_by_category, test_prompts
 from diffrl.engine.engine import Engine, EngineConfig
-from diffrl.evaluation.shapes import evaluate_prompts, save_records_grid, summarize
+from diffrl.evaluation.shapes import balanced_eval_set, evaluate_prompts, save_records_grid, summarize
 from diffrl.models import resolve_family
 from diffrl.models.base import Latents, PromptEmbeds
 from diffrl.rewards import get_reward
@@ -98,7 +98,8 @@ class Trainer:
         self.optimizer = torch.optim.AdamW(self.params, lr=cfg.lr, weight_decay=cfg.weight_decay)
         self.ema = ParameterEMA(self.params) if (cfg.use_ema or cfg.loss_type == "nft") else None
 
-        self.engine = Engine(self.family, EngineConfig(max_outputs_per_request=max(64, cfg.rollout_microgroup_size)))
+        self.engine = Engine(self.family, EngineConfig(max_outputs_per_request=max(64, cfg.rollout_microgroup_size),
+                                                       max_batch_outputs=cfg.engine_max_batch_outputs))
         self.manager = RolloutManager(
             [InProcessEngineClient(self.engine)],
             RolloutConfig(n_samples_per_prompt=cfg.n_samples_per_prompt, rollout_microgroup_size=cfg.rollout_microgroup_size,
@@ -111,6 +112,7 @@ class Trainer:
             raise ValueError(f"--train-categories: unknown {unknown}; known: {', '.join(by_category)}")
         self.train_groups = [by_category[c] for c in (cfg.train_categories or by_category) if by_category[c]]
         self.rollout_index = 0
+        self.elapsed_s = 0.0  # rollout + train wall clock of the run so far
         if cfg.resume:
             self._load_checkpoint()
         (out / "config.json").write_text(json.dumps(dataclasses.asdict(cfg), default=str, indent=2) + "\n")
@@ -123,18 +125,27 @@ class Trainer:
         last = {}
         if self.rollout_index == 0:
             self.metrics.log(0, self.evaluate(0))
+        started = time.perf_counter() - self.elapsed_s  # wall clock carries over a resume
         while self.rollout_index < cfg.num_rollout:
             k = self.rollout_index
             record = self.rollout_and_update(k)
             self.rollout_index = k + 1
-            if self.rollout_index % cfg.eval_interval == 0 or self.rollout_index == cfg.num_rollout:
+            self.elapsed_s = time.perf_counter() - started
+            last_one = self.rollout_index == cfg.num_rollout or (
+                cfg.time_budget_minutes is not None and self.elapsed_s >= 60 * cfg.time_budget_minutes)
+            record["time/elapsed_s"] = self.elapsed_s  # rollouts + training; evals and checkpoints excluded
+            paused = time.perf_counter()
+            if self.rollout_index % cfg.eval_interval == 0 or last_one:
                 record.update(self.evaluate(self.rollout_index))
             self.metrics.log(self.rollout_index, record)
-            if self.rollout_index % cfg.checkpoint_interval == 0 or self.rollout_index == cfg.num_rollout:
+            if self.rollout_index % cfg.checkpoint_interval == 0 or last_one:
                 self.save_checkpoint()
+            started += time.perf_counter() - paused
             bar.update(1)
             bar.set_postfix(reward=f"{record['rollout/reward/raw_mean']:.3f}", loss=f"{record.get('train/loss', float('nan')):.4f}")
             last = record
+            if last_one:
+                break
         bar.close()
         curve = self.metrics.plot_curves()
         print(run_summary(self.metrics.records()))
@@ -341,7 +352,8 @@ class Trainer:
         guidance = cfg.eval_guidance_scale if cfg.eval_guidance_scale is not None else cfg.diffusion_guidance_scale
         weights = self.ema.swapped_in() if (self.ema is not None and cfg.use_ema) else contextlib.nullcontext()
         with weights:
-            records, images = evaluate_prompts(self.family, test_prompts(), num_seeds=cfg.eval_num_seeds, seed=10_000,
+            prompts, seeds_per_prompt = balanced_eval_set(test_prompts(), cfg.eval_images_per_category)
+            records, images = evaluate_prompts(self.family, prompts, num_seeds=seeds_per_prompt, seed=10_000,
                                                num_steps=cfg.diffusion_num_steps, guidance_scale=guidance)
         summary = summarize(records)
         save_records_grid(records, images, cfg.output_dir / "eval" / f"rollout-{k:05d}.png", limit=32)
@@ -372,6 +384,7 @@ class Trainer:
             "rollout_index": self.rollout_index,
             "next_group_index": self.manager.next_group_index,
             "weight_version": self.engine.weight_version,
+            "elapsed_s": self.elapsed_s,
         }, path / "train_state.pt")
         return path
 
@@ -389,6 +402,7 @@ class Trainer:
         self.rollout_index = state["rollout_index"]
         self.manager.next_group_index = state["next_group_index"]
         self.engine.weight_version = state["weight_version"]
+        self.elapsed_s = state.get("elapsed_s", 0.0)
         print(f"resumed from {checkpoints[-1]} at rollout {self.rollout_index}")
 
 

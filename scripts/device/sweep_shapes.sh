@@ -1,0 +1,25 @@
+#!/usr/bin/env bash
+# Several training runs at once on one GPU (the demo model is small and launch-bound, so runs share
+# the GPU well). Usage on the device (carry `.whl`): SWEEP=scripts/device/sweeps/NAME.txt MINUTES=7 bash $0
+# Each sweep line is `name  flags…`; every run gets --time-budget-minutes $MINUTES and its own folder.
+set -uo pipefail
+python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl
+export PYTHONPATH=/tmp/site:$PWD PYTHONUNBUFFERED=1 OMP_NUM_THREADS=${THREADS:-2}
+root=/tmp/sweep; mkdir -p "$root"
+nvidia-smi --query-gpu=name,memory.total --format=csv,noheader
+while read -r name flags; do
+  [[ -z "$name" || "$name" == \#* ]] && continue
+  ( timeout $(( ${MINUTES:-7} * 60 + 90 )) python3 -m diffrl.cli.main train $flags \
+      --time-budget-minutes "${MINUTES:-7}" --output-dir "$root/$name" >"$root/$name.log" 2>&1
+    echo "$name exit $?" ) &
+done <"${SWEEP:?set SWEEP to a sweep file}"
+wait
+nvidia-smi --query-gpu=memory.used --format=csv,noheader
+for run in "$root"/*/; do
+  name=$(basename "$run"); mkdir -p "$OUT/$name"
+  cp "$run/metrics.jsonl" "$run/config.json" "$run/reward_curve.png" "$OUT/$name/" 2>/dev/null
+  cp "$root/$name.log" "$OUT/$name/train.log" 2>/dev/null
+  last=$(ls "$run"/eval/*.png 2>/dev/null | sort | tail -1); [[ -n "$last" ]] && cp "$last" "$OUT/$name/eval_last.png"
+  echo "== $name"; grep -E "^reward:|^held-out|Error|error" "$root/$name.log" | tail -4
+done
+python3 scripts/summarize_runs.py "$OUT"/*/ | tee "$OUT/summary.txt"
