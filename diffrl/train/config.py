@@ -25,6 +25,9 @@ class TrainConfig:
     device: str = "auto"
     deterministic_mode: bool = False
     """torch.use_deterministic_algorithms: slower, bit-reproducible where the hardware allows."""
+    float32_matmul_precision: Literal["highest", "high", "medium"] = "high"
+    """torch.set_float32_matmul_precision; "high" lets GPUs use TF32 (engine and trainer alike, so the
+    first-pass ratio stays 1). No effect on CPU."""
 
     # model
     model_path: Path = SHIPPED_DEMO_MODEL

@@ -77,6 +77,7 @@ class Trainer:
         self.device = resolve_device(cfg.device)
         if cfg.deterministic_mode:
             torch.use_deterministic_algorithms(True)
+        torch.set_float32_matmul_precision(cfg.float32_matmul_precision)
         out = cfg.output_dir
         if out.exists() and any(out.iterdir()) and not cfg.resume:
             raise FileExistsError(f"{out} is not empty; pass --resume to continue it or choose another --output-dir")

@@ -16,10 +16,17 @@ done <"${SWEEP:?set SWEEP to a sweep file}"
 wait
 nvidia-smi --query-gpu=memory.used --format=csv,noheader
 for run in "$root"/*/; do
-  name=$(basename "$run"); mkdir -p "$OUT/$name"
-  cp "$run/metrics.jsonl" "$run/config.json" "$run/reward_curve.png" "$OUT/$name/" 2>/dev/null
-  cp "$root/$name.log" "$OUT/$name/train.log" 2>/dev/null
-  last=$(ls "$run"/eval/*.png 2>/dev/null | sort | tail -1); [[ -n "$last" ]] && cp "$last" "$OUT/$name/eval_last.png"
+  name=$(basename "$run")
   echo "== $name"; grep -E "^reward:|^held-out|Error|error" "$root/$name.log" | tail -4
+  cp "$root/$name.log" "$run/train.log"
 done
-python3 scripts/summarize_runs.py "$OUT"/*/ | tee "$OUT/summary.txt"
+python3 scripts/summarize_runs.py "$root"/*/ | tee "$OUT/summary.txt"
+# One archive per run (the device returns at most 8 files of 16 MiB): metrics, log, eval grids and
+# the last checkpoint without its optimizer state and the untrained text encoder.
+for run in "$root"/*/; do
+  name=$(basename "$run")
+  last=$(cd "$root" && ls -d "$name"/checkpoints/rollout-* 2>/dev/null | sort | tail -1)
+  (cd "$root" && tar czf "$OUT/$name.tgz" --exclude=train_state.pt --exclude=text_encoder --exclude=tokenizer \
+     "$name"/metrics.jsonl "$name"/config.json "$name"/reward_curve.png "$name"/train.log "$name"/eval ${last:+"$last"})
+done
+ls -la "$OUT"
