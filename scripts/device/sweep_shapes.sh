@@ -9,7 +9,7 @@ root=/tmp/sweep; mkdir -p "$root"
 nvidia-smi --query-gpu=name,memory.total --format=csv,noheader
 while read -r name flags; do
   [[ -z "$name" || "$name" == \#* ]] && continue
-  ( timeout $(( ${MINUTES:-7} * 60 + 90 )) python3 -m diffrl.cli.main train $flags \
+  ( timeout $(( ${MINUTES:-7} * 60 + 60 )) python3 -m diffrl.cli.main train $flags \
       --time-budget-minutes "${MINUTES:-7}" --output-dir "$root/$name" >"$root/$name.log" 2>&1
     echo "$name exit $?" ) &
 done <"${SWEEP:?set SWEEP to a sweep file}"
