@@ -300,3 +300,20 @@ def test_bad_image_input_is_rejected():
         verify(np.zeros((3, 64, 64), dtype=np.uint8), "a circle")
     with pytest.raises(TypeError):
         verify([[0, 0, 0]], "a circle")
+
+
+def test_noisy_background_fails_strictly_and_loses_partial_credit():
+    """A reward hack seen in a long RL run: a correct scene on a background of colors the
+    detector ignores. Below the limit nothing changes; above it the image fails and fades to 0."""
+    clean = render_prompt("a red circle", seed=3)
+    assert verify(clean, "a red circle").strict
+    rng = np.random.default_rng(0)
+    noisy = clean.copy()
+    background = (clean == 255).all(axis=2)
+    grey = rng.random(clean.shape[:2]) < 0.3  # ~30% of the background grey: no palette color is near
+    noisy[background & grey] = (150, 150, 150)
+    verdict = verify(noisy, "a red circle")
+    assert not verdict.strict and verdict.reason.startswith("noise:") and verdict.score == 0.0
+    light = clean.copy()
+    light[background & (rng.random(clean.shape[:2]) < 0.02)] = (150, 150, 150)
+    assert verify(light, "a red circle").strict and verify(light, "a red circle").score == 1.0

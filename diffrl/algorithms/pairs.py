@@ -83,6 +83,8 @@ def nft_pairs(
 ) -> NftPairs:
     schedule = sigmas[:-1]  # without the terminal 0
     per_sample = int(len(schedule) * timestep_fraction)
+    if per_sample < 1:
+        raise ValueError(f"timestep fraction {timestep_fraction} keeps no timestep of a {len(schedule)}-step schedule")
     rows = {name: [] for name in ("x0", "t", "noise", "advantages", "cond")}
     for s, seed in enumerate(seeds):
         g = torch.Generator().manual_seed(int(seed))

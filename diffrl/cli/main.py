@@ -9,6 +9,7 @@ import sys
 
 import tyro
 
+from diffrl.cli.compare import CompareConfig, compare
 from diffrl.cli.evaluate import EvaluateConfig, evaluate
 from diffrl.engine.server import ServeConfig, serve
 from diffrl.errors import ModelLoadError
@@ -16,7 +17,8 @@ from diffrl.recipes import recipe_config
 from diffrl.train.config import TrainConfig
 from diffrl.train.pretrain import PretrainConfig, pretrain
 
-SUBCOMMANDS = {"train": TrainConfig, "pretrain": PretrainConfig, "evaluate": EvaluateConfig, "serve": ServeConfig}
+SUBCOMMANDS = {"train": TrainConfig, "pretrain": PretrainConfig, "evaluate": EvaluateConfig, "compare": CompareConfig,
+               "serve": ServeConfig}
 
 
 def _flag_value(args: list[str], flag: str) -> str | None:
@@ -48,6 +50,8 @@ def main(argv: list[str] | None = None) -> int:
             pretrain(config)
         elif isinstance(config, ServeConfig):
             serve(config)
+        elif isinstance(config, CompareConfig):
+            compare(config)
         else:
             evaluate(config)
     except (ModelLoadError, FileExistsError, FileNotFoundError, ValueError) as err:

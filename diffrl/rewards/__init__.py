@@ -20,7 +20,10 @@ def register_reward(name: str):
 
 
 def get_reward(name: str) -> Callable:
-    """A registered reward by name, or a custom one given as a Python path `module:function`."""
+    """A registered reward by name, a weighted sum `multi:NAME=W,NAME=W`, or a custom one given as a
+    Python path `module:function`."""
+    if name.startswith("multi:"):
+        return multi_reward(_parse_weights(name.removeprefix("multi:")))
     if ":" in name:
         import importlib
 
@@ -52,3 +55,34 @@ def shapes_strict_reward(images, prompts, metadata=None) -> list[float]:
     from diffrl.utils.images import to_uint8
 
     return [float(verify(image, prompt).strict) for image, prompt in zip(to_uint8(images), prompts, strict=True)]
+
+
+def _parse_weights(spec: str) -> dict[str, float]:
+    weights = {}
+    for part in filter(None, spec.split(",")):
+        reward, sep, weight = part.partition("=")
+        try:
+            weights[reward.strip()] = float(weight) if sep else 1.0
+        except ValueError:
+            raise ValueError(f"reward multi:{spec}: weight {weight!r} of {reward!r} is not a number") from None
+    if not weights:
+        raise ValueError("reward multi: needs at least one NAME=WEIGHT")
+    return weights
+
+
+def multi_reward(weights: dict[str, float]) -> Callable:
+    """Σ w·reward; each part may be sync or async (the sum is async, the rollout manager awaits it)."""
+    import inspect
+
+    parts = [(get_reward(name), w) for name, w in weights.items()]
+
+    async def score(images, prompts, metadata=None) -> list[float]:
+        total = [0.0] * len(prompts)
+        for fn, w in parts:
+            values = fn(images, prompts, metadata)
+            if inspect.isawaitable(values):
+                values = await values
+            total = [t + w * float(v) for t, v in zip(total, values, strict=True)]
+        return total
+
+    return score

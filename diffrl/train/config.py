@@ -55,6 +55,8 @@ class TrainConfig:
     nft_ema_ramp: float = 0.001
     nft_ema_max: float = 0.5
     nft_ema_flat: int = 0
+    nft_timestep_fraction: float = 0.99
+    """NFT trains each sample at the first int(K·fraction) of its shuffled K schedule timesteps."""
 
     # rollout
     num_rollout: int = 12

@@ -57,6 +57,9 @@ def validate_config(cfg: TrainConfig) -> None:
     if not 1 <= cfg.diffusion_num_sde_steps <= hi - lo:
         raise ValueError(f"--diffusion-num-sde-steps {cfg.diffusion_num_sde_steps} does not fit in "
                          f"--diffusion-sde-window-range {lo},{hi}")
+    if cfg.loss_type == "nft" and int(cfg.diffusion_num_steps * cfg.nft_timestep_fraction) < 1:
+        raise ValueError(f"--nft-timestep-fraction {cfg.nft_timestep_fraction} keeps no timestep of "
+                         f"--diffusion-num-steps {cfg.diffusion_num_steps}")
     if cfg.diffusion_kl_beta > 0 and not cfg.use_lora and not cfg.use_ema:
         raise ValueError("--diffusion-kl-beta with a full finetune needs a reference: pass --use-lora "
                          "(reference = adapter disabled) or --use-ema")
@@ -155,11 +158,14 @@ class Trainer:
         return last
 
     def _prompts(self, k: int) -> list[str]:
-        """Category-balanced train prompts, a function of (seed, rollout index) so a resumed run repeats them."""
+        """Train prompts, a function of (seed, rollout index) so a resumed run repeats them. Categories
+        take turns across the run (group j of rollout k draws from category (k·B + j) mod C), so every
+        rollout has the same category mix when B is a multiple of C and the reward curve is not
+        shaken by the mix; the prompt within a category is random."""
         rng = np.random.default_rng([self.cfg.seed, k])
-        return [group[rng.integers(len(group))]
-                for group in (self.train_groups[rng.integers(len(self.train_groups))]
-                              for _ in range(self.cfg.rollout_batch_size))]
+        batch, n_categories = self.cfg.rollout_batch_size, len(self.train_groups)
+        groups = (self.train_groups[(k * batch + j) % n_categories] for j in range(batch))
+        return [group[rng.integers(len(group))] for group in groups]
 
     def _sde_window(self, k: int) -> list[int]:
         lo, hi = self.cfg.sde_window_range()
@@ -204,7 +210,7 @@ class Trainer:
         if nft:
             x0 = torch.stack([samples[i].output.dit_trajectory.latents[0] for i in kept])
             pairs = nft_pairs(x0, [samples[i].seed for i in kept], sigmas, adv.values[kept].float(),
-                              [env["cond"][i] for i in kept])
+                              [env["cond"][i] for i in kept], timestep_fraction=cfg.nft_timestep_fraction)
             stats = self._optimize(pairs, env, sigmas)
             with torch.no_grad():
                 self.ema.update(ema_decay(k, ramp=cfg.nft_ema_ramp, max_decay=cfg.nft_ema_max, flat=cfg.nft_ema_flat))
@@ -219,6 +225,9 @@ class Trainer:
         train_s = time.perf_counter() - start
         record.update(stats)
         record.update({"train/seconds": train_s, "train/pairs_per_s": len(pairs) / train_s, "train/pairs": len(pairs)})
+        if self.device.type == "cuda":  # since the engine's last batch: that batch, training, weights, optimizer
+            record["memory/peak_gib"] = torch.cuda.max_memory_allocated(self.device) / 2**30
+            torch.cuda.reset_peak_memory_stats(self.device)
         return record
 
     @staticmethod

@@ -1,0 +1,71 @@
+"""Load a model with a training checkpoint applied: what `diffrl evaluate` and `diffrl compare` read.
+
+A checkpoint is any of
+- a full model directory (diffusers layout with `model_index.json`), or a run checkpoint holding one
+  under `model/` (full finetune);
+- a run checkpoint with `lora/` (PEFT adapter), applied on top of the base model;
+- a directory with `transformer/` weights but no text encoder (a full finetune copied without the
+  untrained text encoder), loaded into the base model's transformer.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import torch
+
+from diffrl.errors import ModelLoadError
+from diffrl.models.base import FamilyAdapter
+from diffrl.models.registry import resolve_family
+
+
+def load_model(base_path: Path, checkpoint: Path | None = None, *, family: str | None = None,
+               device: torch.device | str = "cpu") -> FamilyAdapter:
+    """The base model, or the base model with `checkpoint` applied (see the module docstring)."""
+    family_cls = resolve_family(family, base_path)  # a checkpoint is of its base model's family
+    if checkpoint is None:
+        return family_cls.load(base_path, device=device)
+    checkpoint = Path(checkpoint)
+    if not checkpoint.is_dir():
+        raise ModelLoadError(f"checkpoint directory not found: {checkpoint}")
+    for full in (checkpoint, checkpoint / "model"):
+        if (full / "model_index.json").is_file() and (full / "text_encoder").is_dir():
+            return family_cls.load(full, device=device)
+    model = family_cls.load(base_path, device=device)
+    lora_dir = checkpoint / "lora" if (checkpoint / "lora").is_dir() else checkpoint
+    if (lora_dir / "adapter_config.json").is_file():
+        _apply_lora(model.transformer, lora_dir)
+        return model
+    for weights_dir in (checkpoint / "transformer", checkpoint / "model" / "transformer"):
+        weights = weights_dir / "diffusion_pytorch_model.safetensors"
+        if weights.is_file():
+            _load_transformer_weights(model.transformer, weights)
+            return model
+    raise ModelLoadError(f"{checkpoint} holds no model: expected model_index.json, model/, lora/adapter_config.json "
+                         "or transformer/diffusion_pytorch_model.safetensors")
+
+
+def _apply_lora(transformer: torch.nn.Module, lora_dir: Path) -> None:
+    from peft import LoraConfig, set_peft_model_state_dict
+    from safetensors.torch import load_file
+
+    weights = lora_dir / "adapter_model.safetensors"
+    if not weights.is_file():
+        raise ModelLoadError(f"missing file: {weights}")
+    transformer.add_adapter(LoraConfig.from_pretrained(str(lora_dir)))
+    result = set_peft_model_state_dict(transformer, load_file(str(weights)))
+    if result.unexpected_keys:
+        raise ModelLoadError(f"{weights} does not fit this model: unexpected keys {result.unexpected_keys[:3]}…")
+
+
+def _load_transformer_weights(transformer: torch.nn.Module, weights: Path) -> None:
+    from safetensors import SafetensorError
+    from safetensors.torch import load_file
+
+    try:
+        state = load_file(str(weights))
+    except (SafetensorError, OSError) as err:
+        raise ModelLoadError(f"corrupt file: {weights} ({err})") from None
+    missing, unexpected = transformer.load_state_dict(state, strict=False)
+    if missing or unexpected:
+        raise ModelLoadError(f"{weights} does not fit this model: missing {missing[:3]}, unexpected {unexpected[:3]}")

@@ -1,0 +1,70 @@
+"""Checkpoints applied to a base model, and the base-vs-trained comparison."""
+
+import json
+
+import pytest
+import torch
+
+from diffrl.cli.main import main as cli_main
+from diffrl.errors import ModelLoadError
+from diffrl.evaluation.compare import outcome
+from diffrl.models.checkpoint import load_model
+from diffrl.train.trainer import Trainer
+from test_trainer import tiny_config
+
+
+def _transformer_equal(a, b) -> bool:
+    sa, sb = a.transformer.state_dict(), b.transformer.state_dict()
+    return sa.keys() == sb.keys() and all(torch.equal(sa[k], sb[k]) for k in sa)
+
+
+@pytest.mark.parametrize("use_lora", [False, True])
+def test_a_run_checkpoint_loads_as_the_trained_model(tiny_model_dir, tmp_path, use_lora):
+    trainer = Trainer(tiny_config(tiny_model_dir, tmp_path / "run", use_lora=use_lora))
+    trainer.rollout_and_update(0)
+    trainer.rollout_index = 1
+    path = trainer.save_checkpoint()
+    loaded = load_model(tiny_model_dir, path)
+    base = load_model(tiny_model_dir)
+    assert not _transformer_equal(loaded, base)
+    # The loaded model samples exactly what the trainer's model samples.
+    from diffrl.evaluation.shapes import generate
+
+    kwargs = dict(num_steps=2, guidance_scale=1.0)
+    torch.testing.assert_close(generate(loaded, ["a red circle"], [3], **kwargs),
+                               generate(trainer.family, ["a red circle"], [3], **kwargs), rtol=0, atol=1e-6)
+
+
+def test_transformer_only_checkpoint_and_bad_paths(tiny_model_dir, tiny_family, tmp_path):
+    with torch.no_grad():
+        for p in tiny_family.transformer.parameters():
+            p.add_(0.01)
+    tiny_family.transformer.save_pretrained(tmp_path / "ckpt" / "transformer", safe_serialization=True)
+    loaded = load_model(tiny_model_dir, tmp_path / "ckpt")
+    assert _transformer_equal(loaded, tiny_family)
+    (tmp_path / "empty").mkdir()
+    with pytest.raises(ModelLoadError, match="holds no model"):
+        load_model(tiny_model_dir, tmp_path / "empty")
+    with pytest.raises(ModelLoadError, match="not found"):
+        load_model(tiny_model_dir, tmp_path / "missing")
+
+
+def test_outcome_rules():
+    assert outcome(0, 1, 0.9, 0.5) == "win"  # a strict pass beats any partial credit
+    assert outcome(1, 0, 0.5, 0.9) == "loss"
+    assert outcome(1, 1, 0.7, 0.7) == "tie"
+    assert outcome(0, 0, 0.5, 0.75) == "win"
+    assert outcome(0, 0, 0.75, 0.5) == "loss"
+
+
+def test_compare_command_writes_report_and_grid(tiny_model_dir, tmp_path, capsys):
+    out = tmp_path / "cmp"
+    # The base against itself: every prompt ties, and the report says so.
+    code = cli_main(["compare", "--trained", str(tiny_model_dir), "--base", str(tiny_model_dir), "--num-prompts", "4",
+                     "--num-steps", "2", "--device", "cpu", "--output-dir", str(out)])
+    assert code == 0
+    report = json.loads((out / "report.json").read_text())
+    assert report["win_tie_loss"] == {"win": 0, "tie": 4, "loss": 0}
+    assert len(report["prompts"]) == 4 and (out / "side_by_side.png").is_file()
+    assert "4 ties" in capsys.readouterr().out
+    assert cli_main(["compare", "--trained", str(tmp_path / "nope"), "--device", "cpu"]) == 2
