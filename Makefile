@@ -7,7 +7,7 @@ setup:
 	@bash scripts/setup.sh
 
 demo: setup
-	$(PY) -m diffrl.cli.main evaluate
+	$(PY) -m diffrl.cli.main train --recipe shapes-nft
 
 test: setup
 	$(PY) -m pytest

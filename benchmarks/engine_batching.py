@@ -12,11 +12,11 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import json
 import platform
 import time
 
 import torch
+from report import emit
 
 from diffrl.engine.engine import Engine, EngineConfig
 from diffrl.models import resolve_family
@@ -70,10 +70,7 @@ def main() -> None:
                                   "denoise_batches": batches, "max_abs_diff_vs_first": float((images - reference).abs().max())}
         print(f"max_batch_outputs={limit:<4} {len(images) / seconds:8.2f} images/s  ({seconds:.2f} s, "
               f"{batches} batches for {args.groups * -(-args.n // args.m)} requests)", flush=True)
-    print(json.dumps(results, indent=2))
-    if args.out:
-        with open(args.out, "w") as f:
-            json.dump(results, f, indent=2)
+    emit(results, args.out)
 
 
 if __name__ == "__main__":

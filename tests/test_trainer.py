@@ -119,3 +119,35 @@ def test_unknown_rewards_are_named():
     with pytest.raises(ValueError, match="cannot be imported"):
         get_reward("no_such_module:fn")
     assert get_reward("rewards_for_tests:darkness") is not None
+
+
+def test_gradient_checkpointing_gives_the_same_update(tiny_model_dir, tmp_path):
+    results = []
+    for flag in (False, True):
+        trainer = Trainer(tiny_config(tiny_model_dir, tmp_path / f"run-{flag}", gradient_checkpointing=flag))
+        assert trainer.family.transformer.gradient_checkpointing is flag
+        record = trainer.rollout_and_update(0)
+        results.append((record["train/loss"], [p.detach().clone() for p in trainer.params]))
+    (loss_a, params_a), (loss_b, params_b) = results
+    assert loss_a == pytest.approx(loss_b, rel=1e-6)
+    for a, b in zip(params_a, params_b, strict=True):
+        torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-7)
+
+
+def test_bf16_forward_is_shared_by_engine_and_trainer(tiny_model_dir, tmp_path):
+    trainer = Trainer(tiny_config(tiny_model_dir, tmp_path / "run", mixed_precision="bf16"))
+    family = trainer.family
+    assert family.autocast_dtype is torch.bfloat16 and trainer.engine.family is family
+    x = torch.randn(2, 256, 48)
+    cond = family.encode_prompts(["a red circle"]).repeat(2)
+    from diffrl.models.base import Latents
+
+    latents = Latents(x, family.prepare_latents([torch.Generator().manual_seed(0)] * 2, 64, 64).ids)
+    v_bf16 = family.velocity(family.transformer, latents, torch.full((2,), 0.5), cond, None, 1.0)
+    family.autocast_dtype = None
+    v_fp32 = family.velocity(family.transformer, latents, torch.full((2,), 0.5), cond, None, 1.0)
+    family.autocast_dtype = torch.bfloat16
+    assert v_bf16.dtype == torch.float32 and not torch.equal(v_bf16, v_fp32)  # autocast really ran
+    torch.testing.assert_close(v_bf16, v_fp32, rtol=0.05, atol=0.05)
+    record = trainer.rollout_and_update(0)
+    assert record["train/log_prob_mean_abs_diff"] < 0.05 and torch.isfinite(torch.tensor(record["train/loss"]))

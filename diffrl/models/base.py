@@ -67,6 +67,16 @@ class FamilyAdapter(ABC):
     lora_target_modules: ClassVar[tuple[str, ...]]
 
     transformer: torch.nn.Module
+    # Mixed precision of the transformer forward (weights stay as loaded, e.g. fp32 masters):
+    # None = the weights' dtype, torch.bfloat16 = bf16 autocast. Set once on the shared object, so
+    # the engine's rollouts and the trainer's forwards always run at the same precision.
+    autocast_dtype: torch.dtype | None = None
+
+    def forward_precision(self):
+        """The context every transformer call of `velocity` runs in (see `autocast_dtype`)."""
+        device_type = next(self.transformer.parameters()).device.type
+        return torch.autocast(device_type, dtype=self.autocast_dtype or torch.float32,
+                              enabled=self.autocast_dtype is not None)
 
     @classmethod
     @abstractmethod

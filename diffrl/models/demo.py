@@ -304,18 +304,22 @@ class DemoFamily(FamilyAdapter):
             if uncond is None:
                 raise ValueError("guidance_scale > 1 needs the unconditional (negative) conditioning")
             both = uncond.cat(cond)
-            v_uncond, v_cond = transformer(
-                hidden_states=torch.cat([tokens, tokens]).to(dtype),
-                encoder_hidden_states=both.embeds.to(dtype),
-                timestep=torch.cat([sigma, sigma]).to(dtype),
-                img_ids=latents.ids, txt_ids=both.ids, return_dict=False,
-            )[0].float().chunk(2)
+            with self.forward_precision():
+                out = transformer(
+                    hidden_states=torch.cat([tokens, tokens]).to(dtype),
+                    encoder_hidden_states=both.embeds.to(dtype),
+                    timestep=torch.cat([sigma, sigma]).to(dtype),
+                    img_ids=latents.ids, txt_ids=both.ids, return_dict=False,
+                )[0]
+            v_uncond, v_cond = out.float().chunk(2)
             return v_uncond + guidance_scale * (v_cond - v_uncond)
         # CFG off: one conditional forward per step.
-        return transformer(
-            hidden_states=tokens.to(dtype), encoder_hidden_states=cond.embeds.to(dtype),
-            timestep=sigma.to(dtype), img_ids=latents.ids, txt_ids=cond.ids, return_dict=False,
-        )[0].float()
+        with self.forward_precision():
+            out = transformer(
+                hidden_states=tokens.to(dtype), encoder_hidden_states=cond.embeds.to(dtype),
+                timestep=sigma.to(dtype), img_ids=latents.ids, txt_ids=cond.ids, return_dict=False,
+            )[0]
+        return out.float()
 
     def decode(self, latents: torch.Tensor, height: int, width: int) -> torch.Tensor:
         images = unpatchify(latents.float(), height, width, self.config.patch_size)

@@ -25,6 +25,11 @@ class TrainConfig:
     device: str = "auto"
     deterministic_mode: bool = False
     """torch.use_deterministic_algorithms: slower, bit-reproducible where the hardware allows."""
+    mixed_precision: Literal["auto", "no", "bf16"] = "auto"
+    """Transformer forward precision for rollouts and training alike (weights stay fp32 masters):
+    auto = bf16 autocast on CUDA, fp32 elsewhere."""
+    gradient_checkpointing: bool = False
+    """Recompute each block's activations in the backward pass (less memory, ~1/3 more compute)."""
     float32_matmul_precision: Literal["highest", "high", "medium"] = "high"
     """torch.set_float32_matmul_precision; "high" lets GPUs use TF32 (engine and trainer alike, so the
     first-pass ratio stays 1). No effect on CPU."""

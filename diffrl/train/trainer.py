@@ -89,6 +89,10 @@ class Trainer:
         torch.manual_seed(cfg.seed)
         self.family = resolve_family(cfg.diffusion_model_family, cfg.model_path).load(cfg.model_path, device=self.device)
         transformer = self.family.transformer
+        bf16 = cfg.mixed_precision == "bf16" or (cfg.mixed_precision == "auto" and self.device.type == "cuda")
+        self.family.autocast_dtype = torch.bfloat16 if bf16 else None  # the engine shares the family
+        if cfg.gradient_checkpointing:
+            transformer.enable_gradient_checkpointing()  # active only when gradients are (training)
         if cfg.use_lora:
             from peft import LoraConfig
 
@@ -310,7 +314,8 @@ class Trainer:
         if cfg.diffusion_kl_beta > 0:
             with torch.no_grad(), self._reference():
                 ref_mean = step(self._velocity(x, sigma, cond, uncond, guidance, env)).mean
-        # Same precision as the engine's rollout (no autocast), so the first pass reproduces its log-probs.
+        # The family's forward precision is the engine's too, so the first pass reproduces its log-probs
+        # (exactly in fp32; bf16 kernels may round differently at the trainer's batch size).
         v = self._velocity(x, sigma, cond, uncond, guidance, env)
         out = step(v)
         terms = flow_grpo_loss(out.log_prob, batch.old_log_prob.to(dev), batch.advantages.to(dev),
@@ -431,9 +436,24 @@ def run_summary(records: list[dict], window: int = 4) -> str:
 
         (m0, s0), (m1, s1) = mean_se(rewards[:w]), mean_se(rewards[-w:])
         lines.append(f"reward: first {w} rollouts {m0:.3f} ± {s0:.3f} → last {w} rollouts {m1:.3f} ± {s1:.3f}")
+    if len(rewards) >= 3:
+        slope, se = reward_trend(rewards)
+        lines.append(f"reward trend: {slope:+.4f} ± {se:.4f} per rollout (least squares over {len(rewards)} rollouts)")
     if len(evals) >= 2:
         lines.append(f"held-out strict accuracy: rollout {evals[0][0]} {evals[0][1]:.3f} → rollout {evals[-1][0]} {evals[-1][1]:.3f}")
     return "\n".join(lines)
+
+
+def reward_trend(rewards: list[float]) -> tuple[float, float]:
+    """Least-squares slope of reward against rollout index and its standard error: a rise is
+    "beyond noise" when the slope is several standard errors above 0."""
+    x = np.arange(len(rewards), dtype=np.float64)
+    y = np.asarray(rewards, dtype=np.float64)
+    xc = x - x.mean()
+    slope = float(xc @ (y - y.mean()) / (xc @ xc))
+    residuals = y - y.mean() - slope * xc
+    se = float(np.sqrt(residuals @ residuals / (len(y) - 2) / (xc @ xc)))
+    return slope, se
 
 
 def train(cfg: TrainConfig) -> dict:
