@@ -65,6 +65,8 @@ class FamilyAdapter(ABC):
     timestep_scale: ClassVar[float] = 1.0
     # Module names peft wraps when training a LoRA.
     lora_target_modules: ClassVar[tuple[str, ...]]
+    # Attributes of the transformer holding its repeated blocks (each one an FSDP unit).
+    block_lists: ClassVar[tuple[str, ...]]
 
     transformer: torch.nn.Module
     # Mixed precision of the transformer forward (weights stay as loaded, e.g. fp32 masters):

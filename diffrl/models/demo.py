@@ -119,14 +119,17 @@ def _embed_rows_one_at_a_time(embedder: torch.nn.Module) -> None:
     there; training batches pay one tiny call per distinct timestep. Sample k then gets the same
     velocity whatever batch, microgroup or trainer micro-batch it sits in (exactly, on CPU).
     """
-    forward = embedder.forward
+    # A subclass rather than a patched bound method: a deep copy of the model (an old policy, a
+    # reference) then calls its own weights, not the original's.
+    embedder.__class__ = type(f"RowWise{type(embedder).__name__}", (_RowWiseForward, type(embedder)), {})
 
-    def rowwise_forward(sample, *args, **kwargs):
+
+class _RowWiseForward:
+    def forward(self, sample, *args, **kwargs):
         unique, inverse = torch.unique(sample, dim=0, return_inverse=True)
-        rows = [forward(unique[i : i + 1], *args, **kwargs) for i in range(unique.shape[0])]
+        one_row = super().forward  # outside the comprehension: zero-argument super needs this frame
+        rows = [one_row(unique[i : i + 1], *args, **kwargs) for i in range(unique.shape[0])]
         return torch.cat(rows)[inverse]
-
-    embedder.forward = rowwise_forward
 
 
 def _read_json(path: Path) -> dict:
@@ -161,6 +164,7 @@ class DemoFamily(FamilyAdapter):
     name_patterns = ("demo",)
     default_guidance_scale = 3.0
     lora_target_modules = ("to_q", "to_k", "to_v", "to_out.0", "linear_in", "linear_out")
+    block_lists = ("mode_blocks", "txt_mode_blocks", "single_transformer_blocks")
 
     def __init__(
         self,

@@ -1,0 +1,88 @@
+"""Data parallelism for the trainer: process group, FSDP2 sharding of a family's transformer, and
+the full (unsharded) weights the engines and checkpoints need.
+
+Launched with torchrun (`RANK`, `WORLD_SIZE`, `LOCAL_RANK` in the environment); a plain process is
+world size 1 and nothing here changes it. Parallelism is applied as a separate step on an
+already-built model (torchtitan's pattern): `shard_transformer` wraps each transformer block, then
+the root, with `fully_shard`; gradients are averaged over ranks by FSDP's reduce-scatter, so a rank
+that averages its loss over its own equal share of the batch computes the global mean's gradient.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
+from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+
+
+@dataclass(frozen=True)
+class Parallel:
+    rank: int = 0
+    world_size: int = 1
+    mesh: DeviceMesh | None = None
+
+    @property
+    def is_main(self) -> bool:
+        return self.rank == 0
+
+    @property
+    def enabled(self) -> bool:
+        return self.world_size > 1
+
+    def shard_of(self, total: int, what: str) -> slice:
+        """This rank's contiguous equal share of `total` items (refused when it does not divide)."""
+        if total % self.world_size:
+            raise ValueError(f"{what} = {total} must be divisible by the number of ranks ({self.world_size})")
+        size = total // self.world_size
+        return slice(self.rank * size, (self.rank + 1) * size)
+
+
+def init_parallel(device: torch.device) -> Parallel:
+    """Join the torchrun process group when there is one (gloo on CPU, NCCL on GPU)."""
+    world_size = int(os.environ.get("WORLD_SIZE", "1"))
+    if world_size == 1:
+        return Parallel()
+    if not dist.is_initialized():
+        dist.init_process_group("nccl" if device.type == "cuda" else "gloo")
+    if device.type == "cuda":
+        torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
+    return Parallel(dist.get_rank(), world_size, init_device_mesh(device.type, (world_size,)))
+
+
+def shard_transformer(transformer: torch.nn.Module, block_lists: tuple[str, ...], mesh: DeviceMesh,
+                      param_dtype: torch.dtype | None = None) -> None:
+    """FSDP2 over each block of the named block lists, then the root. With `param_dtype` (bf16) the
+    forward gathers weights in that dtype while masters, gradients' reduction and the optimizer stay fp32."""
+    policy = MixedPrecisionPolicy(param_dtype=param_dtype, reduce_dtype=torch.float32)
+    for name in block_lists:
+        for block in _blocks(getattr(transformer, name)):
+            fully_shard(block, mesh=mesh, mp_policy=policy)
+    fully_shard(transformer, mesh=mesh, mp_policy=policy)
+
+
+def _blocks(container: torch.nn.Module) -> list[torch.nn.Module]:
+    """The blocks of a ModuleList, of each ModuleList in a ModuleDict (per-mode blocks), or the module."""
+    if isinstance(container, torch.nn.ModuleDict):
+        return [b for child in container.values() for b in _blocks(child)]
+    if isinstance(container, torch.nn.ModuleList):
+        return list(container)
+    return [container]
+
+
+def full_tensor(t: torch.Tensor) -> torch.Tensor:
+    """The whole tensor behind a (possibly sharded) parameter, gradient or norm. Collective for
+    sharded tensors: every rank must call it, in the same order."""
+    return t.full_tensor() if hasattr(t, "full_tensor") else t
+
+
+def all_gather_rows(local: torch.Tensor, parallel: Parallel) -> torch.Tensor:
+    """Concatenate every rank's rows in rank order (e.g. rewards, for batch-wide advantages)."""
+    if not parallel.enabled:
+        return local
+    parts = [torch.empty_like(local) for _ in range(parallel.world_size)]
+    dist.all_gather(parts, local.contiguous())
+    return torch.cat(parts)
