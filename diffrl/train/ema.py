@@ -11,15 +11,22 @@ from collections.abc import Iterable
 import torch
 
 
+def _local(t: torch.Tensor) -> torch.Tensor:
+    """A parameter's own storage: the local shard of an FSDP2 (DTensor) parameter, else itself."""
+    return t.to_local() if hasattr(t, "to_local") else t
+
+
 class ParameterEMA:
+    """Kept per rank on the parameters' local shards when the model is sharded (elementwise math)."""
+
     def __init__(self, params: Iterable[torch.nn.Parameter]):
         self.params = list(params)
-        self.shadow = [p.detach().clone() for p in self.params]
+        self.shadow = [_local(p.detach()).clone() for p in self.params]
 
     @torch.no_grad()
     def update(self, decay: float) -> None:
         """shadow ← decay·shadow + (1 − decay)·param."""
-        torch._foreach_lerp_(self.shadow, [p.detach() for p in self.params], 1 - decay)
+        torch._foreach_lerp_(self.shadow, [_local(p.detach()) for p in self.params], 1 - decay)
 
     def state_dict(self) -> list[torch.Tensor]:
         return self.shadow
@@ -32,11 +39,12 @@ class ParameterEMA:
     @contextlib.contextmanager
     def swapped_in(self):
         """Inside the block the live parameters hold the EMA values; restored on exit."""
-        backup = [p.detach().clone() for p in self.params]
+        live = [_local(p.data) for p in self.params]
+        backup = [t.clone() for t in live]
         with torch.no_grad():
-            torch._foreach_copy_([p.data for p in self.params], self.shadow)
+            torch._foreach_copy_(live, self.shadow)
         try:
             yield
         finally:
             with torch.no_grad():
-                torch._foreach_copy_([p.data for p in self.params], backup)
+                torch._foreach_copy_(live, backup)

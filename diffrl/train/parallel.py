@@ -16,7 +16,7 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
-from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+from torch.distributed.fsdp import fully_shard
 
 
 @dataclass(frozen=True)
@@ -53,15 +53,13 @@ def init_parallel(device: torch.device) -> Parallel:
     return Parallel(dist.get_rank(), world_size, init_device_mesh(device.type, (world_size,)))
 
 
-def shard_transformer(transformer: torch.nn.Module, block_lists: tuple[str, ...], mesh: DeviceMesh,
-                      param_dtype: torch.dtype | None = None) -> None:
-    """FSDP2 over each block of the named block lists, then the root. With `param_dtype` (bf16) the
-    forward gathers weights in that dtype while masters, gradients' reduction and the optimizer stay fp32."""
-    policy = MixedPrecisionPolicy(param_dtype=param_dtype, reduce_dtype=torch.float32)
+def shard_transformer(transformer: torch.nn.Module, block_lists: tuple[str, ...], mesh: DeviceMesh) -> None:
+    """FSDP2 over each block of the named block lists, then the root. Weights, gradient reduction and
+    the optimizer stay fp32; a bf16 forward comes from the family's autocast (`autocast_dtype`)."""
     for name in block_lists:
         for block in _blocks(getattr(transformer, name)):
-            fully_shard(block, mesh=mesh, mp_policy=policy)
-    fully_shard(transformer, mesh=mesh, mp_policy=policy)
+            fully_shard(block, mesh=mesh)
+    fully_shard(transformer, mesh=mesh)
 
 
 def _blocks(container: torch.nn.Module) -> list[torch.nn.Module]:
@@ -83,6 +81,33 @@ def all_gather_rows(local: torch.Tensor, parallel: Parallel) -> torch.Tensor:
     """Concatenate every rank's rows in rank order (e.g. rewards, for batch-wide advantages)."""
     if not parallel.enabled:
         return local
+    local = local.to(_comm_device(parallel)).contiguous()
     parts = [torch.empty_like(local) for _ in range(parallel.world_size)]
-    dist.all_gather(parts, local.contiguous())
-    return torch.cat(parts)
+    dist.all_gather(parts, local)
+    return torch.cat(parts).cpu()
+
+
+def _comm_device(parallel: Parallel) -> torch.device:
+    """Where collective inputs must live: the GPU for NCCL, the CPU for gloo."""
+    if parallel.mesh is not None and parallel.mesh.device_type == "cuda":
+        return torch.device("cuda", torch.cuda.current_device())
+    return torch.device("cpu")
+
+
+def any_rank(flag: bool, parallel: Parallel) -> bool:
+    """True when `flag` is true on any rank (decisions that every rank must take together)."""
+    if not parallel.enabled:
+        return flag
+    t = torch.tensor([float(flag)], device=_comm_device(parallel))
+    dist.all_reduce(t, op=dist.ReduceOp.MAX)
+    return bool(t.item())
+
+
+def mean_over_ranks(stats: dict[str, float], parallel: Parallel) -> dict[str, float]:
+    """Per-rank statistics (same keys everywhere) averaged over ranks, for logging."""
+    if not parallel.enabled:
+        return stats
+    keys = sorted(stats)
+    t = torch.tensor([stats[k] for k in keys], dtype=torch.float64, device=_comm_device(parallel))
+    dist.all_reduce(t)
+    return dict(zip(keys, (t / parallel.world_size).tolist(), strict=True))

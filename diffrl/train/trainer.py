@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import copy
 import dataclasses
 import json
 import time
@@ -41,6 +42,7 @@ from diffrl.sampling import transition
 from diffrl.train.config import TrainConfig
 from diffrl.train.ema import ParameterEMA
 from diffrl.train.metrics import MetricsLogger
+from diffrl.train.parallel import Parallel, all_gather_rows, any_rank, full_tensor, init_parallel, mean_over_ranks, shard_transformer
 from diffrl.utils.device import resolve_device
 
 
@@ -68,23 +70,39 @@ def validate_config(cfg: TrainConfig) -> None:
             raise ValueError(f"--{name.replace('_', '-')} must be >= 1")
 
 
+def validate_parallel(cfg: TrainConfig, parallel: Parallel) -> None:
+    """What a torchrun run needs beyond `validate_config`: equal shares, a shared run folder."""
+    parallel.shard_of(cfg.rollout_batch_size, "--rollout-batch-size")
+    parallel.shard_of(cfg.global_batch_size, "--global-batch-size")
+    if cfg.output_dir is None:
+        raise ValueError("several ranks need an explicit --output-dir (each would stamp its own)")
+    if cfg.resume:
+        raise ValueError("--resume is single-process for now: sharded optimizer state is not checkpointed yet")
+    if cfg.drop_zero_std_groups:
+        raise ValueError("--drop-zero-std-groups would give ranks unequal shares; use it single-process")
+
+
 class Trainer:
     def __init__(self, cfg: TrainConfig):
         validate_config(cfg)
+        self.device = resolve_device(cfg.device)
+        self.parallel = init_parallel(self.device)
+        if self.parallel.enabled:
+            validate_parallel(cfg, self.parallel)
         if cfg.output_dir is None:
             if cfg.resume:
                 raise ValueError("--resume needs the --output-dir of the run to continue")
             stamp = time.strftime("%Y%m%d-%H%M%S")
             cfg = dataclasses.replace(cfg, output_dir=Path("runs") / f"{cfg.recipe or cfg.loss_type}-{stamp}")
         self.cfg = cfg
-        self.device = resolve_device(cfg.device)
         if cfg.deterministic_mode:
             torch.use_deterministic_algorithms(True)
         torch.set_float32_matmul_precision(cfg.float32_matmul_precision)
         out = cfg.output_dir
-        if out.exists() and any(out.iterdir()) and not cfg.resume:
-            raise FileExistsError(f"{out} is not empty; pass --resume to continue it or choose another --output-dir")
-        out.mkdir(parents=True, exist_ok=True)
+        if self.parallel.is_main:
+            if out.exists() and any(out.iterdir()) and not cfg.resume:
+                raise FileExistsError(f"{out} is not empty; pass --resume to continue it or choose another --output-dir")
+            out.mkdir(parents=True, exist_ok=True)
 
         torch.manual_seed(cfg.seed)
         self.family = resolve_family(cfg.diffusion_model_family, cfg.model_path).load(cfg.model_path, device=self.device)
@@ -98,15 +116,20 @@ class Trainer:
 
             transformer.add_adapter(LoraConfig(r=cfg.lora_rank, lora_alpha=cfg.lora_alpha, init_lora_weights="gaussian",
                                                target_modules=list(self.family.lora_target_modules)))
-            self.params = [p for n, p in transformer.named_parameters() if "lora_" in n]
+        if self.parallel.enabled:
+            # The engine samples from a full copy whose weights are synced from the shards before each
+            # rollout and evaluation; the trainer's copy is sharded with FSDP2 over the family's blocks.
+            engine_family = copy.deepcopy(self.family)
+            shard_transformer(transformer, self.family.block_lists, self.parallel.mesh)
         else:
-            self.params = list(transformer.parameters())
+            engine_family = self.family  # shares the trained module: every update is live for the engine
+        self.params = [p for n, p in transformer.named_parameters() if not cfg.use_lora or "lora_" in n]
         for p in self.params:
             p.requires_grad_(True)
         self.optimizer = torch.optim.AdamW(self.params, lr=cfg.lr, weight_decay=cfg.weight_decay)
         self.ema = ParameterEMA(self.params) if (cfg.use_ema or cfg.loss_type == "nft") else None
 
-        self.engine = Engine(self.family, EngineConfig(max_outputs_per_request=max(64, cfg.rollout_microgroup_size),
+        self.engine = Engine(engine_family, EngineConfig(max_outputs_per_request=max(64, cfg.rollout_microgroup_size),
                                                        max_batch_outputs=cfg.engine_max_batch_outputs))
         self.manager = RolloutManager(
             [InProcessEngineClient(self.engine)],
@@ -123,29 +146,36 @@ class Trainer:
         self.elapsed_s = 0.0  # rollout + train wall clock of the run so far
         if cfg.resume:
             self._load_checkpoint()
-        (out / "config.json").write_text(json.dumps(dataclasses.asdict(cfg), default=str, indent=2) + "\n")
-        self.metrics = MetricsLogger(out)
+        self.metrics = None
+        if self.parallel.is_main:
+            (out / "config.json").write_text(json.dumps(dataclasses.asdict(cfg), default=str, indent=2) + "\n")
+            self.metrics = MetricsLogger(out)
 
     # ------------------------------------------------------------------ the loop
     def train(self) -> dict:
         cfg = self.cfg
-        bar = tqdm(total=cfg.num_rollout, initial=self.rollout_index, desc=f"train {cfg.loss_type}", dynamic_ncols=True)
+        main = self.parallel.is_main
+        bar = tqdm(total=cfg.num_rollout, initial=self.rollout_index, desc=f"train {cfg.loss_type}", dynamic_ncols=True,
+                   disable=not main)
         last = {}
         if self.rollout_index == 0:
-            self.metrics.log(0, self.evaluate(0))
+            record = self.evaluate(0)
+            if main:
+                self.metrics.log(0, record)
         started = time.perf_counter() - self.elapsed_s  # wall clock carries over a resume
         while self.rollout_index < cfg.num_rollout:
             k = self.rollout_index
             record = self.rollout_and_update(k)
             self.rollout_index = k + 1
             self.elapsed_s = time.perf_counter() - started
-            last_one = self.rollout_index == cfg.num_rollout or (
-                cfg.time_budget_minutes is not None and self.elapsed_s >= 60 * cfg.time_budget_minutes)
+            last_one = any_rank(self.rollout_index == cfg.num_rollout or (
+                cfg.time_budget_minutes is not None and self.elapsed_s >= 60 * cfg.time_budget_minutes), self.parallel)
             record["time/elapsed_s"] = self.elapsed_s  # rollouts + training; evals and checkpoints excluded
             paused = time.perf_counter()
             if self.rollout_index % cfg.eval_interval == 0 or last_one:
                 record.update(self.evaluate(self.rollout_index))
-            self.metrics.log(self.rollout_index, record)
+            if main:
+                self.metrics.log(self.rollout_index, record)
             if self.rollout_index % cfg.checkpoint_interval == 0 or last_one:
                 self.save_checkpoint()
             started += time.perf_counter() - paused
@@ -155,10 +185,11 @@ class Trainer:
             if last_one:
                 break
         bar.close()
-        curve = self.metrics.plot_curves()
-        print(run_summary(self.metrics.records()))
-        print(f"run folder: {cfg.output_dir}  (metrics.jsonl, tensorboard/, eval/, checkpoints/, {curve.name})")
-        self.metrics.close()
+        if main:
+            curve = self.metrics.plot_curves()
+            print(run_summary(self.metrics.records()))
+            print(f"run folder: {cfg.output_dir}  (metrics.jsonl, tensorboard/, eval/, checkpoints/, {curve.name})")
+            self.metrics.close()
         return last
 
     def _prompts(self, k: int) -> list[str]:
@@ -192,15 +223,28 @@ class Trainer:
                            rollout_sde_step_indices=window, rollout_return_dit_trajectory=True,
                            rollout_return_denoising_env=True)
         self.manager.config.request = request
+        prompts = self._prompts(k)
+        # Each rank rolls out its share of the groups, with the group indices (hence seeds) that the
+        # groups have in a single-process run; the group counter stays global.
+        mine = self.parallel.shard_of(len(prompts), "--rollout-batch-size") if self.parallel.enabled else slice(0, len(prompts))
+        first_group = self.manager.next_group_index
+        self.manager.next_group_index = first_group + mine.start
         start = time.perf_counter()
-        with (self.ema.swapped_in() if nft else contextlib.nullcontext()):
-            groups = asyncio.run(self.manager.rollout(self._prompts(k)))
+        with self._engine_weights(ema=nft):
+            groups = asyncio.run(self.manager.rollout(prompts[mine]))
+        self.manager.next_group_index = first_group + len(prompts)
         rollout_s = time.perf_counter() - start
         samples = [s for g in groups for s in g]
-        rewards = torch.tensor([s.reward for s in samples], dtype=torch.float64)
-        adv = compute_advantages(rewards, [s.prompt for s in samples], globalize_reward_mean=cfg.globalize_reward_mean,
+        local_rewards = torch.tensor([s.reward for s in samples], dtype=torch.float64)
+        # Advantages from every rank's rewards (batch-wide statistics see the whole rollout), then our rows.
+        rewards = all_gather_rows(local_rewards, self.parallel)
+        n = cfg.n_samples_per_prompt
+        adv = compute_advantages(rewards, [p for p in prompts for _ in range(n)],
+                                 globalize_reward_mean=cfg.globalize_reward_mean,
                                  globalize_reward_std=cfg.globalize_reward_std,
                                  drop_zero_std_groups=cfg.drop_zero_std_groups)
+        rows = slice(mine.start * n, mine.stop * n)
+        adv = dataclasses.replace(adv, values=adv.values[rows], keep=adv.keep[rows])
         record = {"rollout/reward/raw_mean": rewards.mean().item(), "rollout/reward/std": rewards.std().item(),
                   "rollout/zero_std_ratio": adv.zero_std_ratio, "rollout/seconds": rollout_s,
                   "rollout/images_per_s": len(samples) / rollout_s, "rollout/sde_window_start": window[0] if window else -1}
@@ -233,6 +277,22 @@ class Trainer:
             record["memory/peak_gib"] = torch.cuda.max_memory_allocated(self.device) / 2**30
             torch.cuda.reset_peak_memory_stats(self.device)
         return record
+
+    @contextlib.contextmanager
+    def _engine_weights(self, ema: bool):
+        """The engine samples with the EMA (NFT's old policy; evaluation with --use-ema) or the current
+        weights. Single process: swapped into the shared module for the block. Several ranks: the
+        full weights are gathered from the shards into the engine's own copy (every rank calls this)."""
+        swap = self.ema.swapped_in() if ema else contextlib.nullcontext()
+        if not self.parallel.enabled:
+            with swap:
+                yield
+            return
+        with swap, torch.no_grad():
+            engine_params = dict(self.engine.family.transformer.named_parameters())
+            for name, p in self.family.transformer.named_parameters():
+                engine_params[name].copy_(full_tensor(p.detach()))
+        yield
 
     @staticmethod
     def _conditioning(samples) -> dict:
@@ -268,7 +328,10 @@ class Trainer:
                     loss, stats = self._nft_micro_batch(batch, env)
                 if not torch.isfinite(loss):
                     step_stats["train/nonfinite_loss"] = 1.0
-                    continue
+                    if not self.parallel.enabled:
+                        continue
+                    # Every rank must run the same backward passes (FSDP's collectives); the global
+                    # gradient norm is then non-finite on all of them and the step is skipped below.
                 (loss * weight).backward()
                 for key, value in stats.items():
                     step_stats[key] = step_stats.get(key, 0.0) + value * weight
@@ -276,7 +339,7 @@ class Trainer:
                 self.optimizer.zero_grad(set_to_none=True)
                 totals["train/skipped_steps"] = totals.get("train/skipped_steps", 0.0) + 1
                 continue
-            grad_norm = torch.nn.utils.clip_grad_norm_(self.params, cfg.grad_clip)
+            grad_norm = full_tensor(torch.nn.utils.clip_grad_norm_(self.params, cfg.grad_clip))
             if not torch.isfinite(grad_norm):
                 totals["train/skipped_steps"] = totals.get("train/skipped_steps", 0.0) + 1
                 continue
@@ -289,7 +352,7 @@ class Trainer:
                 totals[key] = totals.get(key, 0.0) + value / len(chunks)
         if first_pass_n:
             totals["train/log_prob_mean_abs_diff"] = first_pass_diff / first_pass_n
-        return totals
+        return mean_over_ranks(totals, self.parallel)
 
     def _velocity(self, x, sigma, cond, uncond, guidance_scale, env):
         text_ids = env["text_ids"].to(self.device)
@@ -365,10 +428,11 @@ class Trainer:
     def evaluate(self, k: int) -> dict:
         cfg = self.cfg
         guidance = cfg.eval_guidance_scale if cfg.eval_guidance_scale is not None else cfg.diffusion_guidance_scale
-        weights = self.ema.swapped_in() if (self.ema is not None and cfg.use_ema) else contextlib.nullcontext()
-        with weights:
+        with self._engine_weights(ema=self.ema is not None and cfg.use_ema):
+            if not self.parallel.is_main:
+                return {}
             prompts, seeds_per_prompt = balanced_eval_set(test_prompts(), cfg.eval_images_per_category)
-            records, images = evaluate_prompts(self.family, prompts, num_seeds=seeds_per_prompt, seed=10_000,
+            records, images = evaluate_prompts(self.engine.family, prompts, num_seeds=seeds_per_prompt, seed=10_000,
                                                num_steps=cfg.diffusion_num_steps, guidance_scale=guidance)
         summary = summarize(records)
         save_records_grid(records, images, cfg.output_dir / "eval" / f"rollout-{k:05d}.png", limit=32)
@@ -380,8 +444,14 @@ class Trainer:
     # ------------------------------------------------------------------ checkpoints
     def save_checkpoint(self) -> Path:
         path = self.cfg.output_dir / "checkpoints" / f"rollout-{self.rollout_index:05d}"
+        family = self.family
+        if self.parallel.enabled:  # the engine's copy holds the full current weights after the sync
+            with self._engine_weights(ema=False):
+                family = self.engine.family
+            if not self.parallel.is_main:
+                return path
         path.mkdir(parents=True, exist_ok=True)
-        transformer = self.family.transformer
+        transformer = family.transformer
         if self.cfg.use_lora:
             from peft import get_peft_model_state_dict
 
@@ -391,7 +461,9 @@ class Trainer:
                       str(lora_dir / "adapter_model.safetensors"))
             transformer.peft_config["default"].save_pretrained(str(lora_dir))
         else:
-            self.family.save(path / "model")
+            family.save(path / "model")
+        if self.parallel.enabled:
+            return path  # sharded optimizer state is not saved yet: --resume is single-process
         torch.save({
             "params": [p.detach().cpu() for p in self.params],
             "optimizer": self.optimizer.state_dict(),
