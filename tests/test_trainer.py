@@ -151,3 +151,19 @@ def test_bf16_forward_is_shared_by_engine_and_trainer(tiny_model_dir, tmp_path):
     torch.testing.assert_close(v_bf16, v_fp32, rtol=0.05, atol=0.05)
     record = trainer.rollout_and_update(0)
     assert record["train/log_prob_mean_abs_diff"] < 0.05 and torch.isfinite(torch.tensor(record["train/loss"]))
+
+
+def test_recipes_scale_with_the_device_and_flags_override_them():
+    from diffrl.cli.main import parse
+    from diffrl.recipes import recipe_config
+
+    cpu, gpu = recipe_config("shapes-nft", "cpu"), recipe_config("shapes-nft", "cuda")
+    assert (cpu.rollout_batch_size, cpu.diffusion_num_steps) == (6, 4)
+    assert (gpu.rollout_batch_size, gpu.diffusion_num_steps) == (32, 10)
+    assert recipe_config("shapes-grpo-gpu", "cpu").rollout_batch_size == 32  # -gpu forces the GPU size
+    for cfg in (cpu, gpu, recipe_config("shapes-grpo", "cpu"), recipe_config("shapes-grpo", "cuda")):
+        validate_config(cfg)  # every preset satisfies the batch invariant
+    parsed = parse(["train", "--recipe", "shapes-nft", "--device", "cpu", "--lr", "5e-5"])
+    assert parsed.rollout_batch_size == 6 and parsed.lr == 5e-5 and parsed.recipe == "shapes-nft"
+    with pytest.raises(ValueError, match="shapes-nft-gpu"):
+        recipe_config("shapes-sft")

@@ -32,7 +32,7 @@ def _flag_value(args: list[str], flag: str) -> str | None:
 
 def parse(argv: list[str]):
     if argv[:1] == ["train"]:
-        default = recipe_config(_flag_value(argv[1:], "--recipe"))
+        default = recipe_config(_flag_value(argv[1:], "--recipe"), _flag_value(argv[1:], "--device") or "auto")
         return tyro.cli(TrainConfig, default=default, args=argv[1:], prog="diffrl train")
     return tyro.extras.subcommand_cli_from_dict(
         SUBCOMMANDS, args=argv, description="diffrl: RL post-training for flow-matching diffusion models")
