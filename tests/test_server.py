@@ -157,3 +157,58 @@ def test_http_client_survives_one_event_loop_per_rollout(served):
     for _ in range(2):  # a training loop calls asyncio.run once per rollout
         groups = asyncio.run(manager.rollout(["a circle"]))
         assert len(groups[0]) == 2
+
+
+def _post_weights(url, tensors, token=None, version=None):
+    from safetensors.torch import save
+
+    headers = {"authorization": f"Bearer {token}"} if token else {}
+    if version is not None:
+        headers["x-weight-version"] = str(version)
+    return httpx.post(f"{url}/update_weights", content=save(tensors), headers=headers, timeout=30)
+
+
+def test_weight_updates_are_checked_before_anything_changes(served):
+    engine, url = served
+    name, param = next(iter(engine.family.transformer.named_parameters()))
+    before = param.detach().clone()
+    bad_shape = _post_weights(url, {name: torch.zeros(3)})
+    unknown = _post_weights(url, {"no.such.weight": torch.zeros(1)})
+    garbage = httpx.post(f"{url}/update_weights", content=b"not safetensors", timeout=30)
+    assert (bad_shape.status_code, unknown.status_code, garbage.status_code) == (400, 400, 400)
+    assert "shape" in bad_shape.text and "no.such.weight" in unknown.text
+    assert torch.equal(param, before) and engine.weight_version == 0
+    ok = _post_weights(url, {name: before + 1}, version=5)
+    assert ok.status_code == 200 and ok.json()["weight_version"] == 5
+    assert torch.equal(param, before + 1) and engine.weight_version == 5
+
+
+def test_weight_update_tokens(tiny_family):
+    from fastapi.testclient import TestClient
+    from safetensors.torch import save
+
+    name, param = next(iter(tiny_family.transformer.named_parameters()))
+    body = save({name: param.detach().clone()})
+    guarded = TestClient(create_app(Engine(tiny_family), update_token="s3cret"))
+    assert guarded.post("/update_weights", content=body).status_code == 401
+    assert guarded.post("/update_weights", content=body, headers={"authorization": "Bearer nope"}).status_code == 401
+    assert guarded.post("/update_weights", content=body, headers={"authorization": "Bearer s3cret"}).status_code == 200
+    exposed = TestClient(create_app(Engine(tiny_family), exposed=True))  # no token, beyond loopback
+    assert exposed.post("/update_weights", content=body).status_code == 403
+
+
+def test_trainer_rolls_out_on_a_remote_engine_and_pushes_its_weights(served, tiny_model_dir, tmp_path):
+    from test_trainer import tiny_config
+
+    from diffrl.train.trainer import Trainer
+
+    engine, url = served
+    trainer = Trainer(tiny_config(tiny_model_dir, tmp_path / "run", engine_urls=(url,), local_engine=False))
+    record = trainer.rollout_and_update(0)
+    assert record["train/log_prob_mean_abs_diff"] == 0.0  # the remote engine sampled with the same weights
+    with trainer._engine_weights(ema=False):  # what happens before every rollout
+        pass
+    assert engine.weight_version == trainer.engine.weight_version == 2
+    remote = engine.family.transformer.state_dict()
+    for name, p in trainer.family.transformer.named_parameters():
+        assert torch.equal(remote[name], p.detach()), name

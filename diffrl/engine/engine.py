@@ -167,6 +167,23 @@ class Engine:
                 else:
                     t.result.set_result(out)
 
+    def update_weights(self, tensors: dict[str, torch.Tensor], version: int | None = None) -> int:
+        """Load named transformer tensors (a trainer's update), between batches. Every name and shape
+        is checked before anything is written, so a bad update changes nothing."""
+        state = self.family.transformer.state_dict()
+        for name, t in tensors.items():
+            if name not in state:
+                raise RequestError("weights", f"unknown tensor {name!r} for this {self.family.name} transformer")
+            if tuple(t.shape) != tuple(state[name].shape):
+                raise RequestError("weights", f"{name}: shape {tuple(t.shape)}, the model has {tuple(state[name].shape)}")
+            if not torch.isfinite(t).all():
+                raise RequestError("weights", f"{name}: non-finite values")
+        with self._model_lock, torch.no_grad():
+            for name, t in tensors.items():
+                state[name].copy_(t)
+            self.weight_version = self.weight_version + 1 if version is None else version
+        return self.weight_version
+
     async def agenerate(self, req: RolloutRequest) -> list[RolloutOutput]:
         """`generate` on a worker thread, so an event loop keeps serving while the model runs. The
         engine's own pool is wide: a request waiting for a shared batch only sleeps in its thread."""

@@ -3,6 +3,9 @@
 - `POST /rollout/generate`: a `RolloutRequest` as JSON → msgpack list of outputs (`wire.py`).
 - `POST /v1/images/generations`: OpenAI-style plain generation (PNG as base64), for eval and serving.
 - `GET /health`: status, family, weight version and the in-flight count used for routing.
+- `POST /update_weights`: named transformer tensors as a safetensors body (a trainer's update;
+  `X-Weight-Version` header). Needs `Authorization: Bearer <token>` when the server has a token;
+  a server bound beyond loopback refuses updates unless it has one.
 
 A bad request gets 400 (engine checks) or 422 (schema) naming the field, and changes nothing.
 """
@@ -11,7 +14,9 @@ from __future__ import annotations
 
 import asyncio
 import base64
+import hmac
 import io
+import os
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -22,6 +27,7 @@ from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response
 from PIL import Image
 from pydantic import BaseModel, ConfigDict, Field
+from safetensors.torch import load as load_safetensors
 
 from diffrl.engine.engine import Engine, EngineConfig
 from diffrl.engine.protocol import RolloutRequest
@@ -57,7 +63,8 @@ def _parse_size(size: str | None) -> tuple[int | None, int | None]:
     return width, height
 
 
-def create_app(engine: Engine) -> FastAPI:
+def create_app(engine: Engine, *, update_token: str | None = None, exposed: bool = False) -> FastAPI:
+    """`exposed`: bound to a non-loopback address (weight updates then require `update_token`)."""
     app = FastAPI(title="diffrl engine")
 
     @app.exception_handler(RequestError)
@@ -75,6 +82,28 @@ def create_app(engine: Engine) -> FastAPI:
         outputs = await engine.agenerate(req)
         body = await asyncio.to_thread(encode_outputs, outputs)  # serialization off the event loop
         return Response(content=body, media_type=MEDIA_TYPE)
+
+    @app.post("/update_weights")
+    async def update_weights(request: Request) -> JSONResponse:
+        if update_token is None and exposed:
+            return JSONResponse(status_code=403, content={"error": {"field": "authorization", "message":
+                                "weight updates are disabled on an exposed server without --update-token"}})
+        if update_token is not None and not hmac.compare_digest(
+                request.headers.get("authorization", ""), f"Bearer {update_token}"):
+            return JSONResponse(status_code=401, content={"error": {"field": "authorization",
+                                                                    "message": "missing or wrong bearer token"}})
+        body = await request.body()
+        try:
+            tensors = load_safetensors(body)  # safetensors: plain tensors, never pickle
+        except Exception as err:  # noqa: BLE001 - safetensors raises several types for malformed bytes
+            raise RequestError("weights", f"body is not valid safetensors: {err}") from None
+        header = request.headers.get("x-weight-version")
+        try:
+            version = int(header) if header is not None else None
+        except ValueError:
+            raise RequestError("x-weight-version", f"not an integer: {header!r}") from None
+        new_version = await asyncio.to_thread(engine.update_weights, tensors, version)
+        return JSONResponse({"weight_version": new_version, "tensors": len(tensors)})
 
     @app.post("/v1/images/generations")
     async def images_generations(req: ImageGenerationRequest) -> dict:
@@ -106,6 +135,9 @@ class ServeConfig:
     port: int = 30000
     device: str = "auto"
     max_outputs_per_request: int = 64
+    update_token: str | None = None
+    """Bearer token for POST /update_weights (default: env DIFFRL_ENGINE_TOKEN). Without one, only a
+    loopback server accepts weight updates."""
 
 
 def serve(cfg: ServeConfig) -> None:
@@ -118,4 +150,6 @@ def serve(cfg: ServeConfig) -> None:
     model_path = cfg.model_path or SHIPPED_DEMO_MODEL
     family = resolve_family(cfg.diffusion_model_family, model_path).load(model_path, device=resolve_device(cfg.device))
     engine = Engine(family, EngineConfig(max_outputs_per_request=cfg.max_outputs_per_request))
-    uvicorn.run(create_app(engine), host=cfg.host, port=cfg.port, log_level="info")
+    token = cfg.update_token or os.environ.get("DIFFRL_ENGINE_TOKEN")
+    exposed = cfg.host not in ("127.0.0.1", "localhost", "::1")
+    uvicorn.run(create_app(engine, update_token=token, exposed=exposed), host=cfg.host, port=cfg.port, log_level="info")

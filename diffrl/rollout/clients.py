@@ -12,6 +12,8 @@ from concurrent.futures import Executor
 from typing import Protocol
 
 import httpx
+import torch
+from safetensors.torch import save as save_safetensors
 
 from diffrl.engine.engine import Engine
 from diffrl.engine.protocol import RolloutOutput, RolloutRequest
@@ -77,6 +79,21 @@ class HttpEngineClient:
             raise EngineUnavailable(f"{self.name}: HTTP {response.status_code}: {response.text[:200]}")
         loop = asyncio.get_running_loop()
         return await loop.run_in_executor(self._executor, decode_outputs, response.content)
+
+    def push_weights(self, tensors: dict[str, torch.Tensor], version: int, token: str | None = None) -> None:
+        """Send named transformer tensors to the engine (`POST /update_weights`), synchronously:
+        the trainer pushes between rollouts, outside any event loop."""
+        headers = {"x-weight-version": str(version), "content-type": "application/octet-stream"}
+        if token:
+            headers["authorization"] = f"Bearer {token}"
+        body = save_safetensors({k: v.detach().cpu().contiguous() for k, v in tensors.items()})
+        try:
+            response = httpx.post(f"{self._base_url}/update_weights", content=body, headers=headers,
+                                  timeout=self._timeout_s)
+        except httpx.HTTPError as err:
+            raise EngineUnavailable(f"{self.name}: weight push failed: {err.__class__.__name__}: {err}") from err
+        if response.status_code != 200:
+            raise EngineUnavailable(f"{self.name}: weight push refused: HTTP {response.status_code}: {response.text[:200]}")
 
     async def aclose(self) -> None:
         if self._http is not None and self._loop is asyncio.get_running_loop():

@@ -72,6 +72,13 @@ class TrainConfig:
     engine_concurrency: int = 8
     """In-flight requests per engine; the in-process engine denoises waiting requests together."""
     engine_max_batch_outputs: int = 64
+    engine_urls: tuple[str, ...] = ()
+    """Engines behind `diffrl serve` to roll out on too (least-loaded routing); the trained weights are
+    pushed to each before every rollout (full finetune, one process)."""
+    local_engine: bool = True
+    """Keep the in-process engine in the rollout pool (--no-local-engine: the URLs only)."""
+    engine_token: str | None = None
+    """Bearer token for the engines' weight updates (default: env DIFFRL_ENGINE_TOKEN)."""
     """Outputs the engine denoises in one batch across requests (launch-bound GPUs want many)."""
     rollout_seed: int = 0
     diffusion_num_steps: int = 10

@@ -20,6 +20,7 @@ import contextlib
 import copy
 import dataclasses
 import json
+import os
 import time
 from pathlib import Path
 
@@ -37,12 +38,26 @@ from diffrl.evaluation.shapes import balanced_eval_set, evaluate_prompts, save_r
 from diffrl.models import resolve_family
 from diffrl.models.base import Latents, PromptEmbeds
 from diffrl.rewards import get_reward
-from diffrl.rollout import InProcessEngineClient, RolloutConfig, RolloutManager, check_batch_invariant
+from diffrl.rollout import (
+    HttpEngineClient,
+    InProcessEngineClient,
+    RolloutConfig,
+    RolloutManager,
+    check_batch_invariant,
+)
 from diffrl.sampling import transition
 from diffrl.train.config import TrainConfig
 from diffrl.train.ema import ParameterEMA
 from diffrl.train.metrics import MetricsLogger
-from diffrl.train.parallel import Parallel, all_gather_rows, any_rank, full_tensor, init_parallel, mean_over_ranks, shard_transformer
+from diffrl.train.parallel import (
+    Parallel,
+    all_gather_rows,
+    any_rank,
+    full_tensor,
+    init_parallel,
+    mean_over_ranks,
+    shard_transformer,
+)
 from diffrl.utils.device import resolve_device
 
 
@@ -62,6 +77,10 @@ def validate_config(cfg: TrainConfig) -> None:
     if cfg.loss_type == "nft" and int(cfg.diffusion_num_steps * cfg.nft_timestep_fraction) < 1:
         raise ValueError(f"--nft-timestep-fraction {cfg.nft_timestep_fraction} keeps no timestep of "
                          f"--diffusion-num-steps {cfg.diffusion_num_steps}")
+    if not cfg.local_engine and not cfg.engine_urls:
+        raise ValueError("--no-local-engine needs at least one --engine-urls engine to roll out on")
+    if cfg.engine_urls and cfg.use_lora:
+        raise ValueError("--engine-urls with --use-lora: pushing LoRA adapters to engines is not supported yet")
     if cfg.diffusion_kl_beta > 0 and not cfg.use_lora and not cfg.use_ema:
         raise ValueError("--diffusion-kl-beta with a full finetune needs a reference: pass --use-lora "
                          "(reference = adapter disabled) or --use-ema")
@@ -80,6 +99,8 @@ def validate_parallel(cfg: TrainConfig, parallel: Parallel) -> None:
         raise ValueError("--resume is single-process for now: sharded optimizer state is not checkpointed yet")
     if cfg.drop_zero_std_groups:
         raise ValueError("--drop-zero-std-groups would give ranks unequal shares; use it single-process")
+    if cfg.engine_urls:
+        raise ValueError("--engine-urls is single-process for now (every rank would push its weights)")
 
 
 class Trainer:
@@ -131,8 +152,10 @@ class Trainer:
 
         self.engine = Engine(engine_family, EngineConfig(max_outputs_per_request=max(64, cfg.rollout_microgroup_size),
                                                        max_batch_outputs=cfg.engine_max_batch_outputs))
+        self.remote_engines = [HttpEngineClient(url) for url in cfg.engine_urls]
+        self.engine_token = cfg.engine_token or os.environ.get("DIFFRL_ENGINE_TOKEN")
         self.manager = RolloutManager(
-            [InProcessEngineClient(self.engine)],
+            ([InProcessEngineClient(self.engine)] if cfg.local_engine else []) + self.remote_engines,
             RolloutConfig(n_samples_per_prompt=cfg.n_samples_per_prompt, rollout_microgroup_size=cfg.rollout_microgroup_size,
                           engine_concurrency=cfg.engine_concurrency, rollout_seed=cfg.rollout_seed),
             reward_fn=get_reward(cfg.reward),
@@ -280,19 +303,28 @@ class Trainer:
 
     @contextlib.contextmanager
     def _engine_weights(self, ema: bool):
-        """The engine samples with the EMA (NFT's old policy; evaluation with --use-ema) or the current
-        weights. Single process: swapped into the shared module for the block. Several ranks: the
-        full weights are gathered from the shards into the engine's own copy (every rank calls this)."""
+        """The engines sample with the EMA (NFT's old policy; evaluation with --use-ema) or the current
+        weights. The in-process engine of a one-process run shares the trained module, so the EMA is
+        swapped into it for the block; every other engine (the full copy of each rank, remote engines)
+        gets the weights copied or pushed before the block. Every rank calls this."""
         swap = self.ema.swapped_in() if ema else contextlib.nullcontext()
-        if not self.parallel.enabled:
-            with swap:
+        with swap:
+            self._send_weights_to_engines()
+            if self.engine.family is self.family:
                 yield
-            return
-        with swap, torch.no_grad():
+                return
+        yield
+
+    @torch.no_grad()
+    def _send_weights_to_engines(self) -> None:
+        if self.parallel.enabled:  # the rank's engine copy: full tensors gathered from the shards
             engine_params = dict(self.engine.family.transformer.named_parameters())
             for name, p in self.family.transformer.named_parameters():
                 engine_params[name].copy_(full_tensor(p.detach()))
-        yield
+        if self.remote_engines:
+            tensors = {name: p.detach() for name, p in self.family.transformer.named_parameters()}
+            for client in self.remote_engines:
+                client.push_weights(tensors, self.engine.weight_version, self.engine_token)
 
     @staticmethod
     def _conditioning(samples) -> dict:
