@@ -167,3 +167,17 @@ def test_recipes_scale_with_the_device_and_flags_override_them():
     assert parsed.rollout_batch_size == 6 and parsed.lr == 5e-5 and parsed.recipe == "shapes-nft"
     with pytest.raises(ValueError, match="shapes-nft-gpu"):
         recipe_config("shapes-sft")
+
+
+def test_cosine_learning_rate_schedule(tiny_model_dir, tmp_path):
+    from diffrl.train.trainer import learning_rate
+
+    cfg = TrainConfig(lr=1e-3, lr_schedule="cosine", lr_min_ratio=0.1, num_rollout=11)
+    rates = [learning_rate(cfg, k) for k in range(11)]
+    assert rates[0] == pytest.approx(1e-3) and rates[5] == pytest.approx(0.55e-3) and rates[-1] == pytest.approx(1e-4)
+    assert all(a > b for a, b in zip(rates, rates[1:]))
+    assert learning_rate(TrainConfig(lr=1e-3), 7) == 1e-3  # constant by default
+    trainer = Trainer(tiny_config(tiny_model_dir, tmp_path / "run", lr_schedule="cosine", num_rollout=3))
+    trainer.rollout_index = 2
+    record = trainer.rollout_and_update(2)
+    assert record["train/lr"] == pytest.approx(1e-4) and trainer.optimizer.param_groups[0]["lr"] == pytest.approx(1e-4)

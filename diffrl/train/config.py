@@ -99,6 +99,9 @@ class TrainConfig:
     micro_batch_size: int = 32
     """Train pairs per forward/backward (gradient accumulation up to the optimizer step)."""
     lr: float = 3e-4
+    lr_schedule: Literal["constant", "cosine"] = "constant"
+    """cosine: from --lr at the first rollout down to --lr × --lr-min-ratio at --num-rollout."""
+    lr_min_ratio: float = 0.1
     weight_decay: float = 0.0
     grad_clip: float = 1.0
 

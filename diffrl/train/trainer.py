@@ -20,6 +20,7 @@ import contextlib
 import copy
 import dataclasses
 import json
+import math
 import os
 import time
 from pathlib import Path
@@ -340,6 +341,9 @@ class Trainer:
     # ------------------------------------------------------------------ optimization
     def _optimize(self, pairs: GrpoPairs | NftPairs, env: dict, sigmas: torch.Tensor) -> dict:
         cfg = self.cfg
+        lr = learning_rate(cfg, self.rollout_index)  # a function of the rollout: a resumed run agrees
+        for group in self.optimizer.param_groups:
+            group["lr"] = lr
         gen = torch.Generator().manual_seed(cfg.seed * 1_000_003 + self.rollout_index)
         order = torch.randperm(len(pairs), generator=gen)
         chunks = [c for c in order.chunk(cfg.num_steps_per_rollout) if len(c)]
@@ -384,6 +388,7 @@ class Trainer:
                 totals[key] = totals.get(key, 0.0) + value / len(chunks)
         if first_pass_n:
             totals["train/log_prob_mean_abs_diff"] = first_pass_diff / first_pass_n
+        totals["train/lr"] = lr
         return mean_over_ranks(totals, self.parallel)
 
     def _velocity(self, x, sigma, cond, uncond, guidance_scale, env):
@@ -546,6 +551,14 @@ def run_summary(records: list[dict], window: int = 4) -> str:
     if len(evals) >= 2:
         lines.append(f"held-out strict accuracy: rollout {evals[0][0]} {evals[0][1]:.3f} → rollout {evals[-1][0]} {evals[-1][1]:.3f}")
     return "\n".join(lines)
+
+
+def learning_rate(cfg: TrainConfig, rollout: int) -> float:
+    """--lr, or its cosine decay to --lr × --lr-min-ratio over --num-rollout rollouts."""
+    if cfg.lr_schedule == "constant" or cfg.num_rollout <= 1:
+        return cfg.lr
+    progress = min(rollout / (cfg.num_rollout - 1), 1.0)
+    return cfg.lr * (cfg.lr_min_ratio + (1 - cfg.lr_min_ratio) * 0.5 * (1 + math.cos(math.pi * progress)))
 
 
 def reward_trend(rewards: list[float]) -> tuple[float, float]:
