@@ -42,7 +42,11 @@ def main(argv: list[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     try:
         config = parse(argv)
-        if isinstance(config, TrainConfig):
+        if isinstance(config, TrainConfig) and config.ray_engines > 0:
+            from diffrl.launch.ray_placement import launch
+
+            launch(config)
+        elif isinstance(config, TrainConfig):
             from diffrl.train.trainer import train
 
             train(config)

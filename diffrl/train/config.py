@@ -79,6 +79,14 @@ class TrainConfig:
     """Keep the in-process engine in the rollout pool (--no-local-engine: the URLs only)."""
     engine_token: str | None = None
     """Bearer token for the engines' weight updates (default: env DIFFRL_ENGINE_TOKEN)."""
+    ray_engines: int = 0
+    """Place this many engines and the trainer as Ray actors in one placement group (0: no Ray)."""
+    ray_address: str | None = None
+    """An existing Ray cluster (default: start a local one)."""
+    ray_colocate: bool = True
+    """PACK the bundles onto as few nodes as possible (--no-ray-colocate: SPREAD across nodes)."""
+    ray_gpus_per_engine: float = 0.0
+    ray_placement_timeout_s: float = 120.0
     """Outputs the engine denoises in one batch across requests (launch-bound GPUs want many)."""
     rollout_seed: int = 0
     diffusion_num_steps: int = 10

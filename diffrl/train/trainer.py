@@ -23,6 +23,7 @@ import json
 import math
 import os
 import time
+from collections.abc import Sequence
 from pathlib import Path
 
 import numpy as np
@@ -78,10 +79,9 @@ def validate_config(cfg: TrainConfig) -> None:
     if cfg.loss_type == "nft" and int(cfg.diffusion_num_steps * cfg.nft_timestep_fraction) < 1:
         raise ValueError(f"--nft-timestep-fraction {cfg.nft_timestep_fraction} keeps no timestep of "
                          f"--diffusion-num-steps {cfg.diffusion_num_steps}")
-    if not cfg.local_engine and not cfg.engine_urls:
-        raise ValueError("--no-local-engine needs at least one --engine-urls engine to roll out on")
-    if cfg.engine_urls and cfg.use_lora:
-        raise ValueError("--engine-urls with --use-lora: pushing LoRA adapters to engines is not supported yet")
+    if (cfg.engine_urls or cfg.ray_engines) and cfg.use_lora:
+        raise ValueError("--engine-urls / --ray-engines with --use-lora: pushing LoRA adapters to engines is not "
+                         "supported yet")
     if cfg.diffusion_kl_beta > 0 and not cfg.use_lora and not cfg.use_ema:
         raise ValueError("--diffusion-kl-beta with a full finetune needs a reference: pass --use-lora "
                          "(reference = adapter disabled) or --use-ema")
@@ -105,7 +105,9 @@ def validate_parallel(cfg: TrainConfig, parallel: Parallel) -> None:
 
 
 class Trainer:
-    def __init__(self, cfg: TrainConfig):
+    def __init__(self, cfg: TrainConfig, extra_engines: Sequence = ()):
+        """`extra_engines`: engine clients placed elsewhere (e.g. Ray actors); like `--engine-urls`
+        they join the rollout pool and get the weights pushed before every rollout."""
         validate_config(cfg)
         self.device = resolve_device(cfg.device)
         self.parallel = init_parallel(self.device)
@@ -153,7 +155,9 @@ class Trainer:
 
         self.engine = Engine(engine_family, EngineConfig(max_outputs_per_request=max(64, cfg.rollout_microgroup_size),
                                                        max_batch_outputs=cfg.engine_max_batch_outputs))
-        self.remote_engines = [HttpEngineClient(url) for url in cfg.engine_urls]
+        self.remote_engines = [HttpEngineClient(url) for url in cfg.engine_urls] + list(extra_engines)
+        if not cfg.local_engine and not self.remote_engines:
+            raise ValueError("--no-local-engine needs engines to roll out on: --engine-urls or --ray-engines")
         self.engine_token = cfg.engine_token or os.environ.get("DIFFRL_ENGINE_TOKEN")
         self.manager = RolloutManager(
             ([InProcessEngineClient(self.engine)] if cfg.local_engine else []) + self.remote_engines,

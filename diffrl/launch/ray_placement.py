@@ -1,0 +1,131 @@
+"""Placement through Ray: engines and the trainer as actors in one placement group.
+
+`diffrl train --ray-engines N [--ray-address ADDR]` starts (or joins) a Ray cluster, reserves one
+bundle per engine and one for the trainer (`--ray-colocate`: PACK onto as few nodes as possible,
+else SPREAD across nodes), starts N engine actors and a trainer actor, and runs the trainer there.
+The trainer reaches the engines through `RayEngineClient` (least-loaded routing as for any engine)
+and pushes its weights to them before every rollout. A single machine keeps working without Ray.
+
+What crosses an actor boundary is our own formats only: requests as JSON, outputs and weights as
+msgpack + safetensors bytes (Ray's envelope around them is internal to the cluster).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+from collections.abc import Sequence
+
+import torch
+from safetensors.torch import load as load_safetensors
+from safetensors.torch import save as save_safetensors
+
+from diffrl.engine.engine import Engine, EngineConfig
+from diffrl.engine.protocol import RolloutOutput, RolloutRequest
+from diffrl.engine.wire import decode_outputs, encode_outputs
+from diffrl.errors import RequestError
+from diffrl.train.config import TrainConfig
+
+
+def _ray():
+    try:
+        import ray
+    except ImportError:
+        raise ValueError("--ray-engines needs Ray: pip install 'ray==2.60.0'") from None
+    return ray
+
+
+class EngineActor:
+    """An engine in its own process (a Ray actor), on the GPU of its bundle when it has one."""
+
+    def __init__(self, model_path: str, family: str | None, max_outputs: int, max_batch_outputs: int):
+        from diffrl.models import resolve_family
+        from diffrl.utils.device import resolve_device
+
+        loaded = resolve_family(family, model_path).load(model_path, device=resolve_device("auto"))
+        self.engine = Engine(loaded, EngineConfig(max_outputs_per_request=max_outputs,
+                                                  max_batch_outputs=max_batch_outputs))
+
+    def generate(self, request_json: str) -> bytes:
+        try:
+            outputs = self.engine.generate(RolloutRequest.model_validate_json(request_json))
+        except RequestError as err:  # travels as plain data, re-raised on the trainer's side
+            return b"E" + f"{err.field}\n{err.message}".encode()
+        return b"O" + encode_outputs(outputs)
+
+    def update_weights(self, body: bytes, version: int) -> int:
+        return self.engine.update_weights(load_safetensors(body), version)
+
+    def served(self) -> int:
+        return self.engine.denoise_batches
+
+
+class RayEngineClient:
+    """The rollout manager's view of an engine actor."""
+
+    def __init__(self, actor, name: str):
+        self.actor, self.name = actor, name
+
+    async def generate(self, request: RolloutRequest) -> list[RolloutOutput]:
+        reply = await self.actor.generate.remote(request.model_dump_json(exclude_none=True))
+        if reply[:1] == b"E":
+            field, _, message = reply[1:].decode().partition("\n")
+            raise RequestError(field, message)
+        return decode_outputs(reply[1:])
+
+    def push_weights(self, tensors: dict[str, torch.Tensor], version: int, token: str | None = None) -> None:
+        body = save_safetensors({k: v.detach().cpu().contiguous() for k, v in tensors.items()})
+        _ray().get(self.actor.update_weights.remote(body, version))
+
+
+class TrainerActor:
+    """The trainer in its own process, rolling out on the engine actors."""
+
+    def __init__(self, cfg: TrainConfig, engines: Sequence, names: Sequence[str]):
+        from diffrl.train.trainer import Trainer
+
+        self.trainer = Trainer(cfg, extra_engines=[RayEngineClient(a, n) for a, n in zip(engines, names, strict=True)])
+
+    def train(self) -> dict:
+        return self.trainer.train()
+
+
+def launch(cfg: TrainConfig) -> dict:
+    """Place N engines and the trainer in one placement group and run the training there."""
+    ray = _ray()
+    from ray.util.placement_group import placement_group, remove_placement_group
+    from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
+
+    gpus = cfg.ray_gpus_per_engine
+    bundles = [{"CPU": 1, **({"GPU": gpus} if gpus else {})} for _ in range(cfg.ray_engines)] + [{"CPU": 1}]
+    if not ray.is_initialized():
+        # A local cluster gets a logical CPU per bundle even on a small machine (actors mostly wait).
+        local = {} if cfg.ray_address else {"num_cpus": max(len(bundles), os.cpu_count() or 1)}
+        ray.init(address=cfg.ray_address, include_dashboard=False, **local)
+    group = placement_group(bundles, strategy="PACK" if cfg.ray_colocate else "SPREAD")
+    try:
+        ray.get(group.ready(), timeout=cfg.ray_placement_timeout_s)
+    except ray.exceptions.GetTimeoutError:
+        remove_placement_group(group)
+        raise ValueError(f"Ray could not place {len(bundles)} bundles {bundles} within "
+                         f"{cfg.ray_placement_timeout_s} s; cluster resources: {ray.cluster_resources()}") from None
+    try:
+        def in_bundle(i):
+            return PlacementGroupSchedulingStrategy(placement_group=group, placement_group_bundle_index=i)
+
+        engine_cls = ray.remote(EngineActor)
+        # Threaded actors: requests waiting at an engine can share its denoising batches.
+        engines = [engine_cls.options(num_cpus=1, num_gpus=gpus, max_concurrency=max(1, cfg.engine_concurrency),
+                                      scheduling_strategy=in_bundle(i)).remote(
+            str(cfg.model_path), cfg.diffusion_model_family, max(64, cfg.rollout_microgroup_size),
+            cfg.engine_max_batch_outputs) for i in range(cfg.ray_engines)]
+        names = [f"ray-engine-{i}" for i in range(cfg.ray_engines)]
+        # The trainer actor runs the plain loop: its own config no longer asks for Ray.
+        trainer_cfg = dataclasses.replace(cfg, ray_engines=0)
+        trainer = ray.remote(TrainerActor).options(num_cpus=1, scheduling_strategy=in_bundle(cfg.ray_engines)).remote(
+            trainer_cfg, engines, names)
+        last = ray.get(trainer.train.remote())
+        last["ray/engine_batches"] = ray.get([e.served.remote() for e in engines])
+        return last
+    finally:
+        remove_placement_group(group)
