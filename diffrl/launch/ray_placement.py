@@ -24,6 +24,7 @@ from diffrl.engine.engine import Engine, EngineConfig
 from diffrl.engine.protocol import RolloutOutput, RolloutRequest
 from diffrl.engine.wire import decode_outputs, encode_outputs
 from diffrl.errors import RequestError
+from diffrl.rollout.clients import EngineUnavailable
 from diffrl.train.config import TrainConfig
 
 
@@ -67,7 +68,11 @@ class RayEngineClient:
         self.actor, self.name = actor, name
 
     async def generate(self, request: RolloutRequest) -> list[RolloutOutput]:
-        reply = await self.actor.generate.remote(request.model_dump_json(exclude_none=True))
+        ray = _ray()
+        try:
+            reply = await self.actor.generate.remote(request.model_dump_json(exclude_none=True))
+        except ray.exceptions.RayError as err:  # a dead or failing actor: retried on another engine
+            raise EngineUnavailable(f"{self.name}: {err.__class__.__name__}: {err}") from err
         if reply[:1] == b"E":
             field, _, message = reply[1:].decode().partition("\n")
             raise RequestError(field, message)
