@@ -38,7 +38,7 @@ def main(out: Path) -> None:
         cond = family.encode_prompts(prompts)
     ids = family.prepare_latents([torch.Generator()], 64, 64).ids
 
-    rows = parallel.shard_of(BATCH, "batch") if parallel.enabled else slice(0, BATCH)
+    rows = parallel.shard_of(BATCH, "batch")
     if parallel.enabled:
         shard_transformer(family.transformer, family.block_lists, parallel.mesh)
     params = [p for p in family.transformer.parameters()]

@@ -223,6 +223,8 @@ class Engine:
         elapsed = time.perf_counter() - start
         peak_mb = _peak_memory_mb(device)
         steps = torch.tensor(plan.return_steps, dtype=torch.int64)
+        sigmas_cpu = sigmas.cpu()
+        timesteps = sigmas_cpu[steps] * family.timestep_scale
         kept = {s: result.trajectory[s].cpu() for s in plan.return_steps} if req0.rollout_return_dit_trajectory else {}
         log_probs = result.log_probs.cpu()
         outputs, row = [], 0
@@ -241,8 +243,8 @@ class Engine:
                     trajectory = DitTrajectory(
                         latents=torch.stack([kept[s][row + i] for s in plan.return_steps])
                         if plan.return_steps else torch.empty(0),
-                        timesteps=(sigmas.cpu()[steps] * family.timestep_scale),
-                        sigmas=sigmas.cpu(),
+                        timesteps=timesteps,
+                        sigmas=sigmas_cpu,
                         latent_step_indices=steps,
                     )
                 mine.append(RolloutOutput(

@@ -27,11 +27,10 @@ from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response
 from PIL import Image
 from pydantic import BaseModel, ConfigDict, Field
-from safetensors.torch import load as load_safetensors
 
 from diffrl.engine.engine import Engine, EngineConfig
 from diffrl.engine.protocol import RolloutRequest
-from diffrl.engine.wire import MEDIA_TYPE, encode_outputs
+from diffrl.engine.wire import MEDIA_TYPE, WireFormatError, decode_weights, encode_outputs
 from diffrl.errors import RequestError
 from diffrl.utils.images import to_uint8
 
@@ -94,9 +93,9 @@ def create_app(engine: Engine, *, update_token: str | None = None, exposed: bool
                                                                     "message": "missing or wrong bearer token"}})
         body = await request.body()
         try:
-            tensors = load_safetensors(body)  # safetensors: plain tensors, never pickle
-        except Exception as err:  # noqa: BLE001 - safetensors raises several types for malformed bytes
-            raise RequestError("weights", f"body is not valid safetensors: {err}") from None
+            tensors = decode_weights(body)  # safetensors: plain tensors, never pickle
+        except WireFormatError as err:
+            raise RequestError("weights", str(err)) from None
         header = request.headers.get("x-weight-version")
         try:
             version = int(header) if header is not None else None

@@ -45,6 +45,18 @@ def decode_tensor(obj: dict) -> torch.Tensor:
     return tensor
 
 
+def encode_weights(tensors: dict[str, torch.Tensor]) -> bytes:
+    """Named tensors (a weight update) as one safetensors body."""
+    return save_safetensors({k: v.detach().cpu().contiguous() for k, v in tensors.items()})
+
+
+def decode_weights(body: bytes) -> dict[str, torch.Tensor]:
+    try:
+        return load_safetensors(body)
+    except Exception as err:  # safetensors raises several types for malformed bytes
+        raise WireFormatError(f"body is not valid safetensors: {err}") from None
+
+
 def _to_wire(value):
     if isinstance(value, torch.Tensor):
         return encode_tensor(value)

@@ -17,12 +17,10 @@ import os
 from collections.abc import Sequence
 
 import torch
-from safetensors.torch import load as load_safetensors
-from safetensors.torch import save as save_safetensors
 
 from diffrl.engine.engine import Engine, EngineConfig
 from diffrl.engine.protocol import RolloutOutput, RolloutRequest
-from diffrl.engine.wire import decode_outputs, encode_outputs
+from diffrl.engine.wire import decode_outputs, decode_weights, encode_outputs, encode_weights
 from diffrl.errors import RequestError
 from diffrl.rollout.clients import EngineUnavailable
 from diffrl.train.config import TrainConfig
@@ -55,7 +53,7 @@ class EngineActor:
         return b"O" + encode_outputs(outputs)
 
     def update_weights(self, body: bytes, version: int) -> int:
-        return self.engine.update_weights(load_safetensors(body), version)
+        return self.engine.update_weights(decode_weights(body), version)
 
     def served(self) -> int:
         return self.engine.denoise_batches
@@ -79,8 +77,7 @@ class RayEngineClient:
         return decode_outputs(reply[1:])
 
     def push_weights(self, tensors: dict[str, torch.Tensor], version: int, token: str | None = None) -> None:
-        body = save_safetensors({k: v.detach().cpu().contiguous() for k, v in tensors.items()})
-        _ray().get(self.actor.update_weights.remote(body, version))
+        _ray().get(self.actor.update_weights.remote(encode_weights(tensors), version))
 
 
 class TrainerActor:

@@ -17,6 +17,7 @@ import torch
 from diffrl.errors import ModelLoadError
 from diffrl.models.base import FamilyAdapter
 from diffrl.models.registry import resolve_family
+from diffrl.models.weights import load_weights, read_weights
 
 
 def load_model(base_path: Path, checkpoint: Path | None = None, *, family: str | None = None,
@@ -39,7 +40,7 @@ def load_model(base_path: Path, checkpoint: Path | None = None, *, family: str |
     for weights_dir in (checkpoint / "transformer", checkpoint / "model" / "transformer"):
         weights = weights_dir / "diffusion_pytorch_model.safetensors"
         if weights.is_file():
-            _load_transformer_weights(model.transformer, weights)
+            load_weights(model.transformer, weights)
             return model
     raise ModelLoadError(f"{checkpoint} holds no model: expected model_index.json, model/, lora/adapter_config.json "
                          "or transformer/diffusion_pytorch_model.safetensors")
@@ -47,25 +48,10 @@ def load_model(base_path: Path, checkpoint: Path | None = None, *, family: str |
 
 def _apply_lora(transformer: torch.nn.Module, lora_dir: Path) -> None:
     from peft import LoraConfig, set_peft_model_state_dict
-    from safetensors.torch import load_file
 
     weights = lora_dir / "adapter_model.safetensors"
-    if not weights.is_file():
-        raise ModelLoadError(f"missing file: {weights}")
+    state = read_weights(weights)  # names the file when it is missing or corrupt
     transformer.add_adapter(LoraConfig.from_pretrained(str(lora_dir)))
-    result = set_peft_model_state_dict(transformer, load_file(str(weights)))
+    result = set_peft_model_state_dict(transformer, state)
     if result.unexpected_keys:
         raise ModelLoadError(f"{weights} does not fit this model: unexpected keys {result.unexpected_keys[:3]}…")
-
-
-def _load_transformer_weights(transformer: torch.nn.Module, weights: Path) -> None:
-    from safetensors import SafetensorError
-    from safetensors.torch import load_file
-
-    try:
-        state = load_file(str(weights))
-    except (SafetensorError, OSError) as err:
-        raise ModelLoadError(f"corrupt file: {weights} ({err})") from None
-    missing, unexpected = transformer.load_state_dict(state, strict=False)
-    if missing or unexpected:
-        raise ModelLoadError(f"{weights} does not fit this model: missing {missing[:3]}, unexpected {unexpected[:3]}")

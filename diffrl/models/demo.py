@@ -20,13 +20,12 @@ from pathlib import Path
 
 import torch
 from diffusers import Flux3Transformer2DModel
-from safetensors import SafetensorError
-from safetensors.torch import load_file
 from transformers import PreTrainedTokenizerFast, T5Config, T5EncoderModel
 
 from diffrl.errors import ModelLoadError, RequestError
 from diffrl.models.base import FamilyAdapter, Latents, PromptEmbeds
 from diffrl.models.registry import register_family
+from diffrl.models.weights import load_weights, read_weights
 from diffrl.sampling import make_sigmas, randn_per_sample
 
 PAD, UNK, EOS = "<pad>", "<unk>", "</s>"
@@ -141,23 +140,6 @@ def _read_json(path: Path) -> dict:
         raise ModelLoadError(f"corrupt file: {path} ({err.__class__.__name__}: {err})") from None
 
 
-def _read_weights(path: Path) -> dict[str, torch.Tensor]:
-    if not path.is_file():
-        raise ModelLoadError(f"missing file: {path}")
-    try:
-        return load_file(str(path))
-    except (SafetensorError, OSError, ValueError) as err:
-        raise ModelLoadError(f"corrupt file: {path} ({err})") from None
-
-
-def _load_state(module: torch.nn.Module, path: Path) -> None:
-    try:
-        module.load_state_dict(_read_weights(path), strict=True)
-    except RuntimeError as err:
-        first_line = str(err).strip().splitlines()[0]
-        raise ModelLoadError(f"weights do not fit the config: {path} ({first_line})") from None
-
-
 @register_family
 class DemoFamily(FamilyAdapter):
     name = "demo"
@@ -233,7 +215,7 @@ class DemoFamily(FamilyAdapter):
             raise ModelLoadError(f"corrupt file: {root / 'model_index.json'} (bad 'diffrl' block: {err})") from None
 
         transformer = Flux3Transformer2DModel.from_config(_read_json(root / "transformer" / "config.json"))
-        _load_state(transformer, root / "transformer" / "diffusion_pytorch_model.safetensors")
+        load_weights(transformer, root / "transformer" / "diffusion_pytorch_model.safetensors")
         transformer.to(device=device).eval().requires_grad_(False)
         if dtype != torch.float32:
             transformer.to(dtype=dtype)
@@ -246,7 +228,7 @@ class DemoFamily(FamilyAdapter):
         if load_text_encoder:
             encoder_dir = root / "text_encoder"
             _read_json(encoder_dir / "config.json")
-            _read_weights(encoder_dir / "model.safetensors")  # names the file when it is missing or corrupt
+            read_weights(encoder_dir / "model.safetensors")  # names the file when it is missing or corrupt
             # from_pretrained restores the tied input embedding that save_pretrained leaves out.
             text_encoder = T5EncoderModel.from_pretrained(str(encoder_dir), local_files_only=True)
             text_encoder.to(device=device).eval().requires_grad_(False)

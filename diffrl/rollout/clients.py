@@ -13,11 +13,10 @@ from typing import Protocol
 
 import httpx
 import torch
-from safetensors.torch import save as save_safetensors
 
 from diffrl.engine.engine import Engine
 from diffrl.engine.protocol import RolloutOutput, RolloutRequest
-from diffrl.engine.wire import MEDIA_TYPE, decode_outputs
+from diffrl.engine.wire import MEDIA_TYPE, decode_outputs, encode_weights
 from diffrl.errors import RequestError
 
 
@@ -86,9 +85,8 @@ class HttpEngineClient:
         headers = {"x-weight-version": str(version), "content-type": "application/octet-stream"}
         if token:
             headers["authorization"] = f"Bearer {token}"
-        body = save_safetensors({k: v.detach().cpu().contiguous() for k, v in tensors.items()})
         try:
-            response = httpx.post(f"{self._base_url}/update_weights", content=body, headers=headers,
+            response = httpx.post(f"{self._base_url}/update_weights", content=encode_weights(tensors), headers=headers,
                                   timeout=self._timeout_s)
         except httpx.HTTPError as err:
             raise EngineUnavailable(f"{self.name}: weight push failed: {err.__class__.__name__}: {err}") from err

@@ -254,7 +254,7 @@ class Trainer:
         prompts = self._prompts(k)
         # Each rank rolls out its share of the groups, with the group indices (hence seeds) that the
         # groups have in a single-process run; the group counter stays global.
-        mine = self.parallel.shard_of(len(prompts), "--rollout-batch-size") if self.parallel.enabled else slice(0, len(prompts))
+        mine = self.parallel.shard_of(len(prompts), "--rollout-batch-size")  # all of them in one process
         first_group = self.manager.next_group_index
         self.manager.next_group_index = first_group + mine.start
         start = time.perf_counter()
