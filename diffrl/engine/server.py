@@ -134,6 +134,8 @@ class ServeConfig:
     port: int = 30000
     device: str = "auto"
     max_outputs_per_request: int = 64
+    max_batch_outputs: int = 64
+    """Outputs of waiting requests denoised together in one batch (requests with equal settings)."""
     update_token: str | None = None
     """Bearer token for POST /update_weights (default: env DIFFRL_ENGINE_TOKEN). Without one, only a
     loopback server accepts weight updates."""
@@ -148,7 +150,8 @@ def serve(cfg: ServeConfig) -> None:
 
     model_path = cfg.model_path or SHIPPED_DEMO_MODEL
     family = resolve_family(cfg.diffusion_model_family, model_path).load(model_path, device=resolve_device(cfg.device))
-    engine = Engine(family, EngineConfig(max_outputs_per_request=cfg.max_outputs_per_request))
+    engine = Engine(family, EngineConfig(max_outputs_per_request=cfg.max_outputs_per_request,
+                                         max_batch_outputs=cfg.max_batch_outputs))
     token = cfg.update_token or os.environ.get("DIFFRL_ENGINE_TOKEN")
     exposed = cfg.host not in ("127.0.0.1", "localhost", "::1")
     uvicorn.run(create_app(engine, update_token=token, exposed=exposed), host=cfg.host, port=cfg.port, log_level="info")

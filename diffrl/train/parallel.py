@@ -46,11 +46,18 @@ def init_parallel(device: torch.device) -> Parallel:
     world_size = int(os.environ.get("WORLD_SIZE", "1"))
     if world_size == 1:
         return Parallel()
+    if device.type == "cuda":  # before NCCL starts, so its communicator binds to this rank's GPU
+        torch.cuda.set_device(rank_device(device))
     if not dist.is_initialized():
         dist.init_process_group("nccl" if device.type == "cuda" else "gloo")
-    if device.type == "cuda":
-        torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
     return Parallel(dist.get_rank(), world_size, init_device_mesh(device.type, (world_size,)))
+
+
+def rank_device(device: torch.device) -> torch.device:
+    """This process's device: under torchrun each rank owns the GPU of its LOCAL_RANK."""
+    if device.type == "cuda" and device.index is None and int(os.environ.get("WORLD_SIZE", "1")) > 1:
+        return torch.device("cuda", int(os.environ.get("LOCAL_RANK", "0")))
+    return device
 
 
 def shard_transformer(transformer: torch.nn.Module, block_lists: tuple[str, ...], mesh: DeviceMesh) -> None:

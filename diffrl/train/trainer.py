@@ -58,6 +58,7 @@ from diffrl.train.parallel import (
     full_tensor,
     init_parallel,
     mean_over_ranks,
+    rank_device,
     shard_transformer,
 )
 from diffrl.utils.device import resolve_device
@@ -109,7 +110,7 @@ class Trainer:
         """`extra_engines`: engine clients placed elsewhere (e.g. Ray actors); like `--engine-urls`
         they join the rollout pool and get the weights pushed before every rollout."""
         validate_config(cfg)
-        self.device = resolve_device(cfg.device)
+        self.device = rank_device(resolve_device(cfg.device))
         self.parallel = init_parallel(self.device)
         if self.parallel.enabled:
             validate_parallel(cfg, self.parallel)

@@ -2,16 +2,19 @@
 # Several training runs at once on one GPU (the demo model is small and launch-bound, so runs share
 # the GPU well). Usage on the device (carry `.whl`): SWEEP=scripts/device/sweeps/NAME.txt MINUTES=7 bash $0
 # Each sweep line is `name  flags…`; every run gets --time-budget-minutes $MINUTES and its own folder.
+# On a machine with several GPUs the runs are dealt round-robin over them (run i on GPU i mod count).
 set -uo pipefail
 python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl
 export PYTHONPATH=/tmp/site:$PWD PYTHONUNBUFFERED=1 OMP_NUM_THREADS=${THREADS:-2}
 root=/tmp/sweep; mkdir -p "$root"
 nvidia-smi --query-gpu=name,memory.total --format=csv,noheader
+gpus=$(nvidia-smi --list-gpus | wc -l); i=0
 while read -r name flags; do
   [[ -z "$name" || "$name" == \#* ]] && continue
-  ( timeout $(( ${MINUTES:-7} * 60 + 60 )) python3 -m diffrl.cli.main train $flags \
+  gpu=$(( i++ % gpus ))
+  ( CUDA_VISIBLE_DEVICES=$gpu timeout $(( ${MINUTES:-7} * 60 + 60 )) python3 -m diffrl.cli.main train $flags \
       --time-budget-minutes "${MINUTES:-7}" --output-dir "$root/$name" >"$root/$name.log" 2>&1
-    echo "$name exit $?" ) &
+    echo "$name (GPU $gpu) exit $?" ) &
 done <"${SWEEP:?set SWEEP to a sweep file}"
 wait
 nvidia-smi --query-gpu=memory.used --format=csv,noheader

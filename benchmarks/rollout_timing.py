@@ -1,0 +1,34 @@
+"""Shared measure of the engine-scaling benchmarks: images/s of whole rollouts through the rollout
+manager over a list of engine clients (least-loaded routing, the trainer's own path)."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+
+from diffrl.rollout import RolloutConfig, RolloutManager
+
+# What an NFT training rollout asks for (DESIGN §4): CFG-free ODE, only the final image kept.
+NFT_ROLLOUT = dict(num_inference_steps=10, guidance_scale=1.0, rollout=True, rollout_sde_type="ode")
+# What a Flow-GRPO rollout asks for: SDE on two steps with log-probs, trajectories and conditioning back.
+GRPO_ROLLOUT = dict(num_inference_steps=10, guidance_scale=1.0, rollout=True, rollout_sde_type="sde",
+                    rollout_noise_level=0.7, rollout_sde_step_indices=[1, 2], rollout_return_dit_trajectory=True,
+                    rollout_return_denoising_env=True)
+REQUESTS = {"nft": NFT_ROLLOUT, "grpo": GRPO_ROLLOUT}
+
+
+def rollout_seconds(clients: list, request: dict, groups: int, n: int, m: int, concurrency: int,
+                    repeats: int) -> float:
+    """Median wall seconds of a rollout of `groups` prompt groups × `n` samples, after one warm-up."""
+    prompts = [p for p in ("two circles", "three red squares", "a blue triangle to the left of a green circle")
+               for _ in range(groups)][:groups]
+    config = RolloutConfig(n_samples_per_prompt=n, rollout_microgroup_size=m, engine_concurrency=concurrency,
+                           request=request)
+    manager = RolloutManager(clients, config)
+    asyncio.run(manager.rollout(prompts))
+    times = []
+    for _ in range(repeats):
+        start = time.perf_counter()
+        asyncio.run(manager.rollout(prompts))
+        times.append(time.perf_counter() - start)
+    return sorted(times)[len(times) // 2]
