@@ -13,6 +13,7 @@ from safetensors.torch import load_file
 from diffrl.train.parallel import Parallel
 
 SCRIPT = Path(__file__).with_name("parallel_step_check.py")
+EMA_SCRIPT = Path(__file__).with_name("parallel_ema_check.py")
 
 
 def _run(cmd: list[str], out: Path) -> tuple[list[float], dict]:
@@ -32,6 +33,19 @@ def test_two_gloo_ranks_with_fsdp2_match_one_process(tmp_path):
     assert single.keys() == sharded.keys()
     for name, w in single.items():
         torch.testing.assert_close(sharded[name], w, rtol=1e-5, atol=1e-6, msg=name)
+
+
+def test_old_policy_swap_reaches_sharded_forward(tmp_path):
+    """NFT alternates forwards of the EMA (swapped into the shards) and of the live weights; under
+    FSDP2 each must see its own weights (the root module once kept the previous forward's)."""
+    out = tmp_path / "ema"
+    torchrun = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", "--master-port", "29523"]
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    env.pop("WORLD_SIZE", None)
+    done = subprocess.run(torchrun + [str(EMA_SCRIPT), str(out)], capture_output=True, text=True, timeout=300, env=env)
+    assert done.returncode == 0, done.stderr[-3000:]
+    errors = json.loads((out / "errors.json").read_text())
+    assert max(errors["old"]) < 1e-5 and max(errors["live"]) < 1e-5, errors
 
 
 def test_shares_must_divide():
@@ -73,6 +87,8 @@ def test_two_rank_training_run_matches_one_process(tiny_model_dir, tmp_path, los
     for a, b in zip(single[1:], ranks[1:], strict=True):  # after an update: the same up to rounding
         assert b["rollout/reward/raw_mean"] == pytest.approx(a["rollout/reward/raw_mean"], rel=1e-6)
         assert b["train/loss"] == pytest.approx(a["train/loss"], rel=1e-5, abs=1e-7)  # GRPO: a mean of ~0
+        # Adam hides a gradient scaled by a constant; the norm does not.
+        assert b["train/grad_norm"] == pytest.approx(a["train/grad_norm"], rel=1e-4)
     if loss_type == "flow_grpo":
         assert ranks[1]["train/log_prob_mean_abs_diff"] == 0.0  # the engine's copy is exact
     for name, w in w_single.items():

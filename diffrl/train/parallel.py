@@ -66,7 +66,10 @@ def shard_transformer(transformer: torch.nn.Module, block_lists: tuple[str, ...]
     for name in block_lists:
         for block in _blocks(getattr(transformer, name)):
             fully_shard(block, mesh=mesh)
-    fully_shard(transformer, mesh=mesh)
+    # The root too reshards after every forward (FSDP2 keeps a root's gathered weights by default):
+    # NFT's old-policy forward swaps the EMA into the shards between forwards, and a root still
+    # holding the previous forward's weights would mix the two (tests/parallel_ema_check.py).
+    fully_shard(transformer, mesh=mesh, reshard_after_forward=True)
 
 
 def _blocks(container: torch.nn.Module) -> list[torch.nn.Module]:
