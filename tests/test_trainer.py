@@ -78,13 +78,16 @@ def test_recipe_then_flags(tmp_path):
     assert cfg.recipe == "shapes-nft" and cfg.loss_type == "nft" and cfg.lr == 0.5
 
 
-def test_resume_continues_the_run_exactly(tiny_model_dir, tmp_path):
+@pytest.mark.parametrize("sampling", [{}, {"category_sampling": "adaptive", "train_categories": ("colors", "counting")}],
+                         ids=["uniform", "adaptive"])
+def test_resume_continues_the_run_exactly(tiny_model_dir, tmp_path, sampling):
+    """Adaptive category sampling depends on past rewards: its state travels in the checkpoint."""
     straight = tmp_path / "straight"
-    Trainer(tiny_config(tiny_model_dir, straight, num_rollout=3)).train()
+    Trainer(tiny_config(tiny_model_dir, straight, num_rollout=3, **sampling)).train()
 
     split = tmp_path / "split"
-    Trainer(tiny_config(tiny_model_dir, split, num_rollout=2)).train()  # "killed" after rollout 2's checkpoint
-    resumed = Trainer(tiny_config(tiny_model_dir, split, num_rollout=3, resume=True))
+    Trainer(tiny_config(tiny_model_dir, split, num_rollout=2, **sampling)).train()  # "killed" after rollout 2
+    resumed = Trainer(tiny_config(tiny_model_dir, split, num_rollout=3, resume=True, **sampling))
     assert resumed.rollout_index == 2 and resumed.manager.next_group_index == 4
     assert resumed.optimizer.state_dict()["state"]  # Adam moments restored
     resumed.train()
@@ -93,6 +96,11 @@ def test_resume_continues_the_run_exactly(tiny_model_dir, tmp_path):
     assert [r["rollout"] for r in b] == [0, 1, 2, 3]
     for key in ("rollout/reward/raw_mean", "train/loss", "eval/strict"):
         assert a[3][key] == b[3][key], key
+    if sampling:  # per-category rewards logged; shares moved off uniform after the first rollout
+        assert a[3].keys() >= {"rollout/reward/colors", "rollout/category_share/counting"} or \
+            a[3].keys() >= {"rollout/reward/counting", "rollout/category_share/counting"}
+        assert a[3]["rollout/category_share/counting"] == b[3]["rollout/category_share/counting"]
+        assert a[1]["rollout/category_share/counting"] == 0.5
     state_a = torch.load(straight / "checkpoints" / "rollout-00003" / "train_state.pt", weights_only=True)
     state_b = torch.load(split / "checkpoints" / "rollout-00003" / "train_state.pt", weights_only=True)
     assert all(torch.equal(x, y) for x, y in zip(state_a["params"], state_b["params"]))

@@ -48,7 +48,12 @@ class TrainConfig:
     loss_type: Literal["flow_grpo", "nft"] = "flow_grpo"
     reward: str = "shapes"
     train_categories: tuple[str, ...] = ()
-    """Shapes categories to draw train prompts from (default: all six, balanced)."""
+    """Shapes categories to draw train prompts from (default: all six)."""
+    category_sampling: Literal["uniform", "adaptive"] = "uniform"
+    """uniform: categories take turns; adaptive: more groups for categories with lower training
+    reward (share ∝ floor + 1 − smoothed mean reward; rewards in [0, 1]). See train/prompt_sampler.py."""
+    category_sampling_floor: float = 0.05
+    category_reward_smoothing: float = 0.8
     diffusion_clip_range: float = 1e-4
     diffusion_adv_clip_max: float = 5.0
     diffusion_kl_beta: float = 0.0

@@ -51,6 +51,7 @@ from diffrl.sampling import transition
 from diffrl.train.config import TrainConfig
 from diffrl.train.ema import ParameterEMA
 from diffrl.train.metrics import MetricsLogger
+from diffrl.train.prompt_sampler import CategorySampler
 from diffrl.train.parallel import (
     Parallel,
     all_gather_rows,
@@ -170,7 +171,9 @@ class Trainer:
         unknown = sorted(set(cfg.train_categories) - set(by_category))
         if unknown:
             raise ValueError(f"--train-categories: unknown {unknown}; known: {', '.join(by_category)}")
-        self.train_groups = [by_category[c] for c in (cfg.train_categories or by_category) if by_category[c]]
+        self.sampler = CategorySampler({c: by_category[c] for c in (cfg.train_categories or by_category)},
+                                       mode=cfg.category_sampling, floor=cfg.category_sampling_floor,
+                                       smoothing=cfg.category_reward_smoothing, seed=cfg.seed)
         self.rollout_index = 0
         self.elapsed_s = 0.0  # rollout + train wall clock of the run so far
         if cfg.resume:
@@ -221,16 +224,6 @@ class Trainer:
             self.metrics.close()
         return last
 
-    def _prompts(self, k: int) -> list[str]:
-        """Train prompts, a function of (seed, rollout index) so a resumed run repeats them. Categories
-        take turns across the run (group j of rollout k draws from category (k·B + j) mod C), so every
-        rollout has the same category mix when B is a multiple of C and the reward curve is not
-        shaken by the mix; the prompt within a category is random."""
-        rng = np.random.default_rng([self.cfg.seed, k])
-        batch, n_categories = self.cfg.rollout_batch_size, len(self.train_groups)
-        groups = (self.train_groups[(k * batch + j) % n_categories] for j in range(batch))
-        return [group[rng.integers(len(group))] for group in groups]
-
     def _sde_window(self, k: int) -> list[int]:
         lo, hi = self.cfg.sde_window_range()
         width = self.cfg.diffusion_num_sde_steps
@@ -252,7 +245,8 @@ class Trainer:
                            rollout_sde_step_indices=window, rollout_return_dit_trajectory=True,
                            rollout_return_denoising_env=True)
         self.manager.config.request = request
-        prompts = self._prompts(k)
+        shares = self.sampler.weights()  # before this rollout's rewards update them
+        prompts, categories = self.sampler.draw(k, cfg.rollout_batch_size)
         # Each rank rolls out its share of the groups, with the group indices (hence seeds) that the
         # groups have in a single-process run; the group counter stays global.
         mine = self.parallel.shard_of(len(prompts), "--rollout-batch-size")  # all of them in one process
@@ -273,10 +267,14 @@ class Trainer:
                                  globalize_reward_std=cfg.globalize_reward_std,
                                  drop_zero_std_groups=cfg.drop_zero_std_groups)
         rows = slice(mine.start * n, mine.stop * n)
+        category_means = self.sampler.observe(categories, rewards.view(len(prompts), n).mean(1).tolist())
         adv = dataclasses.replace(adv, values=adv.values[rows], keep=adv.keep[rows])
         record = {"rollout/reward/raw_mean": rewards.mean().item(), "rollout/reward/std": rewards.std().item(),
                   "rollout/zero_std_ratio": adv.zero_std_ratio, "rollout/seconds": rollout_s,
                   "rollout/images_per_s": len(samples) / rollout_s, "rollout/sde_window_start": window[0] if window else -1}
+        record.update({f"rollout/reward/{c}": m for c, m in category_means.items()})
+        if cfg.category_sampling == "adaptive":
+            record.update({f"rollout/category_share/{c}": w for c, w in shares.items()})
         kept = [i for i in range(len(samples)) if adv.keep[i]]
         if not kept:
             record["train/skipped"] = 1.0
@@ -514,6 +512,7 @@ class Trainer:
             "next_group_index": self.manager.next_group_index,
             "weight_version": self.engine.weight_version,
             "elapsed_s": self.elapsed_s,
+            "category_sampler": self.sampler.state_dict(),
         }, path / "train_state.pt")
         return path
 
@@ -532,6 +531,7 @@ class Trainer:
         self.manager.next_group_index = state["next_group_index"]
         self.engine.weight_version = state["weight_version"]
         self.elapsed_s = state.get("elapsed_s", 0.0)
+        self.sampler.load_state_dict(state.get("category_sampler", {}))
         print(f"resumed from {checkpoints[-1]} at rollout {self.rollout_index}")
 
 

@@ -1,0 +1,85 @@
+"""Which train prompts a rollout draws: the category of each group, then a prompt within it.
+
+`uniform`: categories take turns across groups (group j of rollout k draws from category
+(k·B + j) mod C), so every rollout has the same mix when B is a multiple of C and the reward curve
+is not shaken by the mix.
+
+`adaptive`: groups are shared out in proportion to `floor + (1 − r̄_c)`, where r̄_c is an
+exponential average of category c's mean training reward (rewards in [0, 1]). Categories the model
+already solves (r̄ near 1: every sample scores alike, so their groups carry little advantage
+signal) get fewer groups; each keeps at least its floor's share. Only training rewards drive it.
+
+The prompt within a category is random. Everything is a function of (seed, rollout index, the
+sampler's state), and the state is checkpointed, so a resumed run draws the same prompts.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Literal
+
+import numpy as np
+
+Mode = Literal["uniform", "adaptive"]
+
+
+class CategorySampler:
+    def __init__(self, prompts_by_category: dict[str, list[str]], *, mode: Mode = "uniform", floor: float = 0.05,
+                 smoothing: float = 0.8, seed: int = 0):
+        if mode not in ("uniform", "adaptive"):
+            raise ValueError(f"--category-sampling must be 'uniform' or 'adaptive', got {mode!r}")
+        if floor <= 0:
+            raise ValueError(f"--category-sampling-floor must be > 0, got {floor}")
+        if not 0 <= smoothing < 1:
+            raise ValueError(f"--category-reward-smoothing must be in [0, 1), got {smoothing}")
+        self.categories = [c for c, prompts in prompts_by_category.items() if prompts]
+        self._prompts = {c: list(prompts_by_category[c]) for c in self.categories}
+        self.mode, self.floor, self.smoothing, self.seed = mode, floor, smoothing, seed
+        self.mean_reward: dict[str, float] = {}  # r̄_c, from the categories seen so far
+
+    def weights(self) -> dict[str, float]:
+        """Each category's share of the groups (uniform until every category has a reward)."""
+        if self.mode == "uniform" or len(self.mean_reward) < len(self.categories):
+            return {c: 1 / len(self.categories) for c in self.categories}
+        raw = {c: self.floor + max(0.0, 1.0 - self.mean_reward[c]) for c in self.categories}
+        total = sum(raw.values())
+        return {c: w / total for c, w in raw.items()}
+
+    def draw(self, k: int, batch: int) -> tuple[list[str], list[str]]:
+        """Rollout k's `batch` prompts and the category of each."""
+        rng = np.random.default_rng([self.seed, k])
+        if self.mode == "uniform" or len(self.mean_reward) < len(self.categories):
+            cats = [self.categories[(k * batch + j) % len(self.categories)] for j in range(batch)]
+        else:
+            cats = [c for c, n in zip(self.categories, _largest_remainder(self.weights(), batch), strict=True)
+                    for _ in range(n)]
+            rng.shuffle(cats)  # ranks take contiguous shares: spread the categories over them
+        prompts = [self._prompts[c][rng.integers(len(self._prompts[c]))] for c in cats]
+        return prompts, cats
+
+    def observe(self, categories: Sequence[str], group_rewards: Sequence[float]) -> dict[str, float]:
+        """Fold one rollout's per-group mean rewards into r̄; returns this rollout's per-category means."""
+        seen: dict[str, list[float]] = {}
+        for c, r in zip(categories, group_rewards, strict=True):
+            seen.setdefault(c, []).append(float(r))
+        means = {c: float(np.mean(rs)) for c, rs in seen.items()}
+        for c, m in means.items():
+            old = self.mean_reward.get(c)
+            self.mean_reward[c] = m if old is None else self.smoothing * old + (1 - self.smoothing) * m
+        return means
+
+    def state_dict(self) -> dict:
+        return {"mean_reward": dict(self.mean_reward)}
+
+    def load_state_dict(self, state: dict) -> None:
+        self.mean_reward = {c: float(v) for c, v in state.get("mean_reward", {}).items()}
+
+
+def _largest_remainder(weights: dict[str, float], total: int) -> list[int]:
+    """Integer counts summing to `total`, proportional to `weights` (Hamilton's method, ties by order)."""
+    quotas = [w * total for w in weights.values()]
+    counts = [int(q) for q in quotas]
+    by_remainder = sorted(range(len(quotas)), key=lambda i: (-(quotas[i] - counts[i]), i))
+    for i in by_remainder[: total - sum(counts)]:
+        counts[i] += 1
+    return counts
