@@ -212,3 +212,49 @@ def test_trainer_rolls_out_on_a_remote_engine_and_pushes_its_weights(served, tin
     remote = engine.family.transformer.state_dict()
     for name, p in trainer.family.transformer.named_parameters():
         assert torch.equal(remote[name], p.detach()), name
+
+
+def test_engine_hosts_the_trainers_lora_adapter(tiny_family):
+    """`POST /lora_adapter` adds the adapter unmerged (same spec: no-op; another: 400), token-guarded."""
+    from fastapi.testclient import TestClient
+
+    from diffrl.models.lora import LoraSpec
+
+    engine = Engine(tiny_family)
+    client = TestClient(create_app(engine, update_token="s3cret"))
+    spec = LoraSpec(rank=2, alpha=4.0, target_modules=sorted(tiny_family.lora_target_modules)).model_dump()
+    auth = {"authorization": "Bearer s3cret"}
+    assert client.post("/lora_adapter", json=spec).status_code == 401
+    request = {"prompt": "a red circle", "seed": 3, "num_inference_steps": 2}
+    before = client.post("/rollout/generate", json=request).content
+    first = client.post("/lora_adapter", json=spec, headers=auth)
+    assert first.status_code == 200 and first.json()["added"] is True
+    assert client.post("/lora_adapter", json=spec, headers=auth).json()["added"] is False
+    other = client.post("/lora_adapter", json={**spec, "rank": 4}, headers=auth)
+    assert other.status_code == 400 and other.json()["error"]["field"] == "lora"
+    bad = client.post("/lora_adapter", json={**spec, "rank": 0}, headers=auth)
+    assert bad.status_code == 422 and "rank" in bad.text
+    after = client.post("/rollout/generate", json=request).content
+    assert torch.equal(decode_outputs(after)[0].generated_output, decode_outputs(before)[0].generated_output)  # B = 0
+    lora_names = [n for n, _ in engine.family.transformer.named_parameters() if "lora_B" in n]
+    assert lora_names
+
+
+def test_trainer_pushes_only_lora_tensors_to_a_remote_engine(served, tiny_model_dir, tmp_path):
+    from test_trainer import tiny_config
+
+    from diffrl.train.trainer import Trainer
+
+    engine, url = served
+    trainer = Trainer(tiny_config(tiny_model_dir, tmp_path / "run", engine_urls=(url,), local_engine=False,
+                                  use_lora=True, lora_rank=2))
+    record = trainer.rollout_and_update(0)
+    assert record["train/log_prob_mean_abs_diff"] == 0.0  # the remote engine sampled with the same weights
+    with trainer._engine_weights(ema=False):  # pushes the updated adapter
+        pass
+    remote = engine.family.transformer.state_dict()
+    trained = dict(trainer.family.transformer.named_parameters())
+    assert trainer.trainable_names and all("lora_" in n for n in trainer.trainable_names)
+    for name in trainer.trainable_names:
+        assert torch.equal(remote[name], trained[name].detach()), name
+    assert any(not torch.all(remote[n] == 0) for n in trainer.trainable_names if "lora_B" in n)  # it trained

@@ -33,6 +33,7 @@ from diffrl.engine.protocol import (
 )
 from diffrl.errors import RequestError
 from diffrl.models.base import FamilyAdapter, PromptEmbeds
+from diffrl.models.lora import LoraSpec, add_lora, current_lora, same_lora
 from diffrl.sampling import make_generators
 
 
@@ -166,6 +167,19 @@ class Engine:
                     t.result.set_exception(out)
                 else:
                     t.result.set_result(out)
+
+    def add_lora_adapter(self, spec: LoraSpec) -> bool:
+        """Host the trainer's LoRA adapter (unmerged), so later weight updates can carry only its
+        tensors. True when added; False when the same adapter is already there; a different one is
+        refused, since its weights could not be told apart."""
+        with self._model_lock:
+            existing = current_lora(self.family.transformer)
+            if existing is not None:
+                if not same_lora(existing, spec):
+                    raise RequestError("lora", f"this engine already has a different LoRA adapter: {existing.model_dump()}")
+                return False
+            add_lora(self.family.transformer, spec)
+            return True
 
     def update_weights(self, tensors: dict[str, torch.Tensor], version: int | None = None) -> int:
         """Load named transformer tensors (a trainer's update), between batches. Every name and shape

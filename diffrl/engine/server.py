@@ -32,6 +32,7 @@ from diffrl.engine.engine import Engine, EngineConfig
 from diffrl.engine.protocol import RolloutRequest
 from diffrl.engine.wire import MEDIA_TYPE, WireFormatError, decode_weights, encode_outputs
 from diffrl.errors import RequestError
+from diffrl.models.lora import LoraSpec
 from diffrl.utils.images import to_uint8
 
 
@@ -82,8 +83,8 @@ def create_app(engine: Engine, *, update_token: str | None = None, exposed: bool
         body = await asyncio.to_thread(encode_outputs, outputs)  # serialization off the event loop
         return Response(content=body, media_type=MEDIA_TYPE)
 
-    @app.post("/update_weights")
-    async def update_weights(request: Request) -> JSONResponse:
+    def refused(request: Request) -> JSONResponse | None:
+        """Weight-changing endpoints: a token when one is set; none at all when exposed without one."""
         if update_token is None and exposed:
             return JSONResponse(status_code=403, content={"error": {"field": "authorization", "message":
                                 "weight updates are disabled on an exposed server without --update-token"}})
@@ -91,6 +92,19 @@ def create_app(engine: Engine, *, update_token: str | None = None, exposed: bool
                 request.headers.get("authorization", ""), f"Bearer {update_token}"):
             return JSONResponse(status_code=401, content={"error": {"field": "authorization",
                                                                     "message": "missing or wrong bearer token"}})
+        return None
+
+    @app.post("/lora_adapter")
+    async def lora_adapter(spec: LoraSpec, request: Request) -> JSONResponse:
+        if (refusal := refused(request)) is not None:
+            return refusal
+        added = await asyncio.to_thread(engine.add_lora_adapter, spec)
+        return JSONResponse({"added": added, "lora": spec.model_dump()})
+
+    @app.post("/update_weights")
+    async def update_weights(request: Request) -> JSONResponse:
+        if (refusal := refused(request)) is not None:
+            return refusal
         body = await request.body()
         try:
             tensors = decode_weights(body)  # safetensors: plain tensors, never pickle

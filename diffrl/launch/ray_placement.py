@@ -22,6 +22,7 @@ from diffrl.engine.engine import Engine, EngineConfig
 from diffrl.engine.protocol import RolloutOutput, RolloutRequest
 from diffrl.engine.wire import decode_outputs, decode_weights, encode_outputs, encode_weights
 from diffrl.errors import RequestError
+from diffrl.models.lora import LoraSpec
 from diffrl.rollout.clients import EngineUnavailable
 from diffrl.train.config import TrainConfig
 
@@ -55,6 +56,9 @@ class EngineActor:
     def update_weights(self, body: bytes, version: int) -> int:
         return self.engine.update_weights(decode_weights(body), version)
 
+    def add_lora_adapter(self, spec_json: str) -> bool:
+        return self.engine.add_lora_adapter(LoraSpec.model_validate_json(spec_json))
+
     def served(self) -> int:
         return self.engine.denoise_batches
 
@@ -78,6 +82,9 @@ class RayEngineClient:
 
     def push_weights(self, tensors: dict[str, torch.Tensor], version: int, token: str | None = None) -> None:
         _ray().get(self.actor.update_weights.remote(encode_weights(tensors), version))
+
+    def add_lora_adapter(self, spec: LoraSpec, token: str | None = None) -> None:
+        _ray().get(self.actor.add_lora_adapter.remote(spec.model_dump_json()))
 
 
 class TrainerActor:

@@ -18,6 +18,7 @@ from diffrl.engine.engine import Engine
 from diffrl.engine.protocol import RolloutOutput, RolloutRequest
 from diffrl.engine.wire import MEDIA_TYPE, decode_outputs, encode_weights
 from diffrl.errors import RequestError
+from diffrl.models.lora import LoraSpec
 
 
 class EngineUnavailable(RuntimeError):
@@ -83,15 +84,22 @@ class HttpEngineClient:
         """Send named transformer tensors to the engine (`POST /update_weights`), synchronously:
         the trainer pushes between rollouts, outside any event loop."""
         headers = {"x-weight-version": str(version), "content-type": "application/octet-stream"}
+        self._post("/update_weights", "weight push", token, content=encode_weights(tensors), headers=headers)
+
+    def add_lora_adapter(self, spec: LoraSpec, token: str | None = None) -> None:
+        """Have the engine host the trainer's LoRA adapter (`POST /lora_adapter`; idempotent)."""
+        self._post("/lora_adapter", "LoRA adapter", token, json=spec.model_dump())
+
+    def _post(self, path: str, what: str, token: str | None, headers: dict | None = None, **body) -> None:
+        headers = dict(headers or {})
         if token:
             headers["authorization"] = f"Bearer {token}"
         try:
-            response = httpx.post(f"{self._base_url}/update_weights", content=encode_weights(tensors), headers=headers,
-                                  timeout=self._timeout_s)
+            response = httpx.post(f"{self._base_url}{path}", headers=headers, timeout=self._timeout_s, **body)
         except httpx.HTTPError as err:
-            raise EngineUnavailable(f"{self.name}: weight push failed: {err.__class__.__name__}: {err}") from err
+            raise EngineUnavailable(f"{self.name}: {what} failed: {err.__class__.__name__}: {err}") from err
         if response.status_code != 200:
-            raise EngineUnavailable(f"{self.name}: weight push refused: HTTP {response.status_code}: {response.text[:200]}")
+            raise EngineUnavailable(f"{self.name}: {what} refused: HTTP {response.status_code}: {response.text[:200]}")
 
     async def aclose(self) -> None:
         if self._http is not None and self._loop is asyncio.get_running_loop():

@@ -39,6 +39,7 @@ from diffrl.engine.engine import Engine, EngineConfig
 from diffrl.evaluation.shapes import balanced_eval_set, evaluate_prompts, save_records_grid, summarize
 from diffrl.models import resolve_family
 from diffrl.models.base import Latents, PromptEmbeds
+from diffrl.models.lora import add_lora, lora_spec
 from diffrl.rewards import get_reward
 from diffrl.rollout import (
     HttpEngineClient,
@@ -81,9 +82,6 @@ def validate_config(cfg: TrainConfig) -> None:
     if cfg.loss_type == "nft" and int(cfg.diffusion_num_steps * cfg.nft_timestep_fraction) < 1:
         raise ValueError(f"--nft-timestep-fraction {cfg.nft_timestep_fraction} keeps no timestep of "
                          f"--diffusion-num-steps {cfg.diffusion_num_steps}")
-    if (cfg.engine_urls or cfg.ray_engines) and cfg.use_lora:
-        raise ValueError("--engine-urls / --ray-engines with --use-lora: pushing LoRA adapters to engines is not "
-                         "supported yet")
     if cfg.diffusion_kl_beta > 0 and not cfg.use_lora and not cfg.use_ema:
         raise ValueError("--diffusion-kl-beta with a full finetune needs a reference: pass --use-lora "
                          "(reference = adapter disabled) or --use-ema")
@@ -137,11 +135,9 @@ class Trainer:
         self.family.autocast_dtype = torch.bfloat16 if bf16 else None  # the engine shares the family
         if cfg.gradient_checkpointing:
             transformer.enable_gradient_checkpointing()  # active only when gradients are (training)
-        if cfg.use_lora:
-            from peft import LoraConfig
-
-            transformer.add_adapter(LoraConfig(r=cfg.lora_rank, lora_alpha=cfg.lora_alpha, init_lora_weights="gaussian",
-                                               target_modules=list(self.family.lora_target_modules)))
+        self.lora = lora_spec(cfg.lora_rank, cfg.lora_alpha, self.family.lora_target_modules) if cfg.use_lora else None
+        if self.lora is not None:
+            add_lora(transformer, self.lora)
         if self.parallel.enabled:
             # The engine samples from a full copy whose weights are synced from the shards before each
             # rollout and evaluation; the trainer's copy is sharded with FSDP2 over the family's blocks.
@@ -149,7 +145,9 @@ class Trainer:
             shard_transformer(transformer, self.family.block_lists, self.parallel.mesh)
         else:
             engine_family = self.family  # shares the trained module: every update is live for the engine
-        self.params = [p for n, p in transformer.named_parameters() if not cfg.use_lora or "lora_" in n]
+        # Trained, and what other engines receive after each update (LoRA: only the adapter's tensors).
+        trainable = {n: p for n, p in transformer.named_parameters() if not cfg.use_lora or "lora_" in n}
+        self.trainable_names, self.params = list(trainable), list(trainable.values())
         for p in self.params:
             p.requires_grad_(True)
         self.optimizer = torch.optim.AdamW(self.params, lr=cfg.lr, weight_decay=cfg.weight_decay)
@@ -161,6 +159,9 @@ class Trainer:
         if not cfg.local_engine and not self.remote_engines:
             raise ValueError("--no-local-engine needs engines to roll out on: --engine-urls or --ray-engines")
         self.engine_token = cfg.engine_token or os.environ.get("DIFFRL_ENGINE_TOKEN")
+        if self.lora is not None:  # engines elsewhere host the adapter unmerged, then get only its tensors
+            for client in self.remote_engines:
+                client.add_lora_adapter(self.lora, self.engine_token)
         self.manager = RolloutManager(
             ([InProcessEngineClient(self.engine)] if cfg.local_engine else []) + self.remote_engines,
             RolloutConfig(n_samples_per_prompt=cfg.n_samples_per_prompt, rollout_microgroup_size=cfg.rollout_microgroup_size,
@@ -326,7 +327,8 @@ class Trainer:
             for name, p in self.family.transformer.named_parameters():
                 engine_params[name].copy_(full_tensor(p.detach()))
         if self.remote_engines:
-            tensors = {name: p.detach() for name, p in self.family.transformer.named_parameters()}
+            trainable = set(self.trainable_names)
+            tensors = {name: p.detach() for name, p in self.family.transformer.named_parameters() if name in trainable}
             for client in self.remote_engines:
                 client.push_weights(tensors, self.engine.weight_version, self.engine_token)
 

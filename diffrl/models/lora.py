@@ -1,0 +1,43 @@
+"""LoRA adapters on a family's transformer: one construction for the trainer and the engines, so
+the adapter an engine adds has the parameter names the trainer pushes into it."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import torch
+from pydantic import BaseModel, ConfigDict, Field
+
+
+class LoraSpec(BaseModel):
+    """What an engine needs to host the trainer's adapter (sent as JSON to `POST /lora_adapter`)."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    rank: int = Field(ge=1)
+    alpha: float = Field(gt=0)
+    target_modules: list[str] = Field(min_length=1)
+
+
+def add_lora(transformer: torch.nn.Module, spec: LoraSpec) -> None:
+    """Add the adapter "default" (A Gaussian, B zero: the model's output is unchanged until trained)."""
+    from peft import LoraConfig
+
+    transformer.add_adapter(LoraConfig(r=spec.rank, lora_alpha=spec.alpha, init_lora_weights="gaussian",
+                                       target_modules=list(spec.target_modules)))
+
+
+def current_lora(transformer: torch.nn.Module) -> LoraSpec | None:
+    """The spec of the transformer's adapter "default", or None without one."""
+    config = getattr(transformer, "peft_config", {}).get("default")
+    if config is None:
+        return None
+    return LoraSpec(rank=config.r, alpha=config.lora_alpha, target_modules=sorted(config.target_modules))
+
+
+def same_lora(a: LoraSpec, b: LoraSpec) -> bool:
+    return a.rank == b.rank and a.alpha == b.alpha and sorted(a.target_modules) == sorted(b.target_modules)
+
+
+def lora_spec(rank: int, alpha: float, target_modules: Sequence[str]) -> LoraSpec:
+    return LoraSpec(rank=rank, alpha=alpha, target_modules=list(target_modules))
