@@ -62,3 +62,28 @@ def test_cli_reports_a_broken_model_in_one_line(tmp_path, capsys):
     assert cli_main(["evaluate", "--model-path", str(tmp_path / "missing-demo")]) == 2
     err = capsys.readouterr().err.strip()
     assert err.startswith("error: model directory not found") and "\n" not in err
+
+
+def test_evaluate_a_checkpoint_with_the_trainers_balanced_protocol(tiny_model_dir, tmp_path):
+    """`diffrl evaluate --checkpoint … --images-per-category N`: the trainer's held-out images."""
+    import json
+
+    from diffrl.cli.evaluate import EvaluateConfig, evaluate
+    from diffrl.data.shapes import test_prompts
+    from diffrl.evaluation.shapes import balanced_eval_set, evaluate_prompts
+    from diffrl.models.checkpoint import load_model
+
+    family = load_model(tiny_model_dir)
+    with torch.no_grad():
+        for p in family.transformer.parameters():
+            p.mul_(0.9)
+    family.save(tmp_path / "ckpt" / "model")
+    report = evaluate(EvaluateConfig(model_path=tiny_model_dir, checkpoint=tmp_path / "ckpt", images_per_category=2,
+                                     seed=10_000, num_steps=2, guidance_scale=1.0, device="cpu",
+                                     output_dir=tmp_path / "eval"))
+    prompts, seeds = balanced_eval_set(test_prompts(), 2)
+    records, _ = evaluate_prompts(load_model(tiny_model_dir, tmp_path / "ckpt"), prompts, num_seeds=seeds,
+                                  seed=10_000, num_steps=2, guidance_scale=1.0)
+    samples = [json.loads(line) for line in (tmp_path / "eval" / "samples.jsonl").read_text().splitlines()]
+    assert len(samples) == sum(seeds) > len(prompts)  # categories with one prompt get several seeds
+    assert [(s["prompt"], s["seed"], s["score"]) for s in samples] == [(r.prompt, r.seed, r.score) for r in records]

@@ -53,6 +53,7 @@ from diffrl.train.config import TrainConfig
 from diffrl.train.ema import ParameterEMA
 from diffrl.train.metrics import MetricsLogger
 from diffrl.train.prompt_sampler import CategorySampler
+from diffrl.train.train_state import load_train_state, save_train_state
 from diffrl.train.parallel import (
     Parallel,
     all_gather_rows,
@@ -96,8 +97,6 @@ def validate_parallel(cfg: TrainConfig, parallel: Parallel) -> None:
     parallel.shard_of(cfg.global_batch_size, "--global-batch-size")
     if cfg.output_dir is None:
         raise ValueError("several ranks need an explicit --output-dir (each would stamp its own)")
-    if cfg.resume:
-        raise ValueError("--resume is single-process for now: sharded optimizer state is not checkpointed yet")
     if cfg.drop_zero_std_groups:
         raise ValueError("--drop-zero-std-groups would give ranks unequal shares; use it single-process")
     if cfg.engine_urls:
@@ -486,13 +485,24 @@ class Trainer:
     # ------------------------------------------------------------------ checkpoints
     def save_checkpoint(self) -> Path:
         path = self.cfg.output_dir / "checkpoints" / f"rollout-{self.rollout_index:05d}"
+        path.mkdir(parents=True, exist_ok=True)
+        self._save_weights(path)
+        meta = {"rollout_index": self.rollout_index, "next_group_index": self.manager.next_group_index,
+                "weight_version": self.engine.weight_version, "elapsed_s": self.elapsed_s,
+                "category_sampler": self.sampler.state_dict()}
+        save_train_state(path, transformer=self.family.transformer, params=self.params, names=self.trainable_names,
+                         optimizer=self.optimizer, ema=self.ema, meta=meta, parallel=self.parallel)
+        return path
+
+    def _save_weights(self, path: Path) -> None:
+        """The model a user loads: LoRA in PEFT format or the full model in diffusers format (rank 0;
+        under torchrun from the engine's copy, which holds the full current weights after the sync)."""
         family = self.family
-        if self.parallel.enabled:  # the engine's copy holds the full current weights after the sync
+        if self.parallel.enabled:
             with self._engine_weights(ema=False):
                 family = self.engine.family
             if not self.parallel.is_main:
-                return path
-        path.mkdir(parents=True, exist_ok=True)
+                return
         transformer = family.transformer
         if self.cfg.use_lora:
             from peft import get_peft_model_state_dict
@@ -504,37 +514,21 @@ class Trainer:
             transformer.peft_config["default"].save_pretrained(str(lora_dir))
         else:
             family.save(path / "model")
-        if self.parallel.enabled:
-            return path  # sharded optimizer state is not saved yet: --resume is single-process
-        torch.save({
-            "params": [p.detach().cpu() for p in self.params],
-            "optimizer": self.optimizer.state_dict(),
-            "ema": self.ema.state_dict() if self.ema is not None else None,
-            "rollout_index": self.rollout_index,
-            "next_group_index": self.manager.next_group_index,
-            "weight_version": self.engine.weight_version,
-            "elapsed_s": self.elapsed_s,
-            "category_sampler": self.sampler.state_dict(),
-        }, path / "train_state.pt")
-        return path
 
     def _load_checkpoint(self) -> None:
         checkpoints = sorted((self.cfg.output_dir / "checkpoints").glob("rollout-*"))
         if not checkpoints:
             raise FileNotFoundError(f"--resume: no checkpoint under {self.cfg.output_dir / 'checkpoints'}")
-        state = torch.load(checkpoints[-1] / "train_state.pt", map_location=self.device, weights_only=True)
-        with torch.no_grad():
-            for p, saved in zip(self.params, state["params"], strict=True):
-                p.copy_(saved)
-        self.optimizer.load_state_dict(state["optimizer"])
-        if self.ema is not None and state["ema"] is not None:
-            self.ema.load_state_dict(state["ema"])
-        self.rollout_index = state["rollout_index"]
-        self.manager.next_group_index = state["next_group_index"]
-        self.engine.weight_version = state["weight_version"]
-        self.elapsed_s = state.get("elapsed_s", 0.0)
-        self.sampler.load_state_dict(state.get("category_sampler", {}))
-        print(f"resumed from {checkpoints[-1]} at rollout {self.rollout_index}")
+        meta = load_train_state(checkpoints[-1], transformer=self.family.transformer, params=self.params,
+                                names=self.trainable_names, optimizer=self.optimizer, ema=self.ema,
+                                device=self.device, parallel=self.parallel)
+        self.rollout_index = meta["rollout_index"]
+        self.manager.next_group_index = meta["next_group_index"]
+        self.engine.weight_version = meta["weight_version"]
+        self.elapsed_s = meta.get("elapsed_s", 0.0)
+        self.sampler.load_state_dict(meta.get("category_sampler", {}))
+        if self.parallel.is_main:
+            print(f"resumed from {checkpoints[-1]} at rollout {self.rollout_index}")
 
 
 def run_summary(records: list[dict], window: int = 4) -> str:
