@@ -18,7 +18,7 @@ import time
 
 import httpx
 from report import emit
-from rollout_timing import REQUESTS, rollout_seconds
+from rollout_timing import REQUESTS, add_scaling_args, record_engines, rollout_seconds
 
 from diffrl.rollout import HttpEngineClient
 
@@ -51,17 +51,10 @@ def start_servers(k: int, device: str, port: int, max_batch_outputs: int) -> lis
 
 def main() -> None:
     parser = argparse.ArgumentParser()
-    parser.add_argument("--engines", type=int, nargs="+", default=[1, 2])
+    add_scaling_args(parser, kind="nft", groups=64)
     parser.add_argument("--device", default="cuda")
-    parser.add_argument("--kind", choices=sorted(REQUESTS), default="nft")
-    parser.add_argument("--groups", type=int, default=64)
-    parser.add_argument("--n", type=int, default=16)
-    parser.add_argument("--m", type=int, default=16)
-    parser.add_argument("--concurrency", type=int, default=32, help="in-flight requests per engine")
     parser.add_argument("--max-batch-outputs", type=int, default=512)
-    parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--port", type=int, default=31000)
-    parser.add_argument("--out", default=None)
     args = parser.parse_args()
     results = {"device": args.device, "kind": args.kind, "groups": args.groups, "n": args.n, "m": args.m,
                "concurrency": args.concurrency, "max_batch_outputs": args.max_batch_outputs, "images_per_s": {}}
@@ -76,11 +69,7 @@ def main() -> None:
                 server.terminate()
             for server in servers:
                 server.wait(timeout=30)
-        results["images_per_s"][k] = args.groups * args.n / seconds
-        print(f"{k} engine(s): {args.groups * args.n / seconds:9.1f} images/s ({seconds:.2f} s per rollout)", flush=True)
-    one = results["images_per_s"].get(1)
-    if one:
-        results["speedup_over_one_engine"] = {k: v / one for k, v in results["images_per_s"].items()}
+        record_engines(results, k, seconds, args.groups * args.n)
     emit(results, args.out)
 
 

@@ -11,9 +11,10 @@ from __future__ import annotations
 
 import argparse
 
+
 import ray
 from report import emit
-from rollout_timing import REQUESTS, rollout_seconds
+from rollout_timing import REQUESTS, add_scaling_args, record_engines, rollout_seconds
 
 from diffrl.launch.ray_placement import EngineActor, RayEngineClient
 from diffrl.models.demo import SHIPPED_DEMO_MODEL
@@ -21,15 +22,8 @@ from diffrl.models.demo import SHIPPED_DEMO_MODEL
 
 def main() -> None:
     parser = argparse.ArgumentParser()
-    parser.add_argument("--engines", type=int, nargs="+", default=[1, 2])
+    add_scaling_args(parser, kind="grpo", groups=32)
     parser.add_argument("--gpus-per-engine", type=float, default=0.0)
-    parser.add_argument("--kind", choices=sorted(REQUESTS), default="grpo")
-    parser.add_argument("--groups", type=int, default=32)
-    parser.add_argument("--n", type=int, default=16)
-    parser.add_argument("--m", type=int, default=16)
-    parser.add_argument("--concurrency", type=int, default=32, help="in-flight requests per engine")
-    parser.add_argument("--repeats", type=int, default=3)
-    parser.add_argument("--out", default=None)
     args = parser.parse_args()
     ray.init(include_dashboard=False, log_to_driver=False)
     results = {"resources": ray.cluster_resources(), "kind": args.kind, "groups": args.groups, "n": args.n,
@@ -40,13 +34,9 @@ def main() -> None:
         clients = [RayEngineClient(a, f"engine-{i}") for i, a in enumerate(actors)]
         seconds = rollout_seconds(clients, REQUESTS[args.kind], args.groups, args.n, args.m, args.concurrency,
                                   args.repeats)
-        results["images_per_s"][k] = args.groups * args.n / seconds
-        print(f"{k} engine(s): {args.groups * args.n / seconds:9.1f} images/s ({seconds:.2f} s per rollout)", flush=True)
+        record_engines(results, k, seconds, args.groups * args.n)
         for a in actors:
             ray.kill(a)
-    one = results["images_per_s"].get(1)
-    if one:
-        results["speedup_over_one_engine"] = {k: v / one for k, v in results["images_per_s"].items()}
     emit(results, args.out)
 
 

@@ -32,3 +32,24 @@ def rollout_seconds(clients: list, request: dict, groups: int, n: int, m: int, c
         asyncio.run(manager.rollout(prompts))
         times.append(time.perf_counter() - start)
     return sorted(times)[len(times) // 2]
+
+
+def add_scaling_args(parser, *, kind: str, groups: int) -> None:
+    """The flags both engine-scaling benchmarks take."""
+    parser.add_argument("--engines", type=int, nargs="+", default=[1, 2])
+    parser.add_argument("--kind", choices=sorted(REQUESTS), default=kind)
+    parser.add_argument("--groups", type=int, default=groups)
+    parser.add_argument("--n", type=int, default=16)
+    parser.add_argument("--m", type=int, default=16)
+    parser.add_argument("--concurrency", type=int, default=32, help="in-flight requests per engine")
+    parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--out", default=None)
+
+
+def record_engines(results: dict, k: int, seconds: float, images: int) -> None:
+    """Store and print K engines' throughput, and every K's speed-up over one engine."""
+    results["images_per_s"][k] = images / seconds
+    print(f"{k} engine(s): {images / seconds:9.1f} images/s ({seconds:.2f} s per rollout)", flush=True)
+    one = results["images_per_s"].get(1)
+    if one:
+        results["speedup_over_one_engine"] = {n: v / one for n, v in results["images_per_s"].items()}
