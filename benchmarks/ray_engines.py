@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import argparse
 
-
 import ray
 from report import emit
 from rollout_timing import REQUESTS, add_scaling_args, record_engines, rollout_seconds
