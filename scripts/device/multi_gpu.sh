@@ -10,9 +10,12 @@ python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upg
 export PYTHONPATH=/tmp/site:$PWD PYTHONUNBUFFERED=1 OMP_NUM_THREADS=8
 rollouts=${ROLLOUTS:-40}
 nvidia-smi --query-gpu=name,memory.total --format=csv,noheader
-for kind in nft grpo; do
-  (cd benchmarks && timeout 150 python3 http_engines.py --engines 1 2 --device cuda --kind $kind --groups 64 \
-     --n 16 --m 16 --out "$OUT/http_engines_$kind.json" 2>&1 | grep -E "engine\(s\)|Error") | tee -a "$OUT/summary.txt"
+# 64 groups = one batch of 512 per engine with two engines (no overlap of sending and denoising);
+# 256 groups = four batches per engine, the steady state.
+for run in "nft 64" "grpo 64" "nft 256"; do
+  set -- $run
+  (cd benchmarks && timeout 150 python3 http_engines.py --engines 1 2 --device cuda --kind $1 --groups $2 \
+     --n 16 --m 16 --out "$OUT/http_engines_$1_$2.json" 2>&1 | grep -E "engine\(s\)|Error") | sed "s/^/$1 $2 groups: /" | tee -a "$OUT/summary.txt"
 done
 run_two() {
   timeout 300 python3 -m torch.distributed.run --standalone --nproc-per-node 2 -m diffrl.cli.main train \
