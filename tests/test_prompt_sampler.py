@@ -29,7 +29,10 @@ def test_adaptive_gives_low_reward_categories_more_groups():
     _, cats = sampler.draw(k=5, batch=32)
     counts = {c: cats.count(c) for c in PROMPTS}
     assert sum(counts.values()) == 32 and counts["hard"] > counts["mid"] > counts["easy"] >= 1
-    assert all(abs(counts[c] - w[c] * 32) < 1 for c in PROMPTS)  # proportional, rounded
+    assert all(abs(counts[c] - (1 + w[c] * 29)) < 1 for c in PROMPTS)  # one each, the rest proportional
+    sampler.observe(["easy"] * 4, [1.0] * 4)  # solved: its share shrinks to the floor's
+    _, cats = sampler.draw(k=6, batch=3)
+    assert sorted(cats) == ["easy", "hard", "mid"]  # still one group each: its reward stays current
 
 
 def test_state_round_trip_and_bad_settings_are_named():

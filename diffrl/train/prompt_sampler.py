@@ -7,7 +7,9 @@ is not shaken by the mix.
 `adaptive`: groups are shared out in proportion to `floor + (1 − r̄_c)`, where r̄_c is an
 exponential average of category c's mean training reward (rewards in [0, 1]). Categories the model
 already solves (r̄ near 1: every sample scores alike, so their groups carry little advantage
-signal) get fewer groups; each keeps at least its floor's share. Only training rewards drive it.
+signal) get fewer groups, but every category keeps at least one group per rollout when there are
+as many groups as categories, so its r̄ stays current and a relapse is seen. Only training rewards
+drive it.
 
 The prompt within a category is random. Everything is a function of (seed, rollout index, the
 sampler's state), and the state is checkpointed, so a resumed run draws the same prompts.
@@ -51,8 +53,8 @@ class CategorySampler:
         if self.mode == "uniform" or len(self.mean_reward) < len(self.categories):
             cats = [self.categories[(k * batch + j) % len(self.categories)] for j in range(batch)]
         else:
-            cats = [c for c, n in zip(self.categories, _largest_remainder(self.weights(), batch), strict=True)
-                    for _ in range(n)]
+            counts = _allocate(list(self.weights().values()), batch)
+            cats = [c for c, n in zip(self.categories, counts, strict=True) for _ in range(n)]
             rng.shuffle(cats)  # ranks take contiguous shares: spread the categories over them
         prompts = [self._prompts[c][rng.integers(len(self._prompts[c]))] for c in cats]
         return prompts, cats
@@ -75,11 +77,14 @@ class CategorySampler:
         self.mean_reward = {c: float(v) for c, v in state.get("mean_reward", {}).items()}
 
 
-def _largest_remainder(weights: dict[str, float], total: int) -> list[int]:
-    """Integer counts summing to `total`, proportional to `weights` (Hamilton's method, ties by order)."""
-    quotas = [w * total for w in weights.values()]
+def _allocate(weights: list[float], total: int) -> list[int]:
+    """Integer counts summing to `total`: one each first when `total` allows, the rest proportional
+    to `weights` by largest remainder (Hamilton's method, ties by order)."""
+    base = 1 if total >= len(weights) else 0
+    rest = total - base * len(weights)
+    quotas = [w * rest for w in weights]
     counts = [int(q) for q in quotas]
     by_remainder = sorted(range(len(quotas)), key=lambda i: (-(quotas[i] - counts[i]), i))
-    for i in by_remainder[: total - sum(counts)]:
+    for i in by_remainder[: rest - sum(counts)]:
         counts[i] += 1
-    return counts
+    return [base + c for c in counts]
