@@ -1,10 +1,12 @@
-"""Placement through Ray: engines and the trainer as actors in one placement group.
+"""Placement through Ray: engines, reward workers and the trainer as actors in one placement group.
 
-`diffrl train --ray-engines N [--ray-address ADDR]` starts (or joins) a Ray cluster, reserves one
-bundle per engine and one for the trainer (`--ray-colocate`: PACK onto as few nodes as possible,
-else SPREAD across nodes), starts N engine actors and a trainer actor, and runs the trainer there.
-The trainer reaches the engines through `RayEngineClient` (least-loaded routing as for any engine)
-and pushes its weights to them before every rollout. A single machine keeps working without Ray.
+`diffrl train --ray-engines N [--ray-reward-workers R] [--ray-address ADDR]` starts (or joins) a Ray
+cluster, reserves one bundle per engine, per reward worker and one for the trainer
+(`--ray-colocate`: PACK onto as few nodes as possible, else SPREAD across nodes), starts the actors
+and runs the trainer there. The trainer reaches the engines through `RayEngineClient` (least-loaded
+routing as for any engine), pushes its weights to them before every rollout, and sends each
+microgroup's images to the reward workers in turn (`RayRewardPool`). A single machine keeps
+working without Ray.
 
 What crosses an actor boundary is our own formats only: requests as JSON, outputs and weights as
 msgpack + safetensors bytes (Ray's envelope around them is internal to the cluster).
@@ -13,6 +15,8 @@ msgpack + safetensors bytes (Ray's envelope around them is internal to the clust
 from __future__ import annotations
 
 import dataclasses
+import inspect
+import json
 import os
 from collections.abc import Sequence
 
@@ -87,13 +91,47 @@ class RayEngineClient:
         _ray().get(self.actor.add_lora_adapter.remote(spec.model_dump_json()))
 
 
-class TrainerActor:
-    """The trainer in its own process, rolling out on the engine actors."""
+class RewardActor:
+    """A reward scorer in its own process: images arrive as safetensors bytes, prompts and metadata as JSON."""
 
-    def __init__(self, cfg: TrainConfig, engines: Sequence, names: Sequence[str]):
+    def __init__(self, reward: str):
+        from diffrl.rewards import get_reward
+
+        self.score_fn, self.batches = get_reward(reward), 0
+
+    async def score(self, images: bytes, prompts_json: str, metadata_json: str) -> list[float]:
+        rewards = self.score_fn(decode_weights(images)["images"], json.loads(prompts_json), json.loads(metadata_json))
+        if inspect.isawaitable(rewards):
+            rewards = await rewards
+        self.batches += 1
+        return [float(r) for r in rewards]
+
+    def served(self) -> int:
+        return self.batches
+
+
+class RayRewardPool:
+    """The rollout manager's reward function, scored by reward actors in turn (async: microgroups are
+    scored in parallel while others are still being generated)."""
+
+    def __init__(self, actors: Sequence):
+        self.actors, self._next = list(actors), 0
+
+    async def __call__(self, images: torch.Tensor, prompts: list[str], metadata: list[dict] | None = None) -> list[float]:
+        actor = self.actors[self._next % len(self.actors)]
+        self._next += 1
+        return await actor.score.remote(encode_weights({"images": images.contiguous()}), json.dumps(list(prompts)),
+                                        json.dumps(metadata or []))
+
+
+class TrainerActor:
+    """The trainer in its own process, rolling out on the engine actors (scoring on reward actors)."""
+
+    def __init__(self, cfg: TrainConfig, engines: Sequence, names: Sequence[str], reward_actors: Sequence = ()):
         from diffrl.train.trainer import Trainer
 
-        self.trainer = Trainer(cfg, extra_engines=[RayEngineClient(a, n) for a, n in zip(engines, names, strict=True)])
+        self.trainer = Trainer(cfg, extra_engines=[RayEngineClient(a, n) for a, n in zip(engines, names, strict=True)],
+                               reward_fn=RayRewardPool(reward_actors) if reward_actors else None)
 
     def train(self) -> dict:
         return self.trainer.train()
@@ -106,7 +144,8 @@ def launch(cfg: TrainConfig) -> dict:
     from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
     gpus = cfg.ray_gpus_per_engine
-    bundles = [{"CPU": 1, **({"GPU": gpus} if gpus else {})} for _ in range(cfg.ray_engines)] + [{"CPU": 1}]
+    bundles = ([{"CPU": 1, **({"GPU": gpus} if gpus else {})} for _ in range(cfg.ray_engines)]
+               + [{"CPU": 1}] * cfg.ray_reward_workers + [{"CPU": 1}])  # engines, reward workers, the trainer
     if not ray.is_initialized():
         # A local cluster gets a logical CPU per bundle even on a small machine (actors mostly wait).
         local = {} if cfg.ray_address else {"num_cpus": max(len(bundles), os.cpu_count() or 1)}
@@ -129,12 +168,16 @@ def launch(cfg: TrainConfig) -> dict:
             str(cfg.model_path), cfg.diffusion_model_family, max(64, cfg.rollout_microgroup_size),
             cfg.engine_max_batch_outputs) for i in range(cfg.ray_engines)]
         names = [f"ray-engine-{i}" for i in range(cfg.ray_engines)]
+        rewards = [ray.remote(RewardActor).options(num_cpus=1, max_concurrency=8,
+                                                   scheduling_strategy=in_bundle(cfg.ray_engines + i)).remote(cfg.reward)
+                   for i in range(cfg.ray_reward_workers)]
         # The trainer actor runs the plain loop: its own config no longer asks for Ray.
-        trainer_cfg = dataclasses.replace(cfg, ray_engines=0)
-        trainer = ray.remote(TrainerActor).options(num_cpus=1, scheduling_strategy=in_bundle(cfg.ray_engines)).remote(
-            trainer_cfg, engines, names)
+        trainer_cfg = dataclasses.replace(cfg, ray_engines=0, ray_reward_workers=0)
+        trainer = ray.remote(TrainerActor).options(num_cpus=1, scheduling_strategy=in_bundle(len(bundles) - 1)).remote(
+            trainer_cfg, engines, names, rewards)
         last = ray.get(trainer.train.remote())
         last["ray/engine_batches"] = ray.get([e.served.remote() for e in engines])
+        last["ray/reward_batches"] = ray.get([r.served.remote() for r in rewards])
         return last
     finally:
         remove_placement_group(group)

@@ -91,6 +91,9 @@ class TrainConfig:
     ray_colocate: bool = True
     """PACK the bundles onto as few nodes as possible (--no-ray-colocate: SPREAD across nodes)."""
     ray_gpus_per_engine: float = 0.0
+    ray_reward_workers: int = 0
+    """With --ray-engines: score rewards in this many Ray actors of the placement group (one CPU each)
+    instead of the trainer's process; microgroups go to them in turn."""
     ray_placement_timeout_s: float = 120.0
     """Outputs the engine denoises in one batch across requests (launch-bound GPUs want many)."""
     rollout_seed: int = 0

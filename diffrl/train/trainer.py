@@ -23,7 +23,7 @@ import json
 import math
 import os
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from pathlib import Path
 
 import numpy as np
@@ -83,6 +83,9 @@ def validate_config(cfg: TrainConfig) -> None:
     if cfg.loss_type == "nft" and int(cfg.diffusion_num_steps * cfg.nft_timestep_fraction) < 1:
         raise ValueError(f"--nft-timestep-fraction {cfg.nft_timestep_fraction} keeps no timestep of "
                          f"--diffusion-num-steps {cfg.diffusion_num_steps}")
+    if cfg.ray_reward_workers < 0 or (cfg.ray_reward_workers and not cfg.ray_engines):
+        raise ValueError("--ray-reward-workers places reward actors beside --ray-engines N (N >= 1); got "
+                         f"{cfg.ray_reward_workers} reward workers and {cfg.ray_engines} engines")
     if cfg.diffusion_kl_beta > 0 and not cfg.use_lora and not cfg.use_ema:
         raise ValueError("--diffusion-kl-beta with a full finetune needs a reference: pass --use-lora "
                          "(reference = adapter disabled) or --use-ema")
@@ -104,9 +107,10 @@ def validate_parallel(cfg: TrainConfig, parallel: Parallel) -> None:
 
 
 class Trainer:
-    def __init__(self, cfg: TrainConfig, extra_engines: Sequence = ()):
+    def __init__(self, cfg: TrainConfig, extra_engines: Sequence = (), reward_fn: Callable | None = None):
         """`extra_engines`: engine clients placed elsewhere (e.g. Ray actors); like `--engine-urls`
-        they join the rollout pool and get the weights pushed before every rollout."""
+        they join the rollout pool and get the weights pushed before every rollout. `reward_fn`: a
+        scorer placed elsewhere (e.g. Ray reward workers) in place of `--reward` in this process."""
         validate_config(cfg)
         self.device = rank_device(resolve_device(cfg.device))
         self.parallel = init_parallel(self.device)
@@ -165,7 +169,7 @@ class Trainer:
             ([InProcessEngineClient(self.engine)] if cfg.local_engine else []) + self.remote_engines,
             RolloutConfig(n_samples_per_prompt=cfg.n_samples_per_prompt, rollout_microgroup_size=cfg.rollout_microgroup_size,
                           engine_concurrency=cfg.engine_concurrency, rollout_seed=cfg.rollout_seed),
-            reward_fn=get_reward(cfg.reward),
+            reward_fn=reward_fn or get_reward(cfg.reward),
         )
         by_category = prompts_by_category("train")
         unknown = sorted(set(cfg.train_categories) - set(by_category))
