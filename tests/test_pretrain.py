@@ -87,3 +87,4 @@ def test_evaluate_a_checkpoint_with_the_trainers_balanced_protocol(tiny_model_di
     samples = [json.loads(line) for line in (tmp_path / "eval" / "samples.jsonl").read_text().splitlines()]
     assert len(samples) == sum(seeds) > len(prompts)  # categories with one prompt get several seeds
     assert [(s["prompt"], s["seed"], s["score"]) for s in samples] == [(r.prompt, r.seed, r.score) for r in records]
+    assert sum(c["n"] for c in report["categories"].values()) == len(samples)
