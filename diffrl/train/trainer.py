@@ -52,8 +52,6 @@ from diffrl.sampling import transition
 from diffrl.train.config import TrainConfig
 from diffrl.train.ema import ParameterEMA
 from diffrl.train.metrics import MetricsLogger
-from diffrl.train.prompt_sampler import CategorySampler
-from diffrl.train.train_state import load_train_state, save_train_state
 from diffrl.train.parallel import (
     Parallel,
     all_gather_rows,
@@ -64,6 +62,8 @@ from diffrl.train.parallel import (
     rank_device,
     shard_transformer,
 )
+from diffrl.train.prompt_sampler import CategorySampler
+from diffrl.train.train_state import load_train_state, save_train_state
 from diffrl.utils.device import resolve_device
 
 
