@@ -17,7 +17,8 @@ from diffrl.train.config import TrainConfig
 _GPU_BATCH = dict(  # 32 prompts × 16 samples per rollout, 2 optimizer steps of 256 samples
     num_rollout=200, rollout_batch_size=32, n_samples_per_prompt=16, rollout_microgroup_size=16,
     global_batch_size=256, num_steps_per_rollout=2, micro_batch_size=256, engine_concurrency=32,
-    engine_max_batch_outputs=512, eval_interval=10, eval_images_per_category=32, checkpoint_interval=50,
+    engine_max_batch_outputs=512, eval_interval=10, checkpoint_interval=50,
+    eval_images_per_category=64,  # 32 per category proved too noisy to tell runs apart (docs/results.md)
     mixed_precision="no",  # fp32 + TF32: what docs/results.md measured; bf16 is --mixed-precision bf16
 )
 
