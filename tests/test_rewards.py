@@ -1,5 +1,6 @@
 """Built-in shapes rewards on rendered (exact) and blank images."""
 
+import pytest
 import torch
 
 from diffrl.data.shapes import render_prompt
@@ -37,3 +38,26 @@ def test_multi_reward_is_the_weighted_sum_and_bad_specs_are_named():
         get_reward("multi:shapes=heavy")
     with pytest.raises(ValueError, match="unknown reward 'nope'"):
         get_reward("multi:nope=1")
+
+
+def test_worker_pool_scores_like_the_inline_reward():
+    """`--reward-workers`: spawned processes, images as safetensors bytes, the same rewards."""
+    import asyncio
+
+    from diffrl.rewards.workers import ProcessRewardPool
+
+    prompts = ["a red circle", "two squares", "a blue triangle to the left of a green circle", "three diamonds"]
+    images = torch.stack([torch.from_numpy(render_prompt(p, i)).permute(2, 0, 1) for i, p in enumerate(prompts)]) / 255
+    images[1] = 0.5  # a grey image: low reward
+    pool = ProcessRewardPool("shapes", workers=2)
+    try:
+        async def both_halves():
+            return await asyncio.gather(pool(images[:2], prompts[:2]), pool(images[2:], prompts[2:], [{}, {}]))
+
+        first, second = asyncio.run(both_halves())
+    finally:
+        pool.close()
+    assert first + second == get_reward("shapes")(images, prompts)
+    assert first[1] < 1.0 == first[0]
+    with pytest.raises(ValueError, match="--reward-workers"):
+        ProcessRewardPool("shapes", workers=0)

@@ -189,3 +189,11 @@ def test_cosine_learning_rate_schedule(tiny_model_dir, tmp_path):
     trainer.rollout_index = 2
     record = trainer.rollout_and_update(2)
     assert record["train/lr"] == pytest.approx(1e-4) and trainer.optimizer.param_groups[0]["lr"] == pytest.approx(1e-4)
+
+
+def test_reward_worker_processes_give_the_inline_run(tiny_model_dir, tmp_path):
+    inline = Trainer(tiny_config(tiny_model_dir, tmp_path / "inline", loss_type="nft", diffusion_guidance_scale=1.0))
+    pooled = Trainer(tiny_config(tiny_model_dir, tmp_path / "pooled", loss_type="nft", diffusion_guidance_scale=1.0,
+                                 reward_workers=2))
+    a, b = inline.train(), pooled.train()
+    assert b["rollout/reward/raw_mean"] == a["rollout/reward/raw_mean"] and b["train/loss"] == a["train/loss"]

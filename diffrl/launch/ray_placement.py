@@ -16,7 +16,6 @@ from __future__ import annotations
 
 import dataclasses
 import inspect
-import json
 import os
 from collections.abc import Sequence
 
@@ -27,6 +26,7 @@ from diffrl.engine.protocol import RolloutOutput, RolloutRequest
 from diffrl.engine.wire import decode_outputs, decode_weights, encode_outputs, encode_weights
 from diffrl.errors import RequestError
 from diffrl.models.lora import LoraSpec
+from diffrl.rewards.workers import decode_batch, encode_batch
 from diffrl.rollout.clients import EngineUnavailable
 from diffrl.train.config import TrainConfig
 
@@ -100,7 +100,7 @@ class RewardActor:
         self.score_fn, self.batches = get_reward(reward), 0
 
     async def score(self, images: bytes, prompts_json: str, metadata_json: str) -> list[float]:
-        rewards = self.score_fn(decode_weights(images)["images"], json.loads(prompts_json), json.loads(metadata_json))
+        rewards = self.score_fn(*decode_batch(images, prompts_json, metadata_json))
         if inspect.isawaitable(rewards):
             rewards = await rewards
         self.batches += 1
@@ -120,8 +120,7 @@ class RayRewardPool:
     async def __call__(self, images: torch.Tensor, prompts: list[str], metadata: list[dict] | None = None) -> list[float]:
         actor = self.actors[self._next % len(self.actors)]
         self._next += 1
-        return await actor.score.remote(encode_weights({"images": images.contiguous()}), json.dumps(list(prompts)),
-                                        json.dumps(metadata or []))
+        return await actor.score.remote(*encode_batch(images, prompts, metadata))
 
 
 class TrainerActor:

@@ -47,6 +47,8 @@ class TrainConfig:
     # algorithm
     loss_type: Literal["flow_grpo", "nft"] = "flow_grpo"
     reward: str = "shapes"
+    reward_workers: int = 0
+    """Score rewards in this many worker processes (microgroups in parallel, as they land); 0: inline."""
     train_categories: tuple[str, ...] = ()
     """Shapes categories to draw train prompts from (default: all six)."""
     category_sampling: Literal["uniform", "adaptive"] = "uniform"

@@ -41,6 +41,7 @@ from diffrl.models import resolve_family
 from diffrl.models.base import Latents, PromptEmbeds
 from diffrl.models.lora import add_lora, lora_spec
 from diffrl.rewards import get_reward
+from diffrl.rewards.workers import ProcessRewardPool
 from diffrl.rollout import (
     HttpEngineClient,
     InProcessEngineClient,
@@ -83,6 +84,8 @@ def validate_config(cfg: TrainConfig) -> None:
     if cfg.loss_type == "nft" and int(cfg.diffusion_num_steps * cfg.nft_timestep_fraction) < 1:
         raise ValueError(f"--nft-timestep-fraction {cfg.nft_timestep_fraction} keeps no timestep of "
                          f"--diffusion-num-steps {cfg.diffusion_num_steps}")
+    if cfg.reward_workers < 0:
+        raise ValueError(f"--reward-workers must be >= 0, got {cfg.reward_workers}")
     if cfg.ray_reward_workers < 0 or (cfg.ray_reward_workers and not cfg.ray_engines):
         raise ValueError("--ray-reward-workers places reward actors beside --ray-engines N (N >= 1); got "
                          f"{cfg.ray_reward_workers} reward workers and {cfg.ray_engines} engines")
@@ -169,7 +172,8 @@ class Trainer:
             ([InProcessEngineClient(self.engine)] if cfg.local_engine else []) + self.remote_engines,
             RolloutConfig(n_samples_per_prompt=cfg.n_samples_per_prompt, rollout_microgroup_size=cfg.rollout_microgroup_size,
                           engine_concurrency=cfg.engine_concurrency, rollout_seed=cfg.rollout_seed),
-            reward_fn=reward_fn or get_reward(cfg.reward),
+            reward_fn=reward_fn or (ProcessRewardPool(cfg.reward, cfg.reward_workers) if cfg.reward_workers
+                                    else get_reward(cfg.reward)),
         )
         by_category = prompts_by_category("train")
         unknown = sorted(set(cfg.train_categories) - set(by_category))
@@ -221,6 +225,8 @@ class Trainer:
             if last_one:
                 break
         bar.close()
+        if hasattr(self.manager.reward_fn, "close"):  # a worker pool: its processes end with the run
+            self.manager.reward_fn.close()
         if main:
             curve = self.metrics.plot_curves()
             print(run_summary(self.metrics.records()))
