@@ -33,7 +33,7 @@ from diffrl.engine.protocol import (
 )
 from diffrl.errors import RequestError
 from diffrl.models.base import FamilyAdapter, PromptEmbeds
-from diffrl.models.lora import LoraSpec, add_lora, current_lora, same_lora
+from diffrl.models.lora import LoraSpec, add_lora, current_lora
 from diffrl.sampling import make_generators
 
 
@@ -175,7 +175,7 @@ class Engine:
         with self._model_lock:
             existing = current_lora(self.family.transformer)
             if existing is not None:
-                if not same_lora(existing, spec):
+                if existing != spec:
                     raise RequestError("lora", f"this engine already has a different LoRA adapter: {existing.model_dump()}")
                 return False
             add_lora(self.family.transformer, spec)

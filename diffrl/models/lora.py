@@ -3,10 +3,8 @@ the adapter an engine adds has the parameter names the trainer pushes into it.""
 
 from __future__ import annotations
 
-from collections.abc import Sequence
-
 import torch
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, field_validator
 
 
 class LoraSpec(BaseModel):
@@ -17,6 +15,11 @@ class LoraSpec(BaseModel):
     rank: int = Field(ge=1)
     alpha: float = Field(gt=0)
     target_modules: list[str] = Field(min_length=1)
+
+    @field_validator("target_modules")
+    @classmethod
+    def _sorted(cls, names: list[str]) -> list[str]:  # order-free, so two specs compare with ==
+        return sorted(names)
 
 
 def add_lora(transformer: torch.nn.Module, spec: LoraSpec) -> None:
@@ -32,12 +35,4 @@ def current_lora(transformer: torch.nn.Module) -> LoraSpec | None:
     config = getattr(transformer, "peft_config", {}).get("default")
     if config is None:
         return None
-    return LoraSpec(rank=config.r, alpha=config.lora_alpha, target_modules=sorted(config.target_modules))
-
-
-def same_lora(a: LoraSpec, b: LoraSpec) -> bool:
-    return a.rank == b.rank and a.alpha == b.alpha and sorted(a.target_modules) == sorted(b.target_modules)
-
-
-def lora_spec(rank: int, alpha: float, target_modules: Sequence[str]) -> LoraSpec:
-    return LoraSpec(rank=rank, alpha=alpha, target_modules=list(target_modules))
+    return LoraSpec(rank=config.r, alpha=config.lora_alpha, target_modules=list(config.target_modules))

@@ -39,9 +39,14 @@ class CategorySampler:
         self.mode, self.floor, self.smoothing, self.seed = mode, floor, smoothing, seed
         self.mean_reward: dict[str, float] = {}  # r̄_c, from the categories seen so far
 
+    @property
+    def _adapting(self) -> bool:
+        """Adaptive, and every category has a reward (until then, categories take turns)."""
+        return self.mode == "adaptive" and len(self.mean_reward) == len(self.categories)
+
     def weights(self) -> dict[str, float]:
-        """Each category's share of the groups (uniform until every category has a reward)."""
-        if self.mode == "uniform" or len(self.mean_reward) < len(self.categories):
+        """Each category's share of the groups."""
+        if not self._adapting:
             return {c: 1 / len(self.categories) for c in self.categories}
         raw = {c: self.floor + max(0.0, 1.0 - self.mean_reward[c]) for c in self.categories}
         total = sum(raw.values())
@@ -50,7 +55,7 @@ class CategorySampler:
     def draw(self, k: int, batch: int) -> tuple[list[str], list[str]]:
         """Rollout k's `batch` prompts and the category of each."""
         rng = np.random.default_rng([self.seed, k])
-        if self.mode == "uniform" or len(self.mean_reward) < len(self.categories):
+        if not self._adapting:
             cats = [self.categories[(k * batch + j) % len(self.categories)] for j in range(batch)]
         else:
             counts = _allocate(list(self.weights().values()), batch)

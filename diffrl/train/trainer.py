@@ -39,7 +39,7 @@ from diffrl.engine.engine import Engine, EngineConfig
 from diffrl.evaluation.shapes import balanced_eval_set, evaluate_prompts, save_records_grid, summarize
 from diffrl.models import resolve_family
 from diffrl.models.base import Latents, PromptEmbeds
-from diffrl.models.lora import add_lora, lora_spec
+from diffrl.models.lora import LoraSpec, add_lora
 from diffrl.rewards import get_reward
 from diffrl.rewards.workers import ProcessRewardPool
 from diffrl.rollout import (
@@ -141,7 +141,8 @@ class Trainer:
         self.family.autocast_dtype = torch.bfloat16 if bf16 else None  # the engine shares the family
         if cfg.gradient_checkpointing:
             transformer.enable_gradient_checkpointing()  # active only when gradients are (training)
-        self.lora = lora_spec(cfg.lora_rank, cfg.lora_alpha, self.family.lora_target_modules) if cfg.use_lora else None
+        self.lora = LoraSpec(rank=cfg.lora_rank, alpha=cfg.lora_alpha,
+                             target_modules=list(self.family.lora_target_modules)) if cfg.use_lora else None
         if self.lora is not None:
             add_lora(transformer, self.lora)
         if self.parallel.enabled:
@@ -336,8 +337,7 @@ class Trainer:
             for name, p in self.family.transformer.named_parameters():
                 engine_params[name].copy_(full_tensor(p.detach()))
         if self.remote_engines:
-            trainable = set(self.trainable_names)
-            tensors = {name: p.detach() for name, p in self.family.transformer.named_parameters() if name in trainable}
+            tensors = {name: p.detach() for name, p in zip(self.trainable_names, self.params, strict=True)}
             for client in self.remote_engines:
                 client.push_weights(tensors, self.engine.weight_version, self.engine_token)
 
