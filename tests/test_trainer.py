@@ -57,6 +57,31 @@ def test_nft_rollout_and_update(tiny_model_dir, tmp_path):
     assert any(not torch.equal(a, b) for a, b in zip(old, trainer.ema.shadow))
 
 
+@pytest.mark.parametrize("loss_type", ["nft", "flow_grpo"])
+def test_kl_reference_base_is_the_starting_weights_of_a_full_finetune(tiny_model_dir, tmp_path, loss_type):
+    cfg = tiny_config(tiny_model_dir, tmp_path / "run", loss_type=loss_type, diffusion_kl_beta=0.1)
+    trainer = Trainer(cfg)
+    start = [p.detach().clone() for p in trainer.params]
+    first = trainer.rollout_and_update(0)
+    assert any(not torch.equal(a, p) for a, p in zip(start, trainer.params))  # the weights moved
+    moved = [p.detach().clone() for p in trainer.params]
+    with trainer._reference():
+        assert all(torch.equal(a, p) for a, p in zip(start, trainer.params))  # the base, not the EMA
+    assert all(torch.equal(a, p) for a, p in zip(moved, trainer.params))  # restored on exit
+    # The first of the rollout's two optimizer steps starts at the base (KL 0); the second does not.
+    assert first["train/kl_loss"] > 0
+    second = trainer.rollout_and_update(1)
+    assert second["train/kl_loss"] > 0
+
+
+def test_kl_reference_ema_needs_an_ema(tiny_model_dir, tmp_path):
+    cfg = tiny_config(tiny_model_dir, tmp_path / "run", diffusion_kl_beta=0.1, kl_reference="ema")
+    with pytest.raises(ValueError, match="--use-ema"):
+        validate_config(cfg)
+    validate_config(tiny_config(tiny_model_dir, tmp_path / "run", diffusion_kl_beta=0.1, kl_reference="ema",
+                                loss_type="nft"))  # NFT's EMA is its old policy
+
+
 def test_contradictory_batch_sizes_are_refused_naming_the_flags(tiny_model_dir, tmp_path, capsys):
     code = cli_main(["train", "--model-path", str(tiny_model_dir), "--output-dir", str(tmp_path / "x"),
                      "--rollout-batch-size", "4", "--n-samples-per-prompt", "4", "--global-batch-size", "5"])

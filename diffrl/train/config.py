@@ -59,6 +59,10 @@ class TrainConfig:
     diffusion_clip_range: float = 1e-4
     diffusion_adv_clip_max: float = 5.0
     diffusion_kl_beta: float = 0.0
+    kl_reference: Literal["base", "ema"] = "base"
+    """What --diffusion-kl-beta pulls toward: base = the starting weights (LoRA: the adapter
+    disabled; full finetune: a frozen copy of the trained parameters, sharded like them), ema =
+    the EMA (needs --use-ema, or DiffusionNFT, whose EMA is its old policy)."""
     globalize_reward_std: bool = False
     globalize_reward_mean: bool = False
     drop_zero_std_groups: bool = False

@@ -89,9 +89,8 @@ def validate_config(cfg: TrainConfig) -> None:
     if cfg.ray_reward_workers < 0 or (cfg.ray_reward_workers and not cfg.ray_engines):
         raise ValueError("--ray-reward-workers places reward actors beside --ray-engines N (N >= 1); got "
                          f"{cfg.ray_reward_workers} reward workers and {cfg.ray_engines} engines")
-    if cfg.diffusion_kl_beta > 0 and not cfg.use_lora and not cfg.use_ema:
-        raise ValueError("--diffusion-kl-beta with a full finetune needs a reference: pass --use-lora "
-                         "(reference = adapter disabled) or --use-ema")
+    if cfg.diffusion_kl_beta > 0 and cfg.kl_reference == "ema" and not (cfg.use_ema or cfg.loss_type == "nft"):
+        raise ValueError("--kl-reference ema needs an EMA: pass --use-ema (or --kl-reference base)")
     for name in ("micro_batch_size", "num_rollout", "eval_interval", "checkpoint_interval"):
         if getattr(cfg, name) < 1:
             raise ValueError(f"--{name.replace('_', '-')} must be >= 1")
@@ -159,6 +158,10 @@ class Trainer:
             p.requires_grad_(True)
         self.optimizer = torch.optim.AdamW(self.params, lr=cfg.lr, weight_decay=cfg.weight_decay)
         self.ema = ParameterEMA(self.params) if (cfg.use_ema or cfg.loss_type == "nft") else None
+        # The KL anchor of a full finetune: the starting weights, taken before any resume loads
+        # later ones (an EMA that is never updated). LoRA gets it by disabling the adapter.
+        self.base_weights = (ParameterEMA(self.params) if cfg.diffusion_kl_beta > 0 and cfg.kl_reference == "base"
+                             and not cfg.use_lora else None)
 
         self.engine = Engine(engine_family, EngineConfig(max_outputs_per_request=max(64, cfg.rollout_microgroup_size),
                                                        max_batch_outputs=cfg.engine_max_batch_outputs))
@@ -464,15 +467,19 @@ class Trainer:
 
     @contextlib.contextmanager
     def _reference(self):
-        """The KL reference: the base model (LoRA disabled) or the EMA."""
-        if self.cfg.use_lora:
+        """The KL reference (--kl-reference): the base model (LoRA disabled, or the starting
+        weights swapped in) or the EMA."""
+        if self.cfg.kl_reference == "ema":
+            with self.ema.swapped_in():
+                yield
+        elif self.cfg.use_lora:
             self.family.transformer.disable_adapters()
             try:
                 yield
             finally:
                 self.family.transformer.enable_adapters()
         else:
-            with self.ema.swapped_in():
+            with self.base_weights.swapped_in():
                 yield
 
     # ------------------------------------------------------------------ evaluation

@@ -5,7 +5,7 @@ set -uo pipefail
 python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl
 export PYTHONPATH=/tmp/site:$PWD PYTHONUNBUFFERED=1 OMP_NUM_THREADS=8
 for precision in no bf16; do
-  timeout 100 python3 -m diffrl.cli.main train --recipe shapes-nft-gpu --device cuda --mixed-precision $precision \
+  timeout 100 python3 -m diffrl.cli.main train --recipe shapes-nft-gpu --device cuda --mixed-precision $precision --category-sampling uniform --micro-batch-size 256 \
     --num-rollout ${ROLLOUTS:-6} --eval-interval 100 --eval-images-per-category 8 --checkpoint-interval 100 \
     --output-dir /tmp/bf16/$precision >/tmp/bf16-$precision.log 2>&1; echo "$precision exit $?"
   cp /tmp/bf16/$precision/metrics.jsonl "$OUT/metrics-$precision.jsonl" 2>/dev/null

@@ -2,6 +2,7 @@
 # Several training runs at once on one GPU (the demo model is small and launch-bound, so runs share
 # the GPU well). Usage on the device (carry `.whl`): SWEEP=scripts/device/sweeps/NAME.txt MINUTES=7 bash $0
 # Each sweep line is `name  flags…`; every run gets --time-budget-minutes $MINUTES and its own folder.
+# Sweep files pin the recipe values changed since they ran; code changes (e.g. the verifier) are in git.
 # On a machine with several GPUs the runs are dealt round-robin over them (run i on GPU i mod count).
 set -uo pipefail
 python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl
