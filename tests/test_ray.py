@@ -1,4 +1,5 @@
-"""Placement through Ray on this machine: two CPU engine actors and a trainer actor complete a run."""
+"""Placement through Ray on this machine: two CPU engine actors and a trainer actor complete a run;
+two data-parallel trainer rank actors train as one process does."""
 
 import json
 
@@ -38,6 +39,36 @@ def test_ray_places_two_engines_and_a_trainer_and_completes_a_step(tiny_model_di
             assert b["train/loss"] == pytest.approx(a["train/loss"], rel=1e-5, abs=1e-7)
 
 
-def test_reward_workers_need_ray_engines(tiny_model_dir, tmp_path):
+def test_ray_places_two_data_parallel_trainer_ranks(tiny_model_dir, tmp_path):
+    """Two trainer rank actors form a gloo process group and train with FSDP2, each rolling out its
+    share on its own engine: the same samples, losses and gradient norms as one process."""
+    flags = dict(num_rollout=2, reward="shapes", loss_type="nft", rollout_batch_size=2, n_samples_per_prompt=3,
+                 global_batch_size=6, num_steps_per_rollout=1, micro_batch_size=64, diffusion_guidance_scale=1.0,
+                 eval_interval=2, eval_images_per_category=1, checkpoint_interval=2)
+    out = tmp_path / "ray"
+    ray.init(num_cpus=3, include_dashboard=False, log_to_driver=False,
+             runtime_env={"env_vars": {"OMP_NUM_THREADS": "1"}})
+    try:
+        last = launch(tiny_config(tiny_model_dir, out, ray_trainer_ranks=2, **flags))
+    finally:
+        ray.shutdown()
+    assert last["ray/world_size"] == 2
+    Trainer(tiny_config(tiny_model_dir, tmp_path / "plain", **flags)).train()
+    plain, ranks = ([json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
+                    for run in (tmp_path / "plain", out))
+    assert len(plain) == len(ranks) == 3  # the evaluation before training, then two rollouts
+    assert ranks[1]["rollout/reward/raw_mean"] == plain[1]["rollout/reward/raw_mean"]  # the same samples
+    for a, b in zip(plain[1:], ranks[1:], strict=True):
+        assert b["rollout/reward/raw_mean"] == pytest.approx(a["rollout/reward/raw_mean"], rel=1e-6)
+        assert b["train/loss"] == pytest.approx(a["train/loss"], rel=1e-5)
+        assert b["train/grad_norm"] == pytest.approx(a["train/grad_norm"], rel=1e-4)
+
+
+def test_ray_placement_flags_are_checked(tiny_model_dir, tmp_path):
     with pytest.raises(ValueError, match="--ray-reward-workers"):
         validate_config(tiny_config(tiny_model_dir, tmp_path / "run", ray_reward_workers=2))
+    with pytest.raises(ValueError, match="--ray-trainer-ranks"):
+        validate_config(tiny_config(tiny_model_dir, tmp_path / "run", ray_trainer_ranks=2, ray_engines=2))
+    with pytest.raises(ValueError, match="--ray-trainer-ranks"):
+        validate_config(tiny_config(tiny_model_dir, tmp_path / "run", ray_trainer_ranks=0))
+    validate_config(tiny_config(tiny_model_dir, tmp_path / "run", ray_trainer_ranks=2, ray_reward_workers=1))

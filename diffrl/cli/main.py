@@ -14,7 +14,7 @@ from diffrl.cli.evaluate import EvaluateConfig, evaluate
 from diffrl.engine.server import ServeConfig, serve
 from diffrl.errors import ModelLoadError
 from diffrl.recipes import recipe_config
-from diffrl.train.config import TrainConfig
+from diffrl.train.config import TrainConfig, uses_ray
 from diffrl.train.pretrain import PretrainConfig, pretrain
 
 SUBCOMMANDS = {"train": TrainConfig, "pretrain": PretrainConfig, "evaluate": EvaluateConfig, "compare": CompareConfig,
@@ -42,7 +42,7 @@ def main(argv: list[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     try:
         config = parse(argv)
-        if isinstance(config, TrainConfig) and config.ray_engines > 0:
+        if isinstance(config, TrainConfig) and uses_ray(config):
             from diffrl.launch.ray_placement import launch
 
             launch(config)

@@ -3,7 +3,9 @@
 `diffrl train --ray-engines N [--ray-reward-workers R] [--ray-address ADDR]` starts (or joins) a Ray
 cluster, reserves one bundle per engine, per reward worker and one for the trainer
 (`--ray-colocate`: PACK onto as few nodes as possible, else SPREAD across nodes), starts the actors
-and runs the trainer there. The trainer reaches the engines through `RayEngineClient` (least-loaded
+and runs the trainer there. `--ray-trainer-ranks T` instead places T data-parallel trainer ranks
+(one bundle each, `--ray-gpus-per-trainer`), which form a torch.distributed process group among
+themselves and train as under torchrun, each rolling out on its own in-process engine. The trainer reaches the engines through `RayEngineClient` (least-loaded
 routing as for any engine), pushes its weights to them before every rollout, and sends each
 microgroup's images to the reward workers in turn (`RayRewardPool`). A single machine keeps
 working without Ray.
@@ -35,7 +37,7 @@ def _ray():
     try:
         import ray
     except ImportError:
-        raise ValueError("--ray-engines needs Ray: pip install 'ray==2.60.0'") from None
+        raise ValueError("--ray-engines / --ray-trainer-ranks need Ray: pip install 'ray==2.60.0'") from None
     return ray
 
 
@@ -136,15 +138,45 @@ class TrainerActor:
         return self.trainer.train()
 
 
+class TrainerRankActor:
+    """One data-parallel trainer rank: the process group comes from the environment torchrun would
+    set, so the trainer runs exactly as under torchrun (FSDP2, its share of each rollout on its
+    in-process engine, rank 0 writing the run folder)."""
+
+    def rendezvous(self) -> tuple[str, int]:
+        """This node's address and a free port, for rank 0 to host the process group."""
+        import socket
+
+        import ray
+
+        address = ray.util.get_node_ip_address()
+        with socket.socket() as sock:
+            sock.bind((address, 0))
+            return address, sock.getsockname()[1]
+
+    def setup(self, cfg: TrainConfig, rank: int, world_size: int, address: str, port: int,
+              reward_actors: Sequence = ()) -> None:
+        from diffrl.train.trainer import Trainer
+
+        # Ray shows each actor only its own GPUs, so the rank's device is local index 0.
+        os.environ.update(RANK=str(rank), WORLD_SIZE=str(world_size), LOCAL_RANK="0", MASTER_ADDR=address,
+                          MASTER_PORT=str(port))
+        self.trainer = Trainer(cfg, reward_fn=RayRewardPool(reward_actors) if reward_actors else None)
+
+    def train(self) -> dict:
+        return {**self.trainer.train(), "ray/world_size": self.trainer.parallel.world_size}
+
+
 def launch(cfg: TrainConfig) -> dict:
     """Place N engines and the trainer in one placement group and run the training there."""
     ray = _ray()
     from ray.util.placement_group import placement_group, remove_placement_group
     from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
-    gpus = cfg.ray_gpus_per_engine
+    gpus, trainer_gpus, ranks = cfg.ray_gpus_per_engine, cfg.ray_gpus_per_trainer, cfg.ray_trainer_ranks
     bundles = ([{"CPU": 1, **({"GPU": gpus} if gpus else {})} for _ in range(cfg.ray_engines)]
-               + [{"CPU": 1}] * cfg.ray_reward_workers + [{"CPU": 1}])  # engines, reward workers, the trainer
+               + [{"CPU": 1}] * cfg.ray_reward_workers
+               + [{"CPU": 1, **({"GPU": trainer_gpus} if trainer_gpus else {})} for _ in range(ranks)])
     if not ray.is_initialized():
         # A local cluster gets a logical CPU per bundle even on a small machine (actors mostly wait).
         local = {} if cfg.ray_address else {"num_cpus": max(len(bundles), os.cpu_count() or 1)}
@@ -170,11 +202,22 @@ def launch(cfg: TrainConfig) -> dict:
         rewards = [ray.remote(RewardActor).options(num_cpus=1, max_concurrency=8,
                                                    scheduling_strategy=in_bundle(cfg.ray_engines + i)).remote(cfg.reward)
                    for i in range(cfg.ray_reward_workers)]
-        # The trainer actor runs the plain loop: its own config no longer asks for Ray.
-        trainer_cfg = dataclasses.replace(cfg, ray_engines=0, ray_reward_workers=0)
-        trainer = ray.remote(TrainerActor).options(num_cpus=1, scheduling_strategy=in_bundle(len(bundles) - 1)).remote(
-            trainer_cfg, engines, names, rewards)
-        last = ray.get(trainer.train.remote())
+        # The trainer actors run the plain loop: their own config no longer asks for Ray.
+        trainer_cfg = dataclasses.replace(cfg, ray_engines=0, ray_reward_workers=0, ray_trainer_ranks=1)
+        first_trainer = len(bundles) - ranks
+        if ranks == 1:
+            trainer = ray.remote(TrainerActor).options(num_cpus=1, num_gpus=trainer_gpus,
+                                                       scheduling_strategy=in_bundle(first_trainer)).remote(
+                trainer_cfg, engines, names, rewards)
+            last = ray.get(trainer.train.remote())
+        else:
+            rank_cls = ray.remote(TrainerRankActor)
+            trainers = [rank_cls.options(num_cpus=1, num_gpus=trainer_gpus,
+                                         scheduling_strategy=in_bundle(first_trainer + r)).remote() for r in range(ranks)]
+            address, port = ray.get(trainers[0].rendezvous.remote())
+            # Every rank joins the process group in its setup, so they start together.
+            ray.get([t.setup.remote(trainer_cfg, r, ranks, address, port, rewards) for r, t in enumerate(trainers)])
+            last = ray.get([t.train.remote() for t in trainers])[0]  # rank 0's record
         last["ray/engine_batches"] = ray.get([e.served.remote() for e in engines])
         last["ray/reward_batches"] = ray.get([r.served.remote() for r in rewards])
         return last

@@ -91,15 +91,21 @@ class TrainConfig:
     engine_token: str | None = None
     """Bearer token for the engines' weight updates (default: env DIFFRL_ENGINE_TOKEN)."""
     ray_engines: int = 0
-    """Place this many engines and the trainer as Ray actors in one placement group (0: no Ray)."""
+    """Place this many engines and the trainer as Ray actors in one placement group (0 and one
+    trainer rank: no Ray)."""
     ray_address: str | None = None
     """An existing Ray cluster (default: start a local one)."""
     ray_colocate: bool = True
     """PACK the bundles onto as few nodes as possible (--no-ray-colocate: SPREAD across nodes)."""
     ray_gpus_per_engine: float = 0.0
+    ray_trainer_ranks: int = 1
+    """Trainer actors placed through Ray. Above 1: data-parallel ranks (torch.distributed inside the
+    actors, FSDP2 as under torchrun), each rolling out its share on its own in-process engine."""
+    ray_gpus_per_trainer: float = 0.0
+    """GPUs for each trainer actor (its in-process engine shares them)."""
     ray_reward_workers: int = 0
-    """With --ray-engines: score rewards in this many Ray actors of the placement group (one CPU each)
-    instead of the trainer's process; microgroups go to them in turn."""
+    """With Ray placement: score rewards in this many Ray actors of the placement group (one CPU
+    each) instead of the trainers' processes; microgroups go to them in turn."""
     ray_placement_timeout_s: float = 120.0
     """Outputs the engine denoises in one batch across requests (launch-bound GPUs want many)."""
     rollout_seed: int = 0
@@ -137,3 +143,8 @@ class TrainConfig:
     checkpoint_interval: int = 4
     time_budget_minutes: float | None = None
     """Stop after the rollout that passes this wall-clock budget (then the final eval and checkpoint)."""
+
+
+def uses_ray(cfg: TrainConfig) -> bool:
+    """Whether the run is placed through Ray (engines or several trainer ranks as actors)."""
+    return cfg.ray_engines > 0 or cfg.ray_trainer_ranks > 1

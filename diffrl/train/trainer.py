@@ -50,7 +50,7 @@ from diffrl.rollout import (
     check_batch_invariant,
 )
 from diffrl.sampling import transition
-from diffrl.train.config import TrainConfig
+from diffrl.train.config import TrainConfig, uses_ray
 from diffrl.train.ema import ParameterEMA
 from diffrl.train.metrics import MetricsLogger
 from diffrl.train.parallel import (
@@ -86,9 +86,15 @@ def validate_config(cfg: TrainConfig) -> None:
                          f"--diffusion-num-steps {cfg.diffusion_num_steps}")
     if cfg.reward_workers < 0:
         raise ValueError(f"--reward-workers must be >= 0, got {cfg.reward_workers}")
-    if cfg.ray_reward_workers < 0 or (cfg.ray_reward_workers and not cfg.ray_engines):
-        raise ValueError("--ray-reward-workers places reward actors beside --ray-engines N (N >= 1); got "
-                         f"{cfg.ray_reward_workers} reward workers and {cfg.ray_engines} engines")
+    if cfg.ray_trainer_ranks < 1:
+        raise ValueError(f"--ray-trainer-ranks must be >= 1, got {cfg.ray_trainer_ranks}")
+    if cfg.ray_trainer_ranks > 1 and cfg.ray_engines:
+        raise ValueError("--ray-trainer-ranks > 1 rolls out on each rank's in-process engine; with --ray-engines "
+                         "every rank would push its weights to them (use one or the other)")
+    if cfg.ray_reward_workers < 0 or (cfg.ray_reward_workers and not uses_ray(cfg)):
+        raise ValueError("--ray-reward-workers places reward actors beside --ray-engines N (N >= 1) or "
+                         f"--ray-trainer-ranks T (T >= 2); got {cfg.ray_reward_workers} reward workers, "
+                         f"{cfg.ray_engines} engines and {cfg.ray_trainer_ranks} trainer ranks")
     if cfg.diffusion_kl_beta > 0 and cfg.kl_reference == "ema" and not (cfg.use_ema or cfg.loss_type == "nft"):
         raise ValueError("--kl-reference ema needs an EMA: pass --use-ema (or --kl-reference base)")
     for name in ("micro_batch_size", "num_rollout", "eval_interval", "checkpoint_interval"):
