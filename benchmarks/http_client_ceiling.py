@@ -25,7 +25,7 @@ from rollout_timing import REQUESTS, add_scaling_args, record_engines, rollout_s
 
 from diffrl.engine.engine import Engine, EngineConfig
 from diffrl.engine.protocol import RolloutRequest
-from diffrl.engine.wire import MEDIA_TYPE, encode_outputs
+from diffrl.engine.wire import MEDIA_TYPE, decode_outputs, encode_outputs
 from diffrl.models import resolve_family
 from diffrl.models.demo import SHIPPED_DEMO_MODEL
 from diffrl.rollout import HttpEngineClient
@@ -70,12 +70,48 @@ def wait_healthy(port: int) -> None:
     raise TimeoutError(f"stand-in server on port {port} did not come up")
 
 
+def sequential_ms(port: int, repeats: int = 60) -> dict[str, float]:
+    """Milliseconds per request, one at a time, through httpx's async and blocking clients and the
+    standard library's `http.client`: what reading one response costs each of them."""
+    import asyncio
+    import http.client
+
+    url = f"http://127.0.0.1:{port}"
+    result = {}
+    with httpx.Client(base_url=url) as client:
+        start = time.perf_counter()
+        for _ in range(repeats):
+            client.post("/rollout/generate", json={}).read()
+        result["httpx_blocking"] = (time.perf_counter() - start) / repeats * 1e3
+
+    async def async_loop() -> float:
+        async with httpx.AsyncClient(base_url=url) as client:
+            start = time.perf_counter()
+            for _ in range(repeats):
+                await (await client.post("/rollout/generate", json={})).aread()
+            return (time.perf_counter() - start) / repeats * 1e3
+
+    result["httpx_async"] = asyncio.run(async_loop())
+    connection = http.client.HTTPConnection("127.0.0.1", port)
+    start = time.perf_counter()
+    for _ in range(repeats):
+        connection.request("POST", "/rollout/generate", body=b"{}", headers={"content-type": "application/json"})
+        connection.getresponse().read()
+    result["http_client"] = (time.perf_counter() - start) / repeats * 1e3
+    connection.close()
+    return result
+
+
 def main() -> None:
     parser = argparse.ArgumentParser()
     add_scaling_args(parser, kind="nft", groups=64)
     args = parser.parse_args()
     body = canned_response(args.kind, args.m)
-    results = {"kind": args.kind, "groups": args.groups, "n": args.n, "m": args.m, "concurrency": args.concurrency,
+    start = time.perf_counter()
+    for _ in range(20):
+        decode_outputs(body)
+    decode_ms = (time.perf_counter() - start) / 20 * 1e3
+    results = {"decode_ms_per_response": decode_ms, "kind": args.kind, "groups": args.groups, "n": args.n, "m": args.m, "concurrency": args.concurrency,
                "response_bytes": len(body), "bytes_per_image": len(body) / args.m, "images_per_s": {}}
     print(f"{args.kind}: {len(body) / 1e6:.2f} MB per response of {args.m} outputs", flush=True)
     spawn = multiprocessing.get_context("spawn")
@@ -87,6 +123,10 @@ def main() -> None:
         try:
             for port in ports:
                 wait_healthy(port)
+            if k == 1:
+                results["sequential_ms_per_response"] = sequential_ms(ports[0])
+                print("one at a time, ms per response:", {n: round(v, 1) for n, v in
+                                                          results["sequential_ms_per_response"].items()}, flush=True)
             clients = [HttpEngineClient(f"http://127.0.0.1:{port}") for port in ports]
             seconds = rollout_seconds(clients, REQUESTS[args.kind], args.groups, args.n, args.m, args.concurrency,
                                       args.repeats)

@@ -61,7 +61,8 @@ def main() -> None:
     for k in args.engines:
         servers = start_servers(k, args.device, args.port, args.max_batch_outputs)
         try:
-            clients = [HttpEngineClient(f"http://127.0.0.1:{args.port + i}") for i in range(k)]
+            clients = [HttpEngineClient(f"http://127.0.0.1:{args.port + i}", max_in_flight=args.concurrency)
+                       for i in range(k)]
             seconds = rollout_seconds(clients, REQUESTS[args.kind], args.groups, args.n, args.m,
                                       args.concurrency, args.repeats)
         finally:

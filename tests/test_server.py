@@ -20,6 +20,7 @@ from diffrl.engine.server import create_app
 from diffrl.engine.wire import WireFormatError, decode_outputs, encode_outputs
 from diffrl.errors import RequestError
 from diffrl.rollout import HttpEngineClient, InProcessEngineClient, RolloutConfig, RolloutManager
+from diffrl.rollout.clients import EngineUnavailable
 
 ROLLOUT = dict(num_inference_steps=3, guidance_scale=3.0, rollout=True, rollout_sde_step_indices=[0, 1],
                rollout_return_dit_trajectory=True, rollout_return_denoising_env=True)
@@ -66,7 +67,7 @@ def test_http_path_returns_the_same_tensors_as_in_process(served):
         try:
             return await http.generate(request), await InProcessEngineClient(engine).generate(request)
         finally:
-            await http.aclose()
+            http.close()
 
     over_http, in_process = asyncio.run(both())
     _assert_same_outputs(over_http, in_process)
@@ -115,11 +116,25 @@ def test_http_client_raises_request_error_with_the_field(served):
         try:
             await client.generate(RolloutRequest(prompt="x", num_outputs_per_prompt=9))
         finally:
-            await client.aclose()
+            client.close()
 
     with pytest.raises(RequestError) as err:
         asyncio.run(call())
     assert err.value.field == "num_outputs_per_prompt"
+
+
+def test_http_client_reports_an_unreachable_engine_as_unavailable():
+    with socket.socket() as sock:  # a port nothing listens on
+        sock.bind(("127.0.0.1", 0))
+        port = sock.getsockname()[1]
+    client = HttpEngineClient(f"http://127.0.0.1:{port}")
+    try:
+        with pytest.raises(EngineUnavailable, match="ConnectionRefused"):
+            asyncio.run(client.generate(RolloutRequest(prompt="a red circle")))
+    finally:
+        client.close()
+    with pytest.raises(ValueError, match="http://host:port"):
+        HttpEngineClient("127.0.0.1:30000")
 
 
 def test_openai_style_images_endpoint(served):

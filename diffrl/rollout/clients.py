@@ -8,8 +8,12 @@ cannot answer raises `EngineUnavailable` (retried on another engine).
 from __future__ import annotations
 
 import asyncio
-from concurrent.futures import Executor
+import http.client
+import json
+import threading
+from concurrent.futures import ThreadPoolExecutor
 from typing import Protocol
+from urllib.parse import urlsplit
 
 import httpx
 import torch
@@ -48,37 +52,50 @@ class InProcessEngineClient:
 
 
 class HttpEngineClient:
-    """An engine behind `diffrl serve` (or sglang-diffusion's `/rollout/generate`)."""
+    """An engine behind `diffrl serve` (or sglang-diffusion's `/rollout/generate`).
 
-    def __init__(self, base_url: str, *, executor: Executor | None = None, timeout_s: float = 600.0):
+    Each request runs in a worker thread over a kept-alive `http.client` connection, and its
+    response is decoded there: reading a multi-megabyte body is several times faster that way
+    than through httpx's async client, which capped one trainer's intake from several engines
+    (BENCHMARKS.md, the one-client ceiling). `max_in_flight` threads: a request waiting for a
+    thread is not yet at the engine, so give at least the rollout's in-flight cap per engine."""
+
+    def __init__(self, base_url: str, *, timeout_s: float = 600.0, max_in_flight: int = 64):
+        url = urlsplit(base_url)
+        if url.scheme not in ("http", "https") or not url.hostname:
+            raise ValueError(f"engine URL {base_url!r}: expected http://host:port")
         self.name = base_url
-        self._base_url, self._timeout_s = base_url, timeout_s
-        self._http: httpx.AsyncClient | None = None
-        self._loop: asyncio.AbstractEventLoop | None = None
-        self._executor = executor  # msgpack/safetensors decoding runs here, off the event loop
+        self._base_url, self._timeout_s = base_url.rstrip("/"), timeout_s
+        self._url = url
+        self._threads = ThreadPoolExecutor(max_workers=max_in_flight, thread_name_prefix=f"engine {url.netloc}")
+        self._local = threading.local()  # each worker thread's connection
 
-    def _client(self) -> httpx.AsyncClient:
-        # An httpx client's connections belong to one event loop; a training loop may call
-        # asyncio.run once per rollout, so each new loop gets its own client.
-        loop = asyncio.get_running_loop()
-        if self._http is None or self._loop is not loop:
-            self._http = httpx.AsyncClient(base_url=self._base_url, timeout=self._timeout_s)
-            self._loop = loop
-        return self._http
+    def _connection(self) -> http.client.HTTPConnection:
+        connection = getattr(self._local, "connection", None)
+        if connection is None:
+            kind = http.client.HTTPSConnection if self._url.scheme == "https" else http.client.HTTPConnection
+            connection = self._local.connection = kind(self._url.hostname, self._url.port, timeout=self._timeout_s)
+        return connection
+
+    def _generate_blocking(self, body: bytes) -> list[RolloutOutput]:
+        try:
+            connection = self._connection()
+            connection.request("POST", f"{self._url.path.rstrip('/')}/rollout/generate", body=body,
+                               headers={"content-type": "application/json", "accept": MEDIA_TYPE})
+            response = connection.getresponse()
+            status, content = response.status, response.read()
+        except (OSError, http.client.HTTPException) as err:
+            self._local.connection = None  # a broken connection is not reused
+            raise EngineUnavailable(f"{self.name}: {err.__class__.__name__}: {err}") from err
+        if status in (400, 422):
+            raise RequestError(*_field_and_message(content))
+        if status != 200:
+            raise EngineUnavailable(f"{self.name}: HTTP {status}: {content[:200].decode(errors='replace')}")
+        return decode_outputs(content)
 
     async def generate(self, request: RolloutRequest) -> list[RolloutOutput]:
-        try:
-            response = await self._client().post(
-                "/rollout/generate", json=request.model_dump(exclude_none=True), headers={"accept": MEDIA_TYPE},
-            )
-        except httpx.HTTPError as err:
-            raise EngineUnavailable(f"{self.name}: {err.__class__.__name__}: {err}") from err
-        if response.status_code in (400, 422):
-            raise RequestError(*_field_and_message(response))
-        if response.status_code != 200:
-            raise EngineUnavailable(f"{self.name}: HTTP {response.status_code}: {response.text[:200]}")
-        loop = asyncio.get_running_loop()
-        return await loop.run_in_executor(self._executor, decode_outputs, response.content)
+        body = json.dumps(request.model_dump(exclude_none=True)).encode()
+        return await asyncio.get_running_loop().run_in_executor(self._threads, self._generate_blocking, body)
 
     def push_weights(self, tensors: dict[str, torch.Tensor], version: int, token: str | None = None) -> None:
         """Send named transformer tensors to the engine (`POST /update_weights`), synchronously:
@@ -101,17 +118,16 @@ class HttpEngineClient:
         if response.status_code != 200:
             raise EngineUnavailable(f"{self.name}: {what} refused: HTTP {response.status_code}: {response.text[:200]}")
 
-    async def aclose(self) -> None:
-        if self._http is not None and self._loop is asyncio.get_running_loop():
-            await self._http.aclose()
-        self._http = None
+    def close(self) -> None:
+        """Stop the worker threads (their connections close with them)."""
+        self._threads.shutdown(wait=False)
 
 
-def _field_and_message(response: httpx.Response) -> tuple[str, str]:
+def _field_and_message(content: bytes) -> tuple[str, str]:
     try:
-        body = response.json()
+        body = json.loads(content)
     except ValueError:
-        return "request", response.text[:200]
+        return "request", content[:200].decode(errors="replace")
     if "error" in body:  # our 400: {"error": {"field", "message"}}
         return body["error"].get("field", "request"), body["error"].get("message", "")
     detail = body.get("detail") or [{}]  # FastAPI's 422: [{"loc": [...], "msg": ...}]

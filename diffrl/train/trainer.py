@@ -171,7 +171,8 @@ class Trainer:
 
         self.engine = Engine(engine_family, EngineConfig(max_outputs_per_request=max(64, cfg.rollout_microgroup_size),
                                                        max_batch_outputs=cfg.engine_max_batch_outputs))
-        self.remote_engines = [HttpEngineClient(url) for url in cfg.engine_urls] + list(extra_engines)
+        self.remote_engines = ([HttpEngineClient(url, max_in_flight=cfg.engine_concurrency) for url in cfg.engine_urls]
+                               + list(extra_engines))
         if not cfg.local_engine and not self.remote_engines:
             raise ValueError("--no-local-engine needs engines to roll out on: --engine-urls or --ray-engines")
         self.engine_token = cfg.engine_token or os.environ.get("DIFFRL_ENGINE_TOKEN")
