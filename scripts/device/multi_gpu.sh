@@ -17,7 +17,7 @@ nvidia-smi --query-gpu=name,memory.total --format=csv,noheader
 # refills it; 64 in flight keep a second batch queued behind the one denoising.
 # STAGES picks the parts (one call may not hold both); ENGINE_RUNS the kind,groups,in-flight triples.
 stages=${STAGES:-"engines train"}
-engine_runs=${ENGINE_RUNS:-"nft,64,32 grpo,64,32 nft,256,32 nft,256,64 grpo,256,64"}
+engine_runs=${ENGINE_RUNS:-"nft,256,32 nft,256,64 grpo,256,64 nft,64,32"}
 [[ " $stages " == *" engines "* ]] || engine_runs=""
 for run in $engine_runs; do
   IFS=, read -r kind groups inflight <<<"$run"; set -- "$kind" "$groups" "$inflight"
