@@ -3,12 +3,13 @@
 `diffrl train --ray-engines N [--ray-reward-workers R] [--ray-address ADDR]` starts (or joins) a Ray
 cluster, reserves one bundle per engine, per reward worker and one for the trainer
 (`--ray-colocate`: PACK onto as few nodes as possible, else SPREAD across nodes), starts the actors
-and runs the trainer there. `--ray-trainer-ranks T` instead places T data-parallel trainer ranks
-(one bundle each, `--ray-gpus-per-trainer`), which form a torch.distributed process group among
-themselves and train as under torchrun, each rolling out on its own in-process engine. The trainer reaches the engines through `RayEngineClient` (least-loaded
-routing as for any engine), pushes its weights to them before every rollout, and sends each
-microgroup's images to the reward workers in turn (`RayRewardPool`). A single machine keeps
-working without Ray.
+and runs the trainer there. The trainer reaches the engines through `RayEngineClient`
+(least-loaded routing as for any engine), pushes its weights to them before every rollout, and
+sends each microgroup's images to the reward workers in turn (`RayRewardPool`).
+`--ray-trainer-ranks T` instead places T data-parallel trainer ranks (one bundle each,
+`--ray-gpus-per-trainer`), which form a torch.distributed process group among themselves and train
+as under torchrun, each rolling out on its own in-process engine. A single machine keeps working
+without Ray.
 
 What crosses an actor boundary is our own formats only: requests as JSON, outputs and weights as
 msgpack + safetensors bytes (Ray's envelope around them is internal to the cluster).
@@ -168,7 +169,7 @@ class TrainerRankActor:
 
 
 def launch(cfg: TrainConfig) -> dict:
-    """Place N engines and the trainer in one placement group and run the training there."""
+    """Place the engines, reward workers and trainer rank(s) in one placement group and train there."""
     ray = _ray()
     from ray.util.placement_group import placement_group, remove_placement_group
     from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy

@@ -83,6 +83,7 @@ class TrainConfig:
     engine_concurrency: int = 8
     """In-flight requests per engine; the in-process engine denoises waiting requests together."""
     engine_max_batch_outputs: int = 64
+    """Outputs the engine denoises in one batch across requests (launch-bound GPUs want many)."""
     engine_urls: tuple[str, ...] = ()
     """Engines behind `diffrl serve` to roll out on too (least-loaded routing); the trained weights are
     pushed to each before every rollout (full finetune, one process)."""
@@ -107,7 +108,7 @@ class TrainConfig:
     """With Ray placement: score rewards in this many Ray actors of the placement group (one CPU
     each) instead of the trainers' processes; microgroups go to them in turn."""
     ray_placement_timeout_s: float = 120.0
-    """Outputs the engine denoises in one batch across requests (launch-bound GPUs want many)."""
+    """How long to wait for Ray to place every bundle before giving up with the cluster's resources."""
     rollout_seed: int = 0
     diffusion_num_steps: int = 10
     diffusion_guidance_scale: float = 1.0
