@@ -1,9 +1,12 @@
 """One line per training run folder: rollouts done, reward first→last, held-out strict accuracy
-before→best→last, and the wall clock to reach 0.8 / 0.9 held-out. Usage: summarize_runs.py RUN_DIR…"""
+before→best→last, and the wall clock to reach 0.8 / 0.9 held-out; with --speed a second line of
+medians (rollout and train seconds, images/s, train pairs/s) and the peak GPU memory.
+Usage: summarize_runs.py [--speed] RUN_DIR…"""
 
 from __future__ import annotations
 
 import json
+import statistics
 import sys
 from pathlib import Path
 
@@ -26,8 +29,23 @@ def summarize(run: Path, window: int = 4) -> str:
             f"{evals[-1][2] if evals else float('nan'):.3f}  to0.8 {reach(0.8)}  to0.9 {reach(0.9)}")
 
 
+def speed(run: Path) -> str:
+    records = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines() if line.strip()]
+    rollouts = [r for r in records if "rollout/seconds" in r]
+
+    def median(key):
+        return statistics.median(r[key] for r in rollouts if key in r)
+
+    peak = max((r.get("memory/peak_gib", 0.0) for r in rollouts), default=0.0)
+    return (f"{'':<28} median rollout {median('rollout/seconds'):.2f}s ({median('rollout/images_per_s'):.0f} images/s)"
+            f"  train {median('train/seconds'):.2f}s ({median('train/pairs_per_s'):.0f} pairs/s)  peak {peak:.1f} GiB")
+
+
 if __name__ == "__main__":
+    show_speed = "--speed" in sys.argv[1:]
     for arg in sys.argv[1:]:
         path = Path(arg)
         if (path / "metrics.jsonl").exists():
             print(summarize(path))
+            if show_speed:
+                print(speed(path))
