@@ -13,6 +13,8 @@ CPU), so the client's throughput is all that is timed.
 from __future__ import annotations
 
 import argparse
+import asyncio
+import http.client
 import multiprocessing
 import socket
 import time
@@ -73,9 +75,6 @@ def wait_healthy(port: int) -> None:
 def sequential_ms(port: int, repeats: int = 60) -> dict[str, float]:
     """Milliseconds per request, one at a time, through httpx's async and blocking clients and the
     standard library's `http.client`: what reading one response costs each of them."""
-    import asyncio
-    import http.client
-
     url = f"http://127.0.0.1:{port}"
     result = {}
     with httpx.Client(base_url=url) as client:
