@@ -16,6 +16,7 @@ from diffrl.data.shapes import train_prompts
 from diffrl.models.base import Latents
 from diffrl.models.checkpoint import load_model
 from diffrl.models.demo import SHIPPED_DEMO_MODEL
+from diffrl.sampling import ode_step
 
 NOISE_LEVELS = (0.2, 0.5, 0.8)
 
@@ -34,7 +35,7 @@ def drift(checkpoint: str, base, device: str, num_prompts: int = 24, num_steps: 
 
     x = latents.tokens.to(device)
     for i in range(num_steps):  # the trained model's own samples
-        x = x + velocity(trained, x, sigmas[i]) * (sigmas[i + 1] - sigmas[i])
+        x = ode_step(x, velocity(trained, x, sigmas[i]), sigmas[i], sigmas[i + 1]).next_latents
     noise = torch.randn(x.shape, generator=torch.Generator().manual_seed(1234)).to(device)
     result = []
     for t in NOISE_LEVELS:
