@@ -242,17 +242,24 @@ def test_wrong_prompts_fail_with_the_reason_named(kind):
 def test_partial_credit_and_reasons():
     verdict = verify(render_prompt("a red circle", seed=0), "a blue circle")
     assert verdict.score == pytest.approx(2 / 3)  # count and shape right, color wrong
+    assert verdict.balanced_score == pytest.approx(2 / 3)  # one component of each kind: the same
     assert verdict.reason == "color: object 1 expected a blue circle, found a red circle"
 
     verdict = verify(render_prompt("three squares", seed=0), "two squares")
     assert verdict.reason == "count: expected 2 objects, found 3"
     assert verdict.score == pytest.approx((0.5 + 1 + 1) / 3)
+    assert verdict.balanced_score == pytest.approx((0.5 + 1) / 2)  # the count weighs as much as the shapes
+
+    verdict = verify(render_prompt("four circles", seed=0), "three circles")  # one too many
+    assert verdict.score == pytest.approx((2 / 3 + 1 + 1 + 1) / 4)
+    assert verdict.balanced_score == pytest.approx((2 / 3 + 1) / 2)
 
     prompt = "a blue square to the left of a yellow circle"
     verdict = verify(render_prompt(prompt, seed=0), "a blue square to the right of a yellow circle")
     assert verdict.score == pytest.approx(5 / 6)
+    assert verdict.balanced_score == pytest.approx(3 / 4)  # count, shapes, colors right; relation wrong
     assert verdict.reason == "relation: the blue square is not to the right of the yellow circle"
-    assert verify(render_prompt(prompt, seed=0), parse_prompt(prompt)) == shapes.Verdict(1.0, True, "ok")
+    assert verify(render_prompt(prompt, seed=0), parse_prompt(prompt)) == shapes.Verdict(1.0, True, "ok", 1.0)
 
 
 def _two_squares(first_xy: tuple[int, int], second_xy: tuple[int, int]) -> np.ndarray:

@@ -48,6 +48,16 @@ def shapes_reward(images, prompts, metadata=None) -> list[float]:
     return [verify(image, prompt).score for image, prompt in zip(to_uint8(images), prompts, strict=True)]
 
 
+@register_reward("shapes_balanced")
+def shapes_balanced_reward(images, prompts, metadata=None) -> list[float]:
+    """Partial credit with count, shape, color and relation weighed alike (a wrong count costs half
+    of a counting prompt's credit instead of one part in four or five)."""
+    from diffrl.data.shapes import verify
+    from diffrl.utils.images import to_uint8
+
+    return [verify(image, prompt).balanced_score for image, prompt in zip(to_uint8(images), prompts, strict=True)]
+
+
 @register_reward("shapes_strict")
 def shapes_strict_reward(images, prompts, metadata=None) -> list[float]:
     """1 when the verifier passes the image strictly, else 0 (a sharper signal than partial credit)."""

@@ -63,6 +63,9 @@ class Verdict:
     score: float  # partial credit in [0, 1]
     strict: bool  # every requirement met
     reason: str  # "ok", or the first failure, starting with count/shape/color/relation
+    # Partial credit with each kind of requirement (count, shape, color, relation) weighed alike,
+    # however many objects the prompt names: a wrong count costs half of "three circles", not a quarter.
+    balanced_score: float
 
 
 # --------------------------------------------------------------------------- detection
@@ -232,6 +235,7 @@ def verify(image, prompt_or_spec: str | SceneSpec) -> Verdict:
 
     The score is the mean of: a count component, per required object a shape component and,
     if a color is required, a color component, and for position prompts a relation component;
+    the balanced score first averages the components of each kind, then the kinds; both are
     times a cleanliness factor that is 1 up to CLEAN_LIMIT of unexplained pixels and 0 from
     NOISE_ZERO_CREDIT. The reason names the first failure among count, then each object's shape
     and color, then the relation, then noise, and starts with that word.
@@ -244,7 +248,7 @@ def verify(image, prompt_or_spec: str | SceneSpec) -> Verdict:
     matched = _assign(spec, detected[:MAX_MATCHED])
 
     n_required, n_found = len(spec.objects), len(detected)
-    components = [1.0 if n_found == n_required else max(0.0, 1 - abs(n_found - n_required) / n_required)]
+    components = {"count": [1.0 if n_found == n_required else max(0.0, 1 - abs(n_found - n_required) / n_required)]}
     failures = []
     if n_found != n_required:
         noun = "object" if n_required == 1 else "objects"
@@ -256,14 +260,14 @@ def verify(image, prompt_or_spec: str | SceneSpec) -> Verdict:
         if want.color is not None:
             checks.append(("color", got is not None and got.color == want.color))
         for kind, ok in checks:
-            components.append(float(ok))
+            components.setdefault(kind, []).append(float(ok))
             if not ok:
                 failures.append(f"{kind}: object {i} expected {noun_phrase(want)}, found {found_text}")
 
     if spec.relation is not None:
         first, second = matched
         ok = first is not None and second is not None and _relation_holds(spec.relation, first, second)
-        components.append(float(ok))
+        components["relation"] = [float(ok)]
         if not ok:
             want0, want1 = spec.objects
             failures.append(f"relation: {_the(want0)} is not {RELATIONS[spec.relation]} {_the(want1)}")
@@ -271,8 +275,10 @@ def verify(image, prompt_or_spec: str | SceneSpec) -> Verdict:
     if noise > CLEAN_LIMIT:
         failures.append(f"noise: {noise:.0%} of the image is neither a palette color nor background")
     clean = min(1.0, max(0.0, (NOISE_ZERO_CREDIT - noise) / (NOISE_ZERO_CREDIT - CLEAN_LIMIT)))
+    every_component = [value for values in components.values() for value in values]
     return Verdict(
-        score=float(np.mean(components)) * clean,
+        score=float(np.mean(every_component)) * clean,
         strict=not failures,
         reason=failures[0] if failures else "ok",
+        balanced_score=float(np.mean([np.mean(values) for values in components.values()])) * clean,
     )
