@@ -25,12 +25,13 @@ for run in "$root"/*/; do
   cp "$root/$name.log" "$run/train.log"
 done
 python3 scripts/summarize_runs.py "$root"/*/ | tee "$OUT/summary.txt"
-# One archive per run (the device returns at most 8 files of 16 MiB): metrics, log, eval grids and
-# the last checkpoint without its optimizer state and the untrained text encoder.
+# One archive per run (the device returns at most 8 files of 16 MiB): metrics, log, the first and
+# last eval grids and the last checkpoint without its optimizer state and the untrained text encoder.
 for run in "$root"/*/; do
   name=$(basename "$run")
   last=$(cd "$root" && ls -d "$name"/checkpoints/rollout-* 2>/dev/null | sort | tail -1)
+  grids=$(cd "$root" && ls "$name"/eval/*.png 2>/dev/null | sort | sed -n '1p;$p' | sort -u)
   (cd "$root" && tar czf "$OUT/$name.tgz" --exclude=train_state.pt --exclude=text_encoder --exclude=tokenizer \
-     "$name"/metrics.jsonl "$name"/config.json "$name"/reward_curve.png "$name"/train.log "$name"/eval ${last:+"$last"})
+     "$name"/metrics.jsonl "$name"/config.json "$name"/reward_curve.png "$name"/train.log $grids ${last:+"$last"})
 done
 ls -la "$OUT"
