@@ -222,3 +222,23 @@ def test_reward_worker_processes_give_the_inline_run(tiny_model_dir, tmp_path):
                                  reward_workers=2))
     a, b = inline.train(), pooled.train()
     assert b["rollout/reward/raw_mean"] == a["rollout/reward/raw_mean"] and b["train/loss"] == a["train/loss"]
+
+
+@pytest.mark.parametrize("eval_num_steps, expected", [(None, 3), (5, 5)])
+def test_held_out_evaluation_steps(tiny_model_dir, tmp_path, monkeypatch, eval_num_steps, expected):
+    """The held-out evaluation samples with --eval-num-steps, else with the rollout's steps."""
+    import diffrl.train.trainer as trainer_module
+
+    seen = []
+    real = trainer_module.evaluate_prompts
+
+    def spy(*args, num_steps, **kwargs):
+        seen.append(num_steps)
+        return real(*args, num_steps=num_steps, **kwargs)
+
+    monkeypatch.setattr(trainer_module, "evaluate_prompts", spy)
+    cfg = tiny_config(tiny_model_dir, tmp_path / "run", eval_num_steps=eval_num_steps, eval_images_per_category=1)
+    assert "eval/strict" in Trainer(cfg).evaluate(0)
+    assert seen == [expected]
+    with pytest.raises(ValueError, match="--eval-num-steps"):
+        validate_config(tiny_config(tiny_model_dir, tmp_path / "run", eval_num_steps=0))

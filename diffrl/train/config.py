@@ -141,6 +141,9 @@ class TrainConfig:
     """Held-out images per category (prompts × seeds, seeds balanced so small categories are not noise)."""
     eval_guidance_scale: float | None = None
     """None: the rollout guidance scale."""
+    eval_num_steps: int | None = None
+    """ODE steps of the held-out evaluation; None: the rollout's --diffusion-num-steps. (Flow-GRPO and
+    DiffusionNFT roll out with few steps and evaluate with more, e.g. 10 and 40.)"""
     checkpoint_interval: int = 4
     time_budget_minutes: float | None = None
     """Stop after the rollout that passes this wall-clock budget (then the final eval and checkpoint)."""

@@ -97,6 +97,8 @@ def validate_config(cfg: TrainConfig) -> None:
                          f"{cfg.ray_engines} engines and {cfg.ray_trainer_ranks} trainer ranks")
     if cfg.diffusion_kl_beta > 0 and cfg.kl_reference == "ema" and not (cfg.use_ema or cfg.loss_type == "nft"):
         raise ValueError("--kl-reference ema needs an EMA: pass --use-ema (or --kl-reference base)")
+    if cfg.eval_num_steps is not None and cfg.eval_num_steps < 1:
+        raise ValueError(f"--eval-num-steps must be >= 1, got {cfg.eval_num_steps}")
     for name in ("micro_batch_size", "num_rollout", "eval_interval", "checkpoint_interval"):
         if getattr(cfg, name) < 1:
             raise ValueError(f"--{name.replace('_', '-')} must be >= 1")
@@ -498,7 +500,8 @@ class Trainer:
                 return {}
             prompts, seeds_per_prompt = balanced_eval_set(test_prompts(), cfg.eval_images_per_category)
             records, images = evaluate_prompts(self.engine.family, prompts, num_seeds=seeds_per_prompt, seed=10_000,
-                                               num_steps=cfg.diffusion_num_steps, guidance_scale=guidance)
+                                               num_steps=cfg.eval_num_steps or cfg.diffusion_num_steps,
+                                               guidance_scale=guidance)
         summary = summarize(records)
         save_records_grid(records, images, cfg.output_dir / "eval" / f"rollout-{k:05d}.png", limit=32)
         out = {"eval/strict": summary["overall_strict"], "eval/score": summary["overall_score"]}
