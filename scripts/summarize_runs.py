@@ -1,5 +1,6 @@
 """One line per training run folder: rollouts done, reward first→last, held-out strict accuracy
-before→best→last, and the wall clock to reach 0.8 / 0.9 held-out; with --speed a second line of
+before→best→last, the wall clock to reach 0.8 / 0.9 held-out and, for runs with a validation
+split, the rollout `checkpoints/best` holds and its held-out accuracy; with --speed a second line of
 medians (rollout and train seconds, images/s, train pairs/s) and the peak GPU memory.
 Usage: summarize_runs.py [--speed] RUN_DIR…"""
 
@@ -24,9 +25,14 @@ def summarize(run: Path, window: int = 4) -> str:
 
     best = max(evals, key=lambda e: e[2]) if evals else (0, 0, float("nan"))
     seconds = records[-1].get("time/elapsed_s", float("nan")) if records else float("nan")
+    validated = [r for r in records if "val/strict" in r]
+    chosen = ""
+    if validated:
+        pick = max(validated, key=lambda r: r["val/strict"])  # first of equals, as the trainer keeps it
+        chosen = f"  val-best {pick['rollout']} (val {pick['val/strict']:.3f}, held-out {pick.get('eval/strict', float('nan')):.3f})"
     return (f"{run.name:<28} rollouts {len(rewards):>3} ({seconds:>4.0f}s)  reward {first:.3f}→{last:.3f}  "
             f"held-out {evals[0][2] if evals else float('nan'):.3f}→best {best[2]:.3f}@{best[0]}→last "
-            f"{evals[-1][2] if evals else float('nan'):.3f}  to0.8 {reach(0.8)}  to0.9 {reach(0.9)}")
+            f"{evals[-1][2] if evals else float('nan'):.3f}  to0.8 {reach(0.8)}  to0.9 {reach(0.9)}{chosen}")
 
 
 def speed(run: Path) -> str:

@@ -324,3 +324,16 @@ def test_noisy_background_fails_strictly_and_loses_partial_credit():
     light = clean.copy()
     light[background & (rng.random(clean.shape[:2]) < 0.02)] = (150, 150, 150)
     assert verify(light, "a red circle").strict and verify(light, "a red circle").score == 1.0
+
+
+def test_validation_prompts_are_a_fixed_subset_of_the_train_split():
+    from diffrl.evaluation.shapes import validation_prompts
+
+    chosen = validation_prompts(per_category=8)
+    train = prompts_by_category("train")
+    assert set(chosen) <= {p for ps in train.values() for p in ps}
+    assert not set(chosen) & set(shapes.test_prompts())  # the test split stays untouched
+    for category, prompts in train.items():
+        assert sum(category_of(p) == category for p in chosen) == min(8, len(prompts))
+    assert validation_prompts(per_category=8) == chosen  # deterministic
+    assert validation_prompts(per_category=8, seed=1) != chosen

@@ -240,5 +240,39 @@ def test_held_out_evaluation_steps(tiny_model_dir, tmp_path, monkeypatch, eval_n
     cfg = tiny_config(tiny_model_dir, tmp_path / "run", eval_num_steps=eval_num_steps, eval_images_per_category=1)
     assert "eval/strict" in Trainer(cfg).evaluate(0)
     assert seen == [expected]
+    cfg = tiny_config(tiny_model_dir, tmp_path / "run2", eval_num_steps=eval_num_steps, eval_images_per_category=1,
+                      val_images_per_category=1)
+    record = Trainer(cfg).evaluate(0)
+    assert seen == [expected] * 3 and {"eval/strict", "val/strict", "val/strict/counting"} <= set(record)
     with pytest.raises(ValueError, match="--eval-num-steps"):
         validate_config(tiny_config(tiny_model_dir, tmp_path / "run", eval_num_steps=0))
+
+
+def test_best_checkpoint_is_chosen_by_validation_not_by_the_test_split(tiny_model_dir, tmp_path, monkeypatch):
+    """checkpoints/best holds the weights of the evaluation with the highest validation accuracy; the
+    held-out (test) accuracy plays no part in the choice."""
+    from safetensors.torch import load_file
+
+    scripted = {0: (0.2, 0.9), 1: (0.6, 0.1), 2: (0.4, 0.8), 3: (0.5, 0.9), 4: (0.6, 0.7)}  # rollout: (validation, test)
+
+    def fake_evaluate(self, k):
+        val, test = scripted[k]
+        return {"val/strict": val, "eval/strict": test}
+
+    monkeypatch.setattr(Trainer, "evaluate", fake_evaluate)
+    out = tmp_path / "run"
+    Trainer(tiny_config(tiny_model_dir, out, loss_type="nft", num_rollout=3, val_images_per_category=1)).train()
+    best = json.loads((out / "checkpoints" / "best" / "best.json").read_text())
+    assert best["rollout"] == 1 and best["val/strict"] == 0.6
+
+    def weights(checkpoint):
+        return load_file(str(next((checkpoint / "model" / "transformer").glob("*.safetensors"))))
+
+    chosen, at_1, at_2 = (weights(out / "checkpoints" / name) for name in ("best", "rollout-00001", "rollout-00002"))
+    assert all(torch.equal(chosen[k], at_1[k]) for k in at_1)
+    assert any(not torch.equal(chosen[k], at_2[k]) for k in at_2)
+
+    # A resumed run remembers the best so far: an equal later score does not replace it.
+    Trainer(tiny_config(tiny_model_dir, out, loss_type="nft", num_rollout=4, val_images_per_category=1,
+                        resume=True)).train()
+    assert json.loads((out / "checkpoints" / "best" / "best.json").read_text())["rollout"] == 1

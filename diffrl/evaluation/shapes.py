@@ -14,7 +14,7 @@ from pathlib import Path
 import torch
 from tqdm import tqdm
 
-from diffrl.data.shapes import CATEGORIES, category_of, test_prompts, verify
+from diffrl.data.shapes import CATEGORIES, category_of, prompts_by_category, test_prompts, verify
 from diffrl.engine import denoise
 from diffrl.models.base import FamilyAdapter
 from diffrl.sampling import make_generators
@@ -72,6 +72,21 @@ def balanced_eval_set(prompts: Sequence[str], images_per_category: int) -> tuple
         by_cat[category_of(p)].append(p)
     counts = {cat: max(1, -(-images_per_category // len(ps))) for cat, ps in by_cat.items()}
     return list(prompts), [counts[category_of(p)] for p in prompts]
+
+
+def validation_prompts(per_category: int = 8, seed: int = 0) -> list[str]:
+    """A fixed subset of the *train* prompts, at most `per_category` of each category, to choose a
+    checkpoint by (early stopping) without looking at the test split. Its images use their own
+    seeds, so they are not the rollouts' samples, but the prompts are ones the model trains on."""
+    import numpy as np
+
+    chosen = []
+    for category, prompts in sorted(prompts_by_category("train").items()):
+        ordered = sorted(prompts)
+        rng = np.random.default_rng([seed, CATEGORIES.index(category)])
+        picks = rng.choice(len(ordered), size=min(per_category, len(ordered)), replace=False)
+        chosen += [ordered[i] for i in sorted(picks)]
+    return chosen
 
 
 def evaluate_prompts(

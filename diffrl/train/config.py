@@ -141,6 +141,12 @@ class TrainConfig:
     """Held-out images per category (prompts × seeds, seeds balanced so small categories are not noise)."""
     eval_guidance_scale: float | None = None
     """None: the rollout guidance scale."""
+    val_images_per_category: int = 0
+    """> 0: at each evaluation also score this many images per category of a fixed subset of the
+    *train* prompts (`--val-prompts-per-category` of each, seeds 20 000 + k), and keep
+    `checkpoints/best`: the weights with the highest validation strict accuracy so far. A checkpoint
+    chosen this way never looked at the test prompts (early stopping for runs that peak and fall)."""
+    val_prompts_per_category: int = 8
     eval_num_steps: int | None = None
     """ODE steps of the held-out evaluation; None: the rollout's --diffusion-num-steps. (Flow-GRPO and
     DiffusionNFT roll out with few steps and evaluate with more, e.g. 10 and 40.)"""

@@ -36,7 +36,13 @@ from diffrl.algorithms.losses import ema_decay, flow_grpo_loss, nft_loss
 from diffrl.algorithms.pairs import GrpoPairs, NftPairs, grpo_pairs, nft_pairs
 from diffrl.data.shapes import prompts_by_category, test_prompts
 from diffrl.engine.engine import Engine, EngineConfig
-from diffrl.evaluation.shapes import balanced_eval_set, evaluate_prompts, save_records_grid, summarize
+from diffrl.evaluation.shapes import (
+    balanced_eval_set,
+    evaluate_prompts,
+    save_records_grid,
+    summarize,
+    validation_prompts,
+)
 from diffrl.models import resolve_family
 from diffrl.models.base import Latents, PromptEmbeds
 from diffrl.models.lora import LoraSpec, add_lora
@@ -97,6 +103,9 @@ def validate_config(cfg: TrainConfig) -> None:
                          f"{cfg.ray_engines} engines and {cfg.ray_trainer_ranks} trainer ranks")
     if cfg.diffusion_kl_beta > 0 and cfg.kl_reference == "ema" and not (cfg.use_ema or cfg.loss_type == "nft"):
         raise ValueError("--kl-reference ema needs an EMA: pass --use-ema (or --kl-reference base)")
+    if cfg.val_images_per_category < 0 or cfg.val_prompts_per_category < 1:
+        raise ValueError(f"--val-images-per-category must be >= 0 (got {cfg.val_images_per_category}) and "
+                         f"--val-prompts-per-category >= 1 (got {cfg.val_prompts_per_category})")
     if cfg.eval_num_steps is not None and cfg.eval_num_steps < 1:
         raise ValueError(f"--eval-num-steps must be >= 1, got {cfg.eval_num_steps}")
     for name in ("micro_batch_size", "num_rollout", "eval_interval", "checkpoint_interval"):
@@ -197,6 +206,7 @@ class Trainer:
                                        smoothing=cfg.category_reward_smoothing, seed=cfg.seed)
         self.rollout_index = 0
         self.elapsed_s = 0.0  # rollout + train wall clock of the run so far
+        self.best_val = -1.0  # the best validation strict accuracy so far (--val-images-per-category)
         if cfg.resume:
             self._load_checkpoint()
         self.metrics = None
@@ -215,6 +225,7 @@ class Trainer:
             record = self.evaluate(0)
             if main:
                 self.metrics.log(0, record)
+            self._keep_if_best(record)  # the starting weights are a candidate too
         started = time.perf_counter() - self.elapsed_s  # wall clock carries over a resume
         while self.rollout_index < cfg.num_rollout:
             k = self.rollout_index
@@ -227,6 +238,7 @@ class Trainer:
             paused = time.perf_counter()
             if self.rollout_index % cfg.eval_interval == 0 or last_one:
                 record.update(self.evaluate(self.rollout_index))
+                self._keep_if_best(record)
             if main:
                 self.metrics.log(self.rollout_index, record)
             if self.rollout_index % cfg.checkpoint_interval == 0 or last_one:
@@ -493,21 +505,43 @@ class Trainer:
 
     # ------------------------------------------------------------------ evaluation
     def evaluate(self, k: int) -> dict:
+        """Held-out strict accuracy on the test prompts (`eval/…`) and, with --val-images-per-category,
+        on the validation subset of the train prompts (`val/…`)."""
         cfg = self.cfg
         guidance = cfg.eval_guidance_scale if cfg.eval_guidance_scale is not None else cfg.diffusion_guidance_scale
+        sets = [("eval", test_prompts(), cfg.eval_images_per_category, 10_000)]
+        if cfg.val_images_per_category > 0:
+            sets.append(("val", validation_prompts(cfg.val_prompts_per_category), cfg.val_images_per_category, 20_000))
+        out = {}
         with self._engine_weights(ema=self.ema is not None and cfg.use_ema):
             if not self.parallel.is_main:
                 return {}
-            prompts, seeds_per_prompt = balanced_eval_set(test_prompts(), cfg.eval_images_per_category)
-            records, images = evaluate_prompts(self.engine.family, prompts, num_seeds=seeds_per_prompt, seed=10_000,
-                                               num_steps=cfg.eval_num_steps or cfg.diffusion_num_steps,
-                                               guidance_scale=guidance)
-        summary = summarize(records)
-        save_records_grid(records, images, cfg.output_dir / "eval" / f"rollout-{k:05d}.png", limit=32)
-        out = {"eval/strict": summary["overall_strict"], "eval/score": summary["overall_score"]}
-        for cat, c in summary["categories"].items():
-            out[f"eval/strict/{cat}"] = c["strict"]
+            for prefix, prompts, per_category, seed in sets:
+                prompts, seeds_per_prompt = balanced_eval_set(prompts, per_category)
+                records, images = evaluate_prompts(self.engine.family, prompts, num_seeds=seeds_per_prompt, seed=seed,
+                                                   num_steps=cfg.eval_num_steps or cfg.diffusion_num_steps,
+                                                   guidance_scale=guidance)
+                summary = summarize(records)
+                out[f"{prefix}/strict"], out[f"{prefix}/score"] = summary["overall_strict"], summary["overall_score"]
+                for cat, c in summary["categories"].items():
+                    out[f"{prefix}/strict/{cat}"] = c["strict"]
+                if prefix == "eval":
+                    save_records_grid(records, images, cfg.output_dir / "eval" / f"rollout-{k:05d}.png", limit=32)
         return out
+
+    def _keep_if_best(self, record: dict) -> None:
+        """Save `checkpoints/best` when this evaluation's validation accuracy beats every earlier one.
+        The main rank decides (it evaluates); every rank takes part in saving (FSDP gathers)."""
+        improved = "val/strict" in record and record["val/strict"] > self.best_val
+        if not any_rank(improved, self.parallel):
+            return
+        path = self.cfg.output_dir / "checkpoints" / "best"
+        path.mkdir(parents=True, exist_ok=True)
+        self._save_weights(path)
+        if self.parallel.is_main:
+            self.best_val = record["val/strict"]
+            chosen = {"rollout": self.rollout_index, **{k: v for k, v in record.items() if k.startswith(("val/", "eval/"))}}
+            (path / "best.json").write_text(json.dumps(chosen, indent=2) + "\n")
 
     # ------------------------------------------------------------------ checkpoints
     def save_checkpoint(self) -> Path:
@@ -516,7 +550,7 @@ class Trainer:
         self._save_weights(path)
         meta = {"rollout_index": self.rollout_index, "next_group_index": self.manager.next_group_index,
                 "weight_version": self.engine.weight_version, "elapsed_s": self.elapsed_s,
-                "category_sampler": self.sampler.state_dict()}
+                "category_sampler": self.sampler.state_dict(), "best_val": self.best_val}
         save_train_state(path, transformer=self.family.transformer, params=self.params, names=self.trainable_names,
                          optimizer=self.optimizer, ema=self.ema, meta=meta, parallel=self.parallel)
         return path
@@ -553,6 +587,7 @@ class Trainer:
         self.manager.next_group_index = meta["next_group_index"]
         self.engine.weight_version = meta["weight_version"]
         self.elapsed_s = meta.get("elapsed_s", 0.0)
+        self.best_val = meta.get("best_val", -1.0)
         self.sampler.load_state_dict(meta.get("category_sampler", {}))
         if self.parallel.is_main:
             print(f"resumed from {checkpoints[-1]} at rollout {self.rollout_index}")
@@ -578,6 +613,11 @@ def run_summary(records: list[dict], window: int = 4) -> str:
         lines.append(f"reward trend: {slope:+.4f} ± {se:.4f} per rollout (least squares over {len(rewards)} rollouts)")
     if len(evals) >= 2:
         lines.append(f"held-out strict accuracy: rollout {evals[0][0]} {evals[0][1]:.3f} → rollout {evals[-1][0]} {evals[-1][1]:.3f}")
+    validated = [r for r in records if "val/strict" in r]
+    if validated:
+        best = max(validated, key=lambda r: r["val/strict"])  # the first of equals, as checkpoints/best keeps it
+        lines.append(f"checkpoints/best (highest validation accuracy on train prompts): rollout {best['rollout']}, "
+                     f"validation {best['val/strict']:.3f}, held-out {best.get('eval/strict', float('nan')):.3f}")
     return "\n".join(lines)
 
 
