@@ -19,6 +19,7 @@ _GPU_BATCH = dict(  # 32 prompts × 16 samples per rollout, 2 optimizer steps of
     global_batch_size=256, num_steps_per_rollout=2, micro_batch_size=256, engine_concurrency=32,
     engine_max_batch_outputs=512, eval_interval=10, checkpoint_interval=50,
     eval_images_per_category=64,  # 32 per category proved too noisy to tell runs apart (docs/results.md)
+    val_images_per_category=64,  # checkpoints/best by validation on train prompts: runs peak, then fall back
     mixed_precision="no",  # fp32 + TF32: what docs/results.md measured; bf16 is --mixed-precision bf16
 )
 

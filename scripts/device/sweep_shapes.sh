@@ -24,14 +24,17 @@ for run in "$root"/*/; do
   echo "== $name"; grep -E "^reward:|^held-out|Error|error" "$root/$name.log" | tail -4
   cp "$root/$name.log" "$run/train.log"
 done
-python3 scripts/summarize_runs.py "$root"/*/ | tee "$OUT/summary.txt"
+python3 scripts/summarize_runs.py "$root"/*/  # the summary is re-made from the metrics (summarize_runs.py)
 # One archive per run (the device returns at most 8 files of 16 MiB): metrics, log, the first and
-# last eval grids and the last checkpoint without its optimizer state and the untrained text encoder.
+# last eval grids and the last checkpoint without its optimizer state and the untrained text encoder;
+# a run with a validation split adds $name-best.tgz (checkpoints/best; one checkpoint fills most of an archive).
 for run in "$root"/*/; do
   name=$(basename "$run")
   last=$(cd "$root" && ls -d "$name"/checkpoints/rollout-* 2>/dev/null | sort | tail -1)
   grids=$(cd "$root" && ls "$name"/eval/*.png 2>/dev/null | sort | sed -n '1p;$p' | sort -u)
   (cd "$root" && tar czf "$OUT/$name.tgz" --exclude=train_state.pt --exclude=text_encoder --exclude=tokenizer \
      "$name"/metrics.jsonl "$name"/config.json "$name"/reward_curve.png "$name"/train.log $grids ${last:+"$last"})
+  [[ -d "$run/checkpoints/best" ]] && (cd "$root" && tar czf "$OUT/$name-best.tgz" --exclude=text_encoder \
+     --exclude=tokenizer "$name"/checkpoints/best)
 done
 ls -la "$OUT"
