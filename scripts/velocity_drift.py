@@ -16,7 +16,7 @@ from diffrl.data.shapes import train_prompts
 from diffrl.models.base import Latents
 from diffrl.models.checkpoint import load_model
 from diffrl.models.demo import SHIPPED_DEMO_MODEL
-from diffrl.sampling import ode_step
+from diffrl.sampling import noised, ode_step
 
 NOISE_LEVELS = (0.2, 0.5, 0.8)
 
@@ -39,7 +39,7 @@ def drift(checkpoint: str, base, device: str, num_prompts: int = 24, num_steps: 
     noise = torch.randn(x.shape, generator=torch.Generator().manual_seed(1234)).to(device)
     result = []
     for t in NOISE_LEVELS:
-        x_t = (1 - t) * x + t * noise
+        x_t = noised(x, noise, t)
         level = torch.tensor(t, device=device)
         result.append(((velocity(trained, x_t, level) - velocity(base, x_t, level)) ** 2).mean().item())
     return result

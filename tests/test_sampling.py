@@ -173,3 +173,15 @@ def test_per_sample_sigmas_match_scalar_calls():
         one = sde_step(x[row : row + 1], v[row : row + 1], sigmas[i], sigmas[i + 1], 0.7,
                        sigma_max=float(sigmas[1]), generators=make_generators([row + 1]))
         torch.testing.assert_close(one.log_prob[0], mixed.log_prob[row], rtol=0, atol=0)
+
+
+def test_noised_interpolates_data_and_noise_per_sample():
+    from diffrl.sampling import noised
+
+    x0, eps = torch.randn(3, 4, 2), torch.randn(3, 4, 2)
+    sigma = torch.tensor([0.0, 0.25, 1.0])
+    x = noised(x0, eps, sigma)
+    assert torch.equal(x[0], x0[0]) and torch.equal(x[2], eps[2])
+    assert torch.allclose(x[1], 0.75 * x0[1] + 0.25 * eps[1])
+    # An Euler step along the flow's velocity ε − x0 stays on the path.
+    assert torch.allclose(ode_step(x, eps - x0, sigma, sigma - 0.1).next_latents, noised(x0, eps, sigma - 0.1), atol=1e-6)

@@ -14,7 +14,7 @@ from diffrl.sampling.schedule import (
     resolution_mu,
     shift_sigmas,
 )
-from diffrl.sampling.steps import SDE_TYPES, StepOutput, cps_step, ode_step, sde_step, transition
+from diffrl.sampling.steps import SDE_TYPES, StepOutput, cps_step, noised, ode_step, sde_step, transition
 
 __all__ = [
     "SDE_TYPES",
@@ -25,6 +25,7 @@ __all__ = [
     "flux2_empirical_mu",
     "make_generators",
     "make_sigmas",
+    "noised",
     "ode_step",
     "randn_per_sample",
     "resolution_mu",

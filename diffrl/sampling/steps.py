@@ -59,6 +59,13 @@ def _mean_over_sample(t: torch.Tensor) -> torch.Tensor:
     return t.flatten(1).mean(dim=1)
 
 
+def noised(x0: torch.Tensor, noise: torch.Tensor, sigma) -> torch.Tensor:
+    """The forward (noising) process of flow matching, `x_σ = (1 − σ)·x0 + σ·ε`, whose velocity is
+    `ε − x0`: where SFT and DiffusionNFT train the model. `sigma` is a scalar or `[B]`."""
+    s = _per_sample(sigma, x0)
+    return (1 - s) * x0 + s * noise
+
+
 def ode_step(x: torch.Tensor, v: torch.Tensor, sigma, sigma_next) -> StepOutput:
     """Euler step `x' = x + v·dt`."""
     x, v = x.float(), v.float()

@@ -26,6 +26,7 @@ from diffrl.algorithms.losses import sft_loss
 from diffrl.data.scenes import RenderedScenes
 from diffrl.models.base import Latents
 from diffrl.models.demo import DemoConfig, DemoFamily
+from diffrl.sampling import noised
 from diffrl.train.ema import ParameterEMA
 from diffrl.utils.device import autocast, resolve_device
 
@@ -86,8 +87,7 @@ def sample_training_sigmas(batch: int, shift: float, generator: torch.Generator,
 
 
 def flow_matching_loss(family: DemoFamily, transformer, x0, cond, sigma, noise) -> torch.Tensor:
-    s = sigma.view(-1, 1, 1)
-    x_t = (1 - s) * x0 + s * noise
+    x_t = noised(x0, noise, sigma)
     ids = family.prepare_ids(x0.device)
     v = family.velocity(transformer, Latents(x_t, ids), sigma, cond, None, 1.0)
     return sft_loss(v, x0, noise)

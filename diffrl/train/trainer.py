@@ -55,7 +55,7 @@ from diffrl.rollout import (
     RolloutManager,
     check_batch_invariant,
 )
-from diffrl.sampling import transition
+from diffrl.sampling import noised, transition
 from diffrl.train.config import TrainConfig, uses_ray
 from diffrl.train.ema import ParameterEMA
 from diffrl.train.metrics import MetricsLogger
@@ -469,8 +469,7 @@ class Trainer:
         cfg, dev = self.cfg, self.device
         x0, noise, t = batch.x0.to(dev), batch.noise.to(dev), batch.t.to(dev)
         cond = batch.cond.to(dev)
-        s = t.view(-1, 1, 1)
-        x_t = (1 - s) * x0 + s * noise
+        x_t = noised(x0, noise, t)
         # The old policy first, with no graph: swapping parameters after building v_θ's graph would corrupt it.
         with torch.no_grad(), self.ema.swapped_in():
             v_old = self._velocity(x_t, t, cond, None, 1.0, env)
