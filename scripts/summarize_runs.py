@@ -11,6 +11,8 @@ import statistics
 import sys
 from pathlib import Path
 
+from diffrl.train.metrics import best_by_validation
+
 
 def summarize(run: Path, window: int = 4) -> str:
     records = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines() if line.strip()]
@@ -25,10 +27,8 @@ def summarize(run: Path, window: int = 4) -> str:
 
     best = max(evals, key=lambda e: e[2]) if evals else (0, 0, float("nan"))
     seconds = records[-1].get("time/elapsed_s", float("nan")) if records else float("nan")
-    validated = [r for r in records if "val/strict" in r]
-    chosen = ""
-    if validated:
-        pick = max(validated, key=lambda r: r["val/strict"])  # first of equals, as the trainer keeps it
+    pick, chosen = best_by_validation(records), ""
+    if pick is not None:
         chosen = f"  val-best {pick['rollout']} (val {pick['val/strict']:.3f}, held-out {pick.get('eval/strict', float('nan')):.3f})"
     return (f"{run.name:<28} rollouts {len(rewards):>3} ({seconds:>4.0f}s)  reward {first:.3f}→{last:.3f}  "
             f"held-out {evals[0][2] if evals else float('nan'):.3f}→best {best[2]:.3f}@{best[0]}→last "

@@ -6,6 +6,13 @@ import json
 from pathlib import Path
 
 
+def best_by_validation(records: list[dict]) -> dict | None:
+    """The logged record with the highest validation accuracy (`val/strict`), the first of equals:
+    the one `checkpoints/best` holds. None when the run had no validation split."""
+    validated = [r for r in records if "val/strict" in r]
+    return max(validated, key=lambda r: r["val/strict"]) if validated else None
+
+
 class MetricsLogger:
     def __init__(self, run_dir: Path):
         self.run_dir = run_dir

@@ -58,7 +58,7 @@ from diffrl.rollout import (
 from diffrl.sampling import noised, transition
 from diffrl.train.config import TrainConfig, uses_ray
 from diffrl.train.ema import ParameterEMA
-from diffrl.train.metrics import MetricsLogger
+from diffrl.train.metrics import MetricsLogger, best_by_validation
 from diffrl.train.parallel import (
     Parallel,
     all_gather_rows,
@@ -612,9 +612,8 @@ def run_summary(records: list[dict], window: int = 4) -> str:
         lines.append(f"reward trend: {slope:+.4f} ± {se:.4f} per rollout (least squares over {len(rewards)} rollouts)")
     if len(evals) >= 2:
         lines.append(f"held-out strict accuracy: rollout {evals[0][0]} {evals[0][1]:.3f} → rollout {evals[-1][0]} {evals[-1][1]:.3f}")
-    validated = [r for r in records if "val/strict" in r]
-    if validated:
-        best = max(validated, key=lambda r: r["val/strict"])  # the first of equals, as checkpoints/best keeps it
+    best = best_by_validation(records)
+    if best is not None:
         lines.append(f"checkpoints/best (highest validation accuracy on train prompts): rollout {best['rollout']}, "
                      f"validation {best['val/strict']:.3f}, held-out {best.get('eval/strict', float('nan')):.3f}")
     return "\n".join(lines)
