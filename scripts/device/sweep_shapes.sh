@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # Several training runs at once on one GPU (the demo model is small and launch-bound, so runs share
-# the GPU well). Usage on the device (carry `.whl`): SWEEP=scripts/device/sweeps/NAME.txt MINUTES=7 bash $0
+# the GPU well). Usage on the device (carry `.whl`): SWEEP=scripts/device/sweeps/NAME.txt MINUTES=7 [FINAL_EVAL=128] bash $0
 # Each sweep line is `name  flags…`; every run gets --time-budget-minutes $MINUTES and its own folder.
 # Sweep files pin the recipe values changed since they ran; code changes (e.g. the verifier) are in git.
 # On a machine with several GPUs the runs are dealt round-robin over them (run i on GPU i mod count).
@@ -25,6 +25,25 @@ for run in "$root"/*/; do
   cp "$root/$name.log" "$run/train.log"
 done
 python3 scripts/summarize_runs.py "$root"/*/  # the summary is re-made from the metrics (summarize_runs.py)
+# FINAL_EVAL=N: each run's last checkpoint and checkpoints/best on N held-out images per category (the
+# trainer's seeds 10 000 + k, its evaluation CFG and steps), one run per GPU at a time; reports in the archives.
+if [[ -n "${FINAL_EVAL:-}" ]]; then
+  i=0
+  for run in "$root"/*/; do
+    gpu=$(( i++ % gpus ))
+    read -r guidance steps < <(python3 -c "import json, sys; c = json.load(open(sys.argv[1]))
+print(c['eval_guidance_scale'] or c['diffusion_guidance_scale'], c['eval_num_steps'] or c['diffusion_num_steps'])" "$run/config.json")
+    ( for ckpt in $(ls -d "$run"checkpoints/rollout-* 2>/dev/null | sort | tail -1) "$run"checkpoints/best; do
+        [[ -d "$ckpt" ]] || continue
+        out="$run/eval$FINAL_EVAL-$(basename "$ckpt")"
+        CUDA_VISIBLE_DEVICES=$gpu python3 -m diffrl.cli.main evaluate --checkpoint "$ckpt" --images-per-category "$FINAL_EVAL" \
+          --seed 10000 --guidance-scale "$guidance" --num-steps "$steps" --device cuda --output-dir "$out" >"$out.log" 2>&1
+      done ) &
+    (( i % gpus == 0 )) && wait
+  done
+  wait
+  grep -H "^overall" "$root"/*/eval"$FINAL_EVAL"-*.log
+fi
 # One archive per run (the device returns at most 8 files of 16 MiB): metrics, log, the first and
 # last eval grids and the last checkpoint without its optimizer state and the untrained text encoder;
 # a run with a validation split adds $name-best.tgz (checkpoints/best; one checkpoint fills most of an archive).
@@ -33,7 +52,8 @@ for run in "$root"/*/; do
   last=$(cd "$root" && ls -d "$name"/checkpoints/rollout-* 2>/dev/null | sort | tail -1)
   grids=$(cd "$root" && ls "$name"/eval/*.png 2>/dev/null | sort | sed -n '1p;$p' | sort -u)
   (cd "$root" && tar czf "$OUT/$name.tgz" --exclude=train_state.pt --exclude=text_encoder --exclude=tokenizer \
-     "$name"/metrics.jsonl "$name"/config.json "$name"/reward_curve.png "$name"/train.log $grids ${last:+"$last"})
+     "$name"/metrics.jsonl "$name"/config.json "$name"/reward_curve.png "$name"/train.log $grids ${last:+"$last"} \
+     $(ls "$name"/eval*-*/report.json "$name"/eval*-*/samples.jsonl 2>/dev/null))
   [[ -d "$run/checkpoints/best" ]] && (cd "$root" && tar czf "$OUT/$name-best.tgz" --exclude=text_encoder \
      --exclude=tokenizer "$name"/checkpoints/best)
 done
