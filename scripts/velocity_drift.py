@@ -13,10 +13,11 @@ import argparse
 import torch
 
 from diffrl.data.shapes import train_prompts
+from diffrl.engine import denoise
 from diffrl.models.base import Latents
 from diffrl.models.checkpoint import load_model
 from diffrl.models.demo import SHIPPED_DEMO_MODEL
-from diffrl.sampling import noised, ode_step
+from diffrl.sampling import noised
 
 NOISE_LEVELS = (0.2, 0.5, 0.8)
 
@@ -33,9 +34,8 @@ def drift(checkpoint: str, base, device: str, num_prompts: int = 24, num_steps: 
     def velocity(family, x, t):
         return family.velocity(family.transformer, Latents(x, latents.ids), t.expand(len(x)), embeds, None, 1.0)
 
-    x = latents.tokens.to(device)
-    for i in range(num_steps):  # the trained model's own samples
-        x = ode_step(x, velocity(trained, x, sigmas[i]), sigmas[i], sigmas[i + 1]).next_latents
+    start = Latents(latents.tokens.to(device), latents.ids)
+    x = denoise(trained, start, sigmas, embeds, None, 1.0, generators=[]).latents  # the trained model's own samples
     noise = torch.randn(x.shape, generator=torch.Generator().manual_seed(1234)).to(device)
     result = []
     for t in NOISE_LEVELS:
