@@ -13,7 +13,7 @@ gpus=$(nvidia-smi --list-gpus | wc -l); i=0
 while read -r name flags; do
   [[ -z "$name" || "$name" == \#* ]] && continue
   gpu=$(( i++ % gpus ))
-  ( CUDA_VISIBLE_DEVICES=$gpu timeout $(( ${MINUTES:-7} * 60 + 60 )) python3 -m diffrl.cli.main train $flags \
+  ( CUDA_VISIBLE_DEVICES=$gpu timeout $(( ${MINUTES:-7} * 60 + 150 )) python3 -m diffrl.cli.main train $flags \
       --time-budget-minutes "${MINUTES:-7}" --output-dir "$root/$name" >"$root/$name.log" 2>&1
     echo "$name (GPU $gpu) exit $?" ) &
 done <"${SWEEP:?set SWEEP to a sweep file}"
