@@ -54,6 +54,10 @@ class TrainConfig:
     category_sampling: Literal["uniform", "adaptive"] = "uniform"
     """uniform: categories take turns; adaptive: more groups for categories with lower training
     reward (share ∝ floor + 1 − smoothed mean reward; rewards in [0, 1]). See train/prompt_sampler.py."""
+    category_difficulty: Literal["reward", "unsolved"] = "reward"
+    """What adaptive sampling calls hard: reward = 1 − the category's smoothed mean reward; unsolved =
+    the smoothed fraction of its samples scoring below --category-solved-reward."""
+    category_solved_reward: float = 1.0
     category_sampling_floor: float = 0.05
     category_reward_smoothing: float = 0.8
     diffusion_clip_range: float = 1e-4

@@ -203,7 +203,8 @@ class Trainer:
             raise ValueError(f"--train-categories: unknown {unknown}; known: {', '.join(by_category)}")
         self.sampler = CategorySampler({c: by_category[c] for c in (cfg.train_categories or by_category)},
                                        mode=cfg.category_sampling, floor=cfg.category_sampling_floor,
-                                       smoothing=cfg.category_reward_smoothing, seed=cfg.seed)
+                                       smoothing=cfg.category_reward_smoothing, seed=cfg.seed,
+                                       difficulty=cfg.category_difficulty, solved_reward=cfg.category_solved_reward)
         self.rollout_index = 0
         self.elapsed_s = 0.0  # rollout + train wall clock of the run so far
         self.best_val = -1.0  # the best validation strict accuracy so far (--val-images-per-category)
@@ -302,7 +303,7 @@ class Trainer:
                                  globalize_reward_std=cfg.globalize_reward_std,
                                  drop_zero_std_groups=cfg.drop_zero_std_groups)
         rows = slice(mine.start * n, mine.stop * n)
-        category_means = self.sampler.observe(categories, rewards.view(len(prompts), n).mean(1).tolist())
+        category_means = self.sampler.observe(categories, rewards.view(len(prompts), n).tolist())
         adv = dataclasses.replace(adv, values=adv.values[rows], keep=adv.keep[rows])
         record = {"rollout/reward/raw_mean": rewards.mean().item(), "rollout/reward/std": rewards.std().item(),
                   "rollout/zero_std_ratio": adv.zero_std_ratio, "rollout/seconds": rollout_s,
@@ -310,6 +311,7 @@ class Trainer:
         record.update({f"rollout/reward/{c}": m for c, m in category_means.items()})
         if cfg.category_sampling == "adaptive":
             record.update({f"rollout/category_share/{c}": w for c, w in shares.items()})
+            record.update({f"rollout/unsolved/{c}": u for c, u in self.sampler.unsolved.items()})
         kept = [i for i in range(len(samples)) if adv.keep[i]]
         if not kept:
             record["train/skipped"] = 1.0
