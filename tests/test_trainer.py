@@ -57,6 +57,21 @@ def test_nft_rollout_and_update(tiny_model_dir, tmp_path):
     assert any(not torch.equal(a, b) for a, b in zip(old, trainer.ema.shadow))
 
 
+def test_nft_rollouts_can_sample_with_cfg(tiny_model_dir, tmp_path):
+    """--nft-rollout-guidance-scale G: NFT's rollouts (its training data) sample with CFG G; the loss
+    still trains the conditional velocity. CFG-free stays the default."""
+    plain = Trainer(tiny_config(tiny_model_dir, tmp_path / "plain", loss_type="nft"))
+    guided = Trainer(tiny_config(tiny_model_dir, tmp_path / "guided", loss_type="nft", nft_rollout_guidance_scale=3.0))
+    a, b = plain.rollout_and_update(0), guided.rollout_and_update(0)
+    assert plain.manager.config.request["guidance_scale"] == 1.0
+    assert guided.manager.config.request["guidance_scale"] == 3.0
+    assert b["rollout/reward/raw_mean"] != a["rollout/reward/raw_mean"]  # other samples
+    assert torch.isfinite(torch.tensor(b["train/loss"])) and b["train/pairs"] == a["train/pairs"]
+    for bad in (dict(loss_type="nft", nft_rollout_guidance_scale=0.5), dict(nft_rollout_guidance_scale=3.0)):
+        with pytest.raises(ValueError, match="--nft-rollout-guidance-scale"):
+            validate_config(tiny_config(tiny_model_dir, tmp_path / "bad", **bad))
+
+
 @pytest.mark.parametrize("loss_type", ["nft", "flow_grpo"])
 def test_kl_reference_base_is_the_starting_weights_of_a_full_finetune(tiny_model_dir, tmp_path, loss_type):
     cfg = tiny_config(tiny_model_dir, tmp_path / "run", loss_type=loss_type, diffusion_kl_beta=0.1)

@@ -106,6 +106,9 @@ def validate_config(cfg: TrainConfig) -> None:
     if cfg.val_images_per_category < 0 or cfg.val_prompts_per_category < 1:
         raise ValueError(f"--val-images-per-category must be >= 0 (got {cfg.val_images_per_category}) and "
                          f"--val-prompts-per-category >= 1 (got {cfg.val_prompts_per_category})")
+    if cfg.nft_rollout_guidance_scale < 1 or (cfg.nft_rollout_guidance_scale != 1 and cfg.loss_type != "nft"):
+        raise ValueError(f"--nft-rollout-guidance-scale must be >= 1 and applies to --loss-type nft only "
+                         f"(got {cfg.nft_rollout_guidance_scale} with --loss-type {cfg.loss_type})")
     if cfg.eval_num_steps is not None and cfg.eval_num_steps < 1:
         raise ValueError(f"--eval-num-steps must be >= 1, got {cfg.eval_num_steps}")
     for name in ("micro_batch_size", "num_rollout", "eval_interval", "checkpoint_interval"):
@@ -271,8 +274,8 @@ class Trainer:
         nft = cfg.loss_type == "nft"
         window = [] if nft else self._sde_window(k)
         n_steps = cfg.diffusion_num_steps
-        if nft:  # deterministic ODE without CFG under the old policy; only the final latent is kept
-            request = dict(num_inference_steps=n_steps, guidance_scale=1.0, rollout=False,
+        if nft:  # deterministic ODE (CFG-free by default) under the old policy; only the final latent is kept
+            request = dict(num_inference_steps=n_steps, guidance_scale=cfg.nft_rollout_guidance_scale, rollout=False,
                            rollout_return_dit_trajectory=True, rollout_return_step_indices=[n_steps],
                            rollout_return_denoising_env=True)
         else:
