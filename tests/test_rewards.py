@@ -20,11 +20,13 @@ def test_shapes_rewards_score_renders_and_blank_images():
     partial = get_reward("shapes")(images, prompts)
     strict = get_reward("shapes_strict")(images, prompts)
     balanced = get_reward("shapes_balanced")(images, prompts)
+    exact_count = get_reward("shapes_exact_count")(images, prompts)
     assert partial[0] == 1.0 and 0.0 < partial[1] < 1.0 and partial[2] == 0.0
     assert strict == [1.0, 0.0, 0.0]
     # Two squares for three: count 2/3, two of three shapes found; the count is half of the balanced credit.
     assert partial[1] == pytest.approx((2 / 3 + 2) / 4)
     assert balanced == pytest.approx([1.0, (2 / 3 + 2 / 3) / 2, 0.0])
+    assert exact_count == pytest.approx([1.0, 0.5 * 2 / 3, 0.0])  # count wrong: only the shapes' half
 
 
 def test_multi_reward_is_the_weighted_sum_and_bad_specs_are_named():

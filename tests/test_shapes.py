@@ -259,7 +259,18 @@ def test_partial_credit_and_reasons():
     assert verdict.score == pytest.approx(5 / 6)
     assert verdict.balanced_score == pytest.approx(3 / 4)  # count, shapes, colors right; relation wrong
     assert verdict.reason == "relation: the blue square is not to the right of the yellow circle"
-    assert verify(render_prompt(prompt, seed=0), parse_prompt(prompt)) == shapes.Verdict(1.0, True, "ok", 1.0)
+    assert verify(render_prompt(prompt, seed=0), parse_prompt(prompt)) == shapes.Verdict(1.0, True, "ok", 1.0, 1.0)
+
+
+def test_exact_count_score_ranks_a_misshapen_object_above_an_extra_one():
+    """Partial credit prefers one object too many (every requested shape present) to the right number
+    with one wrong shape; the exact-count score prefers the right number."""
+    extra = verify(render_prompt("four circles", seed=0), "three circles")
+    misshapen = verify(render_prompt("a circle and a square", seed=0), "a circle and a triangle")
+    assert extra.score == pytest.approx(11 / 12) and misshapen.score == pytest.approx(2 / 3)
+    assert extra.exact_count_score == pytest.approx(0.5)  # count wrong; the three circles found
+    assert misshapen.exact_count_score == pytest.approx(0.5 + 0.5 * 0.5)  # count right; one shape of two
+    assert extra.score > misshapen.score and extra.exact_count_score < misshapen.exact_count_score
 
 
 def _two_squares(first_xy: tuple[int, int], second_xy: tuple[int, int]) -> np.ndarray:

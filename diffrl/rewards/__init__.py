@@ -58,6 +58,16 @@ def shapes_balanced_reward(images, prompts, metadata=None) -> list[float]:
     return [verify(image, prompt).balanced_score for image, prompt in zip(to_uint8(images), prompts, strict=True)]
 
 
+@register_reward("shapes_exact_count")
+def shapes_exact_count_reward(images, prompts, metadata=None) -> list[float]:
+    """Half for the exact number of objects, half for shapes, colors and relation: under partial
+    credit an extra object costs less than one misshapen object, which rewards hedging with extras."""
+    from diffrl.data.shapes import verify
+    from diffrl.utils.images import to_uint8
+
+    return [verify(image, prompt).exact_count_score for image, prompt in zip(to_uint8(images), prompts, strict=True)]
+
+
 @register_reward("shapes_strict")
 def shapes_strict_reward(images, prompts, metadata=None) -> list[float]:
     """1 when the verifier passes the image strictly, else 0 (a sharper signal than partial credit)."""

@@ -66,6 +66,11 @@ class Verdict:
     # Partial credit with each kind of requirement (count, shape, color, relation) weighed alike,
     # however many objects the prompt names: a wrong count costs half of "three circles", not a quarter.
     balanced_score: float
+    # Half for the exact number of objects, half for the mean of the other components. Under `score`
+    # an extra object costs less than one wrong shape ("three triangles" drawn as four scores 0.92,
+    # three with one misshapen 0.75), so RL learns to hedge with extra objects; here the exact count
+    # comes first (0.5 and 0.83).
+    exact_count_score: float
 
 
 # --------------------------------------------------------------------------- detection
@@ -235,7 +240,8 @@ def verify(image, prompt_or_spec: str | SceneSpec) -> Verdict:
 
     The score is the mean of: a count component, per required object a shape component and,
     if a color is required, a color component, and for position prompts a relation component;
-    the balanced score first averages the components of each kind, then the kinds; both are
+    the balanced score first averages the components of each kind, then the kinds; the exact-count
+    score is half [the count is exact] and half the mean of the other components; all are
     times a cleanliness factor that is 1 up to CLEAN_LIMIT of unexplained pixels and 0 from
     NOISE_ZERO_CREDIT. The reason names the first failure among count, then each object's shape
     and color, then the relation, then noise, and starts with that word.
@@ -276,9 +282,11 @@ def verify(image, prompt_or_spec: str | SceneSpec) -> Verdict:
         failures.append(f"noise: {noise:.0%} of the image is neither a palette color nor background")
     clean = min(1.0, max(0.0, (NOISE_ZERO_CREDIT - noise) / (NOISE_ZERO_CREDIT - CLEAN_LIMIT)))
     every_component = [value for values in components.values() for value in values]
+    not_count = [value for kind, values in components.items() if kind != "count" for value in values]
     return Verdict(
         score=float(np.mean(every_component)) * clean,
         strict=not failures,
         reason=failures[0] if failures else "ok",
         balanced_score=float(np.mean([np.mean(values) for values in components.values()])) * clean,
+        exact_count_score=(0.5 * (n_found == n_required) + 0.5 * float(np.mean(not_count))) * clean,
     )
