@@ -2,6 +2,7 @@
 
 import asyncio
 import base64
+import contextlib
 import io
 import socket
 import threading
@@ -26,22 +27,31 @@ ROLLOUT = dict(num_inference_steps=3, guidance_scale=3.0, rollout=True, rollout_
                rollout_return_dit_trajectory=True, rollout_return_denoising_env=True)
 
 
-@pytest.fixture
-def served(tiny_family):
-    engine = Engine(tiny_family, EngineConfig(max_outputs_per_request=8))
+@contextlib.contextmanager
+def _serving(app):
+    """`app` under uvicorn on a free loopback port, in a thread; yields its URL."""
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
-    server = uvicorn.Server(uvicorn.Config(create_app(engine), host="127.0.0.1", port=port, log_level="warning"))
+    server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=port, log_level="warning"))
     thread = threading.Thread(target=server.run, daemon=True)
     thread.start()
     deadline = time.time() + 20
     while not server.started:
         assert time.time() < deadline, "server did not start"
         time.sleep(0.05)
-    yield engine, f"http://127.0.0.1:{port}"
-    server.should_exit = True
-    thread.join(timeout=10)
+    try:
+        yield f"http://127.0.0.1:{port}"
+    finally:
+        server.should_exit = True
+        thread.join(timeout=10)
+
+
+@pytest.fixture
+def served(tiny_family):
+    engine = Engine(tiny_family, EngineConfig(max_outputs_per_request=8))
+    with _serving(create_app(engine)) as url:
+        yield engine, url
 
 
 def _assert_same_outputs(a, b):
@@ -273,3 +283,27 @@ def test_trainer_pushes_only_lora_tensors_to_a_remote_engine(served, tiny_model_
     for name in trainer.trainable_names:
         assert torch.equal(remote[name], trained[name].detach()), name
     assert any(not torch.all(remote[n] == 0) for n in trainer.trainable_names if "lora_B" in n)  # it trained
+
+
+def test_http_client_weight_push_needs_the_token_and_names_failures(tiny_family):
+    """The client's weight push goes over the same kept-alive connections as its rollouts: a missing
+    token is refused (nothing changes), the right one applies, an unreachable engine is named."""
+    engine = Engine(tiny_family)
+    tensors = {name: p.detach() + 1 for name, p in tiny_family.transformer.named_parameters()}
+    with _serving(create_app(engine, update_token="s3cret")) as url:
+        client = HttpEngineClient(url)
+        try:
+            with pytest.raises(EngineUnavailable, match="weight push refused: HTTP 401"):
+                client.push_weights(tensors, version=5)
+            assert engine.weight_version == 0
+            client.push_weights(tensors, version=5, token="s3cret")
+            assert engine.weight_version == 5
+            outputs = asyncio.run(client.generate(RolloutRequest(prompt="a red circle", seed=1, num_inference_steps=2)))
+            assert outputs[0].weight_version == 5  # the same client rolls out on the pushed weights
+        finally:
+            client.close()
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        closed_port = s.getsockname()[1]
+    with pytest.raises(EngineUnavailable, match="weight push failed: ConnectionRefused"):
+        HttpEngineClient(f"http://127.0.0.1:{closed_port}").push_weights(tensors, version=6)

@@ -15,7 +15,6 @@ from concurrent.futures import ThreadPoolExecutor
 from typing import Protocol
 from urllib.parse import urlsplit
 
-import httpx
 import torch
 
 from diffrl.engine.engine import Engine
@@ -77,16 +76,20 @@ class HttpEngineClient:
             connection = self._local.connection = kind(self._url.hostname, self._url.port, timeout=self._timeout_s)
         return connection
 
-    def _generate_blocking(self, body: bytes) -> list[RolloutOutput]:
+    def _post_blocking(self, path: str, body: bytes, headers: dict, what: str) -> tuple[int, bytes]:
+        """POST over this thread's kept-alive connection; a broken connection is dropped, not reused."""
         try:
             connection = self._connection()
-            connection.request("POST", f"{self._url.path.rstrip('/')}/rollout/generate", body=body,
-                               headers={"content-type": "application/json", "accept": MEDIA_TYPE})
+            connection.request("POST", f"{self._url.path.rstrip('/')}{path}", body=body, headers=headers)
             response = connection.getresponse()
-            status, content = response.status, response.read()
+            return response.status, response.read()
         except (OSError, http.client.HTTPException) as err:
-            self._local.connection = None  # a broken connection is not reused
-            raise EngineUnavailable(f"{self.name}: {err.__class__.__name__}: {err}") from err
+            self._local.connection = None
+            raise EngineUnavailable(f"{self.name}: {what}{err.__class__.__name__}: {err}") from err
+
+    def _generate_blocking(self, body: bytes) -> list[RolloutOutput]:
+        status, content = self._post_blocking("/rollout/generate", body,
+                                              {"content-type": "application/json", "accept": MEDIA_TYPE}, what="")
         if status in (400, 422):
             raise RequestError(*_field_and_message(content))
         if status != 200:
@@ -101,22 +104,20 @@ class HttpEngineClient:
         """Send named transformer tensors to the engine (`POST /update_weights`), synchronously:
         the trainer pushes between rollouts, outside any event loop."""
         headers = {"x-weight-version": str(version), "content-type": "application/octet-stream"}
-        self._post("/update_weights", "weight push", token, content=encode_weights(tensors), headers=headers)
+        self._post("/update_weights", "weight push", token, encode_weights(tensors), headers)
 
     def add_lora_adapter(self, spec: LoraSpec, token: str | None = None) -> None:
         """Have the engine host the trainer's LoRA adapter (`POST /lora_adapter`; idempotent)."""
-        self._post("/lora_adapter", "LoRA adapter", token, json=spec.model_dump())
+        self._post("/lora_adapter", "LoRA adapter", token, json.dumps(spec.model_dump()).encode(),
+                   {"content-type": "application/json"})
 
-    def _post(self, path: str, what: str, token: str | None, headers: dict | None = None, **body) -> None:
-        headers = dict(headers or {})
+    def _post(self, path: str, what: str, token: str | None, body: bytes, headers: dict) -> None:
         if token:
-            headers["authorization"] = f"Bearer {token}"
-        try:
-            response = httpx.post(f"{self._base_url}{path}", headers=headers, timeout=self._timeout_s, **body)
-        except httpx.HTTPError as err:
-            raise EngineUnavailable(f"{self.name}: {what} failed: {err.__class__.__name__}: {err}") from err
-        if response.status_code != 200:
-            raise EngineUnavailable(f"{self.name}: {what} refused: HTTP {response.status_code}: {response.text[:200]}")
+            headers = {**headers, "authorization": f"Bearer {token}"}
+        status, content = self._post_blocking(path, body, headers, what=f"{what} failed: ")
+        if status != 200:
+            raise EngineUnavailable(f"{self.name}: {what} refused: HTTP {status}: "
+                                    f"{content[:200].decode(errors='replace')}")
 
     def close(self) -> None:
         """Stop the worker threads (their connections close with them)."""
