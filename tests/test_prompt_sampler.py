@@ -65,6 +65,9 @@ def test_state_round_trip_and_bad_settings_are_named():
     b = CategorySampler(PROMPTS, mode="adaptive", difficulty="unsolved")
     b.load_state_dict(a.state_dict())
     assert b.unsolved == a.unsolved and b.draw(7, 12) == a.draw(7, 12)
+    older = CategorySampler(PROMPTS, mode="adaptive", difficulty="unsolved")
+    older.load_state_dict({"mean_reward": a.mean_reward})  # saved before `unsolved` was tracked
+    assert older.weights() == pytest.approx({c: 1 / 3 for c in PROMPTS})  # takes turns until it has seen all
     with pytest.raises(ValueError, match="--category-difficulty"):
         CategorySampler(PROMPTS, mode="adaptive", difficulty="strict")
     with pytest.raises(ValueError, match="--category-sampling-floor"):

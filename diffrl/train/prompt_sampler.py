@@ -52,8 +52,10 @@ class CategorySampler:
 
     @property
     def _adapting(self) -> bool:
-        """Adaptive, and every category has a reward (until then, categories take turns)."""
-        return self.mode == "adaptive" and len(self.mean_reward) == len(self.categories)
+        """Adaptive, and every category has its difficulty (until then, categories take turns; a
+        state saved before `unsolved` existed starts over)."""
+        seen = self.unsolved if self.difficulty == "unsolved" else self.mean_reward
+        return self.mode == "adaptive" and len(seen) == len(self.categories)
 
     def weights(self) -> dict[str, float]:
         """Each category's share of the groups."""
