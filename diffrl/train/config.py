@@ -76,10 +76,10 @@ class TrainConfig:
     nft_ema_max: float = 0.5
     nft_ema_flat: int = 0
     nft_timestep_fraction: float = 0.99
+    """NFT trains each sample at the first int(K·fraction) of its shuffled K schedule timesteps."""
     nft_rollout_guidance_scale: float = 1.0
     """CFG of NFT's rollouts (1: CFG-free, as DiffusionNFT samples). Above 1 the old policy's guided
     samples are the data; the loss still trains the conditional velocity alone."""
-    """NFT trains each sample at the first int(K·fraction) of its shuffled K schedule timesteps."""
 
     # rollout
     num_rollout: int = 12
