@@ -64,7 +64,7 @@ class HttpEngineClient:
         if url.scheme not in ("http", "https") or not url.hostname:
             raise ValueError(f"engine URL {base_url!r}: expected http://host:port")
         self.name = base_url
-        self._base_url, self._timeout_s = base_url.rstrip("/"), timeout_s
+        self._timeout_s = timeout_s
         self._url = url
         self._threads = ThreadPoolExecutor(max_workers=max_in_flight, thread_name_prefix=f"engine {url.netloc}")
         self._local = threading.local()  # each worker thread's connection
