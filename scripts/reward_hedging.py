@@ -21,10 +21,11 @@ from diffrl.data.shapes import prompts_by_category, verify
 from diffrl.evaluation.shapes import generate
 from diffrl.models.checkpoint import load_model
 from diffrl.models.demo import SHIPPED_DEMO_MODEL
+from diffrl.rewards import get_reward
 from diffrl.utils.device import resolve_device
 from diffrl.utils.images import to_uint8
 
-REWARDS = {"shapes": "score", "shapes_balanced": "balanced_score", "shapes_exact_count": "exact_count_score"}
+REWARDS = ("shapes", "shapes_balanced", "shapes_exact_count")  # scored through the registry, as in training
 
 
 def kind_of(verdict) -> str:
@@ -56,10 +57,11 @@ def main() -> None:
 
     advantages: dict[str, dict[str, list[float]]] = {name: defaultdict(list) for name in REWARDS}
     kinds = [kind_of(v) for v in verdicts]
+    scores = {name: np.array(get_reward(name)(images, expanded)) for name in REWARDS}
     for g in range(len(prompts)):
         group = slice(g * n, (g + 1) * n)
-        for name, field in REWARDS.items():
-            r = np.array([getattr(v, field) for v in verdicts[group]])
+        for name in REWARDS:
+            r = scores[name][group]
             a = (r - r.mean()) / (r.std() + 1e-4)  # per-prompt mean and std, as the trainer's default
             for kind, value in zip(kinds[group], a, strict=True):
                 advantages[name][kind].append(float(value))

@@ -39,42 +39,38 @@ def get_reward(name: str) -> Callable:
                          "(or a custom one as module:function)") from None
 
 
-@register_reward("shapes")
-def shapes_reward(images, prompts, metadata=None) -> list[float]:
-    """Partial credit of the shapes verifier (strict pass/fail is for evaluation)."""
+def _shapes_verdicts(images, prompts) -> list:
+    """The shapes verifier's verdict on each image; the shapes rewards read one field of it."""
     from diffrl.data.shapes import verify
     from diffrl.utils.images import to_uint8
 
-    return [verify(image, prompt).score for image, prompt in zip(to_uint8(images), prompts, strict=True)]
+    return [verify(image, prompt) for image, prompt in zip(to_uint8(images), prompts, strict=True)]
+
+
+@register_reward("shapes")
+def shapes_reward(images, prompts, metadata=None) -> list[float]:
+    """Partial credit of the shapes verifier (strict pass/fail is for evaluation)."""
+    return [verdict.score for verdict in _shapes_verdicts(images, prompts)]
 
 
 @register_reward("shapes_balanced")
 def shapes_balanced_reward(images, prompts, metadata=None) -> list[float]:
     """Partial credit with count, shape, color and relation weighed alike (a wrong count costs half
     of a counting prompt's credit instead of one part in four or five)."""
-    from diffrl.data.shapes import verify
-    from diffrl.utils.images import to_uint8
-
-    return [verify(image, prompt).balanced_score for image, prompt in zip(to_uint8(images), prompts, strict=True)]
+    return [verdict.balanced_score for verdict in _shapes_verdicts(images, prompts)]
 
 
 @register_reward("shapes_exact_count")
 def shapes_exact_count_reward(images, prompts, metadata=None) -> list[float]:
     """Half for the exact number of objects, half for shapes, colors and relation: under partial
     credit an extra object costs less than one misshapen object, which rewards hedging with extras."""
-    from diffrl.data.shapes import verify
-    from diffrl.utils.images import to_uint8
-
-    return [verify(image, prompt).exact_count_score for image, prompt in zip(to_uint8(images), prompts, strict=True)]
+    return [verdict.exact_count_score for verdict in _shapes_verdicts(images, prompts)]
 
 
 @register_reward("shapes_strict")
 def shapes_strict_reward(images, prompts, metadata=None) -> list[float]:
     """1 when the verifier passes the image strictly, else 0 (a sharper signal than partial credit)."""
-    from diffrl.data.shapes import verify
-    from diffrl.utils.images import to_uint8
-
-    return [float(verify(image, prompt).strict) for image, prompt in zip(to_uint8(images), prompts, strict=True)]
+    return [float(verdict.strict) for verdict in _shapes_verdicts(images, prompts)]
 
 
 def _parse_weights(spec: str) -> dict[str, float]:
