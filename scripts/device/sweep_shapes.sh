@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # Several training runs at once on one GPU (the demo model is small and launch-bound, so runs share
-# the GPU well). Usage on the device (carry `.whl`): SWEEP=scripts/device/sweeps/NAME.txt MINUTES=7 [FINAL_EVAL=128] bash $0
+# the GPU well). Usage on the device (carry `.whl`): SWEEP=scripts/device/sweeps/NAME.txt MINUTES=7 [FINAL_EVAL=128] [RUNS="a b"] bash $0
+# RUNS (optional) picks sweep lines by name, so a sweep written for four GPUs can run two at a time.
 # Each sweep line is `name  flags…`; every run gets --time-budget-minutes $MINUTES and its own folder.
 # Sweep files pin the recipe values changed since they ran; code changes (e.g. the verifier) are in git.
 # On a machine with several GPUs the runs are dealt round-robin over them (run i on GPU i mod count).
@@ -12,6 +13,7 @@ nvidia-smi --query-gpu=name,memory.total --format=csv,noheader
 gpus=$(nvidia-smi --list-gpus | wc -l); i=0
 while read -r name flags; do
   [[ -z "$name" || "$name" == \#* ]] && continue
+  [[ -n "${RUNS:-}" && " $RUNS " != *" $name "* ]] && continue
   gpu=$(( i++ % gpus ))
   ( CUDA_VISIBLE_DEVICES=$gpu timeout $(( ${MINUTES:-7} * 60 + 150 )) python3 -m diffrl.cli.main train $flags \
       --time-budget-minutes "${MINUTES:-7}" --output-dir "$root/$name" >"$root/$name.log" 2>&1
