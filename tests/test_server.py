@@ -231,7 +231,7 @@ def test_trainer_rolls_out_on_a_remote_engine_and_pushes_its_weights(served, tin
     trainer = Trainer(tiny_config(tiny_model_dir, tmp_path / "run", engine_urls=(url,), local_engine=False))
     record = trainer.rollout_and_update(0)
     assert record["train/log_prob_mean_abs_diff"] == 0.0  # the remote engine sampled with the same weights
-    with trainer._engine_weights(ema=False):  # what happens before every rollout
+    with trainer._engine_weights(None):  # what happens before every rollout
         pass
     assert engine.weight_version == trainer.engine.weight_version == 2
     remote = engine.family.transformer.state_dict()
@@ -275,7 +275,7 @@ def test_trainer_pushes_only_lora_tensors_to_a_remote_engine(served, tiny_model_
                                   use_lora=True, lora_rank=2))
     record = trainer.rollout_and_update(0)
     assert record["train/log_prob_mean_abs_diff"] == 0.0  # the remote engine sampled with the same weights
-    with trainer._engine_weights(ema=False):  # pushes the updated adapter
+    with trainer._engine_weights(None):  # pushes the updated adapter
         pass
     remote = engine.family.transformer.state_dict()
     trained = dict(trainer.family.transformer.named_parameters())

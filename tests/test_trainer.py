@@ -291,3 +291,33 @@ def test_best_checkpoint_is_chosen_by_validation_not_by_the_test_split(tiny_mode
     Trainer(tiny_config(tiny_model_dir, out, loss_type="nft", num_rollout=4, val_images_per_category=1,
                         resume=True)).train()
     assert json.loads((out / "checkpoints" / "best" / "best.json").read_text())["rollout"] == 1
+
+
+def test_nft_use_ema_evaluates_and_saves_a_second_ema_and_resumes_both(tiny_model_dir, tmp_path):
+    """NFT's --use-ema keeps an evaluation EMA beside the old policy: updated per optimizer step with
+    --ema-decay, it is what the saved model holds, and a resume restores both EMAs."""
+    from safetensors.torch import load_file
+
+    out = tmp_path / "run"
+    overrides = dict(loss_type="nft", use_ema=True, ema_decay=0.5, num_steps_per_rollout=1, global_batch_size=6,
+                     micro_batch_size=6, eval_interval=100)
+    trainer = Trainer(tiny_config(tiny_model_dir, out, **overrides))
+    assert trainer.eval_ema is not trainer.ema
+    start = [p.detach().clone() for p in trainer.params]
+    trainer.train()  # one rollout, one optimizer step, a checkpoint
+    expected = [0.5 * s + 0.5 * p.detach() for s, p in zip(start, trainer.params)]
+    assert all(torch.allclose(e, s) for e, s in zip(expected, trainer.eval_ema.shadow))
+    assert all(torch.equal(s, p.detach()) for s, p in zip(trainer.ema.shadow, trainer.params))  # old policy: δ = 0
+
+    ckpt = out / "checkpoints" / "rollout-00001"
+    saved = {}
+    for f in (ckpt / "model").rglob("*.safetensors"):
+        saved.update(load_file(str(f)))
+    for name, shadow, param in zip(trainer.trainable_names, trainer.eval_ema.shadow, trainer.params):
+        assert torch.equal(saved[name], shadow), name  # the saved model is the evaluated EMA,
+    live = zip(trainer.trainable_names, trainer.params)
+    assert any(not torch.equal(saved[n], p.detach()) for n, p in live)  # not the live weights
+
+    resumed = Trainer(tiny_config(tiny_model_dir, out, num_rollout=2, resume=True, **overrides))
+    assert all(torch.equal(a, b) for a, b in zip(resumed.eval_ema.shadow, trainer.eval_ema.shadow))
+    assert all(torch.equal(a, b) for a, b in zip(resumed.ema.shadow, trainer.ema.shadow))

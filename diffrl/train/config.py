@@ -41,7 +41,8 @@ class TrainConfig:
     lora_rank: int = 8
     lora_alpha: float = 16.0
     use_ema: bool = False
-    """Keep an EMA of the trained weights and evaluate with it (NFT always keeps one: its old policy)."""
+    """Keep an EMA of the trained weights (--ema-decay per optimizer step) and evaluate, pick
+    checkpoints/best and save models with it. DiffusionNFT's old policy is a separate EMA."""
     ema_decay: float = 0.9
 
     # algorithm

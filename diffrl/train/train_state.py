@@ -1,5 +1,5 @@
-"""What `--resume` needs beyond the saved weights: trained parameters, optimizer moments, the EMA and
-the run's counters.
+"""What `--resume` needs beyond the saved weights: trained parameters, optimizer moments, the EMAs
+(by name: `ema` = NFT's old policy or GRPO's --use-ema, `eval_ema` = NFT's --use-ema) and the run's counters.
 
 One process writes one torch file (`train_state.pt`). Several ranks (FSDP2) write a
 torch.distributed.checkpoint folder (`train_state/`), each rank its own shards of the parameters,
@@ -23,22 +23,22 @@ META_FILE = "train_meta.json"
 
 
 def save_train_state(path: Path, *, transformer: torch.nn.Module, params: list[torch.nn.Parameter],
-                     names: list[str], optimizer: torch.optim.Optimizer, ema: ParameterEMA | None, meta: dict,
-                     parallel: Parallel) -> None:
+                     names: list[str], optimizer: torch.optim.Optimizer, emas: dict[str, ParameterEMA],
+                     meta: dict, parallel: Parallel) -> None:
     """Every rank calls this (the sharded save is collective)."""
     if not parallel.enabled:
         torch.save({"params": [p.detach().cpu() for p in params], "optimizer": optimizer.state_dict(),
-                    "ema": ema.state_dict() if ema is not None else None, **meta}, path / SINGLE_FILE)
+                    "emas": {name: ema.state_dict() for name, ema in emas.items()}, **meta}, path / SINGLE_FILE)
         return
     import torch.distributed.checkpoint as dcp
 
-    dcp.save(_sharded_state(transformer, params, names, optimizer, ema), checkpoint_id=str(path / SHARDED_DIR))
+    dcp.save(_sharded_state(transformer, params, names, optimizer, emas), checkpoint_id=str(path / SHARDED_DIR))
     if parallel.is_main:
         (path / META_FILE).write_text(json.dumps(meta) + "\n")
 
 
 def load_train_state(path: Path, *, transformer: torch.nn.Module, params: list[torch.nn.Parameter],
-                     names: list[str], optimizer: torch.optim.Optimizer, ema: ParameterEMA | None,
+                     names: list[str], optimizer: torch.optim.Optimizer, emas: dict[str, ParameterEMA],
                      device: torch.device, parallel: Parallel) -> dict:
     """Restore into the live objects; returns the counters (`meta` of the save)."""
     sharded = (path / SHARDED_DIR).is_dir()
@@ -52,36 +52,38 @@ def load_train_state(path: Path, *, transformer: torch.nn.Module, params: list[t
             for p, saved in zip(params, state.pop("params"), strict=True):
                 p.copy_(saved)
         optimizer.load_state_dict(state.pop("optimizer"))
-        saved_ema = state.pop("ema")
-        if ema is not None and saved_ema is not None:
-            ema.load_state_dict(saved_ema)
+        legacy = state.pop("ema", None)  # checkpoints before named EMAs held one, under "ema"
+        saved = state.pop("emas", None) or ({"ema": legacy} if legacy is not None else {})
+        for name, ema in emas.items():
+            if name in saved:
+                ema.load_state_dict(saved[name])
         return state
     import torch.distributed.checkpoint as dcp
     from torch.distributed.checkpoint.state_dict import StateDictOptions, set_state_dict
 
-    state = _sharded_state(transformer, params, names, optimizer, ema)
+    state = _sharded_state(transformer, params, names, optimizer, emas)
     # Partial: the fresh optimizer has state for every parameter, the saved one only for those that
     # ever had a gradient (a module this task never runs has none), and those keep their fresh zeros.
     dcp.load(state, checkpoint_id=str(path / SHARDED_DIR), planner=dcp.DefaultLoadPlanner(allow_partial_load=True))
     set_state_dict(transformer, optimizer, model_state_dict=state["model"], optim_state_dict=state["optimizer"],
                    options=StateDictOptions(ignore_frozen_params=True))
-    if ema is not None:
-        with torch.no_grad():
-            for shadow, loaded in zip(ema.shadow, (state["ema"][n] for n in names), strict=True):
+    with torch.no_grad():
+        for name, ema in emas.items():
+            for shadow, loaded in zip(ema.shadow, (state[name][n] for n in names), strict=True):
                 shadow.copy_(loaded.to_local())
     return json.loads((path / META_FILE).read_text())
 
 
-def _sharded_state(transformer, params, names, optimizer, ema) -> dict:
-    """DTensor state dicts of the trained parameters, the optimizer and the EMA (whose per-rank
+def _sharded_state(transformer, params, names, optimizer, emas) -> dict:
+    """DTensor state dicts of the trained parameters, the optimizer and the EMAs (whose per-rank
     shadows are wrapped with their parameters' placements)."""
     from torch.distributed.checkpoint.state_dict import StateDictOptions, get_state_dict
     from torch.distributed.tensor import DTensor
 
     model_sd, optim_sd = get_state_dict(transformer, optimizer, options=StateDictOptions(ignore_frozen_params=True))
     state = {"model": model_sd, "optimizer": optim_sd}
-    if ema is not None:
-        state["ema"] = {n: DTensor.from_local(s, p.device_mesh, p.placements, shape=p.shape, stride=p.stride(),
+    for name, ema in emas.items():
+        state[name] = {n: DTensor.from_local(s, p.device_mesh, p.placements, shape=p.shape, stride=p.stride(),
                                               run_check=False)
                         for n, s, p in zip(names, ema.shadow, params, strict=True)}
     return state

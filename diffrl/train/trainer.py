@@ -177,7 +177,13 @@ class Trainer:
         for p in self.params:
             p.requires_grad_(True)
         self.optimizer = torch.optim.AdamW(self.params, lr=cfg.lr, weight_decay=cfg.weight_decay)
+        # self.ema: DiffusionNFT's old policy θ_old, or GRPO's --use-ema. self.eval_ema: what evaluation,
+        # checkpoints/best and the saved model use with --use-ema (for NFT a second EMA, updated per
+        # optimizer step with --ema-decay: the old policy follows its own schedule for sampling).
         self.ema = ParameterEMA(self.params) if (cfg.use_ema or cfg.loss_type == "nft") else None
+        self.eval_ema = None
+        if cfg.use_ema:
+            self.eval_ema = ParameterEMA(self.params) if cfg.loss_type == "nft" else self.ema
         # The KL anchor of a full finetune: the starting weights, taken before any resume loads
         # later ones (an EMA that is never updated). LoRA gets it by disabling the adapter.
         self.base_weights = (ParameterEMA(self.params) if cfg.diffusion_kl_beta > 0 and cfg.kl_reference == "base"
@@ -292,7 +298,7 @@ class Trainer:
         first_group = self.manager.next_group_index
         self.manager.next_group_index = first_group + mine.start
         start = time.perf_counter()
-        with self._engine_weights(ema=nft):
+        with self._engine_weights(self.ema if nft else None):
             groups = asyncio.run(self.manager.rollout(prompts[mine]))
         self.manager.next_group_index = first_group + len(prompts)
         rollout_s = time.perf_counter() - start
@@ -346,12 +352,12 @@ class Trainer:
         return record
 
     @contextlib.contextmanager
-    def _engine_weights(self, ema: bool):
-        """The engines sample with the EMA (NFT's old policy; evaluation with --use-ema) or the current
-        weights. The in-process engine of a one-process run shares the trained module, so the EMA is
+    def _engine_weights(self, ema: ParameterEMA | None):
+        """The engines sample with an EMA (NFT's old policy; evaluation with --use-ema) or, given None,
+        the current weights. The in-process engine of a one-process run shares the trained module, so the EMA is
         swapped into it for the block; every other engine (the full copy of each rank, remote engines)
         gets the weights copied or pushed before the block. Every rank calls this."""
-        swap = self.ema.swapped_in() if ema else contextlib.nullcontext()
+        swap = ema.swapped_in() if ema is not None else contextlib.nullcontext()
         with swap:
             self._send_weights_to_engines()
             if self.engine.family is self.family:
@@ -424,8 +430,8 @@ class Trainer:
                 continue
             self.optimizer.step()
             self.engine.weight_version += 1
-            if self.ema is not None and cfg.loss_type != "nft":
-                self.ema.update(cfg.ema_decay)
+            if self.eval_ema is not None:
+                self.eval_ema.update(cfg.ema_decay)
             step_stats["train/grad_norm"] = float(grad_norm)
             for key, value in step_stats.items():
                 totals[key] = totals.get(key, 0.0) + value / len(chunks)
@@ -517,7 +523,7 @@ class Trainer:
         if cfg.val_images_per_category > 0:
             sets.append(("val", validation_prompts(cfg.val_prompts_per_category), cfg.val_images_per_category, 20_000))
         out = {}
-        with self._engine_weights(ema=self.ema is not None and cfg.use_ema):
+        with self._engine_weights(self.eval_ema):
             if not self.parallel.is_main:
                 return {}
             for prefix, prompts, per_category, seed in sets:
@@ -556,18 +562,23 @@ class Trainer:
                 "weight_version": self.engine.weight_version, "elapsed_s": self.elapsed_s,
                 "category_sampler": self.sampler.state_dict(), "best_val": self.best_val}
         save_train_state(path, transformer=self.family.transformer, params=self.params, names=self.trainable_names,
-                         optimizer=self.optimizer, ema=self.ema, meta=meta, parallel=self.parallel)
+                         optimizer=self.optimizer, emas=self._emas(), meta=meta, parallel=self.parallel)
         return path
 
     def _save_weights(self, path: Path) -> None:
-        """The model a user loads: LoRA in PEFT format or the full model in diffusers format (rank 0;
-        under torchrun from the engine's copy, which holds the full current weights after the sync)."""
-        family = self.family
+        """The model a user loads, the weights evaluation scores (the --use-ema EMA, else the current
+        ones): LoRA in PEFT format or the full model in diffusers format (rank 0; under torchrun from
+        the engine's copy, which holds the full weights after the sync)."""
         if self.parallel.enabled:
-            with self._engine_weights(ema=False):
-                family = self.engine.family
-            if not self.parallel.is_main:
-                return
+            with self._engine_weights(self.eval_ema):
+                pass
+            if self.parallel.is_main:
+                self._write_model(self.engine.family, path)
+            return
+        with self.eval_ema.swapped_in() if self.eval_ema is not None else contextlib.nullcontext():
+            self._write_model(self.family, path)
+
+    def _write_model(self, family, path: Path) -> None:
         transformer = family.transformer
         if self.cfg.use_lora:
             from peft import get_peft_model_state_dict
@@ -580,12 +591,17 @@ class Trainer:
         else:
             family.save(path / "model")
 
+    def _emas(self) -> dict[str, ParameterEMA]:
+        """The EMAs a resume restores, by the name they are saved under."""
+        emas = {"ema": self.ema, "eval_ema": self.eval_ema if self.eval_ema is not self.ema else None}
+        return {name: ema for name, ema in emas.items() if ema is not None}
+
     def _load_checkpoint(self) -> None:
         checkpoints = sorted((self.cfg.output_dir / "checkpoints").glob("rollout-*"))
         if not checkpoints:
             raise FileNotFoundError(f"--resume: no checkpoint under {self.cfg.output_dir / 'checkpoints'}")
         meta = load_train_state(checkpoints[-1], transformer=self.family.transformer, params=self.params,
-                                names=self.trainable_names, optimizer=self.optimizer, ema=self.ema,
+                                names=self.trainable_names, optimizer=self.optimizer, emas=self._emas(),
                                 device=self.device, parallel=self.parallel)
         self.rollout_index = meta["rollout_index"]
         self.manager.next_group_index = meta["next_group_index"]
