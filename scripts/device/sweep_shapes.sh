@@ -58,5 +58,9 @@ for run in "$root"/*/; do
   (cd "$root" && tar czf "$OUT/$name.tgz" --exclude=train_state.pt --exclude=text_encoder --exclude=tokenizer \
      "$name"/metrics.jsonl "$name"/config.json "$name"/reward_curve.png "$name"/train.log $grids ${ckpt:+"$ckpt"} \
      $(ls "$name"/eval*-*/report.json "$name"/eval*-*/samples.jsonl 2>/dev/null))
+  # A larger model's archive passes 16 MiB: split it (here: cat NAME.tgz.part-* | tar xz).
+  if (( $(stat -c %s "$OUT/$name.tgz") > 15 * 2**20 )); then
+    split -b 15M "$OUT/$name.tgz" "$OUT/$name.tgz.part-" && rm "$OUT/$name.tgz"
+  fi
 done
 ls -la "$OUT"
