@@ -321,3 +321,18 @@ def test_nft_use_ema_evaluates_and_saves_a_second_ema_and_resumes_both(tiny_mode
     resumed = Trainer(tiny_config(tiny_model_dir, out, num_rollout=2, resume=True, **overrides))
     assert all(torch.equal(a, b) for a, b in zip(resumed.eval_ema.shadow, trainer.eval_ema.shadow))
     assert all(torch.equal(a, b) for a, b in zip(resumed.ema.shadow, trainer.ema.shadow))
+
+
+def test_a_checkpoint_from_before_named_emas_resumes_its_ema(tiny_model_dir, tmp_path):
+    """train_state.pt files written before this format held one EMA under "ema" (NFT's old policy)."""
+    out = tmp_path / "run"
+    trainer = Trainer(tiny_config(tiny_model_dir, out, loss_type="nft"))
+    trainer.train()
+    path = out / "checkpoints" / "rollout-00001" / "train_state.pt"
+    state = torch.load(path, weights_only=True)
+    state["ema"] = state.pop("emas")["ema"]  # the old layout
+    torch.save(state, path)
+    resumed = Trainer(tiny_config(tiny_model_dir, out, loss_type="nft", num_rollout=2, resume=True))
+    assert all(torch.equal(a, b) for a, b in zip(resumed.ema.shadow, trainer.ema.shadow))
+    fresh = Trainer(tiny_config(tiny_model_dir, tmp_path / "fresh", loss_type="nft"))
+    assert any(not torch.equal(a, b) for a, b in zip(resumed.ema.shadow, fresh.ema.shadow))  # not merely the start
