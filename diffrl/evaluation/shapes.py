@@ -1,7 +1,9 @@
 """Sample prompts at fixed seeds (ODE) and score them with the shapes verifier.
 
 Image k of the expanded list (each prompt repeated for its seeds, in prompt order) gets seed
-`seed + k`, so an evaluation is reproducible and any single image can be regenerated alone.
+`seed + k`, so an evaluation is reproducible and any single image can be regenerated alone. The
+initial noise is drawn on the CPU whatever the model's device (since 2026-11-29, session 7; GPU
+evaluations before drew it with CUDA generators, so their images differ from a CPU run's).
 """
 
 from __future__ import annotations
@@ -56,7 +58,10 @@ def generate(
         rows = torch.tensor([row_of[p] for p in chunk], device=encoded.embeds.device)
         cond = type(encoded)(encoded.embeds[rows], encoded.ids)
         uncond = uncond_one.repeat(len(chunk)) if uncond_one is not None else None
-        generators = make_generators(seeds[start : start + batch_size], device=family.device)
+        # CPU generators: a seed gives the same initial noise on every device (CUDA generators draw
+        # other numbers), so a checkpoint scored on a GPU and on a CPU sees the same images up to
+        # numerics. ODE sampling draws nothing after the initial noise, so this costs one copy.
+        generators = make_generators(seeds[start : start + batch_size], device="cpu")
         latents = family.prepare_latents(generators, size, size)
         result = denoise(family, latents, sigmas, cond, uncond, guidance_scale, generators=generators)
         images.append(family.decode(result.latents, size, size).cpu())
