@@ -571,7 +571,7 @@ class Trainer:
         the engine's copy, which holds the full weights after the sync)."""
         if self.parallel.enabled:
             with self._engine_weights(self.eval_ema):
-                pass
+                pass  # the sync leaves the full weights to save (the EMA's, with one) in the engine's copy
             if self.parallel.is_main:
                 self._write_model(self.engine.family, path)
             return
