@@ -1,8 +1,8 @@
 """Choose a model's sampling CFG on validation prompts, then score the test prompts at that CFG.
 
-The validation prompts are the trainer's (a fixed subset of the *train* prompts, seeds 20 000 + k);
-the test prompts are the held-out protocol (seeds 10 000 + k). The test split plays no part in the
-choice: it is scored once, at the chosen scale (and, for reference, at --also-test scales).
+The validation prompts and seeds are the trainer's (a fixed subset of the *train* prompts), the
+test prompts and seeds its held-out protocol's. The test split plays no part in the choice: it is
+scored once, at the chosen scale (and, for reference, at --also-test scales).
 
     python scripts/guidance_by_validation.py [--checkpoint <run>/checkpoints/rollout-N] --device cpu \
         --scales 1 1.5 2 3 --output out.json
@@ -15,7 +15,8 @@ import json
 from pathlib import Path
 
 from diffrl.data.shapes import test_prompts
-from diffrl.evaluation.shapes import balanced_eval_set, evaluate_prompts, summarize, validation_prompts
+from diffrl.evaluation.shapes import (TEST_SEED, VALIDATION_SEED, balanced_eval_set, evaluate_prompts, summarize,
+                                     validation_prompts)
 from diffrl.models.checkpoint import load_model
 from diffrl.models.demo import SHIPPED_DEMO_MODEL
 from diffrl.utils.device import resolve_device
@@ -50,12 +51,12 @@ def main() -> None:
     val = validation_prompts(args.val_prompts_per_category)
     validation = {}
     for scale in args.scales:
-        validation[scale] = score(family, val, args.val_images_per_category, 20_000, scale, args.num_steps)
+        validation[scale] = score(family, val, args.val_images_per_category, VALIDATION_SEED, scale, args.num_steps)
         print(f"validation  CFG {scale:<4}  strict {validation[scale]['strict']:.3f}", flush=True)
     chosen = max(args.scales, key=lambda s: validation[s]["strict"])  # ties: the first (lowest) scale
     test = {}
     for scale in dict.fromkeys([chosen, *args.also_test]):
-        test[scale] = score(family, test_prompts(), args.test_images_per_category, 10_000, scale, args.num_steps)
+        test[scale] = score(family, test_prompts(), args.test_images_per_category, TEST_SEED, scale, args.num_steps)
         print(f"test        CFG {scale:<4}  strict {test[scale]['strict']:.3f}{'  (chosen)' if scale == chosen else ''}",
               flush=True)
     if args.output:

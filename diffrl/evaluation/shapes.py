@@ -23,6 +23,12 @@ from diffrl.sampling import make_generators
 from diffrl.utils.images import save_grid, to_uint8
 
 
+# First seeds of the trainer's held-out (test prompts) and validation (train prompts) evaluations;
+# image k of a set gets seed + k. Anything that wants the trainer's images uses these.
+TEST_SEED = 10_000
+VALIDATION_SEED = 20_000
+
+
 @dataclass
 class SampleRecord:
     prompt: str

@@ -37,6 +37,8 @@ from diffrl.algorithms.pairs import GrpoPairs, NftPairs, grpo_pairs, nft_pairs
 from diffrl.data.shapes import prompts_by_category, test_prompts
 from diffrl.engine.engine import Engine, EngineConfig
 from diffrl.evaluation.shapes import (
+    TEST_SEED,
+    VALIDATION_SEED,
     balanced_eval_set,
     evaluate_prompts,
     save_records_grid,
@@ -519,9 +521,10 @@ class Trainer:
         on the validation subset of the train prompts (`val/…`)."""
         cfg = self.cfg
         guidance = cfg.eval_guidance_scale if cfg.eval_guidance_scale is not None else cfg.diffusion_guidance_scale
-        sets = [("eval", test_prompts(), cfg.eval_images_per_category, 10_000)]
+        sets = [("eval", test_prompts(), cfg.eval_images_per_category, TEST_SEED)]
         if cfg.val_images_per_category > 0:
-            sets.append(("val", validation_prompts(cfg.val_prompts_per_category), cfg.val_images_per_category, 20_000))
+            sets.append(("val", validation_prompts(cfg.val_prompts_per_category), cfg.val_images_per_category,
+                         VALIDATION_SEED))
         out = {}
         with self._engine_weights(self.eval_ema):
             if not self.parallel.is_main:
