@@ -4,17 +4,19 @@
 # RUNS (optional) picks sweep lines by name, so a sweep written for four GPUs can run two at a time.
 # Each sweep line is `name  flags…`; every run gets --time-budget-minutes $MINUTES and its own folder.
 # Sweep files pin the recipe values changed since they ran; code changes (e.g. the verifier) are in git.
-# On a machine with several GPUs the runs are dealt round-robin over them (run i on GPU i mod count).
+# On a machine with several GPUs the runs are dealt round-robin over them (run i on GPU i mod count);
+# GPUS="1" (indices) keeps the sweep to those GPUs, e.g. when another job holds GPU 0.
 set -uo pipefail
 python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl
 export PYTHONPATH=/tmp/site:$PWD PYTHONUNBUFFERED=1 OMP_NUM_THREADS=${THREADS:-2}
 root=/tmp/sweep; mkdir -p "$root"
 nvidia-smi --query-gpu=name,memory.total --format=csv,noheader
-gpus=$(nvidia-smi --list-gpus | wc -l); i=0
+read -ra gpu_ids <<<"${GPUS:-$(nvidia-smi --query-gpu=index --format=csv,noheader | tr '\n' ' ')}"
+gpus=${#gpu_ids[@]}; i=0
 while read -r name flags; do
   [[ -z "$name" || "$name" == \#* ]] && continue
   [[ -n "${RUNS:-}" && " $RUNS " != *" $name "* ]] && continue
-  gpu=$(( i++ % gpus ))
+  gpu=${gpu_ids[$(( i++ % gpus ))]}
   ( CUDA_VISIBLE_DEVICES=$gpu timeout $(( ${MINUTES:-7} * 60 + 150 )) python3 -m diffrl.cli.main train $flags \
       --time-budget-minutes "${MINUTES:-7}" --output-dir "$root/$name" >"$root/$name.log" 2>&1
     echo "$name (GPU $gpu) exit $?" ) &
@@ -32,7 +34,7 @@ python3 scripts/summarize_runs.py "$root"/*/  # the summary is re-made from the 
 if [[ -n "${FINAL_EVAL:-}" ]]; then
   i=0
   for run in "$root"/*/; do
-    gpu=$(( i++ % gpus ))
+    gpu=${gpu_ids[$(( i++ % gpus ))]}
     read -r guidance steps < <(python3 -c "import json, sys; c = json.load(open(sys.argv[1]))
 print(c['eval_guidance_scale'] or c['diffusion_guidance_scale'], c['eval_num_steps'] or c['diffusion_num_steps'])" "$run/config.json")
     ( for ckpt in $(ls -d "$run"checkpoints/rollout-* 2>/dev/null | sort | tail -1) "$run"checkpoints/best; do
