@@ -88,3 +88,11 @@ def test_evaluate_a_checkpoint_with_the_trainers_balanced_protocol(tiny_model_di
     assert len(samples) == sum(seeds) > len(prompts)  # categories with one prompt get several seeds
     assert [(s["prompt"], s["seed"], s["score"]) for s in samples] == [(r.prompt, r.seed, r.score) for r in records]
     assert sum(c["n"] for c in report["categories"].values()) == len(samples)
+
+
+def test_time_boxed_pretraining_has_no_step_budget_unless_given():
+    from diffrl.train.pretrain import step_budget
+
+    assert step_budget(PretrainConfig()) == 2000
+    assert step_budget(PretrainConfig(max_minutes=7)) is None  # runs until the time is up
+    assert step_budget(PretrainConfig(max_minutes=7, steps=500)) == 500

@@ -35,7 +35,9 @@ from diffrl.utils.device import autocast, resolve_device
 class PretrainConfig:
     output_dir: Path = Path("runs/pretrain")
     """Run folder (created; an existing one is resumed only with --resume)."""
-    steps: int = 2000
+    steps: int | None = None
+    """Optimizer steps: 2,000 by default; with --max-minutes and no --steps, as many as the time allows
+    (the step budget would otherwise end a time-boxed run early)."""
     batch_size: int = 64
     lr: float = 3e-4
     warmup_steps: int = 200
@@ -105,6 +107,13 @@ def _latest_checkpoint(output_dir: Path) -> Path | None:
     return ckpts[-1] if ckpts else None
 
 
+def step_budget(cfg: PretrainConfig) -> int | None:
+    """--steps, else 2,000, except that a time-boxed run (--max-minutes) without --steps has none."""
+    if cfg.steps is not None:
+        return cfg.steps
+    return None if cfg.max_minutes else 2000
+
+
 def pretrain(cfg: PretrainConfig) -> Path:
     """Train; returns the path of the final EMA model."""
     from diffrl.evaluation.shapes import sample_grid  # late import: evaluation imports the engine
@@ -168,12 +177,13 @@ def pretrain(cfg: PretrainConfig) -> Path:
 
     metrics = (out / "metrics.jsonl").open("a")
     start = time.monotonic()
-    bar = tqdm(total=cfg.steps, initial=step, desc="pretrain", dynamic_ncols=True)
+    total_steps = step_budget(cfg)
+    bar = tqdm(total=total_steps, initial=step, desc="pretrain", dynamic_ncols=True)
     last_log = time.monotonic()
     for prompts, images in loader:
         # Progress is by steps or, with --max-minutes, by wall clock, whichever is further along:
         # a time-boxed run still finishes its learning-rate decay.
-        progress = step / cfg.steps
+        progress = step / total_steps if total_steps else 0.0
         if cfg.max_minutes:
             progress = max(progress, (time.monotonic() - start) / (60 * cfg.max_minutes))
         if progress >= 1.0:

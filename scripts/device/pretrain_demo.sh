@@ -6,25 +6,28 @@
 #   SCALES    CFG scales of the checkpoint evaluations (default "1 2 3 4.5")
 #   PICK      instead of four checkpoints, bring back the one whose CFG-1 held-out accuracy is closest
 #             to PICK (a base matched to the shipped model's, e.g. 0.55), as model.tar split in 15 MiB
-#             parts (the device returns files of at most 16 MiB): `cat model.tar.part-* | tar -x`
+#             parts (the device returns files of at most 16 MiB): `cat NAME-step-N.model.tar.part-* | tar -x`
+#   NAME      prefix of the run folder and of every returned file (default pretrain), so two pretraining
+#             jobs can share one call (one per GPU, CUDA_VISIBLE_DEVICES set by the caller)
 set -euo pipefail
 python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl
 export PYTHONPATH=/tmp/site:$PWD PYTHONUNBUFFERED=1
-run=/tmp/pretrain-run
+name=${NAME:-pretrain}
+run=/tmp/$name-run
 rm -rf "$run"
 nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader
 python3 -m diffrl.cli.main pretrain --output-dir "$run" --max-minutes "${MINUTES:-6.5}" ${EXTRA:-} \
-  2>&1 | tr '\r' '\n' | grep -v '^pretrain: ' | grep -v 'Writing model shards' > "$OUT/pretrain.log" || { tail -30 "$OUT/pretrain.log"; exit 1; }
-tail -3 "$OUT/pretrain.log"
+  2>&1 | tr '\r' '\n' | grep -v '^pretrain: ' | grep -v 'Writing model shards' > "$OUT/$name.log" || { tail -30 "$OUT/$name.log"; exit 1; }
+tail -3 "$OUT/$name.log"
 python3 scripts/eval_checkpoints.py "$run" --guidance-scales ${SCALES:-1 2 3 4.5} --out "$run/evals.json"
 # Bring back logs and evals in one archive, and up to 4 checkpoints (evenly spaced, the last included).
-tar -C "$run" -cf "$OUT/logs.tar" config.json metrics.jsonl samples evals.json
+tar -C "$run" -cf "$OUT/$name-logs.tar" config.json metrics.jsonl samples evals.json
 if [[ -n "${PICK:-}" ]]; then
   pick=$(python3 -c "import json, sys
 rows = [r for r in json.load(open(sys.argv[1])) if r['guidance_scale'] == 1.0]
 print(min(rows, key=lambda r: abs(r['overall_strict'] - float(sys.argv[2])))['checkpoint'])" "$run/evals.json" "$PICK")
   echo "picked $pick (CFG-1 accuracy closest to $PICK)"
-  tar -C "$run/checkpoints/$pick" -cf - model | split -b 15M - "$OUT/$pick.model.tar.part-"
+  tar -C "$run/checkpoints/$pick" -cf - model | split -b 15M - "$OUT/$name-$pick.model.tar.part-"
   ls -la "$OUT"
   exit 0
 fi
@@ -32,7 +35,7 @@ mapfile -t ckpts < <(ls -d "$run"/checkpoints/step-* | sort)
 n=${#ckpts[@]}
 for k in 1 2 3 4; do
   i=$(( (n * k + 3) / 4 - 1 )); [ "$i" -ge 0 ] || continue
-  name=$(basename "${ckpts[$i]}")
-  [ -f "$OUT/$name.tar" ] || tar -C "${ckpts[$i]}" -cf "$OUT/$name.tar" model
+  ckpt_name=$(basename "${ckpts[$i]}")
+  [ -f "$OUT/$ckpt_name.tar" ] || tar -C "${ckpts[$i]}" -cf "$OUT/$ckpt_name.tar" model
 done
 ls -la "$OUT"

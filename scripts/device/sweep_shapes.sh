@@ -13,11 +13,12 @@ root=/tmp/sweep; mkdir -p "$root"
 nvidia-smi --query-gpu=name,memory.total --format=csv,noheader
 read -ra gpu_ids <<<"${GPUS:-$(nvidia-smi --query-gpu=index --format=csv,noheader | tr '\n' ' ')}"
 gpus=${#gpu_ids[@]}; i=0
+limit_s=$(awk -v m="${MINUTES:-7}" 'BEGIN { printf "%d", m * 60 + 150 }')  # MINUTES may be fractional
 while read -r name flags; do
   [[ -z "$name" || "$name" == \#* ]] && continue
   [[ -n "${RUNS:-}" && " $RUNS " != *" $name "* ]] && continue
   gpu=${gpu_ids[$(( i++ % gpus ))]}
-  ( CUDA_VISIBLE_DEVICES=$gpu timeout $(( ${MINUTES:-7} * 60 + 150 )) python3 -m diffrl.cli.main train $flags \
+  ( CUDA_VISIBLE_DEVICES=$gpu timeout "$limit_s" python3 -m diffrl.cli.main train $flags \
       --time-budget-minutes "${MINUTES:-7}" --output-dir "$root/$name" >"$root/$name.log" 2>&1
     echo "$name (GPU $gpu) exit $?" ) &
 done <"${SWEEP:?set SWEEP to a sweep file}"
