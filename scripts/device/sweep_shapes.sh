@@ -51,14 +51,15 @@ print(c['eval_guidance_scale'] or c['diffusion_guidance_scale'], c['eval_num_ste
 fi
 # One archive per run (the device returns at most 8 files of 16 MiB, 64 MiB in all, and one
 # checkpoint is ~11 MiB): metrics, log, config, the first and last eval grids, the FINAL_EVAL reports
-# and one checkpoint without its optimizer state and the untrained text encoder: checkpoints/best when
+# and one checkpoint without its optimizer state (text encoder kept, 1 MiB: without it the checkpoint
+# silently borrows whatever base `--model-path` names when evaluated, e.g. a newer shipped model): checkpoints/best when
 # the run validates (--val-images-per-category), else its last one.
 for run in "$root"/*/; do
   name=$(basename "$run")
   ckpt=$(cd "$root" && ls -d "$name"/checkpoints/rollout-* 2>/dev/null | sort | tail -1)
   [[ -d "$run/checkpoints/best" ]] && ckpt="$name/checkpoints/best"
   grids=$(cd "$root" && ls "$name"/eval/*.png 2>/dev/null | sort | sed -n '1p;$p' | sort -u)
-  (cd "$root" && tar czf "$OUT/$name.tgz" --exclude=train_state.pt --exclude=text_encoder --exclude=tokenizer \
+  (cd "$root" && tar czf "$OUT/$name.tgz" --exclude=train_state.pt \
      "$name"/metrics.jsonl "$name"/config.json "$name"/reward_curve.png "$name"/train.log $grids ${ckpt:+"$ckpt"} \
      $(ls "$name"/eval*-*/report.json "$name"/eval*-*/samples.jsonl 2>/dev/null))
   # A larger model's archive passes 16 MiB: split it (here: cat NAME.tgz.part-* | tar xz).
