@@ -2,7 +2,7 @@
 # The bf16 forward on the GPU (engine and trainer share it): a few rollouts of the shapes-nft-gpu
 # recipe in fp32 + TF32 (the recipe) and in bf16, rollout and train seconds side by side.
 set -uo pipefail
-python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl
+bash scripts/device/install_wheels.sh
 export PYTHONPATH=/tmp/site:$PWD PYTHONUNBUFFERED=1 OMP_NUM_THREADS=8
 for precision in no bf16; do
   timeout 100 python3 -m diffrl.cli.main train --recipe shapes-nft-gpu --device cuda --mixed-precision $precision --category-sampling uniform --micro-batch-size 256 \

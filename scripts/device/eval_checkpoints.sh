@@ -4,7 +4,7 @@
 # Each line is `label  diffrl-evaluate-flags…`; the evaluations are dealt round-robin over the GPUs and
 # each writes report.json and samples.jsonl under $OUT/evals.tgz (one archive: the device returns few files).
 set -uo pipefail
-python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl
+bash scripts/device/install_wheels.sh
 export PYTHONPATH=/tmp/site:$PWD PYTHONUNBUFFERED=1
 root=/tmp/evals; mkdir -p "$root"
 gpus=$(nvidia-smi --list-gpus | wc -l); i=0

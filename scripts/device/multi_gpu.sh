@@ -6,7 +6,7 @@
 #    two (torchrun, NCCL, FSDP2, one in-process engine per rank): reward curves and rollout seconds.
 # Ray is not on that machine's image and its wheel is over the carry limit, so placement there is torchrun.
 set -uo pipefail
-python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl
+bash scripts/device/install_wheels.sh
 export PYTHONPATH=/tmp/site:$PWD PYTHONUNBUFFERED=1 OMP_NUM_THREADS=8
 rollouts=${ROLLOUTS:-40}
 # What BENCHMARKS.md measured (session 4); the recipe has since moved to adaptive category sampling.

@@ -10,7 +10,7 @@
 #   NAME      prefix of the run folder and of every returned file (default pretrain), so two pretraining
 #             jobs can share one call (one per GPU, CUDA_VISIBLE_DEVICES set by the caller)
 set -euo pipefail
-python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl
+bash scripts/device/install_wheels.sh
 export PYTHONPATH=/tmp/site:$PWD PYTHONUNBUFFERED=1
 name=${NAME:-pretrain}
 run=/tmp/$name-run

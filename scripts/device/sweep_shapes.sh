@@ -7,7 +7,7 @@
 # On a machine with several GPUs the runs are dealt round-robin over them (run i on GPU i mod count);
 # GPUS="1" (indices) keeps the sweep to those GPUs, e.g. when another job holds GPU 0.
 set -uo pipefail
-python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl
+bash scripts/device/install_wheels.sh
 export PYTHONPATH=/tmp/site:$PWD PYTHONUNBUFFERED=1 OMP_NUM_THREADS=${THREADS:-2}
 root=/tmp/sweep; mkdir -p "$root"
 nvidia-smi --query-gpu=name,memory.total --format=csv,noheader

@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # A time-boxed training run on the lent GPU (carry `.whl`). RECIPE, ROLLOUTS, SECONDS_LIMIT, EXTRA.
 set -uo pipefail
-python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl
+bash scripts/device/install_wheels.sh
 export PYTHONPATH=/tmp/site:$PWD PYTHONUNBUFFERED=1
 run=/tmp/train-run
 timeout "${SECONDS_LIMIT:-300}" python3 -m diffrl.cli.main train --recipe "${RECIPE:-shapes-grpo-gpu}" \
