@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# Install the carried wheels (.whl/: cp312, --no-deps) into /tmp/site, which every device script puts on
+# Install the carried wheels (.whl/: cp312, --no-deps; made here by fetch_wheels.sh) into /tmp/site, which every device script puts on
 # PYTHONPATH. One install at a time: two jobs of one call (pretrain_demo.sh NAME=…, sweep_shapes.sh
 # GPUS=…) may start together, and pip writing one --target twice at once can leave it broken.
 set -euo pipefail

@@ -24,6 +24,9 @@ while read -r name flags; do
 done <"${SWEEP:?set SWEEP to a sweep file}"
 wait
 nvidia-smi --query-gpu=memory.used --format=csv,noheader
+for log in "$root"/*.log; do  # a run that died before making its folder (an import error, a bad flag)
+  [[ -e "$log" && ! -d "${log%.log}" ]] && { echo "== $(basename "${log%.log}") failed:"; tail -5 "$log"; }
+done
 for run in "$root"/*/; do
   name=$(basename "$run")
   echo "== $name"; grep -E "^reward:|^held-out|Error|error" "$root/$name.log" | tail -4
