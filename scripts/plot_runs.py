@@ -23,6 +23,7 @@ def main(out: str, runs: list[str]) -> None:
         rewards = [(r["rollout"], r["rollout/reward/raw_mean"]) for r in records if "rollout/reward/raw_mean" in r]
         (line,) = left.plot(*zip(*evals), "o-", ms=3, label=label)
         right.plot(*zip(*rewards), color=line.get_color(), alpha=0.8, label=label)
+    left.axhline(0.9, color="gray", ls=":", lw=1)  # the bar
     left.set(xlabel="wall clock, rollouts + training (minutes)", ylabel="held-out strict accuracy", ylim=(0, 1))
     right.set(xlabel="rollout", ylabel="rollout reward (partial credit)")
     for ax in (left, right):
