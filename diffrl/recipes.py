@@ -27,10 +27,11 @@ SIZED: dict[str, dict[str, dict]] = {
     "shapes-nft": {
         # DiffusionNFT: CFG-free ODE rollouts under the EMA old policy, full finetune.
         # Cosine decay over 60 rollouts: at a constant rate, or over more rollouts, the held-out
-        # accuracy fell after its peak (from the shipped model it peaks at rollouts 40-60 of a 100-rollout
-        # cosine; over 60 the last checkpoint keeps the peak: docs/results.md, session 9). Adaptive category sampling (more groups for the categories
-        # with lower training reward) and an optimizer step in two micro-batches (the demo model is
-        # launch-bound; 30 GiB of GPU memory) gave the best held-out accuracy (docs/results.md).
+        # accuracy fell after its peak (from the shipped model it peaks at rollouts 40-60 of a
+        # 100-rollout cosine; over 60 the last checkpoint keeps the peak: docs/results.md, session 9).
+        # Adaptive category sampling (more groups for the categories with lower training reward) and
+        # an optimizer step in two micro-batches (the demo model is launch-bound; 30 GiB of GPU memory)
+        # gave the best held-out accuracy (docs/results.md).
         "gpu": dict(loss_type="nft", use_lora=False, lr=1e-4,
                     **{**_GPU_BATCH, "num_rollout": 60, "micro_batch_size": 1152},
                     lr_schedule="cosine", lr_min_ratio=0.1, category_sampling="adaptive"),
