@@ -137,3 +137,23 @@ def test_waiting_requests_share_one_batch_and_give_the_same_samples(tiny_family)
             assert torch.equal(got.rollout_log_probs, want.rollout_log_probs)
             assert torch.equal(got.dit_trajectory.latents, want.dit_trajectory.latents)
         assert results[k][0].denoising_env["prompt_embeds"].shape[0] == 1  # still once per request
+
+
+def test_an_idle_engine_gathers_a_rollouts_requests_into_one_batch(tiny_family):
+    """A rollout's microgroups arrive within milliseconds: the first no longer takes the idle model
+    alone (`batch_wait_s`). Samples are the same with the wait off."""
+    import asyncio
+
+    from diffrl.rollout import InProcessEngineClient, RolloutConfig, RolloutManager
+
+    config = RolloutConfig(n_samples_per_prompt=4, rollout_microgroup_size=2, engine_concurrency=8,
+                           request={**ROLLOUT, "guidance_scale": 1.0})
+    images, batches = {}, {}
+    # A wait far longer than thread start-up, so the count is not a race on a loaded CI machine.
+    for wait in (0.0, 0.5):
+        engine = Engine(tiny_family, EngineConfig(max_outputs_per_request=8, max_batch_outputs=8, batch_wait_s=wait))
+        groups = asyncio.run(RolloutManager([InProcessEngineClient(engine)], config).rollout(["a red circle", "two circles"]))
+        images[wait] = torch.stack([s.output.generated_output for g in groups for s in g])
+        batches[wait] = engine.denoise_batches
+    assert batches[0.5] == 1  # 4 requests of 2 outputs, one batch of 8 (without the wait: 2, the first alone)
+    assert torch.equal(images[0.0], images[0.5])

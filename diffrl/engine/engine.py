@@ -44,6 +44,11 @@ class EngineConfig:
     max_batch_outputs: int = 64
     """Waiting requests with the same sampling settings are denoised together up to this many outputs
     (1: never merge). A request larger than this still runs, alone."""
+    batch_wait_s: float = 0.005
+    """Before a batch that is not full starts, the engine waits until no request that could join it has
+    arrived for this long. A rollout's microgroups reach the engine within milliseconds of each other;
+    without the wait the first one takes the idle model alone and the rest queue behind its whole
+    denoising loop (two batches per rollout instead of one). 0: start at once."""
 
 
 @dataclass(frozen=True)
@@ -75,6 +80,7 @@ class Engine:
         self.weight_version = 0
         self._model_lock = threading.Lock()  # one denoise at a time on this model
         self._count_lock = threading.Lock()  # guards _in_flight and _waiting
+        self._arrived = threading.Condition(self._count_lock)  # notified when a request starts waiting
         self._in_flight = 0
         self._waiting: list[_Ticket] = []
         self.denoise_batches = 0  # batches run so far (fewer than requests when requests share batches)
@@ -129,6 +135,7 @@ class Engine:
         with self._count_lock:
             self._in_flight += 1
             self._waiting.append(ticket)
+            self._arrived.notify_all()
         try:
             # Whoever holds the model runs a batch that may include this ticket; otherwise we take
             # the model and run our ticket with whatever compatible requests wait behind it.
@@ -136,11 +143,26 @@ class Engine:
                 with self._model_lock:
                     if ticket.result.done():
                         break
+                    self._gather(ticket)
                     self._run_batch(self._take_batch(ticket))
             return ticket.result.result()
         finally:
             with self._count_lock:
                 self._in_flight -= 1
+
+    def _gather(self, first: _Ticket) -> None:
+        """Hold the model (not yet running) while requests that can share `first`'s batch keep arriving:
+        until the batch is full or none has come for `batch_wait_s`. Bounded: each round needs a new one."""
+        if self.config.batch_wait_s <= 0:
+            return
+        with self._arrived:
+            seen = -1
+            while True:
+                outputs = sum(t.req.num_outputs_per_prompt for t in self._waiting if t.plan.batch_key == first.plan.batch_key)
+                if outputs >= self.config.max_batch_outputs or outputs == seen:
+                    return
+                seen = outputs
+                self._arrived.wait(self.config.batch_wait_s)
 
     def _take_batch(self, first: _Ticket) -> list[_Ticket]:
         """`first` and the waiting requests that can share its batch, in arrival order."""
