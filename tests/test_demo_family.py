@@ -29,6 +29,26 @@ def test_save_load_roundtrip_gives_identical_velocity(tiny_family, tiny_model_di
     torch.testing.assert_close(got, expected, rtol=0, atol=0)
 
 
+def test_a_shared_timestep_skips_the_host_sync_and_changes_nothing(tiny_family, monkeypatch):
+    """A step's σ expanded over the batch (how the denoising loop passes it) runs the timestep MLP once,
+    without torch.unique (a device-to-host sync); the velocity is bit for bit the one a per-row σ gives."""
+    latents, cond, uncond = _velocity_inputs(tiny_family)
+    per_row = torch.full((3,), 0.7)  # one value, but a real per-row tensor: the general path
+    with torch.no_grad():
+        expected = {g: tiny_family.velocity(tiny_family.transformer, latents, per_row, cond, uncond, g) for g in (1.0, 3.0)}
+
+        def no_unique(*args, **kwargs):
+            raise AssertionError("torch.unique called for a shared timestep")
+
+        monkeypatch.setattr(torch, "unique", no_unique)
+        for sigma in (torch.tensor(0.7).expand(3), torch.tensor(0.7), 0.7):
+            for g in (1.0, 3.0):
+                got = tiny_family.velocity(tiny_family.transformer, latents, sigma, cond, uncond, g)
+                assert torch.equal(got, expected[g])
+        with pytest.raises(AssertionError, match="torch.unique"):  # distinct rows still take the general path
+            tiny_family.velocity(tiny_family.transformer, latents, torch.tensor([1.0, 0.5, 0.1]), cond, None, 1.0)
+
+
 @pytest.mark.parametrize("relpath", [
     "model_index.json", "transformer/config.json", "transformer/diffusion_pytorch_model.safetensors",
     "text_encoder/model.safetensors", "tokenizer/tokenizer.json",

@@ -14,7 +14,9 @@ in code from the shapes vocabulary. Stored in diffusers layout:
 from __future__ import annotations
 
 import json
-from collections.abc import Sequence
+import threading
+from collections.abc import Iterator, Sequence
+from contextlib import contextmanager
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
@@ -123,12 +125,42 @@ def _embed_rows_one_at_a_time(embedder: torch.nn.Module) -> None:
     embedder.__class__ = type(f"RowWise{type(embedder).__name__}", (_RowWiseForward, type(embedder)), {})
 
 
+# Set while a forward runs whose rows all share one timestep, which the caller knows on the host (a
+# rollout step's σ, expanded). Finding the distinct rows takes torch.unique, whose output size is a
+# device-to-host sync: two per forward (the timestep and the zero embedding), which on a GPU stall the
+# kernel queue of a launch-bound model (`benchmarks/rollout_breakdown.py`). Per thread: the engine and
+# the trainer may run forwards at once.
+_SHARED_TIMESTEP = threading.local()
+
+
+@contextmanager
+def _rows_share_one_timestep(shared: bool) -> Iterator[None]:
+    before = getattr(_SHARED_TIMESTEP, "on", False)
+    _SHARED_TIMESTEP.on = shared
+    try:
+        yield
+    finally:
+        _SHARED_TIMESTEP.on = before
+
+
 class _RowWiseForward:
     def forward(self, sample, *args, **kwargs):
-        unique, inverse = torch.unique(sample, dim=0, return_inverse=True)
         one_row = super().forward  # outside the comprehension: zero-argument super needs this frame
+        if getattr(_SHARED_TIMESTEP, "on", False):  # every row equal: the same single-row call, no sync
+            return one_row(sample[:1], *args, **kwargs).expand(sample.shape[0], -1).contiguous()
+        unique, inverse = torch.unique(sample, dim=0, return_inverse=True)
         rows = [one_row(unique[i : i + 1], *args, **kwargs) for i in range(unique.shape[0])]
         return torch.cat(rows)[inverse]
+
+
+def _one_value_for_all_rows(sigma) -> bool:
+    """Whether every row of `sigma` is one value, known without reading the tensor: a number, a
+    single element, or a tensor expanded from one (stride 0, as the denoising loop passes each step's σ)."""
+    if isinstance(sigma, (int, float)):
+        return True
+    if not isinstance(sigma, torch.Tensor):
+        return False
+    return sigma.numel() <= 1 or (sigma.dim() == 1 and sigma.stride(0) == 0)
 
 
 def _read_json(path: Path) -> dict:
@@ -283,6 +315,10 @@ class DemoFamily(FamilyAdapter):
         return Latents(patchify(noise, self.config.patch_size), self.prepare_ids())
 
     def velocity(self, transformer, latents, sigma, cond, uncond, guidance_scale) -> torch.Tensor:
+        with _rows_share_one_timestep(_one_value_for_all_rows(sigma)):
+            return self._velocity(transformer, latents, sigma, cond, uncond, guidance_scale)
+
+    def _velocity(self, transformer, latents, sigma, cond, uncond, guidance_scale) -> torch.Tensor:
         tokens = latents.tokens
         sigma = torch.as_tensor(sigma, device=tokens.device, dtype=torch.float32).expand(tokens.shape[0])
         dtype = next(transformer.parameters()).dtype
