@@ -67,3 +67,19 @@ def test_worker_pool_scores_like_the_inline_reward():
     assert first[1] < 1.0 == first[0]
     with pytest.raises(ValueError, match="--reward-workers"):
         ProcessRewardPool("shapes", workers=0)
+
+
+def test_pool_workers_score_on_one_thread_each(monkeypatch):
+    """Each worker is one of the pool's parallel lanes: its torch ops stay on one thread, whatever
+    OMP_NUM_THREADS the parent runs with (oversubscribed workers were 2-3x slower)."""
+    import asyncio
+
+    from diffrl.rewards.workers import ProcessRewardPool
+
+    monkeypatch.setenv("OMP_NUM_THREADS", "4")
+    pool = ProcessRewardPool("rewards_for_tests:torch_threads", workers=1)
+    try:
+        threads = asyncio.run(pool(torch.zeros(2, 3, 8, 8), ["a", "b"]))
+    finally:
+        pool.close()
+    assert threads == [1.0, 1.0]
