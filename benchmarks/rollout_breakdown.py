@@ -5,10 +5,10 @@ each the median of `--repeats` after a warm-up:
   rollout + reward   the trainer's path: RolloutManager, in-process engine, shapes reward in a worker pool
   rollout            the same without the reward
   engine, 1 batch    one 512-output request straight to the engine (what cross-request batching aims at)
-  DiT forwards       the steps' velocity calls alone at batch 512 (synchronized)
-  DiT, no sync       the same with a timestep MLP that does not call torch.unique (a host sync per
-                     forward; the batch-invariance wrapper of `diffrl.models.demo` needs it)
-  DiT, compiled      the same forwards through torch.compile (with --compile)
+  DiT forwards       the steps' velocity calls alone at batch 512 (synchronized), as the engine makes them
+  DiT, no sync       the same model without the batch-invariance wrapper of its timestep MLP (until
+                     2026-12-01 the wrapper called torch.unique, a host sync, twice per forward)
+  DiT, compiled      the wrapper-free forwards through torch.compile (with --compile)
 
     python benchmarks/rollout_breakdown.py --device cuda --out benchmarks/results/rollout_breakdown_h200.json
 """
