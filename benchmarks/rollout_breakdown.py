@@ -70,7 +70,8 @@ def main() -> None:
         torch.backends.cudnn.allow_tf32 = True
     family = DemoFamily.load(SHIPPED_DEMO_MODEL, device=device)
     request = dict(REQUESTS[args.kind], num_inference_steps=args.steps)
-    prompts = train_prompts()[:: max(1, len(train_prompts()) // args.groups)][: args.groups]
+    every = train_prompts()
+    prompts = every[:: max(1, len(every) // args.groups)][: args.groups]
     total = args.groups * args.n
     engine = Engine(family, EngineConfig(max_outputs_per_request=total, max_batch_outputs=total))
     config = RolloutConfig(n_samples_per_prompt=args.n, rollout_microgroup_size=args.n,
@@ -105,7 +106,8 @@ def main() -> None:
 
     rollout_s = seconds["rollout + reward"]
     results = {"device": torch.cuda.get_device_name(device) if device.type == "cuda" else platform.processor() or "cpu",
-               "torch": torch.__version__, "host_cpus": os.cpu_count(), "kind": args.kind, "images": total, "steps": args.steps, "reward_workers": args.reward_workers,
+               "torch": torch.__version__, "host_cpus": os.cpu_count(), "kind": args.kind, "images": total,
+               "steps": args.steps, "reward_workers": args.reward_workers,
                "seconds": seconds, "images_per_s": {k: total / v for k, v in seconds.items()},
                "share_of_rollout": {k: v / rollout_s for k, v in seconds.items()}}
     for name, s in seconds.items():
