@@ -11,13 +11,12 @@ import sys
 from pathlib import Path
 
 import torch
-import torch.distributed as dist
 from conftest import tiny_demo_config
 
 from diffrl.models.base import Latents
 from diffrl.models.demo import DemoFamily
 from diffrl.train.ema import ParameterEMA
-from diffrl.train.parallel import init_parallel, shard_transformer
+from diffrl.train.parallel import finish_parallel, init_parallel, shard_transformer
 
 BATCH = 4
 
@@ -62,7 +61,7 @@ def main(out: Path) -> None:
     if parallel.is_main:
         out.mkdir(parents=True, exist_ok=True)
         (out / "errors.json").write_text(json.dumps(errors))
-    dist.destroy_process_group()
+    finish_parallel(parallel)
 
 
 if __name__ == "__main__":

@@ -19,7 +19,7 @@ from safetensors.torch import save_file
 from diffrl.algorithms.losses import nft_loss
 from diffrl.models.base import Latents
 from diffrl.models.demo import DemoFamily
-from diffrl.train.parallel import full_tensor, init_parallel, shard_transformer
+from diffrl.train.parallel import finish_parallel, full_tensor, init_parallel, shard_transformer
 
 BATCH, STEPS = 8, 2
 
@@ -68,8 +68,7 @@ def main(out: Path) -> None:
         out.mkdir(parents=True, exist_ok=True)
         save_file(weights, str(out / "weights.safetensors"))
         (out / "losses.json").write_text(json.dumps(losses))
-    if parallel.enabled:
-        dist.destroy_process_group()
+    finish_parallel(parallel)
 
 
 if __name__ == "__main__":

@@ -66,6 +66,7 @@ from diffrl.train.parallel import (
     all_gather_rows,
     any_rank,
     full_tensor,
+    finish_parallel,
     init_parallel,
     mean_over_ranks,
     rank_device,
@@ -664,7 +665,10 @@ def reward_trend(rewards: list[float]) -> tuple[float, float]:
 
 
 def train(cfg: TrainConfig) -> dict:
-    return Trainer(cfg).train()
+    trainer = Trainer(cfg)
+    result = trainer.train()
+    finish_parallel(trainer.parallel)  # a torchrun rank exits here (see finish_parallel)
+    return result
 
 
 __all__ = ["Trainer", "train", "validate_config"]
