@@ -240,7 +240,7 @@ class Engine:
         # Each request's prompt is encoded once, then repeated to its outputs.
         conds = [family.encode_prompts([t.req.prompt]) for t in batch]
         unconds = [family.encode_prompts([t.req.negative_prompt]) for t in batch] if plan.guidance_scale > 1.0 else None
-        if any(not torch.equal(c.ids, conds[0].ids) for c in conds + (unconds or [])):
+        if len(batch) > 1 and not (_same_ids(conds) and _same_ids(unconds or [])):
             return [out for t in batch for out in self._generate([t])]  # text lengths differ: no shared batch
         cond = _concat([c.repeat(n) for c, n in zip(conds, sizes)])
         uncond = _concat([u.repeat(n) for u, n in zip(unconds, sizes)]) if unconds is not None else None
@@ -294,6 +294,10 @@ class Engine:
         return outputs
 
 
+def _same_ids(parts: list[PromptEmbeds]) -> bool:
+    return all(torch.equal(p.ids, parts[0].ids) for p in parts)
+
+
 def _concat(parts: list[PromptEmbeds]) -> PromptEmbeds:
     return replace(parts[0], embeds=torch.cat([p.embeds for p in parts]))
 
@@ -310,6 +314,7 @@ def _denoising_env(cond, uncond, image_ids, sigmas, plan: _Plan) -> dict[str, to
            "sigmas": sigmas.cpu(), "guidance_scale": torch.tensor(plan.guidance_scale)}
     if uncond is not None:
         env["negative_prompt_embeds"] = uncond.embeds.cpu()
+        env["negative_text_ids"] = uncond.ids.cpu()  # its own text window (FLUX 3 pads each prompt separately)
     return env
 
 

@@ -51,12 +51,12 @@ def generate(
     progress: bool = False,
 ) -> torch.Tensor:
     """ODE samples, image k from (prompts[k], seeds[k]); images [N, 3, H, W] in [0, 1] on CPU."""
-    size = family.config.image_size
+    height, width = family.default_size()
     unique = list(dict.fromkeys(prompts))
     encoded = family.encode_prompts(unique)
     row_of = {p: i for i, p in enumerate(unique)}
     uncond_one = family.encode_prompts([""]) if guidance_scale > 1.0 else None
-    sigmas = family.sigmas(num_steps, size, size)
+    sigmas = family.sigmas(num_steps, height, width)
     images = []
     starts = range(0, len(prompts), batch_size)
     for start in tqdm(starts, desc="sampling", disable=not progress, dynamic_ncols=True):
@@ -68,9 +68,9 @@ def generate(
         # other numbers), so a checkpoint scored on a GPU and on a CPU sees the same images up to
         # numerics. ODE sampling draws nothing after the initial noise, so this costs one copy.
         generators = make_generators(seeds[start : start + batch_size], device="cpu")
-        latents = family.prepare_latents(generators, size, size)
+        latents = family.prepare_latents(generators, height, width)
         result = denoise(family, latents, sigmas, cond, uncond, guidance_scale, generators=generators)
-        images.append(family.decode(result.latents, size, size).cpu())
+        images.append(family.decode(result.latents, height, width).cpu())
     return torch.cat(images)
 
 

@@ -382,13 +382,20 @@ class Trainer:
     @staticmethod
     def _conditioning(samples) -> dict:
         """Per-sample prompt embeddings from each request's denoising env (sent once per request)."""
-        cond, uncond, env = [], [], None
+        cond, uncond, env, first = [], [], None, None
         for s in samples:
             env = s.output.denoising_env or env  # the first output of each microgroup carries it
+            first = first or env
+            for key in ("text_ids", "negative_text_ids"):
+                if key in env and not torch.equal(env[key], first[key]):
+                    raise ValueError(f"the prompts of one rollout have text windows of {len(first[key])} and "
+                                     f"{len(env[key])} tokens ({s.prompt!r}); training batches one window, so keep "
+                                     "every prompt (and the negative prompt) within one window of the family")
             cond.append(env["prompt_embeds"][0])
             negative = env.get("negative_prompt_embeds")
             uncond.append(negative[0] if negative is not None else torch.zeros_like(env["prompt_embeds"][0]))
-        return {"cond": cond, "uncond": uncond, "text_ids": env["text_ids"], "image_ids": env["image_ids"]}
+        return {"cond": cond, "uncond": uncond, "text_ids": env["text_ids"], "image_ids": env["image_ids"],
+                "negative_text_ids": env.get("negative_text_ids", env["text_ids"])}
 
     # ------------------------------------------------------------------ optimization
     def _optimize(self, pairs: GrpoPairs | NftPairs, env: dict, sigmas: torch.Tensor) -> dict:
@@ -444,10 +451,11 @@ class Trainer:
         return mean_over_ranks(totals, self.parallel)
 
     def _velocity(self, x, sigma, cond, uncond, guidance_scale, env):
-        text_ids = env["text_ids"].to(self.device)
+        text_ids, negative_ids = env["text_ids"].to(self.device), env["negative_text_ids"].to(self.device)
         return self.family.velocity(
             self.family.transformer, Latents(x, env["image_ids"].to(self.device)), sigma,
-            PromptEmbeds(cond, text_ids), PromptEmbeds(uncond, text_ids) if uncond is not None else None, guidance_scale,
+            PromptEmbeds(cond, text_ids), PromptEmbeds(uncond, negative_ids) if uncond is not None else None,
+            guidance_scale,
         )
 
     def _grpo_micro_batch(self, batch: GrpoPairs, env: dict, sigma_max: float):

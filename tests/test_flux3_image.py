@@ -1,0 +1,176 @@
+"""The flux3_image family against diffusers' own FLUX 3 pipeline, on a tiny random checkpoint built in code."""
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from diffrl.engine.engine import Engine, EngineConfig
+from diffrl.engine.protocol import RolloutRequest
+from diffrl.errors import ModelLoadError, RequestError
+from diffrl.models.checkpoint import load_model
+from diffrl.models.flux3_image import Flux3ImageFamily, save_random_checkpoint
+from diffrl.models.registry import resolve_family
+from diffrl.sampling import make_generators
+
+# The tolerance of an fp32 CPU run of the same weights through two code paths (measured: ≤ 1e-6).
+TOLERANCE = 1e-5
+LONG_PROMPT = "a very long prompt about " + "a red circle and a blue square, " * 3  # > 80 tokens: a 160-token window
+
+
+@pytest.fixture(scope="module")
+def flux3_dir(tmp_path_factory) -> Path:
+    return save_random_checkpoint(tmp_path_factory.mktemp("models") / "flux3-tiny")
+
+
+@pytest.fixture(scope="module")
+def flux3(flux3_dir) -> Flux3ImageFamily:
+    return Flux3ImageFamily.load(flux3_dir)
+
+
+class _ChatProcessor:
+    """What diffusers' FLUX 3 text step uses of the Qwen3-VL processor (chat template, tokenizer), for
+    text-only prompts; the real processor needs torchvision for its video half."""
+
+    def __init__(self, tokenizer):
+        self.tokenizer = tokenizer
+
+    def apply_chat_template(self, *args, **kwargs):
+        return self.tokenizer.apply_chat_template(*args, **kwargs)
+
+
+def _diffusers_images(family, model_dir, prompt, negative_prompt, guidance, noise, steps, height, width):
+    from diffusers import FlowMatchEulerDiscreteScheduler
+    from diffusers.guiders import ClassifierFreeGuidance
+    from diffusers.modular_pipelines.flux3 import Flux3AutoBlocks
+
+    blocks = Flux3AutoBlocks()
+    blocks.sub_blocks.pop("prompt_upsampler")  # encode the prompt as given
+    pipe = blocks.init_pipeline()
+    pipe.update_components(
+        transformer=family.transformer, vae=family.vae, text_encoder=family.text_encoder,
+        tokenizer=_ChatProcessor(family.tokenizer),
+        scheduler=FlowMatchEulerDiscreteScheduler.from_pretrained(model_dir / "scheduler"),
+        guider=ClassifierFreeGuidance(guidance_scale=guidance, enabled=guidance > 1))
+    return pipe(prompt=prompt, negative_prompt=negative_prompt if guidance > 1 else None, latents=noise,
+                num_inference_steps=steps, height=height, width=width, num_images_per_prompt=len(noise),
+                text_encoder_out_layers=family.settings.text_encoder_out_layers, output="images", output_type="pt")
+
+
+@pytest.mark.parametrize(("prompt", "negative", "guidance"), [
+    ("a red cat on a mat", "blurry", 3.5),  # CFG: both halves in one forward (same text window)
+    ("a red cat on a mat", "", 1.0),  # CFG off: one conditional forward per step
+    (LONG_PROMPT, "", 3.5),  # a 160-token prompt against an 80-token negative: two forwards
+], ids=["cfg", "no-cfg", "long-prompt"])
+def test_engine_reproduces_the_diffusers_pipeline(flux3, flux3_dir, prompt, negative, guidance):
+    """ODE sampling through our engine gives diffusers' FLUX 3 images from the same initial noise."""
+    height, width, steps, seed = 32, 48, 4, 7
+    engine = Engine(flux3, EngineConfig(max_outputs_per_request=4))
+    outputs = engine.generate(RolloutRequest(prompt=prompt, negative_prompt=negative, seed=seed, num_outputs_per_prompt=2,
+                                             num_inference_steps=steps, guidance_scale=guidance, height=height,
+                                             width=width))
+    ours = torch.stack([o.generated_output for o in outputs])
+    # The engine's initial noise (output i has seed + i), on diffusers' latent grid [B, C, h, w].
+    tokens = flux3.prepare_latents(make_generators([seed, seed + 1]), height, width).tokens
+    noise = tokens.transpose(1, 2).reshape(2, -1, height // 4, width // 4)
+    reference = _diffusers_images(flux3, flux3_dir, prompt, negative, guidance, noise, steps, height, width)
+    assert ours.shape == reference.shape == (2, 3, height, width)
+    torch.testing.assert_close(ours, reference, rtol=0, atol=TOLERANCE)
+    # The comparison can fail: another prompt moves the images far beyond the tolerance.
+    other = _diffusers_images(flux3, flux3_dir, "a green dog", negative, guidance, noise, steps, height, width)
+    assert (other - reference).abs().max() > 100 * TOLERANCE
+
+
+def test_text_window_is_padded_to_multiples_of_80(flux3):
+    short_ids, short_mask = flux3.text_window("a red cat")
+    long_ids, _ = flux3.text_window(LONG_PROMPT)
+    assert short_ids.shape == (1, 80) and long_ids.shape == (1, 160)
+    assert 0 < int(short_mask.sum()) < 80  # real tokens, then padding the transformer attends to
+    with pytest.raises(ValueError, match="text windows of \\[80, 160\\]"):
+        flux3.encode_prompts(["a red cat", LONG_PROMPT])
+
+
+def test_family_is_found_by_directory_name(flux3_dir):
+    assert resolve_family(None, flux3_dir) is Flux3ImageFamily
+
+
+def test_bad_requests_are_refused(flux3):
+    engine = Engine(flux3, EngineConfig(max_outputs_per_request=4))
+    with pytest.raises(RequestError, match="height=30"):
+        engine.generate(RolloutRequest(prompt="a cat", height=30, width=32))
+    with pytest.raises(RequestError) as err:
+        engine.generate(RolloutRequest(prompt="a cat", image="data:image/png;base64,AAAA", height=32, width=32))
+    assert err.value.field == "image"
+
+
+def test_step_distilled_checkpoint_is_refused(flux3_dir, tmp_path):
+    from diffusers import Flux3Transformer2DModel
+
+    config = json.loads((flux3_dir / "transformer" / "config.json").read_text())
+    config.pop("_class_name", None), config.pop("_diffusers_version", None)
+    distilled = Flux3Transformer2DModel(**{**config, "flow_map": True})
+    family = Flux3ImageFamily.load(flux3_dir)
+    with pytest.raises(ModelLoadError, match="step-distilled"):
+        Flux3ImageFamily(distilled, family.vae, family.text_encoder, family.tokenizer, shift=family.shift,
+                         settings=family.settings)
+
+
+def test_unsupported_scheduler_is_refused(flux3_dir, tmp_path):
+    import shutil
+
+    copy = tmp_path / "flux3-dynamic"
+    shutil.copytree(flux3_dir, copy)
+    config = copy / "scheduler" / "scheduler_config.json"
+    config.write_text(json.dumps({**json.loads(config.read_text()), "use_dynamic_shifting": True}))
+    with pytest.raises(ModelLoadError, match="use_dynamic_shifting"):
+        Flux3ImageFamily.load(copy)
+
+
+@pytest.mark.parametrize(("loss_type", "lora"), [("flow_grpo", True), ("nft", False)], ids=["grpo-lora", "nft-full"])
+def test_training_run_on_flux3(flux3_dir, tmp_path, loss_type, lora):
+    """`diffrl train` on the FLUX 3 family: a rollout, an update, a checkpoint that loads back."""
+    out = tmp_path / "run"
+    flags = ["train", "--model-path", str(flux3_dir), "--loss-type", loss_type, "--num-rollout", "1",
+             "--rollout-batch-size", "2", "--n-samples-per-prompt", "2", "--rollout-microgroup-size", "2",
+             "--global-batch-size", "4", "--num-steps-per-rollout", "1", "--micro-batch-size", "4",
+             "--diffusion-num-steps", "2", "--diffusion-sde-window-range", "0", "2", "--diffusion-guidance-scale",
+             "2.0" if loss_type == "flow_grpo" else "1.0", "--lr", "1e-3", "--eval-interval", "10", "--eval-images-per-category", "1",
+             "--checkpoint-interval", "1", "--device", "cpu", "--reward", "rewards_for_tests:darkness",
+             "--output-dir", str(out)] + (["--use-lora", "--lora-rank", "2"] if lora else ["--no-use-lora"])
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(Path(__file__).parent)}
+    done = subprocess.run([sys.executable, "-m", "diffrl.cli.main", *flags], capture_output=True, text=True,
+                          timeout=300, env=env)
+    assert done.returncode == 0, done.stderr[-3000:]
+    records = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+    trained = [r for r in records if "train/loss" in r]
+    assert trained and all(torch.isfinite(torch.tensor(r["train/loss"])) for r in trained)
+    if loss_type == "flow_grpo":
+        assert trained[-1]["train/log_prob_mean_abs_diff"] < 1e-4  # the trainer replays the engine's steps
+    checkpoint = out / "checkpoints" / "rollout-00001"
+    model = load_model(flux3_dir, checkpoint)
+    base = Flux3ImageFamily.load(flux3_dir)
+    moved = [name for name, w in model.transformer.state_dict().items()
+             if name in base.transformer.state_dict() and not torch.equal(w, base.transformer.state_dict()[name])]
+    assert moved or lora  # a full finetune changed transformer weights
+    if lora:
+        assert any("lora_B" in name and w.abs().max() > 0 for name, w in model.transformer.state_dict().items())
+
+
+def test_trainer_refuses_a_rollout_that_mixes_text_windows(flux3):
+    from types import SimpleNamespace
+
+    from diffrl.train.trainer import Trainer
+
+    def sample(prompt):
+        cond = flux3.encode_prompts([prompt])
+        env = {"prompt_embeds": cond.embeds, "text_ids": cond.ids, "image_ids": torch.zeros(4, 4)}
+        return SimpleNamespace(prompt=prompt, output=SimpleNamespace(denoising_env=env))
+
+    same = Trainer._conditioning([sample("a red cat"), sample("a blue dog")])
+    assert len(same["cond"]) == 2 and torch.equal(same["negative_text_ids"], same["text_ids"])
+    with pytest.raises(ValueError, match="text windows of 80 and 160 tokens"):
+        Trainer._conditioning([sample("a red cat"), sample(LONG_PROMPT)])
