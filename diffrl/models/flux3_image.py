@@ -33,6 +33,7 @@ import torch
 
 from diffrl.errors import ModelLoadError, RequestError
 from diffrl.models.base import FamilyAdapter, Latents, PromptEmbeds
+from diffrl.models.batch_invariance import embed_rows_one_at_a_time, one_value_for_all_rows, rows_share_one_timestep
 from diffrl.models.registry import register_family
 from diffrl.sampling import make_sigmas, randn_per_sample
 
@@ -109,6 +110,7 @@ class Flux3ImageFamily(FamilyAdapter):
             raise ModelLoadError("this is the step-distilled FLUX 3 (flow_map=True), which samples with its own "
                                  "transition; flux3_image trains and samples the base model only")
         self.transformer = transformer
+        embed_rows_one_at_a_time(transformer.timestep_embedder)  # sample k is the same in any batch
         self.vae = vae
         self.text_encoder = text_encoder
         self.tokenizer = tokenizer
@@ -220,6 +222,10 @@ class Flux3ImageFamily(FamilyAdapter):
         return Latents(tokens, image_position_ids(h, w, self.settings.image_rope_scale, device=self.device))
 
     def velocity(self, transformer, latents, sigma, cond, uncond, guidance_scale) -> torch.Tensor:
+        with rows_share_one_timestep(one_value_for_all_rows(sigma)):
+            return self._velocity(transformer, latents, sigma, cond, uncond, guidance_scale)
+
+    def _velocity(self, transformer, latents, sigma, cond, uncond, guidance_scale) -> torch.Tensor:
         tokens = latents.tokens
         sigma = torch.as_tensor(sigma, device=tokens.device, dtype=torch.float32).expand(tokens.shape[0])
         dtype = next(transformer.parameters()).dtype
@@ -256,7 +262,9 @@ class Flux3ImageFamily(FamilyAdapter):
         grid = grid.reshape(batch, channels // 4, 2, 2, h, w).permute(0, 1, 4, 2, 5, 3)
         grid = grid.reshape(batch, channels // 4, h * 2, w * 2)
         vae_dtype = next(self.vae.parameters()).dtype
-        images = self.vae.decode(grid.to(vae_dtype), return_dict=False)[0]
+        # One image per call: the VAE's convolutions round differently at other batch sizes, and an
+        # image must not depend on the microgroup it was sampled in (decoding is a small share of a rollout).
+        images = torch.cat([self.vae.decode(row[None].to(vae_dtype), return_dict=False)[0] for row in grid])
         return (images.float() / 2 + 0.5).clamp(0, 1)
 
 

@@ -1,0 +1,64 @@
+"""Batch invariance of a FLUX 3 transformer (`Flux3Transformer2DModel`, the demo and flux3_image families):
+sample k of a request gets the same velocity whatever batch, microgroup or trainer micro-batch it sits in
+(exactly, on CPU), as the rollout contract asks (DESIGN §2)."""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Iterator
+from contextlib import contextmanager
+
+import torch
+
+
+def embed_rows_one_at_a_time(embedder: torch.nn.Module) -> None:
+    """Make the timestep MLP batch-invariant: each distinct input row goes through its own
+    single-row matmul.
+
+    It is the only matmul whose row count is the batch size (every other one sees batch × tokens
+    rows), and BLAS picks different kernels — with different rounding — for 1, 2, 3 or 5 rows
+    than for 4 or 16. Rows of a rollout request share one timestep, so this is one call per step
+    there; training batches pay one tiny call per distinct timestep. Sample k then gets the same
+    velocity whatever batch, microgroup or trainer micro-batch it sits in (exactly, on CPU).
+    """
+    # A subclass rather than a patched bound method: a deep copy of the model (an old policy, a
+    # reference) then calls its own weights, not the original's.
+    embedder.__class__ = type(f"RowWise{type(embedder).__name__}", (_RowWiseForward, type(embedder)), {})
+
+
+# Set while a forward runs whose rows all share one timestep, which the caller knows on the host (a
+# rollout step's σ, expanded). Finding the distinct rows takes torch.unique, whose output size is a
+# device-to-host sync: two per forward (the timestep and the zero embedding), which on a GPU stall the
+# kernel queue of a launch-bound model (`benchmarks/rollout_breakdown.py`). Per thread: the engine and
+# the trainer may run forwards at once.
+_SHARED_TIMESTEP = threading.local()
+
+
+@contextmanager
+def rows_share_one_timestep(shared: bool) -> Iterator[None]:
+    before = getattr(_SHARED_TIMESTEP, "on", False)
+    _SHARED_TIMESTEP.on = shared
+    try:
+        yield
+    finally:
+        _SHARED_TIMESTEP.on = before
+
+
+class _RowWiseForward:
+    def forward(self, sample, *args, **kwargs):
+        one_row = super().forward  # outside the comprehension: zero-argument super needs this frame
+        if getattr(_SHARED_TIMESTEP, "on", False):  # every row equal: the same single-row call, no sync
+            return one_row(sample[:1], *args, **kwargs).expand(sample.shape[0], -1).contiguous()
+        unique, inverse = torch.unique(sample, dim=0, return_inverse=True)
+        rows = [one_row(unique[i : i + 1], *args, **kwargs) for i in range(unique.shape[0])]
+        return torch.cat(rows)[inverse]
+
+
+def one_value_for_all_rows(sigma) -> bool:
+    """Whether every row of `sigma` is one value, known without reading the tensor: a number, a
+    single element, or a tensor expanded from one (stride 0, as the denoising loop passes each step's σ)."""
+    if isinstance(sigma, (int, float)):
+        return True
+    if not isinstance(sigma, torch.Tensor):
+        return False
+    return sigma.numel() <= 1 or (sigma.dim() == 1 and sigma.stride(0) == 0)
