@@ -5,6 +5,7 @@
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable
 
 _REWARDS: dict[str, Callable] = {}
@@ -19,11 +20,26 @@ def register_reward(name: str):
     return decorator
 
 
+# Rewards scored by a model from a local checkpoint, asked for as `NAME@PATH`: name → factory(path) → scorer.
+_MODEL_REWARDS: dict[str, str] = {
+    "clipscore": "diffrl.rewards.clip_scores:clipscore",
+    "pickscore": "diffrl.rewards.clip_scores:pickscore",
+    "aesthetic": "diffrl.rewards.clip_scores:aesthetic",
+}
+
+
 def get_reward(name: str) -> Callable:
-    """A registered reward by name, a weighted sum `multi:NAME=W,NAME=W`, or a custom one given as a
-    Python path `module:function`."""
+    """A registered reward by name, a model reward `NAME@PATH` (a local checkpoint), a weighted sum
+    `multi:NAME=W,NAME=W`, or a custom one given as a Python path `module:function`."""
     if name.startswith("multi:"):
         return multi_reward(_parse_weights(name.removeprefix("multi:")))
+    model, at, path = name.partition("@")
+    if at or model in _MODEL_REWARDS:
+        if model not in _MODEL_REWARDS:
+            raise ValueError(f"unknown model reward {model!r}; known: {', '.join(sorted(_MODEL_REWARDS))}")
+        if not path:
+            raise ValueError(f"reward {model!r} scores with a local checkpoint: --reward {model}@/path/to/checkpoint")
+        return _model_reward(model, path)
     if ":" in name:
         import importlib
 
@@ -37,6 +53,15 @@ def get_reward(name: str) -> Callable:
     except KeyError:
         raise ValueError(f"unknown reward {name!r}; known: {', '.join(sorted(_REWARDS))} "
                          "(or a custom one as module:function)") from None
+
+
+@functools.cache
+def _model_reward(model: str, path: str) -> Callable:
+    """Loaded once per process (a worker pool builds its own)."""
+    import importlib
+
+    module_name, _, attr = _MODEL_REWARDS[model].partition(":")
+    return getattr(importlib.import_module(module_name), attr)(path)
 
 
 def _shapes_verdicts(images, prompts) -> list:
@@ -102,3 +127,6 @@ def multi_reward(weights: dict[str, float]) -> Callable:
         return total
 
     return score
+
+
+import diffrl.rewards.jpeg  # noqa: E402, F401  (registers the jpeg rewards)

@@ -1,0 +1,120 @@
+"""Rewards scored by models from local checkpoints (tiny random CLIPs built here) and the JPEG rewards."""
+
+import json
+import pickle
+
+import pytest
+import torch
+from safetensors.torch import save_file
+
+from diffrl.errors import ModelLoadError
+from diffrl.rewards import get_reward
+from diffrl.rewards.clip_scores import aesthetic_mlp
+
+
+def _save_tiny_clip(path):
+    from transformers import CLIPConfig, CLIPImageProcessor, CLIPModel, CLIPProcessor, CLIPTokenizer
+
+    path.mkdir(parents=True)
+    vocab = {"<|startoftext|>": 0, "<|endoftext|>": 1}
+    for code in range(97, 123):
+        vocab[chr(code)] = len(vocab)
+        vocab[chr(code) + "</w>"] = len(vocab)
+    (path / "vocab.json").write_text(json.dumps(vocab))
+    (path / "merges.txt").write_text("#version: 0.2\n")
+    tokenizer = CLIPTokenizer(str(path / "vocab.json"), str(path / "merges.txt"))
+    torch.manual_seed(0)
+    model = CLIPModel(CLIPConfig(
+        text_config=dict(vocab_size=len(vocab), hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                         num_attention_heads=2, max_position_embeddings=77, bos_token_id=0, eos_token_id=1,
+                         pad_token_id=1),
+        vision_config=dict(hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=2,
+                           image_size=32, patch_size=8),
+        projection_dim=16))
+    processor = CLIPProcessor(image_processor=CLIPImageProcessor(size={"shortest_edge": 32},
+                                                                 crop_size={"height": 32, "width": 32}),
+                              tokenizer=tokenizer)
+    model.save_pretrained(path)
+    processor.save_pretrained(path)
+    return model, processor
+
+
+@pytest.fixture(scope="module")
+def tiny_clip(tmp_path_factory):
+    path = tmp_path_factory.mktemp("rewards") / "clip"
+    model, processor = _save_tiny_clip(path)
+    return path, model.eval(), processor
+
+
+IMAGES = torch.rand(3, 3, 48, 48, generator=torch.Generator().manual_seed(1))
+PROMPTS = ["a red cat", "two dogs", "a blue square"]
+
+
+def _reference_logits(model, processor):
+    """CLIP's own forward: logits_per_image[i, i] = exp(logit_scale) · cos(image i, prompt i)."""
+    inputs = processor(text=PROMPTS, images=list(IMAGES), return_tensors="pt", padding=True, do_rescale=False)
+    with torch.no_grad():
+        return model(**inputs).logits_per_image.diagonal()
+
+
+def test_pickscore_is_clips_logit_over_26(tiny_clip):
+    path, model, processor = tiny_clip
+    scores = get_reward(f"pickscore@{path}")(IMAGES, PROMPTS)
+    assert scores == pytest.approx((_reference_logits(model, processor) / 26).tolist(), rel=1e-5)
+
+
+def test_clipscore_is_clip_s(tiny_clip):
+    path, model, processor = tiny_clip
+    cosine = _reference_logits(model, processor) / model.logit_scale.exp()
+    scores = get_reward(f"clipscore@{path}")(IMAGES, PROMPTS)
+    assert scores == pytest.approx((2.5 * cosine.clamp(min=0)).tolist(), rel=1e-5, abs=1e-6)
+    assert len(set(scores)) > 1  # the images score differently: the comparison above can fail
+
+
+def test_aesthetic_reads_the_published_head_and_refuses_pickled_code(tiny_clip, tmp_path):
+    import shutil
+
+    path, model, processor = tiny_clip
+    torch.manual_seed(2)
+    head = aesthetic_mlp(16).eval()
+    published = tmp_path / "aesthetic"
+    shutil.copytree(path, published)
+    torch.save({f"layers.{k}": v for k, v in head.state_dict().items()}, published / "sac+logos+ava1-l14-linearMSE.pth")
+    inputs = processor(images=list(IMAGES), return_tensors="pt", do_rescale=False)
+    with torch.no_grad():
+        embeds = torch.nn.functional.normalize(model(**inputs, input_ids=torch.zeros(3, 1, dtype=torch.long)).image_embeds, dim=-1)
+        want = head(embeds).squeeze(-1).tolist()
+    assert get_reward(f"aesthetic@{published}")(IMAGES, PROMPTS) == pytest.approx(want, rel=1e-5)
+
+    hostile = tmp_path / "hostile"
+    shutil.copytree(path, hostile)
+    (hostile / "head.pth").write_bytes(pickle.dumps(print))  # a pickle that would call code
+    with pytest.raises(ModelLoadError, match="corrupt file"):
+        get_reward(f"aesthetic@{hostile}")
+
+
+def test_model_reward_needs_a_checkpoint(tmp_path):
+    with pytest.raises(ValueError, match="pickscore@/path/to/checkpoint"):
+        get_reward("pickscore")
+    with pytest.raises(ModelLoadError, match="config.json missing"):
+        get_reward(f"clipscore@{tmp_path}")
+    with pytest.raises(ValueError, match="unknown model reward 'nope'"):
+        get_reward(f"nope@{tmp_path}")
+
+
+def test_jpeg_rewards_prefer_flat_or_busy_images():
+    flat = torch.full((1, 3, 64, 64), 0.5)
+    noise = torch.rand(1, 3, 64, 64, generator=torch.Generator().manual_seed(0))
+    busy, calm = get_reward("jpeg_incompressibility")(torch.cat([noise, flat]), ["", ""])
+    assert busy > 3 * calm > 0  # kB of JPEG at quality 95
+    assert get_reward("jpeg_compressibility")(torch.cat([noise, flat]), ["", ""]) == [-busy, -calm]
+
+
+def test_model_rewards_combine_in_multi(tiny_clip):
+    import asyncio
+
+    path, model, processor = tiny_clip
+    total = asyncio.run(get_reward(f"multi:pickscore@{path}=2,jpeg_compressibility=0.5")(IMAGES, PROMPTS))
+    pick = get_reward(f"pickscore@{path}")(IMAGES, PROMPTS)
+    jpeg = get_reward("jpeg_compressibility")(IMAGES, PROMPTS)
+    assert total == pytest.approx([2 * p + 0.5 * j for p, j in zip(pick, jpeg)])
