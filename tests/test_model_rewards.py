@@ -85,6 +85,10 @@ def test_aesthetic_reads_the_published_head_and_refuses_pickled_code(tiny_clip, 
         embeds = torch.nn.functional.normalize(model(**inputs, input_ids=torch.zeros(3, 1, dtype=torch.long)).image_embeds, dim=-1)
         want = head(embeds).squeeze(-1).tolist()
     assert get_reward(f"aesthetic@{published}")(IMAGES, PROMPTS) == pytest.approx(want, rel=1e-5)
+    converted = tmp_path / "aesthetic-safetensors"  # the same head as aesthetic_mlp.safetensors
+    shutil.copytree(path, converted)
+    save_file(head.state_dict(), str(converted / "aesthetic_mlp.safetensors"))
+    assert get_reward(f"aesthetic@{converted}")(IMAGES, PROMPTS) == pytest.approx(want, rel=1e-5)
 
     hostile = tmp_path / "hostile"
     shutil.copytree(path, hostile)
