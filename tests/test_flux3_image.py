@@ -1,18 +1,15 @@
 """The flux3_image family against diffusers' own FLUX 3 pipeline, on a tiny random checkpoint built in code."""
 
 import json
-import os
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 import torch
+from family_checks import assert_sample_k_is_the_same_in_any_microgroup, run_training
 
 from diffrl.engine.engine import Engine, EngineConfig
 from diffrl.engine.protocol import RolloutRequest
 from diffrl.errors import ModelLoadError, RequestError
-from diffrl.models.checkpoint import load_model
 from diffrl.models.flux3_image import Flux3ImageFamily, save_random_checkpoint
 from diffrl.models.registry import resolve_family
 from diffrl.sampling import make_generators
@@ -86,16 +83,7 @@ def test_engine_reproduces_the_diffusers_pipeline(flux3, flux3_dir, prompt, nega
 
 
 def test_sample_k_is_the_same_in_any_microgroup(flux3):
-    """The rollout contract (DESIGN §2): output i of a request seeded s equals a one-output request
-    seeded s + i, bit for bit on CPU (images and SDE log-probs)."""
-    engine = Engine(flux3, EngineConfig(max_outputs_per_request=4))
-    request = dict(prompt="a red cat", num_inference_steps=3, guidance_scale=3.5, height=32, width=32, rollout=True,
-                   rollout_sde_step_indices=[0, 1])
-    together = engine.generate(RolloutRequest(seed=10, num_outputs_per_prompt=4, **request))
-    for i, output in enumerate(together):
-        alone = engine.generate(RolloutRequest(seed=10 + i, num_outputs_per_prompt=1, **request))[0]
-        assert torch.equal(alone.generated_output, output.generated_output)
-        assert torch.equal(alone.rollout_log_probs, output.rollout_log_probs)
+    assert_sample_k_is_the_same_in_any_microgroup(flux3, guidance_scale=3.5, height=32, width=32)
 
 
 def test_text_window_is_padded_to_multiples_of_80(flux3):
@@ -145,32 +133,7 @@ def test_unsupported_scheduler_is_refused(flux3_dir, tmp_path):
 
 @pytest.mark.parametrize(("loss_type", "lora"), [("flow_grpo", True), ("nft", False)], ids=["grpo-lora", "nft-full"])
 def test_training_run_on_flux3(flux3_dir, tmp_path, loss_type, lora):
-    """`diffrl train` on the FLUX 3 family: a rollout, an update, a checkpoint that loads back."""
-    out = tmp_path / "run"
-    flags = ["train", "--model-path", str(flux3_dir), "--loss-type", loss_type, "--num-rollout", "1",
-             "--rollout-batch-size", "2", "--n-samples-per-prompt", "2", "--rollout-microgroup-size", "2",
-             "--global-batch-size", "4", "--num-steps-per-rollout", "1", "--micro-batch-size", "4",
-             "--diffusion-num-steps", "2", "--diffusion-sde-window-range", "0", "2", "--diffusion-guidance-scale",
-             "2.0" if loss_type == "flow_grpo" else "1.0", "--lr", "1e-3", "--eval-interval", "10", "--eval-images-per-category", "1",
-             "--checkpoint-interval", "1", "--device", "cpu", "--reward", "rewards_for_tests:darkness",
-             "--output-dir", str(out)] + (["--use-lora", "--lora-rank", "2"] if lora else ["--no-use-lora"])
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(Path(__file__).parent)}
-    done = subprocess.run([sys.executable, "-m", "diffrl.cli.main", *flags], capture_output=True, text=True,
-                          timeout=300, env=env)
-    assert done.returncode == 0, done.stderr[-3000:]
-    records = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
-    trained = [r for r in records if "train/loss" in r]
-    assert trained and all(torch.isfinite(torch.tensor(r["train/loss"])) for r in trained)
-    if loss_type == "flow_grpo":
-        assert trained[-1]["train/log_prob_mean_abs_diff"] < 1e-4  # the trainer replays the engine's steps
-    checkpoint = out / "checkpoints" / "rollout-00001"
-    model = load_model(flux3_dir, checkpoint)
-    base = Flux3ImageFamily.load(flux3_dir)
-    moved = [name for name, w in model.transformer.state_dict().items()
-             if name in base.transformer.state_dict() and not torch.equal(w, base.transformer.state_dict()[name])]
-    assert moved or lora  # a full finetune changed transformer weights
-    if lora:
-        assert any("lora_B" in name and w.abs().max() > 0 for name, w in model.transformer.state_dict().items())
+    run_training(flux3_dir, tmp_path / "run", loss_type, lora, guidance=2.0)
 
 
 def test_trainer_refuses_a_rollout_that_mixes_text_windows(flux3):

@@ -11,7 +11,7 @@ from contextlib import contextmanager
 import torch
 
 
-def embed_rows_one_at_a_time(embedder: torch.nn.Module) -> None:
+def embed_rows_one_at_a_time(embedder: torch.nn.Module, *, timestep: bool = True) -> None:
     """Make the timestep MLP batch-invariant: each distinct input row goes through its own
     single-row matmul.
 
@@ -23,7 +23,10 @@ def embed_rows_one_at_a_time(embedder: torch.nn.Module) -> None:
     """
     # A subclass rather than a patched bound method: a deep copy of the model (an old policy, a
     # reference) then calls its own weights, not the original's.
-    embedder.__class__ = type(f"RowWise{type(embedder).__name__}", (_RowWiseForward, type(embedder)), {})
+    # `timestep=False` for an MLP over other per-row inputs (SD3's pooled text projection): its rows
+    # differ even when a step's timestep is shared, so it always finds the distinct rows.
+    mixin = _RowWiseTimestepForward if timestep else _RowWiseForward
+    embedder.__class__ = type(f"RowWise{type(embedder).__name__}", (mixin, type(embedder)), {})
 
 
 # Set while a forward runs whose rows all share one timestep, which the caller knows on the host (a
@@ -47,11 +50,19 @@ def rows_share_one_timestep(shared: bool) -> Iterator[None]:
 class _RowWiseForward:
     def forward(self, sample, *args, **kwargs):
         one_row = super().forward  # outside the comprehension: zero-argument super needs this frame
-        if getattr(_SHARED_TIMESTEP, "on", False):  # every row equal: the same single-row call, no sync
-            return one_row(sample[:1], *args, **kwargs).expand(sample.shape[0], -1).contiguous()
+        if sample.requires_grad:  # torch.unique has no gradient: every row on its own (training batches)
+            return torch.cat([one_row(sample[i : i + 1], *args, **kwargs) for i in range(sample.shape[0])])
         unique, inverse = torch.unique(sample, dim=0, return_inverse=True)
         rows = [one_row(unique[i : i + 1], *args, **kwargs) for i in range(unique.shape[0])]
         return torch.cat(rows)[inverse]
+
+
+class _RowWiseTimestepForward(_RowWiseForward):
+    def forward(self, sample, *args, **kwargs):
+        if getattr(_SHARED_TIMESTEP, "on", False):  # every row equal: the same single-row call, no sync
+            one_row = super(_RowWiseForward, self).forward
+            return one_row(sample[:1], *args, **kwargs).expand(sample.shape[0], -1).contiguous()
+        return super().forward(sample, *args, **kwargs)
 
 
 def one_value_for_all_rows(sigma) -> bool:
