@@ -101,3 +101,29 @@ def test_bad_requests_and_checkpoints_are_refused(sd3, sd3_dir, tmp_path):
 @pytest.mark.parametrize(("loss_type", "lora"), [("flow_grpo", True), ("nft", False)], ids=["grpo-lora", "nft-full"])
 def test_training_run_on_sd3(sd3_dir, tmp_path, loss_type, lora):
     run_training(sd3_dir, tmp_path / "run", loss_type, lora, guidance=4.5)
+
+
+def test_resolution_sets_the_rollout_and_evaluation_size(sd3_dir, tmp_path):
+    """--resolution reaches the rollout requests and the held-out evaluation; a size the family cannot
+    make is refused before anything runs, naming the flag."""
+    from diffrl.evaluation.shapes import evaluate_prompts
+    from diffrl.train.config import TrainConfig
+    from diffrl.train.trainer import Trainer
+
+    sizes = []
+
+    def reward(images, prompts, metadata=None):
+        sizes.extend(tuple(image.shape[-2:]) for image in images)
+        return [1.0 - float(image.mean()) for image in images]
+
+    flags = dict(model_path=sd3_dir, num_rollout=1, rollout_batch_size=1, n_samples_per_prompt=2,
+                 rollout_microgroup_size=2, global_batch_size=2, num_steps_per_rollout=1, micro_batch_size=2,
+                 diffusion_num_steps=2, diffusion_sde_window_range=(0, 2), device="cpu", use_lora=False)
+    assert SD3Family.load(sd3_dir).default_size() == (32, 32)
+    trainer = Trainer(TrainConfig(output_dir=tmp_path / "run", resolution=16, **flags), reward_fn=reward)
+    record = trainer.rollout_and_update(0)
+    assert sizes == [(16, 16)] * 2 and record["train/pairs"] == 4
+    _, images = evaluate_prompts(trainer.family, ["a red circle"], num_seeds=1, num_steps=2, resolution=16)
+    assert images.shape[-2:] == (16, 16)
+    with pytest.raises(ValueError, match="--resolution 18: height=18: SD3 needs a positive multiple of 4"):
+        Trainer(TrainConfig(output_dir=tmp_path / "refused", resolution=18, **flags))

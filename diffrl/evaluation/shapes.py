@@ -49,9 +49,12 @@ def generate(
     guidance_scale: float,
     batch_size: int = 64,
     progress: bool = False,
+    resolution: int | None = None,
 ) -> torch.Tensor:
-    """ODE samples, image k from (prompts[k], seeds[k]); images [N, 3, H, W] in [0, 1] on CPU."""
-    height, width = family.default_size()
+    """ODE samples, image k from (prompts[k], seeds[k]); images [N, 3, H, W] in [0, 1] on CPU, square
+    `resolution` pixels a side (None: the family's default size)."""
+    height, width = (resolution, resolution) if resolution else family.default_size()
+    family.check_size(height, width)
     unique = list(dict.fromkeys(prompts))
     encoded = family.encode_prompts(unique)
     row_of = {p: i for i, p in enumerate(unique)}
@@ -110,13 +113,14 @@ def evaluate_prompts(
     guidance_scale: float = 3.0,
     batch_size: int = 64,
     progress: bool = False,
+    resolution: int | None = None,
 ) -> tuple[list[SampleRecord], torch.Tensor]:
     """Sample every prompt `num_seeds` times (one count for all, or one per prompt) and score it."""
     per_prompt = [num_seeds] * len(prompts) if isinstance(num_seeds, int) else list(num_seeds)
     expanded = [p for p, k in zip(prompts, per_prompt, strict=True) for _ in range(k)]
     seeds = [seed + i for i in range(len(expanded))]
     images = generate(family, expanded, seeds, num_steps=num_steps, guidance_scale=guidance_scale,
-                      batch_size=batch_size, progress=progress)
+                      batch_size=batch_size, progress=progress, resolution=resolution)
     records = []
     for prompt, s, image in zip(expanded, seeds, to_uint8(images)):
         verdict = verify(image, prompt)

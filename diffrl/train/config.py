@@ -37,6 +37,9 @@ class TrainConfig:
     # model
     model_path: Path = SHIPPED_DEMO_MODEL
     diffusion_model_family: str | None = None
+    resolution: int | None = None
+    """Side in pixels of the square images rolled out and evaluated; None: the family's default
+    (e.g. 1024 for SD3.5, whose published Flow-GRPO recipes train at 512)."""
     use_lora: bool = True
     lora_rank: int = 8
     lora_alpha: float = 16.0

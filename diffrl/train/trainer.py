@@ -36,6 +36,7 @@ from diffrl.algorithms.losses import ema_decay, flow_grpo_loss, nft_loss
 from diffrl.algorithms.pairs import GrpoPairs, NftPairs, grpo_pairs, nft_pairs
 from diffrl.data.shapes import prompts_by_category, test_prompts
 from diffrl.engine.engine import Engine, EngineConfig
+from diffrl.errors import RequestError
 from diffrl.evaluation.shapes import (
     TEST_SEED,
     VALIDATION_SEED,
@@ -158,6 +159,11 @@ class Trainer:
 
         torch.manual_seed(cfg.seed)
         self.family = resolve_family(cfg.diffusion_model_family, cfg.model_path).load(cfg.model_path, device=self.device)
+        if cfg.resolution is not None:
+            try:
+                self.family.check_size(cfg.resolution, cfg.resolution)
+            except RequestError as err:
+                raise ValueError(f"--resolution {cfg.resolution}: {err.message}") from None
         transformer = self.family.transformer
         bf16 = cfg.mixed_precision == "bf16" or (cfg.mixed_precision == "auto" and self.device.type == "cuda")
         self.family.autocast_dtype = torch.bfloat16 if bf16 else None  # the engine shares the family
@@ -292,6 +298,8 @@ class Trainer:
                            rollout_sde_type=cfg.diffusion_sde_type, rollout_noise_level=cfg.diffusion_noise_level,
                            rollout_sde_step_indices=window, rollout_return_dit_trajectory=True,
                            rollout_return_denoising_env=True)
+        if cfg.resolution:
+            request.update(height=cfg.resolution, width=cfg.resolution)
         self.manager.config.request = request
         shares = self.sampler.weights()  # before this rollout's rewards update them
         prompts, categories = self.sampler.draw(k, cfg.rollout_batch_size)
@@ -542,7 +550,7 @@ class Trainer:
                 prompts, seeds_per_prompt = balanced_eval_set(prompts, per_category)
                 records, images = evaluate_prompts(self.engine.family, prompts, num_seeds=seeds_per_prompt, seed=seed,
                                                    num_steps=cfg.eval_num_steps or cfg.diffusion_num_steps,
-                                                   guidance_scale=guidance)
+                                                   guidance_scale=guidance, resolution=cfg.resolution)
                 summary = summarize(records)
                 out[f"{prefix}/strict"], out[f"{prefix}/score"] = summary["overall_strict"], summary["overall_score"]
                 for cat, c in summary["categories"].items():
