@@ -271,8 +271,8 @@ class Flux3ImageFamily(FamilyAdapter):
 # -------------------------------------------------------------------- random checkpoints
 @dataclass
 class Flux3Sizes:
-    """Component sizes of a random checkpoint. The defaults are tiny (tests); `class_defaults()` is the
-    real model's transformer (benchmarks)."""
+    """Component sizes of a random checkpoint. The defaults are tiny (tests); `class_defaults()` is
+    `Flux3Transformer2DModel`'s default configuration (5.5 B parameters) with the real VAE (benchmarks)."""
 
     transformer: dict = field(default_factory=lambda: dict(
         num_layers=1, num_single_layers=1, attention_head_dim=16, num_attention_heads=2,
@@ -280,10 +280,20 @@ class Flux3Sizes:
     text_hidden: int = 32
     text_layers: int = 4
     text_encoder_out_layers: tuple[int, ...] = (2, 4)
+    text_heads: int = 2
     vae: dict = field(default_factory=lambda: dict(
         block_out_channels=(16, 16), layers_per_block=1, latent_channels=4, norm_num_groups=8,
         down_block_types=("DownEncoderBlock2D",) * 2, up_block_types=("UpDecoderBlock2D",) * 2))
     default_size: int = 32
+
+    @classmethod
+    def class_defaults(cls) -> Flux3Sizes:
+        """The transformer and VAE at the diffusers classes' defaults (20,480-wide text input = 8 stacked
+        layers of a 2,560-wide encoder). The text encoder keeps that width but only 8 layers: a prompt is
+        encoded once per request, so its depth does not change what a benchmark of sampling and training
+        measures. 1024² by default, as the family rolls out."""
+        return cls(transformer={}, text_hidden=2560, text_layers=8, text_encoder_out_layers=tuple(range(1, 9)),
+                   text_heads=20, vae={}, default_size=1024)
 
 
 def build_chat_tokenizer():
@@ -306,9 +316,10 @@ def build_chat_tokenizer():
     return tokenizer
 
 
-def save_random_checkpoint(path: str | Path, sizes: Flux3Sizes | None = None, *, seed: int = 0) -> Path:
+def save_random_checkpoint(path: str | Path, sizes: Flux3Sizes | None = None, *, seed: int = 0,
+                           device: str | torch.device = "cpu", dtype: torch.dtype = torch.float32) -> Path:
     """A FLUX 3 checkpoint in diffusers layout with random weights (no download), including random
-    latent BatchNorm statistics so that decoding exercises them."""
+    latent BatchNorm statistics so that decoding exercises them; built on `device`, stored in `dtype`."""
     from diffusers import AutoencoderKLFlux2, Flux3Transformer2DModel
     from transformers import Qwen3VLConfig, Qwen3VLForConditionalGeneration
 
@@ -316,25 +327,27 @@ def save_random_checkpoint(path: str | Path, sizes: Flux3Sizes | None = None, *,
     path = Path(path)
     torch.manual_seed(seed)
     tokenizer = build_chat_tokenizer()
-    heads = 2
-    text_encoder = Qwen3VLForConditionalGeneration(Qwen3VLConfig(
-        text_config=dict(vocab_size=len(tokenizer), hidden_size=sizes.text_hidden,
-                         intermediate_size=2 * sizes.text_hidden, num_hidden_layers=sizes.text_layers,
-                         num_attention_heads=heads, num_key_value_heads=1, head_dim=sizes.text_hidden // heads,
-                         rope_scaling={"rope_type": "default", "mrope_section": [4, 2, 2]}),
-        vision_config=dict(depth=1, hidden_size=16, intermediate_size=32, num_heads=2,
-                           out_hidden_size=sizes.text_hidden, deepstack_visual_indexes=[0])))
-    vae = AutoencoderKLFlux2(**sizes.vae)
-    with torch.no_grad():
-        vae.bn.running_mean.normal_(0, 0.5)
-        vae.bn.running_var.uniform_(0.5, 2.0)
-    channels = 4 * sizes.vae["latent_channels"]
-    transformer = Flux3Transformer2DModel(
-        in_channels=channels, cond_in_channels=channels,
-        joint_attention_dim=sizes.text_hidden * len(sizes.text_encoder_out_layers), **sizes.transformer)
-    transformer.save_pretrained(path / "transformer", safe_serialization=True)
-    vae.save_pretrained(path / "vae", safe_serialization=True)
-    text_encoder.save_pretrained(path / "text_encoder", safe_serialization=True)
+    heads = sizes.text_heads
+    half_head = sizes.text_hidden // heads // 2  # the rotary sections (t, h, w) split half a head: 2:1:1
+    with torch.device(device):  # build where it is fast
+        text_encoder = Qwen3VLForConditionalGeneration(Qwen3VLConfig(
+            text_config=dict(vocab_size=len(tokenizer), hidden_size=sizes.text_hidden,
+                             intermediate_size=2 * sizes.text_hidden, num_hidden_layers=sizes.text_layers,
+                             num_attention_heads=heads, num_key_value_heads=1, head_dim=sizes.text_hidden // heads,
+                             rope_scaling={"rope_type": "default", "mrope_section": [
+                                 half_head - 2 * (half_head // 4), half_head // 4, half_head // 4]}),
+            vision_config=dict(depth=1, hidden_size=16, intermediate_size=32, num_heads=2,
+                               out_hidden_size=sizes.text_hidden, deepstack_visual_indexes=[0])))
+        vae = AutoencoderKLFlux2(**sizes.vae)
+        with torch.no_grad():
+            vae.bn.running_mean.normal_(0, 0.5)
+            vae.bn.running_var.uniform_(0.5, 2.0)
+        channels = 4 * vae.config.latent_channels
+        transformer = Flux3Transformer2DModel(
+            in_channels=channels, cond_in_channels=channels,
+            joint_attention_dim=sizes.text_hidden * len(sizes.text_encoder_out_layers), **sizes.transformer)
+    for module, folder in ((transformer, "transformer"), (vae, "vae"), (text_encoder, "text_encoder")):
+        module.to(dtype).save_pretrained(path / folder, safe_serialization=True)
     tokenizer.save_pretrained(path / "tokenizer")
     (path / "scheduler").mkdir(parents=True, exist_ok=True)
     (path / "scheduler" / "scheduler_config.json").write_text(json.dumps(

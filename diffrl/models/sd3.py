@@ -24,6 +24,7 @@ from __future__ import annotations
 import copy
 import json
 from collections.abc import Sequence
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
@@ -231,35 +232,71 @@ def _clip_tokenizer(path: Path):
     return CLIPTokenizer(str(path / "vocab.json"), str(path / "merges.txt"), model_max_length=CLIP_TOKENS)
 
 
-def save_random_checkpoint(path: str | Path, *, seed: int = 0, with_t5: bool = True) -> Path:
-    """A tiny SD3 checkpoint in diffusers layout with random weights and tokenizers made in code (tests)."""
+@dataclass
+class SD3Sizes:
+    """Component sizes of a random checkpoint. The defaults are tiny (tests); `medium()` is SD3.5-Medium's
+    transformer and VAE (benchmarks), with shallow text encoders of the real widths: a prompt is encoded
+    once per request, so their depth does not change what a benchmark of sampling and training measures."""
+
+    transformer: dict = field(default_factory=lambda: dict(
+        sample_size=16, patch_size=2, in_channels=4, out_channels=4, num_layers=2, attention_head_dim=8,
+        num_attention_heads=2, joint_attention_dim=32, caption_projection_dim=16, pos_embed_max_size=32))
+    clip_widths: tuple[int, int] = (8, 16)
+    clip_layers: tuple[int, int] = (2, 3)
+    t5: dict = field(default_factory=lambda: dict(d_kv=8, d_ff=64, num_layers=1, num_heads=2))
+    vae: dict = field(default_factory=lambda: dict(
+        down_block_types=("DownEncoderBlock2D",) * 2, up_block_types=("UpDecoderBlock2D",) * 2,
+        block_out_channels=(8, 16), latent_channels=4, norm_num_groups=4))
+
+    @classmethod
+    def medium(cls) -> SD3Sizes:
+        """SD3.5-Medium: 24 MMDiT blocks of width 1536, dual attention in the first 13, QK RMSNorm."""
+        return cls(
+            transformer=dict(sample_size=128, patch_size=2, in_channels=16, out_channels=16, num_layers=24,
+                             attention_head_dim=64, num_attention_heads=24, joint_attention_dim=4096,
+                             caption_projection_dim=1536, pos_embed_max_size=384,
+                             dual_attention_layers=tuple(range(13)), qk_norm="rms_norm"),
+            clip_widths=(768, 1280), clip_layers=(2, 2),
+            t5=dict(d_kv=64, d_ff=2 * 4096, num_layers=1, num_heads=64),
+            vae=dict(down_block_types=("DownEncoderBlock2D",) * 4, up_block_types=("UpDecoderBlock2D",) * 4,
+                     block_out_channels=(128, 256, 512, 512), layers_per_block=2, latent_channels=16,
+                     norm_num_groups=32, use_quant_conv=False, use_post_quant_conv=False))
+
+
+def save_random_checkpoint(path: str | Path, sizes: SD3Sizes | None = None, *, seed: int = 0, with_t5: bool = True,
+                           device: str | torch.device = "cpu", dtype: torch.dtype = torch.float32) -> Path:
+    """An SD3 checkpoint in diffusers layout with random weights and tokenizers made in code (no download),
+    built on `device` and stored in `dtype`."""
     from diffusers import AutoencoderKL, FlowMatchEulerDiscreteScheduler, SD3Transformer2DModel
     from transformers import CLIPTextConfig, CLIPTextModelWithProjection, T5Config, T5EncoderModel
 
     from diffrl.models.demo import build_word_tokenizer
 
+    sizes = sizes or SD3Sizes()
     path = Path(path)
     torch.manual_seed(seed)
-    width, clip_widths, projection = 32, (8, 16), 8
-    for index, (encoder_dir, tokenizer_dir, hidden) in enumerate(
-            zip(("text_encoder", "text_encoder_2"), ("tokenizer", "tokenizer_2"), clip_widths)):
-        tokenizer = _clip_tokenizer(path / tokenizer_dir)
-        tokenizer.save_pretrained(path / tokenizer_dir)
-        CLIPTextModelWithProjection(CLIPTextConfig(
-            vocab_size=len(tokenizer), hidden_size=hidden, intermediate_size=2 * hidden, num_hidden_layers=2 + index,
-            num_attention_heads=2, max_position_embeddings=CLIP_TOKENS, projection_dim=projection,
-            bos_token_id=0, eos_token_id=1, pad_token_id=1)).save_pretrained(path / encoder_dir)
-    if with_t5:
-        t5_tokenizer = build_word_tokenizer("a an the red blue green cat dog circle square of on".split(), 256)
-        t5_tokenizer.save_pretrained(path / "tokenizer_3")
-        T5EncoderModel(T5Config(vocab_size=len(t5_tokenizer), d_model=width, d_kv=8, d_ff=64, num_layers=1,
-                                num_heads=2, decoder_start_token_id=0, pad_token_id=0)).save_pretrained(path / "text_encoder_3")
-    SD3Transformer2DModel(sample_size=16, patch_size=2, in_channels=4, num_layers=2, attention_head_dim=8,
-                          num_attention_heads=2, joint_attention_dim=width, caption_projection_dim=16,
-                          pooled_projection_dim=2 * projection, out_channels=4, pos_embed_max_size=32,
-                          ).save_pretrained(path / "transformer")
-    AutoencoderKL(in_channels=3, out_channels=3, down_block_types=("DownEncoderBlock2D",) * 2,
-                  up_block_types=("UpDecoderBlock2D",) * 2, block_out_channels=(8, 16), latent_channels=4,
-                  norm_num_groups=4, scaling_factor=1.5305, shift_factor=0.0609).save_pretrained(path / "vae")
+    width = sizes.transformer["joint_attention_dim"]
+
+    def save(module, folder: str) -> None:
+        module.to(dtype).save_pretrained(path / folder, safe_serialization=True)
+
+    with torch.device(device):
+        for index, (encoder_dir, tokenizer_dir) in enumerate(
+                zip(("text_encoder", "text_encoder_2"), ("tokenizer", "tokenizer_2"))):
+            tokenizer = _clip_tokenizer(path / tokenizer_dir)
+            tokenizer.save_pretrained(path / tokenizer_dir)
+            hidden = sizes.clip_widths[index]
+            save(CLIPTextModelWithProjection(CLIPTextConfig(
+                vocab_size=len(tokenizer), hidden_size=hidden, intermediate_size=2 * hidden,
+                num_hidden_layers=sizes.clip_layers[index], num_attention_heads=2, max_position_embeddings=CLIP_TOKENS,
+                projection_dim=hidden, bos_token_id=0, eos_token_id=1, pad_token_id=1)), encoder_dir)
+        if with_t5:
+            t5_tokenizer = build_word_tokenizer("a an the red blue green cat dog circle square of on".split(), 256)
+            t5_tokenizer.save_pretrained(path / "tokenizer_3")
+            save(T5EncoderModel(T5Config(vocab_size=len(t5_tokenizer), d_model=width, decoder_start_token_id=0,
+                                         pad_token_id=0, **sizes.t5)), "text_encoder_3")
+        save(SD3Transformer2DModel(pooled_projection_dim=sum(sizes.clip_widths), **sizes.transformer), "transformer")
+        save(AutoencoderKL(in_channels=3, out_channels=3, scaling_factor=1.5305, shift_factor=0.0609, **sizes.vae),
+             "vae")
     FlowMatchEulerDiscreteScheduler(shift=3.0).save_pretrained(path / "scheduler")
     return path
