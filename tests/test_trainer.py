@@ -336,3 +336,16 @@ def test_a_checkpoint_from_before_named_emas_resumes_its_ema(tiny_model_dir, tmp
     assert all(torch.equal(a, b) for a, b in zip(resumed.ema.shadow, trainer.ema.shadow))
     fresh = Trainer(tiny_config(tiny_model_dir, tmp_path / "fresh", loss_type="nft"))
     assert any(not torch.equal(a, b) for a, b in zip(resumed.ema.shadow, fresh.ema.shadow))  # not merely the start
+
+
+def test_held_out_evaluation_can_be_turned_off(tiny_model_dir, tmp_path, capsys):
+    """--eval-images-per-category 0: no test-prompt sampling (a model trained on another reward), the
+    run still trains and checkpoints; a negative count is refused naming the flag."""
+    out = tmp_path / "run"
+    Trainer(tiny_config(tiny_model_dir, out, eval_images_per_category=0)).train()
+    records = _records(out)
+    assert not any(key.startswith("eval/") for r in records for key in r)
+    assert any("train/loss" in r for r in records) and not (out / "eval").exists()
+    assert (out / "checkpoints" / "rollout-00001").is_dir()
+    with pytest.raises(ValueError, match="--eval-images-per-category must be >= 0"):
+        validate_config(tiny_config(tiny_model_dir, tmp_path / "bad", eval_images_per_category=-1))

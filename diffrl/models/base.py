@@ -128,3 +128,17 @@ class FamilyAdapter(ABC):
     @abstractmethod
     def check_size(self, height: int, width: int) -> None:
         """Raise `RequestError` naming `height`/`width` when the model cannot take this size."""
+
+
+def repeated_blocks(transformer: torch.nn.Module, block_lists: Sequence[str]) -> list[torch.nn.Module]:
+    """The blocks named by a family's `block_lists`, in order: a ModuleList's items, each ModuleList of a
+    ModuleDict (per-mode blocks), or a single module. One unit each for FSDP2 and for compilation."""
+
+    def blocks(container: torch.nn.Module) -> list[torch.nn.Module]:
+        if isinstance(container, torch.nn.ModuleDict):
+            return [b for child in container.values() for b in blocks(child)]
+        if isinstance(container, torch.nn.ModuleList):
+            return list(container)
+        return [container]
+
+    return [b for name in block_lists for b in blocks(getattr(transformer, name))]

@@ -30,6 +30,9 @@ class TrainConfig:
     auto = bf16 autocast on CUDA, fp32 elsewhere."""
     gradient_checkpointing: bool = False
     """Recompute each block's activations in the backward pass (less memory, ~1/3 more compute)."""
+    compile: bool = False
+    """torch.compile the transformer's repeated blocks (regional; engine and trainer share them). The
+    first rollout and the first training step pay the compilation; samples change by kernel rounding."""
     float32_matmul_precision: Literal["highest", "high", "medium"] = "high"
     """torch.set_float32_matmul_precision; "high" lets GPUs use TF32 (engine and trainer alike, so the
     first-pass ratio stays 1). No effect on CPU."""
@@ -149,7 +152,9 @@ class TrainConfig:
     eval_interval: int = 4
     """Evaluate on the held-out prompts every this many rollouts (and before the first)."""
     eval_images_per_category: int = 8
-    """Held-out images per category (prompts × seeds, seeds balanced so small categories are not noise)."""
+    """Held-out images per category (prompts × seeds, seeds balanced so small categories are not noise).
+    0: no held-out evaluation (it scores the shapes world's test prompts: a model trained on another
+    reward has nothing to gain from it)."""
     eval_guidance_scale: float | None = None
     """None: the rollout guidance scale."""
     val_images_per_category: int = 0

@@ -19,6 +19,8 @@ import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 from torch.distributed.fsdp import fully_shard
 
+from diffrl.models.base import repeated_blocks
+
 
 @dataclass(frozen=True)
 class Parallel:
@@ -80,22 +82,12 @@ def rank_device(device: torch.device) -> torch.device:
 def shard_transformer(transformer: torch.nn.Module, block_lists: tuple[str, ...], mesh: DeviceMesh) -> None:
     """FSDP2 over each block of the named block lists, then the root. Weights, gradient reduction and
     the optimizer stay fp32; a bf16 forward comes from the family's autocast (`autocast_dtype`)."""
-    for name in block_lists:
-        for block in _blocks(getattr(transformer, name)):
-            fully_shard(block, mesh=mesh)
+    for block in repeated_blocks(transformer, block_lists):
+        fully_shard(block, mesh=mesh)
     # The root too reshards after every forward (FSDP2 keeps a root's gathered weights by default):
     # NFT's old-policy forward swaps the EMA into the shards between forwards, and a root still
     # holding the previous forward's weights would mix the two (tests/parallel_ema_check.py).
     fully_shard(transformer, mesh=mesh, reshard_after_forward=True)
-
-
-def _blocks(container: torch.nn.Module) -> list[torch.nn.Module]:
-    """The blocks of a ModuleList, of each ModuleList in a ModuleDict (per-mode blocks), or the module."""
-    if isinstance(container, torch.nn.ModuleDict):
-        return [b for child in container.values() for b in _blocks(child)]
-    if isinstance(container, torch.nn.ModuleList):
-        return list(container)
-    return [container]
 
 
 def full_tensor(t: torch.Tensor) -> torch.Tensor:

@@ -48,6 +48,7 @@ from diffrl.evaluation.shapes import (
 )
 from diffrl.models import resolve_family
 from diffrl.models.base import Latents, PromptEmbeds
+from diffrl.models.compile import compile_blocks
 from diffrl.models.lora import LoraSpec, add_lora
 from diffrl.rewards import get_reward
 from diffrl.rewards.workers import ProcessRewardPool
@@ -107,6 +108,9 @@ def validate_config(cfg: TrainConfig) -> None:
                          f"{cfg.ray_engines} engines and {cfg.ray_trainer_ranks} trainer ranks")
     if cfg.diffusion_kl_beta > 0 and cfg.kl_reference == "ema" and not (cfg.use_ema or cfg.loss_type == "nft"):
         raise ValueError("--kl-reference ema needs an EMA: pass --use-ema (or --kl-reference base)")
+    if cfg.eval_images_per_category < 0:
+        raise ValueError(f"--eval-images-per-category must be >= 0 (0: no held-out evaluation), got "
+                         f"{cfg.eval_images_per_category}")
     if cfg.val_images_per_category < 0 or cfg.val_prompts_per_category < 1:
         raise ValueError(f"--val-images-per-category must be >= 0 (got {cfg.val_images_per_category}) and "
                          f"--val-prompts-per-category >= 1 (got {cfg.val_prompts_per_category})")
@@ -175,11 +179,15 @@ class Trainer:
             add_lora(transformer, self.lora)
         if self.parallel.enabled:
             # The engine samples from a full copy whose weights are synced from the shards before each
-            # rollout and evaluation; the trainer's copy is sharded with FSDP2 over the family's blocks.
+            # rollout and evaluation; the trainer's copy is sharded with FSDP2 over the family's blocks (below).
             engine_family = copy.deepcopy(self.family)
-            shard_transformer(transformer, self.family.block_lists, self.parallel.mesh)
         else:
             engine_family = self.family  # shares the trained module: every update is live for the engine
+        if cfg.compile:  # after LoRA (it replaces layers inside the blocks), before FSDP2 shards them
+            for family in {id(f): f for f in (self.family, engine_family)}.values():
+                compile_blocks(family.transformer, family.block_lists)
+        if self.parallel.enabled:
+            shard_transformer(transformer, self.family.block_lists, self.parallel.mesh)
         # Trained, and what other engines receive after each update (LoRA: only the adapter's tensors).
         trainable = {n: p for n, p in transformer.named_parameters() if not cfg.use_lora or "lora_" in n}
         self.trainable_names, self.params = list(trainable), list(trainable.values())
@@ -538,7 +546,7 @@ class Trainer:
         on the validation subset of the train prompts (`val/…`)."""
         cfg = self.cfg
         guidance = cfg.eval_guidance_scale if cfg.eval_guidance_scale is not None else cfg.diffusion_guidance_scale
-        sets = [("eval", test_prompts(), cfg.eval_images_per_category, TEST_SEED)]
+        sets = [("eval", test_prompts(), cfg.eval_images_per_category, TEST_SEED)] if cfg.eval_images_per_category else []
         if cfg.val_images_per_category > 0:
             sets.append(("val", validation_prompts(cfg.val_prompts_per_category), cfg.val_images_per_category,
                          VALIDATION_SEED))

@@ -1,0 +1,36 @@
+"""Regional compilation: `torch.compile` each of a family's repeated blocks, in place.
+
+Blocks rather than the whole transformer because
+- every block of one kind shares one compiled graph (its parameters are graph inputs), so compile time
+  is a few blocks', not the model's, and the glue between blocks (embeddings, RoPE tables, the
+  batch-invariance wrappers) stays eager;
+- `nn.Module.compile` keeps the module and its parameter names, so LoRA adapters, gradient
+  checkpointing, FSDP2 units, weight sync and checkpoints see the same model as without it;
+- the engine and the trainer share the compiled modules, so rollout and training still run one
+  implementation of the forward.
+Apply it after LoRA is added (peft replaces layers inside the blocks) and before FSDP2 shards them.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import torch
+
+from diffrl.models.base import repeated_blocks
+
+# Each kind of block compiles once per grad mode, autocast state and shape regime (static, then dynamic
+# batch): a family with three kinds of block (SD3.5's dual-attention, plain and last blocks) needs more
+# than dynamo's default of 8 entries, and past the limit it silently runs eager.
+RECOMPILE_LIMIT = 64
+
+
+def compile_blocks(transformer: torch.nn.Module, block_lists: Sequence[str], *, mode: str | None = None) -> int:
+    """Compile every block named by `block_lists` (see `repeated_blocks`); returns how many."""
+    torch._dynamo.config.recompile_limit = max(torch._dynamo.config.recompile_limit, RECOMPILE_LIMIT)
+    blocks = repeated_blocks(transformer, block_lists)
+    if not blocks:
+        raise ValueError(f"no blocks to compile under {list(block_lists)}")
+    for block in blocks:
+        block.compile(mode=mode)
+    return len(blocks)
