@@ -1,0 +1,48 @@
+#!/usr/bin/env bash
+# SD3.5-Medium at its real size (random weights built in code, no download) on the lent H200, at the
+# published Flow-GRPO SD3.5 settings (512², 10 steps, CFG 4.5, LoRA r32): DESIGN §9's peer, side by side.
+# Carry `.whl`. JOBS is a list of STAGE:COMPILE, run in order (default: all four):
+#   rollout:0 / rollout:1  benchmarks/family_rollout.py: the transformer alone, our engine, diffusers'
+#                          StableDiffusion3Pipeline on the same weights, eager / regionally compiled
+#   train:0 / train:1      `diffrl train` (Flow-GRPO, SDE on 9 of 10 steps, 4 prompts × 16 samples per
+#                          rollout, jpeg_compressibility in 6 worker processes), eager / --compile
+# ROLLOUTS (train, default 3). Results land in $OUT (JSON / metrics JSONL per job).
+set -uo pipefail
+bash scripts/device/install_wheels.sh || exit 1
+export PYTHONPATH=/tmp/site:$PWD PYTHONUNBUFFERED=1 OMP_NUM_THREADS=8
+ckpt=$PWD/runs/sd35m-random  # runs/ is git-ignored: kept on a warm machine between calls
+nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader
+quiet() { tr '\r' '\n' | grep -v "Loading\|float32\|^train \|torchvision\|^ *$" ; }
+for job in ${JOBS:-rollout:0 rollout:1 train:0 train:1}; do
+  stage=${job%%:*}; compiled=${job##*:}
+  flag=(); tag=eager
+  if [[ $compiled == 1 ]]; then flag=(--compile); tag=compiled; fi
+  echo "== $stage ($tag) $(date +%T)"
+  case $stage in
+    rollout)
+      (cd benchmarks && python3 family_rollout.py --family sd3 --checkpoint "$ckpt" --resolution 512 \
+        --guidance-scale 4.5 --n 16 --ms 1 8 16 --repeats 2 "${flag[@]}" \
+        --out "$OUT/family_rollout_sd35m_512_$tag.json") 2>&1 | quiet | grep -v '^ \|^[{}]' ;;
+    train)
+      [[ -d $ckpt ]] || (cd benchmarks && python3 -c "
+import sys, torch; from pathlib import Path; from family_rollout import make_checkpoint
+make_checkpoint('sd3', Path(sys.argv[1]), torch.device('cuda'))" "$ckpt")
+      run=runs/sd35m-grpo-$tag; rm -rf "$run"
+      python3 -m diffrl.cli.main train --model-path "$ckpt" --diffusion-model-family sd3 --loss-type flow_grpo \
+        --use-lora --lora-rank 32 --lora-alpha 64 --resolution 512 --num-rollout "${ROLLOUTS:-3}" \
+        --rollout-batch-size 4 --n-samples-per-prompt 16 --rollout-microgroup-size 16 --global-batch-size 64 \
+        --num-steps-per-rollout 1 --micro-batch-size 8 --diffusion-num-steps 10 --diffusion-guidance-scale 4.5 \
+        --diffusion-noise-level 0.7 --diffusion-sde-window-range 0 9 --diffusion-num-sde-steps 9 \
+        --reward jpeg_compressibility --reward-workers 6 --eval-images-per-category 0 --checkpoint-interval 1000 \
+        --output-dir "$run" "${flag[@]}" 2>&1 | quiet | tail -15
+      cp "$run/metrics.jsonl" "$OUT/train_sd35m_grpo_$tag.jsonl" 2>/dev/null
+      python3 -c "
+import json, sys
+for line in open(sys.argv[1]):
+    r = json.loads(line)
+    print(r['rollout'], {k.split('/', 1)[1]: round(v, 3) for k, v in r.items() if k in ('rollout/seconds', 'rollout/images_per_s',
+          'train/seconds', 'train/pairs_per_s', 'train/pairs', 'memory/peak_gib', 'train/log_prob_mean_abs_diff')})
+" "$run/metrics.jsonl" ;;
+  esac
+done
+echo "== done $(date +%T)"
