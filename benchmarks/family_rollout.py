@@ -96,6 +96,25 @@ def transformer_step_ms(family, batch: int, size: int, guidance: float, reps: in
 
 
 @torch.no_grad()
+def decode_ms_per_image(family, batch: int, size: int, reps: int) -> dict[str, float]:
+    """ms per image of the family's VAE decode: one image per call (what the engine did until
+    2026-12-01, and still does on CPU) and the family's own `decode` (chunks on a GPU)."""
+    latents = family.prepare_latents(make_generators(range(batch), device=family.device), size, size).tokens
+    ways = {"one_per_call": lambda: torch.cat([family.decode(row[None], size, size) for row in latents]),
+            "family_decode": lambda: family.decode(latents, size, size)}
+    out = {}
+    for name, run in ways.items():
+        run()
+        _sync(family.device)
+        start = time.perf_counter()
+        for _ in range(reps):
+            run()
+        _sync(family.device)
+        out[name] = 1000 * (time.perf_counter() - start) / reps / batch
+    return out
+
+
+@torch.no_grad()
 def sd3_pipeline_s_per_image(family, batch: int, size: int, steps: int, guidance: float, repeats: int) -> float:
     from diffusers import StableDiffusion3Pipeline
 
@@ -164,6 +183,9 @@ def main() -> None:
         results["transformer"][batch] = {"ms_per_sample_step": ms, "gflop_per_sample_step": gflop,
                                          "mfu": gflop / ms / args.peak_tflops if on_gpu else None}
         print(f"transformer batch {batch:>2}: {ms:8.2f} ms per sample-step, {gflop:,.0f} GFLOP", flush=True)
+    results["decode_ms_per_image"] = decode_ms_per_image(family, args.n, size, 2 if on_gpu else 1)
+    print("VAE decode, ms per image: " + ", ".join(f"{k} {v:.1f}" for k, v in results["decode_ms_per_image"].items()),
+          flush=True)
     floor_ms = results["transformer"][args.n]["ms_per_sample_step"] * args.steps
     engine = Engine(family, EngineConfig(max_outputs_per_request=args.n, max_batch_outputs=args.n))
     request = dict(num_inference_steps=args.steps, guidance_scale=args.guidance_scale, rollout=True,

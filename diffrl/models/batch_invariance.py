@@ -1,11 +1,11 @@
-"""Batch invariance of a FLUX 3 transformer (`Flux3Transformer2DModel`, the demo and flux3_image families):
-sample k of a request gets the same velocity whatever batch, microgroup or trainer micro-batch it sits in
-(exactly, on CPU), as the rollout contract asks (DESIGN §2)."""
+"""Batch invariance: sample k of a request gets the same velocity and the same decoded image whatever
+batch, microgroup or trainer micro-batch it sits in (exactly, on CPU), as the rollout contract asks
+(DESIGN §2). Used by the families built on diffusers' transformers and VAEs (demo, flux3_image, sd3)."""
 
 from __future__ import annotations
 
 import threading
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 
 import torch
@@ -73,3 +73,19 @@ def one_value_for_all_rows(sigma) -> bool:
     if not isinstance(sigma, torch.Tensor):
         return False
     return sigma.numel() <= 1 or (sigma.dim() == 1 and sigma.stride(0) == 0)
+
+
+# Pixels a GPU decodes per VAE call: 8 images at 512², 2 at 1024² (a few GiB of activations in fp32).
+DECODE_PIXELS_PER_CALL = 8 * 512 * 512
+
+
+def decode_rows(decode: Callable[[torch.Tensor], torch.Tensor], latents: torch.Tensor) -> torch.Tensor:
+    """`decode` over the rows of `latents`: one row per call on CPU, where BLAS would round a batched
+    convolution differently and an image must not depend on its microgroup; on a GPU in chunks of
+    `DECODE_PIXELS_PER_CALL`, since kernels there differ by batch size anyway and one 512² image per
+    call left the VAE mostly idle (it was a sixth of an SD3.5-M rollout, BENCHMARKS.md)."""
+    if latents.device.type == "cpu":
+        return torch.cat([decode(row[None]) for row in latents])
+    first = decode(latents[:1])
+    per_call = max(1, DECODE_PIXELS_PER_CALL // (first.shape[-1] * first.shape[-2]))
+    return torch.cat([first, *(decode(chunk) for chunk in latents[1:].split(per_call))])

@@ -33,7 +33,12 @@ import torch
 
 from diffrl.errors import ModelLoadError, RequestError
 from diffrl.models.base import FamilyAdapter, Latents, PromptEmbeds
-from diffrl.models.batch_invariance import embed_rows_one_at_a_time, one_value_for_all_rows, rows_share_one_timestep
+from diffrl.models.batch_invariance import (
+    decode_rows,
+    embed_rows_one_at_a_time,
+    one_value_for_all_rows,
+    rows_share_one_timestep,
+)
 from diffrl.models.registry import register_family
 from diffrl.sampling import make_sigmas, randn_per_sample
 
@@ -262,9 +267,7 @@ class Flux3ImageFamily(FamilyAdapter):
         grid = grid.reshape(batch, channels // 4, 2, 2, h, w).permute(0, 1, 4, 2, 5, 3)
         grid = grid.reshape(batch, channels // 4, h * 2, w * 2)
         vae_dtype = next(self.vae.parameters()).dtype
-        # One image per call: the VAE's convolutions round differently at other batch sizes, and an
-        # image must not depend on the microgroup it was sampled in (decoding is a small share of a rollout).
-        images = torch.cat([self.vae.decode(row[None].to(vae_dtype), return_dict=False)[0] for row in grid])
+        images = decode_rows(lambda rows: self.vae.decode(rows.to(vae_dtype), return_dict=False)[0], grid)
         return (images.float() / 2 + 0.5).clamp(0, 1)
 
 

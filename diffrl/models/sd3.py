@@ -31,7 +31,12 @@ import torch
 
 from diffrl.errors import ModelLoadError, RequestError
 from diffrl.models.base import FamilyAdapter, Latents, PromptEmbeds
-from diffrl.models.batch_invariance import embed_rows_one_at_a_time, one_value_for_all_rows, rows_share_one_timestep
+from diffrl.models.batch_invariance import (
+    decode_rows,
+    embed_rows_one_at_a_time,
+    one_value_for_all_rows,
+    rows_share_one_timestep,
+)
 from diffrl.models.registry import register_family
 from diffrl.sampling import randn_per_sample
 
@@ -211,9 +216,7 @@ class SD3Family(FamilyAdapter):
         config = self.vae.config
         latents = latents / config.scaling_factor + (config.shift_factor or 0.0)
         vae_dtype = next(self.vae.parameters()).dtype
-        # One image per call: batched convolutions round differently, and an image must not depend on
-        # the microgroup it was sampled in.
-        images = torch.cat([self.vae.decode(row[None].to(vae_dtype), return_dict=False)[0] for row in latents])
+        images = decode_rows(lambda rows: self.vae.decode(rows.to(vae_dtype), return_dict=False)[0], latents)
         return (images.float() / 2 + 0.5).clamp(0, 1)
 
 
