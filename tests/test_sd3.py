@@ -127,3 +127,24 @@ def test_resolution_sets_the_rollout_and_evaluation_size(sd3_dir, tmp_path):
     assert images.shape[-2:] == (16, 16)
     with pytest.raises(ValueError, match="--resolution 18: height=18: SD3 needs a positive multiple of 4"):
         Trainer(TrainConfig(output_dir=tmp_path / "refused", resolution=18, **flags))
+
+
+@pytest.mark.parametrize("batch", [1, 2, 5])
+def test_chunked_decode_equals_one_image_per_call(sd3, monkeypatch, batch):
+    """The GPU's decode path (chunks of DECODE_PIXELS_PER_CALL pixels, here 2 images of 32² per call)
+    gives every image, in order, equal to decoding it alone, also for a single image."""
+    from diffrl.models import batch_invariance
+
+    monkeypatch.setattr(batch_invariance, "DECODE_PIXELS_PER_CALL", 2 * 32 * 32)
+    latents = sd3.prepare_latents(make_generators(range(batch)), 32, 32).tokens
+    calls = []
+
+    def decode(rows):
+        calls.append(len(rows))
+        return sd3.vae.decode(rows, return_dict=False)[0]
+
+    chunked = batch_invariance.decode_rows(decode, latents, chunked=True)
+    assert calls == [1, *([2] * ((batch - 1) // 2)), *([1] if (batch - 1) % 2 else [])]
+    alone = batch_invariance.decode_rows(decode, latents, chunked=False)
+    assert chunked.shape == (batch, 3, 32, 32)
+    torch.testing.assert_close(chunked, alone, rtol=0, atol=1e-5)

@@ -79,13 +79,15 @@ def one_value_for_all_rows(sigma) -> bool:
 DECODE_PIXELS_PER_CALL = 8 * 512 * 512
 
 
-def decode_rows(decode: Callable[[torch.Tensor], torch.Tensor], latents: torch.Tensor) -> torch.Tensor:
+def decode_rows(decode: Callable[[torch.Tensor], torch.Tensor], latents: torch.Tensor, *,
+                chunked: bool | None = None) -> torch.Tensor:
     """`decode` over the rows of `latents`: one row per call on CPU, where BLAS would round a batched
-    convolution differently and an image must not depend on its microgroup; on a GPU in chunks of
-    `DECODE_PIXELS_PER_CALL`, since kernels there differ by batch size anyway and one 512² image per
-    call left the VAE mostly idle (it was a sixth of an SD3.5-M rollout, BENCHMARKS.md)."""
-    if latents.device.type == "cpu":
+    convolution differently and an image must not depend on its microgroup; on a GPU (or `chunked`) in
+    chunks of `DECODE_PIXELS_PER_CALL`, since kernels there differ by batch size anyway and one 512²
+    image per call left the VAE mostly idle (BENCHMARKS.md, SD3.5-M)."""
+    if not (latents.device.type != "cpu" if chunked is None else chunked):
         return torch.cat([decode(row[None]) for row in latents])
-    first = decode(latents[:1])
+    first = decode(latents[:1])  # its size says how many images fit in one call
     per_call = max(1, DECODE_PIXELS_PER_CALL // (first.shape[-1] * first.shape[-2]))
-    return torch.cat([first, *(decode(chunk) for chunk in latents[1:].split(per_call))])
+    rest = [decode(chunk) for chunk in latents[1:].split(per_call)] if len(latents) > 1 else []
+    return torch.cat([first, *rest])

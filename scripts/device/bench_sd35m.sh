@@ -40,7 +40,7 @@ make_checkpoint('sd3', Path(sys.argv[1]), torch.device('cuda'))" "$ckpt")
 import json, sys
 for line in open(sys.argv[1]):
     r = json.loads(line)
-    print(r['rollout'], {k.split('/', 1)[1]: round(v, 3) for k, v in r.items() if k in ('rollout/seconds', 'rollout/images_per_s',
+    print(r['rollout'], {k: round(v, 3) for k, v in r.items() if k in ('rollout/seconds', 'rollout/images_per_s',
           'train/seconds', 'train/pairs_per_s', 'train/pairs', 'memory/peak_gib', 'train/log_prob_mean_abs_diff')})
 " "$run/metrics.jsonl" ;;
   esac
