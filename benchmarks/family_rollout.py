@@ -155,6 +155,8 @@ def main() -> None:
     parser.add_argument("--repeats", type=int, default=2)
     parser.add_argument("--peak-tflops", type=float, default=790.0, help="dense bf16 peak (H200: 790)")
     parser.add_argument("--compile", action="store_true", help="regional torch.compile of the family's blocks")
+    parser.add_argument("--eager-numerics", action="store_true",
+                        help="with --compile: inductor's emulate_precision_casts (the trainer's default)")
     parser.add_argument("--out", default=None)
     args = parser.parse_args()
     device, dtype = torch.device(args.device), getattr(torch, args.dtype)
@@ -167,14 +169,15 @@ def main() -> None:
     results = {"family": args.family, "checkpoint": str(args.checkpoint),
                "device": torch.cuda.get_device_name(device) if on_gpu else "cpu", "dtype": args.dtype,
                "transformer_params": sum(p.numel() for p in family.transformer.parameters()), "resolution": size,
-               "n": args.n, "steps": args.steps, "guidance_scale": args.guidance_scale, "compile": args.compile, "transformer": {},
+               "n": args.n, "steps": args.steps, "guidance_scale": args.guidance_scale, "compile": args.compile,
+               "eager_numerics": args.compile and args.eager_numerics, "transformer": {},
                "engine": {}}
     reps = 5 if on_gpu else 1
     batches = sorted({1, args.n})
     gflops = {batch: transformer_gflop(family, batch, size, args.guidance_scale) for batch in batches}
     if args.compile:
         start = time.perf_counter()
-        compile_blocks(family.transformer, family.block_lists)
+        compile_blocks(family.transformer, family.block_lists, eager_numerics=args.eager_numerics)
         transformer_step_ms(family, args.n, size, args.guidance_scale, 1)
         results["compile_s"] = time.perf_counter() - start
         print(f"compiled the blocks and ran batch {args.n}: {results['compile_s']:.0f} s", flush=True)

@@ -33,6 +33,9 @@ class TrainConfig:
     compile: bool = False
     """torch.compile the transformer's repeated blocks (regional; engine and trainer share them). The
     first rollout and the first training step pay the compilation; samples change by kernel rounding."""
+    compile_eager_numerics: bool = True
+    """With --compile: keep eager's bf16 roundings between fused ops, so the trainer's compiled replay of
+    a rollout step stays close to the engine's log-prob (Flow-GRPO's ratio; see models/compile.py)."""
     float32_matmul_precision: Literal["highest", "high", "medium"] = "high"
     """torch.set_float32_matmul_precision; "high" lets GPUs use TF32 (engine and trainer alike, so the
     first-pass ratio stays 1). No effect on CPU."""

@@ -185,7 +185,7 @@ class Trainer:
             engine_family = self.family  # shares the trained module: every update is live for the engine
         if cfg.compile:  # after LoRA (it replaces layers inside the blocks), before FSDP2 shards them
             for family in {id(f): f for f in (self.family, engine_family)}.values():
-                compile_blocks(family.transformer, family.block_lists)
+                compile_blocks(family.transformer, family.block_lists, eager_numerics=cfg.compile_eager_numerics)
         if self.parallel.enabled:
             shard_transformer(transformer, self.family.block_lists, self.parallel.mesh)
         # Trained, and what other engines receive after each update (LoRA: only the adapter's tensors).

@@ -6,7 +6,8 @@
 #                          StableDiffusion3Pipeline on the same weights, eager / regionally compiled
 #   train:0 / train:1      `diffrl train` (Flow-GRPO, SDE on 9 of 10 steps, 4 prompts × 16 samples per
 #                          rollout, jpeg_compressibility in 6 worker processes), eager / --compile
-# ROLLOUTS (train, default 3). Results land in $OUT (JSON / metrics JSONL per job).
+# ROLLOUTS (train, default 3); TRAIN_FLAGS / ROLLOUT_FLAGS: more flags for one or the other
+# (e.g. TRAIN_FLAGS=--no-compile-eager-numerics, ROLLOUT_FLAGS=--eager-numerics). Results land in $OUT (JSON / metrics JSONL per job).
 set -uo pipefail
 bash scripts/device/install_wheels.sh || exit 1
 export PYTHONPATH=/tmp/site:$PWD PYTHONUNBUFFERED=1 OMP_NUM_THREADS=8
@@ -21,7 +22,7 @@ for job in ${JOBS:-rollout:0 rollout:1 train:0 train:1}; do
   case $stage in
     rollout)
       (cd benchmarks && python3 family_rollout.py --family sd3 --checkpoint "$ckpt" --resolution 512 \
-        --guidance-scale 4.5 --n 16 --ms 1 8 16 --repeats 2 "${flag[@]}" \
+        --guidance-scale 4.5 --n 16 --ms 1 8 16 --repeats 2 "${flag[@]}" ${ROLLOUT_FLAGS:-} \
         --out "$OUT/family_rollout_sd35m_512_$tag.json") 2>&1 | quiet | grep -v '^ \|^[{}]' ;;
     train)
       [[ -d $ckpt ]] || (cd benchmarks && python3 -c "
@@ -34,7 +35,7 @@ make_checkpoint('sd3', Path(sys.argv[1]), torch.device('cuda'))" "$ckpt")
         --num-steps-per-rollout 1 --micro-batch-size 8 --diffusion-num-steps 10 --diffusion-guidance-scale 4.5 \
         --diffusion-noise-level 0.7 --diffusion-sde-window-range 0 9 --diffusion-num-sde-steps 9 \
         --reward jpeg_compressibility --reward-workers 6 --eval-images-per-category 0 --checkpoint-interval 1000 \
-        --output-dir "$run" "${flag[@]}" 2>&1 | quiet | tail -15
+        --output-dir "$run" "${flag[@]}" ${TRAIN_FLAGS:-} 2>&1 | quiet | tail -15
       cp "$run/metrics.jsonl" "$OUT/train_sd35m_grpo_$tag.jsonl" 2>/dev/null
       python3 -c "
 import json, sys
