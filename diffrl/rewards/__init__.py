@@ -130,3 +130,4 @@ def multi_reward(weights: dict[str, float]) -> Callable:
 
 
 import diffrl.rewards.jpeg  # noqa: E402, F401  (registers the jpeg rewards)
+import diffrl.rewards.ocr  # noqa: E402, F401  (registers `ocr`; its model is imported on first use)

@@ -1,0 +1,42 @@
+"""The `ocr` reward: a real OCR model (RapidOCR's PP-OCR in ONNX, from its wheel) reads rendered text."""
+
+import numpy as np
+import pytest
+import torch
+from PIL import Image, ImageDraw, ImageFont
+
+from diffrl.rewards import get_reward
+from diffrl.rewards.ocr import edit_distance, quoted_text, text_score
+
+
+def render(text: str, size: int = 256) -> torch.Tensor:
+    """Black text on white, [3, H, W] in [0, 1]."""
+    image = Image.new("RGB", (size, size), "white")
+    ImageDraw.Draw(image).text((16, size // 2 - 20), text, fill="black", font=ImageFont.load_default(size=36))
+    return torch.from_numpy(np.array(image)).permute(2, 0, 1).float() / 255
+
+
+def test_quoted_text_and_the_score_formula():
+    assert quoted_text('a sign that says "Open Late"') == "Open Late"
+    assert quoted_text("a mug with ‘coffee’ on it") == "coffee"
+    assert edit_distance("kitten", "sitting") == 3 and edit_distance("", "abc") == 3
+    assert text_score("OPEN late!!", "open late") == 1.0  # contained, case and spaces aside
+    assert text_score("opem late", "open late") == pytest.approx(1 - 1 / 8)
+    assert text_score("something else entirely", "open") == 0.0  # distance capped at the target's length
+    with pytest.raises(ValueError, match="quotes no text"):
+        quoted_text("a sign with nothing quoted")
+
+
+def test_ocr_reads_the_quoted_text_back():
+    reward = get_reward("ocr")
+    prompts = ['a poster that says "diffrl"', 'a poster that says "diffrl"', 'a sign reading "hello"']
+    images = torch.stack([render("diffrl"), render("diffusion"), torch.ones(3, 256, 256)])
+    right, wrong, blank = reward(images, prompts)
+    assert right == 1.0
+    assert 0.0 < wrong < 1.0  # "diffusion" shares a prefix with "diffrl": partial credit
+    assert blank == 0.0  # nothing to read
+
+
+def test_a_prompt_without_quotes_is_refused_before_any_ocr():
+    with pytest.raises(ValueError, match="quotes no text to render: 'a red circle'"):
+        get_reward("ocr")(torch.ones(1, 3, 64, 64), ["a red circle"])
