@@ -59,6 +59,17 @@ def _sync(device: torch.device) -> None:
         torch.cuda.synchronize(device)
 
 
+def _ms_per_call(run, device: torch.device, reps: int) -> float:
+    """ms per call of `run` over `reps` calls, after one warm-up call."""
+    run()
+    _sync(device)
+    start = time.perf_counter()
+    for _ in range(reps):
+        run()
+    _sync(device)
+    return 1000 * (time.perf_counter() - start) / reps
+
+
 def _step_inputs(family, batch: int, size: int, guidance: float):
     device = family.device
     latents = family.prepare_latents(make_generators(range(batch), device=device), size, size)
@@ -85,14 +96,8 @@ def transformer_step_ms(family, batch: int, size: int, guidance: float, reps: in
     def run():
         return family.velocity(family.transformer, latents, sigma, cond, uncond, guidance)
 
-    run()
-    run()
-    _sync(family.device)
-    start = time.perf_counter()
-    for _ in range(reps):
-        run()
-    _sync(family.device)
-    return 1000 * (time.perf_counter() - start) / reps / batch
+    run()  # two warm-up calls: the first may compile
+    return _ms_per_call(run, family.device, reps) / batch
 
 
 @torch.no_grad()
@@ -102,28 +107,12 @@ def decode_ms_per_image(family, batch: int, size: int, reps: int) -> dict[str, f
     latents = family.prepare_latents(make_generators(range(batch), device=family.device), size, size).tokens
     ways = {"one_per_call": lambda: torch.cat([family.decode(row[None], size, size) for row in latents]),
             "family_decode": lambda: family.decode(latents, size, size)}
-    out = {}
-    for name, run in ways.items():
-        run()
-        _sync(family.device)
-        start = time.perf_counter()
-        for _ in range(reps):
-            run()
-        _sync(family.device)
-        out[name] = 1000 * (time.perf_counter() - start) / reps / batch
-    return out
+    return {name: _ms_per_call(run, family.device, reps) / batch for name, run in ways.items()}
 
 
 @torch.no_grad()
 def sd3_pipeline_s_per_image(family, batch: int, size: int, steps: int, guidance: float, repeats: int) -> float:
-    from diffusers import StableDiffusion3Pipeline
-
-    encoders, tokenizers = family.text_encoders, family.tokenizers
-    pipe = StableDiffusion3Pipeline(
-        transformer=family.transformer, scheduler=family.scheduler, vae=family.vae,
-        text_encoder=encoders[0], tokenizer=tokenizers[0], text_encoder_2=encoders[1], tokenizer_2=tokenizers[1],
-        text_encoder_3=encoders[2], tokenizer_3=tokenizers[2])
-    pipe.set_progress_bar_config(disable=True)
+    pipe = family.reference_pipeline()
     generator = torch.Generator(family.device).manual_seed(0)
 
     def run():

@@ -29,15 +29,7 @@ def sd3(sd3_dir) -> SD3Family:
 
 
 def _diffusers_images(family, prompt, negative, guidance, noise, steps, height, width):
-    from diffusers import StableDiffusion3Pipeline
-
-    encoders, tokenizers = family.text_encoders, family.tokenizers
-    pipe = StableDiffusion3Pipeline(
-        transformer=family.transformer, scheduler=family.scheduler, vae=family.vae,
-        text_encoder=encoders[0], tokenizer=tokenizers[0], text_encoder_2=encoders[1], tokenizer_2=tokenizers[1],
-        text_encoder_3=encoders[2], tokenizer_3=tokenizers[2])
-    pipe.set_progress_bar_config(disable=True)
-    return pipe(prompt=prompt, negative_prompt=negative if guidance > 1 else None, latents=noise,
+    return family.reference_pipeline()(prompt=prompt, negative_prompt=negative if guidance > 1 else None, latents=noise,
                 num_inference_steps=steps, guidance_scale=guidance, height=height, width=width,
                 num_images_per_prompt=len(noise), output_type="pt").images
 

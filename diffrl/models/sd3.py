@@ -89,6 +89,18 @@ class SD3Family(FamilyAdapter):
             raise ModelLoadError("sd3: the scheduler uses dynamic shifting, which this adapter does not reproduce "
                                  "(SD3 and SD3.5 ship a static shift)")
 
+    def reference_pipeline(self):
+        """diffusers' `StableDiffusion3Pipeline` over this family's own components (no copy): what the
+        tests check the engine against and the benchmarks time it against."""
+        from diffusers import StableDiffusion3Pipeline
+
+        (clip_l, clip_g, t5), (tok_l, tok_g, tok_t5) = self.text_encoders, self.tokenizers
+        pipe = StableDiffusion3Pipeline(transformer=self.transformer, scheduler=self.scheduler, vae=self.vae,
+                                        text_encoder=clip_l, tokenizer=tok_l, text_encoder_2=clip_g, tokenizer_2=tok_g,
+                                        text_encoder_3=t5, tokenizer_3=tok_t5)
+        pipe.set_progress_bar_config(disable=True)
+        return pipe
+
     # ---------------------------------------------------------------- load
     @classmethod
     def load(cls, model_path, *, device="cpu", dtype=torch.float32, load_text_encoder=True,
