@@ -39,3 +39,35 @@ def test_compiled_rollout_and_update_match_eager(tiny_model_dir, tmp_path):
 def test_nothing_to_compile_is_an_error():
     with pytest.raises(ValueError, match="no blocks to compile"):
         compile_blocks(torch.nn.Module(), [])
+
+
+@needs_compiler
+def test_served_engine_compiles_and_hosts_a_lora_adapter_afterwards(tiny_model_dir):
+    """`diffrl serve --compile`: the engine's images match an eager engine's, also after a LoRA adapter
+    is hosted on the compiled blocks (peft replaces layers inside them; they recompile)."""
+    from diffrl.engine.protocol import RolloutRequest
+    from diffrl.engine.server import ServeConfig, build_engine
+    from diffrl.models.lora import LoraSpec
+
+    torch._dynamo.reset()
+    engines = [build_engine(ServeConfig(model_path=tiny_model_dir, device="cpu", compile=flag)) for flag in (False, True)]
+    blocks = repeated_blocks(engines[1].family.transformer, engines[1].family.block_lists)
+    assert all(b._compiled_call_impl is not None for b in blocks)
+    request = RolloutRequest(prompt="a red circle", seed=3, num_outputs_per_prompt=2, num_inference_steps=2)
+
+    def images(engine):
+        return torch.stack([o.generated_output for o in engine.generate(request)])
+
+    torch.testing.assert_close(images(engines[1]), images(engines[0]), rtol=0, atol=1e-4)
+    spec = LoraSpec(rank=2, alpha=4.0, target_modules=list(engines[0].family.lora_target_modules))
+    for engine in engines:
+        assert engine.add_lora_adapter(spec)
+    eager, compiled = (dict(e.family.transformer.named_parameters()) for e in engines)
+    with torch.no_grad():
+        for name, p in compiled.items():
+            if "lora_" in name:
+                p.normal_(0, 0.5)
+                eager[name].copy_(p)
+    adapted = images(engines[0])
+    assert not torch.allclose(adapted, images(build_engine(ServeConfig(model_path=tiny_model_dir, device="cpu"))))
+    torch.testing.assert_close(images(engines[1]), adapted, rtol=0, atol=1e-4)

@@ -153,19 +153,29 @@ class ServeConfig:
     update_token: str | None = None
     """Bearer token for POST /update_weights (default: env DIFFRL_ENGINE_TOKEN). Without one, only a
     loopback server accepts weight updates."""
+    compile: bool = False
+    """torch.compile the transformer's repeated blocks (as `diffrl train --compile`, with eager's bf16
+    roundings kept); a LoRA adapter hosted later recompiles them once."""
 
 
-def serve(cfg: ServeConfig) -> None:
-    import uvicorn
-
+def build_engine(cfg: ServeConfig) -> Engine:
     from diffrl.models import resolve_family
+    from diffrl.models.compile import compile_blocks
     from diffrl.models.demo import SHIPPED_DEMO_MODEL
     from diffrl.utils.device import resolve_device
 
     model_path = cfg.model_path or SHIPPED_DEMO_MODEL
     family = resolve_family(cfg.diffusion_model_family, model_path).load(model_path, device=resolve_device(cfg.device))
-    engine = Engine(family, EngineConfig(max_outputs_per_request=cfg.max_outputs_per_request,
-                                         max_batch_outputs=cfg.max_batch_outputs))
+    if cfg.compile:
+        compile_blocks(family.transformer, family.block_lists)
+    return Engine(family, EngineConfig(max_outputs_per_request=cfg.max_outputs_per_request,
+                                       max_batch_outputs=cfg.max_batch_outputs))
+
+
+def serve(cfg: ServeConfig) -> None:
+    import uvicorn
+
+    engine = build_engine(cfg)
     token = cfg.update_token or os.environ.get("DIFFRL_ENGINE_TOKEN")
     exposed = cfg.host not in ("127.0.0.1", "localhost", "::1")
     uvicorn.run(create_app(engine, update_token=token, exposed=exposed), host=cfg.host, port=cfg.port, log_level="info")
