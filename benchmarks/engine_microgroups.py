@@ -25,11 +25,12 @@ import torch
 from report import emit
 from torch.utils.flop_counter import FlopCounterMode
 
+from diffrl.cli.bench import time_group
 from diffrl.engine.engine import Engine, EngineConfig
 from diffrl.engine.server import create_app
 from diffrl.models.base import Latents
 from diffrl.models.demo import SHIPPED_DEMO_MODEL, DemoConfig, DemoFamily
-from diffrl.rollout import HttpEngineClient, InProcessEngineClient, RolloutConfig, RolloutManager
+from diffrl.rollout import HttpEngineClient, InProcessEngineClient
 from diffrl.sampling import make_generators
 
 
@@ -81,19 +82,6 @@ def start_server(engine: Engine) -> tuple[str, object]:
     while not server.started:
         time.sleep(0.05)
     return f"http://127.0.0.1:{port}", server
-
-
-async def time_group(client, n: int, m: int, request: dict, repeats: int) -> tuple[float, torch.Tensor]:
-    """Seconds for one group of n samples in microgroups of m (median of `repeats`, after a warm-up),
-    and the group's images (to measure how much the batch size changes sample k)."""
-    config = RolloutConfig(n_samples_per_prompt=n, rollout_microgroup_size=m, engine_concurrency=n, request=request)
-    manager = RolloutManager([client], config)
-    await manager.rollout(["a blue square to the left of a yellow circle"])  # warm-up: kernels for this batch size
-    times = []
-    for _ in range(repeats):
-        group = (await manager.rollout(["a blue square to the left of a yellow circle"]))[0]
-        times.append(manager.last_stats.seconds)
-    return sorted(times)[len(times) // 2], torch.stack([s.output.generated_output for s in group])
 
 
 def main() -> None:

@@ -9,6 +9,7 @@ import sys
 
 import tyro
 
+from diffrl.cli.bench import BenchConfig, bench
 from diffrl.cli.compare import CompareConfig, compare
 from diffrl.cli.evaluate import EvaluateConfig, evaluate
 from diffrl.engine.server import ServeConfig, serve
@@ -18,7 +19,7 @@ from diffrl.train.config import TrainConfig, uses_ray
 from diffrl.train.pretrain import PretrainConfig, pretrain
 
 SUBCOMMANDS = {"train": TrainConfig, "pretrain": PretrainConfig, "evaluate": EvaluateConfig, "compare": CompareConfig,
-               "serve": ServeConfig}
+               "serve": ServeConfig, "bench": BenchConfig}
 
 
 def _flag_value(args: list[str], flag: str) -> str | None:
@@ -56,6 +57,8 @@ def main(argv: list[str] | None = None) -> int:
             serve(config)
         elif isinstance(config, CompareConfig):
             compare(config)
+        elif isinstance(config, BenchConfig):
+            bench(config)
         else:
             evaluate(config)
     except (ModelLoadError, FileExistsError, FileNotFoundError, ValueError) as err:

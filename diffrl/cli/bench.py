@@ -1,0 +1,227 @@
+"""`diffrl bench`: what a rollout costs on this machine for a checkpoint, before a run is launched.
+
+For one model (any family) at the settings given, measured in `--dtype` weights:
+- the transformer alone: ms per sample of one denoising step (both CFG halves when CFG is on) at batch
+  1 and batch n, GFLOP counted by torch's FlopCounterMode, MFU against `--peak-tflops` (GPU);
+- the VAE decode: ms per image one image per call and through the family's `decode`;
+- the engine: one group of n samples as a Flow-GRPO rollout request (SDE with log-probs on two steps,
+  trajectories and conditioning returned) in microgroups of M, in-process: seconds per image, and the
+  share of it the batch-n transformer alone would take (the rest is the engine's and the decode's);
+- for families with a `reference_pipeline()` (diffusers' own pipeline on the same components): that
+  pipeline at 1 and n images per call (ODE, images only), as the baseline in the same run.
+`benchmarks/family_rollout.py` runs this on random weights of a family's real size.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+PROMPT = "a blue square to the left of a yellow circle"
+
+
+@dataclass
+class BenchConfig:
+    model_path: Path | None = None
+    """Local diffusers-format model directory (default: the shipped demo model)."""
+    diffusion_model_family: str | None = None
+    device: str = "auto"
+    dtype: str = "bfloat16"
+    """Weights' dtype for the benchmark (float32 or bfloat16)."""
+    resolution: int | None = None
+    """Square image side; None: the family's default."""
+    n: int = 16
+    """Samples in the timed group (and the transformer's larger batch)."""
+    ms: tuple[int, ...] = (1, 8, 16)
+    """Microgroup sizes to time the group at."""
+    steps: int = 10
+    guidance_scale: float | None = None
+    """None: the family's default."""
+    repeats: int = 2
+    """Timed groups per microgroup size (median), after one warm-up group."""
+    peak_tflops: float = 790.0
+    """Dense bf16 peak of the GPU for MFU (H200: 790)."""
+    compile: bool = False
+    """Regional torch.compile of the family's blocks (as `diffrl train --compile`)."""
+    eager_numerics: bool = False
+    """With --compile: keep eager's bf16 roundings (the trainer's default; costs a few percent)."""
+    reference_pipeline: bool = True
+    """Also time diffusers' pipeline on the same weights, when the family has one."""
+    out: Path | None = None
+    """Write the results as JSON here."""
+
+
+def _sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def _ms_per_call(run, device: torch.device, reps: int) -> float:
+    """ms per call of `run` over `reps` calls, after one warm-up call."""
+    run()
+    _sync(device)
+    start = time.perf_counter()
+    for _ in range(reps):
+        run()
+    _sync(device)
+    return 1000 * (time.perf_counter() - start) / reps
+
+
+def _step_inputs(family, batch: int, size: int, guidance: float):
+    from diffrl.sampling import make_generators
+
+    device = family.device
+    latents = family.prepare_latents(make_generators(range(batch), device=device), size, size)
+    cond = family.encode_prompts([PROMPT]).repeat(batch)
+    uncond = family.encode_prompts([""]).repeat(batch) if guidance > 1 else None
+    return latents, torch.full((batch,), 0.5, device=device), cond, uncond
+
+
+@torch.no_grad()
+def transformer_gflop(family, batch: int, size: int, guidance: float) -> float:
+    """GFLOP per sample of one denoising step's transformer work (cond + uncond when CFG is on), counted
+    eagerly (before any compilation: the counter does not see inside compiled graphs)."""
+    from torch.utils.flop_counter import FlopCounterMode
+
+    latents, sigma, cond, uncond = _step_inputs(family, batch, size, guidance)
+    with FlopCounterMode(display=False) as counter:
+        family.velocity(family.transformer, latents, sigma, cond, uncond, guidance)
+    return counter.get_total_flops() / batch / 1e9
+
+
+@torch.no_grad()
+def transformer_step_ms(family, batch: int, size: int, guidance: float, reps: int) -> float:
+    """ms per sample of one denoising step's transformer work, after two warm-up calls."""
+    latents, sigma, cond, uncond = _step_inputs(family, batch, size, guidance)
+
+    def run():
+        return family.velocity(family.transformer, latents, sigma, cond, uncond, guidance)
+
+    run()  # two warm-up calls: the first may compile
+    return _ms_per_call(run, family.device, reps) / batch
+
+
+@torch.no_grad()
+def decode_ms_per_image(family, batch: int, size: int, reps: int) -> dict[str, float]:
+    """ms per image of the VAE decode: one image per call (what the engine does on CPU) and the family's
+    own `decode` (in chunks on a GPU)."""
+    from diffrl.sampling import make_generators
+
+    latents = family.prepare_latents(make_generators(range(batch), device=family.device), size, size).tokens
+    ways = {"one_per_call": lambda: torch.cat([family.decode(row[None], size, size) for row in latents]),
+            "family_decode": lambda: family.decode(latents, size, size)}
+    return {name: _ms_per_call(run, family.device, reps) / batch for name, run in ways.items()}
+
+
+async def time_group(client, n: int, m: int, request: dict, repeats: int, prompt: str = PROMPT):
+    """Seconds for one group of n samples in microgroups of m (median of `repeats`, after a warm-up),
+    and the group's outputs (to measure how much the batch size changes sample k)."""
+    from diffrl.rollout import RolloutConfig, RolloutManager
+
+    config = RolloutConfig(n_samples_per_prompt=n, rollout_microgroup_size=m, engine_concurrency=n, request=request)
+    manager = RolloutManager([client], config)
+    await manager.rollout([prompt])  # warm-up: kernels (and compiled graphs) for this batch size
+    times = []
+    for _ in range(repeats):
+        group = (await manager.rollout([prompt]))[0]
+        times.append(manager.last_stats.seconds)
+    return sorted(times)[len(times) // 2], torch.stack([s.output.generated_output for s in group])
+
+
+@torch.no_grad()
+def pipeline_s_per_image(pipe, device, batch: int, size: int, steps: int, guidance: float, repeats: int) -> float:
+    generator = torch.Generator(device).manual_seed(0)
+
+    def run():
+        pipe(prompt=PROMPT, num_inference_steps=steps, guidance_scale=guidance, height=size, width=size,
+             num_images_per_prompt=batch, generator=generator, output_type="pt")
+
+    run()
+    times = []
+    for _ in range(repeats):
+        _sync(device)
+        start = time.perf_counter()
+        run()
+        _sync(device)
+        times.append(time.perf_counter() - start)
+    return sorted(times)[len(times) // 2] / batch
+
+
+def bench(cfg: BenchConfig) -> dict:
+    from diffrl.engine.engine import Engine, EngineConfig
+    from diffrl.models import resolve_family
+    from diffrl.models.compile import compile_blocks
+    from diffrl.models.demo import SHIPPED_DEMO_MODEL
+    from diffrl.rollout import InProcessEngineClient
+    from diffrl.utils.device import resolve_device
+
+    if cfg.dtype not in ("float32", "bfloat16"):
+        raise ValueError(f"--dtype must be float32 or bfloat16, got {cfg.dtype!r}")
+    if cfg.n < 1 or not cfg.ms or any(not 1 <= m <= cfg.n for m in cfg.ms) or cfg.repeats < 1:
+        raise ValueError(f"--ms must lie in 1..--n ({cfg.n}) and --repeats be >= 1; got --ms {list(cfg.ms)}, "
+                         f"--repeats {cfg.repeats}")
+    device = resolve_device(cfg.device)
+    model_path = cfg.model_path or SHIPPED_DEMO_MODEL
+    family = resolve_family(cfg.diffusion_model_family, model_path).load(
+        model_path, device=device, dtype=getattr(torch, cfg.dtype))
+    size = cfg.resolution or family.default_size()[0]
+    family.check_size(size, size)
+    guidance = family.default_guidance_scale if cfg.guidance_scale is None else cfg.guidance_scale
+    on_gpu = device.type == "cuda"
+    results = {"family": family.name, "model_path": str(model_path),
+               "device": torch.cuda.get_device_name(device) if on_gpu else "cpu", "dtype": cfg.dtype,
+               "transformer_params": sum(p.numel() for p in family.transformer.parameters()), "resolution": size,
+               "n": cfg.n, "steps": cfg.steps, "guidance_scale": guidance, "compile": cfg.compile,
+               "eager_numerics": cfg.compile and cfg.eager_numerics, "transformer": {}, "engine": {}}
+    reps = 5 if on_gpu else 1
+    batches = sorted({1, cfg.n})
+    gflops = {batch: transformer_gflop(family, batch, size, guidance) for batch in batches}
+    if cfg.compile:
+        start = time.perf_counter()
+        compile_blocks(family.transformer, family.block_lists, eager_numerics=cfg.eager_numerics)
+        transformer_step_ms(family, cfg.n, size, guidance, 1)
+        results["compile_s"] = time.perf_counter() - start
+        print(f"compiled the blocks and ran batch {cfg.n}: {results['compile_s']:.0f} s", flush=True)
+    for batch in batches:
+        ms, gflop = transformer_step_ms(family, batch, size, guidance, reps), gflops[batch]
+        results["transformer"][batch] = {"ms_per_sample_step": ms, "gflop_per_sample_step": gflop,
+                                         "mfu": gflop / ms / cfg.peak_tflops if on_gpu else None}
+        print(f"transformer batch {batch:>2}: {ms:8.2f} ms per sample-step, {gflop:,.0f} GFLOP", flush=True)
+    results["decode_ms_per_image"] = decode_ms_per_image(family, cfg.n, size, 2 if on_gpu else 1)
+    print("VAE decode, ms per image: " + ", ".join(f"{k} {v:.1f}" for k, v in results["decode_ms_per_image"].items()),
+          flush=True)
+    floor_ms = results["transformer"][cfg.n]["ms_per_sample_step"] * cfg.steps
+    engine = Engine(family, EngineConfig(max_outputs_per_request=cfg.n, max_batch_outputs=cfg.n))
+    request = dict(num_inference_steps=cfg.steps, guidance_scale=guidance, rollout=True, rollout_sde_type="sde",
+                   rollout_noise_level=0.7, rollout_sde_step_indices=[1, 2] if cfg.steps > 2 else [0],
+                   rollout_return_dit_trajectory=True, rollout_return_denoising_env=True, height=size, width=size)
+    client = InProcessEngineClient(engine)
+    for m in cfg.ms:
+        if on_gpu:
+            torch.cuda.reset_peak_memory_stats(device)
+        seconds, _ = asyncio.run(time_group(client, cfg.n, m, request, cfg.repeats))
+        per_image = seconds / cfg.n
+        results["engine"][m] = {"s_per_image": per_image, "images_per_s": 1 / per_image,
+                                "transformer_share": floor_ms / 1000 / per_image,
+                                "peak_gib": torch.cuda.max_memory_allocated(device) / 2**30 if on_gpu else None}
+        print(f"engine M={m:<2}: {per_image:.3f} s per image ({1 / per_image:.2f} images/s; the batch-{cfg.n} "
+              f"transformer alone: {floor_ms / 1000:.3f} s)", flush=True)
+    if cfg.reference_pipeline and hasattr(family, "reference_pipeline"):
+        pipe = family.reference_pipeline()
+        name = type(pipe).__name__
+        results["pipeline"] = {"class": name}
+        for batch in batches:
+            per_image = pipeline_s_per_image(pipe, device, batch, size, cfg.steps, guidance, cfg.repeats)
+            results["pipeline"][batch] = {"s_per_image": per_image}
+            print(f"{name}, {batch:>2} images per call: {per_image:.3f} s per image", flush=True)
+        best_engine = min(r["s_per_image"] for r in results["engine"].values())
+        for batch in batches:
+            results[f"pipeline_batch{batch}_over_engine"] = results["pipeline"][batch]["s_per_image"] / best_engine
+    if cfg.out:
+        cfg.out.write_text(json.dumps(results, indent=2) + "\n")
+    return results

@@ -1,0 +1,38 @@
+"""`diffrl bench`: one run measures the transformer, the decode, the engine and, where the family has one,
+diffusers' pipeline on the same weights; bad flags are refused naming them."""
+
+import json
+
+import pytest
+
+from diffrl.cli.bench import BenchConfig, bench
+from diffrl.cli.main import main as cli_main
+from diffrl.models.sd3 import save_random_checkpoint
+
+
+def test_bench_reports_every_part_for_a_family_with_a_reference_pipeline(tmp_path):
+    model = save_random_checkpoint(tmp_path / "sd3-tiny")
+    out = tmp_path / "bench.json"
+    results = bench(BenchConfig(model_path=model, device="cpu", dtype="float32", resolution=32, n=2, ms=(1, 2),
+                                steps=2, repeats=1, guidance_scale=4.5, out=out))
+    assert json.loads(out.read_text()) == json.loads(json.dumps(results))
+    assert results["family"] == "sd3" and results["resolution"] == 32
+    step = results["transformer"]
+    # FLOPs per sample barely depend on the batch (on CPU the per-row modulation MLPs run once per
+    # distinct row, and the batch's rows share a timestep: a fraction of a percent here).
+    assert step[1]["gflop_per_sample_step"] == pytest.approx(step[2]["gflop_per_sample_step"], rel=1e-2)
+    assert step[1]["gflop_per_sample_step"] > 0
+    for m in (1, 2):
+        engine = results["engine"][m]
+        assert engine["images_per_s"] == pytest.approx(1 / engine["s_per_image"])
+        assert engine["transformer_share"] == pytest.approx(
+            2 * step[2]["ms_per_sample_step"] / 1000 / engine["s_per_image"])
+    assert results["pipeline"]["class"] == "StableDiffusion3Pipeline"
+    assert results["pipeline"][2]["s_per_image"] > 0 and "pipeline_batch2_over_engine" in results
+
+
+def test_bench_refuses_bad_flags(capsys):
+    assert cli_main(["bench", "--device", "cpu", "--n", "2", "--ms", "3"]) == 2
+    assert "--ms must lie in 1..--n (2)" in capsys.readouterr().err
+    assert cli_main(["bench", "--device", "cpu", "--dtype", "float16"]) == 2
+    assert "--dtype must be float32 or bfloat16" in capsys.readouterr().err
