@@ -63,6 +63,10 @@ class FamilyAdapter(ABC):
     default_guidance_scale: ClassVar[float] = 1.0
     # Model timestep = timestep_scale · σ (1 for families whose transformer takes σ itself).
     timestep_scale: ClassVar[float] = 1.0
+    # Whether conditionings of different lengths may share a batch zero-padded at the end of the token
+    # axis (the family derives its text mask from the conditioning itself and its text ids are all
+    # zeros): the trainer then pads a rollout's prompts to the longest instead of refusing the mix.
+    pads_text: ClassVar[bool] = False
     # Module names peft wraps when training a LoRA.
     lora_target_modules: ClassVar[tuple[str, ...]]
     # Attributes of the transformer holding its repeated blocks (each one an FSDP unit).

@@ -344,7 +344,7 @@ class Trainer:
         if not kept:
             record["train/skipped"] = 1.0
             return record
-        env = self._conditioning(samples)
+        env = self._conditioning(samples, pad_text=self.family.pads_text)
         sigmas = samples[0].output.dit_trajectory.sigmas
         start = time.perf_counter()
         if nft:
@@ -396,20 +396,28 @@ class Trainer:
                 client.push_weights(tensors, self.engine.weight_version, self.engine_token)
 
     @staticmethod
-    def _conditioning(samples) -> dict:
-        """Per-sample prompt embeddings from each request's denoising env (sent once per request)."""
+    def _conditioning(samples, pad_text: bool = False) -> dict:
+        """Per-sample prompt embeddings from each request's denoising env (sent once per request). With
+        `pad_text` (the family's `pads_text`), prompts of different lengths are zero-padded to the longest."""
         cond, uncond, env, first = [], [], None, None
         for s in samples:
             env = s.output.denoising_env or env  # the first output of each microgroup carries it
             first = first or env
             for key in ("text_ids", "negative_text_ids"):
-                if key in env and not torch.equal(env[key], first[key]):
+                if not pad_text and key in env and not torch.equal(env[key], first[key]):
                     raise ValueError(f"the prompts of one rollout have text windows of {len(first[key])} and "
                                      f"{len(env[key])} tokens ({s.prompt!r}); training batches one window, so keep "
                                      "every prompt (and the negative prompt) within one window of the family")
             cond.append(env["prompt_embeds"][0])
             negative = env.get("negative_prompt_embeds")
             uncond.append(negative[0] if negative is not None else torch.zeros_like(env["prompt_embeds"][0]))
+        if pad_text:
+            longest = max(e.shape[0] for e in cond + uncond)
+            cond, uncond = ([torch.nn.functional.pad(e, (0, 0, 0, longest - e.shape[0])) for e in part]
+                            for part in (cond, uncond))
+            ids = env["text_ids"].new_zeros(longest, env["text_ids"].shape[1])
+            return {"cond": cond, "uncond": uncond, "text_ids": ids, "image_ids": env["image_ids"],
+                    "negative_text_ids": ids}
         return {"cond": cond, "uncond": uncond, "text_ids": env["text_ids"], "image_ids": env["image_ids"],
                 "negative_text_ids": env.get("negative_text_ids", env["text_ids"])}
 
