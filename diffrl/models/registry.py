@@ -61,5 +61,6 @@ def _import_builtin_families() -> None:
     # Importing a family module registers it; done lazily so `registry` has no import cycle.
     import diffrl.models.demo  # noqa: F401
     import diffrl.models.flux3_image  # noqa: F401
+    import diffrl.models.krea2  # noqa: F401
     import diffrl.models.qwen_image  # noqa: F401
     import diffrl.models.sd3  # noqa: F401
