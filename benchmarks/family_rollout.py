@@ -4,13 +4,12 @@ and against diffusers' own pipeline on the same weights in the same run.
     python benchmarks/family_rollout.py --family sd3 --checkpoint /tmp/sd35m --resolution 512 --guidance-scale 4.5
     python benchmarks/family_rollout.py --family flux3_image --checkpoint /tmp/flux3 --resolution 1024 --guidance-scale 1
 
-A missing `--checkpoint` folder is first filled with random weights at the real size, built in code
-(no download): SD3.5-Medium's transformer and VAE (`SD3Sizes.medium()`, 2.24 B parameters), or
-`Flux3Transformer2DModel`'s default configuration (`Flux3Sizes.class_defaults()`, 5.54 B), each with
-shallow text encoders of the real widths (a prompt is encoded once per request).
+A missing `--checkpoint` folder is first filled with random weights at the family's real size, built in
+code (no download; `REAL_SIZES` below: SD3.5-Medium, FLUX 3 Klein's class defaults, Krea-2, Qwen-Image),
+with shallow text encoders where the family's builder makes them (a prompt is encoded once per request).
 
-What it measures is `diffrl bench` (`diffrl/cli/bench.py` says what; for SD3 the baseline is diffusers'
-`StableDiffusion3Pipeline` on the same weights, in the same run).
+What it measures is `diffrl bench` (`diffrl/cli/bench.py` says what; the baseline is diffusers' own
+pipeline on the same weights, in the same run, for families with a `reference_pipeline()`).
 """
 
 from __future__ import annotations
@@ -25,24 +24,31 @@ from report import emit
 from diffrl.cli.bench import BenchConfig, bench
 
 
+# family → (module, sizes class, its real-size constructor, extra arguments of save_random_checkpoint)
+REAL_SIZES = {
+    "sd3": ("diffrl.models.sd3", "SD3Sizes", "medium", {"with_t5": False}),  # SD3.5-Medium, 2.24 B
+    "flux3_image": ("diffrl.models.flux3_image", "Flux3Sizes", "class_defaults", {}),  # 5.54 B
+    "krea2": ("diffrl.models.krea2", "Krea2Sizes", "class_defaults", {}),  # 12.8 B (26 GB on disk in bf16)
+    "qwen_image": ("diffrl.models.qwen_image", "QwenImageSizes", "class_defaults", {}),  # 20.4 B (41 GB)
+}
+
+
 def make_checkpoint(family: str, path: Path, device: torch.device) -> None:
+    import importlib
+
+    if family not in REAL_SIZES:
+        raise SystemExit(f"--family {family}: this benchmark makes random checkpoints for {', '.join(REAL_SIZES)}")
+    module_name, sizes_class, constructor, extra = REAL_SIZES[family]
+    module = importlib.import_module(module_name)
+    sizes = getattr(getattr(module, sizes_class), constructor)()
     start = time.perf_counter()
-    if family == "sd3":
-        from diffrl.models.sd3 import SD3Sizes, save_random_checkpoint
-
-        save_random_checkpoint(path, SD3Sizes.medium(), with_t5=False, device=device, dtype=torch.bfloat16)
-    elif family == "flux3_image":
-        from diffrl.models.flux3_image import Flux3Sizes, save_random_checkpoint
-
-        save_random_checkpoint(path, Flux3Sizes.class_defaults(), device=device, dtype=torch.bfloat16)
-    else:
-        raise SystemExit(f"--family {family}: this benchmark makes random checkpoints for sd3 and flux3_image only")
+    module.save_random_checkpoint(path, sizes, device=device, dtype=torch.bfloat16, **extra)
     print(f"wrote a random {family} checkpoint to {path} in {time.perf_counter() - start:.0f} s", flush=True)
 
 
 def main() -> None:
     parser = argparse.ArgumentParser()
-    parser.add_argument("--family", choices=["sd3", "flux3_image"], required=True)
+    parser.add_argument("--family", choices=sorted(REAL_SIZES), required=True)
     parser.add_argument("--checkpoint", type=Path, required=True)
     parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     parser.add_argument("--dtype", default="bfloat16", choices=["float32", "bfloat16"])
