@@ -25,17 +25,20 @@ def assert_sample_k_is_the_same_in_any_microgroup(family, **request) -> None:
         assert torch.equal(alone.rollout_log_probs, output.rollout_log_probs)
 
 
-def run_training(model_dir: Path, out: Path, loss_type: str, lora: bool, guidance: float) -> None:
+def run_training(model_dir: Path, out: Path, loss_type: str, lora: bool, guidance: float,
+                 video: dict | None = None) -> None:
     """`diffrl train` on a tiny checkpoint of any family: one rollout, one update, a checkpoint that
-    loads back with the update in it (LoRA adapters trained, or full weights moved)."""
+    loads back with the update in it (LoRA adapters trained, or full weights moved). `video`: a video
+    family's `resolution` and `num_frames` (its held-out shapes evaluation, which scores images, is off)."""
     flags = ["train", "--model-path", str(model_dir), "--loss-type", loss_type, "--num-rollout", "1",
              "--rollout-batch-size", "2", "--n-samples-per-prompt", "2", "--rollout-microgroup-size", "2",
              "--global-batch-size", "4", "--num-steps-per-rollout", "1", "--micro-batch-size", "4",
              "--diffusion-num-steps", "2", "--diffusion-sde-window-range", "0", "2", "--diffusion-guidance-scale",
              str(guidance if loss_type == "flow_grpo" else 1.0), "--lr", "1e-3", "--eval-interval", "10",
-             "--eval-images-per-category", "1", "--checkpoint-interval", "1", "--device", "cpu",
+             "--eval-images-per-category", "0" if video else "1", "--checkpoint-interval", "1", "--device", "cpu",
              "--reward", "rewards_for_tests:darkness", "--output-dir", str(out),
-             *(["--use-lora", "--lora-rank", "2"] if lora else ["--no-use-lora"])]
+             *(["--use-lora", "--lora-rank", "2"] if lora else ["--no-use-lora"]),
+             *([f"--{k.replace('_', '-')}={v}" for k, v in video.items()] if video else [])]
     env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(Path(__file__).parent)}
     done = subprocess.run([sys.executable, "-m", "diffrl.cli.main", *flags], capture_output=True, text=True,
                           timeout=300, env=env)

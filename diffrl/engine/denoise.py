@@ -41,7 +41,9 @@ def denoise(
     return_step_indices: Iterable[int] = (),
     log_prob_no_const: bool = False,
     transformer: torch.nn.Module | None = None,
+    guidance_scale_2: float | None = None,
 ) -> DenoiseResult:
+    """`guidance_scale_2` (families with a second expert only) is passed on to `family.velocity` when set."""
     if sde_type not in SDE_TYPES:
         raise ValueError(f"unknown sde type {sde_type!r}; expected one of {SDE_TYPES}")
     transformer = transformer if transformer is not None else family.transformer
@@ -57,11 +59,12 @@ def denoise(
     batch = x.shape[0]
     log_probs = []
     trajectory: dict[int, torch.Tensor] = {}
+    second = {} if guidance_scale_2 is None else {"guidance_scale_2": guidance_scale_2}
     for i in range(num_steps):
         if i in keep:
             trajectory[i] = x.clone()
         sigma = sigmas[i].expand(batch)
-        v = family.velocity(transformer, Latents(x, latents.ids), sigma, cond, uncond, guidance_scale)
+        v = family.velocity(transformer, Latents(x, latents.ids), sigma, cond, uncond, guidance_scale, **second)
         stochastic = i in sde_steps and sde_type != "ode"
         out = transition(
             sde_type if stochastic else "ode", x, v, sigmas[i], sigmas[i + 1],

@@ -3,7 +3,8 @@
 `Engine.generate(request)` validates the request (a `RequestError` naming the field, the engine
 untouched), encodes the prompt (and the negative prompt when CFG is on) once, repeats the
 conditioning to `num_outputs_per_prompt`, gives output i its own generator seeded `seed + i`
-(initial noise and every SDE draw), and runs the shared denoising loop. It is usable in-process
+(initial noise and every SDE draw), and runs the shared denoising loop. A video family also gets the
+request's `num_frames` (default: the family's) and returns `[C, F, H, W]` outputs. It is usable in-process
 as is; `diffrl.engine.server` puts the same object behind HTTP.
 
 Requests that wait while the model is busy are denoised together when their sampling settings
@@ -62,6 +63,8 @@ class _Plan:
     sde_steps: tuple[int, ...]
     return_steps: tuple[int, ...]
     batch_key: tuple  # requests with equal keys can share one denoising batch
+    num_frames: int | None = None  # video families only (None for images)
+    guidance_scale_2: float | None = None  # the second expert's CFG scale (families with one), resolved
 
 
 @dataclass
@@ -102,13 +105,19 @@ class Engine:
             for name in IMAGE_CONDITIONING_FIELDS:
                 if getattr(req, name) is not None:
                     raise RequestError(name, f"the {family.name} family is text-to-image only; image conditioning is refused")
-        if req.num_frames not in (None, 1):
+        num_frames = None
+        if family.generates_video:
+            num_frames = family.default_num_frames if req.num_frames is None else req.num_frames
+        elif req.num_frames not in (None, 1):
             raise RequestError("num_frames", f"the {family.name} family generates images, not video (got {req.num_frames})")
+        if req.guidance_scale_2 is not None and not family.uses_guidance_scale_2:
+            raise RequestError("guidance_scale_2", f"the {family.name} family (this checkpoint) has no second expert; "
+                                                   "use guidance_scale")
         if req.true_cfg_scale is not None:
             raise RequestError("true_cfg_scale", f"not supported by the {family.name} family; use guidance_scale")
         default_h, default_w = family.default_size()
         height, width = req.height or default_h, req.width or default_w
-        family.check_size(height, width)
+        family.check_size(height, width, **_frames(num_frames))
         n = req.num_inference_steps
         sde_type = req.rollout_sde_type if req.rollout else "ode"
         sde_steps = tuple(range(n)) if req.rollout_sde_step_indices is None else tuple(req.rollout_sde_step_indices)
@@ -123,11 +132,18 @@ class Engine:
             return_steps = tuple(sorted(set(req.rollout_return_step_indices)))
         _check_indices("rollout_return_step_indices", return_steps, n)
         guidance = family.default_guidance_scale if req.guidance_scale is None else req.guidance_scale
+        guidance_2 = None
+        if family.uses_guidance_scale_2:  # as diffusers' WanPipeline: unset means guidance_scale
+            guidance_2 = guidance if req.guidance_scale_2 is None else req.guidance_scale_2
+            if guidance <= 1.0 < guidance_2:
+                raise RequestError("guidance_scale_2", f"{guidance_2} needs CFG, which runs only when "
+                                                       f"guidance_scale > 1 (got {guidance})")
         sde_steps = tuple(sorted(sde_steps))
-        key = (height, width, guidance, sde_type, sde_steps, return_steps, req.num_inference_steps,
-               req.rollout, req.rollout_noise_level, req.rollout_log_prob_no_const,
+        key = (height, width, num_frames, guidance, guidance_2, sde_type, sde_steps, return_steps,
+               req.num_inference_steps, req.rollout, req.rollout_noise_level, req.rollout_log_prob_no_const,
                req.rollout_return_dit_trajectory, req.rollout_return_denoising_env)
-        return _Plan(height, width, guidance, sde_type, sde_steps, return_steps, key)
+        return _Plan(height, width, guidance, sde_type, sde_steps, return_steps, key, num_frames=num_frames,
+                     guidance_scale_2=guidance_2)
 
     # ------------------------------------------------------------------ generation
     def generate(self, req: RolloutRequest) -> list[RolloutOutput]:
@@ -246,16 +262,16 @@ class Engine:
         uncond = _concat([u.repeat(n) for u, n in zip(unconds, sizes)]) if unconds is not None else None
         seeds = [t.req.seed + i for t in batch for i in range(t.req.num_outputs_per_prompt)]
         generators = make_generators(seeds, device=device)
-        latents = family.prepare_latents(generators, plan.height, plan.width)
+        latents = family.prepare_latents(generators, plan.height, plan.width, **_frames(plan.num_frames))
         sigmas = family.sigmas(req0.num_inference_steps, plan.height, plan.width)
         result = denoise(
             family, latents, sigmas, cond, uncond, plan.guidance_scale, generators=generators,
             sde_type=plan.sde_type, noise_level=req0.rollout_noise_level, sde_step_indices=plan.sde_steps,
             return_step_indices=plan.return_steps if req0.rollout_return_dit_trajectory else (),
-            log_prob_no_const=req0.rollout_log_prob_no_const,
+            log_prob_no_const=req0.rollout_log_prob_no_const, guidance_scale_2=plan.guidance_scale_2,
         )
         finite = torch.isfinite(result.latents).flatten(1).all(1).cpu()
-        images = family.decode(result.latents, plan.height, plan.width).cpu()
+        images = family.decode(result.latents, plan.height, plan.width, **_frames(plan.num_frames)).cpu()
         elapsed = time.perf_counter() - start
         peak_mb = _peak_memory_mb(device)
         steps = torch.tensor(plan.return_steps, dtype=torch.int64)
@@ -294,6 +310,11 @@ class Engine:
         return outputs
 
 
+def _frames(num_frames: int | None) -> dict:
+    """The `num_frames` keyword of a video family's calls; nothing for an image family."""
+    return {} if num_frames is None else {"num_frames": num_frames}
+
+
 def _same_ids(parts: list[PromptEmbeds]) -> bool:
     return all(torch.equal(p.ids, parts[0].ids) for p in parts)
 
@@ -312,6 +333,8 @@ def _denoising_env(cond, uncond, image_ids, sigmas, plan: _Plan) -> dict[str, to
     """What a trainer needs to replay any step of this request (once per request, unexpanded)."""
     env = {"prompt_embeds": cond.embeds.cpu(), "text_ids": cond.ids.cpu(), "image_ids": image_ids.cpu(),
            "sigmas": sigmas.cpu(), "guidance_scale": torch.tensor(plan.guidance_scale)}
+    if plan.guidance_scale_2 is not None:
+        env["guidance_scale_2"] = torch.tensor(plan.guidance_scale_2)
     if uncond is not None:
         env["negative_prompt_embeds"] = uncond.embeds.cpu()
         env["negative_text_ids"] = uncond.ids.cpu()  # its own text window (FLUX 3 pads each prompt separately)

@@ -34,6 +34,8 @@ class RolloutRequest(BaseModel):
     num_inference_steps: int = Field(10, ge=1, le=1000)
     guidance_scale: float | None = Field(None, ge=0)
     """None: the family's default. ≤ 1 runs one conditional forward per step."""
+    guidance_scale_2: float | None = Field(None, ge=0)
+    """CFG scale of a second (low-noise) expert, for families that have one (Wan2.2); None: guidance_scale."""
     true_cfg_scale: float | None = Field(None, ge=0)
     rollout: bool = False
     """True: the SDE steps inject noise and return log-probs; False: plain ODE sampling."""

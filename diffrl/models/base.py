@@ -17,6 +17,7 @@ from typing import ClassVar
 import torch
 
 from diffrl.errors import ModelLoadError  # noqa: F401  (re-exported)
+from diffrl.models.weights import load_weights
 
 
 @dataclass
@@ -71,6 +72,14 @@ class FamilyAdapter(ABC):
     lora_target_modules: ClassVar[tuple[str, ...]]
     # Attributes of the transformer holding its repeated blocks (each one an FSDP unit).
     block_lists: ClassVar[tuple[str, ...]]
+    # Video families: `prepare_latents`, `check_size` and `decode` also take a keyword `num_frames` (None: the
+    # family's `default_num_frames`) and `decode` returns `[B, C, F, H, W]`. Image families keep the signatures
+    # below; the engine refuses `num_frames` other than 1 for them.
+    generates_video: ClassVar[bool] = False
+    default_num_frames: ClassVar[int] = 1
+    # Whether requests may set `guidance_scale_2` (the CFG scale of a second, low-noise expert); `velocity`
+    # then takes it as a keyword (None: the same as guidance_scale). A family may set it per checkpoint.
+    uses_guidance_scale_2: bool = False
 
     transformer: torch.nn.Module
     # Mixed precision of the transformer forward (weights stay as loaded, e.g. fp32 masters):
@@ -132,6 +141,10 @@ class FamilyAdapter(ABC):
     @abstractmethod
     def check_size(self, height: int, width: int) -> None:
         """Raise `RequestError` naming `height`/`width` when the model cannot take this size."""
+
+    def load_saved_transformer(self, model_dir: Path) -> None:
+        """Load into `transformer` the weights a full finetune saved with `save(model_dir)` (diffusers layout)."""
+        load_weights(self.transformer, model_dir / "transformer" / "diffusion_pytorch_model.safetensors")
 
 
 def repeated_blocks(transformer: torch.nn.Module, block_lists: Sequence[str]) -> list[torch.nn.Module]:

@@ -88,6 +88,6 @@ def decode_rows(decode: Callable[[torch.Tensor], torch.Tensor], latents: torch.T
     if not (latents.device.type != "cpu" if chunked is None else chunked):
         return torch.cat([decode(row[None]) for row in latents])
     first = decode(latents[:1])  # its size says how many images fit in one call
-    per_call = max(1, DECODE_PIXELS_PER_CALL // (first.shape[-1] * first.shape[-2]))
+    per_call = max(1, DECODE_PIXELS_PER_CALL // first[0, 0].numel())  # H·W pixels, F·H·W for a video
     rest = [decode(chunk) for chunk in latents[1:].split(per_call)] if len(latents) > 1 else []
     return torch.cat([first, *rest])

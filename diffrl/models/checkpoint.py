@@ -17,7 +17,7 @@ import torch
 from diffrl.errors import ModelLoadError
 from diffrl.models.base import FamilyAdapter
 from diffrl.models.registry import resolve_family
-from diffrl.models.weights import load_weights, read_weights
+from diffrl.models.weights import read_weights
 
 
 def load_model(base_path: Path, checkpoint: Path | None = None, *, family: str | None = None,
@@ -37,10 +37,9 @@ def load_model(base_path: Path, checkpoint: Path | None = None, *, family: str |
     if (lora_dir / "adapter_config.json").is_file():
         _apply_lora(model.transformer, lora_dir)
         return model
-    for weights_dir in (checkpoint / "transformer", checkpoint / "model" / "transformer"):
-        weights = weights_dir / "diffusion_pytorch_model.safetensors"
-        if weights.is_file():
-            load_weights(model.transformer, weights)
+    for model_dir in (checkpoint, checkpoint / "model"):
+        if (model_dir / "transformer" / "diffusion_pytorch_model.safetensors").is_file():
+            model.load_saved_transformer(model_dir)  # the family's own layout (e.g. Wan2.2's two experts)
             return model
     raise ModelLoadError(f"{checkpoint} holds no model: expected model_index.json, model/, lora/adapter_config.json "
                          "or transformer/diffusion_pytorch_model.safetensors")

@@ -46,6 +46,8 @@ class TrainConfig:
     resolution: int | None = None
     """Side in pixels of the square images rolled out and evaluated; None: the family's default
     (e.g. 1024 for SD3.5, whose published Flow-GRPO recipes train at 512)."""
+    num_frames: int | None = None
+    """Frames of each rolled-out video (video families, e.g. wan2_2); None: the family's default."""
     use_lora: bool = True
     lora_rank: int = 8
     lora_alpha: float = 16.0

@@ -124,6 +124,23 @@ def validate_config(cfg: TrainConfig) -> None:
             raise ValueError(f"--{name.replace('_', '-')} must be >= 1")
 
 
+def check_video_flags(cfg: TrainConfig, family) -> None:
+    """--num-frames only for a video family; a video family without the shapes evaluation (it scores images)."""
+    if not family.generates_video:
+        if cfg.num_frames not in (None, 1):
+            raise ValueError(f"--num-frames {cfg.num_frames}: the {family.name} family generates images, not video")
+        return
+    if cfg.eval_images_per_category or cfg.val_images_per_category:
+        raise ValueError(f"the {family.name} family generates video and the held-out shapes evaluation scores images: "
+                         "pass --eval-images-per-category 0 (and --val-images-per-category 0)")
+    if cfg.num_frames is not None:
+        height, width = (cfg.resolution, cfg.resolution) if cfg.resolution else family.default_size()
+        try:
+            family.check_size(height, width, num_frames=cfg.num_frames)
+        except RequestError as err:
+            raise ValueError(f"--num-frames {cfg.num_frames}: {err.message}") from None
+
+
 def validate_parallel(cfg: TrainConfig, parallel: Parallel) -> None:
     """What a torchrun run needs beyond `validate_config`: equal shares, a shared run folder."""
     parallel.shard_of(cfg.rollout_batch_size, "--rollout-batch-size")
@@ -168,6 +185,7 @@ class Trainer:
                 self.family.check_size(cfg.resolution, cfg.resolution)
             except RequestError as err:
                 raise ValueError(f"--resolution {cfg.resolution}: {err.message}") from None
+        check_video_flags(cfg, self.family)
         transformer = self.family.transformer
         bf16 = cfg.mixed_precision == "bf16" or (cfg.mixed_precision == "auto" and self.device.type == "cuda")
         self.family.autocast_dtype = torch.bfloat16 if bf16 else None  # the engine shares the family
@@ -308,6 +326,8 @@ class Trainer:
                            rollout_return_denoising_env=True)
         if cfg.resolution:
             request.update(height=cfg.resolution, width=cfg.resolution)
+        if cfg.num_frames is not None:
+            request.update(num_frames=cfg.num_frames)
         self.manager.config.request = request
         shares = self.sampler.weights()  # before this rollout's rewards update them
         prompts, categories = self.sampler.draw(k, cfg.rollout_batch_size)

@@ -1,0 +1,419 @@
+"""The `wan2_2` family: Wan2.2 text-to-video (diffusers' `WanPipeline`), and Wan2.1-style checkpoints with a
+single transformer.
+
+A checkpoint is a local diffusers-format directory: `model_index.json` (its `boundary_ratio`), `transformer/`
+(`WanTransformer3DModel`, the high-noise expert), optionally `transformer_2/` (the low-noise expert),
+`vae/` (`AutoencoderKLWan`), `text_encoder/` (`UMT5EncoderModel`), `tokenizer/`, `scheduler/`.
+
+What this adapter reproduces of `WanPipeline` (`tests/test_wan2_2.py`, ODE sampling from the same noise):
+- conditioning: the prompt cleaned as the pipeline cleans it, tokenized to `max_sequence_length` (512),
+  the encoder's last hidden state kept over the prompt's own tokens and zero beyond them;
+- latents `[B, C, (F − 1)/4 + 1, H/8, W/8]` (the VAE's temporal and spatial factors), decoded as
+  `latents · std + mean` per channel, frames in [0, 1];
+- the schedule is the scheduler's own (`set_timesteps(N)`), the transformer's timestep is σ·1000;
+- the expert switch: a step whose timestep is at or above `boundary_ratio × num_train_timesteps` runs
+  `transformer` with `guidance_scale`, a step below it `transformer_2` with `guidance_scale_2` (unset:
+  `guidance_scale`); without `boundary_ratio` every step runs `transformer` (a `transformer_2` on disk is
+  then not loaded, as the pipeline never calls it). CFG runs when `guidance_scale > 1`, for both experts,
+  as in the pipeline: `uncond + s·(cond − uncond)` with the step's expert's scale (the engine refuses a
+  `guidance_scale_2 > 1` with `guidance_scale ≤ 1`, which the pipeline would ignore).
+
+How the two experts are trained: `family.transformer` is `WanExperts`, one module holding both, whose
+forward sends each row to the expert its timestep selects. The trainer passes it to `velocity` like any
+family's transformer, so engine and trainer run one forward; LoRA targets (PEFT adapter saved for the
+wrapper: names start with `transformer.` or `transformer_2.`), `block_lists` (FSDP units, compilation)
+and gradient checkpointing cover both experts; a full finetune saves each expert in diffusers layout.
+Sharded by FSDP2 (torchrun), every forward runs both experts on every rank (one row for an expert none
+of the rank's rows need), so ranks whose micro-batches route differently issue the same collectives.
+
+Not reproduced: the solver. Our steps are the shared Euler ODE / SDE of `diffrl.sampling`; a checkpoint
+whose scheduler is UniPC (as Wan's published ones) gets UniPC's flow σ's with our steps. Wan2.2 TI2V
+(`expand_timesteps`) and image-to-video are refused.
+"""
+
+from __future__ import annotations
+
+import copy
+import json
+import math
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+from diffusers.loaders.peft import PeftAdapterMixin
+from diffusers.models.modeling_outputs import Transformer2DModelOutput
+from torch.distributed.fsdp import FSDPModule
+
+from diffrl.errors import ModelLoadError, RequestError
+from diffrl.models.base import FamilyAdapter, Latents, PromptEmbeds
+from diffrl.models.batch_invariance import (
+    decode_rows,
+    embed_rows_one_at_a_time,
+    one_value_for_all_rows,
+    rows_share_one_timestep,
+)
+from diffrl.models.registry import register_family
+from diffrl.models.weights import load_weights
+from diffrl.sampling import randn_per_sample
+
+SCHEDULERS = ("FlowMatchEulerDiscreteScheduler", "UniPCMultistepScheduler")
+
+
+def _read_json(path: Path) -> dict:
+    if not path.is_file():
+        raise ModelLoadError(f"missing file: {path}")
+    try:
+        return json.loads(path.read_text())
+    except (json.JSONDecodeError, UnicodeDecodeError) as err:
+        raise ModelLoadError(f"corrupt file: {path} ({err})") from None
+
+
+class WanExperts(PeftAdapterMixin, torch.nn.Module):
+    """Wan2.2's experts as one module: rows whose timestep is ≥ `boundary_timestep` go to `transformer`
+    (high noise), the others to `transformer_2` (low noise). With one expert (Wan2.1, or no boundary)
+    every row goes to `transformer`. Takes and returns what `WanTransformer3DModel` does."""
+
+    def __init__(self, transformer: torch.nn.Module, transformer_2: torch.nn.Module | None = None,
+                 boundary_timestep: float | None = None):
+        super().__init__()
+        if (transformer_2 is None) != (boundary_timestep is None):
+            raise ValueError("a second expert needs a boundary timestep, and a boundary needs a second expert")
+        self.transformer = transformer
+        self.transformer_2 = transformer_2
+        self.boundary_timestep = boundary_timestep
+
+    @property
+    def experts(self) -> list[torch.nn.Module]:
+        return [self.transformer] + ([self.transformer_2] if self.transformer_2 is not None else [])
+
+    @property
+    def expert_blocks(self) -> torch.nn.ModuleList:
+        """Both experts' blocks, in order (the family's `block_lists`); not registered, so names stay the experts'."""
+        return torch.nn.ModuleList([block for expert in self.experts for block in expert.blocks])
+
+    def high_noise(self, timestep: torch.Tensor) -> torch.Tensor:
+        """Per row: whether `transformer` (rather than `transformer_2`) denoises it, as WanPipeline decides."""
+        if self.boundary_timestep is None:
+            return torch.ones(timestep.shape, dtype=torch.bool, device=timestep.device)
+        return timestep >= self.boundary_timestep
+
+    def enable_gradient_checkpointing(self) -> None:
+        for expert in self.experts:
+            expert.enable_gradient_checkpointing()
+
+    def forward(self, hidden_states, timestep, encoder_hidden_states, return_dict: bool = False, **kwargs):
+        out = self._route(hidden_states, timestep, encoder_hidden_states, **kwargs)
+        return Transformer2DModelOutput(sample=out) if return_dict else (out,)
+
+    def _route(self, hidden_states, timestep, encoder_hidden_states, **kwargs) -> torch.Tensor:
+        def run(expert, rows):
+            return expert(hidden_states[rows], timestep[rows], encoder_hidden_states[rows], return_dict=False,
+                          **kwargs)[0]
+
+        everything = slice(None)
+        if self.transformer_2 is None:
+            return run(self.transformer, everything)
+        high = self.high_noise(timestep)
+        if not isinstance(self, FSDPModule):  # one expert for the whole batch (every engine step): no split
+            if bool(high.all()):
+                return run(self.transformer, everything)
+            if not bool(high.any()):
+                return run(self.transformer_2, everything)
+        # Each row to its expert (a training micro-batch mixes steps). Sharded by FSDP2 under torchrun, every
+        # expert runs on every rank, on one row when none of this rank's is its: ranks whose micro-batches
+        # route differently still gather (forward) and reduce (backward) the same units, in the same order.
+        out, idle = None, 0.0
+        for expert, rows in ((self.transformer, high), (self.transformer_2, ~high)):
+            index = rows.nonzero().squeeze(1)
+            if len(index) == 0:
+                idle = idle + 0.0 * run(expert, slice(0, 1)).sum()  # in the graph, with zero gradients
+                continue
+            part = run(expert, index)
+            if out is None:
+                out = part.new_empty((hidden_states.shape[0], *part.shape[1:]))
+            out[index] = part
+        return out + idle
+
+
+def _run_per_sample_layers_row_by_row(transformer) -> None:
+    """Sample k bit-identical in any batch, on CPU (DESIGN §2): the timestep MLP and its projection to the
+    blocks' modulations are Wan's only matmuls whose row count is the batch size (the blocks add the
+    modulation to a table, without a matmul); they run one distinct row at a time."""
+    embedder = transformer.condition_embedder
+    embed_rows_one_at_a_time(embedder.time_embedder)
+    embed_rows_one_at_a_time(embedder.time_proj)  # its rows are the time embedding's: shared within a step
+
+
+@register_family
+class Wan22Family(FamilyAdapter):
+    name = "wan2_2"
+    name_patterns = ("wan2.2", "wan2_2", "wan2.1", "wan2_1", "wan")
+    generates_video = True
+    default_num_frames = 81  # WanPipeline's defaults: 81 frames of 480 × 832
+    default_guidance_scale = 5.0
+    timestep_scale = 1000.0
+    # Self- and cross-attention projections of every block (of both experts: the names match in each).
+    lora_target_modules = ("attn1.to_q", "attn1.to_k", "attn1.to_v", "attn1.to_out.0",
+                           "attn2.to_q", "attn2.to_k", "attn2.to_v", "attn2.to_out.0")
+    block_lists = ("expert_blocks",)
+
+    def __init__(self, transformer: WanExperts, vae, text_encoder, tokenizer, scheduler, *,
+                 boundary_ratio: float | None = None, max_sequence_length: int = 512):
+        self.transformer = transformer
+        if self.device.type == "cpu":
+            for expert in transformer.experts:
+                _run_per_sample_layers_row_by_row(expert)
+        self.vae = vae
+        self.text_encoder = text_encoder
+        self.tokenizer = tokenizer
+        self.scheduler = scheduler
+        self.boundary_ratio = boundary_ratio
+        self.max_sequence_length = max_sequence_length
+        self.uses_guidance_scale_2 = transformer.transformer_2 is not None
+        self.timestep_scale = float(scheduler.config.num_train_timesteps)
+        self.vae_scale_temporal = vae.config.scale_factor_temporal
+        self.vae_scale_spatial = vae.config.scale_factor_spatial
+
+    @property
+    def expert_config(self):
+        """The (high-noise) expert's config: both experts of a checkpoint share the latent layout."""
+        return self.transformer.transformer.config
+
+    def reference_pipeline(self):
+        """diffusers' `WanPipeline` over this family's own components (no copy), for tests and benchmarks."""
+        from diffusers import WanPipeline
+
+        pipe = WanPipeline(tokenizer=self.tokenizer, text_encoder=self.text_encoder, vae=self.vae,
+                           scheduler=self.scheduler, transformer=self.transformer.transformer,
+                           transformer_2=self.transformer.transformer_2, boundary_ratio=self.boundary_ratio)
+        pipe.set_progress_bar_config(disable=True)
+        return pipe
+
+    # ---------------------------------------------------------------- load
+    @classmethod
+    def load(cls, model_path, *, device="cpu", dtype=torch.float32, load_text_encoder=True,
+             max_sequence_length: int = 512) -> Wan22Family:
+        import diffusers
+        from diffusers import AutoencoderKLWan, WanTransformer3DModel
+        from transformers import AutoTokenizer, UMT5EncoderModel
+
+        root = Path(model_path)
+        if not root.is_dir():
+            raise ModelLoadError(f"model directory not found: {root}")
+        index = _read_json(root / "model_index.json")
+        for component in ("transformer", "vae", "text_encoder"):
+            _read_json(root / component / "config.json")
+        scheduler_config = _read_json(root / "scheduler" / "scheduler_config.json")
+        if index.get("expand_timesteps"):
+            raise ModelLoadError(f"wan2_2: {root} is a TI2V checkpoint (expand_timesteps: per-token timesteps), "
+                                 "which this adapter does not reproduce")
+        boundary_ratio = index.get("boundary_ratio")
+        has_second = (root / "transformer_2" / "config.json").is_file()
+        if boundary_ratio is not None and not has_second:
+            raise ModelLoadError(f"wan2_2: {root / 'model_index.json'} sets boundary_ratio={boundary_ratio} but "
+                                 f"there is no {root / 'transformer_2' / 'config.json'} (the low-noise expert)")
+        scheduler_name = scheduler_config.get("_class_name")
+        if scheduler_name not in SCHEDULERS:
+            raise ModelLoadError(f"wan2_2: scheduler {scheduler_name!r} in {root / 'scheduler'}; supported: "
+                                 f"{', '.join(SCHEDULERS)}")
+        if scheduler_name == "UniPCMultistepScheduler" and not scheduler_config.get("use_flow_sigmas"):
+            raise ModelLoadError("wan2_2: a UniPC scheduler without use_flow_sigmas has no flow-matching schedule")
+        if scheduler_config.get("use_dynamic_shifting"):
+            raise ModelLoadError("wan2_2: the scheduler uses dynamic shifting, which WanPipeline does not set up")
+        try:
+            def expert(folder: str):
+                return WanTransformer3DModel.from_pretrained(root / folder, torch_dtype=dtype, local_files_only=True)
+
+            transformer = expert("transformer")
+            transformer_2 = expert("transformer_2") if boundary_ratio is not None else None
+            vae = AutoencoderKLWan.from_pretrained(root / "vae", torch_dtype=dtype, local_files_only=True)
+            scheduler = getattr(diffusers, scheduler_name).from_pretrained(root / "scheduler", local_files_only=True)
+            tokenizer = AutoTokenizer.from_pretrained(str(root / "tokenizer"), local_files_only=True)
+            text_encoder = (UMT5EncoderModel.from_pretrained(str(root / "text_encoder"), dtype=dtype,
+                                                             local_files_only=True) if load_text_encoder else None)
+        except (OSError, ValueError) as err:
+            raise ModelLoadError(f"cannot load the Wan checkpoint {root}: {str(err).splitlines()[0]}") from None
+        for module in (transformer, transformer_2, vae, text_encoder):
+            if module is not None:
+                module.to(device=device).eval().requires_grad_(False)
+        boundary = None if boundary_ratio is None else boundary_ratio * scheduler.config.num_train_timesteps
+        experts = WanExperts(transformer, transformer_2, boundary)
+        return cls(experts, vae, text_encoder, tokenizer, scheduler, boundary_ratio=boundary_ratio,
+                   max_sequence_length=max_sequence_length)
+
+    def save(self, path: str | Path) -> None:
+        """Each expert in diffusers layout (`transformer/`, `transformer_2/`), what a full finetune changes."""
+        for folder, expert in zip(("transformer", "transformer_2"), self.transformer.experts):
+            expert.save_pretrained(Path(path) / folder, safe_serialization=True, max_shard_size="1000GB")
+
+    def load_saved_transformer(self, model_dir: Path) -> None:
+        for folder, expert in zip(("transformer", "transformer_2"), self.transformer.experts):
+            load_weights(expert, Path(model_dir) / folder / "diffusion_pytorch_model.safetensors")
+
+    # ---------------------------------------------------------------- the family's conventions
+    @property
+    def device(self) -> torch.device:
+        return next(self.transformer.parameters()).device
+
+    def default_size(self) -> tuple[int, int]:
+        return 480, 832
+
+    def _latent_frames(self, num_frames: int | None) -> int:
+        return ((self.default_num_frames if num_frames is None else num_frames) - 1) // self.vae_scale_temporal + 1
+
+    def check_size(self, height: int, width: int, num_frames: int | None = None) -> None:
+        _, p_h, p_w = self.expert_config.patch_size
+        # WanPipeline asks for multiples of 16 and of the VAE's factor × the patch (it rounds down; we refuse).
+        for name, value, patch in (("height", height, p_h), ("width", width, p_w)):
+            step = math.lcm(16, self.vae_scale_spatial * patch)
+            if value < step or value % step:
+                raise RequestError(name, f"{name}={value}: Wan needs a positive multiple of {step} pixels")
+            if value // (self.vae_scale_spatial * patch) > self.expert_config.rope_max_seq_len:
+                raise RequestError(name, f"{name}={value}: more patches than the model's rotary table "
+                                         f"({self.expert_config.rope_max_seq_len})")
+        if num_frames is not None:
+            t = self.vae_scale_temporal
+            if num_frames < 1 or (num_frames - 1) % t:
+                raise RequestError("num_frames", f"num_frames={num_frames}: Wan needs {t}k + 1 frames (1, {t + 1}, "
+                                                 f"{2 * t + 1}, …)")
+            latent, p_t = self._latent_frames(num_frames), self.expert_config.patch_size[0]
+            if latent % p_t or latent // p_t > self.expert_config.rope_max_seq_len:
+                raise RequestError("num_frames", f"num_frames={num_frames}: {latent} latent frames do not fit the "
+                                                 f"temporal patch {p_t} and the rotary table")
+
+    def sigmas(self, num_steps: int, height: int, width: int) -> torch.Tensor:
+        scheduler = copy.deepcopy(self.scheduler)  # set_timesteps changes the scheduler's state
+        scheduler.set_timesteps(num_steps, device="cpu")
+        sigmas = scheduler.sigmas.to(device=self.device, dtype=torch.float32)
+        if len(sigmas) != num_steps + 1 or float(sigmas[-1]) != 0.0:
+            raise ValueError(f"wan2_2: the scheduler's schedule {sigmas.tolist()} does not end at σ = 0 after "
+                             f"{num_steps} steps (final_sigmas_type must be 'zero')")
+        return sigmas
+
+    @torch.no_grad()
+    def encode_prompts(self, prompts: Sequence[str]) -> PromptEmbeds:
+        from diffusers.pipelines.wan.pipeline_wan import prompt_clean  # the pipeline's own text cleaning
+
+        if self.text_encoder is None:
+            raise RuntimeError("this Wan model was loaded without its text encoder")
+        length = self.max_sequence_length
+        tokens = self.tokenizer([prompt_clean(p) for p in prompts], padding="max_length", max_length=length,
+                                truncation=True, add_special_tokens=True, return_attention_mask=True,
+                                return_tensors="pt")
+        device = self.text_encoder.device
+        hidden = self.text_encoder(tokens.input_ids.to(device), tokens.attention_mask.to(device)).last_hidden_state
+        # The first `seq_len` tokens (the prompt's own: as many as the mask marks) kept, the rest zero.
+        seq_lens = tokens.attention_mask.gt(0).sum(dim=1).to(device)
+        keep = torch.arange(length, device=device)[None] < seq_lens[:, None]
+        embeds = torch.where(keep[..., None], hidden, torch.zeros_like(hidden)).float()
+        return PromptEmbeds(embeds, torch.zeros(length, 1, device=embeds.device))
+
+    def prepare_latents(self, generators, height, width, num_frames: int | None = None) -> Latents:
+        self.check_size(height, width, self.default_num_frames if num_frames is None else num_frames)
+        shape = (len(generators), self.expert_config.in_channels, self._latent_frames(num_frames),
+                 height // self.vae_scale_spatial, width // self.vae_scale_spatial)
+        # The transformer patchifies and positions the latents itself: no position ids to carry.
+        return Latents(randn_per_sample(shape, generators, device=self.device), torch.zeros(0, 1, device=self.device))
+
+    def velocity(self, transformer, latents, sigma, cond, uncond, guidance_scale, guidance_scale_2=None):
+        with rows_share_one_timestep(one_value_for_all_rows(sigma)):
+            return self._velocity(transformer, latents, sigma, cond, uncond, guidance_scale, guidance_scale_2)
+
+    def _velocity(self, transformer, latents, sigma, cond, uncond, guidance_scale, guidance_scale_2):
+        x = latents.tokens
+        # WanPipeline's timestep: σ·num_train_timesteps in fp32, whatever the weights' dtype.
+        t = (torch.as_tensor(sigma, device=x.device, dtype=torch.float32) * self.timestep_scale).expand(x.shape[0])
+        dtype = next(transformer.parameters()).dtype
+        cfg = guidance_scale > 1.0  # as the pipeline: CFG for both experts, or for neither
+        if cfg:
+            if uncond is None:
+                raise ValueError("guidance_scale > 1 needs the unconditional (negative) conditioning")
+            x, t_in, text = torch.cat([x, x]), torch.cat([t, t]), torch.cat([uncond.embeds, cond.embeds])
+        else:
+            t_in, text = t, cond.embeds
+        with self.forward_precision():
+            out = transformer(hidden_states=x.to(dtype), timestep=t_in, encoder_hidden_states=text.to(dtype),
+                              return_dict=False)[0].float()
+        if not cfg:
+            return out
+        v_uncond, v_cond = out.chunk(2)
+        scale_2 = guidance_scale if guidance_scale_2 is None else guidance_scale_2
+        high = transformer.high_noise(t)
+        if bool(high.all()):
+            scale = guidance_scale
+        elif not bool(high.any()):
+            scale = scale_2
+        else:  # a training micro-batch with rows of both experts
+            scale = torch.where(high, guidance_scale, scale_2).to(v_cond.dtype).view(-1, *[1] * (v_cond.dim() - 1))
+        return v_uncond + scale * (v_cond - v_uncond)
+
+    def decode(self, latents: torch.Tensor, height: int, width: int, num_frames: int | None = None) -> torch.Tensor:
+        config = self.vae.config
+        vae_dtype = next(self.vae.parameters()).dtype
+        shape = (1, config.z_dim, 1, 1, 1)
+        mean = torch.tensor(config.latents_mean, device=latents.device).view(shape)
+        inv_std = 1.0 / torch.tensor(config.latents_std, device=latents.device).view(shape)
+        latents = latents / inv_std + mean  # the pipeline's arithmetic, to the rounding
+        videos = decode_rows(lambda rows: self.vae.decode(rows.to(vae_dtype), return_dict=False)[0], latents)
+        return (videos.float() / 2 + 0.5).clamp(0, 1)  # [B, 3, F, H, W]
+
+
+# -------------------------------------------------------------------- random checkpoints
+@dataclass
+class WanSizes:
+    """Component sizes of a random checkpoint (tiny defaults, for tests). The VAE keeps Wan's factors
+    (4 in time, 8 in space) at a few channels."""
+
+    transformer: dict = field(default_factory=lambda: dict(
+        patch_size=(1, 2, 2), num_attention_heads=2, attention_head_dim=8, in_channels=4, out_channels=4,
+        freq_dim=16, ffn_dim=32, num_layers=2, rope_max_seq_len=32))
+    text_encoder: dict = field(default_factory=lambda: dict(d_model=32, d_kv=8, d_ff=64, num_layers=1, num_heads=2))
+    vae: dict = field(default_factory=lambda: dict(
+        base_dim=8, z_dim=4, dim_mult=[1, 2, 2, 2], num_res_blocks=1, temperal_downsample=[False, True, True],
+        latents_mean=[0.1, -0.2, 0.3, 0.0], latents_std=[1.5, 0.8, 1.2, 2.0]))
+
+
+def save_random_checkpoint(path: str | Path, sizes: WanSizes | None = None, *, seed: int = 0, two_experts: bool = True,
+                           boundary_ratio: float = 0.875, scheduler: str = "euler", shift: float = 3.0,
+                           device: str | torch.device = "cpu", dtype: torch.dtype = torch.float32) -> Path:
+    """A Wan checkpoint in diffusers layout (written by `WanPipeline.save_pretrained`) with random weights
+    and a tokenizer made in code (no download): two experts switched at `boundary_ratio` (Wan2.2), or one
+    (Wan2.1-style, no boundary). `scheduler`: "euler" (FlowMatchEulerDiscreteScheduler) or "unipc" (Wan's
+    published kind, flow σ's)."""
+    from diffusers import (
+        AutoencoderKLWan,
+        FlowMatchEulerDiscreteScheduler,
+        UniPCMultistepScheduler,
+        WanPipeline,
+        WanTransformer3DModel,
+    )
+    from transformers import UMT5Config, UMT5EncoderModel
+
+    from diffrl.models.demo import build_word_tokenizer
+
+    sizes = sizes or WanSizes()
+    torch.manual_seed(seed)
+    tokenizer = build_word_tokenizer("a an the red blue green cat dog circle square of on video".split(), 512)
+    width = sizes.text_encoder["d_model"]
+    def stored(module):  # fp32 as built; another dtype cast as a whole (diffusers warns about its fp32 modules)
+        return module if dtype == torch.float32 else module.to(dtype)
+
+    with torch.device(device):
+        text_encoder = stored(UMT5EncoderModel(UMT5Config(vocab_size=len(tokenizer), decoder_start_token_id=0,
+                                                          pad_token_id=0, **sizes.text_encoder)))
+        experts = [stored(WanTransformer3DModel(text_dim=width, **sizes.transformer))
+                   for _ in range(2 if two_experts else 1)]
+        vae = stored(AutoencoderKLWan(**sizes.vae))
+    if scheduler == "euler":
+        sched = FlowMatchEulerDiscreteScheduler(shift=shift)
+    elif scheduler == "unipc":
+        sched = UniPCMultistepScheduler(prediction_type="flow_prediction", use_flow_sigmas=True, flow_shift=shift,
+                                        final_sigmas_type="zero")
+    else:
+        raise ValueError(f"scheduler {scheduler!r}: 'euler' or 'unipc'")
+    pipe = WanPipeline(tokenizer=tokenizer, text_encoder=text_encoder, vae=vae, scheduler=sched,
+                       transformer=experts[0], transformer_2=experts[1] if two_experts else None,
+                       boundary_ratio=boundary_ratio if two_experts else None)
+    pipe.save_pretrained(path, safe_serialization=True)
+    return Path(path)

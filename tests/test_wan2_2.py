@@ -1,0 +1,252 @@
+"""The wan2_2 family (video) against diffusers' WanPipeline, on tiny random checkpoints built in code."""
+
+import json
+import shutil
+from pathlib import Path
+
+import pytest
+import torch
+from family_checks import assert_sample_k_is_the_same_in_any_microgroup, run_training
+
+from diffrl.engine.engine import Engine, EngineConfig
+from diffrl.engine.protocol import RolloutRequest
+from diffrl.engine.wire import decode_outputs, encode_outputs
+from diffrl.errors import ModelLoadError, RequestError
+from diffrl.models.registry import resolve_family
+from diffrl.models.wan2_2 import Wan22Family, save_random_checkpoint
+from diffrl.sampling import make_generators
+
+TOLERANCE = 1e-5  # fp32 on CPU through two code paths (measured: ≤ 1.2e-6)
+HEIGHT, WIDTH, FRAMES = 16, 32, 5  # latents [4, 2, 2, 4]: 2 latent frames, 4 tokens each
+# Text tokens per prompt (the pipeline's default is 512): with a few words in 512 zero-padded tokens, a
+# random model's video barely depends on the prompt, and the different-prompt check below needs it to.
+TEXT_TOKENS = 16
+
+
+@pytest.fixture(scope="module")
+def wan_dir(tmp_path_factory) -> Path:
+    return save_random_checkpoint(tmp_path_factory.mktemp("models") / "wan2.2-tiny")
+
+
+@pytest.fixture(scope="module")
+def wan(wan_dir) -> Wan22Family:
+    return Wan22Family.load(wan_dir, max_sequence_length=TEXT_TOKENS)
+
+
+@pytest.fixture(scope="module")
+def wan_one_expert(tmp_path_factory) -> Wan22Family:
+    path = save_random_checkpoint(tmp_path_factory.mktemp("models") / "wan2.1-tiny", two_experts=False)
+    return Wan22Family.load(path, max_sequence_length=TEXT_TOKENS)
+
+
+def _pipeline_videos(family, prompt, negative, guidance, guidance_2, noise, steps):
+    """WanPipeline's videos as [B, C, F, H, W] (it returns frames first)."""
+    frames = family.reference_pipeline()(
+        prompt=prompt, negative_prompt=negative if guidance > 1 else None, latents=noise, num_inference_steps=steps,
+        guidance_scale=guidance, guidance_scale_2=guidance_2, height=HEIGHT, width=WIDTH, num_frames=FRAMES,
+        num_videos_per_prompt=len(noise), max_sequence_length=TEXT_TOKENS, output_type="pt").frames
+    return frames.permute(0, 2, 1, 3, 4)
+
+
+@pytest.mark.parametrize(("experts", "negative", "guidance", "guidance_2"), [
+    (2, "blurry", 4.5, 2.0), (2, "", 4.5, None), (2, "", 1.0, None), (1, "blurry", 5.0, None), (1, "", 1.0, None)],
+    ids=["two-experts-cfg-own-scale-2", "two-experts-cfg", "two-experts-no-cfg", "one-expert-cfg", "one-expert-no-cfg"])
+def test_engine_reproduces_the_diffusers_pipeline(wan, wan_one_expert, experts, negative, guidance, guidance_2):
+    """ODE sampling through our engine gives WanPipeline's videos from the same noise."""
+    family = wan if experts == 2 else wan_one_expert
+    steps, seed = 4, 3
+    sigmas = family.sigmas(steps, HEIGHT, WIDTH)
+    if experts == 2:  # the boundary (0.875 · 1000) falls inside the schedule: both experts run
+        high = family.transformer.high_noise(sigmas[:-1] * 1000)
+        assert high.any() and not high.all()
+    engine = Engine(family, EngineConfig(max_outputs_per_request=4))
+    outputs = engine.generate(RolloutRequest(prompt="a red cat", negative_prompt=negative, seed=seed,
+                                             num_outputs_per_prompt=2, num_inference_steps=steps,
+                                             guidance_scale=guidance, guidance_scale_2=guidance_2, height=HEIGHT,
+                                             width=WIDTH, num_frames=FRAMES))
+    ours = torch.stack([o.generated_output for o in outputs])
+    noise = family.prepare_latents(make_generators([seed, seed + 1]), HEIGHT, WIDTH, num_frames=FRAMES).tokens
+    reference = _pipeline_videos(family, "a red cat", negative, guidance, guidance_2, noise, steps)
+    assert ours.shape == reference.shape == (2, 3, FRAMES, HEIGHT, WIDTH)
+    assert 0 <= ours.min() and ours.max() <= 1
+    torch.testing.assert_close(ours, reference, rtol=0, atol=TOLERANCE)
+    other = _pipeline_videos(family, "a green dog", negative, guidance, guidance_2, noise, steps)
+    assert (other - reference).abs().max() > 100 * TOLERANCE  # the comparison can fail
+    if guidance_2 is not None:  # the low-noise expert's own scale is used
+        same_scale = _pipeline_videos(family, "a red cat", negative, guidance, guidance, noise, steps)
+        assert (same_scale - reference).abs().max() > 100 * TOLERANCE
+
+
+def test_the_experts_are_switched_at_the_boundary(wan):
+    """Timesteps at or above boundary_ratio × num_train_timesteps go to `transformer`, below to
+    `transformer_2`; one batch mixing both (a training micro-batch) equals each row run on its expert."""
+    experts = wan.transformer
+    assert experts.boundary_timestep == 875.0
+    t = torch.tensor([875.0, 874.9, 1000.0, 3.0])
+    assert experts.high_noise(t).tolist() == [True, False, True, False]
+    x = torch.randn(4, 4, 2, 2, 4)
+    text = wan.encode_prompts(["a cat", "a dog", "red", "blue"]).embeds
+    mixed = experts(x, t, text)[0]
+    for i, expert in enumerate([experts.transformer, experts.transformer_2] * 2):
+        alone = expert(x[i : i + 1], t[i : i + 1], text[i : i + 1], return_dict=False)[0]
+        torch.testing.assert_close(mixed[i : i + 1], alone, rtol=0, atol=1e-6)
+    assert len(wan.transformer.expert_blocks) == 4  # both experts' blocks: FSDP units, compilation
+
+
+def test_sample_k_is_the_same_in_any_microgroup(wan):
+    # 3 steps: σ·1000 = 1000, 750, 3, so the two SDE steps run one expert each.
+    assert_sample_k_is_the_same_in_any_microgroup(wan, guidance_scale=4.5, guidance_scale_2=2.0, height=HEIGHT,
+                                                  width=WIDTH, num_frames=FRAMES)
+
+
+def test_video_outputs_cross_the_wire(wan):
+    """msgpack + safetensors carry a [C, F, H, W] video and its 5-D trajectory latents unchanged."""
+    outputs = Engine(wan).generate(RolloutRequest(
+        prompt="a red cat", num_outputs_per_prompt=2, num_inference_steps=2, height=HEIGHT, width=WIDTH,
+        num_frames=FRAMES, rollout=True, rollout_return_dit_trajectory=True, rollout_return_denoising_env=True))
+    decoded = decode_outputs(encode_outputs(outputs))
+    assert decoded[0].generated_output.shape == (3, FRAMES, HEIGHT, WIDTH)
+    assert decoded[0].dit_trajectory.latents.shape == (3, 4, 2, 2, 4)  # steps 0, 1, 2 of 2 SDE steps
+    for ours, back in zip(outputs, decoded, strict=True):
+        assert torch.equal(ours.generated_output, back.generated_output)
+        assert torch.equal(ours.dit_trajectory.latents, back.dit_trajectory.latents)
+        assert torch.equal(ours.rollout_log_probs, back.rollout_log_probs)
+    assert float(decoded[0].denoising_env["guidance_scale_2"]) == 5.0  # unset: guidance_scale, as the pipeline
+
+
+def test_defaults_schedule_and_family_name(wan, wan_dir):
+    from diffusers import FlowMatchEulerDiscreteScheduler
+
+    assert wan.default_size() == (480, 832) and wan.default_num_frames == 81  # WanPipeline's defaults
+    scheduler = FlowMatchEulerDiscreteScheduler(shift=3.0)
+    scheduler.set_timesteps(10)
+    torch.testing.assert_close(wan.sigmas(10, HEIGHT, WIDTH), scheduler.sigmas.float())
+    assert resolve_family(None, wan_dir) is Wan22Family
+
+
+def test_unipc_checkpoints_get_unipc_flow_sigmas(tmp_path):
+    from diffusers import UniPCMultistepScheduler
+
+    family = Wan22Family.load(save_random_checkpoint(tmp_path / "wan-unipc", scheduler="unipc", shift=5.0))
+    scheduler = UniPCMultistepScheduler(prediction_type="flow_prediction", use_flow_sigmas=True, flow_shift=5.0)
+    scheduler.set_timesteps(6)
+    sigmas = family.sigmas(6, HEIGHT, WIDTH)
+    torch.testing.assert_close(sigmas, scheduler.sigmas.float())
+    assert sigmas[-1] == 0 and len(sigmas) == 7
+
+
+@pytest.mark.parametrize(("fields", "field"), [
+    (dict(height=24), "height"), (dict(width=0), "width"), (dict(width=16 * 8 * 33), "width"),
+    (dict(num_frames=6), "num_frames"), (dict(num_frames=0), "num_frames"),
+    (dict(image="data:image/png;base64,AAAA"), "image"), (dict(true_cfg_scale=4.0), "true_cfg_scale"),
+    (dict(guidance_scale=1.0, guidance_scale_2=3.0), "guidance_scale_2"),
+])
+def test_bad_video_requests_are_refused_by_name(wan, fields, field):
+    engine = Engine(wan)
+    request = dict(prompt="a cat", height=HEIGHT, width=WIDTH, num_frames=FRAMES, num_inference_steps=1)
+    with pytest.raises(RequestError) as err:
+        engine.generate(RolloutRequest(**{**request, **fields}))
+    assert err.value.field == field
+    assert engine.in_flight == 0 and len(engine.generate(RolloutRequest(**request))) == 1
+
+
+def test_guidance_scale_2_needs_a_second_expert(wan_one_expert, tiny_family):
+    """A one-expert checkpoint and the image families refuse guidance_scale_2 by name; image families
+    still refuse num_frames > 1 and accept 1."""
+    for family, frames in ((wan_one_expert, dict(height=16, width=16, num_frames=5)), (tiny_family, {})):
+        with pytest.raises(RequestError) as err:
+            Engine(family).generate(RolloutRequest(prompt="a cat", guidance_scale=4.0, guidance_scale_2=3.0,
+                                                   num_inference_steps=1, **frames))
+        assert err.value.field == "guidance_scale_2"
+    engine = Engine(tiny_family)
+    with pytest.raises(RequestError) as err:
+        engine.generate(RolloutRequest(prompt="a cat", num_frames=5, num_inference_steps=1))
+    assert err.value.field == "num_frames"
+    image = engine.generate(RolloutRequest(prompt="a cat", num_frames=1, num_inference_steps=1))[0].generated_output
+    assert image.dim() == 3
+
+
+def test_bad_checkpoints_are_refused(wan_dir, tmp_path):
+    broken = tmp_path / "wan2.2-broken"
+    shutil.copytree(wan_dir, broken)
+    index = broken / "model_index.json"
+    index.write_text(json.dumps({**json.loads(index.read_text()), "expand_timesteps": True}))
+    with pytest.raises(ModelLoadError, match="TI2V"):
+        Wan22Family.load(broken)
+    index.write_text(json.dumps({**json.loads(index.read_text()), "expand_timesteps": False}))
+    shutil.rmtree(broken / "transformer_2")
+    with pytest.raises(ModelLoadError, match="boundary_ratio=0.875 but there is no .*transformer_2"):
+        Wan22Family.load(broken)
+    (broken / "vae" / "config.json").unlink()
+    with pytest.raises(ModelLoadError, match="missing file: .*vae/config.json"):
+        Wan22Family.load(broken)
+
+
+@pytest.mark.parametrize(("loss_type", "lora"), [("flow_grpo", True), ("nft", False)], ids=["grpo-lora", "nft-full"])
+def test_training_run_on_wan(wan_dir, tmp_path, loss_type, lora):
+    """Both experts train (2 steps: σ·1000 = 1000 and 3, one per expert): LoRA on both, or full weights."""
+    run_training(wan_dir, tmp_path / "run", loss_type, lora, guidance=4.5,
+                 video=dict(resolution=HEIGHT, num_frames=FRAMES))
+    from diffrl.models.checkpoint import load_model
+
+    trained = load_model(wan_dir, tmp_path / "run" / "checkpoints" / "rollout-00001").transformer.state_dict()
+    base = load_model(wan_dir).transformer.state_dict()
+    for expert in ("transformer.", "transformer_2."):
+        if lora:
+            assert any(n.startswith(expert) and "lora_B" in n and w.abs().max() > 0 for n, w in trained.items())
+        else:
+            assert any(n.startswith(expert) and not torch.equal(w, base[n]) for n, w in trained.items())
+
+
+def test_two_rank_training_matches_one_process(wan_dir, tmp_path):
+    """`diffrl train` under torchrun (two gloo ranks, FSDP2 over both experts' blocks) equals one process. NFT
+    with micro-batches of one pair: each rank's pairs route to experts by their own samples' timesteps, so
+    the ranks' micro-batches use different experts (a rank runs the other expert on one idle row)."""
+    import os
+    import subprocess
+    import sys
+
+    from safetensors.torch import load_file
+
+    flags = ["train", "--model-path", str(wan_dir), "--loss-type", "nft", "--num-rollout", "1",
+             "--rollout-batch-size", "2", "--n-samples-per-prompt", "2", "--rollout-microgroup-size", "2",
+             "--global-batch-size", "4", "--num-steps-per-rollout", "1", "--micro-batch-size", "1",
+             "--diffusion-num-steps", "2", "--diffusion-guidance-scale", "1.0", "--lr", "1e-3",
+             "--eval-images-per-category", "0", "--checkpoint-interval", "1", "--device", "cpu", "--no-use-lora",
+             "--reward", "rewards_for_tests:darkness", f"--resolution={HEIGHT}", f"--num-frames={FRAMES}"]
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(Path(__file__).parent)}
+    env.pop("WORLD_SIZE", None)
+    runs = {}
+    for name, launcher in (("single", [sys.executable, "-m", "diffrl.cli.main"]),
+                           ("ranks", [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2",
+                                      "--master-port", "29543", "-m", "diffrl.cli.main"])):
+        out = tmp_path / name
+        done = subprocess.run(launcher + flags + ["--output-dir", str(out)], capture_output=True, text=True,
+                              timeout=300, env=env)
+        assert done.returncode == 0, done.stderr[-3000:]
+        record = json.loads((out / "metrics.jsonl").read_text().splitlines()[-1])
+        model = out / "checkpoints" / "rollout-00001" / "model"
+        runs[name] = record, {expert: load_file(str(model / expert / "diffusion_pytorch_model.safetensors"))
+                              for expert in ("transformer", "transformer_2")}
+    (single, w_single), (ranks, w_ranks) = runs["single"], runs["ranks"]
+    for key in ("rollout/reward/raw_mean", "train/loss", "train/grad_norm"):
+        assert ranks[key] == pytest.approx(single[key], rel=1e-5), key
+    for expert, weights in w_single.items():
+        for name, w in weights.items():
+            torch.testing.assert_close(w_ranks[expert][name], w, rtol=1e-5, atol=1e-6, msg=f"{expert}.{name}")
+
+
+def test_video_training_flags_are_checked(wan_dir, tiny_model_dir, tmp_path):
+    from diffrl.train.config import TrainConfig
+    from diffrl.train.trainer import Trainer
+
+    flags = dict(num_rollout=1, rollout_batch_size=1, n_samples_per_prompt=2, rollout_microgroup_size=2,
+                 global_batch_size=2, num_steps_per_rollout=1, micro_batch_size=2, diffusion_num_steps=2,
+                 diffusion_sde_window_range=(0, 2), device="cpu")
+    with pytest.raises(ValueError, match="generates video .* --eval-images-per-category 0"):
+        Trainer(TrainConfig(model_path=wan_dir, output_dir=tmp_path / "a", **flags))
+    with pytest.raises(ValueError, match="--num-frames 6: num_frames=6"):
+        Trainer(TrainConfig(model_path=wan_dir, output_dir=tmp_path / "b", resolution=16, num_frames=6,
+                            eval_images_per_category=0, **flags))
+    with pytest.raises(ValueError, match="--num-frames 5: the demo family generates images"):
+        Trainer(TrainConfig(model_path=tiny_model_dir, output_dir=tmp_path / "c", num_frames=5, **flags))
