@@ -3,7 +3,8 @@
 
 `shapes-nft` and `shapes-grpo` run at GPU size on a CUDA machine and scale down on a CPU (the
 device is `--device`, `auto` = CUDA when present); `shapes-nft-gpu` / `shapes-grpo-gpu` force the
-GPU size (what `docs/results.md` measured).
+GPU size (what `docs/results.md` measured). `sd3-grpo` is Flow-GRPO's SD3.5 setting for a checkpoint
+given with `--model-path`.
 """
 
 from __future__ import annotations
@@ -23,7 +24,18 @@ _GPU_BATCH = dict(  # 32 prompts × 16 samples per rollout, 2 optimizer steps of
     mixed_precision="no",  # fp32 + TF32: what docs/results.md measured; bf16 is --mixed-precision bf16
 )
 
+# Flow-GRPO on an SD3 / SD3.5 checkpoint (`--model-path`) at the published recipe's sampling settings
+# (DESIGN §9: 512², 10 steps, CFG 4.5, LoRA r32; noise 0.7, clip 1e-4), 9 of the 10 steps trained; the
+# run BENCHMARKS.md measured on one H200 (0.465 s per sample with --compile, 0.83 s eager). Give it a
+# reward (`--reward`); the shapes held-out evaluation is off.
+_SD3_GRPO = dict(loss_type="flow_grpo", use_lora=True, lora_rank=32, lora_alpha=64.0, resolution=512,
+                 diffusion_num_steps=10, diffusion_guidance_scale=4.5, diffusion_noise_level=0.7,
+                 diffusion_sde_window_range=(0, 9), diffusion_num_sde_steps=9, diffusion_clip_range=1e-4,
+                 rollout_batch_size=4, n_samples_per_prompt=16, rollout_microgroup_size=16, global_batch_size=64,
+                 num_steps_per_rollout=1, micro_batch_size=8, eval_images_per_category=0)
+
 SIZED: dict[str, dict[str, dict]] = {
+    "sd3-grpo": {"gpu": _SD3_GRPO, "cpu": _SD3_GRPO},  # a real SD3 has no CPU size
     "shapes-nft": {
         # DiffusionNFT: CFG-free ODE rollouts under the EMA old policy, full finetune.
         # Cosine decay over 60 rollouts: at a constant rate, or over more rollouts, the held-out

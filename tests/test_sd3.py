@@ -140,3 +140,14 @@ def test_chunked_decode_equals_one_image_per_call(sd3, monkeypatch, batch):
     alone = batch_invariance.decode_rows(decode, latents, chunked=False)
     assert chunked.shape == (batch, 3, 32, 32)
     torch.testing.assert_close(chunked, alone, rtol=0, atol=1e-5)
+
+
+def test_sd3_grpo_recipe_is_flow_grpos_setting_and_flags_override_it(sd3_dir):
+    from diffrl.cli.main import parse
+    from diffrl.train.trainer import validate_config
+
+    cfg = parse(["train", "--recipe", "sd3-grpo", "--model-path", str(sd3_dir), "--lora-rank", "16"])
+    assert (cfg.resolution, cfg.diffusion_num_steps, cfg.diffusion_guidance_scale) == (512, 10, 4.5)
+    assert cfg.use_lora and cfg.lora_rank == 16 and cfg.diffusion_num_sde_steps == 9
+    assert cfg.eval_images_per_category == 0 and cfg.model_path == sd3_dir
+    validate_config(cfg)  # its batch sizes are consistent

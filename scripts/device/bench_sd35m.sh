@@ -29,12 +29,9 @@ for job in ${JOBS:-rollout:0 rollout:1 train:0 train:1}; do
 import sys, torch; from pathlib import Path; from family_rollout import make_checkpoint
 make_checkpoint('sd3', Path(sys.argv[1]), torch.device('cuda'))" "$ckpt")
       run=runs/sd35m-grpo-$tag; rm -rf "$run"
-      python3 -m diffrl.cli.main train --model-path "$ckpt" --diffusion-model-family sd3 --loss-type flow_grpo \
-        --use-lora --lora-rank 32 --lora-alpha 64 --resolution 512 --num-rollout "${ROLLOUTS:-3}" \
-        --rollout-batch-size 4 --n-samples-per-prompt 16 --rollout-microgroup-size 16 --global-batch-size 64 \
-        --num-steps-per-rollout 1 --micro-batch-size 8 --diffusion-num-steps 10 --diffusion-guidance-scale 4.5 \
-        --diffusion-noise-level 0.7 --diffusion-sde-window-range 0 9 --diffusion-num-sde-steps 9 \
-        --reward jpeg_compressibility --reward-workers 6 --eval-images-per-category 0 --checkpoint-interval 1000 \
+      # --recipe sd3-grpo (diffrl/recipes.py) holds the settings measured on 2026-12-01.
+      python3 -m diffrl.cli.main train --recipe sd3-grpo --model-path "$ckpt" --diffusion-model-family sd3 \
+        --num-rollout "${ROLLOUTS:-3}" --reward jpeg_compressibility --reward-workers 6 --checkpoint-interval 1000 \
         --output-dir "$run" "${flag[@]}" ${TRAIN_FLAGS:-} 2>&1 | quiet | tail -15
       cp "$run/metrics.jsonl" "$OUT/train_sd35m_grpo_$tag.jsonl" 2>/dev/null
       python3 -c "
