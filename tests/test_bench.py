@@ -36,3 +36,16 @@ def test_bench_refuses_bad_flags(capsys):
     assert "--ms must lie in 1..--n (2)" in capsys.readouterr().err
     assert cli_main(["bench", "--device", "cpu", "--dtype", "float16"]) == 2
     assert "--dtype must be float32 or bfloat16" in capsys.readouterr().err
+
+
+def test_bench_times_a_video_family_and_refuses_frames_for_an_image_family(tmp_path, tiny_model_dir):
+    from diffrl.models.wan2_2 import save_random_checkpoint as save_wan
+
+    model = save_wan(tmp_path / "wan-tiny")
+    results = bench(BenchConfig(model_path=model, device="cpu", dtype="float32", resolution=16, num_frames=5, n=2,
+                                ms=(2,), steps=2, repeats=1, guidance_scale=1.0))
+    assert results["family"] == "wan2_2" and results["num_frames"] == 5
+    assert results["engine"][2]["s_per_image"] > 0 and results["decode_ms_per_image"]["family_decode"] > 0
+    assert results["pipeline"]["class"] == "WanPipeline" and results["pipeline"][2]["s_per_image"] > 0
+    with pytest.raises(ValueError, match="--num-frames 5: the demo family generates images"):
+        bench(BenchConfig(model_path=tiny_model_dir, device="cpu", num_frames=5))

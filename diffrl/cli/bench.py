@@ -35,6 +35,8 @@ class BenchConfig:
     """Weights' dtype for the benchmark (float32 or bfloat16)."""
     resolution: int | None = None
     """Square image side; None: the family's default."""
+    num_frames: int | None = None
+    """Video families: frames per sample (None: the family's default); refused for image families."""
     n: int = 16
     """Samples in the timed group (and the transformer's larger batch)."""
     ms: tuple[int, ...] = (1, 8, 16)
@@ -72,32 +74,39 @@ def _ms_per_call(run, device: torch.device, reps: int) -> float:
     return 1000 * (time.perf_counter() - start) / reps
 
 
-def _step_inputs(family, batch: int, size: int, guidance: float):
+def _frames(family, num_frames: int | None) -> dict:
+    """The `num_frames` keyword of a video family's calls; nothing for an image family."""
+    return {"num_frames": num_frames} if family.generates_video else {}
+
+
+def _step_inputs(family, batch: int, size: int, guidance: float, num_frames: int | None = None):
     from diffrl.sampling import make_generators
 
     device = family.device
-    latents = family.prepare_latents(make_generators(range(batch), device=device), size, size)
+    latents = family.prepare_latents(make_generators(range(batch), device=device), size, size,
+                                     **_frames(family, num_frames))
     cond = family.encode_prompts([PROMPT]).repeat(batch)
     uncond = family.encode_prompts([""]).repeat(batch) if guidance > 1 else None
     return latents, torch.full((batch,), 0.5, device=device), cond, uncond
 
 
 @torch.no_grad()
-def transformer_gflop(family, batch: int, size: int, guidance: float) -> float:
+def transformer_gflop(family, batch: int, size: int, guidance: float, num_frames: int | None = None) -> float:
     """GFLOP per sample of one denoising step's transformer work (cond + uncond when CFG is on), counted
     eagerly (before any compilation: the counter does not see inside compiled graphs)."""
     from torch.utils.flop_counter import FlopCounterMode
 
-    latents, sigma, cond, uncond = _step_inputs(family, batch, size, guidance)
+    latents, sigma, cond, uncond = _step_inputs(family, batch, size, guidance, num_frames)
     with FlopCounterMode(display=False) as counter:
         family.velocity(family.transformer, latents, sigma, cond, uncond, guidance)
     return counter.get_total_flops() / batch / 1e9
 
 
 @torch.no_grad()
-def transformer_step_ms(family, batch: int, size: int, guidance: float, reps: int) -> float:
+def transformer_step_ms(family, batch: int, size: int, guidance: float, reps: int,
+                        num_frames: int | None = None) -> float:
     """ms per sample of one denoising step's transformer work, after two warm-up calls."""
-    latents, sigma, cond, uncond = _step_inputs(family, batch, size, guidance)
+    latents, sigma, cond, uncond = _step_inputs(family, batch, size, guidance, num_frames)
 
     def run():
         return family.velocity(family.transformer, latents, sigma, cond, uncond, guidance)
@@ -107,14 +116,15 @@ def transformer_step_ms(family, batch: int, size: int, guidance: float, reps: in
 
 
 @torch.no_grad()
-def decode_ms_per_image(family, batch: int, size: int, reps: int) -> dict[str, float]:
-    """ms per image of the VAE decode: one image per call (what the engine does on CPU) and the family's
-    own `decode` (in chunks on a GPU)."""
+def decode_ms_per_image(family, batch: int, size: int, reps: int, num_frames: int | None = None) -> dict[str, float]:
+    """ms per image (or video) of the VAE decode: one per call (what the engine does on CPU) and the
+    family's own `decode` (in chunks on a GPU)."""
     from diffrl.sampling import make_generators
 
-    latents = family.prepare_latents(make_generators(range(batch), device=family.device), size, size).tokens
-    ways = {"one_per_call": lambda: torch.cat([family.decode(row[None], size, size) for row in latents]),
-            "family_decode": lambda: family.decode(latents, size, size)}
+    frames = _frames(family, num_frames)
+    latents = family.prepare_latents(make_generators(range(batch), device=family.device), size, size, **frames).tokens
+    ways = {"one_per_call": lambda: torch.cat([family.decode(row[None], size, size, **frames) for row in latents]),
+            "family_decode": lambda: family.decode(latents, size, size, **frames)}
     return {name: _ms_per_call(run, family.device, reps) / batch for name, run in ways.items()}
 
 
@@ -134,12 +144,19 @@ async def time_group(client, n: int, m: int, request: dict, repeats: int, prompt
 
 
 @torch.no_grad()
-def pipeline_s_per_image(pipe, device, batch: int, size: int, steps: int, guidance: float, repeats: int) -> float:
+def pipeline_s_per_image(pipe, device, batch: int, size: int, steps: int, guidance: float, repeats: int,
+                         num_frames: int | None = None) -> float:
+    """Seconds per image (or video) of a diffusers pipeline making `batch` per call (median of `repeats`)."""
+    import inspect
+
     generator = torch.Generator(device).manual_seed(0)
+    accepted = inspect.signature(pipe.__call__).parameters
+    count = "num_videos_per_prompt" if "num_videos_per_prompt" in accepted else "num_images_per_prompt"
+    extra = {"num_frames": num_frames} if num_frames is not None else {}
 
     def run():
         pipe(prompt=PROMPT, num_inference_steps=steps, guidance_scale=guidance, height=size, width=size,
-             num_images_per_prompt=batch, generator=generator, output_type="pt")
+             generator=generator, output_type="pt", **{count: batch}, **extra)
 
     run()
     times = []
@@ -170,36 +187,41 @@ def bench(cfg: BenchConfig) -> dict:
     family = resolve_family(cfg.diffusion_model_family, model_path).load(
         model_path, device=device, dtype=getattr(torch, cfg.dtype))
     size = cfg.resolution or family.default_size()[0]
-    family.check_size(size, size)
+    if cfg.num_frames is not None and not family.generates_video:
+        raise ValueError(f"--num-frames {cfg.num_frames}: the {family.name} family generates images, not video")
+    frames = family.default_num_frames if family.generates_video and cfg.num_frames is None else cfg.num_frames
+    family.check_size(size, size, **_frames(family, frames))
     guidance = family.default_guidance_scale if cfg.guidance_scale is None else cfg.guidance_scale
     on_gpu = device.type == "cuda"
     results = {"family": family.name, "model_path": str(model_path),
                "device": torch.cuda.get_device_name(device) if on_gpu else "cpu", "dtype": cfg.dtype,
                "transformer_params": sum(p.numel() for p in family.transformer.parameters()), "resolution": size,
-               "n": cfg.n, "steps": cfg.steps, "guidance_scale": guidance, "compile": cfg.compile,
+               "num_frames": frames if family.generates_video else None, "n": cfg.n, "steps": cfg.steps,
+               "guidance_scale": guidance, "compile": cfg.compile,
                "eager_numerics": cfg.compile and cfg.eager_numerics, "transformer": {}, "engine": {}}
     reps = 5 if on_gpu else 1
     batches = sorted({1, cfg.n})
-    gflops = {batch: transformer_gflop(family, batch, size, guidance) for batch in batches}
+    gflops = {batch: transformer_gflop(family, batch, size, guidance, frames) for batch in batches}
     if cfg.compile:
         start = time.perf_counter()
         compile_blocks(family.transformer, family.block_lists, eager_numerics=cfg.eager_numerics)
-        transformer_step_ms(family, cfg.n, size, guidance, 1)
+        transformer_step_ms(family, cfg.n, size, guidance, 1, frames)
         results["compile_s"] = time.perf_counter() - start
         print(f"compiled the blocks and ran batch {cfg.n}: {results['compile_s']:.0f} s", flush=True)
     for batch in batches:
-        ms, gflop = transformer_step_ms(family, batch, size, guidance, reps), gflops[batch]
+        ms, gflop = transformer_step_ms(family, batch, size, guidance, reps, frames), gflops[batch]
         results["transformer"][batch] = {"ms_per_sample_step": ms, "gflop_per_sample_step": gflop,
                                          "mfu": gflop / ms / cfg.peak_tflops if on_gpu else None}
         print(f"transformer batch {batch:>2}: {ms:8.2f} ms per sample-step, {gflop:,.0f} GFLOP", flush=True)
-    results["decode_ms_per_image"] = decode_ms_per_image(family, cfg.n, size, 2 if on_gpu else 1)
+    results["decode_ms_per_image"] = decode_ms_per_image(family, cfg.n, size, 2 if on_gpu else 1, frames)
     print("VAE decode, ms per image: " + ", ".join(f"{k} {v:.1f}" for k, v in results["decode_ms_per_image"].items()),
           flush=True)
     floor_ms = results["transformer"][cfg.n]["ms_per_sample_step"] * cfg.steps
     engine = Engine(family, EngineConfig(max_outputs_per_request=cfg.n, max_batch_outputs=cfg.n))
     request = dict(num_inference_steps=cfg.steps, guidance_scale=guidance, rollout=True, rollout_sde_type="sde",
                    rollout_noise_level=0.7, rollout_sde_step_indices=[1, 2] if cfg.steps > 2 else [0],
-                   rollout_return_dit_trajectory=True, rollout_return_denoising_env=True, height=size, width=size)
+                   rollout_return_dit_trajectory=True, rollout_return_denoising_env=True, height=size, width=size,
+                   **_frames(family, frames))
     client = InProcessEngineClient(engine)
     for m in cfg.ms:
         if on_gpu:
@@ -216,7 +238,8 @@ def bench(cfg: BenchConfig) -> dict:
         name = type(pipe).__name__
         results["pipeline"] = {"class": name}
         for batch in batches:
-            per_image = pipeline_s_per_image(pipe, device, batch, size, cfg.steps, guidance, cfg.repeats)
+            per_image = pipeline_s_per_image(pipe, device, batch, size, cfg.steps, guidance, cfg.repeats,
+                                             frames if family.generates_video else None)
             results["pipeline"][batch] = {"s_per_image": per_image}
             print(f"{name}, {batch:>2} images per call: {per_image:.3f} s per image", flush=True)
         best_engine = min(r["s_per_image"] for r in results["engine"].values())
