@@ -8,6 +8,7 @@ sharded) copy and still run exactly the code the engine runs.
 
 from __future__ import annotations
 
+import json
 from abc import ABC, abstractmethod
 from collections.abc import Sequence
 from dataclasses import dataclass, replace
@@ -16,8 +17,18 @@ from typing import ClassVar
 
 import torch
 
-from diffrl.errors import ModelLoadError  # noqa: F401  (re-exported)
+from diffrl.errors import ModelLoadError
 from diffrl.models.weights import load_weights
+
+
+def read_json(path: Path) -> dict:
+    """A checkpoint's JSON file (config, scheduler, model index), or a `ModelLoadError` naming the file."""
+    if not path.is_file():
+        raise ModelLoadError(f"missing file: {path}")
+    try:
+        return json.loads(path.read_text())
+    except (json.JSONDecodeError, UnicodeDecodeError) as err:
+        raise ModelLoadError(f"corrupt file: {path} ({err.__class__.__name__}: {err})") from None
 
 
 @dataclass

@@ -23,7 +23,7 @@ from diffusers import Flux3Transformer2DModel
 from transformers import PreTrainedTokenizerFast, T5Config, T5EncoderModel
 
 from diffrl.errors import ModelLoadError, RequestError
-from diffrl.models.base import FamilyAdapter, Latents, PromptEmbeds
+from diffrl.models.base import FamilyAdapter, Latents, PromptEmbeds, read_json
 from diffrl.models.batch_invariance import embed_rows_one_at_a_time, one_value_for_all_rows, rows_share_one_timestep
 from diffrl.models.registry import register_family
 from diffrl.models.weights import load_weights, read_weights
@@ -109,15 +109,6 @@ def text_position_ids(length: int, device=None) -> torch.Tensor:
     return torch.stack([zeros, zeros, zeros, l], dim=-1)
 
 
-def _read_json(path: Path) -> dict:
-    if not path.is_file():
-        raise ModelLoadError(f"missing file: {path}")
-    try:
-        return json.loads(path.read_text())
-    except (json.JSONDecodeError, UnicodeDecodeError) as err:
-        raise ModelLoadError(f"corrupt file: {path} ({err.__class__.__name__}: {err})") from None
-
-
 @register_family
 class DemoFamily(FamilyAdapter):
     name = "demo"
@@ -184,7 +175,7 @@ class DemoFamily(FamilyAdapter):
         root = Path(model_path)
         if not root.is_dir():
             raise ModelLoadError(f"model directory not found: {root}")
-        index = _read_json(root / "model_index.json")
+        index = read_json(root / "model_index.json")
         try:
             settings = dict(index["diffrl"])
             settings.pop("family", None)
@@ -192,20 +183,20 @@ class DemoFamily(FamilyAdapter):
         except (KeyError, TypeError) as err:
             raise ModelLoadError(f"corrupt file: {root / 'model_index.json'} (bad 'diffrl' block: {err})") from None
 
-        transformer = Flux3Transformer2DModel.from_config(_read_json(root / "transformer" / "config.json"))
+        transformer = Flux3Transformer2DModel.from_config(read_json(root / "transformer" / "config.json"))
         load_weights(transformer, root / "transformer" / "diffusion_pytorch_model.safetensors")
         transformer.to(device=device).eval().requires_grad_(False)
         if dtype != torch.float32:
             transformer.to(dtype=dtype)
 
         tokenizer_dir = root / "tokenizer"
-        _read_json(tokenizer_dir / "tokenizer.json")  # names the file when it is missing or corrupt
+        read_json(tokenizer_dir / "tokenizer.json")  # names the file when it is missing or corrupt
         tokenizer = PreTrainedTokenizerFast.from_pretrained(str(tokenizer_dir), local_files_only=True)
 
         text_encoder = None
         if load_text_encoder:
             encoder_dir = root / "text_encoder"
-            _read_json(encoder_dir / "config.json")
+            read_json(encoder_dir / "config.json")
             read_weights(encoder_dir / "model.safetensors")  # names the file when it is missing or corrupt
             # from_pretrained restores the tied input embedding that save_pretrained leaves out.
             text_encoder = T5EncoderModel.from_pretrained(str(encoder_dir), local_files_only=True)

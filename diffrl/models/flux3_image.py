@@ -32,7 +32,7 @@ from pathlib import Path
 import torch
 
 from diffrl.errors import ModelLoadError, RequestError
-from diffrl.models.base import FamilyAdapter, Latents, PromptEmbeds
+from diffrl.models.base import FamilyAdapter, Latents, PromptEmbeds, read_json
 from diffrl.models.batch_invariance import (
     decode_rows,
     embed_rows_one_at_a_time,
@@ -76,21 +76,12 @@ def text_position_ids(length: int, device=None) -> torch.Tensor:
     return ids
 
 
-def _read_json(path: Path) -> dict:
-    if not path.is_file():
-        raise ModelLoadError(f"missing file: {path}")
-    try:
-        return json.loads(path.read_text())
-    except (json.JSONDecodeError, UnicodeDecodeError) as err:
-        raise ModelLoadError(f"corrupt file: {path} ({err})") from None
-
-
 def _static_shift(scheduler_dir: Path) -> float:
     """The scheduler's static shift; the schedule options this adapter does not reproduce are refused."""
     config_file = scheduler_dir / "scheduler_config.json"
     if not config_file.is_file():
         return DEFAULT_SHIFT
-    config = _read_json(config_file)
+    config = read_json(config_file)
     unsupported = [key for key in ("use_dynamic_shifting", "use_karras_sigmas", "use_exponential_sigmas",
                                    "use_beta_sigmas", "invert_sigmas", "stochastic_sampling") if config.get(key)]
     if config.get("shift_terminal"):
@@ -134,11 +125,11 @@ class Flux3ImageFamily(FamilyAdapter):
         if not root.is_dir():
             raise ModelLoadError(f"model directory not found: {root}")
         for component in ("transformer", "vae", "tokenizer") + (("text_encoder",) if load_text_encoder else ()):
-            _read_json(root / component / ("config.json" if component != "tokenizer" else "tokenizer_config.json"))
+            read_json(root / component / ("config.json" if component != "tokenizer" else "tokenizer_config.json"))
         settings = Flux3Settings()
         index_file = root / "model_index.json"
         if index_file.is_file():
-            overrides = dict(_read_json(index_file).get("diffrl", {}))
+            overrides = dict(read_json(index_file).get("diffrl", {}))
             overrides.pop("family", None)
             try:
                 settings = Flux3Settings(**overrides)

@@ -64,7 +64,7 @@ import numpy as np
 import torch
 
 from diffrl.errors import ModelLoadError, RequestError
-from diffrl.models.base import FamilyAdapter, Latents, PromptEmbeds
+from diffrl.models.base import FamilyAdapter, Latents, PromptEmbeds, read_json
 from diffrl.models.batch_invariance import decode_rows, embed_rows_one_at_a_time
 from diffrl.models.registry import register_family
 from diffrl.sampling import randn_per_sample, resolution_mu
@@ -97,19 +97,10 @@ class Krea2Settings:
     default_size: int = 1024
 
 
-def _read_json(path: Path) -> dict:
-    if not path.is_file():
-        raise ModelLoadError(f"missing file: {path}")
-    try:
-        return json.loads(path.read_text())
-    except (json.JSONDecodeError, UnicodeDecodeError) as err:
-        raise ModelLoadError(f"corrupt file: {path} ({err})") from None
-
-
 def _read_settings(index_file: Path) -> Krea2Settings:
     if not index_file.is_file():
         return Krea2Settings()
-    index = _read_json(index_file)
+    index = read_json(index_file)
     values = {key: index[key] for key in ("text_encoder_select_layers", "is_distilled", "patch_size") if key in index}
     extra = dict(index.get("diffrl", {}))
     extra.pop("family", None)
@@ -237,9 +228,9 @@ class Krea2Family(FamilyAdapter):
         if not root.is_dir():
             raise ModelLoadError(f"model directory not found: {root}")
         for component in ("transformer", "vae") + (("text_encoder",) if load_text_encoder else ()):
-            _read_json(root / component / "config.json")
-        _read_json(root / "tokenizer" / "tokenizer_config.json")
-        _read_json(root / "scheduler" / "scheduler_config.json")
+            read_json(root / component / "config.json")
+        read_json(root / "tokenizer" / "tokenizer_config.json")
+        read_json(root / "scheduler" / "scheduler_config.json")
         settings = _read_settings(root / "model_index.json")
         try:
             transformer = Krea2Transformer2DModel.from_pretrained(root / "transformer", torch_dtype=dtype,

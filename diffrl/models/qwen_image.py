@@ -49,7 +49,7 @@ import numpy as np
 import torch
 
 from diffrl.errors import ModelLoadError, RequestError
-from diffrl.models.base import FamilyAdapter, Latents, PromptEmbeds
+from diffrl.models.base import FamilyAdapter, Latents, PromptEmbeds, read_json
 from diffrl.models.batch_invariance import (
     decode_rows,
     embed_rows_one_at_a_time,
@@ -81,15 +81,6 @@ class QwenImageSettings:
 
     default_size: int | None = None  # None: DEFAULT_SAMPLE_SIZE latent pixels times the VAE's scale
     max_sequence_length: int = MAX_SEQUENCE_LENGTH
-
-
-def _read_json(path: Path) -> dict:
-    if not path.is_file():
-        raise ModelLoadError(f"missing file: {path}")
-    try:
-        return json.loads(path.read_text())
-    except (json.JSONDecodeError, UnicodeDecodeError) as err:
-        raise ModelLoadError(f"corrupt file: {path} ({err})") from None
 
 
 def _check_template_prefix(tokenizer) -> None:
@@ -228,13 +219,13 @@ class QwenImageFamily(FamilyAdapter):
         if not root.is_dir():
             raise ModelLoadError(f"model directory not found: {root}")
         for component in ("transformer", "vae") + (("text_encoder",) if load_text_encoder else ()):
-            _read_json(root / component / "config.json")
-        _read_json(root / "tokenizer" / "tokenizer_config.json")
-        _read_json(root / "scheduler" / "scheduler_config.json")
+            read_json(root / component / "config.json")
+        read_json(root / "tokenizer" / "tokenizer_config.json")
+        read_json(root / "scheduler" / "scheduler_config.json")
         settings = QwenImageSettings()
         index_file = root / "model_index.json"
         if index_file.is_file():
-            index = _read_json(index_file)
+            index = read_json(index_file)
             pipeline = str(index.get("_class_name", ""))
             if "Edit" in pipeline or "Layered" in pipeline:
                 raise ModelLoadError(f"{index_file}: {pipeline} is an image-conditioned Qwen-Image variant; the "

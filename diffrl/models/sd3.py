@@ -30,7 +30,7 @@ from pathlib import Path
 import torch
 
 from diffrl.errors import ModelLoadError, RequestError
-from diffrl.models.base import FamilyAdapter, Latents, PromptEmbeds
+from diffrl.models.base import FamilyAdapter, Latents, PromptEmbeds, read_json
 from diffrl.models.batch_invariance import (
     decode_rows,
     embed_rows_one_at_a_time,
@@ -41,15 +41,6 @@ from diffrl.models.registry import register_family
 from diffrl.sampling import randn_per_sample
 
 CLIP_TOKENS = 77
-
-
-def _read_json(path: Path) -> dict:
-    if not path.is_file():
-        raise ModelLoadError(f"missing file: {path}")
-    try:
-        return json.loads(path.read_text())
-    except (json.JSONDecodeError, UnicodeDecodeError) as err:
-        raise ModelLoadError(f"corrupt file: {path} ({err})") from None
 
 
 def _run_per_sample_layers_row_by_row(transformer) -> None:
@@ -112,8 +103,8 @@ class SD3Family(FamilyAdapter):
         if not root.is_dir():
             raise ModelLoadError(f"model directory not found: {root}")
         for component in ("transformer", "vae", "text_encoder", "text_encoder_2"):
-            _read_json(root / component / "config.json")
-        _read_json(root / "scheduler" / "scheduler_config.json")
+            read_json(root / component / "config.json")
+        read_json(root / "scheduler" / "scheduler_config.json")
         has_t5 = (root / "text_encoder_3" / "config.json").is_file()
         try:
             transformer = SD3Transformer2DModel.from_pretrained(root / "transformer", torch_dtype=dtype,

@@ -34,7 +34,6 @@ whose scheduler is UniPC (as Wan's published ones) gets UniPC's flow σ's with o
 from __future__ import annotations
 
 import copy
-import json
 import math
 from collections.abc import Sequence
 from dataclasses import dataclass, field
@@ -46,7 +45,7 @@ from diffusers.models.modeling_outputs import Transformer2DModelOutput
 from torch.distributed.fsdp import FSDPModule
 
 from diffrl.errors import ModelLoadError, RequestError
-from diffrl.models.base import FamilyAdapter, Latents, PromptEmbeds
+from diffrl.models.base import FamilyAdapter, Latents, PromptEmbeds, read_json
 from diffrl.models.batch_invariance import (
     decode_rows,
     embed_rows_one_at_a_time,
@@ -58,15 +57,6 @@ from diffrl.models.weights import load_weights
 from diffrl.sampling import randn_per_sample
 
 SCHEDULERS = ("FlowMatchEulerDiscreteScheduler", "UniPCMultistepScheduler")
-
-
-def _read_json(path: Path) -> dict:
-    if not path.is_file():
-        raise ModelLoadError(f"missing file: {path}")
-    try:
-        return json.loads(path.read_text())
-    except (json.JSONDecodeError, UnicodeDecodeError) as err:
-        raise ModelLoadError(f"corrupt file: {path} ({err})") from None
 
 
 class WanExperts(PeftAdapterMixin, torch.nn.Module):
@@ -201,10 +191,10 @@ class Wan22Family(FamilyAdapter):
         root = Path(model_path)
         if not root.is_dir():
             raise ModelLoadError(f"model directory not found: {root}")
-        index = _read_json(root / "model_index.json")
+        index = read_json(root / "model_index.json")
         for component in ("transformer", "vae", "text_encoder"):
-            _read_json(root / component / "config.json")
-        scheduler_config = _read_json(root / "scheduler" / "scheduler_config.json")
+            read_json(root / component / "config.json")
+        scheduler_config = read_json(root / "scheduler" / "scheduler_config.json")
         if index.get("expand_timesteps"):
             raise ModelLoadError(f"wan2_2: {root} is a TI2V checkpoint (expand_timesteps: per-token timesteps), "
                                  "which this adapter does not reproduce")
