@@ -41,7 +41,7 @@ a batch incorrect. The text is a fixed window with a per-row key-padding mask (n
 length), the timestep modulation is per row and the position table is shared by rows of one resolution. So
 requests of several outputs are served as one batch, and sample k is bit-identical in any microgroup on CPU
 (the timestep MLP and its modulation projection, the only matmuls whose row count is the batch size, run one
-distinct row at a time there). So microgroup 1 (`RECIPE_DEFAULTS`) is not needed for correctness; what it
+distinct row at a time there). So DESIGN §5's microgroup 1 (with NFT) is not needed for correctness; what it
 bounds is size: the transformer has 12.8 B parameters, a 1024² sample is 512 text + 4,096 image tokens in every
 block, and one prompt's conditioning (512 tokens × 12 layers × 2,560, fp32) is 63 MB, repeated per output.
 
@@ -58,7 +58,6 @@ import json
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import ClassVar
 
 import numpy as np
 import torch
@@ -80,8 +79,6 @@ SUFFIX_TOKENS = 5
 DEFAULT_SELECT_LAYERS = (2, 5, 8, 11, 14, 17, 20, 23, 26, 29, 32, 35)
 DISTILLED_MU = 1.15  # the few-step checkpoint's fixed shift
 UNSUPPORTED_SCHEDULER_OPTIONS = ("stochastic_sampling", "invert_sigmas")
-# What DESIGN §5 gives Krea 2 as its recipe (no recipe reads a family's values yet; flags set them).
-RECIPE_DEFAULTS = {"loss_type": "nft", "rollout_microgroup_size": 1}
 
 
 @dataclass
@@ -165,7 +162,6 @@ class Krea2Family(FamilyAdapter):
     # The gated attention's projections: the 28 single-stream blocks' and the text fusion's (peft matches by suffix).
     lora_target_modules = ("attn.to_q", "attn.to_k", "attn.to_v", "attn.to_gate", "attn.to_out.0")
     block_lists = ("transformer_blocks",)
-    recipe_defaults: ClassVar[dict] = RECIPE_DEFAULTS
 
     def __init__(self, transformer, vae, text_encoder, tokenizer, scheduler, *, settings: Krea2Settings | None = None):
         settings = settings or Krea2Settings()
