@@ -56,7 +56,7 @@ def main() -> None:
     parser.add_argument("--n", type=int, default=16)
     parser.add_argument("--ms", type=int, nargs="+", default=[1, 8, 16])
     parser.add_argument("--steps", type=int, default=10)
-    parser.add_argument("--guidance-scale", type=float, default=4.5)
+    parser.add_argument("--guidance-scale", type=float, default=None, help="default: the family's")
     parser.add_argument("--repeats", type=int, default=2)
     parser.add_argument("--peak-tflops", type=float, default=790.0, help="dense bf16 peak (H200: 790)")
     parser.add_argument("--compile", action="store_true", help="regional torch.compile of the family's blocks")
