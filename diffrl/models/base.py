@@ -17,7 +17,7 @@ from typing import ClassVar
 
 import torch
 
-from diffrl.errors import ModelLoadError
+from diffrl.errors import ModelLoadError, RequestError
 from diffrl.models.weights import load_weights
 
 
@@ -153,9 +153,26 @@ class FamilyAdapter(ABC):
     def check_size(self, height: int, width: int) -> None:
         """Raise `RequestError` naming `height`/`width` when the model cannot take this size."""
 
+    @property
+    def device(self) -> torch.device:
+        return next(self.transformer.parameters()).device
+
+    def save(self, path: str | Path) -> None:
+        """The transformer in diffusers layout (one file): what a full finetune changes. The text encoder
+        and VAE stay in the base checkpoint; `diffrl.models.checkpoint.load_model` puts the two together."""
+        self.transformer.save_pretrained(Path(path) / "transformer", safe_serialization=True, max_shard_size="1000GB")
+
     def load_saved_transformer(self, model_dir: Path) -> None:
         """Load into `transformer` the weights a full finetune saved with `save(model_dir)` (diffusers layout)."""
         load_weights(self.transformer, model_dir / "transformer" / "diffusion_pytorch_model.safetensors")
+
+
+def require_pixel_multiple(label: str, step: int, **sizes: int) -> None:
+    """A `RequestError` naming the first of `sizes` (height=…, width=…) that is not a positive multiple of
+    `step` pixels; `label` names the model in the message."""
+    for name, value in sizes.items():
+        if value < step or value % step:
+            raise RequestError(name, f"{name}={value}: {label} needs a positive multiple of {step} pixels")
 
 
 def repeated_blocks(transformer: torch.nn.Module, block_lists: Sequence[str]) -> list[torch.nn.Module]:

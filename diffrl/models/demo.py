@@ -204,10 +204,6 @@ class DemoFamily(FamilyAdapter):
         return cls(config, transformer, text_encoder, tokenizer, batch_invariant=batch_invariant)
 
     # ---------------------------------------------------------------- the family's conventions
-    @property
-    def device(self) -> torch.device:
-        return next(self.transformer.parameters()).device
-
     def default_size(self) -> tuple[int, int]:
         return self.config.image_size, self.config.image_size
 

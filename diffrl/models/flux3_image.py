@@ -31,8 +31,8 @@ from pathlib import Path
 
 import torch
 
-from diffrl.errors import ModelLoadError, RequestError
-from diffrl.models.base import FamilyAdapter, Latents, PromptEmbeds, read_json
+from diffrl.errors import ModelLoadError
+from diffrl.models.base import FamilyAdapter, Latents, PromptEmbeds, read_json, require_pixel_multiple
 from diffrl.models.batch_invariance import (
     decode_rows,
     embed_rows_one_at_a_time,
@@ -154,24 +154,13 @@ class Flux3ImageFamily(FamilyAdapter):
         return cls(transformer, vae, text_encoder, tokenizer, shift=_static_shift(root / "scheduler"),
                    settings=settings)
 
-    def save(self, path: str | Path) -> None:
-        """The transformer in diffusers layout (one file): what a full finetune changes. The text encoder
-        and VAE stay in the base checkpoint; `diffrl.models.checkpoint.load_model` puts the two together."""
-        self.transformer.save_pretrained(Path(path) / "transformer", safe_serialization=True, max_shard_size="1000GB")
-
     # ---------------------------------------------------------------- the family's conventions
-    @property
-    def device(self) -> torch.device:
-        return next(self.transformer.parameters()).device
-
     def default_size(self) -> tuple[int, int]:
         return self.settings.default_size, self.settings.default_size
 
     def check_size(self, height: int, width: int) -> None:
         step = self.pixels_per_token
-        for name, value in (("height", height), ("width", width)):
-            if value < step or value % step:
-                raise RequestError(name, f"{name}={value}: FLUX 3 needs a positive multiple of {step} pixels")
+        require_pixel_multiple("FLUX 3", step, height=height, width=width)
 
     def sigmas(self, num_steps: int, height: int, width: int) -> torch.Tensor:
         return make_sigmas(num_steps, shift=self.shift, device=self.device)

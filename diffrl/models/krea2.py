@@ -62,8 +62,8 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from diffrl.errors import ModelLoadError, RequestError
-from diffrl.models.base import FamilyAdapter, Latents, PromptEmbeds, read_json
+from diffrl.errors import ModelLoadError
+from diffrl.models.base import FamilyAdapter, Latents, PromptEmbeds, read_json, require_pixel_multiple
 from diffrl.models.batch_invariance import decode_rows, embed_rows_one_at_a_time
 from diffrl.models.registry import register_family
 from diffrl.sampling import randn_per_sample, resolution_mu
@@ -243,23 +243,13 @@ class Krea2Family(FamilyAdapter):
                 module.to(device=device).eval().requires_grad_(False)
         return cls(transformer, vae, text_encoder, tokenizer, scheduler, settings=settings)
 
-    def save(self, path: str | Path) -> None:
-        """The transformer in diffusers layout (one file), what a full finetune changes."""
-        self.transformer.save_pretrained(Path(path) / "transformer", safe_serialization=True, max_shard_size="1000GB")
-
     # ---------------------------------------------------------------- the family's conventions
-    @property
-    def device(self) -> torch.device:
-        return next(self.transformer.parameters()).device
-
     def default_size(self) -> tuple[int, int]:
         return self.settings.default_size, self.settings.default_size
 
     def check_size(self, height: int, width: int) -> None:
         step = self.pixels_per_token
-        for name, value in (("height", height), ("width", width)):
-            if value < step or value % step:
-                raise RequestError(name, f"{name}={value}: Krea 2 needs a positive multiple of {step} pixels")
+        require_pixel_multiple("Krea 2", step, height=height, width=width)
 
     def shift_mu(self, height: int, width: int) -> float:
         """The schedule's μ: fixed for the distilled checkpoint, else linear in the number of image tokens."""

@@ -29,8 +29,8 @@ from pathlib import Path
 
 import torch
 
-from diffrl.errors import ModelLoadError, RequestError
-from diffrl.models.base import FamilyAdapter, Latents, PromptEmbeds, read_json
+from diffrl.errors import ModelLoadError
+from diffrl.models.base import FamilyAdapter, Latents, PromptEmbeds, read_json, require_pixel_multiple
 from diffrl.models.batch_invariance import (
     decode_rows,
     embed_rows_one_at_a_time,
@@ -128,24 +128,14 @@ class SD3Family(FamilyAdapter):
             tokenizers.append(None)
         return cls(transformer, vae, encoders, tokenizers, scheduler, max_sequence_length=max_sequence_length)
 
-    def save(self, path: str | Path) -> None:
-        """The transformer in diffusers layout (one file), what a full finetune changes."""
-        self.transformer.save_pretrained(Path(path) / "transformer", safe_serialization=True, max_shard_size="1000GB")
-
     # ---------------------------------------------------------------- the family's conventions
-    @property
-    def device(self) -> torch.device:
-        return next(self.transformer.parameters()).device
-
     def default_size(self) -> tuple[int, int]:
         size = self.transformer.config.sample_size * self.vae_scale
         return size, size
 
     def check_size(self, height: int, width: int) -> None:
         step = self.vae_scale * self.transformer.config.patch_size
-        for name, value in (("height", height), ("width", width)):
-            if value < step or value % step:
-                raise RequestError(name, f"{name}={value}: SD3 needs a positive multiple of {step} pixels")
+        require_pixel_multiple("SD3", step, height=height, width=width)
 
     def sigmas(self, num_steps: int, height: int, width: int) -> torch.Tensor:
         scheduler = copy.deepcopy(self.scheduler)  # set_timesteps changes the scheduler's state

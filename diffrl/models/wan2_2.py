@@ -45,7 +45,7 @@ from diffusers.models.modeling_outputs import Transformer2DModelOutput
 from torch.distributed.fsdp import FSDPModule
 
 from diffrl.errors import ModelLoadError, RequestError
-from diffrl.models.base import FamilyAdapter, Latents, PromptEmbeds, read_json
+from diffrl.models.base import FamilyAdapter, Latents, PromptEmbeds, read_json, require_pixel_multiple
 from diffrl.models.batch_invariance import (
     decode_rows,
     embed_rows_one_at_a_time,
@@ -242,10 +242,6 @@ class Wan22Family(FamilyAdapter):
             load_weights(expert, Path(model_dir) / folder / "diffusion_pytorch_model.safetensors")
 
     # ---------------------------------------------------------------- the family's conventions
-    @property
-    def device(self) -> torch.device:
-        return next(self.transformer.parameters()).device
-
     def default_size(self) -> tuple[int, int]:
         return 480, 832
 
@@ -257,8 +253,7 @@ class Wan22Family(FamilyAdapter):
         # WanPipeline asks for multiples of 16 and of the VAE's factor × the patch (it rounds down; we refuse).
         for name, value, patch in (("height", height, p_h), ("width", width, p_w)):
             step = math.lcm(16, self.vae_scale_spatial * patch)
-            if value < step or value % step:
-                raise RequestError(name, f"{name}={value}: Wan needs a positive multiple of {step} pixels")
+            require_pixel_multiple("Wan", step, **{name: value})
             if value // (self.vae_scale_spatial * patch) > self.expert_config.rope_max_seq_len:
                 raise RequestError(name, f"{name}={value}: more patches than the model's rotary table "
                                          f"({self.expert_config.rope_max_seq_len})")
