@@ -64,7 +64,8 @@ import torch
 
 from diffrl.errors import ModelLoadError
 from diffrl.models.base import FamilyAdapter, Latents, PromptEmbeds, read_json, require_pixel_multiple
-from diffrl.models.batch_invariance import decode_rows, embed_rows_one_at_a_time
+from diffrl.models.batch_invariance import embed_rows_one_at_a_time
+from diffrl.models.qwen_vae import decode_latents, pack_latents
 from diffrl.models.registry import register_family
 from diffrl.sampling import randn_per_sample, resolution_mu
 
@@ -130,20 +131,6 @@ def _run_per_sample_layers_row_by_row(transformer) -> None:
     # `timestep=False`: their outputs keep a token axis of 1, which the shared-timestep shortcut does not expand.
     embed_rows_one_at_a_time(transformer.time_embed, timestep=False)
     embed_rows_one_at_a_time(transformer.time_mod_proj, timestep=False)
-
-
-def pack_latents(grid: torch.Tensor, patch: int) -> torch.Tensor:
-    """`[B, C, H, W]` latents → `[B, (H/p)·(W/p), C·p²]` tokens (p×p patches, channel-major in a patch)."""
-    batch, channels, height, width = grid.shape
-    grid = grid.view(batch, channels, height // patch, patch, width // patch, patch).permute(0, 2, 4, 1, 3, 5)
-    return grid.reshape(batch, (height // patch) * (width // patch), channels * patch * patch)
-
-
-def unpack_latents(tokens: torch.Tensor, h: int, w: int, patch: int) -> torch.Tensor:
-    """The inverse of `pack_latents`, with the VAE's frame axis: `[B, h·w, C·p²]` → `[B, C, 1, h·p, w·p]`."""
-    batch, _, channels = tokens.shape
-    grid = tokens.view(batch, h, w, channels // patch**2, patch, patch).permute(0, 3, 1, 4, 2, 5)
-    return grid.reshape(batch, channels // patch**2, 1, h * patch, w * patch)
 
 
 def image_position_ids(h: int, w: int, device=None) -> torch.Tensor:
@@ -340,17 +327,8 @@ class Krea2Family(FamilyAdapter):
         return v_cond + (guidance_scale - 1.0) * (v_cond - v_uncond)  # Krea's form, g = s − 1
 
     def decode(self, latents: torch.Tensor, height: int, width: int) -> torch.Tensor:
-        grid = unpack_latents(latents, height // self.pixels_per_token, width // self.pixels_per_token,
+        return decode_latents(self.vae, latents, height // self.pixels_per_token, width // self.pixels_per_token,
                               self.settings.patch_size)
-        config = self.vae.config
-        vae_dtype = next(self.vae.parameters()).dtype
-        grid = grid.to(vae_dtype)
-        shape = (1, config.z_dim, 1, 1, 1)
-        mean = torch.tensor(config.latents_mean).view(shape).to(grid.device, vae_dtype)
-        inverse_std = 1.0 / torch.tensor(config.latents_std).view(shape).to(grid.device, vae_dtype)
-        grid = grid / inverse_std + mean  # the pipeline's arithmetic, to the bit
-        images = decode_rows(lambda rows: self.vae.decode(rows, return_dict=False)[0][:, :, 0], grid)
-        return (images.float() / 2 + 0.5).clamp(0, 1)
 
 
 # -------------------------------------------------------------------- random checkpoints

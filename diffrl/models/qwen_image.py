@@ -51,11 +51,11 @@ import torch
 from diffrl.errors import ModelLoadError
 from diffrl.models.base import FamilyAdapter, Latents, PromptEmbeds, read_json, require_pixel_multiple
 from diffrl.models.batch_invariance import (
-    decode_rows,
     embed_rows_one_at_a_time,
     one_value_for_all_rows,
     rows_share_one_timestep,
 )
+from diffrl.models.qwen_vae import decode_latents, pack_latents
 from diffrl.models.registry import register_family
 from diffrl.sampling import randn_per_sample, resolution_mu
 
@@ -132,20 +132,6 @@ def _run_per_sample_layers_row_by_row(transformer) -> None:
     for name, module in transformer.named_modules():
         if name.endswith(("img_mod.1", "txt_mod.1", "norm_out.linear")):
             embed_rows_one_at_a_time(module)
-
-
-def pack_latents(grid: torch.Tensor) -> torch.Tensor:
-    """`[B, 1, C, 2h, 2w]` VAE latents → `[B, h·w, 4C]` tokens (2×2 patches, channel-major in a patch)."""
-    batch, _, channels, height, width = grid.shape
-    grid = grid.view(batch, channels, height // 2, 2, width // 2, 2).permute(0, 2, 4, 1, 3, 5)
-    return grid.reshape(batch, (height // 2) * (width // 2), channels * 4)
-
-
-def unpack_latents(tokens: torch.Tensor, h: int, w: int) -> torch.Tensor:
-    """The inverse of `pack_latents`: `[B, h·w, 4C]` → `[B, C, 1, 2h, 2w]`."""
-    batch, _, channels = tokens.shape
-    grid = tokens.view(batch, h, w, channels // 4, 2, 2).permute(0, 3, 1, 4, 2, 5)
-    return grid.reshape(batch, channels // 4, 1, h * 2, w * 2)
 
 
 def image_position_ids(h: int, w: int, device=None) -> torch.Tensor:
@@ -296,7 +282,7 @@ class QwenImageFamily(FamilyAdapter):
         self.check_size(height, width)
         h, w = height // self.pixels_per_token, width // self.pixels_per_token
         shape = (len(generators), 1, self.vae.config.z_dim, 2 * h, 2 * w)  # what the pipeline draws per sample
-        tokens = pack_latents(randn_per_sample(shape, generators, device=self.device))
+        tokens = pack_latents(randn_per_sample(shape, generators, device=self.device)[:, 0], 2)
         return Latents(tokens, image_position_ids(h, w, device=self.device))
 
     def velocity(self, transformer, latents, sigma, cond, uncond, guidance_scale) -> torch.Tensor:
@@ -338,16 +324,8 @@ class QwenImageFamily(FamilyAdapter):
         return combined * (torch.norm(v_cond, dim=-1, keepdim=True) / torch.norm(combined, dim=-1, keepdim=True))
 
     def decode(self, latents: torch.Tensor, height: int, width: int) -> torch.Tensor:
-        grid = unpack_latents(latents, height // self.pixels_per_token, width // self.pixels_per_token)
-        config = self.vae.config
-        vae_dtype = next(self.vae.parameters()).dtype
-        grid = grid.to(vae_dtype)
-        shape = (1, config.z_dim, 1, 1, 1)
-        mean = torch.tensor(config.latents_mean).view(shape).to(grid.device, vae_dtype)
-        inverse_std = 1.0 / torch.tensor(config.latents_std).view(shape).to(grid.device, vae_dtype)
-        grid = grid / inverse_std + mean  # the pipeline's arithmetic, to the bit
-        images = decode_rows(lambda rows: self.vae.decode(rows, return_dict=False)[0][:, :, 0], grid)
-        return (images.float() / 2 + 0.5).clamp(0, 1)
+        return decode_latents(self.vae, latents, height // self.pixels_per_token, width // self.pixels_per_token,
+                              2)
 
 
 # -------------------------------------------------------------------- random checkpoints
