@@ -23,15 +23,12 @@ import time
 
 import torch
 from report import emit
-from torch.utils.flop_counter import FlopCounterMode
 
-from diffrl.cli.bench import time_group
+from diffrl.cli.bench import time_group, transformer_gflop, transformer_step_ms
 from diffrl.engine.engine import Engine, EngineConfig
 from diffrl.engine.server import create_app
-from diffrl.models.base import Latents
 from diffrl.models.demo import SHIPPED_DEMO_MODEL, DemoConfig, DemoFamily
 from diffrl.rollout import HttpEngineClient, InProcessEngineClient
-from diffrl.sampling import make_generators
 
 
 def build_family(model: str, device: torch.device, dtype: torch.dtype) -> DemoFamily:
@@ -45,30 +42,6 @@ def build_family(model: str, device: torch.device, dtype: torch.dtype) -> DemoFa
     family.transformer.to(dtype=dtype).eval().requires_grad_(False)
     family.text_encoder.eval().requires_grad_(False)
     return family
-
-
-def _sync(device):
-    if device.type == "cuda":
-        torch.cuda.synchronize()
-
-
-@torch.no_grad()
-def transformer_ms_per_sample(family: DemoFamily, batch: int, device, reps: int) -> tuple[float, float]:
-    """(ms per sample, GFLOP per sample) of one conditional transformer forward at this batch."""
-    size = family.config.image_size
-    latents = family.prepare_latents(make_generators(range(batch), device=device), size, size)
-    cond = family.encode_prompts(["a red circle"]).repeat(batch)
-    sigma = torch.full((batch,), 0.5, device=device)
-    run = lambda: family.velocity(family.transformer, Latents(latents.tokens, latents.ids), sigma, cond, None, 1.0)  # noqa: E731
-    with FlopCounterMode(display=False) as counter:
-        run()
-    run()
-    _sync(device)
-    start = time.perf_counter()
-    for _ in range(reps):
-        run()
-    _sync(device)
-    return 1000 * (time.perf_counter() - start) / reps / batch, counter.get_total_flops() / batch / 1e9
 
 
 def start_server(engine: Engine) -> tuple[str, object]:
@@ -112,7 +85,9 @@ def main() -> None:
                "guidance_scale": args.guidance_scale, "transformer": {}, "images_per_s": {}}
     reps = 5 if device.type == "cuda" else 2
     for batch in sorted({1, *args.ms}):
-        ms, gflop = transformer_ms_per_sample(family, batch, device, reps)
+        size = family.config.image_size  # one conditional forward (guidance 1)
+        ms = transformer_step_ms(family, batch, size, 1.0, reps)
+        gflop = transformer_gflop(family, batch, size, 1.0)
         results["transformer"][batch] = {"ms_per_sample": ms, "gflop_per_sample": gflop,
                                          "mfu": gflop / ms / args.peak_tflops if device.type == "cuda" else None}
     server = None
