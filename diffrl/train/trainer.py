@@ -578,6 +578,8 @@ class Trainer:
         if cfg.val_images_per_category > 0:
             sets.append(("val", validation_prompts(cfg.val_prompts_per_category), cfg.val_images_per_category,
                          VALIDATION_SEED))
+        if not sets:  # both evaluations off: no weights to swap in for the engine
+            return {}
         out = {}
         with self._engine_weights(self.eval_ema):
             if not self.parallel.is_main:
