@@ -1,0 +1,113 @@
+"""Prompt datasets: what `--prompt-data` and `--eval-prompt-data` read, and the order a run walks them.
+
+Accepted layouts (those of the public Flow-GRPO prompt sets: ocr, pickscore, geneval):
+- a `.txt` file, one prompt per line (blank lines skipped);
+- a `.jsonl` file, one JSON object per line: `--input-key` (default `prompt`) is the prompt, every
+  other key is that prompt's metadata and reaches the reward (e.g. GenEval's `tag`, `include`);
+- a directory with `train.txt` / `test.txt` or `train_metadata.jsonl` / `test_metadata.jsonl`
+  (the jsonl file wins when both exist: it carries the metadata).
+
+A run draws its training prompts through `PromptStream`: the dataset shuffled once per epoch by a
+permutation that is a function of (seed, epoch) only, read in order. Its state is two integers
+(epoch, position), saved in every checkpoint, so `--resume` continues with exactly the prompt that
+was next.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Literal
+
+import numpy as np
+
+Split = Literal["train", "test"]
+
+
+@dataclass(frozen=True)
+class PromptRecord:
+    prompt: str
+    metadata: dict = field(default_factory=dict)
+
+
+def load_prompts(path: str | Path, split: Split = "train", input_key: str = "prompt") -> list[PromptRecord]:
+    """The prompts of a file, or of a directory's `split`; refused with one line naming the problem."""
+    path = Path(path)
+    if path.is_dir():
+        path = split_file(path, split)
+    elif not path.is_file():
+        raise FileNotFoundError(f"prompt data {path}: no such file or directory")
+    if path.suffix == ".jsonl":
+        records = _read_jsonl(path, input_key)
+    elif path.suffix == ".txt":
+        lines = path.read_text(encoding="utf-8").splitlines()
+        records = [PromptRecord(line.strip()) for line in lines if line.strip()]
+    else:
+        raise ValueError(f"prompt data {path}: expected a .txt file (one prompt per line), a .jsonl file "
+                         "or a directory holding train.txt/test.txt or train_metadata.jsonl/test_metadata.jsonl")
+    if not records:
+        raise ValueError(f"prompt data {path}: no prompts")
+    return records
+
+
+def split_file(directory: Path, split: Split) -> Path:
+    """The file holding a directory's split: `<split>_metadata.jsonl`, else `<split>.txt`."""
+    for name in (f"{split}_metadata.jsonl", f"{split}.txt"):
+        if (directory / name).is_file():
+            return directory / name
+    raise FileNotFoundError(f"prompt data {directory}: no {split}_metadata.jsonl or {split}.txt in it")
+
+
+def _read_jsonl(path: Path, input_key: str) -> list[PromptRecord]:
+    records = []
+    for number, line in enumerate(path.read_text(encoding="utf-8").splitlines(), start=1):
+        if not line.strip():
+            continue
+        try:
+            row = json.loads(line)
+        except json.JSONDecodeError as err:
+            raise ValueError(f"prompt data {path}:{number}: not JSON ({err.msg})") from None
+        if not isinstance(row, dict):
+            raise ValueError(f"prompt data {path}:{number}: expected a JSON object, got {type(row).__name__}")
+        prompt = row.pop(input_key, None)
+        if not isinstance(prompt, str) or not prompt.strip():
+            raise ValueError(f"prompt data {path}:{number}: no text under --input-key {input_key!r} "
+                             f"(keys: {', '.join(sorted(row)) or 'none'})")
+        records.append(PromptRecord(prompt, row))
+    return records
+
+
+class PromptStream:
+    """The dataset in a fresh shuffled order each epoch; `take(n)` reads the next n, crossing into the
+    next epoch's order when one runs out. Every rank of a data-parallel run holds the same stream."""
+
+    def __init__(self, records: list[PromptRecord], seed: int = 0, shuffle: bool = True):
+        if not records:
+            raise ValueError("a prompt stream needs at least one prompt")
+        self.records, self.seed, self.shuffle = list(records), seed, shuffle
+        self.epoch, self.position = 0, 0
+
+    def _order(self, epoch: int) -> np.ndarray:
+        if not self.shuffle:
+            return np.arange(len(self.records))
+        return np.random.default_rng([self.seed, epoch]).permutation(len(self.records))
+
+    def take(self, n: int) -> list[PromptRecord]:
+        out, order = [], self._order(self.epoch)
+        while len(out) < n:
+            if self.position == len(self.records):
+                self.epoch, self.position = self.epoch + 1, 0
+                order = self._order(self.epoch)
+            out.append(self.records[order[self.position]])
+            self.position += 1
+        return out
+
+    def state_dict(self) -> dict:
+        return {"epoch": self.epoch, "position": self.position, "size": len(self.records)}
+
+    def load_state_dict(self, state: dict) -> None:
+        if state.get("size", len(self.records)) != len(self.records):
+            raise ValueError(f"--resume: the checkpoint walked a prompt set of {state['size']} prompts; "
+                             f"--prompt-data now holds {len(self.records)}")
+        self.epoch, self.position = int(state.get("epoch", 0)), int(state.get("position", 0))

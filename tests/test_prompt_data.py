@@ -1,0 +1,76 @@
+"""Prompt datasets: the three layouts, metadata, errors, and the per-epoch shuffled stream's resume."""
+
+import json
+
+import pytest
+
+from diffrl.data.prompts import PromptRecord, PromptStream, load_prompts
+
+
+def test_txt_file_one_prompt_per_line(tmp_path):
+    path = tmp_path / "p.txt"
+    path.write_text('a sign that says "hi"\n\n  a cat  \n')
+    assert load_prompts(path) == [PromptRecord('a sign that says "hi"'), PromptRecord("a cat")]
+
+
+def test_jsonl_other_keys_become_metadata(tmp_path):
+    path = tmp_path / "p.jsonl"
+    path.write_text(json.dumps({"text": "two dogs", "tag": "counting", "include": [{"class": "dog", "count": 2}]}) + "\n")
+    (record,) = load_prompts(path, input_key="text")
+    assert record.prompt == "two dogs"
+    assert record.metadata == {"tag": "counting", "include": [{"class": "dog", "count": 2}]}
+
+
+def test_directory_splits_prefer_jsonl(tmp_path):
+    (tmp_path / "train.txt").write_text("plain\n")
+    (tmp_path / "test.txt").write_text("held out\n")
+    assert [r.prompt for r in load_prompts(tmp_path, "train")] == ["plain"]
+    (tmp_path / "train_metadata.jsonl").write_text(json.dumps({"prompt": "rich", "k": 1}) + "\n")
+    assert load_prompts(tmp_path, "train") == [PromptRecord("rich", {"k": 1})]
+    assert [r.prompt for r in load_prompts(tmp_path, "test")] == ["held out"]
+
+
+@pytest.mark.parametrize("content, message", [
+    ("", "no prompts"),
+    ('{"prompt": "x"}\nnot json\n', "p.jsonl:2: not JSON"),
+    ('{"caption": "x"}\n', "no text under --input-key 'prompt' (keys: caption)"),
+    ('["x"]\n', "expected a JSON object"),
+])
+def test_bad_jsonl_names_the_line(tmp_path, content, message):
+    path = tmp_path / "p.jsonl"
+    path.write_text(content)
+    with pytest.raises(ValueError, match=message.replace("(", r"\(").replace(")", r"\)")):
+        load_prompts(path)
+
+
+def test_missing_paths_and_splits(tmp_path):
+    with pytest.raises(FileNotFoundError, match="no such file"):
+        load_prompts(tmp_path / "nope.txt")
+    with pytest.raises(FileNotFoundError, match="no test_metadata.jsonl or test.txt"):
+        load_prompts(tmp_path, "test")
+    (tmp_path / "p.csv").write_text("a\n")
+    with pytest.raises(ValueError, match="expected a .txt file"):
+        load_prompts(tmp_path / "p.csv")
+
+
+def test_stream_visits_every_prompt_once_per_epoch_in_a_new_order():
+    records = [PromptRecord(str(i)) for i in range(7)]
+    stream = PromptStream(records, seed=3)
+    first, second = stream.take(7), stream.take(7)
+    assert sorted(r.prompt for r in first) == sorted(r.prompt for r in second) == [str(i) for i in range(7)]
+    assert first != second  # each epoch has its own permutation
+    assert stream.state_dict() == {"epoch": 1, "position": 7, "size": 7}
+
+
+def test_stream_resumes_exactly_across_an_epoch_boundary():
+    records = [PromptRecord(str(i)) for i in range(5)]
+    uninterrupted = PromptStream(records, seed=1)
+    expected = [uninterrupted.take(3) for _ in range(4)]
+    stream = PromptStream(records, seed=1)
+    got = [stream.take(3), stream.take(3)]
+    resumed = PromptStream(records, seed=1)
+    resumed.load_state_dict(stream.state_dict())
+    got += [resumed.take(3), resumed.take(3)]
+    assert got == expected
+    with pytest.raises(ValueError, match="prompt set of 5 prompts"):
+        PromptStream(records[:4]).load_state_dict(stream.state_dict())
