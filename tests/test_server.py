@@ -115,7 +115,7 @@ def test_bad_input_gets_a_4xx_naming_the_field_and_the_server_stays_up(served, b
     health = httpx.get(f"{url}/health", timeout=10).json()
     assert health["status"] == "ok" and health["in_flight"] == 0
     ok = httpx.post(f"{url}/rollout/generate", json=dict(prompt="a red circle", num_inference_steps=1), timeout=30)
-    assert ok.status_code == 200 and ok.headers["content-type"] == "application/msgpack"
+    assert ok.status_code == 200 and ok.headers["content-type"] == "application/json"  # sglang's format by default
 
 
 def test_http_client_raises_request_error_with_the_field(served):
@@ -231,11 +231,11 @@ def test_trainer_rolls_out_on_a_remote_engine_and_pushes_its_weights(served, tin
     trainer = Trainer(tiny_config(tiny_model_dir, tmp_path / "run", engine_urls=(url,), local_engine=False))
     record = trainer.rollout_and_update(0)
     assert record["train/log_prob_mean_abs_diff"] == 0.0  # the remote engine sampled with the same weights
-    with trainer._engine_weights(None):  # what happens before every rollout
+    with trainer.policy.engine_weights(None):  # what happens before every rollout
         pass
-    assert engine.weight_version == trainer.engine.weight_version == 2
+    assert engine.weight_version == trainer.policy.weight_version == 2
     remote = engine.family.transformer.state_dict()
-    for name, p in trainer.family.transformer.named_parameters():
+    for name, p in trainer.policy.family.transformer.named_parameters():
         assert torch.equal(remote[name], p.detach()), name
 
 
@@ -251,7 +251,8 @@ def test_engine_hosts_the_trainers_lora_adapter(tiny_family):
     auth = {"authorization": "Bearer s3cret"}
     assert client.post("/lora_adapter", json=spec).status_code == 401
     request = {"prompt": "a red circle", "seed": 3, "num_inference_steps": 2}
-    before = client.post("/rollout/generate", json=request).content
+    compact = {"accept": "application/msgpack"}
+    before = client.post("/rollout/generate", json=request, headers=compact).content
     first = client.post("/lora_adapter", json=spec, headers=auth)
     assert first.status_code == 200 and first.json()["added"] is True
     assert client.post("/lora_adapter", json=spec, headers=auth).json()["added"] is False
@@ -259,7 +260,7 @@ def test_engine_hosts_the_trainers_lora_adapter(tiny_family):
     assert other.status_code == 400 and other.json()["error"]["field"] == "lora"
     bad = client.post("/lora_adapter", json={**spec, "rank": 0}, headers=auth)
     assert bad.status_code == 422 and "rank" in bad.text
-    after = client.post("/rollout/generate", json=request).content
+    after = client.post("/rollout/generate", json=request, headers=compact).content
     assert torch.equal(decode_outputs(after)[0].generated_output, decode_outputs(before)[0].generated_output)  # B = 0
     lora_names = [n for n, _ in engine.family.transformer.named_parameters() if "lora_B" in n]
     assert lora_names
@@ -275,14 +276,14 @@ def test_trainer_pushes_only_lora_tensors_to_a_remote_engine(served, tiny_model_
                                   use_lora=True, lora_rank=2))
     record = trainer.rollout_and_update(0)
     assert record["train/log_prob_mean_abs_diff"] == 0.0  # the remote engine sampled with the same weights
-    with trainer._engine_weights(None):  # pushes the updated adapter
+    with trainer.policy.engine_weights(None):  # pushes the updated adapter
         pass
     remote = engine.family.transformer.state_dict()
-    trained = dict(trainer.family.transformer.named_parameters())
-    assert trainer.trainable_names and all("lora_" in n for n in trainer.trainable_names)
-    for name in trainer.trainable_names:
+    trained = dict(trainer.policy.family.transformer.named_parameters())
+    assert trainer.policy.trainable_names and all("lora_" in n for n in trainer.policy.trainable_names)
+    for name in trainer.policy.trainable_names:
         assert torch.equal(remote[name], trained[name].detach()), name
-    assert any(not torch.all(remote[n] == 0) for n in trainer.trainable_names if "lora_B" in n)  # it trained
+    assert any(not torch.all(remote[n] == 0) for n in trainer.policy.trainable_names if "lora_B" in n)  # it trained
 
 
 def test_http_client_weight_push_needs_the_token_and_names_failures(tiny_family):

@@ -57,8 +57,10 @@ def grpo_pairs(
     trained_steps: Sequence[int],
 ) -> GrpoPairs:
     """`trajectories[s]` holds sample s's latents at `step_indices`; `log_probs[s]` its log-probs at
-    `trained_steps` (the SDE steps, ascending)."""
+    `trained_steps` (the SDE steps, ascending) or, as sglang-diffusion reports them, one per denoising
+    step of the schedule (`len(sigmas) - 1` values, 0 on ODE steps): either is read the same way."""
     position = {step: k for k, step in enumerate(step_indices)}
+    num_steps = len(sigmas) - 1
     rows = {name: [] for name in ("x", "x_next", "sigma", "sigma_next", "old_log_prob", "advantages", "cond", "uncond")}
     for s, trajectory in enumerate(trajectories):
         for j, i in enumerate(trained_steps):
@@ -66,7 +68,8 @@ def grpo_pairs(
             rows["x_next"].append(trajectory[position[i + 1]])
             rows["sigma"].append(sigmas[i])
             rows["sigma_next"].append(sigmas[i + 1])
-            rows["old_log_prob"].append(log_probs[s][j])
+            per_step = len(log_probs[s]) == num_steps and len(log_probs[s]) != len(trained_steps)
+            rows["old_log_prob"].append(log_probs[s][i] if per_step else log_probs[s][j])
             rows["advantages"].append(advantages[s])
             rows["cond"].append(conds[s])
             rows["uncond"].append(unconds[s])

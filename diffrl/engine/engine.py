@@ -65,6 +65,7 @@ class _Plan:
     batch_key: tuple  # requests with equal keys can share one denoising batch
     num_frames: int | None = None  # video families only (None for images)
     guidance_scale_2: float | None = None  # the second expert's CFG scale (families with one), resolved
+    generator_device: torch.device = torch.device("cpu")  # where the outputs' generators draw
 
 
 @dataclass
@@ -113,8 +114,9 @@ class Engine:
         if req.guidance_scale_2 is not None and not family.uses_guidance_scale_2:
             raise RequestError("guidance_scale_2", f"the {family.name} family (this checkpoint) has no second expert; "
                                                    "use guidance_scale")
-        if req.true_cfg_scale is not None:
-            raise RequestError("true_cfg_scale", f"not supported by the {family.name} family; use guidance_scale")
+        if req.true_cfg_scale is not None and not family.has_true_cfg:
+            raise RequestError("true_cfg_scale", f"the {family.name} family has no true CFG; use guidance_scale")
+        generator_device = _generator_device(req.generator_device, family.device)
         default_h, default_w = family.default_size()
         height, width = req.height or default_h, req.width or default_w
         family.check_size(height, width, **_frames(num_frames))
@@ -132,6 +134,8 @@ class Engine:
             return_steps = tuple(sorted(set(req.rollout_return_step_indices)))
         _check_indices("rollout_return_step_indices", return_steps, n)
         guidance = family.default_guidance_scale if req.guidance_scale is None else req.guidance_scale
+        if req.true_cfg_scale is not None:  # a true-CFG family's scale, as sglang and diffusers spell it
+            guidance = req.true_cfg_scale
         guidance_2 = None
         if family.uses_guidance_scale_2:  # as diffusers' WanPipeline: unset means guidance_scale
             guidance_2 = guidance if req.guidance_scale_2 is None else req.guidance_scale_2
@@ -141,9 +145,9 @@ class Engine:
         sde_steps = tuple(sorted(sde_steps))
         key = (height, width, num_frames, guidance, guidance_2, sde_type, sde_steps, return_steps,
                req.num_inference_steps, req.rollout, req.rollout_noise_level, req.rollout_log_prob_no_const,
-               req.rollout_return_dit_trajectory, req.rollout_return_denoising_env)
+               req.rollout_return_dit_trajectory, req.rollout_return_denoising_env, str(generator_device))
         return _Plan(height, width, guidance, sde_type, sde_steps, return_steps, key, num_frames=num_frames,
-                     guidance_scale_2=guidance_2)
+                     guidance_scale_2=guidance_2, generator_device=generator_device)
 
     # ------------------------------------------------------------------ generation
     def generate(self, req: RolloutRequest) -> list[RolloutOutput]:
@@ -261,7 +265,7 @@ class Engine:
         cond = _concat([c.repeat(n) for c, n in zip(conds, sizes)])
         uncond = _concat([u.repeat(n) for u, n in zip(unconds, sizes)]) if unconds is not None else None
         seeds = [t.req.seed + i for t in batch for i in range(t.req.num_outputs_per_prompt)]
-        generators = make_generators(seeds, device=device)
+        generators = make_generators(seeds, device=plan.generator_device)
         latents = family.prepare_latents(generators, plan.height, plan.width, **_frames(plan.num_frames))
         sigmas = family.sigmas(req0.num_inference_steps, plan.height, plan.width)
         result = denoise(
@@ -313,6 +317,18 @@ class Engine:
 def _frames(num_frames: int | None) -> dict:
     """The `num_frames` keyword of a video family's calls; nothing for an image family."""
     return {} if num_frames is None else {"num_frames": num_frames}
+
+
+def _generator_device(requested: str | None, device: torch.device) -> torch.device:
+    """sglang's `generator_device`: "cpu", or the engine's device ("cuda", "cuda:N", "device", None). A
+    CPU engine asked for "cuda" draws on the CPU, as it would for None."""
+    if requested is None or requested == "device":
+        return device
+    if requested == "cpu":
+        return torch.device("cpu")
+    if requested == "cuda" or requested.startswith("cuda:"):
+        return device
+    raise RequestError("generator_device", f"expected 'cpu', 'cuda' or 'device', got {requested!r}")
 
 
 def _same_ids(parts: list[PromptEmbeds]) -> bool:

@@ -1,23 +1,33 @@
 """Rollout request and response types (DESIGN §3).
 
-Field names follow sglang-diffusion's `/rollout/generate`, so either engine can serve the other's
-client. The request is a pydantic model (validated at the HTTP boundary and in-process alike);
-unknown fields are refused rather than ignored, and so are image-conditioning fields on a
-text-to-image family (see `Engine.validate`). The response is one `RolloutOutput` per output.
+The request declares every field of sglang-diffusion's `/rollout/generate` request model, so its
+clients (miles-diffusion's among them) are served unchanged; a field neither side knows is refused
+by name, and so are image-conditioning fields on a text-to-image family (see `Engine.plan`). Fields
+sglang declares that change nothing here are accepted and documented (`rollout_debug_mode`,
+`suppress_logs`, `fps`). The response is one `RolloutOutput` per output; `wire.py` and `sglang.py`
+put it on the wire (docs/wire-format.md).
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Literal
+from typing import Any, Literal
 
 import torch
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 from diffrl.errors import RequestError  # noqa: F401  (re-exported: part of the protocol)
 
 # Image-conditioned inputs: accepted by the schema so they can be refused by name, never ignored.
-IMAGE_CONDITIONING_FIELDS = ("image", "image_url", "input_reference", "mask_image")
+IMAGE_CONDITIONING_FIELDS = ("image", "image_url", "input_reference", "mask_image", "image_path")
+
+# Fields sglang declares as nullable where diffrl has a concrete default: null means that default.
+_NULL_MEANS_DEFAULT = ("negative_prompt", "num_inference_steps", "num_outputs_per_prompt", "seed", "rollout",
+                       "rollout_sde_type", "rollout_noise_level", "rollout_log_prob_no_const",
+                       "rollout_return_denoising_env", "rollout_return_dit_trajectory", "rollout_debug_mode",
+                       "suppress_logs")
+# `extra_sampling_params` may not override these (sglang keeps `rollout` from the request itself).
+_NOT_IN_EXTRA = ("prompt", "rollout", "extra_sampling_params")
 
 
 class RolloutRequest(BaseModel):
@@ -48,10 +58,42 @@ class RolloutRequest(BaseModel):
     rollout_return_denoising_env: bool = False
     rollout_return_dit_trajectory: bool = False
     rollout_log_prob_no_const: bool = False
+    generator_device: str | None = None
+    """Where each output's generator lives: "cpu" (CPU generators, the same noise on any machine) or
+    "cuda"/"device" (the engine's device; CPU on a CPU engine). None: the engine's device."""
+    rollout_debug_mode: bool = False
+    """Accepted for sglang clients; diffrl returns no debug tensors (`rollout_debug_tensors` is null)."""
+    suppress_logs: bool = False
+    """Accepted for sglang clients; the engine logs nothing per request anyway."""
+    fps: int | None = Field(None, ge=1)
+    """Accepted for sglang clients (video playback rate); sampling does not depend on it."""
+    extra_sampling_params: dict[str, Any] | None = None
+    """Further sampling fields, as sglang merges them into its sampling params: each key must be a field
+    of this request (it overrides the top-level value; `rollout` and `prompt` cannot be set here)."""
+    image_path: list[str] | None = None
     image: str | list[str] | None = None
     image_url: str | list[str] | None = None
     input_reference: str | None = None
     mask_image: str | None = None
+
+    @model_validator(mode="before")
+    @classmethod
+    def _sglang_spellings(cls, data: Any) -> Any:
+        """Nulls sglang allows mean diffrl's default; `extra_sampling_params` keys map onto fields."""
+        if not isinstance(data, dict):
+            return data
+        data = {k: v for k, v in data.items() if not (k in _NULL_MEANS_DEFAULT and v is None)}
+        extra = data.get("extra_sampling_params")
+        if isinstance(extra, dict) and extra:
+            for key, value in extra.items():
+                if key in _NOT_IN_EXTRA or key not in cls.model_fields:
+                    raise ValueError(f"extra_sampling_params.{key}: not a sampling parameter this engine knows"
+                                     if key not in _NOT_IN_EXTRA else
+                                     f"extra_sampling_params.{key}: cannot be set through extra_sampling_params")
+                if value is not None or key not in _NULL_MEANS_DEFAULT:
+                    data[key] = value
+            data["extra_sampling_params"] = None  # merged: the request now says it all
+        return data
 
 
 @dataclass
@@ -65,8 +107,8 @@ class DitTrajectory:
 @dataclass
 class RolloutOutput:
     seed: int
-    generated_output: torch.Tensor  # image [C, H, W] in [0, 1] (video [C, F, H, W])
-    rollout_log_probs: torch.Tensor | None  # [T], one per SDE step
+    generated_output: torch.Tensor  # image [C, H, W] in [0, 1] (video [C, F, H, W]); sglang's JSON adds F = 1
+    rollout_log_probs: torch.Tensor | None  # one per SDE step, ascending (sglang's JSON: one per step, 0 on ODE)
     dit_trajectory: DitTrajectory | None
     # Conditioning to replay a step; only on the first output of a request (sent once, not per output).
     denoising_env: dict[str, torch.Tensor] | None

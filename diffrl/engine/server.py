@@ -1,6 +1,11 @@
 """`diffrl serve`: the engine behind HTTP (FastAPI + uvicorn), loopback by default.
 
-- `POST /rollout/generate`: a `RolloutRequest` as JSON → msgpack list of outputs (`wire.py`).
+- `POST /rollout/generate`: a `RolloutRequest` as JSON (every field of sglang-diffusion's request model).
+  The answer is sglang-diffusion's post-training format by default (a JSON list, base64 safetensors
+  tensors, full trajectories, conditioning on every record: `sglang.py`), so its clients work unchanged;
+  `Accept: application/msgpack` negotiates diffrl's compact format instead (`wire.py`: msgpack, raw
+  safetensors bytes, only the returned steps, conditioning once), which diffrl's own client asks for.
+- `GET /health_generate`: sglang-diffusion's liveness probe (200 while the server is up).
 - `POST /v1/images/generations`: OpenAI-style plain generation (PNG as base64), for eval and serving.
 - `GET /health`: status, family, weight version and the in-flight count used for routing.
 - `POST /update_weights`: named transformer tensors as a safetensors body (a trainer's update;
@@ -18,6 +23,7 @@ import hmac
 import io
 import os
 import time
+import uuid
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Literal
@@ -28,6 +34,7 @@ from fastapi.responses import JSONResponse, Response
 from PIL import Image
 from pydantic import BaseModel, ConfigDict, Field
 
+from diffrl.engine import sglang
 from diffrl.engine.engine import Engine, EngineConfig
 from diffrl.engine.protocol import RolloutRequest
 from diffrl.engine.wire import MEDIA_TYPE, WireFormatError, decode_weights, encode_outputs
@@ -77,11 +84,20 @@ def create_app(engine: Engine, *, update_token: str | None = None, exposed: bool
                 "weight_version": engine.weight_version,
                 "max_outputs_per_request": engine.config.max_outputs_per_request}
 
+    @app.get("/health_generate")
+    async def health_generate() -> dict:
+        return {"status": "ok"}
+
     @app.post("/rollout/generate")
-    async def rollout_generate(req: RolloutRequest) -> Response:
-        outputs = await engine.agenerate(req)
-        body = await asyncio.to_thread(encode_outputs, outputs)  # serialization off the event loop
-        return Response(content=body, media_type=MEDIA_TYPE)
+    async def rollout_generate(req: RolloutRequest, request: Request) -> Response:
+        if wants_compact(request.headers.get("accept")):
+            outputs = await engine.agenerate(req)
+            body = await asyncio.to_thread(encode_outputs, outputs)  # serialization off the event loop
+            return Response(content=body, media_type=MEDIA_TYPE)
+        engine.plan(req)  # refuse bad input by the client's own field values before rewriting the request
+        outputs = await engine.agenerate(sglang.engine_request(req))
+        body = await asyncio.to_thread(sglang.encode_response, outputs, req, engine.family, uuid.uuid4().hex)
+        return Response(content=body, media_type=sglang.JSON_MEDIA_TYPE)
 
     def refused(request: Request) -> JSONResponse | None:
         """Weight-changing endpoints: a token when one is set; none at all when exposed without one."""
@@ -130,6 +146,28 @@ def create_app(engine: Engine, *, update_token: str | None = None, exposed: bool
         return {"created": int(time.time()), "data": [{"b64_json": _png_b64(img)} for img in images]}
 
     return app
+
+
+def wants_compact(accept: str | None) -> bool:
+    """Whether an `Accept` header prefers diffrl's msgpack format over JSON (the default: no header, `*/*`,
+    or JSON ranked at least as high). An explicit msgpack entry beats a wildcard of the same weight."""
+    if not accept:
+        return False
+    weights: dict[str, float] = {}
+    for item in accept.split(","):
+        kind, *params = (part.strip() for part in item.split(";"))
+        q = 1.0
+        for param in params:
+            name, _, value = param.partition("=")
+            if name.strip() == "q":
+                try:
+                    q = float(value)
+                except ValueError:
+                    q = 0.0
+        weights[kind.lower()] = max(q, weights.get(kind.lower(), 0.0))
+    compact = max(weights.get(MEDIA_TYPE, 0.0), weights.get("application/x-msgpack", 0.0))
+    json_q = weights.get("application/json", weights.get("application/*", weights.get("*/*", 0.0)))
+    return compact > 0 and compact >= json_q
 
 
 def _png_b64(array) -> str:

@@ -91,6 +91,9 @@ class FamilyAdapter(ABC):
     # Whether requests may set `guidance_scale_2` (the CFG scale of a second, low-noise expert); `velocity`
     # then takes it as a keyword (None: the same as guidance_scale). A family may set it per checkpoint.
     uses_guidance_scale_2: bool = False
+    # Whether the family's CFG is what sglang and diffusers call "true CFG" (`true_cfg_scale`): requests may then
+    # set the scale as `true_cfg_scale` (it wins over `guidance_scale`); other families refuse the field.
+    has_true_cfg: ClassVar[bool] = False
 
     transformer: torch.nn.Module
     # Mixed precision of the transformer forward (weights stay as loaded, e.g. fp32 masters):
@@ -153,6 +156,29 @@ class FamilyAdapter(ABC):
     def check_size(self, height: int, width: int) -> None:
         """Raise `RequestError` naming `height`/`width` when the model cannot take this size."""
 
+    # ---------------------------------------------------------------- conditioning on sglang's wire
+    # sglang-diffusion sends a request's conditioning as `pos_cond_kwargs` / `neg_cond_kwargs`: the keyword
+    # arguments of its transformer's forward, per output. These two map one prompt's `PromptEmbeds` (a batch
+    # of one) and the image position ids to and from that dict; families that exist in sglang override them
+    # to use its names and layout. Decoding needs no weights (a class method), so a client can decode with it.
+    def cond_kwargs_to_wire(self, cond: PromptEmbeds, image_ids: torch.Tensor) -> dict:
+        """Default (the FLUX-style families): the text tokens as sglang's one-element `encoder_hidden_states`
+        list, `txt_seq_lens`, and the position ids under the diffusers transformer's names `txt_ids`/`img_ids`."""
+        embeds = cond.embeds[0]
+        return {"encoder_hidden_states": [embeds], "txt_seq_lens": [int(embeds.shape[0])], "txt_ids": cond.ids,
+                "img_ids": image_ids}
+
+    @classmethod
+    def cond_kwargs_from_wire(cls, kwargs: dict) -> tuple[PromptEmbeds, torch.Tensor | None]:
+        """(one prompt's conditioning, image position ids or None when the wire does not carry them)."""
+        text = wire_text_tokens(kwargs)
+        ids = kwargs.get("txt_ids")
+        if ids is None:  # all-zero ids (one axis), what families without text positions use
+            ids = torch.zeros(text.shape[0], 1)
+        if ids.shape[0] != text.shape[0]:
+            raise ValueError(f"txt_ids has {ids.shape[0]} rows for {text.shape[0]} text tokens")
+        return PromptEmbeds(text[None], ids), kwargs.get("img_ids")
+
     @property
     def device(self) -> torch.device:
         return next(self.transformer.parameters()).device
@@ -165,6 +191,19 @@ class FamilyAdapter(ABC):
     def load_saved_transformer(self, model_dir: Path) -> None:
         """Load into `transformer` the weights a full finetune saved with `save(model_dir)` (diffusers layout)."""
         load_weights(self.transformer, model_dir / "transformer" / "diffusion_pytorch_model.safetensors")
+
+
+def wire_text_tokens(kwargs: dict) -> torch.Tensor:
+    """`encoder_hidden_states` of sglang cond kwargs as one `[L, D]` tensor: sglang sends a list (one entry
+    per text encoder, concatenated along the tokens as its trainers do) or, for some families, a bare tensor."""
+    value = kwargs.get("encoder_hidden_states")
+    parts = value if isinstance(value, list | tuple) else [value]
+    if not parts or any(not isinstance(p, torch.Tensor) for p in parts):
+        raise ValueError("encoder_hidden_states: expected a tensor or a list of tensors")
+    parts = [p[0] if p.dim() == 3 and p.shape[0] == 1 else p for p in parts]
+    if any(p.dim() != 2 for p in parts):
+        raise ValueError(f"encoder_hidden_states: expected [L, D] tensors, got {[tuple(p.shape) for p in parts]}")
+    return torch.cat(parts).float() if len(parts) > 1 else parts[0].float()
 
 
 def require_pixel_multiple(label: str, step: int, **sizes: int) -> None:

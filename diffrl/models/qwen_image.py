@@ -18,8 +18,8 @@ What this adapter reproduces of diffusers' `QwenImagePipeline` (checked by `test
   and shifts; Qwen-Image's scheduler also stretches it to its `shift_terminal`); the transformer's timestep
   is the scheduler's timestep (σ·1000) divided by 1000;
 - CFG is the pipeline's "true CFG": `uncond + s·(cond − uncond)`, then rescaled per token to the norm of
-  the conditional velocity. The scale comes in as `guidance_scale` (the engine's field; what diffusers
-  calls `true_cfg_scale`, the engine refuses by name); at s ≤ 1 a step is one conditional forward.
+  the conditional velocity. The scale comes in as `guidance_scale` or, as diffusers and sglang spell it,
+  `true_cfg_scale` (which wins when both are set); at s ≤ 1 a step is one conditional forward.
 
 Variable-length text travels inside the conditioning tensor: `PromptEmbeds.embeds` is `[B, 1 + L, D]`,
 whose first token is a header holding the number of real text tokens (channel 0), followed by the text
@@ -49,7 +49,14 @@ import numpy as np
 import torch
 
 from diffrl.errors import ModelLoadError
-from diffrl.models.base import FamilyAdapter, Latents, PromptEmbeds, read_json, require_pixel_multiple
+from diffrl.models.base import (
+    FamilyAdapter,
+    Latents,
+    PromptEmbeds,
+    read_json,
+    require_pixel_multiple,
+    wire_text_tokens,
+)
 from diffrl.models.batch_invariance import (
     embed_rows_one_at_a_time,
     one_value_for_all_rows,
@@ -158,6 +165,7 @@ class QwenImageFamily(FamilyAdapter):
     default_guidance_scale = 4.0  # the pipeline's default true_cfg_scale
     timestep_scale = 1000.0  # reported timesteps are the scheduler's (σ·1000); the transformer takes them / 1000
     pads_text = True  # conditionings of different lengths share a batch, zero-padded (see the module docstring)
+    has_true_cfg = True
     # The joint attention's projections of both streams (the Flow-GRPO LoRA targets).
     lora_target_modules = ("attn.to_q", "attn.to_k", "attn.to_v", "attn.to_out.0",
                            "attn.add_q_proj", "attn.add_k_proj", "attn.add_v_proj", "attn.to_add_out")
@@ -277,6 +285,30 @@ class QwenImageFamily(FamilyAdapter):
             embeds[row, 0, 0] = text.shape[0]
             embeds[row, 1 : 1 + text.shape[0]] = text
         return PromptEmbeds(embeds, torch.zeros(embeds.shape[1], 1, device=embeds.device))
+
+    def cond_kwargs_to_wire(self, cond: PromptEmbeds, image_ids: torch.Tensor) -> dict:
+        """sglang's Qwen-Image cond kwargs: the prompt's own tokens (no header, no padding), `txt_seq_lens`
+        (the mask is derived from it) and `img_shapes` [[(frames, rows, columns)]] of the latent token grid.
+        sglang's `freqs_cis` is left out: the RoPE tables are rebuilt on the compute device from these."""
+        length = int(cond.embeds[0, 0, 0])
+        rows, cols = (int(v) + 1 for v in image_ids[-1, 1:3])
+        return {"encoder_hidden_states": [cond.embeds[0, 1 : 1 + length]], "txt_seq_lens": [length],
+                "img_shapes": [[[1, rows, cols]]]}
+
+    @classmethod
+    def cond_kwargs_from_wire(cls, kwargs: dict) -> tuple[PromptEmbeds, torch.Tensor | None]:
+        text = wire_text_tokens(kwargs)
+        lengths = kwargs.get("txt_seq_lens") or [text.shape[0]]
+        length = min(int(lengths[0]), text.shape[0])
+        embeds = text.new_zeros(1, 1 + length, text.shape[1])
+        embeds[0, 0, 0] = length  # the header token of lengths (see the module docstring)
+        embeds[0, 1:] = text[:length]
+        image_ids = None
+        shapes = kwargs.get("img_shapes")
+        if shapes:
+            _, rows, cols = shapes[0][0]
+            image_ids = image_position_ids(int(rows), int(cols))
+        return PromptEmbeds(embeds, torch.zeros(embeds.shape[1], 1)), image_ids
 
     def prepare_latents(self, generators, height, width) -> Latents:
         self.check_size(height, width)

@@ -30,7 +30,14 @@ from pathlib import Path
 import torch
 
 from diffrl.errors import ModelLoadError
-from diffrl.models.base import FamilyAdapter, Latents, PromptEmbeds, read_json, require_pixel_multiple
+from diffrl.models.base import (
+    FamilyAdapter,
+    Latents,
+    PromptEmbeds,
+    read_json,
+    require_pixel_multiple,
+    wire_text_tokens,
+)
 from diffrl.models.batch_invariance import (
     decode_rows,
     embed_rows_one_at_a_time,
@@ -170,6 +177,24 @@ class SD3Family(FamilyAdapter):
         pooled = torch.cat([pooled_l, pooled_g], dim=-1).float()
         packed = torch.cat([tokens, torch.nn.functional.pad(pooled, (0, width - pooled.shape[-1]))[:, None]], dim=1)
         return PromptEmbeds(packed, torch.zeros(packed.shape[1], 1, device=packed.device))
+
+    def cond_kwargs_to_wire(self, cond: PromptEmbeds, image_ids: torch.Tensor) -> dict:
+        """sglang's SD3 cond kwargs: the joint CLIP+T5 tokens and `pooled_projections` [P] (unpadded). Its
+        `encoder_hidden_states` goes out as a one-element list, which its clients iterate; a bare tensor reads too."""
+        tokens = cond.embeds[0, :-1]
+        pooled = cond.embeds[0, -1]
+        return {"encoder_hidden_states": [tokens],
+                "pooled_projections": pooled[: self.transformer.config.pooled_projection_dim]}
+
+    @classmethod
+    def cond_kwargs_from_wire(cls, kwargs: dict) -> tuple[PromptEmbeds, torch.Tensor | None]:
+        tokens = wire_text_tokens(kwargs)
+        pooled = kwargs.get("pooled_projections")
+        if not isinstance(pooled, torch.Tensor) or pooled.dim() != 1 or pooled.shape[0] > tokens.shape[1]:
+            raise ValueError("pooled_projections: expected a [P] tensor no wider than the text tokens")
+        row = torch.nn.functional.pad(pooled.float(), (0, tokens.shape[1] - pooled.shape[0]))
+        packed = torch.cat([tokens, row[None]])[None]
+        return PromptEmbeds(packed, torch.zeros(packed.shape[1], 1)), torch.zeros(0, 1)
 
     def _unpack(self, embeds: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """(text tokens [B, L, D], pooled [B, P]) from the packed conditioning."""

@@ -45,7 +45,14 @@ from diffusers.models.modeling_outputs import Transformer2DModelOutput
 from torch.distributed.fsdp import FSDPModule
 
 from diffrl.errors import ModelLoadError, RequestError
-from diffrl.models.base import FamilyAdapter, Latents, PromptEmbeds, read_json, require_pixel_multiple
+from diffrl.models.base import (
+    FamilyAdapter,
+    Latents,
+    PromptEmbeds,
+    read_json,
+    require_pixel_multiple,
+    wire_text_tokens,
+)
 from diffrl.models.batch_invariance import (
     decode_rows,
     embed_rows_one_at_a_time,
@@ -277,6 +284,15 @@ class Wan22Family(FamilyAdapter):
         return sigmas
 
     @torch.no_grad()
+    def cond_kwargs_to_wire(self, cond: PromptEmbeds, image_ids: torch.Tensor) -> dict:
+        """sglang's Wan cond kwargs: the T5 tokens (zero past the prompt) as a one-element list; no positions."""
+        return {"encoder_hidden_states": [cond.embeds[0]]}
+
+    @classmethod
+    def cond_kwargs_from_wire(cls, kwargs: dict) -> tuple[PromptEmbeds, torch.Tensor | None]:
+        tokens = wire_text_tokens(kwargs)
+        return PromptEmbeds(tokens[None], torch.zeros(tokens.shape[0], 1)), torch.zeros(0, 1)
+
     def encode_prompts(self, prompts: Sequence[str]) -> PromptEmbeds:
         from diffusers.pipelines.wan.pipeline_wan import prompt_clean  # the pipeline's own text cleaning
 

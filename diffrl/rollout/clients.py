@@ -10,6 +10,7 @@ from __future__ import annotations
 import asyncio
 import http.client
 import json
+import os
 import threading
 from concurrent.futures import ThreadPoolExecutor
 from typing import Protocol
@@ -17,11 +18,16 @@ from urllib.parse import urlsplit
 
 import torch
 
+from diffrl.engine import sglang
 from diffrl.engine.engine import Engine
 from diffrl.engine.protocol import RolloutOutput, RolloutRequest
-from diffrl.engine.wire import MEDIA_TYPE, decode_outputs, encode_weights
+from diffrl.engine.wire import MEDIA_TYPE, WireFormatError, decode_outputs, encode_weights
 from diffrl.errors import RequestError
+from diffrl.models.base import FamilyAdapter
 from diffrl.models.lora import LoraSpec
+
+# Compact msgpack first; sglang-diffusion's JSON (what its servers always send) is read as well.
+_ACCEPT = f"{MEDIA_TYPE}, {sglang.JSON_MEDIA_TYPE};q=0.5"
 
 
 class EngineUnavailable(RuntimeError):
@@ -57,9 +63,16 @@ class HttpEngineClient:
     response is decoded there: reading a multi-megabyte body is several times faster that way
     than through httpx's async client, which capped one trainer's intake from several engines
     (BENCHMARKS.md, the one-client ceiling). `max_in_flight` threads: a request waiting for a
-    thread is not yet at the engine, so give at least the rollout's in-flight cap per engine."""
+    thread is not yet at the engine, so give at least the rollout's in-flight cap per engine.
 
-    def __init__(self, base_url: str, *, timeout_s: float = 600.0, max_in_flight: int = 64):
+    It asks for the compact msgpack format (`Accept: application/msgpack`) and reads sglang-diffusion's
+    JSON when that is what comes back (an sglang server ignores the header); both decode to the same
+    in-process `RolloutOutput`s. Reading JSON conditioning needs the model family's mapping of sglang's
+    cond kwargs: `family` (a name or adapter class); else the server's `/health` family (a diffrl
+    server), else env `DIFFRL_MODEL_FAMILY`, else the FLUX-style default."""
+
+    def __init__(self, base_url: str, *, timeout_s: float = 600.0, max_in_flight: int = 64,
+                 family: str | type[FamilyAdapter] | None = None):
         url = urlsplit(base_url)
         if url.scheme not in ("http", "https") or not url.hostname:
             raise ValueError(f"engine URL {base_url!r}: expected http://host:port")
@@ -68,6 +81,8 @@ class HttpEngineClient:
         self._url = url
         self._threads = ThreadPoolExecutor(max_workers=max_in_flight, thread_name_prefix=f"engine {url.netloc}")
         self._local = threading.local()  # each worker thread's connection
+        self._family = family
+        self._family_lock = threading.Lock()
 
     def _connection(self) -> http.client.HTTPConnection:
         connection = getattr(self._local, "connection", None)
@@ -76,29 +91,57 @@ class HttpEngineClient:
             connection = self._local.connection = kind(self._url.hostname, self._url.port, timeout=self._timeout_s)
         return connection
 
-    def _post_blocking(self, path: str, body: bytes, headers: dict, what: str) -> tuple[int, bytes]:
-        """POST over this thread's kept-alive connection; a broken connection is dropped, not reused."""
+    def _request_blocking(self, method: str, path: str, body: bytes | None, headers: dict,
+                          what: str) -> tuple[int, bytes, str]:
+        """One request over this thread's kept-alive connection: (status, body, content type). A broken
+        connection is dropped, not reused."""
         try:
             connection = self._connection()
-            connection.request("POST", f"{self._url.path.rstrip('/')}{path}", body=body, headers=headers)
+            connection.request(method, f"{self._url.path.rstrip('/')}{path}", body=body, headers=headers)
             response = connection.getresponse()
-            return response.status, response.read()
+            return response.status, response.read(), response.getheader("content-type") or ""
         except (OSError, http.client.HTTPException) as err:
             self._local.connection = None
             raise EngineUnavailable(f"{self.name}: {what}{err.__class__.__name__}: {err}") from err
 
-    def _generate_blocking(self, body: bytes) -> list[RolloutOutput]:
-        status, content = self._post_blocking("/rollout/generate", body,
-                                              {"content-type": "application/json", "accept": MEDIA_TYPE}, what="")
+    def _post_blocking(self, path: str, body: bytes, headers: dict, what: str) -> tuple[int, bytes]:
+        status, content, _ = self._request_blocking("POST", path, body, headers, what)
+        return status, content
+
+    def _generate_blocking(self, body: bytes, request: RolloutRequest) -> list[RolloutOutput]:
+        status, content, kind = self._request_blocking(
+            "POST", "/rollout/generate", body, {"content-type": "application/json", "accept": _ACCEPT}, what="")
         if status in (400, 422):
             raise RequestError(*_field_and_message(content))
         if status != 200:
             raise EngineUnavailable(f"{self.name}: HTTP {status}: {content[:200].decode(errors='replace')}")
-        return decode_outputs(content)
+        try:
+            if kind.split(";")[0].strip().lower() in (MEDIA_TYPE, "application/x-msgpack"):
+                return decode_outputs(content)
+            return sglang.decode_response(content, request, self._family_class())
+        except WireFormatError as err:  # a garbled answer: another engine may give a good one
+            raise EngineUnavailable(f"{self.name}: malformed response: {err}") from err
+
+    def _family_class(self) -> type[FamilyAdapter]:
+        """The family whose cond-kwargs mapping reads this engine's JSON conditioning (resolved once)."""
+        with self._family_lock:
+            if isinstance(self._family, type):
+                return self._family
+            from diffrl.models.registry import get_family
+
+            name = self._family or os.environ.get("DIFFRL_MODEL_FAMILY")
+            if name is None:
+                try:
+                    status, content, _ = self._request_blocking("GET", "/health", None, {}, what="health: ")
+                    name = json.loads(content).get("family") if status == 200 else None
+                except (EngineUnavailable, ValueError, AttributeError):
+                    name = None
+            self._family = get_family(name) if name else FamilyAdapter
+            return self._family
 
     async def generate(self, request: RolloutRequest) -> list[RolloutOutput]:
         body = json.dumps(request.model_dump(exclude_none=True)).encode()
-        return await asyncio.get_running_loop().run_in_executor(self._threads, self._generate_blocking, body)
+        return await asyncio.get_running_loop().run_in_executor(self._threads, self._generate_blocking, body, request)
 
     def push_weights(self, tensors: dict[str, torch.Tensor], version: int, token: str | None = None) -> None:
         """Send named transformer tensors to the engine (`POST /update_weights`), synchronously:
