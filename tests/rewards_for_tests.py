@@ -10,3 +10,19 @@ def torch_threads(images, prompts, metadata=None):
     import torch
 
     return [float(torch.get_num_threads())] * len(images)
+
+
+def from_metadata(images, prompts, metadata=None):
+    """The `value` each prompt's metadata carries (checks that jsonl metadata reaches the reward)."""
+    return [float(m["value"]) for m in metadata]
+
+
+def seed_of(images, prompts, metadata=None):
+    """The seed the evaluation passes with each image's metadata."""
+    return [float(m["seed"]) for m in metadata]
+
+
+def signed_darkness(images, prompts, metadata=None):
+    """Darkness above 0.5 times each prompt's metadata `sign`: prompts can favour dark or bright images, or
+    neither (sign 0), so one comparison can hold wins, ties and losses."""
+    return [float(m["sign"]) * (0.5 - float(image.mean())) for image, m in zip(images, metadata, strict=True)]

@@ -1,13 +1,24 @@
-"""`diffrl compare`: a trained checkpoint against the base model on the first test prompts."""
+"""`diffrl compare`: a trained checkpoint against the base model.
+
+Two kinds: the shapes world's first test prompts (the default), or, with `--prompt-data PATH --reward
+SPEC`, the first `--num-prompts` prompts of a prompt set through three columns on the same seeds (the
+base with CFG, the base without CFG, the trained model), a win/tie/loss per prompt by mean reward with
+a stated `--tie-margin`, `compare.md`, `compare.json` and a side-by-side grid.
+"""
 
 from __future__ import annotations
 
+import gc
 import json
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
+from diffrl.cli.evaluate import eval_prompts
 from diffrl.data.shapes import test_prompts
-from diffrl.evaluation.compare import compare_models, rows_as_dicts, save_side_by_side, tally
+from diffrl.evaluation.compare import (REWARD_COLUMNS, compare_by_reward, compare_models, reward_markdown,
+                                       rows_as_dicts, save_reward_side_by_side, save_side_by_side, tally)
+from diffrl.evaluation.reward_eval import evaluate_with_reward, reward_components, write_text_atomic
+from diffrl.evaluation.sampling import TEST_SEED
 from diffrl.evaluation.shapes import summarize
 from diffrl.models.checkpoint import load_model
 from diffrl.models.demo import SHIPPED_DEMO_MODEL
@@ -23,28 +34,58 @@ class CompareConfig:
     base_checkpoint: Path | None = None
     """Compare two checkpoints: this one is applied to --base for the left column."""
     diffusion_model_family: str | None = None
-    num_prompts: int = 32
-    """The first N test prompts."""
+    prompt_data: Path | None = None
+    """Compare on this prompt set (.txt, .jsonl, or a directory: its test split) scored by --reward,
+    instead of the shapes world."""
+    input_key: str = "prompt"
+    """The prompt's key in a .jsonl prompt set; the other keys are metadata passed to the reward."""
+    reward: str | None = None
+    """With --prompt-data: the reward spec (ocr, pickscore@PATH, multi:A=W,B=W, module:function)."""
+    tie_margin: float = 0.01
+    """With --prompt-data: a prompt is a tie when |trained − base| mean rewards (over its seeds) ≤ this."""
+    n_samples_per_eval_prompt: int = 1
+    """With --prompt-data: images (seeds) per prompt; image k of the expanded list uses seed `seed + k`."""
+    reward_device: str = "auto"
+    """With --prompt-data: where model rewards load and score (auto: CUDA when present; cpu, cuda, cuda:N)."""
+    negative_prompt: str = ""
+    """With --prompt-data: the unconditional side of CFG."""
+    resolution: int | None = None
+    """With --prompt-data: side in pixels of the square images (default: the family's size)."""
+    num_frames: int | None = None
+    """With --prompt-data, video families: frames per sample (default: the family's)."""
+    batch_size: int = 16
+    num_prompts: int | None = None
+    """The first N prompts (default: 32 shapes test prompts; every prompt of --prompt-data)."""
     num_seeds: int = 1
-    seed: int = 0
+    """Shapes world: images per prompt."""
+    seed: int | None = None
+    """First seed (default: 0 for the shapes world, 10000 for --prompt-data, the trainer's held-out seeds)."""
     num_steps: int = 10
-    guidance_scale: float = 1.0
-    """CFG for both models (override one with --base-guidance-scale / --trained-guidance-scale)."""
+    guidance_scale: float | None = None
+    """Shapes world: CFG for both models (default 1.0). --prompt-data: the base-with-CFG column's scale
+    (default: the family's); the base-without-CFG column runs at 1."""
     base_guidance_scale: float | None = None
+    """Shapes world: the base model's CFG, overriding --guidance-scale."""
     trained_guidance_scale: float | None = None
+    """The trained model's CFG (default: --guidance-scale; a run trained and rolled out without CFG, e.g.
+    DiffusionNFT, is judged fairly with --trained-guidance-scale 1)."""
     device: str = "auto"
     output_dir: Path = Path("runs/compare")
 
 
 def compare(cfg: CompareConfig) -> dict:
+    if cfg.prompt_data is not None or cfg.reward is not None:
+        return compare_by_prompt_data(cfg)
     device = resolve_device(cfg.device)
     base = load_model(cfg.base, cfg.base_checkpoint, family=cfg.diffusion_model_family, device=device)
     trained = load_model(cfg.base, cfg.trained, family=cfg.diffusion_model_family, device=device)
-    prompts = test_prompts()[: cfg.num_prompts]
-    base_cfg = cfg.guidance_scale if cfg.base_guidance_scale is None else cfg.base_guidance_scale
-    trained_cfg = cfg.guidance_scale if cfg.trained_guidance_scale is None else cfg.trained_guidance_scale
+    prompts = test_prompts()[: 32 if cfg.num_prompts is None else cfg.num_prompts]
+    seed = 0 if cfg.seed is None else cfg.seed
+    guidance = 1.0 if cfg.guidance_scale is None else cfg.guidance_scale
+    base_cfg = guidance if cfg.base_guidance_scale is None else cfg.base_guidance_scale
+    trained_cfg = guidance if cfg.trained_guidance_scale is None else cfg.trained_guidance_scale
     rows, base_records, trained_records, base_images, trained_images = compare_models(
-        base, trained, prompts, seed=cfg.seed, num_seeds=cfg.num_seeds, num_steps=cfg.num_steps,
+        base, trained, prompts, seed=seed, num_seeds=cfg.num_seeds, num_steps=cfg.num_steps,
         base_guidance_scale=base_cfg, trained_guidance_scale=trained_cfg)
     counts = tally(rows)
     out = cfg.output_dir
@@ -68,4 +109,54 @@ def compare(cfg: CompareConfig) -> dict:
     print(f"trained vs base over {len(rows)} prompts: {counts['win']} wins, {counts['tie']} ties, {counts['loss']} losses "
           f"(win or tie: {counts['win'] + counts['tie']})")
     print(f"report: {out / 'report.json'}  grid: {grid}")
+    return report
+
+
+def compare_by_prompt_data(cfg: CompareConfig) -> dict:
+    records = eval_prompts(cfg.prompt_data, cfg.reward, cfg.input_key, cfg.num_prompts, cfg.n_samples_per_eval_prompt)
+    if cfg.base_guidance_scale is not None:
+        raise ValueError("--base-guidance-scale is for the shapes comparison; with --prompt-data the base runs at "
+                         "--guidance-scale (with CFG) and at 1 (without)")
+    components = reward_components(cfg.reward, device=cfg.reward_device)  # a bad spec fails before any model loads
+    device = resolve_device(cfg.device)
+    seed = TEST_SEED if cfg.seed is None else cfg.seed
+    out = cfg.output_dir
+    # The models one at a time: a large family's base and trained copies need not fit together.
+    base = load_model(cfg.base, cfg.base_checkpoint, family=cfg.diffusion_model_family, device=device)
+    guidance = base.default_guidance_scale if cfg.guidance_scale is None else cfg.guidance_scale
+    if guidance <= 1.0:
+        raise ValueError(f"--guidance-scale {guidance}: the base-with-CFG column needs a scale above 1")
+    trained_guidance = guidance if cfg.trained_guidance_scale is None else cfg.trained_guidance_scale
+    scales = {"base_cfg": guidance, "base_nocfg": 1.0, "trained": trained_guidance}
+    labels = {"base_cfg": f"base CFG {guidance:g}", "base_nocfg": "base no CFG",
+              "trained": f"trained CFG {trained_guidance:g}"}
+    common = dict(seeds_per_prompt=cfg.n_samples_per_eval_prompt, seed=seed, num_steps=cfg.num_steps,
+                  resolution=cfg.resolution, num_frames=cfg.num_frames, negative_prompt=cfg.negative_prompt,
+                  batch_size=cfg.batch_size, progress=True)
+    print(f"comparing {cfg.trained} with {cfg.base_checkpoint or cfg.base} on {len(records)} prompts of "
+          f"{cfg.prompt_data} × {cfg.n_samples_per_eval_prompt} seeds ({cfg.num_steps} ODE steps, {device}), "
+          f"reward {cfg.reward}")
+    evals = {}
+    for column in ("base_cfg", "base_nocfg"):
+        evals[column] = evaluate_with_reward(base, records, components, guidance_scale=scales[column],
+                                             out_dir=out / column, **common)
+    del base
+    gc.collect()
+    trained = load_model(cfg.base, cfg.trained, family=cfg.diffusion_model_family, device=device)
+    evals["trained"] = evaluate_with_reward(trained, records, components, guidance_scale=scales["trained"],
+                                            out_dir=out / "trained", **common)
+    rows, totals = compare_by_reward({c: evals[c].per_prompt() for c in REWARD_COLUMNS}, cfg.tie_margin)
+    grid = save_reward_side_by_side(evals, labels, out / "side_by_side.png")
+    report = {
+        "config": {k: str(v) for k, v in asdict(cfg).items()},
+        "guidance_scales": scales,
+        "summaries": {c: evals[c].summary for c in REWARD_COLUMNS},
+        "totals": totals,
+        "prompts": rows,
+    }
+    markdown = reward_markdown(rows, totals, labels)
+    write_text_atomic(out / "compare.md", markdown)
+    write_text_atomic(out / "compare.json", json.dumps(report, indent=2) + "\n")
+    print(markdown, end="")
+    print(f"report: {out / 'compare.md'}  {out / 'compare.json'}  grid: {grid}")
     return report

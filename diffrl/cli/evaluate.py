@@ -1,18 +1,28 @@
-"""`diffrl evaluate`: held-out strict accuracy of a model on the shapes world, plus a grid."""
+"""`diffrl evaluate`: held-out evaluation of a model, plus a grid.
+
+Two kinds: the shapes world's strict accuracy (the default), or, with `--prompt-data PATH --reward SPEC`,
+the mean reward (and each reward component's mean) on the first `--num-prompts` prompts of a prompt
+set (a directory's `test` split), every image written to disk (see `diffrl.evaluation.reward_eval`).
+"""
 
 from __future__ import annotations
 
 import json
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 from typing import Literal
 
+from diffrl.data.prompts import PromptRecord, load_prompts
 from diffrl.data.shapes import prompts_by_category, test_prompts, train_prompts
+from diffrl.evaluation.reward_eval import evaluate_with_reward, reward_components
+from diffrl.evaluation.sampling import TEST_SEED
 from diffrl.evaluation.shapes import (balanced_eval_set, evaluate_prompts, format_summary, records_as_dicts,
                                      save_records_grid, summarize)
 from diffrl.models.checkpoint import load_model
 from diffrl.models.demo import SHIPPED_DEMO_MODEL
 from diffrl.utils.device import resolve_device
+
+SHAPES_GUIDANCE_SCALE = 3.0  # the shapes evaluation's CFG when --guidance-scale is left unset
 
 
 @dataclass
@@ -22,22 +32,49 @@ class EvaluateConfig:
     checkpoint: Path | None = None
     """A run checkpoint (…/checkpoints/rollout-N: model/, lora/ or transformer/) applied to --model-path."""
     diffusion_model_family: str | None = None
+    prompt_data: Path | None = None
+    """Evaluate on this prompt set (.txt, .jsonl, or a directory: its test split) scored by --reward,
+    instead of the shapes world."""
+    input_key: str = "prompt"
+    """The prompt's key in a .jsonl prompt set; the other keys are metadata passed to the reward."""
+    reward: str | None = None
+    """With --prompt-data: the reward spec (ocr, pickscore@PATH, multi:A=W,B=W, module:function)."""
+    num_prompts: int | None = None
+    """With --prompt-data: the first K prompts (default: all)."""
+    n_samples_per_eval_prompt: int = 1
+    """With --prompt-data: images (seeds) per prompt; image k of the expanded list uses seed `seed + k`."""
+    reward_device: str = "auto"
+    """With --prompt-data: where model rewards load and score (auto: CUDA when present; cpu, cuda, cuda:N)."""
+    negative_prompt: str = ""
+    """With --prompt-data: the unconditional side of CFG."""
+    num_frames: int | None = None
+    """Video families: frames per sample (default: the family's)."""
     split: Literal["test", "train"] = "test"
+    """Shapes world: which split's prompts."""
     max_prompts_per_category: int | None = None
+    """Shapes world: at most this many prompts of each category."""
     num_seeds: int = 4
-    """Images per prompt; image k of the expanded prompt list uses seed `seed + k`."""
+    """Shapes world: images per prompt; image k of the expanded prompt list uses seed `seed + k`."""
     images_per_category: int | None = None
-    """Instead of --num-seeds: at least this many images per category, shared out over its prompts
+    """Shapes world, instead of --num-seeds: at least this many images per category, shared out over its prompts
     (the trainer's held-out protocol, --eval-images-per-category; with --seed 10000 the same images)."""
-    seed: int = 0
+    seed: int | None = None
+    """First seed (default: 0 for the shapes world, 10000 for --prompt-data, the trainer's held-out seeds)."""
     num_steps: int = 10
-    guidance_scale: float = 3.0
+    guidance_scale: float | None = None
+    """CFG scale (default: 3.0 for the shapes world, the family's default for --prompt-data)."""
+    resolution: int | None = None
+    """Side in pixels of the square images (default: the family's size)."""
     batch_size: int = 64
     device: str = "auto"
     output_dir: Path = Path("runs/eval")
 
 
 def evaluate(cfg: EvaluateConfig) -> dict:
+    if cfg.prompt_data is not None or cfg.reward is not None:
+        return evaluate_prompt_data(cfg)
+    cfg = replace(cfg, seed=0 if cfg.seed is None else cfg.seed,
+                  guidance_scale=SHAPES_GUIDANCE_SCALE if cfg.guidance_scale is None else cfg.guidance_scale)
     device = resolve_device(cfg.device)
     family = load_model(cfg.model_path, cfg.checkpoint, family=cfg.diffusion_model_family, device=device)
     if cfg.max_prompts_per_category is None:
@@ -53,7 +90,7 @@ def evaluate(cfg: EvaluateConfig) -> dict:
           f"({cfg.num_steps} ODE steps, CFG {cfg.guidance_scale}, {device})")
     records, images = evaluate_prompts(
         family, prompts, num_seeds=seeds, seed=cfg.seed, num_steps=cfg.num_steps,
-        guidance_scale=cfg.guidance_scale, batch_size=cfg.batch_size, progress=True,
+        guidance_scale=cfg.guidance_scale, batch_size=cfg.batch_size, progress=True, resolution=cfg.resolution,
     )
     summary = summarize(records)
     out = cfg.output_dir
@@ -65,3 +102,43 @@ def evaluate(cfg: EvaluateConfig) -> dict:
     print(format_summary(summary))
     print(f"report: {out / 'report.json'}  grid: {out / 'grid.png'}")
     return report
+
+
+def eval_prompts(prompt_data: Path | None, reward: str | None, input_key: str, num_prompts: int | None,
+                 n_samples_per_eval_prompt: int) -> list[PromptRecord]:
+    """The first `num_prompts` prompts of `--prompt-data` (a directory's test split), after checking the
+    flags that go with it; shared by `diffrl evaluate` and `diffrl compare`."""
+    if prompt_data is None:
+        raise ValueError("--reward scores a prompt set: also pass --prompt-data PATH")
+    if not reward:
+        raise ValueError("--prompt-data needs --reward SPEC (e.g. ocr, pickscore@/path, multi:ocr=1,jpeg_compressibility=0.5)")
+    if num_prompts is not None and num_prompts < 1:
+        raise ValueError(f"--num-prompts must be >= 1, got {num_prompts}")
+    if n_samples_per_eval_prompt < 1:
+        raise ValueError(f"--n-samples-per-eval-prompt must be >= 1, got {n_samples_per_eval_prompt}")
+    records = load_prompts(prompt_data, split="test", input_key=input_key)
+    return records[:num_prompts] if num_prompts is not None else records
+
+
+def evaluate_prompt_data(cfg: EvaluateConfig) -> dict:
+    records = eval_prompts(cfg.prompt_data, cfg.reward, cfg.input_key, cfg.num_prompts, cfg.n_samples_per_eval_prompt)
+    components = reward_components(cfg.reward, device=cfg.reward_device)  # a bad spec fails before any model loads
+    device = resolve_device(cfg.device)
+    family = load_model(cfg.model_path, cfg.checkpoint, family=cfg.diffusion_model_family, device=device)
+    cfg = replace(cfg, seed=TEST_SEED if cfg.seed is None else cfg.seed,
+                  guidance_scale=family.default_guidance_scale if cfg.guidance_scale is None else cfg.guidance_scale)
+    total = len(records) * cfg.n_samples_per_eval_prompt
+    print(f"evaluating {cfg.checkpoint or cfg.model_path} on {len(records)} prompts of {cfg.prompt_data}, {total} images "
+          f"({cfg.num_steps} ODE steps, CFG {cfg.guidance_scale}, {device}), reward {cfg.reward}")
+    result = evaluate_with_reward(
+        family, records, components, seeds_per_prompt=cfg.n_samples_per_eval_prompt, seed=cfg.seed,
+        num_steps=cfg.num_steps, guidance_scale=cfg.guidance_scale, resolution=cfg.resolution,
+        num_frames=cfg.num_frames, negative_prompt=cfg.negative_prompt, batch_size=cfg.batch_size,
+        out_dir=cfg.output_dir, progress=True)
+    width = max(len(k) for k in result.summary)
+    for key, value in result.summary.items():
+        print(f"{key:<{width}}  {value:.4f}")
+    out = cfg.output_dir
+    print(f"summary: {out / 'summary.json'}  records: {out / 'records.jsonl'}  grid: {out / 'grid.png'}  "
+          f"images: {out / 'images'}")
+    return {"config": {k: str(v) for k, v in asdict(cfg).items()}, **result.summary}

@@ -1,8 +1,11 @@
 """Base versus trained, prompt by prompt: the same prompts and seeds through both models (ODE),
-each image scored strictly and by partial credit, and a win/tie/loss per prompt.
+and a win/tie/loss per prompt.
 
-A prompt is a win for the trained model when its strict pass count is higher, or equal with a
-higher mean partial score; a tie when both are equal (partial scores within 1e-6); else a loss.
+Shapes world: each image scored strictly and by partial credit. A prompt is a win for the trained
+model when its strict pass count is higher, or equal with a higher mean partial score; a tie when both
+are equal (partial scores within 1e-6); else a loss.
+
+Any reward on a prompt set: see `compare_by_reward` (three columns, a stated tie margin).
 """
 
 from __future__ import annotations
@@ -14,6 +17,7 @@ from pathlib import Path
 
 import torch
 
+from diffrl.evaluation.reward_eval import atomic_path, first_frames
 from diffrl.evaluation.shapes import SampleRecord, evaluate_prompts
 from diffrl.models.base import FamilyAdapter
 from diffrl.utils.images import save_grid
@@ -87,3 +91,83 @@ def save_side_by_side(base_records, trained_records, base_images, trained_images
 
 def rows_as_dicts(rows: Sequence[PromptComparison]) -> list[dict]:
     return [asdict(r) for r in rows]
+
+
+# ---------------------------------------------------------------- by any reward (a prompt set)
+# Three columns on the same prompts and seeds: the base with CFG, the base without CFG (guidance 1)
+# and the trained model. Per prompt, each column's mean reward over the prompt's seeds; the trained
+# model wins against a column when its mean is higher by more than the tie margin (absolute, in reward
+# units), loses when lower by more, and ties otherwise.
+
+REWARD_COLUMNS = ("base_cfg", "base_nocfg", "trained")
+
+
+def reward_outcome(base: float, trained: float, tie_margin: float) -> str:
+    """"win" | "tie" | "loss" for the trained model: a tie when |trained − base| ≤ tie_margin."""
+    if abs(trained - base) <= tie_margin:
+        return "tie"
+    return "win" if trained > base else "loss"
+
+
+def compare_by_reward(columns: dict[str, list[dict]], tie_margin: float) -> tuple[list[dict], dict]:
+    """Per-prompt rows and totals from each column's per-prompt means (`RewardEval.per_prompt()`, the
+    same prompts in the same order in every column)."""
+    if tie_margin < 0:
+        raise ValueError(f"--tie-margin must be >= 0, got {tie_margin}")
+    base_cfg, base_nocfg, trained = (columns[c] for c in REWARD_COLUMNS)
+    rows = []
+    for b, n, t in zip(base_cfg, base_nocfg, trained, strict=True):
+        rows.append({"prompt_index": t["prompt_index"], "prompt": t["prompt"], "n": t["n"],
+                     "base_cfg": b["reward"], "base_nocfg": n["reward"], "trained": t["reward"],
+                     "components": {c: {"base_cfg": b["rewards"][c], "base_nocfg": n["rewards"][c], "trained": v}
+                                    for c, v in t["rewards"].items()},
+                     "vs_base_cfg": reward_outcome(b["reward"], t["reward"], tie_margin),
+                     "vs_base_nocfg": reward_outcome(n["reward"], t["reward"], tie_margin)})
+    totals = {
+        "tie_margin": tie_margin,
+        "prompts": len(rows),
+        "mean_reward": {c: sum(r[c] for r in rows) / len(rows) for c in REWARD_COLUMNS},
+        "vs_base_cfg": _tally_outcomes(r["vs_base_cfg"] for r in rows),
+        "vs_base_nocfg": _tally_outcomes(r["vs_base_nocfg"] for r in rows),
+    }
+    return rows, totals
+
+
+def _tally_outcomes(outcomes) -> dict[str, int]:
+    counts = Counter(outcomes)
+    return {"win": counts["win"], "tie": counts["tie"], "loss": counts["loss"]}
+
+
+def reward_markdown(rows: Sequence[dict], totals: dict, labels: dict[str, str]) -> str:
+    """compare.md: one table row per prompt (mean reward over its seeds), then the totals."""
+    head = [labels[c] for c in REWARD_COLUMNS]
+    lines = ["| # | prompt | " + " | ".join(head) + " | vs base CFG | vs base no CFG |",
+             "|---:|---|" + "---:|" * len(head) + "---|---|"]
+    for r in rows:
+        prompt = r["prompt"].replace("|", "\\|").replace("\n", " ")
+        lines.append(f"| {r['prompt_index']} | {prompt} | " + " | ".join(f"{r[c]:.4f}" for c in REWARD_COLUMNS)
+                     + f" | {r['vs_base_cfg']} | {r['vs_base_nocfg']} |")
+    mean = totals["mean_reward"]
+    lines.append("| | **mean** | " + " | ".join(f"**{mean[c]:.4f}**" for c in REWARD_COLUMNS) + " | | |")
+    lines.append("")
+    for key, label in (("vs_base_cfg", labels["base_cfg"]), ("vs_base_nocfg", labels["base_nocfg"])):
+        t = totals[key]
+        lines.append(f"- trained vs {label}: {t['win']} wins, {t['tie']} ties, {t['loss']} losses "
+                     f"over {totals['prompts']} prompts")
+    lines.append(f"- tie margin: |trained − base| ≤ {totals['tie_margin']} (mean reward over a prompt's seeds)")
+    return "\n".join(lines) + "\n"
+
+
+def save_reward_side_by_side(evals: dict, labels: dict[str, str], path: str | Path, limit: int = 32) -> Path:
+    """Rows = images (prompt, seed) in order, columns = base CFG / base no CFG / trained, each cell
+    captioned with its column, reward and prompt; the first `limit` rows."""
+    n = min(limit, len(evals["trained"].rows))
+    cells, captions = [], []
+    for k in range(n):
+        for c in REWARD_COLUMNS:
+            row = evals[c].rows[k]
+            cells.append(first_frames(evals[c].images[k : k + 1])[0])
+            captions.append(f"{labels[c]} {row['reward']:.3f} | {row['prompt']}")
+    with atomic_path(Path(path)) as tmp:
+        save_grid(torch.stack(cells), tmp, ncols=len(REWARD_COLUMNS), captions=captions, caption_lines=3)
+    return Path(path)

@@ -2,8 +2,7 @@
 
 Image k of the expanded list (each prompt repeated for its seeds, in prompt order) gets seed
 `seed + k`, so an evaluation is reproducible and any single image can be regenerated alone. The
-initial noise is drawn on the CPU whatever the model's device (since 2026-11-29, session 7; GPU
-evaluations before drew it with CUDA generators, so their images differ from a CPU run's).
+sampling itself (`generate`, noise drawn on the CPU) lives in `diffrl.evaluation.sampling`.
 """
 
 from __future__ import annotations
@@ -14,19 +13,11 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 
 import torch
-from tqdm import tqdm
 
 from diffrl.data.shapes import CATEGORIES, category_of, prompts_by_category, test_prompts, verify
-from diffrl.engine import denoise
+from diffrl.evaluation.sampling import TEST_SEED, VALIDATION_SEED, generate  # noqa: F401  (re-exported)
 from diffrl.models.base import FamilyAdapter
-from diffrl.sampling import make_generators
 from diffrl.utils.images import save_grid, to_uint8
-
-
-# First seeds of the trainer's held-out (test prompts) and validation (train prompts) evaluations;
-# image k of a set gets seed + k. Anything that wants the trainer's images uses these.
-TEST_SEED = 10_000
-VALIDATION_SEED = 20_000
 
 
 @dataclass
@@ -37,44 +28,6 @@ class SampleRecord:
     strict: bool
     score: float
     reason: str
-
-
-@torch.no_grad()
-def generate(
-    family: FamilyAdapter,
-    prompts: Sequence[str],
-    seeds: Sequence[int],
-    *,
-    num_steps: int,
-    guidance_scale: float,
-    batch_size: int = 64,
-    progress: bool = False,
-    resolution: int | None = None,
-) -> torch.Tensor:
-    """ODE samples, image k from (prompts[k], seeds[k]); images [N, 3, H, W] in [0, 1] on CPU, square
-    `resolution` pixels a side (None: the family's default size)."""
-    height, width = (resolution, resolution) if resolution else family.default_size()
-    family.check_size(height, width)
-    unique = list(dict.fromkeys(prompts))
-    encoded = family.encode_prompts(unique)
-    row_of = {p: i for i, p in enumerate(unique)}
-    uncond_one = family.encode_prompts([""]) if guidance_scale > 1.0 else None
-    sigmas = family.sigmas(num_steps, height, width)
-    images = []
-    starts = range(0, len(prompts), batch_size)
-    for start in tqdm(starts, desc="sampling", disable=not progress, dynamic_ncols=True):
-        chunk = list(prompts[start : start + batch_size])
-        rows = torch.tensor([row_of[p] for p in chunk], device=encoded.embeds.device)
-        cond = type(encoded)(encoded.embeds[rows], encoded.ids)
-        uncond = uncond_one.repeat(len(chunk)) if uncond_one is not None else None
-        # CPU generators: a seed gives the same initial noise on every device (CUDA generators draw
-        # other numbers), so a checkpoint scored on a GPU and on a CPU sees the same images up to
-        # numerics. ODE sampling draws nothing after the initial noise, so this costs one copy.
-        generators = make_generators(seeds[start : start + batch_size], device="cpu")
-        latents = family.prepare_latents(generators, height, width)
-        result = denoise(family, latents, sigmas, cond, uncond, guidance_scale, generators=generators)
-        images.append(family.decode(result.latents, height, width).cpu())
-    return torch.cat(images)
 
 
 def balanced_eval_set(prompts: Sequence[str], images_per_category: int) -> tuple[list[str], list[int]]:

@@ -1,0 +1,274 @@
+"""Held-out evaluation of any model on a prompt set, scored by any reward.
+
+The first K prompts (the caller cuts them), each sampled `seeds_per_prompt` times by ODE at fixed
+seeds: image k of the expanded list (each prompt repeated for its seeds, prompts in order) gets seed
+`seed + k`, as `diffrl.evaluation.shapes` does, so any image can be regenerated alone. Each image is
+scored by every reward component separately (`multi:a=wa,b=wb` has components a and b; any other
+spec is one component) and by their weighted total. The reward sees each record's metadata plus
+`{"seed": …}`, as in training.
+
+On disk (`out_dir`): `images/00000.png`, … (a video as an animated GIF `images/00000.gif`, all its
+frames at `VIDEO_FPS`), `records.jsonl` (one line per image), `grid.png` (the first images, captioned
+with prompt and reward) and `summary.json`. Every file is written under a temporary name and renamed,
+and `summary.json` goes last: a directory without it is an evaluation that did not finish.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import concurrent.futures
+import inspect
+import json
+import math
+import os
+import re
+from collections.abc import Callable, Iterator, Sequence
+from contextlib import contextmanager
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import numpy as np
+import torch
+from PIL import Image
+from tqdm import tqdm
+
+from diffrl.data.prompts import PromptRecord
+from diffrl.evaluation.sampling import TEST_SEED, generate
+from diffrl.models.base import FamilyAdapter
+from diffrl.utils.images import save_grid, to_uint8
+
+GRID_IMAGES = 32
+VIDEO_FPS = 8
+
+
+@dataclass(frozen=True)
+class RewardComponent:
+    """One scorer of a reward spec, its TensorBoard-safe name and its weight in the total."""
+
+    name: str
+    spec: str
+    weight: float
+    score: Callable
+
+
+@dataclass
+class RewardEval:
+    """What an evaluation measured. `summary`: {"eval/reward": mean total, "eval/reward/<component>": mean};
+    `rows`: one dict per image (index, prompt_index, prompt, metadata, seed, reward, rewards, file);
+    `images`: [N, 3, H, W] (video: [N, 3, F, H, W]) in [0, 1] on CPU, in row order."""
+
+    summary: dict[str, float]
+    rows: list[dict]
+    images: torch.Tensor
+    components: list[RewardComponent] = field(default_factory=list)
+    out_dir: Path | None = None
+
+    def per_prompt(self) -> list[dict]:
+        """Per prompt (in order): its mean total reward and mean per component over its seeds."""
+        by_prompt: dict[int, list[dict]] = {}
+        for row in self.rows:
+            by_prompt.setdefault(row["prompt_index"], []).append(row)
+        return [{"prompt_index": i, "prompt": rows[0]["prompt"], "n": len(rows),
+                 "reward": _mean(r["reward"] for r in rows),
+                 "rewards": {c: _mean(r["rewards"][c] for r in rows) for c in rows[0]["rewards"]}}
+                for i, rows in by_prompt.items()]
+
+
+def tag_name(spec: str) -> str:
+    """A component's name for metric tags: `pickscore@/x/y` → `pickscore`, `pkg.mod:fn` → `fn`."""
+    name = spec.partition("@")[0]
+    name = name.rpartition(":")[2] or name
+    return re.sub(r"[^A-Za-z0-9_.-]", "_", name.strip()) or "reward"
+
+
+def reward_components(reward: str | Callable | Sequence[RewardComponent],
+                      device: str | None = None) -> list[RewardComponent]:
+    """The components of a reward spec (`ocr`, `pickscore@/path`, `multi:ocr=1,jpeg_compressibility=0.5`,
+    `module:function`), of a scorer already built (one component, `reward`), or components as given.
+    `device` (specs only): where model rewards load and score (`cpu`, `cuda:N`; None or `auto`: CUDA when
+    present)."""
+    from diffrl.rewards import _parse_weights
+
+    if isinstance(reward, str):
+        if reward.startswith("multi:"):
+            weights = _parse_weights(reward.removeprefix("multi:"))
+            parts = [(spec, w) for spec, w in weights.items()]
+        else:
+            parts = [(reward, 1.0)]
+        components, seen = [], set()
+        for spec, weight in parts:
+            name = tag_name(spec)
+            if name in seen:  # two components reduce to one tag (e.g. two pickscore checkpoints)
+                name = f"{name}_{len(seen)}"
+            seen.add(name)
+            components.append(RewardComponent(name, spec, weight, _get_reward(spec, device)))
+        return components
+    if callable(reward):
+        return [RewardComponent("reward", getattr(reward, "__name__", "reward"), 1.0, reward)]
+    components = list(reward)
+    if not components or not all(isinstance(c, RewardComponent) for c in components):
+        raise ValueError("reward: expected a spec string, a scorer or a list of RewardComponent")
+    return components
+
+
+def _get_reward(spec: str, device: str | None) -> Callable:
+    from diffrl.rewards import get_reward
+
+    if device in (None, "auto"):
+        return get_reward(spec)
+    if "device" not in inspect.signature(get_reward).parameters:
+        raise ValueError("--reward-device: this version of diffrl.rewards places its models itself; leave it auto")
+    return get_reward(spec, device=device)
+
+
+def _resolve(values):
+    """A scorer's result, awaited when it is a coroutine (also from inside a running event loop)."""
+    if not inspect.isawaitable(values):
+        return values
+
+    async def wait():
+        return await values
+
+    try:
+        asyncio.get_running_loop()
+    except RuntimeError:
+        return asyncio.run(wait())
+    with concurrent.futures.ThreadPoolExecutor(1) as pool:  # a loop runs here: await it on its own thread
+        return pool.submit(asyncio.run, wait()).result()
+
+
+def score_components(components: Sequence[RewardComponent], images: torch.Tensor, prompts: list[str],
+                     metadata: list[dict]) -> tuple[list[float], list[dict[str, float]]]:
+    """(total per image, {component: value} per image); total = Σ weight · component."""
+    per_component = {}
+    for c in components:
+        values = [float(v) for v in _resolve(c.score(images, prompts, metadata))]
+        if len(values) != len(prompts):
+            raise ValueError(f"reward {c.spec!r} returned {len(values)} values for {len(prompts)} images")
+        per_component[c.name] = values
+    rewards = [{c.name: per_component[c.name][i] for c in components} for i in range(len(prompts))]
+    totals = [sum(c.weight * r[c.name] for c in components) for r in rewards]
+    return totals, rewards
+
+
+@torch.no_grad()
+def evaluate_with_reward(
+    family: FamilyAdapter,
+    records: Sequence[PromptRecord],
+    reward: str | Callable | Sequence[RewardComponent],
+    *,
+    seeds_per_prompt: int = 1,
+    seed: int = TEST_SEED,
+    num_steps: int,
+    guidance_scale: float,
+    resolution: int | None = None,
+    num_frames: int | None = None,
+    negative_prompt: str = "",
+    batch_size: int = 16,
+    out_dir: Path | None = None,
+    progress: bool = False,
+    reward_device: str | None = None,
+) -> RewardEval:
+    """Sample every record `seeds_per_prompt` times (image k: seed + k), score each image by every
+    component and the total, and write everything under `out_dir` when given (see the module docstring).
+    `reward_device`: where a spec's model rewards load and score (None: CUDA when present)."""
+    if not records:
+        raise ValueError("evaluation: no prompts")
+    if seeds_per_prompt < 1:
+        raise ValueError(f"--n-samples-per-eval-prompt must be >= 1, got {seeds_per_prompt}")
+    if batch_size < 1:
+        raise ValueError(f"--batch-size must be >= 1, got {batch_size}")
+    components = reward_components(reward, device=reward_device)
+    expanded = [(i, r) for i, r in enumerate(records) for _ in range(seeds_per_prompt)]
+    seeds = [seed + k for k in range(len(expanded))]
+    if out_dir is not None:
+        out_dir = Path(out_dir)
+        for stale in ("summary.json", "records.jsonl", "grid.png"):  # never mix a finished run's files with ours
+            (out_dir / stale).unlink(missing_ok=True)
+        (out_dir / "images").mkdir(parents=True, exist_ok=True)
+    rows, chunks = [], []
+    for start in tqdm(range(0, len(expanded), batch_size), desc="evaluating", disable=not progress,
+                      dynamic_ncols=True):
+        part = expanded[start : start + batch_size]
+        part_seeds = seeds[start : start + batch_size]
+        prompts = [r.prompt for _, r in part]
+        images = generate(family, prompts, part_seeds, num_steps=num_steps, guidance_scale=guidance_scale,
+                          batch_size=batch_size, resolution=resolution, num_frames=num_frames,
+                          negative_prompt=negative_prompt)
+        metadata = [{**r.metadata, "seed": s} for (_, r), s in zip(part, part_seeds, strict=True)]
+        totals, rewards = score_components(components, images, prompts, metadata)
+        for j, ((prompt_index, record), s) in enumerate(zip(part, part_seeds, strict=True)):
+            k = start + j
+            file = None
+            if out_dir is not None:
+                file = _write_sample(images[j], out_dir / "images" / f"{k:05d}").relative_to(out_dir).as_posix()
+            rows.append({"index": k, "prompt_index": prompt_index, "prompt": record.prompt,
+                         "metadata": record.metadata, "seed": s, "reward": totals[j], "rewards": rewards[j],
+                         "file": file})
+        chunks.append(images)
+    images = torch.cat(chunks)
+    summary = {"eval/reward": _mean(r["reward"] for r in rows)}
+    summary.update({f"eval/reward/{c.name}": _mean(r["rewards"][c.name] for r in rows) for c in components})
+    result = RewardEval(summary, rows, images, components, out_dir)
+    if out_dir is not None:
+        save_eval_grid(result, out_dir / "grid.png")
+        write_text_atomic(out_dir / "records.jsonl", "".join(json.dumps(r) + "\n" for r in rows))
+        info = {**summary, "n_images": len(rows), "n_prompts": len(records),
+                "config": {"seeds_per_prompt": seeds_per_prompt, "seed": seed, "num_steps": num_steps,
+                           "guidance_scale": guidance_scale, "resolution": resolution, "num_frames": num_frames,
+                           "negative_prompt": negative_prompt, "sampler": "ode"},
+                "components": {c.name: {"spec": c.spec, "weight": c.weight} for c in components}}
+        write_text_atomic(out_dir / "summary.json", json.dumps(info, indent=2) + "\n")
+    return result
+
+
+def save_eval_grid(result: RewardEval, path: Path, limit: int = GRID_IMAGES) -> Path:
+    """The first `limit` images (a video: its first frame), each captioned with its reward and prompt."""
+    shown = result.rows[:limit]
+    captions = [f"{r['reward']:.3f} {r['prompt']}" for r in shown]
+    with atomic_path(path) as tmp:
+        save_grid(first_frames(result.images[: len(shown)]), tmp, ncols=8, captions=captions, caption_lines=3)
+    return path
+
+
+def first_frames(images: torch.Tensor) -> torch.Tensor:
+    """[N, 3, H, W] as is; a video batch [N, 3, F, H, W] as its first frames."""
+    return images[:, :, 0] if images.dim() == 5 else images
+
+
+def _write_sample(sample: torch.Tensor, stem: Path) -> Path:
+    """One image as PNG, or one video [3, F, H, W] as an animated GIF (every frame, `VIDEO_FPS`)."""
+    if sample.dim() == 3:
+        path = stem.with_suffix(".png")
+        with atomic_path(path) as tmp:
+            Image.fromarray(to_uint8(sample[None])[0]).save(tmp, format="PNG")
+        return path
+    path = stem.with_suffix(".gif")
+    frames = [Image.fromarray(f) for f in to_uint8(sample.transpose(0, 1))]
+    with atomic_path(path) as tmp:
+        frames[0].save(tmp, format="GIF", save_all=True, append_images=frames[1:], duration=1000 // VIDEO_FPS, loop=0)
+    return path
+
+
+@contextmanager
+def atomic_path(path: Path) -> Iterator[Path]:
+    """A temporary name beside `path` (same suffix, so writers can tell the format), renamed onto it at
+    the end; an interrupted write leaves only the temporary file."""
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_name(f".{path.stem}.tmp-{os.getpid()}{path.suffix}")
+    try:
+        yield tmp
+        os.replace(tmp, path)
+    finally:
+        tmp.unlink(missing_ok=True)
+
+
+def write_text_atomic(path: Path, text: str) -> None:
+    with atomic_path(path) as tmp:
+        tmp.write_text(text, encoding="utf-8")
+
+
+def _mean(values) -> float:
+    values = list(values)
+    return float(np.mean(values)) if values else math.nan
