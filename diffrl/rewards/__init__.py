@@ -1,6 +1,13 @@
 """Rewards: a registry of scorers with one signature, `score(images, prompts, metadata) -> list[float]`.
 
-`images` are `[B, C, H, W]` floats in [0, 1]; a scorer may be sync or async.
+`images` are `[B, C, H, W]` floats in [0, 1]; a scorer may be sync or async. The model rewards and `ocr`
+also take videos `[B, C, F, H, W]` and score each as the mean of its frames' scores (`frames.py`).
+
+Model rewards load a local checkpoint, asked for as `NAME@PATH` (never a hub id). Options follow the
+path after commas: `NAME@PATH,processor=DIR` takes the processor (tokenizer and image settings) from DIR
+instead of PATH, as PickScore's published setup does (model `PickScore_v1`, processor of
+`CLIP-ViT-H-14-laion2B-s32B-b79K`). Inside `multi:` an option stays with its reward and the weight goes
+last: `multi:pickscore@/m/PickScore_v1,processor=/m/CLIP-ViT-H-14=1,hpsv2@/m/HPS_v2.1_compressed.pt=0.5`.
 """
 
 from __future__ import annotations
@@ -20,26 +27,40 @@ def register_reward(name: str):
     return decorator
 
 
-# Rewards scored by a model from a local checkpoint, asked for as `NAME@PATH`: name → factory(path) → scorer.
+# Rewards scored by a model from a local checkpoint, asked for as `NAME@PATH[,OPTION=VALUE]`:
+# name → factory(path, device, **options) → scorer.
 _MODEL_REWARDS: dict[str, str] = {
     "clipscore": "diffrl.rewards.clip_scores:clipscore",
     "pickscore": "diffrl.rewards.clip_scores:pickscore",
     "aesthetic": "diffrl.rewards.clip_scores:aesthetic",
+    "hpsv2": "diffrl.rewards.hps:hpsv2",
 }
+_MODEL_OPTIONS = ("processor",)
 
 
-def get_reward(name: str) -> Callable:
-    """A registered reward by name, a model reward `NAME@PATH` (a local checkpoint), a weighted sum
-    `multi:NAME=W,NAME=W`, or a custom one given as a Python path `module:function`."""
+def get_reward(name: str, device: str | None = None) -> Callable:
+    """A registered reward by name, a model reward `NAME@PATH[,processor=DIR]` (a local checkpoint), a
+    weighted sum `multi:NAME=W,NAME=W`, or a custom one given as a Python path `module:function`.
+
+    `device` is where model rewards load and score (`cpu`, `cuda`, `cuda:N`); None: CUDA when available,
+    else the CPU. The other rewards ignore it."""
     if name.startswith("multi:"):
-        return multi_reward(_parse_weights(name.removeprefix("multi:")))
+        return multi_reward(_parse_weights(name.removeprefix("multi:")), device=device)
     model, at, path = name.partition("@")
     if at or model in _MODEL_REWARDS:
         if model not in _MODEL_REWARDS:
             raise ValueError(f"unknown model reward {model!r}; known: {', '.join(sorted(_MODEL_REWARDS))}")
+        path, *option_parts = path.split(",")
         if not path:
             raise ValueError(f"reward {model!r} scores with a local checkpoint: --reward {model}@/path/to/checkpoint")
-        return _model_reward(model, path)
+        options = []
+        for part in option_parts:
+            key, sep, value = part.partition("=")
+            if not sep or key.strip() not in _MODEL_OPTIONS or not value:
+                raise ValueError(f"reward {name!r}: {part!r} is not an option; known: "
+                                 + ", ".join(f"{o}=DIR" for o in _MODEL_OPTIONS))
+            options.append((key.strip(), value))
+        return _model_reward(model, path, None if device is None else str(device), tuple(sorted(options)))
     if ":" in name:
         import importlib
 
@@ -55,13 +76,28 @@ def get_reward(name: str) -> Callable:
                          "(or a custom one as module:function)") from None
 
 
+def default_device(device: str | None = None):
+    """`device` as a torch.device; None: CUDA when available, else the CPU."""
+    import torch
+
+    if device is None:
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    try:
+        return torch.device(device)
+    except RuntimeError:
+        raise ValueError(f"reward device {device!r}: expected cpu, cuda or cuda:N") from None
+
+
 @functools.cache
-def _model_reward(model: str, path: str) -> Callable:
-    """Loaded once per process (a worker pool builds its own)."""
+def _model_reward(model: str, path: str, device: str | None = None, options: tuple = ()) -> Callable:
+    """Loaded once per process and device (a worker pool builds its own)."""
     import importlib
 
+    from diffrl.rewards.frames import mean_over_frames
+
     module_name, _, attr = _MODEL_REWARDS[model].partition(":")
-    return getattr(importlib.import_module(module_name), attr)(path)
+    factory = getattr(importlib.import_module(module_name), attr)
+    return mean_over_frames(factory(path, default_device(device), **dict(options)))
 
 
 def _shapes_verdicts(images, prompts) -> list:
@@ -98,10 +134,24 @@ def shapes_strict_reward(images, prompts, metadata=None) -> list[float]:
     return [float(verdict.strict) for verdict in _shapes_verdicts(images, prompts)]
 
 
+def _split_multi(spec: str) -> list[str]:
+    """The entries of a `multi:` spec: commas separate entries, except before a model reward's option."""
+    entries: list[str] = []
+    for piece in spec.split(","):
+        if entries and "@" in entries[-1] and piece.partition("=")[0].strip() in _MODEL_OPTIONS:
+            entries[-1] += "," + piece
+        else:
+            entries.append(piece)
+    return entries
+
+
 def _parse_weights(spec: str) -> dict[str, float]:
     weights = {}
-    for part in filter(None, spec.split(",")):
-        reward, sep, weight = part.partition("=")
+    for part in filter(None, _split_multi(spec)):
+        reward, sep, weight = part.rpartition("=")
+        # `…,processor=DIR` without a weight: that `=` belongs to the option.
+        if not sep or reward.rpartition(",")[2].strip() in _MODEL_OPTIONS:
+            reward, sep, weight = part, "", ""
         try:
             weights[reward.strip()] = float(weight) if sep else 1.0
         except ValueError:
@@ -111,11 +161,11 @@ def _parse_weights(spec: str) -> dict[str, float]:
     return weights
 
 
-def multi_reward(weights: dict[str, float]) -> Callable:
+def multi_reward(weights: dict[str, float], device: str | None = None) -> Callable:
     """Σ w·reward; each part may be sync or async (the sum is async, the rollout manager awaits it)."""
     import inspect
 
-    parts = [(get_reward(name), w) for name, w in weights.items()]
+    parts = [(get_reward(name, device=device), w) for name, w in weights.items()]
 
     async def score(images, prompts, metadata=None) -> list[float]:
         total = [0.0] * len(prompts)

@@ -1,6 +1,10 @@
 """Rewards from CLIP-family checkpoints on disk (transformers format, never a hub id): `clipscore`,
-`pickscore` and `aesthetic`. Each is asked for as `NAME@PATH` (`--reward pickscore@/models/PickScore_v1`);
-the model loads once per process.
+`pickscore` and `aesthetic`. Each is asked for as `NAME@PATH` (`--reward pickscore@/models/PickScore_v1`),
+or `NAME@PATH,processor=DIR` when the processor (tokenizer and image preprocessing) lies in another
+directory: PickScore's published setup pairs the model `yuvalkirstain/PickScore_v1` with the processor of
+`laion/CLIP-ViT-H-14-laion2B-s32B-b79K`, so `pickscore@/models/PickScore_v1,processor=/models/CLIP-ViT-H-14`.
+The model loads once per process and device, and scores in fp32 (as flow_grpo's and DiffusionNFT's
+PickScore, CLIP score and aesthetic scorers do).
 
 - clipscore: CLIP-S = 2.5 · max(cos(image, text), 0) (Hessel et al., 2021), in [0, 2.5].
 - pickscore: PickScore's logit, exp(logit_scale) · cos(image, text), divided by 26 (its usual range is
@@ -19,25 +23,38 @@ import torch
 from diffrl.errors import ModelLoadError
 
 
-def _device() -> torch.device:
-    return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+def _first_line(err: BaseException) -> str:
+    return (str(err).strip().splitlines() or [type(err).__name__])[0]
+
+
+def load_processor(path: str | Path, what: str = "processor"):
+    """A transformers processor (or tokenizer) from a local directory, or a one-line ModelLoadError."""
+    from transformers import AutoProcessor
+
+    path = Path(path)
+    if not path.is_dir():
+        raise ModelLoadError(f"no {what} directory at {path}")
+    try:
+        return AutoProcessor.from_pretrained(str(path), local_files_only=True)
+    except (OSError, ValueError, TypeError) as err:
+        raise ModelLoadError(f"cannot load the {what} from {path}: {_first_line(err)}") from None
 
 
 class _Clip:
-    """A CLIP model and its processor, loaded from a local directory."""
+    """A CLIP model and its processor, loaded from local directories (the processor's defaults to the model's)."""
 
-    def __init__(self, path: str | Path):
-        from transformers import AutoProcessor, CLIPModel
+    def __init__(self, path: str | Path, device: torch.device, processor: str | Path | None = None):
+        from transformers import CLIPModel
 
         path = Path(path)
         if not (path / "config.json").is_file():
             raise ModelLoadError(f"no CLIP checkpoint at {path} (config.json missing)")
+        self.processor = load_processor(path if processor is None else processor)
         try:
-            self.processor = AutoProcessor.from_pretrained(str(path), local_files_only=True)
             self.model = CLIPModel.from_pretrained(str(path), local_files_only=True)
         except (OSError, ValueError) as err:
-            raise ModelLoadError(f"cannot load the CLIP checkpoint {path}: {str(err).splitlines()[0]}") from None
-        self.device = _device()
+            raise ModelLoadError(f"cannot load the CLIP checkpoint {path}: {_first_line(err)}") from None
+        self.device = torch.device(device)
         self.model.to(self.device).eval().requires_grad_(False)
 
     @torch.no_grad()
@@ -61,8 +78,8 @@ class _Clip:
         return (self.image_embeds(images) * self.text_embeds(prompts)).sum(-1)
 
 
-def clipscore(path: str):
-    clip = _Clip(path)
+def clipscore(path: str, device: torch.device, processor: str | None = None):
+    clip = _Clip(path, device, processor)
 
     def score(images, prompts, metadata=None) -> list[float]:
         return (2.5 * clip.cosine(images, list(prompts)).clamp(min=0)).tolist()
@@ -73,8 +90,8 @@ def clipscore(path: str):
 PICKSCORE_SCALE = 26.0
 
 
-def pickscore(path: str):
-    clip = _Clip(path)
+def pickscore(path: str, device: torch.device, processor: str | None = None):
+    clip = _Clip(path, device, processor)
 
     def score(images, prompts, metadata=None) -> list[float]:
         logits = clip.model.logit_scale.exp().float() * clip.cosine(images, list(prompts))
@@ -109,8 +126,8 @@ def _read_head(path: Path) -> dict[str, torch.Tensor]:
     return {key.removeprefix("layers."): value for key, value in state.items()}
 
 
-def aesthetic(path: str):
-    clip = _Clip(path)
+def aesthetic(path: str, device: torch.device, processor: str | None = None):
+    clip = _Clip(path, device, processor)
     head = aesthetic_mlp(clip.model.config.projection_dim)
     try:
         head.load_state_dict(_read_head(Path(path)), strict=True)

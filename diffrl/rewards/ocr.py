@@ -5,7 +5,7 @@ image: RapidOCR's PP-OCR detector and recogniser in ONNX, which ship inside the 
 wheel (`pip install 'diffrl[ocr]'`), so nothing is downloaded at run time. Both texts are compared
 lower-cased with whitespace removed: 1 when the image's text contains the target, else
 1 − min(edit distance, len(target)) / len(target), so partial spellings get partial credit and
-unrelated text scores 0.
+unrelated text scores 0. A video `[B, C, F, H, W]` scores as the mean over its frames.
 """
 
 from __future__ import annotations
@@ -14,6 +14,7 @@ import functools
 import re
 
 from diffrl.rewards import register_reward
+from diffrl.rewards.frames import mean_over_frames
 from diffrl.utils.images import to_uint8
 
 _QUOTED = re.compile(r'"([^"]+)"|“([^”]+)”|‘([^’]+)’|\'([^\']+)\'')
@@ -71,6 +72,7 @@ def read_text(pixels) -> str:
 
 
 @register_reward("ocr")
+@mean_over_frames
 def ocr_reward(images, prompts, metadata=None) -> list[float]:
     targets = [quoted_text(p) for p in prompts]  # refuse a prompt without quotes before any OCR runs
     return [text_score(read_text(pixels), target) for pixels, target in zip(to_uint8(images), targets, strict=True)]

@@ -30,7 +30,7 @@ def decode_batch(images: bytes, prompts_json: str, metadata_json: str) -> tuple[
     return decode_weights(images)["images"], json.loads(prompts_json), json.loads(metadata_json)
 
 
-_SCORERS: dict[str, Callable] = {}  # per worker process: each reward is built once
+_SCORERS: dict[tuple[str, str | None], Callable] = {}  # per worker process: each reward is built once
 
 
 def _one_thread_per_worker() -> None:
@@ -40,31 +40,34 @@ def _one_thread_per_worker() -> None:
     torch.set_num_threads(1)
 
 
-def _score_in_worker(reward: str, images: bytes, prompts_json: str, metadata_json: str) -> list[float]:
+def _score_in_worker(reward: str, device: str | None, images: bytes, prompts_json: str,
+                     metadata_json: str) -> list[float]:
     from diffrl.rewards import get_reward
 
-    if reward not in _SCORERS:
-        _SCORERS[reward] = get_reward(reward)
-    rewards = _SCORERS[reward](*decode_batch(images, prompts_json, metadata_json))
+    if (reward, device) not in _SCORERS:
+        _SCORERS[reward, device] = get_reward(reward, device=device)
+    rewards = _SCORERS[reward, device](*decode_batch(images, prompts_json, metadata_json))
     if inspect.isawaitable(rewards):
         rewards = asyncio.run(rewards)
     return [float(r) for r in rewards]
 
 
 class ProcessRewardPool:
-    """The rollout manager's reward function, scored in `workers` spawned processes."""
+    """The rollout manager's reward function, scored in `workers` spawned processes; model rewards load on
+    `device` in each worker (None: CUDA when available, else the CPU; see `get_reward`)."""
 
-    def __init__(self, reward: str, workers: int):
+    def __init__(self, reward: str, workers: int, device: str | None = None):
         if workers < 1:
             raise ValueError(f"--reward-workers must be >= 1 for a pool, got {workers}")
         self.reward = reward
+        self.device = None if device is None else str(device)
         # spawn, not fork: the parent runs threads (the engine) and may hold a CUDA context.
         self._pool = ProcessPoolExecutor(workers, mp_context=multiprocessing.get_context("spawn"),
                                          initializer=_one_thread_per_worker)
 
     async def __call__(self, images: torch.Tensor, prompts: list[str], metadata: list[dict] | None = None) -> list[float]:
         loop = asyncio.get_running_loop()
-        return await loop.run_in_executor(self._pool, _score_in_worker, self.reward,
+        return await loop.run_in_executor(self._pool, _score_in_worker, self.reward, self.device,
                                           *encode_batch(images, prompts, metadata))
 
     def close(self) -> None:
