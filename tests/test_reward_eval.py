@@ -242,3 +242,15 @@ def test_evaluate_a_lora_checkpoint_of_another_family(tmp_path):
     assert row["reward"] == pytest.approx(1.0 - float(expected[0].mean()), abs=1e-6)
     without = generate(load_model(base_dir), ["a red cat"], [row["seed"]], num_steps=STEPS, guidance_scale=4.5)
     assert abs(row["reward"] - (1.0 - float(without[0].mean()))) > 1e-4  # the adapter changed the image
+
+
+def test_a_video_is_written_as_an_animated_png_with_every_frame(tmp_path):
+    from diffrl.evaluation.reward_eval import _write_sample
+
+    video = torch.rand(3, 5, 8, 12, generator=torch.Generator().manual_seed(0))  # [C, F, H, W]
+    path = _write_sample(video, tmp_path / "00000.png")
+    with Image.open(path) as apng:
+        assert apng.n_frames == 5
+        for f in range(5):
+            apng.seek(f)
+            np.testing.assert_array_equal(np.asarray(apng.convert("RGB")), to_uint8(video[:, f][None])[0])

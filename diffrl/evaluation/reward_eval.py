@@ -7,9 +7,9 @@ scored by every reward component separately (`multi:a=wa,b=wb` has components a 
 spec is one component) and by their weighted total. The reward sees each record's metadata plus
 `{"seed": …}`, as in training.
 
-On disk (`out_dir`): `images/00000.png`, … (a video as an animated GIF `images/00000.gif`, all its
-frames at `VIDEO_FPS`), `records.jsonl` (one line per image), `grid.png` (the first images, captioned
-with prompt and reward) and `summary.json`. Every file is written under a temporary name and renamed,
+On disk (`out_dir`): `images/00000.png`, … (a video as an animated PNG, lossless, all its frames at
+`VIDEO_FPS`), `records.jsonl` (one line per image), `grid.png` (the first images, a video's first frame,
+captioned with prompt and reward) and `summary.json`. Every file is written under a temporary name and renamed,
 and `summary.json` goes last: a directory without it is an evaluation that did not finish.
 """
 
@@ -201,7 +201,7 @@ def evaluate_with_reward(
             k = start + j
             file = None
             if out_dir is not None:
-                file = _write_sample(images[j], out_dir / "images" / f"{k:05d}").relative_to(out_dir).as_posix()
+                file = _write_sample(images[j], out_dir / "images" / f"{k:05d}.png").relative_to(out_dir).as_posix()
             rows.append({"index": k, "prompt_index": prompt_index, "prompt": record.prompt,
                          "metadata": record.metadata, "seed": s, "reward": totals[j], "rewards": rewards[j],
                          "file": file})
@@ -236,17 +236,16 @@ def first_frames(images: torch.Tensor) -> torch.Tensor:
     return images[:, :, 0] if images.dim() == 5 else images
 
 
-def _write_sample(sample: torch.Tensor, stem: Path) -> Path:
-    """One image as PNG, or one video [3, F, H, W] as an animated GIF (every frame, `VIDEO_FPS`)."""
+def _write_sample(sample: torch.Tensor, path: Path) -> Path:
+    """One image as PNG, or one video [3, F, H, W] as an animated PNG (lossless, unlike a GIF's 256
+    colours; every frame, `VIDEO_FPS`; viewers without APNG show the first frame)."""
     if sample.dim() == 3:
-        path = stem.with_suffix(".png")
         with atomic_path(path) as tmp:
             Image.fromarray(to_uint8(sample[None])[0]).save(tmp, format="PNG")
         return path
-    path = stem.with_suffix(".gif")
     frames = [Image.fromarray(f) for f in to_uint8(sample.transpose(0, 1))]
     with atomic_path(path) as tmp:
-        frames[0].save(tmp, format="GIF", save_all=True, append_images=frames[1:], duration=1000 // VIDEO_FPS, loop=0)
+        frames[0].save(tmp, format="PNG", save_all=True, append_images=frames[1:], duration=1000 // VIDEO_FPS, loop=0)
     return path
 
 
