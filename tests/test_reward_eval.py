@@ -96,6 +96,7 @@ def test_jsonl_metadata_and_the_seed_reach_the_reward(tiny_family, tmp_path):
 
 def test_an_interrupted_evaluation_leaves_no_records_or_summary(tiny_family, tmp_path):
     out = tmp_path / "eval"
+    tiny_family.transformer.train()
     evaluate_with_reward(tiny_family, _records(1), "rewards_for_tests:darkness", num_steps=STEPS, guidance_scale=1.0,
                          out_dir=out)
     assert (out / "summary.json").is_file()
@@ -112,7 +113,15 @@ def test_an_interrupted_evaluation_leaves_no_records_or_summary(tiny_family, tmp
                              batch_size=2, out_dir=out)
     # The earlier run's finished files are gone and nothing claims the broken run finished.
     assert not (out / "summary.json").exists() and not (out / "records.jsonl").exists()
-    assert (out / "images" / "00001.png").is_file() and not [p for p in out.rglob(".*")]
+    assert (out / "images" / "00001.png").is_file() and not [p for p in out.rglob(".*")]  # the first batch's images
+    calls.clear()
+    evaluate_with_reward(tiny_family, _records(), fails_on_the_second_batch, num_steps=STEPS, guidance_scale=1.0,
+                         batch_size=4, out_dir=out)
+    assert len(_jsonl(out / "records.jsonl")) == 3 and (out / "summary.json").is_file()
+    evaluate_with_reward(tiny_family, _records(1), "rewards_for_tests:darkness", num_steps=STEPS, guidance_scale=1.0,
+                         out_dir=out)  # a shorter rerun into the same folder: only its own images remain
+    assert sorted(p.name for p in (out / "images").iterdir()) == ["00000.png"]
+    assert tiny_family.transformer.training  # evaluation samples in eval mode and gives the model back as it was
 
 
 def test_evaluate_command_with_prompt_data(tiny_model_dir, tmp_path, capsys):

@@ -183,9 +183,39 @@ def evaluate_with_reward(
     seeds = [seed + k for k in range(len(expanded))]
     if out_dir is not None:
         out_dir = Path(out_dir)
-        for stale in ("summary.json", "records.jsonl", "grid.png"):  # never mix a finished run's files with ours
+        # Never mix an earlier evaluation's files with ours (a shorter rerun would leave its extra images).
+        for stale in ("summary.json", "records.jsonl", "grid.png"):
             (out_dir / stale).unlink(missing_ok=True)
         (out_dir / "images").mkdir(parents=True, exist_ok=True)
+        for stale in (out_dir / "images").glob("[0-9]*.png"):
+            stale.unlink()
+    was_training = family.transformer.training
+    family.transformer.eval()  # the trainer hands over its live model: sample it in eval mode, then restore
+    try:
+        rows, images = _sample_and_score(family, expanded, seeds, components, num_steps=num_steps,
+                                         guidance_scale=guidance_scale, resolution=resolution, num_frames=num_frames,
+                                         negative_prompt=negative_prompt, batch_size=batch_size, out_dir=out_dir,
+                                         progress=progress)
+    finally:
+        family.transformer.train(was_training)
+    summary = {"eval/reward": _mean(r["reward"] for r in rows)}
+    summary.update({f"eval/reward/{c.name}": _mean(r["rewards"][c.name] for r in rows) for c in components})
+    result = RewardEval(summary, rows, images, components, out_dir)
+    if out_dir is not None:
+        save_eval_grid(result, out_dir / "grid.png")
+        write_text_atomic(out_dir / "records.jsonl", "".join(json.dumps(r) + "\n" for r in rows))
+        info = {**summary, "n_images": len(rows), "n_prompts": len(records),
+                "config": {"seeds_per_prompt": seeds_per_prompt, "seed": seed, "num_steps": num_steps,
+                           "guidance_scale": guidance_scale, "resolution": resolution, "num_frames": num_frames,
+                           "negative_prompt": negative_prompt, "sampler": "ode"},
+                "components": {c.name: {"spec": c.spec, "weight": c.weight} for c in components}}
+        write_text_atomic(out_dir / "summary.json", json.dumps(info, indent=2) + "\n")
+    return result
+
+
+def _sample_and_score(family, expanded, seeds, components, *, num_steps, guidance_scale, resolution, num_frames,
+                      negative_prompt, batch_size, out_dir, progress) -> tuple[list[dict], torch.Tensor]:
+    """Batch by batch: sample, score, write each image; the rows and all images in order."""
     rows, chunks = [], []
     for start in tqdm(range(0, len(expanded), batch_size), desc="evaluating", disable=not progress,
                       dynamic_ncols=True):
@@ -206,20 +236,7 @@ def evaluate_with_reward(
                          "metadata": record.metadata, "seed": s, "reward": totals[j], "rewards": rewards[j],
                          "file": file})
         chunks.append(images)
-    images = torch.cat(chunks)
-    summary = {"eval/reward": _mean(r["reward"] for r in rows)}
-    summary.update({f"eval/reward/{c.name}": _mean(r["rewards"][c.name] for r in rows) for c in components})
-    result = RewardEval(summary, rows, images, components, out_dir)
-    if out_dir is not None:
-        save_eval_grid(result, out_dir / "grid.png")
-        write_text_atomic(out_dir / "records.jsonl", "".join(json.dumps(r) + "\n" for r in rows))
-        info = {**summary, "n_images": len(rows), "n_prompts": len(records),
-                "config": {"seeds_per_prompt": seeds_per_prompt, "seed": seed, "num_steps": num_steps,
-                           "guidance_scale": guidance_scale, "resolution": resolution, "num_frames": num_frames,
-                           "negative_prompt": negative_prompt, "sampler": "ode"},
-                "components": {c.name: {"spec": c.spec, "weight": c.weight} for c in components}}
-        write_text_atomic(out_dir / "summary.json", json.dumps(info, indent=2) + "\n")
-    return result
+    return rows, torch.cat(chunks)
 
 
 def save_eval_grid(result: RewardEval, path: Path, limit: int = GRID_IMAGES) -> Path:
