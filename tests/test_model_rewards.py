@@ -12,17 +12,20 @@ from diffrl.rewards import get_reward
 from diffrl.rewards.clip_scores import aesthetic_mlp
 
 
-def _save_tiny_clip(path):
+def _save_tiny_clip(path, processor_path=None):
+    """A tiny random CLIP and its processor, saved to `path` (the processor to `processor_path` if given)."""
     from transformers import CLIPConfig, CLIPImageProcessor, CLIPModel, CLIPProcessor, CLIPTokenizer
 
+    processor_path = processor_path or path
     path.mkdir(parents=True)
+    processor_path.mkdir(parents=True, exist_ok=True)
     vocab = {"<|startoftext|>": 0, "<|endoftext|>": 1}
     for code in range(97, 123):
         vocab[chr(code)] = len(vocab)
         vocab[chr(code) + "</w>"] = len(vocab)
-    (path / "vocab.json").write_text(json.dumps(vocab))
-    (path / "merges.txt").write_text("#version: 0.2\n")
-    tokenizer = CLIPTokenizer(str(path / "vocab.json"), str(path / "merges.txt"))
+    (processor_path / "vocab.json").write_text(json.dumps(vocab))
+    (processor_path / "merges.txt").write_text("#version: 0.2\n")
+    tokenizer = CLIPTokenizer(str(processor_path / "vocab.json"), str(processor_path / "merges.txt"))
     torch.manual_seed(0)
     model = CLIPModel(CLIPConfig(
         text_config=dict(vocab_size=len(vocab), hidden_size=32, intermediate_size=64, num_hidden_layers=2,
@@ -35,7 +38,7 @@ def _save_tiny_clip(path):
                                                                  crop_size={"height": 32, "width": 32}),
                               tokenizer=tokenizer)
     model.save_pretrained(path)
-    processor.save_pretrained(path)
+    processor.save_pretrained(processor_path)
     return model, processor
 
 
@@ -122,3 +125,61 @@ def test_model_rewards_combine_in_multi(tiny_clip):
     pick = get_reward(f"pickscore@{path}")(IMAGES, PROMPTS)
     jpeg = get_reward("jpeg_compressibility")(IMAGES, PROMPTS)
     assert total == pytest.approx([2 * p + 0.5 * j for p, j in zip(pick, jpeg)])
+
+
+def test_pickscore_takes_the_processor_from_another_directory(tmp_path):
+    """PickScore's published setup: the model from one directory, the processor from another."""
+    import asyncio
+
+    alone, elsewhere = tmp_path / "PickScore_v1", tmp_path / "CLIP-ViT-H-14"
+    model, processor = _save_tiny_clip(alone, processor_path=elsewhere)
+    assert not (alone / "vocab.json").exists()
+    with pytest.raises(ModelLoadError, match=f"cannot load the processor from {alone}"):
+        get_reward(f"pickscore@{alone}")
+    want = (_reference_logits(model, processor) / 26).tolist()
+    assert get_reward(f"pickscore@{alone},processor={elsewhere}")(IMAGES, PROMPTS) == pytest.approx(want, rel=1e-5)
+    with pytest.raises(ValueError, match="'tokenizer=x' is not an option; known: processor=DIR"):
+        get_reward(f"pickscore@{alone},tokenizer=x")
+    # In multi: the option stays with its reward, with or without a weight after it.
+    spec = f"multi:pickscore@{alone},processor={elsewhere}=2,jpeg_compressibility=0.5,clipscore@{alone},processor={elsewhere}"
+    total = asyncio.run(get_reward(spec)(IMAGES, PROMPTS))
+    jpeg = get_reward("jpeg_compressibility")(IMAGES, PROMPTS)
+    clip = get_reward(f"clipscore@{alone},processor={elsewhere}")(IMAGES, PROMPTS)
+    assert total == pytest.approx([2 * p + 0.5 * j + c for p, j, c in zip(want, jpeg, clip)], rel=1e-5)
+
+
+@pytest.mark.parametrize("name", ["pickscore", "clipscore", "aesthetic"])
+def test_a_video_scores_as_the_mean_over_its_frames(tiny_clip, tmp_path, name):
+    path, model, processor = tiny_clip
+    if name == "aesthetic":
+        import shutil
+
+        torch.manual_seed(2)
+        shutil.copytree(path, tmp_path / "aesthetic")
+        path = tmp_path / "aesthetic"
+        save_file(aesthetic_mlp(16).state_dict(), str(path / "aesthetic_mlp.safetensors"))
+    reward = get_reward(f"{name}@{path}")
+    video = torch.stack([IMAGES.roll(f, 0) for f in range(3)], dim=2)  # [B, C, F, H, W]: frame f of video i is image i - f
+    per_frame = [reward(video[:, :, f], PROMPTS) for f in range(3)]
+    assert any(len({round(v[i], 5) for v in per_frame}) == 3 for i in range(3))  # frames that score differently
+    want = [sum(v[i] for v in per_frame) / 3 for i in range(3)]
+    assert reward(video, PROMPTS) == pytest.approx(want, rel=1e-5, abs=1e-6)  # batch size changes float sums
+    with pytest.raises(ValueError, match="3 videos but 1 prompts"):
+        reward(video, PROMPTS[:1])
+
+
+def test_model_rewards_load_on_the_device_asked_for(tiny_clip, monkeypatch):
+    from diffrl.rewards import _model_reward, clip_scores
+
+    path, model, processor = tiny_clip
+    devices = []
+    real = clip_scores.clipscore
+    monkeypatch.setattr(clip_scores, "clipscore", lambda p, device, **options: devices.append(device) or real(p, device))
+    _model_reward.cache_clear()
+    on_cpu = get_reward(f"clipscore@{path}", device="cpu")
+    assert get_reward(f"clipscore@{path}", device="cpu") is on_cpu  # loaded once per (path, device)
+    default = get_reward(f"clipscore@{path}")  # None: CUDA when available, else the CPU
+    assert devices == [torch.device("cpu"), torch.device("cuda" if torch.cuda.is_available() else "cpu")]
+    assert on_cpu(IMAGES, PROMPTS) == pytest.approx(default(IMAGES, PROMPTS), rel=1e-5)
+    with pytest.raises(ValueError, match="reward device 'nowhere'"):
+        get_reward(f"clipscore@{path}", device="nowhere")

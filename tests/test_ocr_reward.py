@@ -40,3 +40,18 @@ def test_ocr_reads_the_quoted_text_back():
 def test_a_prompt_without_quotes_is_refused_before_any_ocr():
     with pytest.raises(ValueError, match="quotes no text to render: 'a red circle'"):
         get_reward("ocr")(torch.ones(1, 3, 64, 64), ["a red circle"])
+
+
+def test_a_video_scores_as_the_mean_of_its_frames(monkeypatch):
+    """The frame plumbing, with a stand-in reader (the OCR model itself is tested above): a bright frame
+    reads "diffrl", a dark one "diff"."""
+    import diffrl.rewards.ocr as ocr
+
+    monkeypatch.setattr(ocr, "read_text", lambda pixels: "diffrl" if pixels.mean() > 128 else "diff")
+    reward = get_reward("ocr")
+    frames = torch.stack([torch.ones(3, 8, 8), torch.zeros(3, 8, 8), torch.ones(3, 8, 8)])
+    prompt = ['a poster that says "diffrl"']
+    per_frame = reward(frames, prompt * 3)
+    assert per_frame == pytest.approx([1.0, 4 / 6, 1.0])  # frames that score differently
+    video = frames.permute(1, 0, 2, 3)[None]  # [B, C, F, H, W]
+    assert reward(video, prompt) == pytest.approx([sum(per_frame) / 3])

@@ -55,7 +55,7 @@ def test_worker_pool_scores_like_the_inline_reward():
     prompts = ["a red circle", "two squares", "a blue triangle to the left of a green circle", "three diamonds"]
     images = torch.stack([torch.from_numpy(render_prompt(p, i)).permute(2, 0, 1) for i, p in enumerate(prompts)]) / 255
     images[1] = 0.5  # a grey image: low reward
-    pool = ProcessRewardPool("shapes", workers=2)
+    pool = ProcessRewardPool("shapes", workers=2, device="cpu")  # device: where model rewards would load
     try:
         async def both_halves():
             return await asyncio.gather(pool(images[:2], prompts[:2]), pool(images[2:], prompts[2:], [{}, {}]))
