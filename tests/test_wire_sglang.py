@@ -297,3 +297,14 @@ def test_video_outputs_keep_their_frame_axis(tiny_family):
     records = json.loads(sglang.encode_response([output], request, Video(), "id"))
     assert records[0]["generated_output"]["shape"] == [3, 5, 8, 8]
     assert torch.equal(sglang.decode_response(json.dumps(records).encode(), request)[0].generated_output, video)
+
+
+def test_http_client_reads_a_diffrl_servers_json_the_same_as_its_msgpack(engine):
+    request = RolloutRequest(prompt="a red circle", seed=2, num_outputs_per_prompt=2, **ROLLOUT)
+    with _serving(create_app(engine)) as url:
+        compact, json_client = HttpEngineClient(url), HttpEngineClient(url, wire_format="sglang")
+        try:
+            _same(asyncio.run(json_client.generate(request)), asyncio.run(compact.generate(request)))
+        finally:
+            compact.close()
+            json_client.close()

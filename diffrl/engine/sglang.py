@@ -70,7 +70,10 @@ def tensor_from_json(obj: Any, field: str) -> torch.Tensor:
         raise WireFormatError(f"{field}: holds shape {list(tensor.shape)}, declared {obj['shape']}")
     if "dtype" in obj and obj["dtype"] not in (str(tensor.dtype), str(tensor.dtype).removeprefix("torch.")):
         raise WireFormatError(f"{field}: holds {tensor.dtype}, declared {obj['dtype']}")
-    if tensor.is_floating_point() and not torch.isfinite(tensor).all():
+    # A NaN or infinity anywhere makes the sum non-finite: one fast reduction instead of a mask (a sum of
+    # finite values overflowing fp32 would be refused too, far beyond any latent or image).
+    if tensor.is_floating_point() and tensor.numel() and not torch.isfinite(
+            (tensor if tensor.dtype in (torch.float32, torch.float64) else tensor.float()).sum()):
         raise WireFormatError(f"{field}: non-finite values")
     return tensor
 

@@ -27,7 +27,7 @@ from diffrl.models.base import FamilyAdapter
 from diffrl.models.lora import LoraSpec
 
 # Compact msgpack first; sglang-diffusion's JSON (what its servers always send) is read as well.
-_ACCEPT = f"{MEDIA_TYPE}, {sglang.JSON_MEDIA_TYPE};q=0.5"
+_ACCEPT = {"compact": f"{MEDIA_TYPE}, {sglang.JSON_MEDIA_TYPE};q=0.5", "sglang": sglang.JSON_MEDIA_TYPE}
 
 
 class EngineUnavailable(RuntimeError):
@@ -69,13 +69,17 @@ class HttpEngineClient:
     JSON when that is what comes back (an sglang server ignores the header); both decode to the same
     in-process `RolloutOutput`s. Reading JSON conditioning needs the model family's mapping of sglang's
     cond kwargs: `family` (a name or adapter class); else the server's `/health` family (a diffrl
-    server), else env `DIFFRL_MODEL_FAMILY`, else the FLUX-style default."""
+    server), else env `DIFFRL_MODEL_FAMILY`, else the FLUX-style default. `wire_format="sglang"` asks a
+    diffrl server for the JSON format too (to measure or check it)."""
 
     def __init__(self, base_url: str, *, timeout_s: float = 600.0, max_in_flight: int = 64,
-                 family: str | type[FamilyAdapter] | None = None):
+                 family: str | type[FamilyAdapter] | None = None, wire_format: str = "compact"):
         url = urlsplit(base_url)
         if url.scheme not in ("http", "https") or not url.hostname:
             raise ValueError(f"engine URL {base_url!r}: expected http://host:port")
+        if wire_format not in _ACCEPT:
+            raise ValueError(f"wire_format {wire_format!r}: expected one of {sorted(_ACCEPT)}")
+        self._accept = _ACCEPT[wire_format]
         self.name = base_url
         self._timeout_s = timeout_s
         self._url = url
@@ -110,7 +114,7 @@ class HttpEngineClient:
 
     def _generate_blocking(self, body: bytes, request: RolloutRequest) -> list[RolloutOutput]:
         status, content, kind = self._request_blocking(
-            "POST", "/rollout/generate", body, {"content-type": "application/json", "accept": _ACCEPT}, what="")
+            "POST", "/rollout/generate", body, {"content-type": "application/json", "accept": self._accept}, what="")
         if status in (400, 422):
             raise RequestError(*_field_and_message(content))
         if status != 200:
