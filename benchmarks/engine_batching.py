@@ -25,12 +25,11 @@ from diffrl.rollout import InProcessEngineClient, RolloutConfig, RolloutManager
 
 
 def rollout_once(engine: Engine, prompts: list[str], n: int, m: int, request: dict) -> tuple[float, torch.Tensor, int]:
-    config = RolloutConfig(n_samples_per_prompt=n, rollout_microgroup_size=m, engine_concurrency=len(prompts) * n,
-                           request=request)
+    config = RolloutConfig(n_samples_per_prompt=n, rollout_microgroup_size=m, engine_concurrency=len(prompts) * n)
     manager = RolloutManager([InProcessEngineClient(engine)], config)
     batches = engine.denoise_batches
     start = time.perf_counter()
-    groups = asyncio.run(manager.rollout(prompts))
+    groups = asyncio.run(manager.rollout(prompts, request))
     seconds = time.perf_counter() - start
     images = torch.stack([s.output.generated_output for g in groups for s in g])
     return seconds, images, engine.denoise_batches - batches

@@ -75,16 +75,16 @@ def main() -> None:
     total = args.groups * args.n
     engine = Engine(family, EngineConfig(max_outputs_per_request=total, max_batch_outputs=total))
     config = RolloutConfig(n_samples_per_prompt=args.n, rollout_microgroup_size=args.n,
-                           engine_concurrency=args.groups, request=request)
+                           engine_concurrency=args.groups)
     seconds: dict[str, float] = {}
 
     pool = ProcessRewardPool("shapes", args.reward_workers) if args.reward_workers else get_reward("shapes")
     with_reward = RolloutManager([InProcessEngineClient(engine)], config, reward_fn=pool)
-    seconds["rollout + reward"] = median_seconds(lambda: asyncio.run(with_reward.rollout(prompts)), args.repeats, device)
+    seconds["rollout + reward"] = median_seconds(lambda: asyncio.run(with_reward.rollout(prompts, request)), args.repeats, device)
     if hasattr(pool, "close"):
         pool.close()
     plain = RolloutManager([InProcessEngineClient(engine)], config)
-    seconds["rollout"] = median_seconds(lambda: asyncio.run(plain.rollout(prompts)), args.repeats, device)
+    seconds["rollout"] = median_seconds(lambda: asyncio.run(plain.rollout(prompts, request)), args.repeats, device)
     one_request = RolloutRequest(prompt=prompts[0], seed=0, num_outputs_per_prompt=total, **request)
     seconds["engine, 1 batch"] = median_seconds(lambda: engine.generate(one_request), args.repeats, device)
 

@@ -22,14 +22,13 @@ def rollout_seconds(clients: list, request: dict, groups: int, n: int, m: int, c
     """Median wall seconds of a rollout of `groups` prompt groups × `n` samples, after one warm-up."""
     prompts = [p for p in ("two circles", "three red squares", "a blue triangle to the left of a green circle")
                for _ in range(groups)][:groups]
-    config = RolloutConfig(n_samples_per_prompt=n, rollout_microgroup_size=m, engine_concurrency=concurrency,
-                           request=request)
+    config = RolloutConfig(n_samples_per_prompt=n, rollout_microgroup_size=m, engine_concurrency=concurrency)
     manager = RolloutManager(clients, config)
-    asyncio.run(manager.rollout(prompts))
+    asyncio.run(manager.rollout(prompts, request))
     times = []
     for _ in range(repeats):
         start = time.perf_counter()
-        asyncio.run(manager.rollout(prompts))
+        asyncio.run(manager.rollout(prompts, request))
         times.append(time.perf_counter() - start)
     return sorted(times)[len(times) // 2]
 

@@ -1,15 +1,14 @@
-"""Named training presets. Each is a set of `TrainConfig` overrides; flags given after
-`--recipe NAME` override the preset again.
+"""Named training presets. Each is a set of overrides by flag name (`TrainConfig.flat` names); flags
+given after `--recipe NAME` override the preset again.
 
-`shapes-nft` and `shapes-grpo` run at GPU size on a CUDA machine and scale down on a CPU (the
-device is `--device`, `auto` = CUDA when present); `shapes-nft-gpu` / `shapes-grpo-gpu` force the
-GPU size (what `docs/results.md` measured). `sd3-grpo` is Flow-GRPO's SD3.5 setting for a checkpoint
-given with `--model-path`.
+The shapes recipes run at GPU size on a CUDA machine and scale down on a CPU (the device is
+`--device`, `auto` = CUDA when present); `<name>-gpu` forces the GPU size (what `docs/results.md`
+measured). The real-model recipes follow published runs (each says which, with its numbers); give
+them a local checkpoint (`--model-path`), prompts (`--prompt-data`) and, for model rewards, the
+reward's checkpoint (`--reward pickscore@DIR`). README "Bring your own model" lists the commands.
 """
 
 from __future__ import annotations
-
-import dataclasses
 
 import torch
 
@@ -24,23 +23,77 @@ _GPU_BATCH = dict(  # 32 prompts × 16 samples per rollout, 2 optimizer steps of
     mixed_precision="no",  # fp32 + TF32: what docs/results.md measured; bf16 is --mixed-precision bf16
 )
 
-# Flow-GRPO on an SD3 / SD3.5 checkpoint (`--model-path`) at the published recipe's sampling settings
-# (DESIGN §9: 512², 10 steps, CFG 4.5, LoRA r32; noise 0.7, clip 1e-4), 9 of the 10 steps trained; the
-# run BENCHMARKS.md measured on one H200 (0.465 s per sample with --compile, 0.83 s eager). Give it a
-# reward (`--reward`); the shapes held-out evaluation is off.
-_SD3_GRPO = dict(loss_type="flow_grpo", use_lora=True, lora_rank=32, lora_alpha=64.0, resolution=512,
-                 diffusion_num_steps=10, diffusion_guidance_scale=4.5, diffusion_noise_level=0.7,
+# Flow-GRPO on SD3.5-Medium at the published recipe's sampling settings (flow_grpo's SD3 configs;
+# miles-diffusion scripts/run-diffusion-grpo-sd3-ocr-sglang.sh: 512², 10 steps, CFG 4.5, noise 0.7,
+# LoRA r32/α64, clip 1e-4, every step but the last trained, 64 samples per optimizer step), the
+# setting BENCHMARKS.md measured on one H200. Give it a reward (`--reward`).
+_SD3_GRPO = dict(diffusion_model_family="sd3", loss_type="flow_grpo", use_lora=True, lora_rank=32, lora_alpha=64.0,
+                 resolution=512, diffusion_num_steps=10, diffusion_guidance_scale=4.5, diffusion_noise_level=0.7,
                  diffusion_sde_window_range=(0, 9), diffusion_num_sde_steps=9, diffusion_clip_range=1e-4,
                  rollout_batch_size=4, n_samples_per_prompt=16, rollout_microgroup_size=16, global_batch_size=64,
                  num_steps_per_rollout=1, micro_batch_size=8, eval_images_per_category=0)
 
+# The same on a prompt dataset with the published rewards: microgroups of 8 (the miles-diffusion
+# scripts' --diffusion-microgroup-size 8), AdamW weight decay 1e-4 and β2 0.999, 40 evaluation steps.
+_SD35_GRPO = dict(_SD3_GRPO, rollout_microgroup_size=8, weight_decay=1e-4, adam_beta2=0.999, eval_num_steps=40,
+                  eval_interval=30, checkpoint_interval=20, num_rollout=600)
+
+# Flow-GRPO on Qwen-Image with PickScore: flow_grpo's `pickscore_qwenimage` as miles-diffusion's
+# scripts/run-diffusion-grpo-pickscore-5gpu-flowgrpo-aligned.sh runs it: 512², 10 steps (50 to
+# evaluate), CFG 4 (true CFG), noise 1.2, 2 SDE steps in the window [3, 5), per-prompt mean with
+# batch-wide std, 32 prompts × 16 samples = 2 optimizer steps of 256 (1,024 train pairs), microgroup 8,
+# LoRA r64/α128 (Gaussian init) on attention and both MLPs, lr 3e-4, AdamW β2 0.999, weight decay 1e-4,
+# clip 1e-4, fp32 masters with a bf16 forward, gradient checkpointing, 400 rollouts.
+_QWEN_TARGETS = ("attn.to_q", "attn.to_k", "attn.to_v", "attn.to_out.0", "attn.add_q_proj", "attn.add_k_proj",
+                 "attn.add_v_proj", "attn.to_add_out", "img_mlp.net.0.proj", "img_mlp.net.2",
+                 "txt_mlp.net.0.proj", "txt_mlp.net.2")
+_QWEN_GRPO = dict(diffusion_model_family="qwen_image", loss_type="flow_grpo", reward="pickscore", resolution=512,
+                  use_lora=True, lora_rank=64, lora_alpha=128.0, lora_target_modules=_QWEN_TARGETS,
+                  diffusion_num_steps=10, eval_num_steps=50, diffusion_guidance_scale=4.0, diffusion_noise_level=1.2,
+                  diffusion_sde_window_range=(3, 5), diffusion_num_sde_steps=2, globalize_reward_std=True,
+                  rollout_batch_size=32, n_samples_per_prompt=16, rollout_microgroup_size=8, global_batch_size=256,
+                  num_steps_per_rollout=2, micro_batch_size=8, lr=3e-4, adam_beta2=0.999, weight_decay=1e-4,
+                  diffusion_clip_range=1e-4, mixed_precision="bf16", gradient_checkpointing=True, num_rollout=400,
+                  eval_interval=30, checkpoint_interval=10, engine_concurrency=4, eval_images_per_category=0)
+
+# DiffusionNFT on FLUX 3 Image Klein with PickScore/26: 1024², 16-step ODE without CFG under the EMA old
+# policy, 8 prompts × 8 samples, LoRA r32/α64, lr 3e-4, gradient checkpointing; the optimizer settings
+# of miles-diffusion's scripts/run-diffusion-nft-sd3-pickscore.sh (AdamW β2 0.999, weight decay 1e-4,
+# grad clip 1, NFT β 1, advantage clip 5, adaptive weighting, timestep fraction 0.99, old-policy EMA
+# ramp 0.001 up to 0.5, per-prompt mean with batch-wide std).
+_FLUX3_NFT = dict(diffusion_model_family="flux3_image", loss_type="nft", reward="pickscore", resolution=1024,
+                  use_lora=True, lora_rank=32, lora_alpha=64.0, diffusion_num_steps=16, diffusion_guidance_scale=1.0,
+                  rollout_batch_size=8, n_samples_per_prompt=8, rollout_microgroup_size=8, global_batch_size=64,
+                  num_steps_per_rollout=1, micro_batch_size=4, lr=3e-4, adam_beta2=0.999, weight_decay=1e-4,
+                  grad_clip=1.0, diffusion_nft_beta=1.0, diffusion_adv_clip_max=5.0, nft_timestep_fraction=0.99,
+                  nft_ema_ramp=0.001, nft_ema_max=0.5, globalize_reward_std=True, mixed_precision="bf16",
+                  gradient_checkpointing=True, num_rollout=100, eval_num_steps=50, eval_interval=30,
+                  checkpoint_interval=20, eval_images_per_category=0)
+
+# Flow-GRPO on FLUX 3 Image Klein with HPSv2.1, a full finetune: 1024², fp32 masters with a bf16
+# forward, lr 1e-5, 10 steps, CFG 3.5 in rollout and trainer, noise 0.7, one SDE step per rollout drawn
+# from steps 1-2, clip 1e-4, no KL, 16 prompts × 16 samples, 200 rollouts; two optimizer steps of 128
+# samples per rollout (our choice: the published setting gives the rollout size, not the split).
+_FLUX3_GRPO = dict(diffusion_model_family="flux3_image", loss_type="flow_grpo", reward="hpsv2", resolution=1024,
+                   use_lora=False, lr=1e-5, diffusion_num_steps=10, diffusion_guidance_scale=3.5,
+                   diffusion_noise_level=0.7, diffusion_sde_window_range=(1, 3), diffusion_num_sde_steps=1,
+                   diffusion_clip_range=1e-4, diffusion_kl_beta=0.0, rollout_batch_size=16, n_samples_per_prompt=16,
+                   rollout_microgroup_size=16, global_batch_size=128, num_steps_per_rollout=2, micro_batch_size=2,
+                   mixed_precision="bf16", gradient_checkpointing=True, num_rollout=200, eval_interval=20,
+                   checkpoint_interval=20, eval_images_per_category=0)
+
 SIZED: dict[str, dict[str, dict]] = {
-    "sd3-grpo": {"gpu": _SD3_GRPO, "cpu": _SD3_GRPO},  # a real SD3 has no CPU size
+    "sd3-grpo": {"gpu": _SD3_GRPO, "cpu": _SD3_GRPO},  # a real checkpoint has no CPU size
+    "sd35-grpo-ocr": {"gpu": dict(_SD35_GRPO, reward="ocr"), "cpu": dict(_SD35_GRPO, reward="ocr")},
+    "sd35-grpo-pickscore": {"gpu": dict(_SD35_GRPO, reward="pickscore"), "cpu": dict(_SD35_GRPO, reward="pickscore")},
+    "qwen-image-grpo-pickscore": {"gpu": _QWEN_GRPO, "cpu": _QWEN_GRPO},
+    "flux3-klein-nft-pickscore": {"gpu": _FLUX3_NFT, "cpu": _FLUX3_NFT},
+    "flux3-klein-grpo-hps": {"gpu": _FLUX3_GRPO, "cpu": _FLUX3_GRPO},
     "shapes-nft": {
         # DiffusionNFT: CFG-free ODE rollouts under the EMA old policy, full finetune.
         # Cosine decay over 60 rollouts: at a constant rate, or over more rollouts, the held-out
         # accuracy fell after its peak (from the shipped model it peaks at rollouts 40-60 of a
-        # 100-rollout cosine; over 60 the last checkpoint keeps the peak: docs/results.md, session 9).
+        # 100-rollout cosine; over 60 the last checkpoint keeps the peak: docs/results.md).
         # Adaptive category sampling (more groups for the categories with lower training reward) and
         # an optimizer step in two micro-batches (the demo model is launch-bound; 30 GiB of GPU memory)
         # gave the best held-out accuracy (docs/results.md).
@@ -57,8 +110,7 @@ SIZED: dict[str, dict[str, dict]] = {
     "shapes-grpo": {
         # Flow-GRPO with CFG 3 and 2 SDE steps per rollout inside the first 4 of 10 steps, clip 1e-3,
         # cosine decay over 250 rollouts and adaptive categories: the best GRPO runs of docs/results.md
-        # (session 5: 0.8 held-out in 255 s alone on an H200). One optimizer step's 512 pairs in one
-        # micro-batch. Sweep files from before session 5 pin the values they ran with.
+        # (0.8 held-out in 255 s alone on an H200). One optimizer step's 512 pairs in one micro-batch.
         "gpu": dict(loss_type="flow_grpo", use_lora=False, lr=1e-4, diffusion_guidance_scale=3.0,
                     **{**_GPU_BATCH, "num_rollout": 250, "micro_batch_size": 512},
                     diffusion_clip_range=1e-3, diffusion_sde_window_range=(0, 4),
@@ -73,14 +125,19 @@ def recipe_names() -> list[str]:
     return sorted([*SIZED, *(f"{name}-gpu" for name in SIZED)])
 
 
-def recipe_config(name: str | None, device: str = "auto") -> TrainConfig:
-    """The recipe's values on top of `TrainConfig`'s defaults, sized for `device`."""
-    if name is None:
-        return TrainConfig()
+def recipe_overrides(name: str, device: str = "auto") -> dict:
+    """The recipe's flag values, sized for `device`."""
     base, size = (name.removesuffix("-gpu"), "gpu") if name.endswith("-gpu") else (name, None)
     if base not in SIZED:
         raise ValueError(f"unknown recipe {name!r}; known: {', '.join(recipe_names())}")
     if size is None:
         cuda = device.startswith("cuda") or (device == "auto" and torch.cuda.is_available())
         size = "gpu" if cuda else "cpu"
-    return dataclasses.replace(TrainConfig(), recipe=name, **SIZED[base][size])
+    return dict(SIZED[base][size])
+
+
+def recipe_config(name: str | None, device: str = "auto") -> TrainConfig:
+    """The recipe's values on top of `TrainConfig`'s defaults, sized for `device`."""
+    if name is None:
+        return TrainConfig()
+    return TrainConfig.flat(recipe=name, **recipe_overrides(name, device))

@@ -11,7 +11,7 @@ import statistics
 import sys
 from pathlib import Path
 
-from diffrl.train.metrics import best_by_validation
+from diffrl.train.metrics import best_by_selection
 
 
 def summarize(run: Path, window: int = 4) -> str:
@@ -27,7 +27,7 @@ def summarize(run: Path, window: int = 4) -> str:
 
     best = max(evals, key=lambda e: e[2]) if evals else (0, 0, float("nan"))
     seconds = records[-1].get("time/elapsed_s", float("nan")) if records else float("nan")
-    pick, chosen = best_by_validation(records), ""
+    pick, chosen = best_by_selection(records), ""
     if pick is not None:
         chosen = f"  val-best {pick['rollout']} (val {pick['val/strict']:.3f}, held-out {pick.get('eval/strict', float('nan')):.3f})"
     return (f"{run.name:<28} rollouts {len(rewards):>3} ({seconds:>4.0f}s)  reward {first:.3f}→{last:.3f}  "

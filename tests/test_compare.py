@@ -32,7 +32,7 @@ def test_a_run_checkpoint_loads_as_the_trained_model(tiny_model_dir, tmp_path, u
 
     kwargs = dict(num_steps=2, guidance_scale=1.0)
     torch.testing.assert_close(generate(loaded, ["a red circle"], [3], **kwargs),
-                               generate(trainer.family, ["a red circle"], [3], **kwargs), rtol=0, atol=1e-6)
+                               generate(trainer.policy.family, ["a red circle"], [3], **kwargs), rtol=0, atol=1e-6)
 
 
 def test_transformer_only_checkpoint_and_bad_paths(tiny_model_dir, tiny_family, tmp_path):

@@ -22,11 +22,11 @@ def test_compiled_rollout_and_update_match_eager(tiny_model_dir, tmp_path):
         torch._dynamo.reset()
         trainer = Trainer(tiny_config(tiny_model_dir, tmp_path / f"run-{flag}", compile=flag, use_lora=True,
                                       num_steps_per_rollout=1, global_batch_size=6))
-        blocks = repeated_blocks(trainer.family.transformer, trainer.family.block_lists)
+        blocks = repeated_blocks(trainer.policy.family.transformer, trainer.policy.family.block_lists)
         assert blocks and all((b._compiled_call_impl is not None) is flag for b in blocks)
-        assert trainer.engine.family is trainer.family  # one compiled module serves both
+        assert trainer.engine.family is trainer.policy.family  # one compiled module serves both
         record = trainer.rollout_and_update(0)
-        results.append((record, [p.detach().clone() for p in trainer.params]))
+        results.append((record, [p.detach().clone() for p in trainer.policy.params]))
     (eager, params_eager), (compiled, params_compiled) = results
     # The rollout used the compiled blocks and the trainer replayed it through them: the first pass agrees.
     assert compiled["train/log_prob_mean_abs_diff"] < 1e-4

@@ -58,10 +58,9 @@ def test_plain_generation_is_ode_without_log_probs(engine):
 
 def _group_through_manager(engine, microgroup_size, n=16):
     config = RolloutConfig(n_samples_per_prompt=n, rollout_microgroup_size=microgroup_size, engine_concurrency=2,
-                           rollout_seed=31, request=ROLLOUT)
+                           rollout_seed=31)
     manager = RolloutManager([InProcessEngineClient(engine)], config)
-    manager.next_group_index = 3
-    return asyncio.run(manager.rollout(["a blue square to the left of a yellow circle"]))[0]
+    return asyncio.run(manager.rollout(["a blue square to the left of a yellow circle"], ROLLOUT, first_group_index=3))[0]
 
 
 def test_sample_k_is_bit_identical_for_every_microgroup_size(engine):
@@ -146,13 +145,14 @@ def test_an_idle_engine_gathers_a_rollouts_requests_into_one_batch(tiny_family):
 
     from diffrl.rollout import InProcessEngineClient, RolloutConfig, RolloutManager
 
-    config = RolloutConfig(n_samples_per_prompt=4, rollout_microgroup_size=2, engine_concurrency=8,
-                           request={**ROLLOUT, "guidance_scale": 1.0})
+    config = RolloutConfig(n_samples_per_prompt=4, rollout_microgroup_size=2, engine_concurrency=8)
+    request = {**ROLLOUT, "guidance_scale": 1.0}
     images, batches = {}, {}
     # A wait far longer than thread start-up, so the count is not a race on a loaded CI machine.
     for wait in (0.0, 0.5):
         engine = Engine(tiny_family, EngineConfig(max_outputs_per_request=8, max_batch_outputs=8, batch_wait_s=wait))
-        groups = asyncio.run(RolloutManager([InProcessEngineClient(engine)], config).rollout(["a red circle", "two circles"]))
+        groups = asyncio.run(RolloutManager([InProcessEngineClient(engine)], config).rollout(["a red circle", "two circles"],
+                                                                                              request))
         images[wait] = torch.stack([s.output.generated_output for g in groups for s in g])
         batches[wait] = engine.denoise_batches
     assert batches[0.5] == 1  # 4 requests of 2 outputs, one batch of 8 (without the wait: 2, the first alone)

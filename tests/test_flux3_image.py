@@ -139,14 +139,14 @@ def test_training_run_on_flux3(flux3_dir, tmp_path, loss_type, lora):
 def test_trainer_refuses_a_rollout_that_mixes_text_windows(flux3):
     from types import SimpleNamespace
 
-    from diffrl.train.trainer import Trainer
+    from diffrl.train.objectives import rollout_conditioning
 
     def sample(prompt):
         cond = flux3.encode_prompts([prompt])
         env = {"prompt_embeds": cond.embeds, "text_ids": cond.ids, "image_ids": torch.zeros(4, 4)}
         return SimpleNamespace(prompt=prompt, output=SimpleNamespace(denoising_env=env))
 
-    same = Trainer._conditioning([sample("a red cat"), sample("a blue dog")])
+    same = rollout_conditioning([sample("a red cat"), sample("a blue dog")])
     assert len(same["cond"]) == 2 and torch.equal(same["negative_text_ids"], same["text_ids"])
     with pytest.raises(ValueError, match="text windows of 80 and 160 tokens"):
-        Trainer._conditioning([sample("a red cat"), sample(LONG_PROMPT)])
+        rollout_conditioning([sample("a red cat"), sample(LONG_PROMPT)])

@@ -208,7 +208,7 @@ def test_broken_checkpoints_are_refused(qwen, qwen_dir, tmp_path):
 def test_trainer_pads_a_rollout_of_prompts_of_different_lengths(qwen):
     """Training batches several prompts: their conditionings are zero-padded to the rollout's longest, and a
     padded row's velocity is the engine's (exactly when its micro-batch holds one prompt)."""
-    from diffrl.train.trainer import Trainer
+    from diffrl.train.objectives import rollout_conditioning
 
     def sample(prompt):
         cond, uncond = qwen.encode_prompts([prompt]), qwen.encode_prompts([""])
@@ -216,10 +216,10 @@ def test_trainer_pads_a_rollout_of_prompts_of_different_lengths(qwen):
                "negative_prompt_embeds": uncond.embeds, "negative_text_ids": uncond.ids}
         return SimpleNamespace(prompt=prompt, output=SimpleNamespace(denoising_env=env))
 
-    env = Trainer._conditioning([sample(SHORT), sample(LONG)], pad_text=True)
+    env = rollout_conditioning([sample(SHORT), sample(LONG)], pad_text=True)
     assert [c.shape for c in env["cond"] + env["uncond"]] == [(16, 32)] * 4 and env["text_ids"].shape == (16, 1)
     with pytest.raises(ValueError, match="text windows of 9 and 16 tokens"):  # families that cannot pad refuse
-        Trainer._conditioning([sample(SHORT), sample(LONG)])
+        rollout_conditioning([sample(SHORT), sample(LONG)])
     latents = qwen.prepare_latents(make_generators([1, 2]), 32, 32)
     sigma = torch.tensor([0.7, 0.4])
 

@@ -83,12 +83,12 @@ def test_scoring_starts_before_the_last_microgroup_finishes_and_order_is_kept():
         assert all(s.prompt == "ab"[g] for s in group)
 
 
-def test_group_index_is_monotonic_across_rollouts():
+def test_group_index_sets_the_seeds_across_rollouts():
     tracker = _tracker()
     manager = RolloutManager([FakeEngine("e", tracker)], RolloutConfig(n_samples_per_prompt=4, rollout_microgroup_size=1,
                                                                      engine_concurrency=1, rollout_seed=10))
-    first = asyncio.run(manager.rollout(["a", "b"]))
-    second = asyncio.run(manager.rollout(["c"]))  # a new event loop, as a training loop calls it
+    first = asyncio.run(manager.rollout(["a", "b"], first_group_index=0))
+    second = asyncio.run(manager.rollout(["c"], first_group_index=2))  # a new event loop, as a training loop calls it
     assert [g[0].group_index for g in first + second] == [0, 1, 2]
     assert second[0][0].seed == 10 + 2 * 4
 

@@ -112,13 +112,13 @@ def test_resolution_sets_the_rollout_and_evaluation_size(sd3_dir, tmp_path):
                  rollout_microgroup_size=2, global_batch_size=2, num_steps_per_rollout=1, micro_batch_size=2,
                  diffusion_num_steps=2, diffusion_sde_window_range=(0, 2), device="cpu", use_lora=False)
     assert SD3Family.load(sd3_dir).default_size() == (32, 32)
-    trainer = Trainer(TrainConfig(output_dir=tmp_path / "run", resolution=16, **flags), reward_fn=reward)
+    trainer = Trainer(TrainConfig.flat(output_dir=tmp_path / "run", resolution=16, **flags), reward_fn=reward)
     record = trainer.rollout_and_update(0)
     assert sizes == [(16, 16)] * 2 and record["train/pairs"] == 4
-    _, images = evaluate_prompts(trainer.family, ["a red circle"], num_seeds=1, num_steps=2, resolution=16)
+    _, images = evaluate_prompts(trainer.policy.family, ["a red circle"], num_seeds=1, num_steps=2, resolution=16)
     assert images.shape[-2:] == (16, 16)
     with pytest.raises(ValueError, match="--resolution 18: height=18: SD3 needs a positive multiple of 4"):
-        Trainer(TrainConfig(output_dir=tmp_path / "refused", resolution=18, **flags))
+        Trainer(TrainConfig.flat(output_dir=tmp_path / "refused", resolution=18, **flags))
 
 
 @pytest.mark.parametrize("batch", [1, 2, 5])
@@ -147,7 +147,8 @@ def test_sd3_grpo_recipe_is_flow_grpos_setting_and_flags_override_it(sd3_dir):
     from diffrl.train.trainer import validate_config
 
     cfg = parse(["train", "--recipe", "sd3-grpo", "--model-path", str(sd3_dir), "--lora-rank", "16"])
-    assert (cfg.resolution, cfg.diffusion_num_steps, cfg.diffusion_guidance_scale) == (512, 10, 4.5)
-    assert cfg.use_lora and cfg.lora_rank == 16 and cfg.diffusion_num_sde_steps == 9
-    assert cfg.eval_images_per_category == 0 and cfg.model_path == sd3_dir
+    m, r = cfg.model, cfg.rollout
+    assert (m.resolution, r.diffusion_num_steps, r.diffusion_guidance_scale) == (512, 10, 4.5)
+    assert m.use_lora and m.lora_rank == 16 and r.diffusion_num_sde_steps == 9
+    assert cfg.eval.eval_images_per_category == 0 and m.model_path == sd3_dir
     validate_config(cfg)  # its batch sizes are consistent

@@ -17,7 +17,7 @@ def tiny_config(model_dir, out, **overrides) -> TrainConfig:
                 diffusion_guidance_scale=2.0, lr=1e-3, eval_interval=1, checkpoint_interval=1, use_lora=False,
                 reward="rewards_for_tests:darkness")
     base.update(overrides)
-    return TrainConfig(**base)
+    return TrainConfig.flat(**base)
 
 
 def _records(out):
@@ -28,13 +28,13 @@ def _records(out):
 def test_first_on_policy_step_has_ratio_one_and_zero_log_prob_gap(tiny_model_dir, tmp_path, use_lora):
     cfg = tiny_config(tiny_model_dir, tmp_path / "run", use_lora=use_lora)
     trainer = Trainer(cfg)
-    before = [p.detach().clone() for p in trainer.params]
+    before = [p.detach().clone() for p in trainer.policy.params]
     record = trainer.rollout_and_update(0)
     assert record["train/log_prob_mean_abs_diff"] == 0.0
     assert record["train/pairs"] == 2 * 3 * 2  # groups × samples × trained steps
     assert record["train/grad_norm"] > 0
-    assert trainer.engine.weight_version == 2  # one bump per optimizer step
-    assert any(not torch.equal(a, b) for a, b in zip(before, trainer.params))  # the weights moved
+    assert trainer.policy.weight_version == 2  # one bump per optimizer step
+    assert any(not torch.equal(a, b) for a, b in zip(before, trainer.policy.params))  # the weights moved
 
 
 def test_first_pass_ratio_is_exactly_one(tiny_model_dir, tmp_path):
@@ -48,13 +48,13 @@ def test_first_pass_ratio_is_exactly_one(tiny_model_dir, tmp_path):
 def test_nft_rollout_and_update(tiny_model_dir, tmp_path):
     cfg = tiny_config(tiny_model_dir, tmp_path / "run", loss_type="nft")
     trainer = Trainer(cfg)
-    old = [s.clone() for s in trainer.ema.shadow]
+    old = [s.clone() for s in trainer.policy.ema.shadow]
     record = trainer.rollout_and_update(0)
     assert record["train/pairs"] == 6 * 2  # int(0.99 · 3 timesteps) = 2 per sample
     assert torch.isfinite(torch.tensor(record["train/loss"]))
     # δ = 0 at the first rollout: the old policy becomes the current one.
-    assert all(torch.equal(s, p.detach()) for s, p in zip(trainer.ema.shadow, trainer.params))
-    assert any(not torch.equal(a, b) for a, b in zip(old, trainer.ema.shadow))
+    assert all(torch.equal(s, p.detach()) for s, p in zip(trainer.policy.ema.shadow, trainer.policy.params))
+    assert any(not torch.equal(a, b) for a, b in zip(old, trainer.policy.ema.shadow))
 
 
 def test_nft_rollouts_can_sample_with_cfg(tiny_model_dir, tmp_path):
@@ -63,8 +63,8 @@ def test_nft_rollouts_can_sample_with_cfg(tiny_model_dir, tmp_path):
     plain = Trainer(tiny_config(tiny_model_dir, tmp_path / "plain", loss_type="nft"))
     guided = Trainer(tiny_config(tiny_model_dir, tmp_path / "guided", loss_type="nft", nft_rollout_guidance_scale=3.0))
     a, b = plain.rollout_and_update(0), guided.rollout_and_update(0)
-    assert plain.manager.config.request["guidance_scale"] == 1.0
-    assert guided.manager.config.request["guidance_scale"] == 3.0
+    assert plain.objective.request(0)["guidance_scale"] == 1.0
+    assert guided.objective.request(0)["guidance_scale"] == 3.0
     assert b["rollout/reward/raw_mean"] != a["rollout/reward/raw_mean"]  # other samples
     assert torch.isfinite(torch.tensor(b["train/loss"])) and b["train/pairs"] == a["train/pairs"]
     for bad in (dict(loss_type="nft", nft_rollout_guidance_scale=0.5), dict(nft_rollout_guidance_scale=3.0)):
@@ -76,13 +76,13 @@ def test_nft_rollouts_can_sample_with_cfg(tiny_model_dir, tmp_path):
 def test_kl_reference_base_is_the_starting_weights_of_a_full_finetune(tiny_model_dir, tmp_path, loss_type):
     cfg = tiny_config(tiny_model_dir, tmp_path / "run", loss_type=loss_type, diffusion_kl_beta=0.1)
     trainer = Trainer(cfg)
-    start = [p.detach().clone() for p in trainer.params]
+    start = [p.detach().clone() for p in trainer.policy.params]
     first = trainer.rollout_and_update(0)
-    assert any(not torch.equal(a, p) for a, p in zip(start, trainer.params))  # the weights moved
-    moved = [p.detach().clone() for p in trainer.params]
-    with trainer._reference():
-        assert all(torch.equal(a, p) for a, p in zip(start, trainer.params))  # the base, not the EMA
-    assert all(torch.equal(a, p) for a, p in zip(moved, trainer.params))  # restored on exit
+    assert any(not torch.equal(a, p) for a, p in zip(start, trainer.policy.params))  # the weights moved
+    moved = [p.detach().clone() for p in trainer.policy.params]
+    with trainer.policy.reference():
+        assert all(torch.equal(a, p) for a, p in zip(start, trainer.policy.params))  # the base, not the EMA
+    assert all(torch.equal(a, p) for a, p in zip(moved, trainer.policy.params))  # restored on exit
     # The first of the rollout's two optimizer steps starts at the base (KL 0); the second does not.
     assert first["train/kl_loss"] > 0
     second = trainer.rollout_and_update(1)
@@ -105,9 +105,9 @@ def test_contradictory_batch_sizes_are_refused_naming_the_flags(tiny_model_dir, 
     assert "--rollout-batch-size" in err and "--global-batch-size" in err and "--num-steps-per-rollout" in err
     assert not (tmp_path / "x").exists()  # refused before anything was written
     with pytest.raises(ValueError, match="--diffusion-sde-window-range"):
-        validate_config(TrainConfig(diffusion_sde_window_range=(5, 12)))
+        validate_config(TrainConfig.flat(diffusion_sde_window_range=(5, 12)))
     with pytest.raises(ValueError, match="--diffusion-num-sde-steps"):
-        validate_config(TrainConfig(diffusion_sde_window_range=(3, 5), diffusion_num_sde_steps=3))
+        validate_config(TrainConfig.flat(diffusion_sde_window_range=(3, 5), diffusion_num_sde_steps=3))
     assert cli_main(["train", "--recipe", "no-such-recipe"]) == 2
 
 
@@ -115,7 +115,7 @@ def test_recipe_then_flags(tmp_path):
     from diffrl.cli.main import parse
 
     cfg = parse(["train", "--recipe", "shapes-nft", "--lr", "0.5", "--output-dir", str(tmp_path)])
-    assert cfg.recipe == "shapes-nft" and cfg.loss_type == "nft" and cfg.lr == 0.5
+    assert cfg.recipe == "shapes-nft" and cfg.algorithm.loss_type == "nft" and cfg.optim.lr == 0.5
 
 
 @pytest.mark.parametrize("sampling", [{}, {"category_sampling": "adaptive", "train_categories": ("colors", "counting")}],
@@ -128,8 +128,8 @@ def test_resume_continues_the_run_exactly(tiny_model_dir, tmp_path, sampling):
     split = tmp_path / "split"
     Trainer(tiny_config(tiny_model_dir, split, num_rollout=2, **sampling)).train()  # "killed" after rollout 2
     resumed = Trainer(tiny_config(tiny_model_dir, split, num_rollout=3, resume=True, **sampling))
-    assert resumed.rollout_index == 2 and resumed.manager.next_group_index == 4
-    assert resumed.optimizer.state_dict()["state"]  # Adam moments restored
+    assert resumed.rollout_index == 2 and resumed.next_group_index == 4
+    assert resumed.policy.optimizer.state_dict()["state"]  # Adam moments restored
     resumed.train()
 
     a, b = _records(straight), _records(split)
@@ -173,9 +173,9 @@ def test_gradient_checkpointing_gives_the_same_update(tiny_model_dir, tmp_path):
     results = []
     for flag in (False, True):
         trainer = Trainer(tiny_config(tiny_model_dir, tmp_path / f"run-{flag}", gradient_checkpointing=flag))
-        assert trainer.family.transformer.gradient_checkpointing is flag
+        assert trainer.policy.family.transformer.gradient_checkpointing is flag
         record = trainer.rollout_and_update(0)
-        results.append((record["train/loss"], [p.detach().clone() for p in trainer.params]))
+        results.append((record["train/loss"], [p.detach().clone() for p in trainer.policy.params]))
     (loss_a, params_a), (loss_b, params_b) = results
     assert loss_a == pytest.approx(loss_b, rel=1e-6)
     for a, b in zip(params_a, params_b, strict=True):
@@ -184,7 +184,7 @@ def test_gradient_checkpointing_gives_the_same_update(tiny_model_dir, tmp_path):
 
 def test_bf16_forward_is_shared_by_engine_and_trainer(tiny_model_dir, tmp_path):
     trainer = Trainer(tiny_config(tiny_model_dir, tmp_path / "run", mixed_precision="bf16"))
-    family = trainer.family
+    family = trainer.policy.family
     assert family.autocast_dtype is torch.bfloat16 and trainer.engine.family is family
     x = torch.randn(2, 256, 48)
     cond = family.encode_prompts(["a red circle"]).repeat(2)
@@ -206,13 +206,13 @@ def test_recipes_scale_with_the_device_and_flags_override_them():
     from diffrl.recipes import recipe_config
 
     cpu, gpu = recipe_config("shapes-nft", "cpu"), recipe_config("shapes-nft", "cuda")
-    assert (cpu.rollout_batch_size, cpu.diffusion_num_steps) == (6, 4)
-    assert (gpu.rollout_batch_size, gpu.diffusion_num_steps) == (32, 10)
-    assert recipe_config("shapes-grpo-gpu", "cpu").rollout_batch_size == 32  # -gpu forces the GPU size
+    assert (cpu.rollout.rollout_batch_size, cpu.rollout.diffusion_num_steps) == (6, 4)
+    assert (gpu.rollout.rollout_batch_size, gpu.rollout.diffusion_num_steps) == (32, 10)
+    assert recipe_config("shapes-grpo-gpu", "cpu").rollout.rollout_batch_size == 32  # -gpu forces the GPU size
     for cfg in (cpu, gpu, recipe_config("shapes-grpo", "cpu"), recipe_config("shapes-grpo", "cuda")):
         validate_config(cfg)  # every preset satisfies the batch invariant
     parsed = parse(["train", "--recipe", "shapes-nft", "--device", "cpu", "--lr", "5e-5"])
-    assert parsed.rollout_batch_size == 6 and parsed.lr == 5e-5 and parsed.recipe == "shapes-nft"
+    assert parsed.rollout.rollout_batch_size == 6 and parsed.optim.lr == 5e-5 and parsed.recipe == "shapes-nft"
     with pytest.raises(ValueError, match="shapes-nft-gpu"):
         recipe_config("shapes-sft")
 
@@ -220,15 +220,15 @@ def test_recipes_scale_with_the_device_and_flags_override_them():
 def test_cosine_learning_rate_schedule(tiny_model_dir, tmp_path):
     from diffrl.train.trainer import learning_rate
 
-    cfg = TrainConfig(lr=1e-3, lr_schedule="cosine", lr_min_ratio=0.1, num_rollout=11)
+    cfg = TrainConfig.flat(lr=1e-3, lr_schedule="cosine", lr_min_ratio=0.1, num_rollout=11)
     rates = [learning_rate(cfg, k) for k in range(11)]
     assert rates[0] == pytest.approx(1e-3) and rates[5] == pytest.approx(0.55e-3) and rates[-1] == pytest.approx(1e-4)
     assert all(a > b for a, b in zip(rates, rates[1:]))
-    assert learning_rate(TrainConfig(lr=1e-3), 7) == 1e-3  # constant by default
+    assert learning_rate(TrainConfig.flat(lr=1e-3), 7) == 1e-3  # constant by default
     trainer = Trainer(tiny_config(tiny_model_dir, tmp_path / "run", lr_schedule="cosine", num_rollout=3))
     trainer.rollout_index = 2
     record = trainer.rollout_and_update(2)
-    assert record["train/lr"] == pytest.approx(1e-4) and trainer.optimizer.param_groups[0]["lr"] == pytest.approx(1e-4)
+    assert record["train/lr"] == pytest.approx(1e-4) and trainer.policy.optimizer.param_groups[0]["lr"] == pytest.approx(1e-4)
 
 
 def test_reward_worker_processes_give_the_inline_run(tiny_model_dir, tmp_path):
@@ -242,7 +242,7 @@ def test_reward_worker_processes_give_the_inline_run(tiny_model_dir, tmp_path):
 @pytest.mark.parametrize("eval_num_steps, expected", [(None, 3), (5, 5)])
 def test_held_out_evaluation_steps(tiny_model_dir, tmp_path, monkeypatch, eval_num_steps, expected):
     """The held-out evaluation samples with --eval-num-steps, else with the rollout's steps."""
-    import diffrl.train.trainer as trainer_module
+    import diffrl.tasks.shapes as trainer_module
 
     seen = []
     real = trainer_module.evaluate_prompts
@@ -302,25 +302,25 @@ def test_nft_use_ema_evaluates_and_saves_a_second_ema_and_resumes_both(tiny_mode
     overrides = dict(loss_type="nft", use_ema=True, ema_decay=0.5, num_steps_per_rollout=1, global_batch_size=6,
                      micro_batch_size=6, eval_interval=100)
     trainer = Trainer(tiny_config(tiny_model_dir, out, **overrides))
-    assert trainer.eval_ema is not trainer.ema
-    start = [p.detach().clone() for p in trainer.params]
+    assert trainer.policy.eval_ema is not trainer.policy.ema
+    start = [p.detach().clone() for p in trainer.policy.params]
     trainer.train()  # one rollout, one optimizer step, a checkpoint
-    expected = [0.5 * s + 0.5 * p.detach() for s, p in zip(start, trainer.params)]
-    assert all(torch.allclose(e, s) for e, s in zip(expected, trainer.eval_ema.shadow))
-    assert all(torch.equal(s, p.detach()) for s, p in zip(trainer.ema.shadow, trainer.params))  # old policy: δ = 0
+    expected = [0.5 * s + 0.5 * p.detach() for s, p in zip(start, trainer.policy.params)]
+    assert all(torch.allclose(e, s) for e, s in zip(expected, trainer.policy.eval_ema.shadow))
+    assert all(torch.equal(s, p.detach()) for s, p in zip(trainer.policy.ema.shadow, trainer.policy.params))  # old policy: δ = 0
 
     ckpt = out / "checkpoints" / "rollout-00001"
     saved = {}
     for f in (ckpt / "model").rglob("*.safetensors"):
         saved.update(load_file(str(f)))
-    for name, shadow, param in zip(trainer.trainable_names, trainer.eval_ema.shadow, trainer.params):
+    for name, shadow, param in zip(trainer.policy.trainable_names, trainer.policy.eval_ema.shadow, trainer.policy.params):
         assert torch.equal(saved[name], shadow), name  # the saved model is the evaluated EMA,
-    live = zip(trainer.trainable_names, trainer.params)
+    live = zip(trainer.policy.trainable_names, trainer.policy.params)
     assert any(not torch.equal(saved[n], p.detach()) for n, p in live)  # not the live weights
 
     resumed = Trainer(tiny_config(tiny_model_dir, out, num_rollout=2, resume=True, **overrides))
-    assert all(torch.equal(a, b) for a, b in zip(resumed.eval_ema.shadow, trainer.eval_ema.shadow))
-    assert all(torch.equal(a, b) for a, b in zip(resumed.ema.shadow, trainer.ema.shadow))
+    assert all(torch.equal(a, b) for a, b in zip(resumed.policy.eval_ema.shadow, trainer.policy.eval_ema.shadow))
+    assert all(torch.equal(a, b) for a, b in zip(resumed.policy.ema.shadow, trainer.policy.ema.shadow))
 
 
 def test_a_checkpoint_from_before_named_emas_resumes_its_ema(tiny_model_dir, tmp_path):
@@ -333,9 +333,9 @@ def test_a_checkpoint_from_before_named_emas_resumes_its_ema(tiny_model_dir, tmp
     state["ema"] = state.pop("emas")["ema"]  # the old layout
     torch.save(state, path)
     resumed = Trainer(tiny_config(tiny_model_dir, out, loss_type="nft", num_rollout=2, resume=True))
-    assert all(torch.equal(a, b) for a, b in zip(resumed.ema.shadow, trainer.ema.shadow))
+    assert all(torch.equal(a, b) for a, b in zip(resumed.policy.ema.shadow, trainer.policy.ema.shadow))
     fresh = Trainer(tiny_config(tiny_model_dir, tmp_path / "fresh", loss_type="nft"))
-    assert any(not torch.equal(a, b) for a, b in zip(resumed.ema.shadow, fresh.ema.shadow))  # not merely the start
+    assert any(not torch.equal(a, b) for a, b in zip(resumed.policy.ema.shadow, fresh.policy.ema.shadow))  # not merely the start
 
 
 def test_held_out_evaluation_can_be_turned_off(tiny_model_dir, tmp_path, capsys):

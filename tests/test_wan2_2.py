@@ -244,9 +244,9 @@ def test_video_training_flags_are_checked(wan_dir, tiny_model_dir, tmp_path):
                  global_batch_size=2, num_steps_per_rollout=1, micro_batch_size=2, diffusion_num_steps=2,
                  diffusion_sde_window_range=(0, 2), device="cpu")
     with pytest.raises(ValueError, match="generates video .* --eval-images-per-category 0"):
-        Trainer(TrainConfig(model_path=wan_dir, output_dir=tmp_path / "a", **flags))
+        Trainer(TrainConfig.flat(model_path=wan_dir, output_dir=tmp_path / "a", **flags))
     with pytest.raises(ValueError, match="--num-frames 6: num_frames=6"):
-        Trainer(TrainConfig(model_path=wan_dir, output_dir=tmp_path / "b", resolution=16, num_frames=6,
+        Trainer(TrainConfig.flat(model_path=wan_dir, output_dir=tmp_path / "b", resolution=16, num_frames=6,
                             eval_images_per_category=0, **flags))
     with pytest.raises(ValueError, match="--num-frames 5: the demo family generates images"):
-        Trainer(TrainConfig(model_path=tiny_model_dir, output_dir=tmp_path / "c", num_frames=5, **flags))
+        Trainer(TrainConfig.flat(model_path=tiny_model_dir, output_dir=tmp_path / "c", num_frames=5, **flags))

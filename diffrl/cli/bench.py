@@ -133,12 +133,12 @@ async def time_group(client, n: int, m: int, request: dict, repeats: int, prompt
     and the group's outputs (to measure how much the batch size changes sample k)."""
     from diffrl.rollout import RolloutConfig, RolloutManager
 
-    config = RolloutConfig(n_samples_per_prompt=n, rollout_microgroup_size=m, engine_concurrency=n, request=request)
+    config = RolloutConfig(n_samples_per_prompt=n, rollout_microgroup_size=m, engine_concurrency=n)
     manager = RolloutManager([client], config)
-    await manager.rollout([prompt])  # warm-up: kernels (and compiled graphs) for this batch size
+    await manager.rollout([prompt], request)  # warm-up: kernels (and compiled graphs) for this batch size
     times = []
     for _ in range(repeats):
-        group = (await manager.rollout([prompt]))[0]
+        group = (await manager.rollout([prompt], request))[0]
         times.append(manager.last_stats.seconds)
     return sorted(times)[len(times) // 2], torch.stack([s.output.generated_output for s in group])
 

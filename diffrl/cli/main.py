@@ -15,7 +15,7 @@ from diffrl.cli.evaluate import EvaluateConfig, evaluate
 from diffrl.engine.server import ServeConfig, serve
 from diffrl.errors import ModelLoadError
 from diffrl.recipes import recipe_config
-from diffrl.train.config import TrainConfig, uses_ray
+from diffrl.train.config import TrainConfig
 from diffrl.train.pretrain import PretrainConfig, pretrain
 
 SUBCOMMANDS = {"train": TrainConfig, "pretrain": PretrainConfig, "evaluate": EvaluateConfig, "compare": CompareConfig,
@@ -31,10 +31,41 @@ def _flag_value(args: list[str], flag: str) -> str | None:
     return None
 
 
+# Flag names of the published miles-diffusion scripts for the same settings.
+FLAG_ALIASES = {"--diffusion-microgroup-size": "--rollout-microgroup-size",
+                "--diffusion-eval-num-steps": "--eval-num-steps", "--clip-grad": "--grad-clip"}
+
+
+def published_spellings(args: list[str]) -> list[str]:
+    """Accept the published recipes' spellings: `--diffusion-sde-window-range 3,5` (for `3 5`),
+    `--eval-prompt-data NAME PATH` (a named eval set: the path is kept) and the aliases above."""
+    out, i = [], 0
+    while i < len(args):
+        flag, _, inline = args[i].partition("=")
+        flag = FLAG_ALIASES.get(flag, flag)
+        arg = f"{flag}={inline}" if inline else flag
+        if flag == "--diffusion-sde-window-range" and ("," in inline or (not inline and i + 1 < len(args)
+                                                                         and "," in args[i + 1])):
+            value = inline or args[i + 1]
+            out += [flag, *value.split(",")]
+            i += 1 if inline else 2
+            continue
+        if (flag == "--eval-prompt-data" and not inline and i + 2 < len(args)
+                and not args[i + 1].startswith("--") and not args[i + 2].startswith("--")):
+            out += [flag, args[i + 2]]
+            i += 3
+            continue
+        out.append(arg)
+        i += 1
+    return out
+
+
 def parse(argv: list[str]):
     if argv[:1] == ["train"]:
-        default = recipe_config(_flag_value(argv[1:], "--recipe"), _flag_value(argv[1:], "--device") or "auto")
-        return tyro.cli(TrainConfig, default=default, args=argv[1:], prog="diffrl train")
+        args = published_spellings(argv[1:])
+        default = recipe_config(_flag_value(args, "--recipe"), _flag_value(args, "--device") or "auto")
+        return tyro.cli(TrainConfig, default=default, args=args, prog="diffrl train",
+                        config=(tyro.conf.OmitArgPrefixes,))
     return tyro.extras.subcommand_cli_from_dict(
         SUBCOMMANDS, args=argv, description="diffrl: RL post-training for flow-matching diffusion models")
 
@@ -43,7 +74,7 @@ def main(argv: list[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     try:
         config = parse(argv)
-        if isinstance(config, TrainConfig) and uses_ray(config):
+        if isinstance(config, TrainConfig) and config.uses_ray():
             from diffrl.launch.ray_placement import launch
 
             launch(config)

@@ -35,6 +35,7 @@ from tqdm import tqdm
 from diffrl.data.prompts import PromptRecord
 from diffrl.evaluation.sampling import TEST_SEED, generate
 from diffrl.models.base import FamilyAdapter
+from diffrl.rewards import get_reward
 from diffrl.utils.images import save_grid, to_uint8
 
 GRID_IMAGES = 32
@@ -101,7 +102,8 @@ def reward_components(reward: str | Callable | Sequence[RewardComponent],
             if name in seen:  # two components reduce to one tag (e.g. two pickscore checkpoints)
                 name = f"{name}_{len(seen)}"
             seen.add(name)
-            components.append(RewardComponent(name, spec, weight, _get_reward(spec, device)))
+            scorer = get_reward(spec, device=None if device == "auto" else device)
+            components.append(RewardComponent(name, spec, weight, scorer))
         return components
     if callable(reward):
         return [RewardComponent("reward", getattr(reward, "__name__", "reward"), 1.0, reward)]
@@ -109,16 +111,6 @@ def reward_components(reward: str | Callable | Sequence[RewardComponent],
     if not components or not all(isinstance(c, RewardComponent) for c in components):
         raise ValueError("reward: expected a spec string, a scorer or a list of RewardComponent")
     return components
-
-
-def _get_reward(spec: str, device: str | None) -> Callable:
-    from diffrl.rewards import get_reward
-
-    if device in (None, "auto"):
-        return get_reward(spec)
-    if "device" not in inspect.signature(get_reward).parameters:
-        raise ValueError("--reward-device: this version of diffrl.rewards places its models itself; leave it auto")
-    return get_reward(spec, device=device)
 
 
 def _resolve(values):

@@ -17,7 +17,6 @@ msgpack + safetensors bytes (Ray's envelope around them is internal to the clust
 
 from __future__ import annotations
 
-import dataclasses
 import inspect
 import os
 from collections.abc import Sequence
@@ -97,10 +96,10 @@ class RayEngineClient:
 class RewardActor:
     """A reward scorer in its own process: images arrive as safetensors bytes, prompts and metadata as JSON."""
 
-    def __init__(self, reward: str):
+    def __init__(self, reward: str, device: str | None = None):
         from diffrl.rewards import get_reward
 
-        self.score_fn, self.batches = get_reward(reward), 0
+        self.score_fn, self.batches = get_reward(reward, device=device), 0
 
     async def score(self, images: bytes, prompts_json: str, metadata_json: str) -> list[float]:
         rewards = self.score_fn(*decode_batch(images, prompts_json, metadata_json))
@@ -174,37 +173,37 @@ def launch(cfg: TrainConfig) -> dict:
     from ray.util.placement_group import placement_group, remove_placement_group
     from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
-    gpus, trainer_gpus, ranks = cfg.ray_gpus_per_engine, cfg.ray_gpus_per_trainer, cfg.ray_trainer_ranks
-    bundles = ([{"CPU": 1, **({"GPU": gpus} if gpus else {})} for _ in range(cfg.ray_engines)]
-               + [{"CPU": 1}] * cfg.ray_reward_workers
+    gpus, trainer_gpus, ranks = cfg.placement.ray_gpus_per_engine, cfg.placement.ray_gpus_per_trainer, cfg.placement.ray_trainer_ranks
+    bundles = ([{"CPU": 1, **({"GPU": gpus} if gpus else {})} for _ in range(cfg.placement.ray_engines)]
+               + [{"CPU": 1}] * cfg.placement.ray_reward_workers
                + [{"CPU": 1, **({"GPU": trainer_gpus} if trainer_gpus else {})} for _ in range(ranks)])
     if not ray.is_initialized():
         # A local cluster gets a logical CPU per bundle even on a small machine (actors mostly wait).
-        local = {} if cfg.ray_address else {"num_cpus": max(len(bundles), os.cpu_count() or 1)}
-        ray.init(address=cfg.ray_address, include_dashboard=False, **local)
-    group = placement_group(bundles, strategy="PACK" if cfg.ray_colocate else "SPREAD")
+        local = {} if cfg.placement.ray_address else {"num_cpus": max(len(bundles), os.cpu_count() or 1)}
+        ray.init(address=cfg.placement.ray_address, include_dashboard=False, **local)
+    group = placement_group(bundles, strategy="PACK" if cfg.placement.ray_colocate else "SPREAD")
     try:
-        ray.get(group.ready(), timeout=cfg.ray_placement_timeout_s)
+        ray.get(group.ready(), timeout=cfg.placement.ray_placement_timeout_s)
     except ray.exceptions.GetTimeoutError:
         remove_placement_group(group)
         raise ValueError(f"Ray could not place {len(bundles)} bundles {bundles} within "
-                         f"{cfg.ray_placement_timeout_s} s; cluster resources: {ray.cluster_resources()}") from None
+                         f"{cfg.placement.ray_placement_timeout_s} s; cluster resources: {ray.cluster_resources()}") from None
     try:
         def in_bundle(i):
             return PlacementGroupSchedulingStrategy(placement_group=group, placement_group_bundle_index=i)
 
         engine_cls = ray.remote(EngineActor)
         # Threaded actors: requests waiting at an engine can share its denoising batches.
-        engines = [engine_cls.options(num_cpus=1, num_gpus=gpus, max_concurrency=max(1, cfg.engine_concurrency),
+        engines = [engine_cls.options(num_cpus=1, num_gpus=gpus, max_concurrency=max(1, cfg.engine.engine_concurrency),
                                       scheduling_strategy=in_bundle(i)).remote(
-            str(cfg.model_path), cfg.diffusion_model_family, max(64, cfg.rollout_microgroup_size),
-            cfg.engine_max_batch_outputs) for i in range(cfg.ray_engines)]
-        names = [f"ray-engine-{i}" for i in range(cfg.ray_engines)]
+            str(cfg.model.model_path), cfg.model.diffusion_model_family, max(64, cfg.rollout.rollout_microgroup_size),
+            cfg.engine.engine_max_batch_outputs) for i in range(cfg.placement.ray_engines)]
+        names = [f"ray-engine-{i}" for i in range(cfg.placement.ray_engines)]
         rewards = [ray.remote(RewardActor).options(num_cpus=1, max_concurrency=8,
-                                                   scheduling_strategy=in_bundle(cfg.ray_engines + i)).remote(cfg.reward)
-                   for i in range(cfg.ray_reward_workers)]
+                                                   scheduling_strategy=in_bundle(cfg.placement.ray_engines + i)).remote(cfg.task.reward, cfg.task.reward_device)
+                   for i in range(cfg.placement.ray_reward_workers)]
         # The trainer actors run the plain loop: their own config no longer asks for Ray.
-        trainer_cfg = dataclasses.replace(cfg, ray_engines=0, ray_reward_workers=0, ray_trainer_ranks=1)
+        trainer_cfg = cfg.replace(ray_engines=0, ray_reward_workers=0, ray_trainer_ranks=1)
         first_trainer = len(bundles) - ranks
         if ranks == 1:
             trainer = ray.remote(TrainerActor).options(num_cpus=1, num_gpus=trainer_gpus,

@@ -14,7 +14,7 @@ import asyncio
 import inspect
 import time
 from collections.abc import Awaitable, Callable, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import torch
 
@@ -35,8 +35,6 @@ class RolloutConfig:
     """In-flight requests per engine; the manager's global cap is this × number of engines."""
     rollout_seed: int = 0
     max_retries: int = 2
-    request: dict = field(default_factory=dict)
-    """Fields copied into every `RolloutRequest` (steps, guidance, sde type, noise level, …)."""
 
 
 @dataclass
@@ -68,7 +66,6 @@ class RolloutManager:
         self.clients = list(clients)
         self.config = config
         self.reward_fn = reward_fn
-        self.next_group_index = 0  # monotonic across the run (checkpointed by the trainer)
         self._in_flight = [0] * len(self.clients)
         self._slots: asyncio.Semaphore | None = None  # made per rollout: a semaphore belongs to one event loop
         self.last_stats = RolloutStats()
@@ -76,18 +73,24 @@ class RolloutManager:
     def in_flight(self) -> list[int]:
         return list(self._in_flight)
 
-    async def rollout(self, prompts: Sequence[str]) -> list[list[Sample]]:
-        """One group per prompt; returns the groups in order, each with its samples in order."""
+    async def rollout(self, prompts: Sequence[str], request: dict | None = None, first_group_index: int = 0,
+                      metadata: Sequence[dict] | None = None) -> list[list[Sample]]:
+        """One group per prompt, group j with index `first_group_index + j` (its seeds follow from it;
+        the caller keeps the index monotonic across a run). `request`: the fields copied into every
+        `RolloutRequest` (steps, guidance, sde type, …); `metadata[j]` reaches the reward with group j's
+        samples. Returns the groups in order, each with its samples in order."""
         cfg = self.config
         start, stats = time.perf_counter(), RolloutStats()
         self._slots = asyncio.Semaphore(cfg.engine_concurrency * len(self.clients))
-        first = self.next_group_index
-        self.next_group_index += len(prompts)
+        first = first_group_index
+        metadata = list(metadata) if metadata is not None else [{}] * len(prompts)
+        if len(metadata) != len(prompts):
+            raise ValueError(f"{len(prompts)} prompts but {len(metadata)} metadata records")
         tasks = []
-        for offset, prompt in enumerate(prompts):
+        for offset, (prompt, meta) in enumerate(zip(prompts, metadata)):
             base = group_seed_base(cfg.rollout_seed, first + offset, cfg.n_samples_per_prompt)
             for idx, size in microgroups(cfg.n_samples_per_prompt, cfg.rollout_microgroup_size):
-                tasks.append(self._microgroup(prompt, first + offset, idx, size, base + idx, stats))
+                tasks.append(self._microgroup(prompt, meta, request or {}, first + offset, idx, size, base + idx, stats))
         results = await asyncio.gather(*tasks)
         groups: list[list[Sample]] = [[] for _ in prompts]
         for samples in results:  # gather keeps task order: group by group, microgroup by microgroup
@@ -97,13 +100,14 @@ class RolloutManager:
         self.last_stats = stats
         return groups
 
-    async def _microgroup(self, prompt, group_index, idx, size, seed, stats) -> list[Sample]:
-        request = RolloutRequest(prompt=prompt, seed=seed, num_outputs_per_prompt=size, **self.config.request)
+    async def _microgroup(self, prompt, prompt_meta, fields, group_index, idx, size, seed, stats) -> list[Sample]:
+        request = RolloutRequest(prompt=prompt, seed=seed, num_outputs_per_prompt=size, **fields)
         outputs, engine = await self._dispatch(request, stats)
         samples = [Sample(prompt, group_index, idx + i, o.seed, o, engine) for i, o in enumerate(outputs)]
         if self.reward_fn is not None:  # streamed: scored now, while other microgroups generate
             images = torch.stack([o.generated_output for o in outputs])
-            meta = [{"seed": s.seed, "group_index": group_index, "sample_index": s.sample_index} for s in samples]
+            meta = [{**prompt_meta, "seed": s.seed, "group_index": group_index, "sample_index": s.sample_index}
+                    for s in samples]
             rewards = self.reward_fn(images, [prompt] * size, meta)
             if inspect.isawaitable(rewards):
                 rewards = await rewards

@@ -1,33 +1,44 @@
-"""The training configuration: one typed dataclass; every field is a flag (`--n-samples-per-prompt`, …).
+"""The training configuration: a tree of dataclasses, one per part of the system; every field is a flag.
 
-Flag names follow the field's established names (DESIGN §8). Recipes (`recipes.py`) are named
-sets of overrides; `--recipe NAME` applies one, later flags override it.
+Flags keep the field's established name without the section prefix (`--lr`, not `--optim.lr`;
+DESIGN §8), so field names are unique across the tree. `TrainConfig.flat(**fields)` and
+`cfg.replace(**fields)` take the same flat names, which is how recipes (`diffrl/recipes.py`) and
+tests spell a configuration. Each section checks its own fields (`check`); `TrainConfig.check`
+adds what spans sections.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+import dataclasses
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Literal
 
 from diffrl.models.demo import SHIPPED_DEMO_MODEL
 
 
+def _require(ok: bool, message: str) -> None:
+    if not ok:
+        raise ValueError(message)
+
+
 @dataclass
-class TrainConfig:
-    recipe: str | None = None
-    """Preset applied before the other flags (see `diffrl/recipes.py`)."""
-    output_dir: Path | None = None
-    """Run folder; default runs/<recipe or loss type>-<date-time>."""
-    resume: bool = False
-    """Continue the run in --output-dir from its last checkpoint."""
-    seed: int = 0
-    device: str = "auto"
-    deterministic_mode: bool = False
-    """torch.use_deterministic_algorithms: slower, bit-reproducible where the hardware allows."""
+class ModelConfig:
+    model_path: Path = SHIPPED_DEMO_MODEL
+    diffusion_model_family: str | None = None
+    resolution: int | None = None
+    """Side in pixels of the square images rolled out and evaluated; None: the family's default
+    (e.g. 1024 for SD3.5, whose published Flow-GRPO recipes train at 512)."""
+    num_frames: int | None = None
+    """Frames of each rolled-out video (video families, e.g. wan2_2); None: the family's default."""
+    use_lora: bool = True
+    lora_rank: int = 8
+    lora_alpha: float = 16.0
+    lora_target_modules: tuple[str, ...] = ()
+    """Module names (or suffixes) the adapter wraps; empty: the family's default set."""
     mixed_precision: Literal["auto", "no", "bf16"] = "auto"
-    """Transformer forward precision for rollouts and training alike (weights stay fp32 masters):
-    auto = bf16 autocast on CUDA, fp32 elsewhere."""
+    """Transformer forward precision for rollouts and training alike (trained weights stay fp32
+    masters): auto = bf16 autocast on CUDA, fp32 elsewhere."""
     gradient_checkpointing: bool = False
     """Recompute each block's activations in the backward pass (less memory, ~1/3 more compute)."""
     compile: bool = False
@@ -40,38 +51,60 @@ class TrainConfig:
     """torch.set_float32_matmul_precision; "high" lets GPUs use TF32 (engine and trainer alike, so the
     first-pass ratio stays 1). No effect on CPU."""
 
-    # model
-    model_path: Path = SHIPPED_DEMO_MODEL
-    diffusion_model_family: str | None = None
-    resolution: int | None = None
-    """Side in pixels of the square images rolled out and evaluated; None: the family's default
-    (e.g. 1024 for SD3.5, whose published Flow-GRPO recipes train at 512)."""
-    num_frames: int | None = None
-    """Frames of each rolled-out video (video families, e.g. wan2_2); None: the family's default."""
-    use_lora: bool = True
-    lora_rank: int = 8
-    lora_alpha: float = 16.0
-    use_ema: bool = False
-    """Keep an EMA of the trained weights (--ema-decay per optimizer step) and evaluate, pick
-    checkpoints/best and save models with it. DiffusionNFT's old policy is a separate EMA."""
-    ema_decay: float = 0.9
+    def check(self) -> None:
+        _require(self.lora_rank >= 1 and self.lora_alpha > 0,
+                 f"--lora-rank must be >= 1 and --lora-alpha > 0 (got {self.lora_rank}, {self.lora_alpha})")
+        _require(self.resolution is None or self.resolution > 0, f"--resolution must be > 0, got {self.resolution}")
 
-    # algorithm
+
+@dataclass
+class RolloutSettings:
+    num_rollout: int = 12
+    rollout_batch_size: int = 8
+    """Prompt groups per rollout."""
+    n_samples_per_prompt: int = 8
+    rollout_microgroup_size: int = 8
+    rollout_seed: int = 0
+    diffusion_num_steps: int = 10
+    diffusion_guidance_scale: float = 1.0
+    diffusion_noise_level: float = 0.7
+    diffusion_sde_type: Literal["sde", "cps"] = "sde"
+    diffusion_sde_window_range: tuple[int, int] | None = None
+    """SDE steps are a window of --diffusion-num-sde-steps steps inside [lo, hi) (default: all steps).
+    The published spelling `3,5` is accepted as well as `3 5`."""
+    diffusion_num_sde_steps: int = 2
+    negative_prompt: str = ""
+    """The unconditional prompt of CFG in rollouts and evaluation."""
+
+    def sde_window_range(self) -> tuple[int, int]:
+        return self.diffusion_sde_window_range or (0, self.diffusion_num_steps)
+
+    def check(self) -> None:
+        for name in ("num_rollout", "rollout_batch_size", "n_samples_per_prompt", "diffusion_num_steps"):
+            _require(getattr(self, name) >= 1, f"--{name.replace('_', '-')} must be >= 1")
+
+
+@dataclass
+class EnginePoolConfig:
+    engine_concurrency: int = 8
+    """In-flight requests per engine; the in-process engine denoises waiting requests together."""
+    engine_max_batch_outputs: int = 64
+    """Outputs the engine denoises in one batch across requests (launch-bound GPUs want many)."""
+    engine_urls: tuple[str, ...] = ()
+    """Engines behind `diffrl serve` to roll out on too (least-loaded routing); the trained weights are
+    pushed to each before every rollout (one process)."""
+    local_engine: bool = True
+    """Keep the in-process engine in the rollout pool (--no-local-engine: the URLs only)."""
+    engine_token: str | None = None
+    """Bearer token for the engines' weight updates (default: env DIFFRL_ENGINE_TOKEN)."""
+
+    def check(self) -> None:
+        _require(self.engine_concurrency >= 1, f"--engine-concurrency must be >= 1, got {self.engine_concurrency}")
+
+
+@dataclass
+class AlgorithmConfig:
     loss_type: Literal["flow_grpo", "nft"] = "flow_grpo"
-    reward: str = "shapes"
-    reward_workers: int = 0
-    """Score rewards in this many worker processes (microgroups in parallel, as they land); 0: inline."""
-    train_categories: tuple[str, ...] = ()
-    """Shapes categories to draw train prompts from (default: all six)."""
-    category_sampling: Literal["uniform", "adaptive"] = "uniform"
-    """uniform: categories take turns; adaptive: more groups for categories with lower training
-    reward (share ∝ floor + 1 − smoothed mean reward; rewards in [0, 1]). See train/prompt_sampler.py."""
-    category_difficulty: Literal["reward", "unsolved"] = "reward"
-    """What adaptive sampling calls hard: reward = 1 − the category's smoothed mean reward; unsolved =
-    the smoothed fraction of its samples scoring below --category-solved-reward."""
-    category_solved_reward: float = 1.0
-    category_sampling_floor: float = 0.05
-    category_reward_smoothing: float = 0.8
     diffusion_clip_range: float = 1e-4
     diffusion_adv_clip_max: float = 5.0
     diffusion_kl_beta: float = 0.0
@@ -82,6 +115,10 @@ class TrainConfig:
     globalize_reward_std: bool = False
     globalize_reward_mean: bool = False
     drop_zero_std_groups: bool = False
+    use_ema: bool = False
+    """Keep an EMA of the trained weights (--ema-decay per optimizer step) and evaluate, pick
+    checkpoints/best and save models with it. DiffusionNFT's old policy is a separate EMA."""
+    ema_decay: float = 0.9
     diffusion_nft_beta: float = 1.0
     nft_adaptive_weighting: bool = True
     nft_ema_ramp: float = 0.001
@@ -93,23 +130,129 @@ class TrainConfig:
     """CFG of NFT's rollouts (1: CFG-free, as DiffusionNFT samples). Above 1 the old policy's guided
     samples are the data; the loss still trains the conditional velocity alone."""
 
-    # rollout
-    num_rollout: int = 12
-    rollout_batch_size: int = 8
-    """Prompt groups per rollout."""
-    n_samples_per_prompt: int = 8
-    rollout_microgroup_size: int = 8
-    engine_concurrency: int = 8
-    """In-flight requests per engine; the in-process engine denoises waiting requests together."""
-    engine_max_batch_outputs: int = 64
-    """Outputs the engine denoises in one batch across requests (launch-bound GPUs want many)."""
-    engine_urls: tuple[str, ...] = ()
-    """Engines behind `diffrl serve` to roll out on too (least-loaded routing); the trained weights are
-    pushed to each before every rollout (full finetune, one process)."""
-    local_engine: bool = True
-    """Keep the in-process engine in the rollout pool (--no-local-engine: the URLs only)."""
-    engine_token: str | None = None
-    """Bearer token for the engines' weight updates (default: env DIFFRL_ENGINE_TOKEN)."""
+    def check(self) -> None:
+        _require(self.nft_rollout_guidance_scale >= 1 and (self.nft_rollout_guidance_scale == 1 or self.loss_type == "nft"),
+                 f"--nft-rollout-guidance-scale must be >= 1 and applies to --loss-type nft only "
+                 f"(got {self.nft_rollout_guidance_scale} with --loss-type {self.loss_type})")
+        _require(not (self.diffusion_kl_beta > 0 and self.kl_reference == "ema"
+                      and not (self.use_ema or self.loss_type == "nft")),
+                 "--kl-reference ema needs an EMA: pass --use-ema (or --kl-reference base)")
+
+
+@dataclass
+class OptimConfig:
+    global_batch_size: int = 64
+    """Samples per optimizer step."""
+    num_steps_per_rollout: int = 1
+    micro_batch_size: int = 32
+    """Train pairs per forward/backward (gradient accumulation up to the optimizer step)."""
+    lr: float = 3e-4
+    lr_schedule: Literal["constant", "cosine"] = "constant"
+    """cosine: from --lr at the first rollout down to --lr × --lr-min-ratio at --num-rollout."""
+    lr_min_ratio: float = 0.1
+    weight_decay: float = 0.0
+    adam_beta1: float = 0.9
+    adam_beta2: float = 0.999
+    grad_clip: float = 1.0
+
+    def check(self) -> None:
+        for name in ("global_batch_size", "num_steps_per_rollout", "micro_batch_size"):
+            _require(getattr(self, name) >= 1, f"--{name.replace('_', '-')} must be >= 1")
+        _require(0 <= self.adam_beta1 < 1 and 0 <= self.adam_beta2 < 1,
+                 f"--adam-beta1/--adam-beta2 must be in [0, 1) (got {self.adam_beta1}, {self.adam_beta2})")
+
+
+@dataclass
+class TaskConfig:
+    prompt_data: Path | None = None
+    """Training prompts: a .txt file (one per line), a .jsonl file (--input-key is the prompt, the other
+    keys reach the reward as metadata) or a directory with train.txt/test.txt or
+    train_metadata.jsonl/test_metadata.jsonl. None: the shapes world (the zero-configuration default)."""
+    eval_prompt_data: Path | None = None
+    """Held-out prompts (same formats); None: the test split of a --prompt-data directory."""
+    input_key: str = "prompt"
+    reward: str = "shapes"
+    reward_workers: int = 0
+    """Score rewards in this many worker processes (microgroups in parallel, as they land); 0: inline."""
+    reward_device: str | None = None
+    """Where model rewards (pickscore, hpsv2, …) run; None: CUDA when present, else the CPU."""
+    train_categories: tuple[str, ...] = ()
+    """Shapes categories to draw train prompts from (default: all six)."""
+    category_sampling: Literal["uniform", "adaptive"] = "uniform"
+    """uniform: categories take turns; adaptive: more groups for categories with lower training
+    reward (share ∝ floor + 1 − smoothed mean reward; rewards in [0, 1]). See train/prompt_sampler.py."""
+    category_difficulty: Literal["reward", "unsolved"] = "reward"
+    """What adaptive sampling calls hard: reward = 1 − the category's smoothed mean reward; unsolved =
+    the smoothed fraction of its samples scoring below --category-solved-reward."""
+    category_solved_reward: float = 1.0
+    category_sampling_floor: float = 0.05
+    category_reward_smoothing: float = 0.8
+
+    def check(self) -> None:
+        _require(self.reward_workers >= 0, f"--reward-workers must be >= 0, got {self.reward_workers}")
+        _require(self.prompt_data is not None or self.eval_prompt_data is None,
+                 "--eval-prompt-data needs --prompt-data (the shapes world has its own test split)")
+        _require(self.prompt_data is None or not self.train_categories,
+                 "--train-categories picks shapes categories; a --prompt-data set has none")
+
+
+@dataclass
+class EvalConfig:
+    eval_interval: int = 4
+    """Evaluate on the held-out prompts every this many rollouts (and before the first)."""
+    eval_num_prompts: int = 64
+    """With --prompt-data: evaluate on the first this many held-out prompts (0: no evaluation)."""
+    n_samples_per_eval_prompt: int = 1
+    """With --prompt-data: images per held-out prompt (seeds 10 000 + k)."""
+    eval_images_per_category: int = 8
+    """Shapes world: held-out images per category (prompts × seeds, seeds balanced so small categories
+    are not noise). 0: no held-out evaluation."""
+    eval_guidance_scale: float | None = None
+    """None: the rollout guidance scale."""
+    val_images_per_category: int = 0
+    """Shapes world, > 0: at each evaluation also score this many images per category of a fixed subset
+    of the *train* prompts (`--val-prompts-per-category` of each, seeds 20 000 + k), and keep
+    `checkpoints/best`: the weights with the highest validation strict accuracy so far. A checkpoint
+    chosen this way never looked at the test prompts (early stopping for runs that peak and fall)."""
+    val_prompts_per_category: int = 8
+    eval_num_steps: int | None = None
+    """ODE steps of the held-out evaluation; None: the rollout's --diffusion-num-steps. (Flow-GRPO and
+    DiffusionNFT roll out with few steps and evaluate with more, e.g. 10 and 40.)"""
+    eval_log_images: int = 8
+    """Evaluation images logged to TensorBoard at each evaluation."""
+
+    def check(self) -> None:
+        _require(self.eval_interval >= 1, "--eval-interval must be >= 1")
+        _require(self.eval_images_per_category >= 0, f"--eval-images-per-category must be >= 0 (0: no held-out "
+                                                     f"evaluation), got {self.eval_images_per_category}")
+        _require(self.val_images_per_category >= 0 and self.val_prompts_per_category >= 1,
+                 f"--val-images-per-category must be >= 0 (got {self.val_images_per_category}) and "
+                 f"--val-prompts-per-category >= 1 (got {self.val_prompts_per_category})")
+        _require(self.eval_num_prompts >= 0 and self.n_samples_per_eval_prompt >= 1,
+                 f"--eval-num-prompts must be >= 0 and --n-samples-per-eval-prompt >= 1 "
+                 f"(got {self.eval_num_prompts}, {self.n_samples_per_eval_prompt})")
+        _require(self.eval_num_steps is None or self.eval_num_steps >= 1,
+                 f"--eval-num-steps must be >= 1, got {self.eval_num_steps}")
+
+
+@dataclass
+class CheckpointConfig:
+    output_dir: Path | None = None
+    """Run folder; default runs/<recipe or loss type>-<date-time>."""
+    resume: bool = False
+    """Continue the run in --output-dir from its last checkpoint."""
+    checkpoint_interval: int = 4
+    time_budget_minutes: float | None = None
+    """Stop after the rollout that passes this wall-clock budget (then the final eval and checkpoint)."""
+
+    def check(self) -> None:
+        _require(self.checkpoint_interval >= 1, "--checkpoint-interval must be >= 1")
+        _require(not self.resume or self.output_dir is not None, "--resume needs the --output-dir of the run to continue")
+
+
+@dataclass
+class PlacementConfig:
+    device: str = "auto"
     ray_engines: int = 0
     """Place this many engines and the trainer as Ray actors in one placement group (0 and one
     trainer rank: no Ray)."""
@@ -128,54 +271,95 @@ class TrainConfig:
     each) instead of the trainers' processes; microgroups go to them in turn."""
     ray_placement_timeout_s: float = 120.0
     """How long to wait for Ray to place every bundle before giving up with the cluster's resources."""
-    rollout_seed: int = 0
-    diffusion_num_steps: int = 10
-    diffusion_guidance_scale: float = 1.0
-    diffusion_noise_level: float = 0.7
-    diffusion_sde_type: Literal["sde", "cps"] = "sde"
-    diffusion_sde_window_range: tuple[int, int] | None = None
-    """SDE steps are a window of --diffusion-num-sde-steps steps inside [lo, hi) (default: all steps)."""
 
-    def sde_window_range(self) -> tuple[int, int]:
-        return self.diffusion_sde_window_range or (0, self.diffusion_num_steps)
-    diffusion_num_sde_steps: int = 2
+    def uses_ray(self) -> bool:
+        return self.ray_engines > 0 or self.ray_trainer_ranks > 1
 
-    # optimization
-    global_batch_size: int = 64
-    """Samples per optimizer step."""
-    num_steps_per_rollout: int = 1
-    micro_batch_size: int = 32
-    """Train pairs per forward/backward (gradient accumulation up to the optimizer step)."""
-    lr: float = 3e-4
-    lr_schedule: Literal["constant", "cosine"] = "constant"
-    """cosine: from --lr at the first rollout down to --lr × --lr-min-ratio at --num-rollout."""
-    lr_min_ratio: float = 0.1
-    weight_decay: float = 0.0
-    grad_clip: float = 1.0
+    def check(self) -> None:
+        _require(self.ray_trainer_ranks >= 1, f"--ray-trainer-ranks must be >= 1, got {self.ray_trainer_ranks}")
+        _require(not (self.ray_trainer_ranks > 1 and self.ray_engines),
+                 "--ray-trainer-ranks > 1 rolls out on each rank's in-process engine; with --ray-engines "
+                 "every rank would push its weights to them (use one or the other)")
+        _require(self.ray_reward_workers >= 0 and not (self.ray_reward_workers and not self.uses_ray()),
+                 "--ray-reward-workers places reward actors beside --ray-engines N (N >= 1) or "
+                 f"--ray-trainer-ranks T (T >= 2); got {self.ray_reward_workers} reward workers, "
+                 f"{self.ray_engines} engines and {self.ray_trainer_ranks} trainer ranks")
 
-    # evaluation and checkpoints
-    eval_interval: int = 4
-    """Evaluate on the held-out prompts every this many rollouts (and before the first)."""
-    eval_images_per_category: int = 8
-    """Held-out images per category (prompts × seeds, seeds balanced so small categories are not noise).
-    0: no held-out evaluation (it scores the shapes world's test prompts: a model trained on another
-    reward has nothing to gain from it)."""
-    eval_guidance_scale: float | None = None
-    """None: the rollout guidance scale."""
-    val_images_per_category: int = 0
-    """> 0: at each evaluation also score this many images per category of a fixed subset of the
-    *train* prompts (`--val-prompts-per-category` of each, seeds 20 000 + k), and keep
-    `checkpoints/best`: the weights with the highest validation strict accuracy so far. A checkpoint
-    chosen this way never looked at the test prompts (early stopping for runs that peak and fall)."""
-    val_prompts_per_category: int = 8
-    eval_num_steps: int | None = None
-    """ODE steps of the held-out evaluation; None: the rollout's --diffusion-num-steps. (Flow-GRPO and
-    DiffusionNFT roll out with few steps and evaluate with more, e.g. 10 and 40.)"""
-    checkpoint_interval: int = 4
-    time_budget_minutes: float | None = None
-    """Stop after the rollout that passes this wall-clock budget (then the final eval and checkpoint)."""
+
+_SECTIONS = {"model": ModelConfig, "rollout": RolloutSettings, "engine": EnginePoolConfig,
+             "algorithm": AlgorithmConfig, "optim": OptimConfig, "task": TaskConfig, "eval": EvalConfig,
+             "checkpoint": CheckpointConfig, "placement": PlacementConfig}
+
+
+@dataclass
+class TrainConfig:
+    recipe: str | None = None
+    """Preset applied before the other flags (see `diffrl/recipes.py`)."""
+    seed: int = 0
+    deterministic_mode: bool = False
+    """torch.use_deterministic_algorithms: slower, bit-reproducible where the hardware allows."""
+    model: ModelConfig = field(default_factory=ModelConfig)
+    rollout: RolloutSettings = field(default_factory=RolloutSettings)
+    engine: EnginePoolConfig = field(default_factory=EnginePoolConfig)
+    algorithm: AlgorithmConfig = field(default_factory=AlgorithmConfig)
+    optim: OptimConfig = field(default_factory=OptimConfig)
+    task: TaskConfig = field(default_factory=TaskConfig)
+    eval: EvalConfig = field(default_factory=EvalConfig)
+    checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
+    placement: PlacementConfig = field(default_factory=PlacementConfig)
+
+    @classmethod
+    def flat(cls, **fields) -> TrainConfig:
+        """A configuration from flat field names (the flags' names), e.g. `TrainConfig.flat(lr=1e-4)`."""
+        return cls().replace(**fields)
+
+    def replace(self, **fields) -> TrainConfig:
+        """A copy with fields changed by their flat names; an unknown name is refused."""
+        top = {k: fields.pop(k) for k in list(fields) if k in ("recipe", "seed", "deterministic_mode")}
+        sections = {}
+        for name, kind in _SECTIONS.items():
+            own = {k: fields.pop(k) for k in list(fields) if k in _FIELDS_OF[name]}
+            if own:
+                sections[name] = dataclasses.replace(getattr(self, name), **own)
+        if fields:
+            raise ValueError(f"unknown training setting(s): {', '.join(sorted(fields))}")
+        return dataclasses.replace(self, **top, **sections)
+
+    def check(self) -> None:
+        """Refuse contradictory settings up front, naming the flags."""
+        from diffrl.rollout.layout import check_batch_invariant
+
+        for name in _SECTIONS:
+            getattr(self, name).check()
+        r, o, a = self.rollout, self.optim, self.algorithm
+        check_batch_invariant(r.rollout_batch_size, r.n_samples_per_prompt, o.global_batch_size, o.num_steps_per_rollout)
+        lo, hi = r.sde_window_range() if a.loss_type == "flow_grpo" else (0, r.diffusion_num_steps)
+        _require(0 <= lo < hi <= r.diffusion_num_steps,
+                 f"--diffusion-sde-window-range {lo},{hi} must satisfy 0 <= lo < hi <= --diffusion-num-steps "
+                 f"({r.diffusion_num_steps})")
+        _require(1 <= r.diffusion_num_sde_steps <= hi - lo,
+                 f"--diffusion-num-sde-steps {r.diffusion_num_sde_steps} does not fit in "
+                 f"--diffusion-sde-window-range {lo},{hi}")
+        _require(a.loss_type != "nft" or int(r.diffusion_num_steps * a.nft_timestep_fraction) >= 1,
+                 f"--nft-timestep-fraction {a.nft_timestep_fraction} keeps no timestep of "
+                 f"--diffusion-num-steps {r.diffusion_num_steps}")
+
+    def uses_ray(self) -> bool:
+        return self.placement.uses_ray()
+
+    def as_flat_dict(self) -> dict:
+        """Every setting by its flat name (what `config.json` of a run holds, beside the tree)."""
+        out = {"recipe": self.recipe, "seed": self.seed, "deterministic_mode": self.deterministic_mode}
+        for name in _SECTIONS:
+            out.update(dataclasses.asdict(getattr(self, name)))
+        return out
+
+
+_FIELDS_OF = {name: {f.name for f in dataclasses.fields(kind)} for name, kind in _SECTIONS.items()}
+_all = [f for fields in _FIELDS_OF.values() for f in fields] + ["recipe", "seed", "deterministic_mode"]
+assert len(_all) == len(set(_all)), "flag names must be unique across the configuration tree"
 
 
 def uses_ray(cfg: TrainConfig) -> bool:
     """Whether the run is placed through Ray (engines or several trainer ranks as actors)."""
-    return cfg.ray_engines > 0 or cfg.ray_trainer_ranks > 1
+    return cfg.uses_ray()

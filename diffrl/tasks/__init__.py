@@ -1,0 +1,25 @@
+"""Tasks: where a run's prompts come from and how its model is judged (DESIGN §1).
+
+The trainer asks its task for each rollout's prompts (`draw`), tells it the rewards they earned
+(`observe`), and asks it to evaluate the engine's model (`evaluate`); it knows nothing else about
+them. `shapes` is the zero-configuration demo world (exact verifier, GenEval categories);
+`prompt_set` is a user's prompt dataset judged by any reward on its held-out split.
+"""
+
+from __future__ import annotations
+
+from diffrl.tasks.base import EvalOutcome, EvalSettings, Task
+
+__all__ = ["EvalOutcome", "EvalSettings", "Task", "build_task"]
+
+
+def build_task(cfg) -> Task:
+    """The task a `TrainConfig` asks for: a prompt dataset with `--prompt-data`, else the shapes world."""
+    settings = EvalSettings.from_config(cfg)
+    if cfg.task.prompt_data is not None:
+        from diffrl.tasks.prompt_set import PromptSetTask
+
+        return PromptSetTask(cfg.task, cfg.eval, settings, seed=cfg.seed)
+    from diffrl.tasks.shapes import ShapesTask
+
+    return ShapesTask(cfg.task, cfg.eval, settings, seed=cfg.seed)

@@ -1,0 +1,65 @@
+"""The task seam: what the training loop asks of a source of prompts and a way of judging a model."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from typing import Protocol
+
+import torch
+
+from diffrl.data.prompts import PromptRecord
+
+
+@dataclass(frozen=True)
+class EvalSettings:
+    """How held-out images are sampled: ODE at fixed seeds, the rollout's size and CFG unless overridden."""
+
+    num_steps: int
+    guidance_scale: float
+    resolution: int | None = None
+    num_frames: int | None = None
+    negative_prompt: str = ""
+
+    @classmethod
+    def from_config(cls, cfg) -> EvalSettings:
+        e, r = cfg.eval, cfg.rollout
+        return cls(num_steps=e.eval_num_steps or r.diffusion_num_steps,
+                   guidance_scale=e.eval_guidance_scale if e.eval_guidance_scale is not None
+                   else r.diffusion_guidance_scale,
+                   resolution=cfg.model.resolution, num_frames=cfg.model.num_frames,
+                   negative_prompt=r.negative_prompt)
+
+
+@dataclass
+class EvalOutcome:
+    metrics: dict[str, float] = field(default_factory=dict)
+    """Logged as they are (`eval/…` on held-out prompts, `val/…` on a validation subset)."""
+    images: torch.Tensor | None = None
+    """A few evaluated images (first ones, [N, C, H, W] in [0, 1]) for TensorBoard."""
+    captions: list[str] = field(default_factory=list)
+
+
+class Task(Protocol):
+    name: str
+    selection_metric: str | None
+    """A metric of `evaluate` that picks `checkpoints/best` (higher is better), or None. It must not
+    come from the held-out prompts."""
+    evaluates: bool
+    """Whether `evaluate` does anything (a run with no evaluation swaps no weights for it)."""
+
+    def draw(self, k: int, batch: int) -> list[PromptRecord]:
+        """Rollout k's `batch` prompts (one per group), with the metadata the reward sees."""
+
+    def observe(self, prompts: Sequence[PromptRecord], group_rewards: Sequence[Sequence[float]]) -> dict[str, float]:
+        """Fold one rollout's rewards in; returns metrics to log (`rollout/…`)."""
+
+    def evaluate(self, family, k: int, out_dir) -> EvalOutcome:
+        """Judge the model the engine's `family` holds now; files go under `out_dir` (the run's eval/)."""
+
+    def state_dict(self) -> dict: ...
+
+    def load_state_dict(self, state: dict) -> None: ...
+
+    def check_family(self, family) -> None:
+        """Refuse, up front, a family this task cannot evaluate (e.g. video for an image verifier)."""

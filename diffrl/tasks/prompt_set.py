@@ -1,0 +1,72 @@
+"""A user's prompt dataset as a task: training prompts from `--prompt-data`, judged by a reward.
+
+Training prompts are walked through `PromptStream` (shuffled per epoch from the run seed; its
+position is checkpointed, so `--resume` continues with the very next prompt). Evaluation samples
+the first `--eval-num-prompts` held-out prompts (`--eval-prompt-data`, or the test split of a
+`--prompt-data` directory) at fixed seeds with ODE and reports the mean of each reward component
+(`eval/reward`, `eval/reward/<name>`), writing every image with its prompt, seed and scores.
+"""
+
+from __future__ import annotations
+
+from collections import defaultdict
+from collections.abc import Sequence
+
+import numpy as np
+
+from diffrl.data.prompts import PromptRecord, PromptStream, load_prompts
+from diffrl.evaluation.sampling import TEST_SEED
+from diffrl.tasks.base import EvalOutcome, EvalSettings
+
+# Metadata keys that name a prompt's kind (GenEval's `tag`); rewards are also logged per kind.
+KIND_KEYS = ("tag", "category")
+
+
+class PromptSetTask:
+    name = "prompt_set"
+    selection_metric = None  # the only evaluation is on held-out prompts, which must not pick checkpoints
+
+    def __init__(self, task_cfg, eval_cfg, settings: EvalSettings, seed: int = 0):
+        path = task_cfg.prompt_data
+        self.train = PromptStream(load_prompts(path, "train", task_cfg.input_key), seed=seed)
+        self.eval_cfg, self.settings = eval_cfg, settings
+        self.reward, self.reward_device = task_cfg.reward, task_cfg.reward_device
+        held_out = task_cfg.eval_prompt_data
+        if held_out is None and not path.is_dir():
+            self.eval_records = []  # a single training file has no held-out split
+        else:
+            self.eval_records = load_prompts(held_out or path, "test", task_cfg.input_key)[: eval_cfg.eval_num_prompts]
+        self.evaluates = bool(self.eval_records)
+
+    def check_family(self, family) -> None:
+        pass  # rewards score video as the mean over its frames
+
+    def draw(self, k: int, batch: int) -> list[PromptRecord]:
+        return self.train.take(batch)
+
+    def observe(self, prompts: Sequence[PromptRecord], group_rewards) -> dict[str, float]:
+        by_kind: dict[str, list[float]] = defaultdict(list)
+        for record, rewards in zip(prompts, group_rewards, strict=True):
+            kind = next((record.metadata[k] for k in KIND_KEYS if isinstance(record.metadata.get(k), str)), None)
+            if kind is not None:
+                by_kind[kind].extend(float(r) for r in rewards)
+        return {f"rollout/reward/{kind}": float(np.mean(rs)) for kind, rs in by_kind.items()}
+
+    def evaluate(self, family, k: int, out_dir) -> EvalOutcome:
+        from diffrl.evaluation.reward_eval import evaluate_with_reward
+
+        s = self.settings
+        result = evaluate_with_reward(
+            family, self.eval_records, self.reward, seeds_per_prompt=self.eval_cfg.n_samples_per_eval_prompt,
+            seed=TEST_SEED, num_steps=s.num_steps, guidance_scale=s.guidance_scale, resolution=s.resolution,
+            num_frames=s.num_frames, out_dir=out_dir / f"rollout-{k:05d}", reward_device=self.reward_device)
+        shown = min(self.eval_cfg.eval_log_images, len(result.rows))
+        return EvalOutcome(metrics=dict(result.summary), images=result.images[:shown],
+                           captions=[f"{row['reward']:.3f} {row['prompt']}" for row in result.rows[:shown]])
+
+    def state_dict(self) -> dict:
+        return {"prompt_stream": self.train.state_dict()}
+
+    def load_state_dict(self, state: dict) -> None:
+        if "prompt_stream" in state:
+            self.train.load_state_dict(state["prompt_stream"])

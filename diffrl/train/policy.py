@@ -1,0 +1,149 @@
+"""The policy: the trained transformer and everything that moves with its weights.
+
+It owns the trained parameters (LoRA adapter or the full transformer, fp32 masters), the optimizer,
+the EMAs (DiffusionNFT's old policy; `--use-ema`'s evaluation weights), the KL reference, and the
+weight sync to the engines that sample from it. The training loop asks it for an optimizer step,
+for the reference model inside a block, and for the engines to hold given weights inside a block.
+
+Engines: the in-process engine of a one-process run shares the trained module (every update is live
+for it; an EMA is swapped in for a block). Under torchrun the trainer's copy is sharded with FSDP2
+and the engine samples from a full copy refreshed from the shards; remote engines (`--engine-urls`,
+Ray actors) get the trained tensors pushed.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import copy
+import os
+from collections.abc import Sequence
+
+import torch
+
+from diffrl.models.compile import compile_blocks
+from diffrl.models.lora import LoraSpec, add_lora
+from diffrl.train.ema import ParameterEMA
+from diffrl.train.parallel import Parallel, full_tensor, shard_transformer
+
+
+class Policy:
+    def __init__(self, cfg, family, parallel: Parallel, device: torch.device):
+        m, a, o = cfg.model, cfg.algorithm, cfg.optim
+        self.family, self.parallel, self.device = family, parallel, device
+        self.use_lora, self.kl_reference = m.use_lora, a.kl_reference
+        transformer = family.transformer
+        bf16 = m.mixed_precision == "bf16" or (m.mixed_precision == "auto" and device.type == "cuda")
+        family.autocast_dtype = torch.bfloat16 if bf16 else None  # the engine shares the family
+        if m.gradient_checkpointing:
+            transformer.enable_gradient_checkpointing()  # active only when gradients are (training)
+        targets = list(m.lora_target_modules or family.lora_target_modules)
+        self.lora = LoraSpec(rank=m.lora_rank, alpha=m.lora_alpha, target_modules=targets) if m.use_lora else None
+        if self.lora is not None:
+            add_lora(transformer, self.lora)
+            if not any("lora_" in n for n, _ in transformer.named_parameters()):
+                raise ValueError(f"--lora-target-modules {', '.join(targets)}: no module of the {family.name} "
+                                 "transformer matches")
+        # The engine's family: the trained one itself in one process; under torchrun a full copy whose
+        # weights are synced from the shards before each rollout and evaluation.
+        self.engine_family = copy.deepcopy(family) if parallel.enabled else family
+        if m.compile:  # after LoRA (it replaces layers inside the blocks), before FSDP2 shards them
+            for f in {id(f): f for f in (family, self.engine_family)}.values():
+                compile_blocks(f.transformer, f.block_lists, eager_numerics=m.compile_eager_numerics)
+        if parallel.enabled:
+            shard_transformer(transformer, family.block_lists, parallel.mesh)
+        # Trained, and what other engines receive after each update (LoRA: only the adapter's tensors).
+        trainable = {n: p for n, p in transformer.named_parameters() if not m.use_lora or "lora_" in n}
+        self.trainable_names, self.params = list(trainable), list(trainable.values())
+        for p in self.params:
+            p.requires_grad_(True)
+        self.optimizer = torch.optim.AdamW(self.params, lr=o.lr, weight_decay=o.weight_decay,
+                                           betas=(o.adam_beta1, o.adam_beta2))
+        # self.ema: DiffusionNFT's old policy θ_old, or GRPO's --use-ema. self.eval_ema: what evaluation,
+        # checkpoints/best and the saved model use with --use-ema (for NFT a second EMA, updated per
+        # optimizer step with --ema-decay: the old policy follows its own schedule for sampling).
+        nft = a.loss_type == "nft"
+        self.ema = ParameterEMA(self.params) if (a.use_ema or nft) else None
+        self.eval_ema = (ParameterEMA(self.params) if nft else self.ema) if a.use_ema else None
+        # The KL anchor of a full finetune: the starting weights, taken before any resume loads later
+        # ones (an EMA that is never updated). LoRA gets it by disabling the adapter.
+        self.base_weights = (ParameterEMA(self.params) if a.diffusion_kl_beta > 0 and a.kl_reference == "base"
+                             and not m.use_lora else None)
+        self.local_engine = None  # the in-process engine, whose outputs carry the weight version
+        self.remote_engines: list = []
+        self.engine_token = cfg.engine.engine_token or os.environ.get("DIFFRL_ENGINE_TOKEN")
+        self.weight_version = 0
+
+    @property
+    def transformer(self) -> torch.nn.Module:
+        return self.family.transformer
+
+    # ------------------------------------------------------------------ engines
+    def attach_remote_engines(self, clients: Sequence) -> None:
+        """Engines elsewhere join the sync; with LoRA they host the adapter unmerged and get only its tensors."""
+        self.remote_engines = list(clients)
+        if self.lora is not None:
+            for client in self.remote_engines:
+                client.add_lora_adapter(self.lora, self.engine_token)
+
+    @contextlib.contextmanager
+    def engine_weights(self, ema: ParameterEMA | None):
+        """The engines sample with an EMA (NFT's old policy; evaluation with --use-ema) or, given None,
+        the current weights, inside the block. Every rank calls this."""
+        with ema.swapped_in() if ema is not None else contextlib.nullcontext():
+            self._send_weights_to_engines()
+            if self.engine_family is self.family:
+                yield  # the shared module holds the EMA only while swapped in
+                return
+        yield
+
+    @torch.no_grad()
+    def _send_weights_to_engines(self) -> None:
+        if self.local_engine is not None:
+            self.local_engine.weight_version = self.weight_version
+        if self.parallel.enabled:  # the rank's engine copy: full tensors gathered from the shards
+            engine_params = dict(self.engine_family.transformer.named_parameters())
+            for name, p in self.transformer.named_parameters():
+                engine_params[name].copy_(full_tensor(p.detach()))
+        if self.remote_engines:
+            tensors = {name: p.detach() for name, p in zip(self.trainable_names, self.params, strict=True)}
+            for client in self.remote_engines:
+                client.push_weights(tensors, self.weight_version, self.engine_token)
+
+    # ------------------------------------------------------------------ optimization
+    def set_lr(self, lr: float) -> None:
+        for group in self.optimizer.param_groups:
+            group["lr"] = lr
+
+    def step(self, grad_clip: float, ema_decay: float) -> float | None:
+        """Clip, step and bump the weight version; None (and no step) when the gradient is not finite."""
+        grad_norm = full_tensor(torch.nn.utils.clip_grad_norm_(self.params, grad_clip))
+        if not torch.isfinite(grad_norm):
+            self.optimizer.zero_grad(set_to_none=True)
+            return None
+        self.optimizer.step()
+        self.weight_version += 1
+        if self.eval_ema is not None:
+            self.eval_ema.update(ema_decay)
+        return float(grad_norm)
+
+    @contextlib.contextmanager
+    def reference(self):
+        """The KL reference (--kl-reference) in place of the trained weights inside the block: the base
+        model (LoRA disabled, or the starting weights swapped in) or the EMA."""
+        if self.kl_reference == "ema":
+            with self.ema.swapped_in():
+                yield
+        elif self.use_lora:
+            self.transformer.disable_adapters()
+            try:
+                yield
+            finally:
+                self.transformer.enable_adapters()
+        else:
+            with self.base_weights.swapped_in():
+                yield
+
+    def emas(self) -> dict[str, ParameterEMA]:
+        """The EMAs a checkpoint saves and a resume restores, by name."""
+        emas = {"ema": self.ema, "eval_ema": self.eval_ema if self.eval_ema is not self.ema else None}
+        return {name: ema for name, ema in emas.items() if ema is not None}

@@ -1,0 +1,134 @@
+"""Training on a user's prompt set: the task seam, metadata to the reward, evaluation by the reward,
+resume at the exact dataset position, and the CLI spellings of the published recipes."""
+
+import json
+
+import pytest
+import torch
+
+from diffrl.cli.main import main as cli_main
+from diffrl.cli.main import parse
+from test_trainer import tiny_config
+
+from diffrl.train.trainer import Trainer
+
+PROMPTS = [f"a photo of object {i}" for i in range(7)]
+
+
+def _records(out):
+    return [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+
+
+@pytest.fixture
+def prompt_dir(tmp_path):
+    """Flow-GRPO's layout with metadata: train_metadata.jsonl / test_metadata.jsonl, prompt under `input`."""
+    d = tmp_path / "prompts"
+    d.mkdir()
+    (d / "train_metadata.jsonl").write_text("".join(json.dumps({"input": p, "value": i / 10}) + "\n"
+                                                    for i, p in enumerate(PROMPTS)))
+    (d / "test_metadata.jsonl").write_text("".join(json.dumps({"input": f"held out {i}", "value": 1 + i}) + "\n"
+                                                   for i in range(3)))
+    return d
+
+
+def test_jsonl_metadata_reaches_the_reward_and_evaluation_scores_the_test_split(tiny_model_dir, tmp_path, prompt_dir):
+    out = tmp_path / "run"
+    trainer = Trainer(tiny_config(tiny_model_dir, out, prompt_data=prompt_dir, input_key="input",
+                                  reward="rewards_for_tests:from_metadata", eval_num_prompts=2,
+                                  n_samples_per_eval_prompt=2, loss_type="nft"))
+    assert trainer.task.name == "prompt_set"
+    record = trainer.rollout_and_update(0)
+    drawn = trainer.task.train.state_dict()
+    assert drawn["position"] == 2  # two groups drew two prompts
+    # The reward is each prompt's metadata `value`: the rollout mean is the mean over the drawn prompts.
+    values = {p: i / 10 for i, p in enumerate(PROMPTS)}
+    order = trainer.task.train._order(0)[:2]
+    assert record["rollout/reward/raw_mean"] == pytest.approx(sum(values[PROMPTS[i]] for i in order) / 2)
+    evaluated = trainer.evaluate(1)
+    # First 2 test prompts × 2 seeds, scored by the same reward: values 1 and 2.
+    assert evaluated["eval/reward"] == pytest.approx(1.5)
+    rows = [json.loads(line) for line in (out / "eval" / "rollout-00001" / "records.jsonl").read_text().splitlines()]
+    assert [r["prompt"] for r in rows] == ["held out 0", "held out 0", "held out 1", "held out 1"]
+    assert [r["seed"] for r in rows] == [10_000, 10_001, 10_002, 10_003]
+    assert all((out / "eval" / "rollout-00001" / r["file"]).is_file() for r in rows)
+
+
+def test_resume_continues_the_prompt_order_exactly(tiny_model_dir, tmp_path, prompt_dir):
+    """3 rollouts of 2 prompts walk 6 of 7 prompts; killed after 2 rollouts and resumed, the run draws
+    the same prompts (the reward reads them) and the same losses as the uninterrupted one."""
+    flags = dict(prompt_data=prompt_dir, input_key="input", reward="rewards_for_tests:from_metadata",
+                 eval_num_prompts=1, eval_interval=10, loss_type="nft")
+    straight, split = tmp_path / "straight", tmp_path / "split"
+    Trainer(tiny_config(tiny_model_dir, straight, num_rollout=4, **flags)).train()
+    Trainer(tiny_config(tiny_model_dir, split, num_rollout=2, checkpoint_interval=2, **flags)).train()
+    resumed = Trainer(tiny_config(tiny_model_dir, split, num_rollout=4, resume=True, **flags))
+    assert resumed.task.train.state_dict() == {"epoch": 0, "position": 4, "size": 7}
+    resumed.train()
+    a = [r for r in _records(straight) if "rollout/reward/raw_mean" in r]
+    b = [r for r in _records(split) if "rollout/reward/raw_mean" in r]
+    assert [r["rollout/reward/raw_mean"] for r in a] == [r["rollout/reward/raw_mean"] for r in b]
+    assert [r["train/loss"] for r in a] == pytest.approx([r["train/loss"] for r in b], rel=1e-6)
+    assert resumed.task.train.state_dict()["epoch"] == 1  # 8 draws of 7 prompts crossed into a new order
+
+
+def test_a_real_family_trains_on_a_txt_file_with_the_ocr_reward(tmp_path):
+    """The issue's first failure: an SD3 checkpoint, a .txt prompt file and the ocr reward."""
+    pytest.importorskip("rapidocr_onnxruntime")
+    from diffrl.models.sd3 import save_random_checkpoint
+
+    sd3_dir = save_random_checkpoint(tmp_path / "sd3-tiny", with_t5=False)
+    prompts = tmp_path / "train.txt"
+    prompts.write_text('a sign that says "OPEN"\na mug printed with "diffrl"\n')
+    out = tmp_path / "run"
+    code = cli_main(["train", "--recipe", "sd35-grpo-ocr", "--model-path", str(sd3_dir), "--prompt-data", str(prompts),
+                     "--output-dir", str(out), "--num-rollout", "2", "--rollout-batch-size", "1",
+                     "--n-samples-per-prompt", "2", "--rollout-microgroup-size", "2", "--global-batch-size", "2",
+                     "--resolution", "32", "--diffusion-num-steps", "2", "--diffusion-sde-window-range", "0,2",
+                     "--diffusion-num-sde-steps", "1", "--micro-batch-size", "2", "--device", "cpu"])
+    assert code == 0
+    records = [r for r in _records(out) if "rollout/reward/raw_mean" in r]
+    assert len(records) == 2 and all(0.0 <= r["rollout/reward/raw_mean"] <= 1.0 for r in records)
+    assert (out / "checkpoints" / "rollout-00002" / "lora" / "adapter_model.safetensors").is_file()
+
+
+def test_the_demo_recipe_trains_on_a_prompt_file_with_any_reward(tmp_path):
+    """`--recipe shapes-nft --prompt-data train.txt --eval-prompt-data test.txt --reward jpeg_compressibility`
+    keeps the recipe's other settings and evaluates that reward on test.txt."""
+    (tmp_path / "train.txt").write_text("a red circle\ntwo blue squares\n")
+    (tmp_path / "test.txt").write_text("a green triangle\n")
+    args = ["train", "--recipe", "shapes-nft", "--device", "cpu", "--prompt-data", str(tmp_path / "train.txt"),
+            "--eval-prompt-data", str(tmp_path / "test.txt"), "--reward", "jpeg_compressibility"]
+    cfg = parse(args)
+    assert cfg.algorithm.loss_type == "nft" and cfg.rollout.diffusion_num_steps == 4 and cfg.optim.lr == 1e-4
+    out = tmp_path / "run"
+    small = ["--num-rollout", "1", "--rollout-batch-size", "2", "--n-samples-per-prompt", "2",
+             "--rollout-microgroup-size", "2", "--global-batch-size", "4", "--micro-batch-size", "12",
+             "--output-dir", str(out)]
+    assert cli_main(args + small) == 0
+    records = _records(out)
+    assert "eval/reward" in records[0] and "eval/reward" in records[-1] and "eval/strict" not in records[-1]
+    rows = [json.loads(line) for line in (out / "eval" / "rollout-00001" / "records.jsonl").read_text().splitlines()]
+    assert [r["prompt"] for r in rows] == ["a green triangle"]
+    assert records[-1]["eval/reward"] == pytest.approx(rows[0]["reward"]) and rows[0]["reward"] < 0  # −kB of the JPEG
+    assert (out / "eval" / "rollout-00001" / "grid.png").is_file()
+
+
+def test_published_flag_spellings_are_accepted():
+    cfg = parse(["train", "--diffusion-sde-window-range", "3,5", "--diffusion-microgroup-size", "4",
+                 "--eval-prompt-data", "pickscore_test", "/data/test.jsonl", "--prompt-data", "/data/train.jsonl",
+                 "--diffusion-eval-num-steps", "50", "--clip-grad", "0.5"])
+    assert cfg.rollout.diffusion_sde_window_range == (3, 5) and cfg.rollout.rollout_microgroup_size == 4
+    assert str(cfg.task.eval_prompt_data) == "/data/test.jsonl" and cfg.eval.eval_num_steps == 50
+    assert cfg.optim.grad_clip == 0.5
+    assert parse(["train", "--diffusion-sde-window-range=1,3"]).rollout.diffusion_sde_window_range == (1, 3)
+
+
+def test_prompt_set_flags_are_checked_up_front(tmp_path, tiny_model_dir):
+    with pytest.raises(ValueError, match="--eval-prompt-data needs --prompt-data"):
+        Trainer(tiny_config(tiny_model_dir, tmp_path / "a", eval_prompt_data=tmp_path / "t.txt"))
+    with pytest.raises(FileNotFoundError, match="no such file"):
+        Trainer(tiny_config(tiny_model_dir, tmp_path / "b", prompt_data=tmp_path / "missing.txt"))
+    assert cli_main(["train", "--prompt-data", str(tmp_path / "missing.txt"), "--output-dir", str(tmp_path / "c")]) == 2
+    (tmp_path / "p.txt").write_text("x\n")
+    with pytest.raises(ValueError, match="--train-categories"):
+        Trainer(tiny_config(tiny_model_dir, tmp_path / "d", prompt_data=tmp_path / "p.txt", train_categories=("colors",)))

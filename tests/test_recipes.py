@@ -1,0 +1,60 @@
+"""Every recipe resolves to the published settings it cites, satisfies the batch invariant, and yields
+to flags given after it."""
+
+import pytest
+
+from diffrl.cli.main import parse
+from diffrl.recipes import recipe_config, recipe_names
+
+# recipe → (family, loss, LoRA rank/alpha or None for a full finetune, resolution, steps, CFG,
+#           SDE window and steps (GRPO), prompts × samples, optimizer steps per rollout, microgroup, reward)
+TABLE = {
+    "flux3-klein-nft-pickscore": ("flux3_image", "nft", (32, 64.0), 1024, 16, 1.0, None, (8, 8), 1, 8, "pickscore"),
+    "flux3-klein-grpo-hps": ("flux3_image", "flow_grpo", None, 1024, 10, 3.5, ((1, 3), 1), (16, 16), 2, 16, "hpsv2"),
+    "qwen-image-grpo-pickscore": ("qwen_image", "flow_grpo", (64, 128.0), 512, 10, 4.0, ((3, 5), 2), (32, 16), 2, 8,
+                                  "pickscore"),
+    "sd35-grpo-ocr": ("sd3", "flow_grpo", (32, 64.0), 512, 10, 4.5, ((0, 9), 9), (4, 16), 1, 8, "ocr"),
+    "sd35-grpo-pickscore": ("sd3", "flow_grpo", (32, 64.0), 512, 10, 4.5, ((0, 9), 9), (4, 16), 1, 8, "pickscore"),
+}
+
+
+@pytest.mark.parametrize("name", sorted(TABLE))
+def test_recipe_has_the_published_settings(name):
+    family, loss, lora, res, steps, cfg_scale, sde, batch, opt_steps, micro, reward = TABLE[name]
+    for device in ("cpu", "cuda"):  # a real checkpoint's recipe has one size
+        cfg = recipe_config(name, device)
+        cfg.check()
+        m, r, a, o = cfg.model, cfg.rollout, cfg.algorithm, cfg.optim
+        assert (m.diffusion_model_family, a.loss_type, m.resolution) == (family, loss, res)
+        assert (m.lora_rank, m.lora_alpha) == lora if lora else not m.use_lora
+        assert (r.diffusion_num_steps, r.diffusion_guidance_scale) == (steps, cfg_scale)
+        if sde:
+            assert (r.diffusion_sde_window_range, r.diffusion_num_sde_steps) == sde
+        assert (r.rollout_batch_size, r.n_samples_per_prompt) == batch
+        assert (o.num_steps_per_rollout, r.rollout_microgroup_size, cfg.task.reward) == (opt_steps, micro, reward)
+
+
+def test_recipe_details_the_table_names():
+    qwen = recipe_config("qwen-image-grpo-pickscore")
+    assert qwen.algorithm.globalize_reward_std and not qwen.algorithm.globalize_reward_mean  # per-prompt mean, batch std
+    assert qwen.optim.adam_beta2 == 0.999 and qwen.optim.global_batch_size == 256
+    assert {"img_mlp.net.0.proj", "txt_mlp.net.2", "attn.to_q"} <= set(qwen.model.lora_target_modules)
+    grpo_hps = recipe_config("flux3-klein-grpo-hps")
+    assert grpo_hps.optim.lr == 1e-5 and grpo_hps.model.mixed_precision == "bf16" and grpo_hps.algorithm.diffusion_kl_beta == 0
+    assert grpo_hps.rollout.num_rollout == 200 and grpo_hps.rollout.diffusion_noise_level == 0.7
+    nft = recipe_config("flux3-klein-nft-pickscore")
+    assert nft.optim.lr == 3e-4 and nft.model.gradient_checkpointing and nft.algorithm.nft_rollout_guidance_scale == 1.0
+
+
+def test_flags_after_a_recipe_override_it():
+    cfg = parse(["train", "--recipe", "qwen-image-grpo-pickscore", "--reward", "pickscore@/m/PickScore_v1",
+                 "--lora-target-modules", "attn.to_q", "attn.to_v", "--n-samples-per-prompt", "8",
+                 "--global-batch-size", "128"])
+    assert cfg.task.reward == "pickscore@/m/PickScore_v1" and cfg.model.lora_target_modules == ("attn.to_q", "attn.to_v")
+    assert cfg.rollout.n_samples_per_prompt == 8 and cfg.rollout.diffusion_num_steps == 10
+    cfg.check()
+
+
+def test_every_recipe_name_resolves():
+    for name in recipe_names():
+        recipe_config(name, "cpu").check()
