@@ -1,6 +1,7 @@
 """The training loop on a tiny random model: on-policy exactness, NFT, config checks, resume."""
 
 import json
+import math
 
 import pytest
 import torch
@@ -349,3 +350,22 @@ def test_held_out_evaluation_can_be_turned_off(tiny_model_dir, tmp_path, capsys)
     assert (out / "checkpoints" / "rollout-00001").is_dir()
     with pytest.raises(ValueError, match="--eval-images-per-category must be >= 0"):
         validate_config(tiny_config(tiny_model_dir, tmp_path / "bad", eval_images_per_category=-1))
+
+
+@pytest.mark.parametrize("use_lora", [True, False])
+def test_bf16_forward_keeps_frozen_weights_in_bf16_and_trained_ones_in_fp32(tiny_model_dir, tmp_path, use_lora):
+    """Real-size memory: with bf16 forwards the LoRA base, text encoder and the KL reference are bf16;
+    what the optimizer updates (the adapter, or the whole transformer) stays fp32."""
+    trainer = Trainer(tiny_config(tiny_model_dir, tmp_path / "run", use_lora=use_lora, mixed_precision="bf16",
+                                  diffusion_kl_beta=0.1))
+    policy = trainer.policy
+    assert {p.dtype for p in policy.params} == {torch.float32}
+    frozen = [p for n, p in policy.transformer.named_parameters() if "lora_" not in n]
+    bf16_share = sum(p.numel() for p in frozen if p.dtype == torch.bfloat16) / sum(p.numel() for p in frozen)
+    # A LoRA's base in bf16 (a family may keep a few small norms in fp32); a full finetune's weights fp32.
+    assert bf16_share > 0.95 if use_lora else bf16_share == 0
+    assert {p.dtype for p in policy.family.text_encoder.parameters()} == {torch.bfloat16}
+    if not use_lora:
+        assert {s.dtype for s in policy.base_weights.shadow} == {torch.bfloat16}
+    record = trainer.rollout_and_update(0)
+    assert math.isfinite(record["train/loss"]) and record["train/grad_norm"] > 0

@@ -200,7 +200,7 @@ class DemoFamily(FamilyAdapter):
             read_weights(encoder_dir / "model.safetensors")  # names the file when it is missing or corrupt
             # from_pretrained restores the tied input embedding that save_pretrained leaves out.
             text_encoder = T5EncoderModel.from_pretrained(str(encoder_dir), local_files_only=True)
-            text_encoder.to(device=device).eval().requires_grad_(False)
+            text_encoder.to(device=device, dtype=dtype).eval().requires_grad_(False)
         return cls(config, transformer, text_encoder, tokenizer, batch_invariant=batch_invariant)
 
     # ---------------------------------------------------------------- the family's conventions

@@ -28,6 +28,11 @@ def add_lora(transformer: torch.nn.Module, spec: LoraSpec) -> None:
 
     transformer.add_adapter(LoraConfig(r=spec.rank, lora_alpha=spec.alpha, init_lora_weights="gaussian",
                                        target_modules=list(spec.target_modules)))
+    # The adapter is trained: fp32 masters even on a bf16 base (peft creates it in the base's dtype and
+    # casts its input to the adapter's dtype, so the two mix).
+    for name, param in transformer.named_parameters():
+        if "lora_" in name and param.dtype != torch.float32:
+            param.data = param.data.float()
 
 
 def current_lora(transformer: torch.nn.Module) -> LoraSpec | None:

@@ -19,9 +19,10 @@ def _local(t: torch.Tensor) -> torch.Tensor:
 class ParameterEMA:
     """Kept per rank on the parameters' local shards when the model is sharded (elementwise math)."""
 
-    def __init__(self, params: Iterable[torch.nn.Parameter]):
+    def __init__(self, params: Iterable[torch.nn.Parameter], dtype: torch.dtype | None = None):
+        """`dtype`: the shadow's (default the parameters'); a frozen copy may be kept in bf16."""
         self.params = list(params)
-        self.shadow = [_local(p.detach()).clone() for p in self.params]
+        self.shadow = [_local(p.detach()).to(dtype=dtype, copy=True) for p in self.params]
 
     @torch.no_grad()
     def update(self, decay: float) -> None:

@@ -26,14 +26,30 @@ from diffrl.train.ema import ParameterEMA
 from diffrl.train.parallel import Parallel, full_tensor, shard_transformer
 
 
+def bf16_forward(model_cfg, device: torch.device) -> bool:
+    """Whether transformer forwards run in bf16 (--mixed-precision; auto = on CUDA). Frozen weights (a LoRA's
+    base, text encoders, VAE, a KL reference) are then kept in bf16 too: they are only ever read at bf16."""
+    return model_cfg.mixed_precision == "bf16" or (model_cfg.mixed_precision == "auto" and device.type == "cuda")
+
+
+def twin_with_own_transformer(family):
+    """A second view of the family whose transformer is its own copy (the engine's full weights under FSDP2)
+    while the frozen parts (text encoders, VAE, tokenizers) stay shared: one copy of them per process."""
+    twin = copy.copy(family)
+    twin.transformer = copy.deepcopy(family.transformer)
+    return twin
+
+
 class Policy:
     def __init__(self, cfg, family, parallel: Parallel, device: torch.device):
         m, a, o = cfg.model, cfg.algorithm, cfg.optim
         self.family, self.parallel, self.device = family, parallel, device
         self.use_lora, self.kl_reference = m.use_lora, a.kl_reference
         transformer = family.transformer
-        bf16 = m.mixed_precision == "bf16" or (m.mixed_precision == "auto" and device.type == "cuda")
+        bf16 = bf16_forward(m, device)
         family.autocast_dtype = torch.bfloat16 if bf16 else None  # the engine shares the family
+        if not m.use_lora:
+            transformer.float()  # a full finetune trains fp32 masters (the family may load in bf16)
         if m.gradient_checkpointing:
             transformer.enable_gradient_checkpointing()  # active only when gradients are (training)
         targets = list(m.lora_target_modules or family.lora_target_modules)
@@ -45,7 +61,7 @@ class Policy:
                                  "transformer matches")
         # The engine's family: the trained one itself in one process; under torchrun a full copy whose
         # weights are synced from the shards before each rollout and evaluation.
-        self.engine_family = copy.deepcopy(family) if parallel.enabled else family
+        self.engine_family = twin_with_own_transformer(family) if parallel.enabled else family
         if m.compile:  # after LoRA (it replaces layers inside the blocks), before FSDP2 shards them
             for f in {id(f): f for f in (family, self.engine_family)}.values():
                 compile_blocks(f.transformer, f.block_lists, eager_numerics=m.compile_eager_numerics)
@@ -66,8 +82,8 @@ class Policy:
         self.eval_ema = (ParameterEMA(self.params) if nft else self.ema) if a.use_ema else None
         # The KL anchor of a full finetune: the starting weights, taken before any resume loads later
         # ones (an EMA that is never updated). LoRA gets it by disabling the adapter.
-        self.base_weights = (ParameterEMA(self.params) if a.diffusion_kl_beta > 0 and a.kl_reference == "base"
-                             and not m.use_lora else None)
+        self.base_weights = (ParameterEMA(self.params, dtype=torch.bfloat16 if bf16 else None)
+                             if a.diffusion_kl_beta > 0 and a.kl_reference == "base" and not m.use_lora else None)
         self.local_engine = None  # the in-process engine, whose outputs carry the weight version
         self.remote_engines: list = []
         self.engine_token = cfg.engine.engine_token or os.environ.get("DIFFRL_ENGINE_TOKEN")

@@ -48,7 +48,7 @@ from diffrl.train.parallel import (
     mean_over_ranks,
     rank_device,
 )
-from diffrl.train.policy import Policy
+from diffrl.train.policy import Policy, bf16_forward
 from diffrl.utils.device import resolve_device
 
 
@@ -113,8 +113,10 @@ class Trainer:
         self.task = build_task(cfg)
         reward_fn = reward_fn or self._reward_fn()
         torch.manual_seed(cfg.seed)
-        family = resolve_family(cfg.model.diffusion_model_family, cfg.model.model_path).load(cfg.model.model_path,
-                                                                                              device=self.device)
+        # bf16 forwards: load every component in bf16 (Policy upcasts what is trained to fp32 masters).
+        dtype = torch.bfloat16 if bf16_forward(cfg.model, self.device) else torch.float32
+        family = resolve_family(cfg.model.diffusion_model_family, cfg.model.model_path).load(
+            cfg.model.model_path, device=self.device, dtype=dtype)
         check_family_flags(cfg, family)
         self.task.check_family(family)
         self.policy = Policy(cfg, family, self.parallel, self.device)
@@ -126,7 +128,9 @@ class Trainer:
                              EngineConfig(max_outputs_per_request=max(64, r.rollout_microgroup_size),
                                           max_batch_outputs=e.engine_max_batch_outputs))
         self.policy.local_engine = self.engine
-        remote = [HttpEngineClient(url, max_in_flight=e.engine_concurrency) for url in e.engine_urls] + list(extra_engines)
+        # The family decodes conditioning sent in sglang's format by a server that is not diffrl's.
+        remote = [HttpEngineClient(url, max_in_flight=e.engine_concurrency, family=family.name)
+                  for url in e.engine_urls] + list(extra_engines)
         if not e.local_engine and not remote:
             raise ValueError("--no-local-engine needs engines to roll out on: --engine-urls or --ray-engines")
         self.policy.attach_remote_engines(remote)
