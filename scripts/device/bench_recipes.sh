@@ -1,0 +1,26 @@
+#!/usr/bin/env bash
+# The published recipes end to end on the lent H200 with real-size random weights (benchmarks/recipe_runs.py):
+# rollouts with the recipe's reward model, advantages, pairs, optimizer steps. Carry `.whl`.
+# JOBS: RECIPE:GROUPS items run in order (GROUPS: prompt groups per rollout, cut to fit the call's time;
+# everything else is the recipe's), ROLLOUTS (default 3). Checkpoints stay in runs/ (git-ignored) between calls
+# on a warm machine; a family's checkpoint is removed when a job of another family needs the disk (KEEP=1 keeps).
+set -uo pipefail
+bash scripts/device/install_wheels.sh || exit 1
+export PYTHONPATH=/tmp/site:$PWD PYTHONUNBUFFERED=1 OMP_NUM_THREADS=8 PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True
+nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader
+df -h . | tail -1
+quiet() { tr '\r' '\n' | grep -v "Loading\|float32\|torchvision\|^ *$\|Writing model\|^train " ; }
+for job in ${JOBS:?JOBS=recipe:groups ...}; do
+  recipe=${job%%:*}; groups=${job##*:}
+  family=$(python3 -c "from diffrl.recipes import recipe_overrides; print(recipe_overrides('$recipe', 'cuda')['diffusion_model_family'])")
+  ckpt=$PWD/runs/$family-random
+  if [[ -z ${KEEP:-} ]]; then
+    for other in runs/*-random; do [[ -d $other && $other != runs/$family-random ]] && rm -rf "$other"; done
+  fi
+  echo "== $recipe ($groups groups) $(date +%T)"
+  (cd benchmarks && python3 recipe_runs.py --recipe "$recipe" --checkpoint "$ckpt" --rollout-batch-size "$groups" \
+    --num-rollout "${ROLLOUTS:-3}" --work-dir "$PWD/../runs/recipe-bench" --out "$OUT/recipe_${recipe}.json") 2>&1 | quiet \
+    | grep -v '^ \|^[{}]' | tee -a "$OUT/log.txt"
+  nvidia-smi --query-gpu=memory.used --format=csv,noheader
+done
+echo "== done $(date +%T)"
