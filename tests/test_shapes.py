@@ -322,7 +322,7 @@ def test_bad_image_input_is_rejected():
 
 def test_noisy_background_fails_strictly_and_loses_partial_credit():
     """A reward hack seen in a long RL run: a correct scene on a background of colors the
-    detector ignores. Below the limit nothing changes; above it the image fails and fades to 0."""
+    detector ignores. A few isolated grains change nothing; a dirty background fails and fades to 0."""
     clean = render_prompt("a red circle", seed=3)
     assert verify(clean, "a red circle").strict
     rng = np.random.default_rng(0)
@@ -331,9 +331,9 @@ def test_noisy_background_fails_strictly_and_loses_partial_credit():
     grey = rng.random(clean.shape[:2]) < 0.3  # ~30% of the background grey: no palette color is near
     noisy[background & grey] = (150, 150, 150)
     verdict = verify(noisy, "a red circle")
-    assert not verdict.strict and verdict.reason.startswith("noise:") and verdict.score == 0.0
+    assert not verdict.strict and verdict.reason.startswith("background:") and verdict.score == 0.0
     light = clean.copy()
-    light[background & (rng.random(clean.shape[:2]) < 0.02)] = (150, 150, 150)
+    light[background & (rng.random(clean.shape[:2]) < 0.005)] = (150, 150, 150)  # ~20 isolated grains
     assert verify(light, "a red circle").strict and verify(light, "a red circle").score == 1.0
 
 

@@ -16,8 +16,8 @@ from typing import NoReturn
 
 SHAPES: tuple[str, ...] = ("circle", "square", "triangle", "diamond")
 
-# Saturated colors chosen so that no blend of one color with the white background comes
-# within ~110 RGB units of another palette color (the verifier relies on that margin).
+# Saturated colors whose hues (around the grey axis) are >= 26 degrees apart, so that a blend
+# with the white background or a darker shade keeps its color (the verifier classifies by hue).
 COLORS: dict[str, tuple[int, int, int]] = {
     "red": (220, 20, 40),
     "green": (25, 160, 55),

@@ -1,0 +1,392 @@
+"""The shapes verifier against what an honest judge fails: a dirty background, stray marks and
+specks, ghost shapes, malformed shapes. The verifier is the RL reward, so each of these is a
+reward hack unless it fails strictly, with its reason named. Clean renders softened like a real
+sample (mild blur and noise), and a triangle shaded in two tones of its color, still pass.
+
+Every kind is drawn at many random positions, sizes and colors from a fixed seed.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+from PIL import Image, ImageDraw
+from scipy import ndimage
+
+from diffrl.data.shapes import CATEGORIES, COLORS, SHAPES, all_prompts, detect_objects, render_prompt, verify
+from diffrl.data.shapes.render import draw_shape
+
+CLEAN_PER_CATEGORY = 150
+PER_KIND = 150
+MIN_RATE = 0.99
+SIZE = 64
+SUPERSAMPLE = 4
+WHITE = (255, 255, 255)
+COLOR_NAMES = tuple(COLORS)
+
+
+# --------------------------------------------------------------------------- drawing
+
+
+def soften(image: np.ndarray, rng: np.random.Generator) -> np.ndarray:
+    """Mild blur and color noise, as in a diffusion model's sample (the shipped model's edges are
+    about a pixel soft and its background grain stays under ~2 RGB units)."""
+    blurred = ndimage.gaussian_filter(image.astype(np.float32), sigma=(rng.uniform(0.3, 0.6),) * 2 + (0,))
+    noisy = blurred + rng.normal(0, rng.uniform(0.5, 2.0), image.shape)
+    return np.clip(np.round(noisy), 0, 255).astype(np.uint8)
+
+
+def random_prompt(rng: np.random.Generator, categories=CATEGORIES) -> str:
+    prompts = all_prompts(categories[rng.integers(len(categories))])
+    return prompts[rng.integers(len(prompts))]
+
+
+def free_spot(free: np.ndarray, height: int, width: int, rng: np.random.Generator) -> tuple[int, int] | None:
+    """Top-left (x, y) of a random height x width window that lies entirely in `free`, or None."""
+    table = np.pad(np.cumsum(np.cumsum(~free, 0), 1), ((1, 0), (1, 0)))
+    busy = table[height:, width:] - table[:-height, width:] - table[height:, :-width] + table[:-height, :-width]
+    ys, xs = np.nonzero(busy == 0)
+    if len(ys) == 0:
+        return None
+    k = rng.integers(len(ys))
+    return int(xs[k]), int(ys[k])
+
+
+def background_free(image: np.ndarray, margin: int = 3) -> np.ndarray:
+    """Pixels at least `margin` px from any drawn pixel and from the border."""
+    ink = (image < 250).any(2)
+    free = ~ndimage.binary_dilation(ink, iterations=margin) if ink.any() else np.ones(ink.shape, bool)
+    free[:1], free[-1:], free[:, :1], free[:, -1:] = False, False, False, False
+    return free
+
+
+def paste(image: np.ndarray, patch: np.ndarray, coverage: np.ndarray, x: int, y: int) -> None:
+    """Blend `patch` (h, w, 3) into `image` at (x, y) with per-pixel `coverage` in [0, 1]."""
+    h, w = coverage.shape
+    region = image[y : y + h, x : x + w].astype(np.float32)
+    image[y : y + h, x : x + w] = np.round(region + coverage[..., None] * (patch - region)).astype(np.uint8)
+
+
+def draw_polygon_mask(size: int, draw) -> np.ndarray:
+    """Antialiased coverage [size, size] of what `draw(ImageDraw, scale)` fills, drawn 4x and box-averaged."""
+    canvas = Image.new("L", (size * SUPERSAMPLE, size * SUPERSAMPLE), 0)
+    draw(ImageDraw.Draw(canvas), SUPERSAMPLE)
+    return np.asarray(canvas.resize((size, size), Image.BOX), dtype=np.float32) / 255
+
+
+def with_marks(prompt: str, seed: int, rng: np.random.Generator, blobs: list[tuple[int, int]], colors, ellipse: bool,
+               alpha: float = 1.0) -> np.ndarray | None:
+    """A softened render of `prompt` plus blobs (height, width) of the given colors on free background."""
+    image = render_prompt(prompt, seed=seed)
+    free = background_free(image)
+    for (h, w), color in zip(blobs, colors, strict=True):
+        spot = free_spot(free, h + 2, w + 2, rng)
+        if spot is None:
+            return None
+        x, y = spot[0] + 1, spot[1] + 1
+        if ellipse:
+            coverage = draw_polygon_mask(max(h, w), lambda d, s: d.ellipse((0, 0, w * s - 1, h * s - 1), fill=255))[:h, :w]
+        else:
+            coverage = np.ones((h, w), np.float32)
+        paste(image, np.array(color, np.float32), alpha * coverage, x, y)
+        free[max(y - 3, 0) : y + h + 3, max(x - 3, 0) : x + w + 3] = False
+    return soften(image, rng)
+
+
+def single_shape(kind: str, rng: np.random.Generator) -> tuple[np.ndarray, str, str]:
+    """(softened image of one malformed shape, its color, the shape it most resembles)."""
+    color = COLOR_NAMES[rng.integers(len(COLOR_NAMES))]
+    side = int(rng.integers(16, 27))
+    canvas = Image.new("RGB", (SIZE * SUPERSAMPLE,) * 2, WHITE)
+    draw = ImageDraw.Draw(canvas)
+    fill = COLORS[color]
+    s = SUPERSAMPLE
+    x0, y0 = (int(v) * s for v in rng.integers(3, SIZE - side - 3, size=2))
+    x1, y1 = x0 + side * s - 1, y0 + side * s - 1
+    cx, cy = (x0 + x1) / 2, (y0 + y1) / 2
+    if kind == "plus":
+        arm = side * s * rng.uniform(0.25, 0.4) / 2  # arm width over the span: a Red Cross has 1/3
+        draw.rectangle((cx - arm, y0, cx + arm, y1), fill=fill)
+        draw.rectangle((x0, cy - arm, x1, cy + arm), fill=fill)
+        like = "diamond"
+    elif kind == "ring":
+        draw.ellipse((x0, y0, x1, y1), fill=fill)
+        inner = side * s * rng.uniform(0.2, 0.35)
+        draw.ellipse((cx - inner, cy - inner, cx + inner, cy + inner), fill=WHITE)
+        like = "circle"
+    elif kind == "L":
+        arm = side * s * rng.uniform(0.35, 0.5)
+        draw.rectangle((x0, y0, x0 + arm, y1), fill=fill)
+        draw.rectangle((x0, y1 - arm, x1, y1), fill=fill)
+        like = "square"
+    elif kind == "star":
+        points = int(rng.integers(5, 7))
+        angles = np.pi * np.arange(2 * points) / points - np.pi / 2 + rng.uniform(0, np.pi)
+        radii = np.where(np.arange(2 * points) % 2 == 0, 1.0, rng.uniform(0.4, 0.55)) * side * s / 2
+        draw.polygon(list(zip(cx + radii * np.cos(angles), cy + radii * np.sin(angles))), fill=fill)
+        like = "diamond"
+    elif kind == "inverted_triangle":
+        draw.polygon([(x0, y0), (x1, y0), (cx, y1)], fill=fill)
+        like = "triangle"
+    elif kind in ("rectangle_3_1", "ellipse_2_1"):
+        long_side = side * s
+        short = long_side / (3 if kind == "rectangle_3_1" else 2)
+        box = (cx - long_side / 2, cy - short / 2, cx + long_side / 2, cy + short / 2)
+        if rng.random() < 0.5:  # stand it upright
+            box = (cx - short / 2, cy - long_side / 2, cx + short / 2, cy + long_side / 2)
+        if kind == "rectangle_3_1":
+            draw.rectangle(box, fill=fill)
+        else:
+            draw.ellipse(box, fill=fill)
+        like = "square" if kind == "rectangle_3_1" else "circle"
+    elif kind == "rounded_diamond":
+        # A diamond with its vertices rounded off by circles of radius r: its straight edges are the
+        # diamond's, its radius through a vertex is 0.81-0.85 of the box's half side (a diamond 0.71,
+        # a circle 1), halfway between the two.
+        half = side * s / 2
+        r = half * rng.uniform(0.3, 0.4)
+        offset = (half - r * np.sqrt(2))
+        for ox, oy in ((0, -offset), (offset, 0), (0, offset), (-offset, 0)):
+            draw.ellipse((cx + ox - r, cy + oy - r, cx + ox + r, cy + oy + r), fill=fill)
+        draw.polygon([(cx, cy - offset), (cx + offset, cy), (cx, cy + offset), (cx - offset, cy)], fill=fill)
+        for (ax, ay), (bx, by) in (((0, -1), (1, 0)), ((1, 0), (0, 1)), ((0, 1), (-1, 0)), ((-1, 0), (0, -1))):
+            # the band between two neighbouring vertex circles, as a quadrilateral of their tangent points
+            n = np.array([ax + bx, ay + by]) / np.sqrt(2)
+            pa = np.array([cx + ax * offset, cy + ay * offset])
+            pb = np.array([cx + bx * offset, cy + by * offset])
+            draw.polygon([tuple(pa), tuple(pa + r * n), tuple(pb + r * n), tuple(pb)], fill=fill)
+        like = "circle"
+    else:
+        raise ValueError(kind)
+    image = np.asarray(canvas.resize((SIZE, SIZE), Image.BOX))
+    return soften(image, rng), color, like
+
+
+def two_tone_triangle(rng: np.random.Generator) -> tuple[np.ndarray, str]:
+    """A triangle whose one side is a darker shade or lighter tint of its color (shading)."""
+    color = COLOR_NAMES[rng.integers(len(COLOR_NAMES))]
+    side = int(rng.integers(16, 27))
+    s = SUPERSAMPLE
+    x0, y0 = (int(v) * s for v in rng.integers(3, SIZE - side - 3, size=2))
+    x1, y1 = x0 + side * s - 1, y0 + side * s - 1
+    cx = (x0 + x1) / 2
+    base = np.array(COLORS[color], np.float32)
+    if rng.random() < 0.5:
+        shade = base * rng.uniform(0.6, 0.85)  # darker
+    else:
+        shade = 255 - (255 - base) * rng.uniform(0.7, 0.85)  # lighter
+    canvas = Image.new("RGB", (SIZE * s,) * 2, WHITE)
+    draw = ImageDraw.Draw(canvas)
+    draw.polygon([(cx, y0), (x1, y1), (x0, y1)], fill=COLORS[color])
+    # the shaded part: one side of a line from the apex to a random point of the base
+    foot = x0 + (x1 - x0) * rng.uniform(0.3, 0.7)
+    corner = x1 if rng.random() < 0.5 else x0
+    draw.polygon([(cx, y0), (foot, y1), (corner, y1)], fill=tuple(int(round(v)) for v in shade))
+    image = np.asarray(canvas.resize((SIZE, SIZE), Image.BOX))
+    return soften(image, rng), color
+
+
+# --------------------------------------------------------------------------- adversarial kinds
+
+
+def dithered_background(prompt: str, seed: int, rng: np.random.Generator) -> np.ndarray:
+    """Like the Flow-GRPO checkpoint's images: a share of the background pixels tinted pink, cyan or yellow."""
+    image = soften(render_prompt(prompt, seed=seed), rng)
+    background = (image > 245).all(2)
+    tinted = background & (rng.random(background.shape) < rng.uniform(0.3, 0.6))
+    tints = np.array([(255, 215, 235), (215, 245, 255), (255, 250, 205)], np.float32)
+    picked = tints[rng.integers(len(tints), size=background.shape)] + rng.normal(0, 6, image.shape)
+    image[tinted] = np.clip(np.round(picked[tinted]), 0, 255).astype(np.uint8)
+    return image
+
+
+def grain(prompt: str, seed: int, rng: np.random.Generator, sigma: float) -> np.ndarray:
+    image = render_prompt(prompt, seed=seed).astype(np.float32)
+    return np.clip(np.round(image + rng.normal(0, sigma, image.shape)), 0, 255).astype(np.uint8)
+
+
+def _grey(rng):
+    return (int(rng.integers(90, 200)),) * 3
+
+
+def _pale_pink(rng):
+    return (255, int(rng.integers(195, 225)), int(rng.integers(205, 235)))
+
+
+def _palette(rng):
+    return COLORS[COLOR_NAMES[rng.integers(len(COLOR_NAMES))]]
+
+
+STRAY_KINDS = {
+    # kind: (blob sizes, color sampler, round blob?, opacity range)
+    "grey_blob_8": (lambda rng: [(8, 8)], _grey, True, (1.0, 1.0)),
+    "grey_blob_12": (lambda rng: [(12, 12)], _grey, True, (1.0, 1.0)),
+    "pale_pink_blob_16": (lambda rng: [(16, 16)], _pale_pink, True, (1.0, 1.0)),
+    "palette_specks_10": (lambda rng: [(3, 3)] * 10, _palette, False, (1.0, 1.0)),
+    "palette_specks_25": (lambda rng: [(3, 3)] * 25, _palette, False, (1.0, 1.0)),
+}
+
+
+def ghost_shape(prompt: str, seed: int, rng: np.random.Generator) -> np.ndarray | None:
+    """A faint extra shape (25-40% opacity) of a palette color beside the prompt's objects."""
+    image = render_prompt(prompt, seed=seed)
+    side = int(rng.integers(12, 20))
+    spot = free_spot(background_free(image), side + 2, side + 2, rng)
+    if spot is None:
+        return None
+    shape = SHAPES[rng.integers(len(SHAPES))]
+    coverage = draw_polygon_mask(side, lambda d, s: draw_shape(d, shape, (0, 0, side * s - 1, side * s - 1), 255))
+    paste(image, np.array(_palette(rng), np.float32), rng.uniform(0.25, 0.4) * coverage, spot[0] + 1, spot[1] + 1)
+    return soften(image, rng)
+
+
+def _fail_rate(make, reason: str, n: int = PER_KIND, seed: int = 0) -> tuple[float, list]:
+    """Share of n generated (image, prompt) cases (None: skipped) that fail with `reason` first."""
+    rng = np.random.default_rng(seed)
+    wrong, done = [], 0
+    while done < n:
+        case = make(rng, done)
+        if case is None:
+            continue
+        image, prompt = case
+        verdict = verify(image, prompt)
+        if verdict.strict or not verdict.reason.startswith(reason):
+            wrong.append((prompt, verdict.reason))
+        done += 1
+    return 1 - len(wrong) / n, wrong
+
+
+# --------------------------------------------------------------------------- tests
+
+
+@pytest.mark.parametrize("category", CATEGORIES)
+def test_softened_renders_pass(category):
+    rng = np.random.default_rng(CATEGORIES.index(category) + 500)
+    failures = []
+    for seed in range(CLEAN_PER_CATEGORY):
+        prompt = random_prompt(rng, (category,))
+        verdict = verify(soften(render_prompt(prompt, seed=seed), rng), prompt)
+        if not verdict.strict or verdict.score != 1.0:
+            failures.append((prompt, seed, verdict.reason))
+    rate = 1 - len(failures) / CLEAN_PER_CATEGORY
+    print(f"{category}: {rate:.3f} of {CLEAN_PER_CATEGORY} softened renders pass")
+    assert rate >= MIN_RATE, failures[:10]
+
+
+def test_two_tone_triangle_is_one_triangle():
+    rng = np.random.default_rng(7)
+    failures = []
+    for _ in range(PER_KIND):
+        image, color = two_tone_triangle(rng)
+        verdict = verify(image, f"a {color} triangle")
+        if not verdict.strict:
+            failures.append((color, verdict.reason))
+    rate = 1 - len(failures) / PER_KIND
+    print(f"two-tone triangle: {rate:.3f} of {PER_KIND} pass")
+    assert rate >= MIN_RATE, failures[:10]
+
+
+@pytest.mark.parametrize("sigma", [8.0, 20.0])
+def test_grain_fails_as_background(sigma):
+    rate, wrong = _fail_rate(lambda rng, k: (grain(p := random_prompt(rng), k, rng, sigma), p), "background",
+                             seed=int(sigma))
+    print(f"grain sigma {sigma}: {rate:.3f} fail as background")
+    assert rate >= MIN_RATE, wrong[:10]
+
+
+def test_dithered_background_fails_as_background():
+    rate, wrong = _fail_rate(lambda rng, k: (dithered_background(p := random_prompt(rng), k, rng), p), "background")
+    print(f"dithered background: {rate:.3f} fail as background")
+    assert rate >= MIN_RATE, wrong[:10]
+
+
+@pytest.mark.parametrize("kind", list(STRAY_KINDS))
+def test_stray_marks_fail_as_stray(kind):
+    sizes, color, ellipse, (lo, hi) = STRAY_KINDS[kind]
+
+    def make(rng, k):
+        prompt = random_prompt(rng)
+        blobs = sizes(rng)
+        image = with_marks(prompt, k, rng, blobs, [color(rng) for _ in blobs], ellipse, rng.uniform(lo, hi))
+        return None if image is None else (image, prompt)
+
+    rate, wrong = _fail_rate(make, "stray", seed=list(STRAY_KINDS).index(kind) + 10)
+    print(f"{kind}: {rate:.3f} fail as stray")
+    assert rate >= MIN_RATE, wrong[:10]
+
+
+def test_ghost_shapes_fail_as_stray():
+    def make(rng, k):
+        prompt = random_prompt(rng)
+        image = ghost_shape(prompt, k, rng)
+        return None if image is None else (image, prompt)
+
+    rate, wrong = _fail_rate(make, "stray", seed=20)
+    print(f"ghost shape: {rate:.3f} fail as stray")
+    assert rate >= MIN_RATE, wrong[:10]
+
+
+MALFORMED = ["plus", "ring", "L", "star", "inverted_triangle", "rectangle_3_1", "ellipse_2_1", "rounded_diamond"]
+
+
+@pytest.mark.parametrize("kind", MALFORMED)
+def test_malformed_shapes_fail_as_shape(kind):
+    """Each drawn alone and checked against the shape it was taken for: a plus is no diamond, a
+    3:1 rectangle no square, a 2:1 ellipse or a diamond with rounded vertices no circle."""
+
+    def make(rng, k):
+        image, color, like = single_shape(kind, rng)
+        return image, f"a {color} {like}"
+
+    rate, wrong = _fail_rate(make, "shape", seed=MALFORMED.index(kind) + 30)
+    print(f"{kind}: {rate:.3f} fail as shape")
+    assert rate >= MIN_RATE, wrong[:10]
+
+
+def test_malformed_shape_is_one_object_that_matches_no_shape():
+    """The flaw keeps the object (the count stays right) but no shape prompt accepts it."""
+    image, color, _ = single_shape("plus", np.random.default_rng(3))
+    (found,) = detect_objects(image)
+    assert found.color == color and found.flaw is not None
+    for shape in SHAPES:
+        verdict = verify(image, f"a {color} {shape}")
+        assert not verdict.strict and verdict.reason.startswith("shape:") and found.flaw in verdict.reason
+        assert verdict.score == pytest.approx(2 / 3)  # count and color right, shape wrong
+
+
+def test_larger_images_scale_the_rules():
+    rng = np.random.default_rng(40)
+    failures = []
+    for seed in range(30):
+        prompt = random_prompt(rng)
+        verdict = verify(soften(render_prompt(prompt, seed=seed, size=128), rng), prompt)
+        if not verdict.strict:
+            failures.append((prompt, verdict.reason))
+    assert len(failures) <= 1, failures
+
+
+def test_off_palette_color_counts_but_matches_no_color():
+    """Magenta lies between red and purple (36 degrees of hue from each): a shape, but no palette color."""
+    canvas = Image.new("RGB", (SIZE * SUPERSAMPLE,) * 2, WHITE)
+    draw_shape(ImageDraw.Draw(canvas), "circle", (80, 80, 159, 159), (200, 20, 140))
+    image = np.asarray(canvas.resize((SIZE, SIZE), Image.BOX))
+    assert verify(image, "a circle").strict
+    for color in ("red", "purple"):
+        verdict = verify(image, f"a {color} circle")
+        assert not verdict.strict and verdict.reason.startswith("color:")
+        assert verdict.reason.endswith(("found a red-purple circle", "found a purple-red circle"))
+
+
+def test_stray_ink_fades_the_partial_credit():
+    """A stray mark fails strictly and costs partial credit in proportion to its area; a dirty
+    background costs all of it."""
+    rng = np.random.default_rng(41)
+    prompt = "a blue square"
+    clean = verify(soften(render_prompt(prompt, seed=0), rng), prompt)
+    small = verify(with_marks(prompt, 0, rng, [(8, 8)], [(120, 120, 120)], True), prompt)
+    large = verify(with_marks(prompt, 0, rng, [(16, 16)], [(120, 120, 120)], True), prompt)
+    dirty = verify(grain(prompt, 0, rng, 20.0), prompt)
+    assert clean.strict and clean.score == 1.0
+    assert not small.strict and small.reason.startswith("stray:")
+    assert 1.0 > small.score > large.score > dirty.score == 0.0
+    assert dirty.balanced_score == dirty.exact_count_score == 0.0
