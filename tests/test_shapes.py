@@ -348,3 +348,38 @@ def test_validation_prompts_are_a_fixed_subset_of_the_train_split():
         assert sum(category_of(p) == category for p in chosen) == min(8, len(prompts))
     assert validation_prompts(per_category=8) == chosen  # deterministic
     assert validation_prompts(per_category=8, seed=1) != chosen
+
+
+def test_evaluate_save_images_writes_every_scored_image_and_its_verdict(tiny_model_dir, tmp_path):
+    """`diffrl evaluate --save-images`: the PNGs are the pixels that were scored, so re-scoring them
+    gives the same verdicts; the report is written last and a shorter rerun leaves no stale image."""
+    import json
+
+    from diffrl.cli.main import main as cli_main
+    from diffrl.evaluation.shapes import rescore
+
+    out = tmp_path / "eval"
+    args = ["evaluate", "--model-path", str(tiny_model_dir), "--max-prompts-per-category", "1", "--num-steps", "2",
+            "--device", "cpu", "--output-dir", str(out), "--save-images"]
+    assert cli_main([*args, "--num-seeds", "2"]) == 0
+    rows = [json.loads(line) for line in (out / "records.jsonl").read_text().splitlines()]
+    samples = [json.loads(line) for line in (out / "samples.jsonl").read_text().splitlines()]
+    assert len(rows) == 12 and [r["index"] for r in rows] == list(range(12))
+    assert [r["seed"] for r in rows] == list(range(12))
+    assert [{k: r[k] for k in ("prompt", "category", "seed", "strict", "score", "reason")} for r in rows] == samples
+    assert sorted(p.name for p in (out / "images").iterdir()) == [f"{k:05d}.png" for k in range(12)]
+    assert [r["file"] for r in rows] == [f"images/{k:05d}.png" for k in range(12)]
+    again = rescore(out)
+    assert [(r.prompt, r.seed, r.strict, r.score, r.reason) for r in again] == [
+        (r["prompt"], r["seed"], r["strict"], r["score"], r["reason"]) for r in rows]
+    report = json.loads((out / "report.json").read_text())
+    assert report["n"] == 12 and report["config"]["save_images"] == "True"
+    assert (out / "report.json").stat().st_mtime_ns >= (out / "records.jsonl").stat().st_mtime_ns
+    assert not [p for p in out.rglob(".*")]  # no temporary file left behind
+
+    assert cli_main([*args, "--num-seeds", "1"]) == 0  # a shorter rerun into the same folder
+    assert sorted(p.name for p in (out / "images").iterdir()) == [f"{k:05d}.png" for k in range(6)]
+    assert len((out / "records.jsonl").read_text().splitlines()) == 6
+    args.remove("--save-images")
+    assert cli_main([*args, "--num-seeds", "1"]) == 0  # without the flag: no images of another run stay
+    assert not (out / "records.jsonl").exists() and not list((out / "images").iterdir())

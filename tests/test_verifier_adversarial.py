@@ -390,3 +390,23 @@ def test_stray_ink_fades_the_partial_credit():
     assert not small.strict and small.reason.startswith("stray:")
     assert 1.0 > small.score > large.score > dirty.score == 0.0
     assert dirty.balanced_score == dirty.exact_count_score == 0.0
+
+
+def test_a_thin_stray_line_is_a_mark():
+    """A long one-pixel line is no compact blob, and too thin to dirty the background: still a mark."""
+    rng = np.random.default_rng(42)
+    failures = []
+    for seed in range(40):
+        prompt = random_prompt(rng)
+        image = render_prompt(prompt, seed=seed)
+        free = background_free(image)
+        rows = [y for y in range(SIZE) if free[y].sum() >= 30]
+        if not rows:
+            continue
+        y = rows[rng.integers(len(rows))]
+        xs = np.flatnonzero(free[y])[:30]
+        image[y, xs] = (110, 110, 110)
+        verdict = verify(soften(image, rng), prompt)
+        if verdict.strict or not verdict.reason.startswith("stray"):
+            failures.append((prompt, verdict.reason))
+    assert not failures, failures

@@ -1,6 +1,7 @@
 """`diffrl evaluate`: held-out evaluation of a model, plus a grid.
 
-Two kinds: the shapes world's strict accuracy (the default), or, with `--prompt-data PATH --reward SPEC`,
+Two kinds: the shapes world's strict accuracy (the default; with `--save-images`, every image and its
+verdict on disk, see `diffrl.evaluation.shapes.save_samples`), or, with `--prompt-data PATH --reward SPEC`,
 the mean reward (and each reward component's mean) on the first `--num-prompts` prompts of a prompt
 set (a directory's `test` split), every image written to disk (see `diffrl.evaluation.reward_eval`).
 """
@@ -14,10 +15,10 @@ from typing import Literal
 
 from diffrl.data.prompts import PromptRecord, load_prompts
 from diffrl.data.shapes import prompts_by_category, test_prompts, train_prompts
-from diffrl.evaluation.reward_eval import evaluate_with_reward, reward_components
+from diffrl.evaluation.reward_eval import atomic_path, evaluate_with_reward, reward_components, write_text_atomic
 from diffrl.evaluation.sampling import TEST_SEED
-from diffrl.evaluation.shapes import (balanced_eval_set, evaluate_prompts, format_summary, records_as_dicts,
-                                     save_records_grid, summarize)
+from diffrl.evaluation.shapes import (IMAGES_DIR, RECORDS_FILE, balanced_eval_set, clear_samples, evaluate_prompts,
+                                     format_summary, records_as_dicts, save_records_grid, save_samples, summarize)
 from diffrl.models.checkpoint import load_model
 from diffrl.models.demo import SHIPPED_DEMO_MODEL
 from diffrl.utils.device import resolve_device
@@ -68,6 +69,9 @@ class EvaluateConfig:
     batch_size: int = 64
     device: str = "auto"
     output_dir: Path = Path("runs/eval")
+    save_images: bool = False
+    """Shapes world: also write every image (images/00000.png, ...) and records.jsonl (its prompt, seed and
+    verdict: strict, score, reason), so the evaluation can be re-scored (--prompt-data always writes them)."""
 
 
 def evaluate(cfg: EvaluateConfig) -> dict:
@@ -95,12 +99,21 @@ def evaluate(cfg: EvaluateConfig) -> dict:
     summary = summarize(records)
     out = cfg.output_dir
     out.mkdir(parents=True, exist_ok=True)
+    # Every file goes under a temporary name and is renamed; report.json goes last, so a folder
+    # without it is an evaluation that did not finish.
+    (out / "report.json").unlink(missing_ok=True)
+    if cfg.save_images:
+        save_samples(records, images, out)
+    else:
+        clear_samples(out)  # never leave an earlier run's images beside this run's report
     report = {"config": {k: str(v) for k, v in asdict(cfg).items()}, **summary}
-    (out / "report.json").write_text(json.dumps(report, indent=2) + "\n")
-    (out / "samples.jsonl").write_text("".join(json.dumps(r) + "\n" for r in records_as_dicts(records)))
-    save_records_grid(records, images, out / "grid.png", limit=64)
+    write_text_atomic(out / "samples.jsonl", "".join(json.dumps(r) + "\n" for r in records_as_dicts(records)))
+    with atomic_path(out / "grid.png") as tmp:
+        save_records_grid(records, images, tmp, limit=64)
+    write_text_atomic(out / "report.json", json.dumps(report, indent=2) + "\n")
     print(format_summary(summary))
-    print(f"report: {out / 'report.json'}  grid: {out / 'grid.png'}")
+    saved = f"  records: {out / RECORDS_FILE}  images: {out / IMAGES_DIR}" if cfg.save_images else ""
+    print(f"report: {out / 'report.json'}  grid: {out / 'grid.png'}{saved}")
     return report
 
 

@@ -3,18 +3,26 @@
 Image k of the expanded list (each prompt repeated for its seeds, in prompt order) gets seed
 `seed + k`, so an evaluation is reproducible and any single image can be regenerated alone. The
 sampling itself (`generate`, noise drawn on the CPU) lives in `diffrl.evaluation.sampling`.
+
+`save_samples` writes every scored image (`images/00000.png`, …, lossless) and `records.jsonl` (one
+line per image: prompt, seed, verdict, file), so that anyone can re-score an evaluation with another
+verifier (`rescore`) or look at what passed.
 """
 
 from __future__ import annotations
 
+import json
 from collections import defaultdict
 from collections.abc import Sequence
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
+import numpy as np
 import torch
+from PIL import Image
 
 from diffrl.data.shapes import CATEGORIES, category_of, prompts_by_category, test_prompts, verify
+from diffrl.evaluation.reward_eval import atomic_path, write_text_atomic
 from diffrl.evaluation.sampling import TEST_SEED, VALIDATION_SEED, generate  # noqa: F401  (re-exported)
 from diffrl.models.base import FamilyAdapter
 from diffrl.utils.images import save_grid, to_uint8
@@ -110,6 +118,48 @@ def format_summary(summary: dict) -> str:
 
 def records_as_dicts(records: Sequence[SampleRecord]) -> list[dict]:
     return [asdict(r) for r in records]
+
+
+IMAGES_DIR = "images"
+RECORDS_FILE = "records.jsonl"
+
+
+def clear_samples(out_dir: str | Path) -> None:
+    """Remove the images and records an earlier evaluation left in `out_dir` (a shorter rerun would
+    otherwise leave its extra images behind)."""
+    out_dir = Path(out_dir)
+    (out_dir / RECORDS_FILE).unlink(missing_ok=True)
+    for stale in (out_dir / IMAGES_DIR).glob("[0-9]*.png"):
+        stale.unlink()
+
+
+def save_samples(records: Sequence[SampleRecord], images: torch.Tensor, out_dir: str | Path) -> list[dict]:
+    """Every image as `images/<index>.png` (the exact pixels that were scored) and `records.jsonl`, one
+    line per image: index, prompt, category, seed, strict, score, reason and file; each file is
+    written under a temporary name and renamed. Returns the lines."""
+    out_dir = Path(out_dir)
+    clear_samples(out_dir)
+    rows = []
+    for k, (record, pixels) in enumerate(zip(records, to_uint8(images), strict=True)):
+        file = f"{IMAGES_DIR}/{k:05d}.png"
+        with atomic_path(out_dir / file) as tmp:
+            Image.fromarray(pixels).save(tmp, format="PNG")
+        rows.append({"index": k, **asdict(record), "file": file})
+    write_text_atomic(out_dir / RECORDS_FILE, "".join(json.dumps(row) + "\n" for row in rows))
+    return rows
+
+
+def rescore(out_dir: str | Path) -> list[SampleRecord]:
+    """The saved images of an evaluation scored again by the current verifier, in record order."""
+    out_dir = Path(out_dir)
+    rescored = []
+    for line in (out_dir / RECORDS_FILE).read_text(encoding="utf-8").splitlines():
+        row = json.loads(line)
+        image = np.asarray(Image.open(out_dir / row["file"]).convert("RGB"))
+        verdict = verify(image, row["prompt"])
+        rescored.append(SampleRecord(row["prompt"], row["category"], row["seed"], verdict.strict, verdict.score,
+                                     verdict.reason))
+    return rescored
 
 
 def save_records_grid(records: Sequence[SampleRecord], images: torch.Tensor, path: str | Path,
