@@ -16,8 +16,8 @@ from scipy import ndimage
 from diffrl.data.shapes import CATEGORIES, COLORS, SHAPES, all_prompts, detect_objects, render_prompt, verify
 from diffrl.data.shapes.render import draw_shape
 
-CLEAN_PER_CATEGORY = 150
-PER_KIND = 150
+CLEAN_PER_CATEGORY = 120
+PER_KIND = 120
 MIN_RATE = 0.99
 SIZE = 64
 SUPERSAMPLE = 4

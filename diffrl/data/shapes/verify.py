@@ -310,21 +310,22 @@ def _concavity(mask: np.ndarray) -> float:
     if len(hull) < 3:
         return 0.0
     # Pixel centers (x, y) at least one pixel inside every hull edge (x0, y0) + t (dx, dy):
-    # dx (y - y0) - dy (x - x0) >= |edge|, i.e. per row an interval of x.
+    # dx (y - y0) - dy (x - x0) >= |edge|. Per row y that bounds x from below (edges with dy < 0),
+    # from above (dy > 0), or keeps or drops the whole row (dy = 0).
     start = np.array(hull)
     dx, dy = (np.roll(start, -1, axis=0) - start).T
-    ys = np.arange(height)
-    rest = dx[:, None] * (ys[None, :] - start[:, 1, None]) + (dy * start[:, 0] - np.hypot(dx, dy))[:, None]
-    slope = -dy[:, None]  # the condition reads slope * x + rest >= 0
-    with np.errstate(divide="ignore", invalid="ignore"):
-        bound = -rest / slope
-    lo = np.ceil(np.where(slope > 0, bound, -np.inf).max(0)).clip(0, width)
-    hi = np.floor(np.where(slope < 0, bound, np.inf).min(0)).clip(-1, width - 1)
-    valid = np.where(slope == 0, rest >= 0, True).all(0) & (hi >= lo)
+    ys = np.arange(height, dtype=np.float64)
+    rest = np.outer(dx, ys) + (dy * start[:, 0] - dx * start[:, 1] - np.hypot(dx, dy))[:, None]
+    up, down, flat = dy < 0, dy > 0, dy == 0
+    if not up.any() or not down.any():
+        return 0.0
+    lo = np.ceil((rest[up] / dy[up, None]).max(0)).clip(0, width).astype(np.intp)
+    hi = np.floor((rest[down] / dy[down, None]).min(0)).clip(-1, width - 1).astype(np.intp)
+    valid = (hi >= lo) & (rest[flat] >= 0).all(0)
     missing = np.zeros((height, width + 1))
     np.cumsum(~mask, axis=1, out=missing[:, 1:])
-    lo, hi = lo.astype(np.intp), hi.astype(np.intp)
-    count = (missing[ys, hi + 1] - missing[ys, lo])[valid].sum()
+    rows_in = np.flatnonzero(valid)
+    count = (missing[rows_in, hi[rows_in] + 1] - missing[rows_in, lo[rows_in]]).sum()
     return float(count / max(mask.sum(), 1))
 
 
