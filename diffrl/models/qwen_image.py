@@ -441,8 +441,9 @@ def save_random_checkpoint(path: str | Path, sizes: QwenImageSizes | None = None
                                out_hidden_size=sizes.text_hidden, fullatt_block_indexes=[0])))
         z_dim = sizes.vae.get("z_dim", 16)
         generator = torch.Generator().manual_seed(seed)
-        latents_mean = (0.5 * torch.randn(z_dim, generator=generator)).tolist()
-        latents_std = (0.5 + 1.5 * torch.rand(z_dim, generator=generator)).tolist()
+        # Drawn on the CPU (the generator's device) whatever `device` builds the modules.
+        latents_mean = (0.5 * torch.randn(z_dim, generator=generator, device="cpu")).tolist()
+        latents_std = (0.5 + 1.5 * torch.rand(z_dim, generator=generator, device="cpu")).tolist()
         vae = AutoencoderKLQwenImage(latents_mean=latents_mean, latents_std=latents_std, **sizes.vae)
         transformer = QwenImageTransformer2DModel(in_channels=4 * z_dim, out_channels=z_dim,
                                                   joint_attention_dim=sizes.text_hidden, **sizes.transformer)

@@ -20,7 +20,7 @@ for job in ${JOBS:?JOBS=recipe:groups ...}; do
   echo "== $recipe ($groups groups) $(date +%T)"
   (cd benchmarks && python3 recipe_runs.py --recipe "$recipe" --checkpoint "$ckpt" --rollout-batch-size "$groups" \
     --num-rollout "${ROLLOUTS:-3}" --work-dir "$PWD/../runs/recipe-bench" --out "$OUT/recipe_${recipe}.json") 2>&1 | quiet \
-    | grep -v '^ \|^[{}]' | tee -a "$OUT/log.txt"
+    | grep -v '^    \|^[{}]' | tee -a "$OUT/log.txt"
   nvidia-smi --query-gpu=memory.used --format=csv,noheader
 done
 echo "== done $(date +%T)"
