@@ -369,3 +369,27 @@ def test_bf16_forward_keeps_frozen_weights_in_bf16_and_trained_ones_in_fp32(tiny
         assert {s.dtype for s in policy.base_weights.shadow} == {torch.bfloat16}
     record = trainer.rollout_and_update(0)
     assert math.isfinite(record["train/loss"]) and record["train/grad_norm"] > 0
+
+
+def test_sft_trains_on_the_samples_that_beat_their_prompts_mean(tiny_model_dir, tmp_path):
+    """--loss-type sft: the reward is each sample's seed, so in a group of 3 (seeds s, s+1, s+2) exactly
+    one sample beats the mean; each becomes int(3 · 0.99) = 2 flow-matching pairs."""
+    trainer = Trainer(tiny_config(tiny_model_dir, tmp_path / "run", loss_type="sft", reward="rewards_for_tests:seed_of"))
+    before = [p.detach().clone() for p in trainer.policy.params]
+    record = trainer.rollout_and_update(0)
+    assert record["train/pairs"] == 2 * 1 * 2  # groups × samples above the mean × timesteps
+    assert math.isfinite(record["train/loss"]) and record["train/loss"] > 0
+    assert any(not torch.equal(a, b) for a, b in zip(before, trainer.policy.params))
+
+
+def test_offloaded_text_encoder_visits_the_device_only_to_encode(tiny_model_dir, tmp_path, monkeypatch):
+    trainer = Trainer(tiny_config(tiny_model_dir, tmp_path / "run", offload_text_encoder=True, loss_type="nft"))
+    family = trainer.policy.family
+    (encoder,) = family.text_encoder_modules()
+    moves, encoded_on = [], []
+    real_to, real_encode = encoder.to, family.encode_prompts
+    monkeypatch.setattr(encoder, "to", lambda device, *a, **k: (moves.append(str(device)), real_to(device, *a, **k))[1])
+    monkeypatch.setattr(family, "encode_prompts", lambda prompts: (encoded_on.append(moves[-1]), real_encode(prompts))[1])
+    trainer.rollout_and_update(0)
+    assert encoded_on and all(d == str(family.device) for d in encoded_on)  # moved in for every encode
+    assert moves[-1] == "cpu" and moves.count("cpu") == moves.count(str(family.device))  # and back each time

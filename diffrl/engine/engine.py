@@ -258,8 +258,10 @@ class Engine:
         self.denoise_batches += 1
         sizes = [t.req.num_outputs_per_prompt for t in batch]
         # Each request's prompt is encoded once, then repeated to its outputs.
-        conds = [family.encode_prompts([t.req.prompt]) for t in batch]
-        unconds = [family.encode_prompts([t.req.negative_prompt]) for t in batch] if plan.guidance_scale > 1.0 else None
+        with family.text_encoders_on_device():
+            conds = [family.encode_prompts([t.req.prompt]) for t in batch]
+            unconds = ([family.encode_prompts([t.req.negative_prompt]) for t in batch] if plan.guidance_scale > 1.0
+                       else None)
         if len(batch) > 1 and not (_same_ids(conds) and _same_ids(unconds or [])):
             return [out for t in batch for out in self._generate([t])]  # text lengths differ: no shared batch
         cond = _concat([c.repeat(n) for c, n in zip(conds, sizes)])

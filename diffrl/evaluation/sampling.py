@@ -76,9 +76,10 @@ def generate(
     frames = _frames_kwargs(family, num_frames)
     family.check_size(height, width, **frames)
     unique = list(dict.fromkeys(prompts))
-    encoded = _encode(family, unique)
+    with family.text_encoders_on_device():
+        encoded = _encode(family, unique)
+        uncond_one = family.encode_prompts([negative_prompt]) if guidance_scale > 1.0 else None
     cond_of = dict(zip(unique, encoded, strict=True))
-    uncond_one = family.encode_prompts([negative_prompt]) if guidance_scale > 1.0 else None
     sigmas = family.sigmas(num_steps, height, width)
     images = []
     starts = range(0, len(prompts), batch_size)

@@ -8,6 +8,7 @@ sharded) copy and still run exactly the code the engine runs.
 
 from __future__ import annotations
 
+import contextlib
 import json
 from abc import ABC, abstractmethod
 from collections.abc import Sequence
@@ -182,6 +183,36 @@ class FamilyAdapter(ABC):
     @property
     def device(self) -> torch.device:
         return next(self.transformer.parameters()).device
+
+    # ---------------------------------------------------------------- text encoders off the GPU
+    # With `offload_text_encoders` (`--offload-text-encoder`) the text encoders live on the CPU and visit
+    # the transformer's device only while prompts are encoded: their memory (Qwen-Image's is 7 B
+    # parameters) is free for rollouts and training, at the cost of one copy each way per encode block.
+    offload_text_encoders: bool = False
+
+    def text_encoder_modules(self) -> list[torch.nn.Module]:
+        encoders = getattr(self, "text_encoders", None) or [getattr(self, "text_encoder", None)]
+        return [m for m in encoders if m is not None]
+
+    def offload_text_encoders_to_cpu(self) -> None:
+        self.offload_text_encoders = True
+        for module in self.text_encoder_modules():
+            module.to("cpu")
+
+    @contextlib.contextmanager
+    def text_encoders_on_device(self):
+        """Inside the block the text encoders are on the compute device (a no-op without offload)."""
+        if not self.offload_text_encoders:
+            yield
+            return
+        device, modules = self.device, self.text_encoder_modules()
+        for module in modules:
+            module.to(device)
+        try:
+            yield
+        finally:
+            for module in modules:
+                module.to("cpu")
 
     def save(self, path: str | Path) -> None:
         """The transformer in diffusers layout (one file): what a full finetune changes. The text encoder

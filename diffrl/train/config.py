@@ -39,6 +39,9 @@ class ModelConfig:
     mixed_precision: Literal["auto", "no", "bf16"] = "auto"
     """Transformer forward precision for rollouts and training alike (trained weights stay fp32
     masters): auto = bf16 autocast on CUDA, fp32 elsewhere."""
+    offload_text_encoder: bool = False
+    """Keep the text encoders on the CPU and move them to the GPU only to encode prompts (frees their memory
+    for rollouts and training; costs a copy each way per encode)."""
     gradient_checkpointing: bool = False
     """Recompute each block's activations in the backward pass (less memory, ~1/3 more compute)."""
     compile: bool = False
@@ -104,7 +107,9 @@ class EnginePoolConfig:
 
 @dataclass
 class AlgorithmConfig:
-    loss_type: Literal["flow_grpo", "nft"] = "flow_grpo"
+    loss_type: Literal["flow_grpo", "nft", "sft"] = "flow_grpo"
+    """flow_grpo: clipped-ratio policy gradient on SDE steps; nft: DiffusionNFT on ODE samples; sft:
+    flow-matching fine-tuning on the rollout's samples that beat their prompt's mean reward."""
     diffusion_clip_range: float = 1e-4
     diffusion_adv_clip_max: float = 5.0
     diffusion_kl_beta: float = 0.0
@@ -340,7 +345,7 @@ class TrainConfig:
         _require(1 <= r.diffusion_num_sde_steps <= hi - lo,
                  f"--diffusion-num-sde-steps {r.diffusion_num_sde_steps} does not fit in "
                  f"--diffusion-sde-window-range {lo},{hi}")
-        _require(a.loss_type != "nft" or int(r.diffusion_num_steps * a.nft_timestep_fraction) >= 1,
+        _require(a.loss_type == "flow_grpo" or int(r.diffusion_num_steps * a.nft_timestep_fraction) >= 1,
                  f"--nft-timestep-fraction {a.nft_timestep_fraction} keeps no timestep of "
                  f"--diffusion-num-steps {r.diffusion_num_steps}")
 

@@ -7,6 +7,10 @@ the loss of one micro-batch of them (DESIGN §4). The loop (`trainer.py`) runs a
   transition kernel, exactly as the engine ran it, so an on-policy first pass has ratio 1.
 - `nft` (DiffusionNFT): deterministic ODE rollouts (CFG-free by default) under the EMA old policy;
   pairs are (x0, t, ε, r); the loss contrasts the implicit positive and negative policies.
+- `sft` (reward-filtered fine-tuning, as RAFT / rejection sampling): ODE rollouts under the current
+  weights at the rollout's CFG; the samples that beat their prompt's mean reward (advantage > 0)
+  become flow-matching data, (x0, t, ε) at the schedule's timesteps; the loss is the plain
+  flow-matching MSE of the conditional velocity.
 """
 
 from __future__ import annotations
@@ -16,7 +20,7 @@ from collections.abc import Sequence
 import numpy as np
 import torch
 
-from diffrl.algorithms.losses import ema_decay, flow_grpo_loss, nft_loss
+from diffrl.algorithms.losses import ema_decay, flow_grpo_loss, nft_loss, sft_loss
 from diffrl.algorithms.pairs import GrpoPairs, NftPairs, grpo_pairs, nft_pairs
 from diffrl.models.base import Latents, PromptEmbeds
 from diffrl.sampling import noised, transition
@@ -193,8 +197,35 @@ class DiffusionNft(_Objective):
             self.policy.ema.update(ema_decay(k, ramp=a.nft_ema_ramp, max_decay=a.nft_ema_max, flat=a.nft_ema_flat))
 
 
-OBJECTIVES = {"flow_grpo": FlowGrpo, "nft": DiffusionNft}
+class RewardFilteredSft(_Objective):
+    rollout_ema = None  # on-policy: the current weights sample
+
+    def request(self, k: int) -> dict:
+        r = self.cfg.rollout
+        return self._sized(dict(num_inference_steps=r.diffusion_num_steps, guidance_scale=r.diffusion_guidance_scale,
+                                rollout=False, rollout_return_dit_trajectory=True,
+                                rollout_return_step_indices=[r.diffusion_num_steps], rollout_return_denoising_env=True))
+
+    def pairs(self, samples: Sequence, advantages: torch.Tensor, env: dict) -> NftPairs:
+        """Only the samples above their prompt's mean are data (none of a group whose rewards are equal)."""
+        better = [i for i in range(len(samples)) if advantages[i] > 0]
+        x0 = torch.stack([samples[i].output.dit_trajectory.latents[0] for i in better]) if better else None
+        if x0 is None:
+            return NftPairs(*(torch.empty(0) for _ in range(5)))
+        return nft_pairs(x0, [samples[i].seed for i in better], samples[0].output.dit_trajectory.sigmas,
+                         advantages[better], [env["cond"][i] for i in better],
+                         timestep_fraction=self.cfg.algorithm.nft_timestep_fraction)
+
+    def loss(self, batch: NftPairs, env: dict, step: int) -> tuple[torch.Tensor, dict[str, float]]:
+        dev = self.device
+        x0, noise, t = batch.x0.to(dev), batch.noise.to(dev), batch.t.to(dev)
+        x_t = noised(x0, noise, t)
+        loss = sft_loss(self._velocity(x_t, t, batch.cond.to(dev), None, 1.0, env), x0, noise)
+        return loss, {"train/loss": loss.item()}
 
 
-def build_objective(cfg, policy) -> FlowGrpo | DiffusionNft:
+OBJECTIVES = {"flow_grpo": FlowGrpo, "nft": DiffusionNft, "sft": RewardFilteredSft}
+
+
+def build_objective(cfg, policy) -> FlowGrpo | DiffusionNft | RewardFilteredSft:
     return OBJECTIVES[cfg.algorithm.loss_type](cfg, policy)

@@ -118,6 +118,8 @@ class Trainer:
         family = resolve_family(cfg.model.diffusion_model_family, cfg.model.model_path).load(
             cfg.model.model_path, device=self.device, dtype=dtype)
         check_family_flags(cfg, family)
+        if cfg.model.offload_text_encoder:
+            family.offload_text_encoders_to_cpu()
         self.task.check_family(family)
         self.policy = Policy(cfg, family, self.parallel, self.device)
         self.objective = build_objective(cfg, self.policy)
@@ -247,6 +249,9 @@ class Trainer:
         env = rollout_conditioning(samples, pad_text=policy.family.pads_text)
         env.update(cond=[env["cond"][i] for i in kept], uncond=[env["uncond"][i] for i in kept])
         pairs = objective.pairs([samples[i] for i in kept], adv.values[kept].float(), env)
+        if not len(pairs):  # e.g. sft when no sample beat its prompt's mean
+            record["train/skipped"] = 1.0
+            return record
         record.update(self.update(pairs, env))
         objective.after_update(k)
         train_s = time.perf_counter() - start
