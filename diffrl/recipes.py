@@ -2,7 +2,7 @@
 given after `--recipe NAME` override the preset again.
 
 The shapes recipes run at GPU size on a CUDA machine and scale down on a CPU (the device is
-`--device`, `auto` = CUDA when present); `<name>-gpu` forces the GPU size (what `docs/results.md`
+`--device`, `auto` = CUDA when present); `<name>-gpu` forces the GPU size (what `docs/journal.md`
 measured). The real-model recipes follow published runs (each says which, with its numbers); give
 them a local checkpoint (`--model-path`), prompts (`--prompt-data`) and, for model rewards, the
 reward's checkpoint (`--reward pickscore@DIR`). README "Bring your own model" lists the commands.
@@ -18,9 +18,9 @@ _GPU_BATCH = dict(  # 32 prompts × 16 samples per rollout, 2 optimizer steps of
     num_rollout=200, rollout_batch_size=32, n_samples_per_prompt=16, rollout_microgroup_size=16,
     global_batch_size=256, num_steps_per_rollout=2, micro_batch_size=256, engine_concurrency=32,
     engine_max_batch_outputs=512, eval_interval=10, checkpoint_interval=50,
-    eval_images_per_category=64,  # 32 per category proved too noisy to tell runs apart (docs/results.md)
+    eval_images_per_category=64,  # 32 per category proved too noisy to tell runs apart (docs/journal.md)
     val_images_per_category=64,  # checkpoints/best by validation on train prompts: runs peak, then fall back
-    mixed_precision="no",  # fp32 + TF32: what docs/results.md measured; bf16 is --mixed-precision bf16
+    mixed_precision="no",  # fp32 + TF32: what docs/journal.md measured; bf16 is --mixed-precision bf16
 )
 
 # Flow-GRPO on SD3.5-Medium at the published recipe's sampling settings (flow_grpo's SD3 configs;
@@ -93,10 +93,10 @@ SIZED: dict[str, dict[str, dict]] = {
         # DiffusionNFT: CFG-free ODE rollouts under the EMA old policy, full finetune.
         # Cosine decay over 60 rollouts: at a constant rate, or over more rollouts, the held-out
         # accuracy fell after its peak (from the shipped model it peaks at rollouts 40-60 of a
-        # 100-rollout cosine; over 60 the last checkpoint keeps the peak: docs/results.md).
+        # 100-rollout cosine; over 60 the last checkpoint keeps the peak: docs/journal.md).
         # Adaptive category sampling (more groups for the categories with lower training reward) and
         # an optimizer step in two micro-batches (the demo model is launch-bound; 30 GiB of GPU memory)
-        # gave the best held-out accuracy (docs/results.md).
+        # gave the best held-out accuracy (docs/journal.md).
         "gpu": dict(loss_type="nft", use_lora=False, lr=1e-4,
                     **{**_GPU_BATCH, "num_rollout": 60, "micro_batch_size": 1152},
                     lr_schedule="cosine", lr_min_ratio=0.1, category_sampling="adaptive"),
@@ -109,7 +109,7 @@ SIZED: dict[str, dict[str, dict]] = {
     },
     "shapes-grpo": {
         # Flow-GRPO with CFG 3 and 2 SDE steps per rollout inside the first 4 of 10 steps, clip 1e-3,
-        # cosine decay over 250 rollouts and adaptive categories: the best GRPO runs of docs/results.md
+        # cosine decay over 250 rollouts and adaptive categories: the best GRPO runs of docs/journal.md
         # (0.8 held-out in 255 s alone on an H200). One optimizer step's 512 pairs in one micro-batch.
         "gpu": dict(loss_type="flow_grpo", use_lora=False, lr=1e-4, diffusion_guidance_scale=3.0,
                     **{**_GPU_BATCH, "num_rollout": 250, "micro_batch_size": 512},
