@@ -111,6 +111,10 @@ def test_the_demo_recipe_trains_on_a_prompt_file_with_any_reward(tmp_path):
     assert [r["prompt"] for r in rows] == ["a green triangle"]
     assert records[-1]["eval/reward"] == pytest.approx(rows[0]["reward"]) and rows[0]["reward"] < 0  # −kB of the JPEG
     assert (out / "eval" / "rollout-00001" / "grid.png").is_file()
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    events = EventAccumulator(str(out / "tensorboard"), size_guidance={"images": 0}).Reload()
+    assert [e.step for e in events.Images("eval/images")] == [0, 1]  # the evaluated images, each evaluation
 
 
 def test_published_flag_spellings_are_accepted():
