@@ -186,7 +186,9 @@ def test_http_client_survives_one_event_loop_per_rollout(served):
 def _post_weights(url, tensors, token=None, version=None):
     from safetensors.torch import save
 
-    headers = {"authorization": f"Bearer {token}"} if token else {}
+    headers = {"content-type": "application/octet-stream"}  # the only body type /update_weights takes
+    if token:
+        headers["authorization"] = f"Bearer {token}"
     if version is not None:
         headers["x-weight-version"] = str(version)
     return httpx.post(f"{url}/update_weights", content=save(tensors), headers=headers, timeout=30)
@@ -198,7 +200,8 @@ def test_weight_updates_are_checked_before_anything_changes(served):
     before = param.detach().clone()
     bad_shape = _post_weights(url, {name: torch.zeros(3)})
     unknown = _post_weights(url, {"no.such.weight": torch.zeros(1)})
-    garbage = httpx.post(f"{url}/update_weights", content=b"not safetensors", timeout=30)
+    garbage = httpx.post(f"{url}/update_weights", content=b"not safetensors", timeout=30,
+                         headers={"content-type": "application/octet-stream"})
     assert (bad_shape.status_code, unknown.status_code, garbage.status_code) == (400, 400, 400)
     assert "shape" in bad_shape.text and "no.such.weight" in unknown.text
     assert torch.equal(param, before) and engine.weight_version == 0
@@ -213,12 +216,13 @@ def test_weight_update_tokens(tiny_family):
 
     name, param = next(iter(tiny_family.transformer.named_parameters()))
     body = save({name: param.detach().clone()})
-    guarded = TestClient(create_app(Engine(tiny_family), update_token="s3cret"))
-    assert guarded.post("/update_weights", content=body).status_code == 401
-    assert guarded.post("/update_weights", content=body, headers={"authorization": "Bearer nope"}).status_code == 401
-    assert guarded.post("/update_weights", content=body, headers={"authorization": "Bearer s3cret"}).status_code == 200
+    kind = {"content-type": "application/octet-stream"}
+    guarded = TestClient(create_app(Engine(tiny_family), update_token="s3cret"), base_url="http://127.0.0.1")
+    assert guarded.post("/update_weights", content=body, headers=kind).status_code == 401
+    assert guarded.post("/update_weights", content=body, headers={**kind, "authorization": "Bearer nope"}).status_code == 401
+    assert guarded.post("/update_weights", content=body, headers={**kind, "authorization": "Bearer s3cret"}).status_code == 200
     exposed = TestClient(create_app(Engine(tiny_family), exposed=True))  # no token, beyond loopback
-    assert exposed.post("/update_weights", content=body).status_code == 403
+    assert exposed.post("/update_weights", content=body, headers=kind).status_code == 403
 
 
 def test_trainer_rolls_out_on_a_remote_engine_and_pushes_its_weights(served, tiny_model_dir, tmp_path):
@@ -245,7 +249,7 @@ def test_engine_hosts_the_trainers_lora_adapter(tiny_family):
     from diffrl.models.lora import LoraSpec
 
     engine = Engine(tiny_family)
-    client = TestClient(create_app(engine, update_token="s3cret"))
+    client = TestClient(create_app(engine, update_token="s3cret"), base_url="http://127.0.0.1")
     spec = LoraSpec(rank=2, alpha=4.0, target_modules=sorted(tiny_family.lora_target_modules)).model_dump()
     auth = {"authorization": "Bearer s3cret"}
     assert client.post("/lora_adapter", json=spec).status_code == 401

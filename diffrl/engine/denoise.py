@@ -7,13 +7,17 @@ latent) are kept, which is what training pairs are made of.
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
 
 import torch
 
 from diffrl.models.base import FamilyAdapter, Latents, PromptEmbeds
 from diffrl.sampling import SDE_TYPES, transition
+
+
+class DenoiseStopped(Exception):
+    """`should_stop` said so between two steps (the requests being denoised were abandoned)."""
 
 
 @dataclass
@@ -42,8 +46,10 @@ def denoise(
     log_prob_no_const: bool = False,
     transformer: torch.nn.Module | None = None,
     guidance_scale_2: float | None = None,
+    should_stop: Callable[[], bool] | None = None,
 ) -> DenoiseResult:
-    """`guidance_scale_2` (families with a second expert only) is passed on to `family.velocity` when set."""
+    """`guidance_scale_2` (families with a second expert only) is passed on to `family.velocity` when set.
+    `should_stop` is asked before every step; True raises `DenoiseStopped` (the rest is not computed)."""
     if sde_type not in SDE_TYPES:
         raise ValueError(f"unknown sde type {sde_type!r}; expected one of {SDE_TYPES}")
     transformer = transformer if transformer is not None else family.transformer
@@ -61,6 +67,8 @@ def denoise(
     trajectory: dict[int, torch.Tensor] = {}
     second = {} if guidance_scale_2 is None else {"guidance_scale_2": guidance_scale_2}
     for i in range(num_steps):
+        if should_stop is not None and should_stop():
+            raise DenoiseStopped(f"stopped before step {i} of {num_steps}")
         if i in keep:
             trajectory[i] = x.clone()
         sigma = sigmas[i].expand(batch)

@@ -12,6 +12,12 @@ agree (`_Plan.batch_key`): one forward per step for several microgroups, up to
 `max_batch_outputs` outputs. Each output keeps its own generator, so what a sample looks like does
 not depend on what it was batched with (exactly on CPU; on GPU up to batch-size-dependent kernels).
 A small model is launch-bound on a GPU, so this is where its rollout speed comes from.
+
+Limits (`EngineConfig`): prompt length, guidance scale, noise level, outputs × steps per request,
+per-request time, waiting requests, LoRA rank. A request can be cancelled (`cancel` event, e.g. its
+client went away): a waiting one leaves the queue, a running batch stops between denoising steps
+once every request in it is cancelled or past its deadline. Waiting requests hold no thread: a small
+pool (`worker_threads`) drives the batches.
 """
 
 from __future__ import annotations
@@ -20,12 +26,12 @@ import asyncio
 import resource
 import threading
 import time
-from concurrent.futures import Future, ThreadPoolExecutor
+from concurrent.futures import Future, InvalidStateError, ThreadPoolExecutor
 from dataclasses import dataclass, field, replace
 
 import torch
 
-from diffrl.engine.denoise import denoise
+from diffrl.engine.denoise import DenoiseStopped, denoise
 from diffrl.engine.protocol import (
     IMAGE_CONDITIONING_FIELDS,
     DitTrajectory,
@@ -34,7 +40,7 @@ from diffrl.engine.protocol import (
 )
 from diffrl.errors import RequestError
 from diffrl.models.base import FamilyAdapter, PromptEmbeds
-from diffrl.models.lora import LoraSpec, add_lora, current_lora
+from diffrl.models.lora import LoraSpec, add_lora, check_lora, current_lora
 from diffrl.sampling import make_generators
 
 
@@ -50,6 +56,37 @@ class EngineConfig:
     arrived for this long. A rollout's microgroups reach the engine within milliseconds of each other;
     without the wait the first one takes the idle model alone and the rest queue behind its whole
     denoising loop (two batches per rollout instead of one). 0: start at once."""
+    max_prompt_chars: int = 16384
+    """Longest `prompt` / `negative_prompt` (characters); tokenizers truncate far below this anyway."""
+    max_guidance_scale: float = 100.0
+    max_noise_level: float = 10.0
+    """Upper bounds of `guidance_scale` (and `guidance_scale_2`, `true_cfg_scale`) and `rollout_noise_level`."""
+    max_output_steps: int | None = None
+    """Upper bound of num_outputs_per_prompt × num_inference_steps (None: no bound, for trusted in-process
+    callers; `diffrl serve` sets one)."""
+    request_timeout_s: float | None = None
+    """A request not finished this long after it arrived is abandoned (None: never; `diffrl serve` sets one)."""
+    max_pending_requests: int = 1024
+    """Requests accepted and not finished; more are refused (`EngineBusy`, HTTP 429)."""
+    worker_threads: int = 4
+    """Threads that drive denoising batches (one runs the model at a time; waiting requests hold none)."""
+    max_lora_rank: int = 256
+    """Largest LoRA rank `add_lora_adapter` hosts."""
+
+
+INT64_MAX = 2**63 - 1  # weight versions travel as int64 (msgpack, JSON clients)
+
+
+class RequestCancelled(Exception):
+    """A request abandoned before it finished: its client went away, or it passed its deadline."""
+
+    def __init__(self, reason: str):
+        super().__init__(reason)
+        self.reason = reason
+
+
+class EngineBusy(Exception):
+    """More requests wait than `max_pending_requests`: come back later (HTTP 429)."""
 
 
 @dataclass(frozen=True)
@@ -75,6 +112,25 @@ class _Ticket:
     req: RolloutRequest
     plan: _Plan
     result: Future = field(default_factory=Future)
+    cancel: threading.Event = field(default_factory=threading.Event)
+    deadline: float | None = None  # time.monotonic() after which the request is abandoned
+
+    def abandoned(self) -> RequestCancelled | None:
+        if self.cancel.is_set():
+            return RequestCancelled("the client went away")
+        if self.deadline is not None and time.monotonic() > self.deadline:
+            return RequestCancelled("the request ran past the server's time limit (request_timeout_s)")
+        return None
+
+    def settle(self, value) -> None:
+        """Hand the caller its outputs or error (once; a caller that gave up cancelled the future)."""
+        try:
+            if isinstance(value, BaseException):
+                self.result.set_exception(value)
+            else:
+                self.result.set_result(value)
+        except InvalidStateError:
+            pass
 
 
 class Engine:
@@ -88,7 +144,8 @@ class Engine:
         self._in_flight = 0
         self._waiting: list[_Ticket] = []
         self.denoise_batches = 0  # batches run so far (fewer than requests when requests share batches)
-        self._threads = ThreadPoolExecutor(max_workers=256, thread_name_prefix="engine")
+        # Bounded: waiting requests sit in `_waiting`, not in threads (each thread can grow its own malloc arena).
+        self._threads = ThreadPoolExecutor(max_workers=max(1, self.config.worker_threads), thread_name_prefix="engine")
 
     @property
     def in_flight(self) -> int:
@@ -98,10 +155,24 @@ class Engine:
     # ------------------------------------------------------------------ validation
     def plan(self, req: RolloutRequest) -> _Plan:
         """Resolve defaults and refuse what this engine cannot serve, naming the field."""
-        family = self.family
-        limit = self.config.max_outputs_per_request
+        family, cfg = self.family, self.config
+        limit = cfg.max_outputs_per_request
         if not 1 <= req.num_outputs_per_prompt <= limit:
             raise RequestError("num_outputs_per_prompt", f"must be between 1 and {limit}, got {req.num_outputs_per_prompt}")
+        for name in ("prompt", "negative_prompt"):
+            if len(getattr(req, name)) > cfg.max_prompt_chars:
+                raise RequestError(name, f"{len(getattr(req, name))} characters, above the limit of {cfg.max_prompt_chars}")
+        for name in ("guidance_scale", "guidance_scale_2", "true_cfg_scale"):
+            value = getattr(req, name)
+            if value is not None and not 0 <= value <= cfg.max_guidance_scale:
+                raise RequestError(name, f"must be between 0 and {cfg.max_guidance_scale}, got {value}")
+        if not 0 <= req.rollout_noise_level <= cfg.max_noise_level:
+            raise RequestError("rollout_noise_level", f"must be between 0 and {cfg.max_noise_level}, "
+                                                      f"got {req.rollout_noise_level}")
+        work = req.num_outputs_per_prompt * req.num_inference_steps
+        if cfg.max_output_steps is not None and work > cfg.max_output_steps:
+            raise RequestError("num_inference_steps", f"num_outputs_per_prompt × num_inference_steps = {work} is above "
+                                                      f"this engine's limit of {cfg.max_output_steps}")
         if not family.accepts_image_conditioning:
             for name in IMAGE_CONDITIONING_FIELDS:
                 if getattr(req, name) is not None:
@@ -118,16 +189,18 @@ class Engine:
             raise RequestError("true_cfg_scale", f"the {family.name} family has no true CFG; use guidance_scale")
         generator_device = _generator_device(req.generator_device, family.device)
         default_h, default_w = family.default_size()
-        height, width = req.height or default_h, req.width or default_w
+        height = default_h if req.height is None else req.height  # 0 is refused by the size check, not "default"
+        width = default_w if req.width is None else req.width
         family.check_size(height, width, **_frames(num_frames))
         n = req.num_inference_steps
         sde_type = req.rollout_sde_type if req.rollout else "ode"
         sde_steps = tuple(range(n)) if req.rollout_sde_step_indices is None else tuple(req.rollout_sde_step_indices)
-        if not req.rollout:
-            sde_steps = ()
+        # Checked whether or not `rollout` is set: a bad index is a bad request either way.
         _check_indices("rollout_sde_step_indices", sde_steps, n - 1)
         if len(set(sde_steps)) != len(sde_steps):
-            raise RequestError("rollout_sde_step_indices", f"repeated step index in {list(sde_steps)}")
+            raise RequestError("rollout_sde_step_indices", f"repeated step index in {_short(sde_steps)}")
+        if not req.rollout:
+            sde_steps = ()
         if req.rollout_return_step_indices is None:
             return_steps = tuple(sorted({j for i in sde_steps for j in (i, i + 1)}))
         else:
@@ -150,25 +223,64 @@ class Engine:
                      guidance_scale_2=guidance_2, generator_device=generator_device)
 
     # ------------------------------------------------------------------ generation
-    def generate(self, req: RolloutRequest) -> list[RolloutOutput]:
+    def generate(self, req: RolloutRequest, cancel: threading.Event | None = None) -> list[RolloutOutput]:
+        ticket = self._enqueue(req, cancel)
+        try:
+            self._drive(ticket)
+            return ticket.result.result()
+        finally:
+            self._leave(ticket)
+
+    async def agenerate(self, req: RolloutRequest, cancel: threading.Event | None = None) -> list[RolloutOutput]:
+        """`generate` for an event loop: the request waits in the queue (no thread) while a pool thread
+        drives a batch that includes it. Cancelling the awaiting task (or setting `cancel`) abandons it."""
+        ticket = self._enqueue(req, cancel)
+        try:
+            asyncio.get_running_loop().run_in_executor(self._threads, self._drive, ticket)
+            return await asyncio.wrap_future(ticket.result)
+        finally:
+            self._leave(ticket)
+
+    def _enqueue(self, req: RolloutRequest, cancel: threading.Event | None) -> _Ticket:
         ticket = _Ticket(req, self.plan(req))  # refuse before counting: a bad request never occupies the engine
+        if cancel is not None:
+            ticket.cancel = cancel
+        if self.config.request_timeout_s is not None:
+            ticket.deadline = time.monotonic() + self.config.request_timeout_s
         with self._count_lock:
+            if self._in_flight >= self.config.max_pending_requests:
+                raise EngineBusy(f"{self._in_flight} requests in flight, the limit is {self.config.max_pending_requests}")
             self._in_flight += 1
             self._waiting.append(ticket)
             self._arrived.notify_all()
-        try:
-            # Whoever holds the model runs a batch that may include this ticket; otherwise we take
-            # the model and run our ticket with whatever compatible requests wait behind it.
-            while not ticket.result.done():
-                with self._model_lock:
-                    if ticket.result.done():
-                        break
-                    self._gather(ticket)
-                    self._run_batch(self._take_batch(ticket))
-            return ticket.result.result()
-        finally:
-            with self._count_lock:
-                self._in_flight -= 1
+        return ticket
+
+    def _leave(self, ticket: _Ticket) -> None:
+        """The caller is done with `ticket` (answered, failed or gone): it leaves the queue and the count."""
+        with self._count_lock:
+            self._in_flight -= 1
+            if ticket in self._waiting:  # abandoned before any batch took it
+                self._waiting.remove(ticket)
+        # Answered or not (a cancelled await cancels the future too): a batch that still holds it stops
+        # once all its requests are abandoned.
+        ticket.cancel.set()
+        ticket.settle(RequestCancelled("the caller stopped waiting"))
+
+    def _drive(self, ticket: _Ticket) -> None:
+        # Whoever holds the model runs a batch that may include this ticket; otherwise we take
+        # the model and run our ticket with whatever compatible requests wait behind it.
+        while not ticket.result.done():
+            with self._model_lock:
+                if ticket.result.done():
+                    break
+                if (gone := ticket.abandoned()) is not None:
+                    with self._count_lock:
+                        if ticket in self._waiting:
+                            self._waiting.remove(ticket)
+                    ticket.settle(gone)
+                    break
+                self._gather(ticket)
+                self._run_batch(self._take_batch(ticket))
 
     def _gather(self, first: _Ticket) -> None:
         """Hold the model (not yet running) while requests that can share `first`'s batch keep arriving:
@@ -190,6 +302,8 @@ class Engine:
             batch, total = [first], first.req.num_outputs_per_prompt
             for t in self._waiting:
                 n = t.req.num_outputs_per_prompt
+                if t.abandoned() is not None:
+                    continue  # its own driver settles it
                 if t is not first and t.plan.batch_key == first.plan.batch_key and total + n <= self.config.max_batch_outputs:
                     batch.append(t)
                     total += n
@@ -201,14 +315,13 @@ class Engine:
         outputs: list = [RuntimeError("the engine was interrupted")] * len(batch)
         try:
             outputs = self._generate(batch)
+        except DenoiseStopped:  # every request of the batch was abandoned: each hears its own reason
+            outputs = [t.abandoned() or RequestCancelled("abandoned") for t in batch]
         except Exception as err:  # noqa: BLE001 - handed to every caller of the batch below
             outputs = [err] * len(batch)
         finally:
             for t, out in zip(batch, outputs, strict=True):
-                if isinstance(out, BaseException):
-                    t.result.set_exception(out)
-                else:
-                    t.result.set_result(out)
+                t.settle(out)
 
     def add_lora_adapter(self, spec: LoraSpec) -> bool:
         """Host the trainer's LoRA adapter (unmerged), so later weight updates can carry only its
@@ -220,30 +333,39 @@ class Engine:
                 if existing != spec:
                     raise RequestError("lora", f"this engine already has a different LoRA adapter: {existing.model_dump()}")
                 return False
-            add_lora(self.family.transformer, spec)
+            check_lora(self.family.transformer, spec, self.config.max_lora_rank)  # before anything is installed
+            add_lora(self.family.transformer, spec)  # removes what it built if it fails part-way
             return True
 
     def update_weights(self, tensors: dict[str, torch.Tensor], version: int | None = None) -> int:
-        """Load named transformer tensors (a trainer's update), between batches. Every name and shape
-        is checked before anything is written, so a bad update changes nothing."""
-        state = self.family.transformer.state_dict()
-        for name, t in tensors.items():
-            if name not in state:
-                raise RequestError("weights", f"unknown tensor {name!r} for this {self.family.name} transformer")
-            if tuple(t.shape) != tuple(state[name].shape):
-                raise RequestError("weights", f"{name}: shape {tuple(t.shape)}, the model has {tuple(state[name].shape)}")
-            if not torch.isfinite(t).all():
-                raise RequestError("weights", f"{name}: non-finite values")
+        """Load named transformer tensors (a trainer's update), between batches. All or nothing: every
+        name, shape and dtype is checked, and every tensor cast to its parameter's dtype and checked finite
+        there, before anything is written. A tensor must have its parameter's dtype, or be a float tensor
+        for a float parameter (cast; a value that overflows the parameter's dtype is refused): an integer
+        or bool tensor is never cast into a float weight. `version`: 0 ≤ version < 2**63."""
+        if version is not None and not 0 <= version <= INT64_MAX:
+            raise RequestError("x-weight-version", f"must be an integer between 0 and {INT64_MAX}, got {version}")
         with self._model_lock, torch.no_grad():
+            state = self.family.transformer.state_dict()
+            if version is None and self.weight_version >= INT64_MAX:
+                raise RequestError("x-weight-version", "the weight version would pass 2**63 - 1; send one explicitly")
+            cast = {}
             for name, t in tensors.items():
-                state[name].copy_(t)
+                if name not in state:
+                    raise RequestError("weights", f"unknown tensor {name[:200]!r} for this {self.family.name} transformer")
+                target = state[name]
+                if tuple(t.shape) != tuple(target.shape):
+                    raise RequestError("weights", f"{name}: shape {tuple(t.shape)}, the model has {tuple(target.shape)}")
+                if t.dtype != target.dtype and not (t.is_floating_point() and target.is_floating_point()):
+                    raise RequestError("weights", f"{name}: dtype {t.dtype} cannot stand for the model's {target.dtype}")
+                value = t.to(device=target.device, dtype=target.dtype)
+                if value.is_floating_point() and not torch.isfinite(value).all():
+                    raise RequestError("weights", f"{name}: non-finite values in the model's dtype {target.dtype}")
+                cast[name] = value
+            for name, value in cast.items():
+                state[name].copy_(value)
             self.weight_version = self.weight_version + 1 if version is None else version
         return self.weight_version
-
-    async def agenerate(self, req: RolloutRequest) -> list[RolloutOutput]:
-        """`generate` on a worker thread, so an event loop keeps serving while the model runs. The
-        engine's own pool is wide: a request waiting for a shared batch only sleeps in its thread."""
-        return await asyncio.get_running_loop().run_in_executor(self._threads, self.generate, req)
 
     @torch.no_grad()
     def _generate(self, batch: list[_Ticket]) -> list[list[RolloutOutput] | Exception]:
@@ -263,7 +385,13 @@ class Engine:
             unconds = ([family.encode_prompts([t.req.negative_prompt]) for t in batch] if plan.guidance_scale > 1.0
                        else None)
         if len(batch) > 1 and not (_same_ids(conds) and _same_ids(unconds or [])):
-            return [out for t in batch for out in self._generate([t])]  # text lengths differ: no shared batch
+            outputs = []  # text lengths differ: no shared batch, one request at a time
+            for t in batch:
+                try:
+                    outputs += self._generate([t])
+                except DenoiseStopped:
+                    outputs.append(t.abandoned() or RequestCancelled("abandoned"))
+            return outputs
         cond = _concat([c.repeat(n) for c, n in zip(conds, sizes)])
         uncond = _concat([u.repeat(n) for u, n in zip(unconds, sizes)]) if unconds is not None else None
         seeds = [t.req.seed + i for t in batch for i in range(t.req.num_outputs_per_prompt)]
@@ -275,6 +403,7 @@ class Engine:
             sde_type=plan.sde_type, noise_level=req0.rollout_noise_level, sde_step_indices=plan.sde_steps,
             return_step_indices=plan.return_steps if req0.rollout_return_dit_trajectory else (),
             log_prob_no_const=req0.rollout_log_prob_no_const, guidance_scale_2=plan.guidance_scale_2,
+            should_stop=lambda: all(t.abandoned() is not None for t in batch),
         )
         finite = torch.isfinite(result.latents).flatten(1).all(1).cpu()
         images = family.decode(result.latents, plan.height, plan.width, **_frames(plan.num_frames)).cpu()
@@ -344,7 +473,13 @@ def _concat(parts: list[PromptEmbeds]) -> PromptEmbeds:
 def _check_indices(field: str, indices, limit: int) -> None:
     bad = [i for i in indices if not 0 <= i <= limit]
     if bad:
-        raise RequestError(field, f"{bad} out of range 0..{limit}")
+        raise RequestError(field, f"{_short(bad)} out of range 0..{limit}")
+
+
+def _short(values) -> str:
+    """A list for a one-line message: the first few values (a request may send thousands)."""
+    values = list(values)
+    return str(values) if len(values) <= 8 else f"[{', '.join(str(v)[:24] for v in values[:8])}, … {len(values)} in all]"
 
 
 def _denoising_env(cond, uncond, image_ids, sigmas, plan: _Plan) -> dict[str, torch.Tensor]:

@@ -14,7 +14,7 @@ from dataclasses import dataclass
 from typing import Any, Literal
 
 import torch
-from pydantic import BaseModel, ConfigDict, Field, model_validator
+from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
 from diffrl.errors import RequestError  # noqa: F401  (re-exported: part of the protocol)
 
@@ -30,18 +30,35 @@ _NULL_MEANS_DEFAULT = ("negative_prompt", "num_inference_steps", "num_outputs_pe
 _NOT_IN_EXTRA = ("prompt", "rollout", "extra_sampling_params")
 
 
+# The schema's own bounds (what no engine could serve); each engine's limits are checked in `Engine.plan`.
+MAX_STEPS = 1000
+
+
+def utf8_text(value: str | None) -> str | None:
+    """Refuse text that cannot be encoded as UTF-8 (a lone surrogate from a JSON escape): tokenizers cannot."""
+    if value is None:
+        return value
+    try:
+        value.encode("utf-8")
+    except UnicodeEncodeError:
+        raise ValueError("text is not valid Unicode (a lone surrogate)") from None
+    return value
+
+
 class RolloutRequest(BaseModel):
-    model_config = ConfigDict(extra="forbid")
+    # NaN and ±Infinity (which Python's JSON parser accepts) are refused for every float field.
+    model_config = ConfigDict(extra="forbid", allow_inf_nan=False)
 
     prompt: str
     negative_prompt: str = ""
     seed: int = Field(0, ge=0, lt=2**63)
     """Output i of the request uses seed `seed + i` for its own generator."""
     num_outputs_per_prompt: int = 1
-    width: int | None = None
-    height: int | None = None
-    num_frames: int | None = None
-    num_inference_steps: int = Field(10, ge=1, le=1000)
+    width: int | None = Field(None, ge=1)
+    height: int | None = Field(None, ge=1)
+    """None: the family's default (0 is refused, not read as the default)."""
+    num_frames: int | None = Field(None, ge=1)
+    num_inference_steps: int = Field(10, ge=1, le=MAX_STEPS)
     guidance_scale: float | None = Field(None, ge=0)
     """None: the family's default. ≤ 1 runs one conditional forward per step."""
     guidance_scale_2: float | None = Field(None, ge=0)
@@ -51,9 +68,9 @@ class RolloutRequest(BaseModel):
     """True: the SDE steps inject noise and return log-probs; False: plain ODE sampling."""
     rollout_sde_type: Literal["sde", "cps", "ode"] = "sde"
     rollout_noise_level: float = Field(0.7, ge=0)
-    rollout_sde_step_indices: list[int] | None = None
+    rollout_sde_step_indices: list[int] | None = Field(None, max_length=MAX_STEPS + 1)
     """Steps that inject noise and return log-probs (default: every step); the rest run ODE."""
-    rollout_return_step_indices: list[int] | None = None
+    rollout_return_step_indices: list[int] | None = Field(None, max_length=MAX_STEPS + 2)
     """Steps whose entering latents come back (default: each SDE step and the one after)."""
     rollout_return_denoising_env: bool = False
     rollout_return_dit_trajectory: bool = False
@@ -75,6 +92,8 @@ class RolloutRequest(BaseModel):
     image_url: str | list[str] | None = None
     input_reference: str | None = None
     mask_image: str | None = None
+
+    _text = field_validator("prompt", "negative_prompt", "generator_device")(utf8_text)
 
     @model_validator(mode="before")
     @classmethod

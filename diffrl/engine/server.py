@@ -9,19 +9,29 @@
 - `POST /v1/images/generations`: OpenAI-style plain generation (PNG as base64), for eval and serving.
 - `GET /health`: status, family, weight version and the in-flight count used for routing.
 - `POST /update_weights`: named transformer tensors as a safetensors body (a trainer's update;
-  `X-Weight-Version` header). Needs `Authorization: Bearer <token>` when the server has a token;
-  a server bound beyond loopback refuses updates unless it has one.
+  `X-Weight-Version` header, 0 ≤ v < 2**63), all or nothing, checked in the model's dtypes.
+- `POST /lora_adapter`: host the trainer's LoRA adapter (checked against the transformer first).
+  Both change the model: they need `Authorization: Bearer <token>` when the server has a token (a
+  server bound beyond loopback refuses them unless it has one), a loopback Host (DNS rebinding), no
+  foreign `Origin` (web pages) and their own content type (`application/octet-stream`, `application/json`).
 
-A bad request gets 400 (engine checks) or 422 (schema) naming the field, and changes nothing.
+A bad request gets a 4xx naming the field or header (`{"error": {"field", "message"}}`; schema errors
+also carry FastAPI's `detail` list, without the input echo) and changes nothing. Bodies, prompts,
+outputs × steps and time per request are bounded (`ServeConfig`, docs/wire-format.md "Limits"); a
+request whose client goes away is abandoned. /docs and /openapi.json are off unless `--docs`.
 """
 
 from __future__ import annotations
 
 import asyncio
 import base64
+import ctypes
 import hmac
 import io
+import json
 import os
+import re
+import threading
 import time
 import uuid
 from dataclasses import dataclass
@@ -30,13 +40,14 @@ from typing import Literal
 
 import torch
 from fastapi import FastAPI, Request
+from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response
 from PIL import Image
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
 
 from diffrl.engine import sglang
-from diffrl.engine.engine import Engine, EngineConfig
-from diffrl.engine.protocol import RolloutRequest
+from diffrl.engine.engine import INT64_MAX, Engine, EngineBusy, EngineConfig, RequestCancelled
+from diffrl.engine.protocol import RolloutRequest, utf8_text
 from diffrl.engine.wire import MEDIA_TYPE, WireFormatError, decode_weights, encode_outputs
 from diffrl.errors import RequestError
 from diffrl.models.lora import LoraSpec
@@ -46,12 +57,12 @@ from diffrl.utils.images import to_uint8
 class ImageGenerationRequest(BaseModel):
     """The subset of OpenAI's images API that makes sense here, plus seed and sampler knobs."""
 
-    model_config = ConfigDict(extra="forbid")
+    model_config = ConfigDict(extra="forbid", allow_inf_nan=False)
 
     prompt: str
-    n: int = 1
-    size: str | None = None
-    """"WIDTHxHEIGHT"; default: the family's size."""
+    n: int = Field(1, ge=1)
+    size: str | None = Field(None, max_length=32)
+    """"WIDTHxHEIGHT" in ASCII digits; default: the family's size."""
     response_format: Literal["b64_json"] = "b64_json"
     seed: int = Field(0, ge=0, lt=2**63)
     negative_prompt: str = ""
@@ -59,24 +70,196 @@ class ImageGenerationRequest(BaseModel):
     guidance_scale: float | None = Field(None, ge=0)
     model: str | None = None  # accepted for client compatibility; the server has one model
 
+    _text = field_validator("prompt", "negative_prompt")(utf8_text)
+
 
 def _parse_size(size: str | None) -> tuple[int | None, int | None]:
     if size is None:
         return None, None
-    try:
-        width, height = (int(v) for v in size.lower().split("x"))
-    except ValueError:
-        raise RequestError("size", f"expected 'WIDTHxHEIGHT', got {size!r}") from None
-    return width, height
+    # ASCII digits only: int() would also read other scripts' digits ("１２８").
+    match = re.fullmatch(r"([0-9]{1,6})[xX]([0-9]{1,6})", size)
+    if match is None:
+        raise RequestError("size", f"expected 'WIDTHxHEIGHT' in ASCII digits, got {size!r}")
+    return int(match[1]), int(match[2])
 
 
-def create_app(engine: Engine, *, update_token: str | None = None, exposed: bool = False) -> FastAPI:
-    """`exposed`: bound to a non-loopback address (weight updates then require `update_token`)."""
-    app = FastAPI(title="diffrl engine")
+@dataclass(frozen=True)
+class ServerLimits:
+    """What the HTTP layer refuses before the engine sees a request (docs/wire-format.md, "Limits")."""
+
+    max_body_bytes: int = 1 << 20
+    """Largest JSON body (a prompt is capped by the engine's `max_prompt_chars` as well)."""
+    max_weights_bytes: int | None = None
+    """Largest `/update_weights` body; None: 8 bytes per element of the transformer's state (float64)
+    plus room for the safetensors header."""
+    allowed_hosts: tuple[str, ...] = ()
+    """Host names state-changing endpoints accept besides loopback ones (a loopback server accepts only
+    those: DNS rebinding); an exposed server checks Host only when this is set."""
+    allowed_origins: tuple[str, ...] = ()
+    """`Origin`s state-changing endpoints accept; a request with any other Origin (a web page) is refused."""
+
+
+LOOPBACK_HOSTS = ("127.0.0.1", "localhost", "::1")
+# Endpoints that change the model, with the only body type each takes (a web page can send text/plain
+# cross-origin without a preflight; it cannot send these).
+STATE_CHANGING = {"/update_weights": "application/octet-stream", "/lora_adapter": "application/json"}
+
+
+def error_response(status: int, field: str, message: str, detail: list | None = None) -> Response:
+    """A one-line error naming the field. Encoded as ASCII JSON, so input that cannot be encoded (lone
+    surrogates, NaN) is never what turns a refusal into a 500."""
+    message = " ".join(str(message).split())[:400]
+    body = {"error": {"field": field[:200], "message": message}}
+    if detail is not None:
+        body["detail"] = detail
+    return Response(json.dumps(body, ensure_ascii=True, allow_nan=False), status_code=status,
+                    media_type="application/json")
+
+
+def _validation_response(errors: list[dict]) -> Response:
+    """422 for a schema error, in FastAPI's `detail` shape (loc, msg, type) plus `error`, but without the
+    `input`/`ctx` echo (which may hold what JSON cannot encode)."""
+    detail = []
+    for err in errors[:10]:
+        loc = [part if isinstance(part, int) else str(part)[:100] for part in err.get("loc", ())]
+        detail.append({"loc": loc, "msg": " ".join(str(err.get("msg", "")).split())[:300],
+                       "type": str(err.get("type", ""))[:60]})
+    first = detail[0] if detail else {"loc": [], "msg": "invalid request"}
+    field = ".".join(str(p) for p in first["loc"] if p != "body") or "body"
+    return error_response(422, field, f"{field}: {first['msg']}", detail)
+
+
+def _host_name(host: str) -> str:
+    """The name in a Host header, without its port ("[::1]:30000" -> "::1")."""
+    host = host.strip().lower()
+    if host.startswith("["):
+        return host[1:].partition("]")[0]
+    name, sep, port = host.rpartition(":")
+    return name if sep and port.isdigit() else host
+
+
+class _Guard:
+    """ASGI middleware in front of every route. On state-changing endpoints: the token (before the body is
+    read), Host (DNS rebinding), Origin (web pages) and content type. On every request: the body size,
+    read here once with the limit (413 as soon as it is passed) and handed on."""
+
+    def __init__(self, app, *, engine: Engine, limits: ServerLimits, update_token: str | None, exposed: bool):
+        self.app, self.engine, self.limits = app, engine, limits
+        self.token = None if update_token is None else f"Bearer {update_token}".encode()
+        self.exposed = exposed
+
+    async def __call__(self, scope, receive, send):
+        if scope["type"] != "http":
+            return await self.app(scope, receive, send)
+        headers = {k.decode("latin-1").lower(): v for k, v in scope.get("headers", ())}
+        path = scope.get("path", "")
+        refusal = self._refusal(path, headers) if path in STATE_CHANGING else None
+        if refusal is None:
+            limit = (self._weights_limit() if path == "/update_weights" else self.limits.max_body_bytes)
+            declared = headers.get("content-length")
+            if declared is not None and not declared.isdigit():
+                refusal = error_response(400, "content-length", "not a byte count")
+            elif declared is not None and int(declared) > limit:
+                refusal = error_response(413, "body", f"{int(declared)} bytes, above this endpoint's limit of {limit}")
+        if refusal is not None:
+            return await refusal(scope, receive, send)
+        chunks, size = [], 0
+        while True:
+            message = await receive()
+            if message["type"] == "http.disconnect":
+                return  # the client left before sending its body
+            chunk = message.get("body", b"")
+            size += len(chunk)
+            if size > limit:
+                return await error_response(413, "body", f"more than this endpoint's limit of {limit} bytes")(
+                    scope, receive, send)
+            chunks.append(chunk)
+            if not message.get("more_body", False):
+                break
+        body, replayed = b"".join(chunks), False
+
+        async def replay():
+            nonlocal replayed
+            if not replayed:
+                replayed = True
+                return {"type": "http.request", "body": body, "more_body": False}
+            return await receive()  # after the body: the disconnect the endpoints watch for
+
+        await self.app(scope, replay, send)
+
+    def _weights_limit(self) -> int:
+        if self.limits.max_weights_bytes is not None:
+            return self.limits.max_weights_bytes
+        state = self.engine.family.transformer.state_dict()
+        return 8 * sum(t.numel() for t in state.values()) + 1024 * len(state) + (1 << 20)
+
+    def _refusal(self, path: str, headers: dict[str, bytes]) -> Response | None:
+        if self.token is None and self.exposed:
+            return error_response(403, "authorization", "weight updates are disabled on an exposed server "
+                                                        "without --update-token")
+        if self.token is not None and not hmac.compare_digest(headers.get("authorization", b""), self.token):
+            return error_response(401, "authorization", "missing or wrong bearer token")
+        host = _host_name(headers.get("host", b"").decode("latin-1"))
+        allowed = tuple(h.lower() for h in self.limits.allowed_hosts)
+        if (not self.exposed or allowed) and host not in (allowed if self.exposed else LOOPBACK_HOSTS + allowed):
+            return error_response(403, "host", f"{host[:100]!r} is not a host name this server answers "
+                                               "state-changing requests for (--allowed-hosts)")
+        origin = headers.get("origin")
+        if origin is not None and origin.decode("latin-1") not in self.limits.allowed_origins:
+            return error_response(403, "origin", "state-changing requests from web pages are refused (--allowed-origins)")
+        kind = headers.get("content-type", b"").decode("latin-1").split(";")[0].strip().lower()
+        if kind != STATE_CHANGING[path]:
+            return error_response(415, "content-type", f"{path} takes {STATE_CHANGING[path]}, got {kind[:100]!r}")
+        return None
+
+
+def create_app(engine: Engine, *, update_token: str | None = None, exposed: bool = False,
+               limits: ServerLimits | None = None, docs: bool = False) -> FastAPI:
+    """`exposed`: bound to a non-loopback address (weight updates then require `update_token`).
+    `docs`: serve /docs and /openapi.json (off by default: they describe every endpoint to anyone)."""
+    limits = limits or ServerLimits()
+    app = FastAPI(title="diffrl engine", docs_url="/docs" if docs else None, redoc_url=None,
+                  openapi_url="/openapi.json" if docs else None)
+    app.add_middleware(_Guard, engine=engine, limits=limits, update_token=update_token, exposed=exposed)
 
     @app.exception_handler(RequestError)
-    async def _request_error(_: Request, err: RequestError) -> JSONResponse:
-        return JSONResponse(status_code=400, content={"error": {"field": err.field, "message": err.message}})
+    async def _request_error(_: Request, err: RequestError) -> Response:
+        return error_response(400, err.field, err.message)
+
+    @app.exception_handler(RequestValidationError)
+    async def _schema_error(_: Request, err: RequestValidationError) -> Response:
+        return _validation_response(list(err.errors()))
+
+    @app.exception_handler(ValidationError)  # a request built inside an endpoint (/v1/images/generations)
+    async def _inner_schema_error(_: Request, err: ValidationError) -> Response:
+        return _validation_response(list(err.errors()))
+
+    @app.exception_handler(EngineBusy)
+    async def _busy(_: Request, err: EngineBusy) -> Response:
+        return error_response(429, "request", f"the engine is busy: {err}")
+
+    @app.exception_handler(RequestCancelled)
+    async def _cancelled(_: Request, err: RequestCancelled) -> Response:
+        return error_response(503, "request", err.reason)
+
+    async def generate(request: Request, req: RolloutRequest) -> list | None:
+        """The engine's outputs, or None when the client went away first (the request is then abandoned:
+        it leaves the queue, or its batch stops at the next step once nobody waits for it)."""
+        cancel = threading.Event()
+        work = asyncio.ensure_future(engine.agenerate(req, cancel))
+        gone = asyncio.ensure_future(_disconnected(request))
+        timeout = engine.config.request_timeout_s
+        try:
+            done, _ = await asyncio.wait({work, gone}, timeout=timeout, return_when=asyncio.FIRST_COMPLETED)
+            if work in done:
+                return work.result()
+            cancel.set()
+            work.cancel()
+            if gone in done:
+                return None
+            raise RequestCancelled(f"the request ran past the server's time limit of {timeout} s (request_timeout_s)")
+        finally:
+            gone.cancel()
 
     @app.get("/health")
     async def health() -> dict:
@@ -91,61 +274,57 @@ def create_app(engine: Engine, *, update_token: str | None = None, exposed: bool
     @app.post("/rollout/generate")
     async def rollout_generate(req: RolloutRequest, request: Request) -> Response:
         if wants_compact(request.headers.get("accept")):
-            outputs = await engine.agenerate(req)
+            if (outputs := await generate(request, req)) is None:
+                return Response(status_code=499)
             body = await asyncio.to_thread(encode_outputs, outputs)  # serialization off the event loop
             return Response(content=body, media_type=MEDIA_TYPE)
         engine.plan(req)  # refuse bad input by the client's own field values before rewriting the request
-        outputs = await engine.agenerate(sglang.engine_request(req))
+        if (outputs := await generate(request, sglang.engine_request(req))) is None:
+            return Response(status_code=499)
         body = await asyncio.to_thread(sglang.encode_response, outputs, req, engine.family, uuid.uuid4().hex)
         return Response(content=body, media_type=sglang.JSON_MEDIA_TYPE)
 
-    def refused(request: Request) -> JSONResponse | None:
-        """Weight-changing endpoints: a token when one is set; none at all when exposed without one."""
-        if update_token is None and exposed:
-            return JSONResponse(status_code=403, content={"error": {"field": "authorization", "message":
-                                "weight updates are disabled on an exposed server without --update-token"}})
-        if update_token is not None and not hmac.compare_digest(
-                request.headers.get("authorization", ""), f"Bearer {update_token}"):
-            return JSONResponse(status_code=401, content={"error": {"field": "authorization",
-                                                                    "message": "missing or wrong bearer token"}})
-        return None
-
     @app.post("/lora_adapter")
-    async def lora_adapter(spec: LoraSpec, request: Request) -> JSONResponse:
-        if (refusal := refused(request)) is not None:
-            return refusal
+    async def lora_adapter(spec: LoraSpec) -> Response:  # token, host, origin, content type: `_Guard`
         added = await asyncio.to_thread(engine.add_lora_adapter, spec)
         return JSONResponse({"added": added, "lora": spec.model_dump()})
 
     @app.post("/update_weights")
-    async def update_weights(request: Request) -> JSONResponse:
-        if (refusal := refused(request)) is not None:
-            return refusal
+    async def update_weights(request: Request) -> Response:  # token, host, origin, content type: `_Guard`
+        header = request.headers.get("x-weight-version")
+        version = None
+        if header is not None:
+            if re.fullmatch(r"[0-9]{1,19}", header.strip()) is None or int(header) > INT64_MAX:
+                raise RequestError("x-weight-version", f"must be an integer between 0 and {INT64_MAX}, "
+                                                       f"got {header[:40]!r}")
+            version = int(header)
         body = await request.body()
         try:
             tensors = decode_weights(body)  # safetensors: plain tensors, never pickle
         except WireFormatError as err:
             raise RequestError("weights", str(err)) from None
-        header = request.headers.get("x-weight-version")
-        try:
-            version = int(header) if header is not None else None
-        except ValueError:
-            raise RequestError("x-weight-version", f"not an integer: {header!r}") from None
         new_version = await asyncio.to_thread(engine.update_weights, tensors, version)
         return JSONResponse({"weight_version": new_version, "tensors": len(tensors)})
 
     @app.post("/v1/images/generations")
-    async def images_generations(req: ImageGenerationRequest) -> dict:
+    async def images_generations(req: ImageGenerationRequest, request: Request) -> Response:
         width, height = _parse_size(req.size)
         rollout_req = RolloutRequest(
             prompt=req.prompt, negative_prompt=req.negative_prompt, seed=req.seed, num_outputs_per_prompt=req.n,
             width=width, height=height, num_inference_steps=req.num_inference_steps, guidance_scale=req.guidance_scale,
         )
-        outputs = await engine.agenerate(rollout_req)
+        if (outputs := await generate(request, rollout_req)) is None:
+            return Response(status_code=499)
         images = to_uint8(torch.stack([o.generated_output for o in outputs]))
-        return {"created": int(time.time()), "data": [{"b64_json": _png_b64(img)} for img in images]}
+        return JSONResponse({"created": int(time.time()), "data": [{"b64_json": _png_b64(img)} for img in images]})
 
     return app
+
+
+async def _disconnected(request: Request) -> None:
+    """Returns when the client has gone away (the body is read by then, so the next message is the disconnect)."""
+    while (await request.receive())["type"] != "http.disconnect":
+        pass
 
 
 def wants_compact(accept: str | None) -> bool:
@@ -189,11 +368,51 @@ class ServeConfig:
     max_batch_outputs: int = 64
     """Outputs of waiting requests denoised together in one batch (requests with equal settings)."""
     update_token: str | None = None
-    """Bearer token for POST /update_weights (default: env DIFFRL_ENGINE_TOKEN). Without one, only a
-    loopback server accepts weight updates."""
+    """Bearer token for POST /update_weights and /lora_adapter (default: env DIFFRL_ENGINE_TOKEN). Without
+    one, only a loopback server accepts them."""
     compile: bool = False
     """torch.compile the transformer's repeated blocks (as `diffrl train --compile`, with eager's bf16
     roundings kept); a LoRA adapter hosted later recompiles them once."""
+    # Limits (docs/wire-format.md, "Limits"): a refusal is a 4xx naming the field and changes nothing.
+    max_body_bytes: int = 1 << 20
+    """Largest JSON request body (bytes)."""
+    max_weights_bytes: int | None = None
+    """Largest /update_weights body (default: 8 bytes per transformer element, plus header room)."""
+    max_prompt_chars: int = 16384
+    max_output_steps: int = 4096
+    """Largest num_outputs_per_prompt × num_inference_steps of one request."""
+    request_timeout_s: float = 600.0
+    """A request still unanswered this long after it arrived is abandoned (HTTP 503)."""
+    max_guidance_scale: float = 100.0
+    max_noise_level: float = 10.0
+    max_lora_rank: int = 256
+    max_pending_requests: int = 1024
+    """Requests in flight (waiting or running); more get HTTP 429."""
+    worker_threads: int = 4
+    """Threads driving denoising batches (waiting requests hold none)."""
+    allowed_hosts: tuple[str, ...] = ()
+    """Host names accepted on /update_weights and /lora_adapter besides loopback ones."""
+    allowed_origins: tuple[str, ...] = ()
+    """Origin headers accepted on /update_weights and /lora_adapter (default: none; web pages are refused)."""
+    docs: bool = False
+    """Serve /docs and /openapi.json."""
+    malloc_arena_max: int = 2
+    """glibc malloc arenas for the server process (0: glibc's default, 8 per core). Threads that allocate
+    each get an arena of their own, and freed memory stays in them: with the default, RSS grows by
+    gigabytes under bursts of concurrent requests (BENCHMARKS.md, "Server memory"). An explicit
+    MALLOC_ARENA_MAX in the environment wins."""
+
+    def engine_config(self) -> EngineConfig:
+        return EngineConfig(max_outputs_per_request=self.max_outputs_per_request,
+                            max_batch_outputs=self.max_batch_outputs, max_prompt_chars=self.max_prompt_chars,
+                            max_guidance_scale=self.max_guidance_scale, max_noise_level=self.max_noise_level,
+                            max_output_steps=self.max_output_steps, request_timeout_s=self.request_timeout_s,
+                            max_pending_requests=self.max_pending_requests, worker_threads=self.worker_threads,
+                            max_lora_rank=self.max_lora_rank)
+
+    def server_limits(self) -> ServerLimits:
+        return ServerLimits(max_body_bytes=self.max_body_bytes, max_weights_bytes=self.max_weights_bytes,
+                            allowed_hosts=tuple(self.allowed_hosts), allowed_origins=tuple(self.allowed_origins))
 
 
 def build_engine(cfg: ServeConfig) -> Engine:
@@ -206,14 +425,28 @@ def build_engine(cfg: ServeConfig) -> Engine:
     family = resolve_family(cfg.diffusion_model_family, model_path).load(model_path, device=resolve_device(cfg.device))
     if cfg.compile:
         compile_blocks(family.transformer, family.block_lists)
-    return Engine(family, EngineConfig(max_outputs_per_request=cfg.max_outputs_per_request,
-                                       max_batch_outputs=cfg.max_batch_outputs))
+    return Engine(family, cfg.engine_config())
+
+
+def limit_malloc_arenas(arenas: int) -> bool:
+    """Cap glibc's malloc arenas for this process (`mallopt(M_ARENA_MAX)`); it applies to arenas created
+    from now on, so call it before the server's threads start. False where there is no glibc to ask, or
+    MALLOC_ARENA_MAX is set (glibc has read it already)."""
+    if arenas <= 0 or "MALLOC_ARENA_MAX" in os.environ:
+        return False
+    try:
+        libc = ctypes.CDLL("libc.so.6")
+        return bool(libc.mallopt(-8, arenas))  # -8: M_ARENA_MAX in glibc's malloc.h
+    except (OSError, AttributeError):
+        return False
 
 
 def serve(cfg: ServeConfig) -> None:
     import uvicorn
 
+    limit_malloc_arenas(cfg.malloc_arena_max)
     engine = build_engine(cfg)
     token = cfg.update_token or os.environ.get("DIFFRL_ENGINE_TOKEN")
-    exposed = cfg.host not in ("127.0.0.1", "localhost", "::1")
-    uvicorn.run(create_app(engine, update_token=token, exposed=exposed), host=cfg.host, port=cfg.port, log_level="info")
+    exposed = cfg.host not in LOOPBACK_HOSTS
+    app = create_app(engine, update_token=token, exposed=exposed, limits=cfg.server_limits(), docs=cfg.docs)
+    uvicorn.run(app, host=cfg.host, port=cfg.port, log_level="info")

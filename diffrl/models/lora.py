@@ -3,36 +3,86 @@ the adapter an engine adds has the parameter names the trainer pushes into it.""
 
 from __future__ import annotations
 
+import math
+
 import torch
 from pydantic import BaseModel, ConfigDict, Field, field_validator
 
+from diffrl.errors import RequestError
+
+# Layer types peft can wrap with a LoRA adapter (a target must name at least one of them).
+_LORA_LAYERS = (torch.nn.Linear, torch.nn.Conv1d, torch.nn.Conv2d, torch.nn.Conv3d, torch.nn.Embedding)
+
 
 class LoraSpec(BaseModel):
-    """What an engine needs to host the trainer's adapter (sent as JSON to `POST /lora_adapter`)."""
+    """What an engine needs to host the trainer's adapter (sent as JSON to `POST /lora_adapter`).
+    The schema bounds what any engine could take; `check_lora` checks it against one transformer."""
 
-    model_config = ConfigDict(extra="forbid")
+    model_config = ConfigDict(extra="forbid", allow_inf_nan=False)
 
-    rank: int = Field(ge=1)
-    alpha: float = Field(gt=0)
-    target_modules: list[str] = Field(min_length=1)
+    rank: int = Field(ge=1, le=65536)
+    alpha: float = Field(gt=0, le=1e6)
+    target_modules: list[str] = Field(min_length=1, max_length=256)
 
     @field_validator("target_modules")
     @classmethod
     def _sorted(cls, names: list[str]) -> list[str]:  # order-free, so two specs compare with ==
-        return sorted(names)
+        for name in names:
+            if not 1 <= len(name) <= 256:
+                raise ValueError("each target module name must have 1 to 256 characters")
+        return sorted(set(names))
+
+
+def check_lora(transformer: torch.nn.Module, spec: LoraSpec, max_rank: int) -> None:
+    """Refuse (naming the field) a spec this transformer cannot host, before anything is installed:
+    a rank above `max_rank` or above every targeted layer's size, a non-finite alpha, a target module
+    that matches no adaptable layer (peft matches a name exactly or as a dotted suffix)."""
+    if spec.rank > max_rank:
+        raise RequestError("rank", f"{spec.rank} is above this engine's limit of {max_rank} (--max-lora-rank)")
+    if not math.isfinite(spec.alpha) or spec.alpha <= 0:
+        raise RequestError("alpha", f"must be finite and > 0, got {spec.alpha}")
+    layers = [(name, m) for name, m in transformer.named_modules() if isinstance(m, _LORA_LAYERS)]
+    for target in spec.target_modules:
+        if not any(name == target or name.endswith("." + target) for name, _ in layers):
+            raise RequestError("target_modules", f"{target!r} matches no linear, conv or embedding layer of "
+                                                 f"this transformer")
 
 
 def add_lora(transformer: torch.nn.Module, spec: LoraSpec) -> None:
-    """Add the adapter "default" (A Gaussian, B zero: the model's output is unchanged until trained)."""
+    """Add the adapter "default" (A Gaussian, B zero: the model's output is unchanged until trained).
+    All or nothing: if peft fails part-way, the half-built adapter is removed again."""
     from peft import LoraConfig
 
-    transformer.add_adapter(LoraConfig(r=spec.rank, lora_alpha=spec.alpha, init_lora_weights="gaussian",
-                                       target_modules=list(spec.target_modules)))
+    try:
+        transformer.add_adapter(LoraConfig(r=spec.rank, lora_alpha=spec.alpha, init_lora_weights="gaussian",
+                                           target_modules=list(spec.target_modules)))
+    except Exception:
+        remove_lora(transformer)
+        raise
     # The adapter is trained: fp32 masters even on a bf16 base (peft creates it in the base's dtype and
     # casts its input to the adapter's dtype, so the two mix).
     for name, param in transformer.named_parameters():
         if "lora_" in name and param.dtype != torch.float32:
             param.data = param.data.float()
+
+
+def remove_lora(transformer: torch.nn.Module) -> None:
+    """Take the adapter "default" off again (and its config), whatever state peft left it in."""
+    from peft.tuners.lora import LoraLayer
+    from peft.tuners.tuners_utils import BaseTunerLayer
+
+    for name, module in list(transformer.named_modules()):
+        if isinstance(module, LoraLayer | BaseTunerLayer) and hasattr(module, "get_base_layer"):
+            parent_name, _, child = name.rpartition(".")
+            parent = transformer.get_submodule(parent_name) if parent_name else transformer
+            setattr(parent, child, module.get_base_layer())
+    config = getattr(transformer, "peft_config", None)
+    if isinstance(config, dict):
+        config.pop("default", None)
+        if not config:
+            del transformer.peft_config
+    if hasattr(transformer, "_hf_peft_config_loaded"):
+        transformer._hf_peft_config_loaded = False
 
 
 def current_lora(transformer: torch.nn.Module) -> LoraSpec | None:
