@@ -333,6 +333,7 @@ def test_a_checkpoint_from_before_named_emas_resumes_its_ema(tiny_model_dir, tmp
     state = torch.load(path, weights_only=True)
     state["ema"] = state.pop("emas")["ema"]  # the old layout
     torch.save(state, path)
+    (path.parent / "manifest.json").unlink()  # checkpoints of that time had no manifest
     resumed = Trainer(tiny_config(tiny_model_dir, out, loss_type="nft", num_rollout=2, resume=True))
     assert all(torch.equal(a, b) for a, b in zip(resumed.policy.ema.shadow, trainer.policy.ema.shadow))
     fresh = Trainer(tiny_config(tiny_model_dir, tmp_path / "fresh", loss_type="nft"))

@@ -40,6 +40,7 @@ from diffrl.models.batch_invariance import (
     rows_share_one_timestep,
 )
 from diffrl.models.registry import register_family
+from diffrl.models.weights import require_finite_modules
 from diffrl.sampling import make_sigmas, randn_per_sample
 
 DEFAULT_TEXT_LAYERS = (4, 8, 12, 16, 20, 24, 28, 32)
@@ -151,6 +152,7 @@ class Flux3ImageFamily(FamilyAdapter):
         for module in (transformer, vae, text_encoder):
             if module is not None:
                 module.to(device=device).eval().requires_grad_(False)
+        require_finite_modules(root, {"transformer": transformer, "vae": vae, "text_encoder": text_encoder})
         return cls(transformer, vae, text_encoder, tokenizer, shift=_static_shift(root / "scheduler"),
                    settings=settings)
 

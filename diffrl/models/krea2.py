@@ -67,6 +67,7 @@ from diffrl.models.base import FamilyAdapter, Latents, PromptEmbeds, read_json, 
 from diffrl.models.batch_invariance import embed_rows_one_at_a_time
 from diffrl.models.qwen_vae import decode_latents, pack_latents
 from diffrl.models.registry import register_family
+from diffrl.models.weights import require_finite_modules
 from diffrl.sampling import randn_per_sample, resolution_mu
 
 # The pipeline's text layout: this prefix (34 tokens with Qwen's tokenizer, dropped from the conditioning), the
@@ -228,6 +229,7 @@ class Krea2Family(FamilyAdapter):
         for module in (transformer, vae, text_encoder):
             if module is not None:
                 module.to(device=device).eval().requires_grad_(False)
+        require_finite_modules(root, {"transformer": transformer, "vae": vae, "text_encoder": text_encoder})
         return cls(transformer, vae, text_encoder, tokenizer, scheduler, settings=settings)
 
     # ---------------------------------------------------------------- the family's conventions

@@ -64,6 +64,7 @@ from diffrl.models.batch_invariance import (
 )
 from diffrl.models.qwen_vae import decode_latents, pack_latents
 from diffrl.models.registry import register_family
+from diffrl.models.weights import require_finite_modules
 from diffrl.sampling import randn_per_sample, resolution_mu
 
 # The prompt template Qwen-Image was trained with; the tokens before the prompt (34 with Qwen's
@@ -243,6 +244,7 @@ class QwenImageFamily(FamilyAdapter):
         for module in (transformer, vae, text_encoder):
             if module is not None:
                 module.to(device=device).eval().requires_grad_(False)
+        require_finite_modules(root, {"transformer": transformer, "vae": vae, "text_encoder": text_encoder})
         return cls(transformer, vae, text_encoder, tokenizer, scheduler, settings=settings)
 
     # ---------------------------------------------------------------- the family's conventions

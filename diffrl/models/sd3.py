@@ -45,6 +45,7 @@ from diffrl.models.batch_invariance import (
     rows_share_one_timestep,
 )
 from diffrl.models.registry import register_family
+from diffrl.models.weights import require_finite_modules
 from diffrl.sampling import randn_per_sample
 
 CLIP_TOKENS = 77
@@ -131,6 +132,8 @@ class SD3Family(FamilyAdapter):
         for module in (transformer, vae, *encoders):
             if module is not None:
                 module.to(device=device).eval().requires_grad_(False)
+        require_finite_modules(root, {"transformer": transformer, "vae": vae, "text_encoder": encoders[0],
+                                      "text_encoder_2": encoders[1], "text_encoder_3": encoders[2]})
         if len(tokenizers) == 2:
             tokenizers.append(None)
         return cls(transformer, vae, encoders, tokenizers, scheduler, max_sequence_length=max_sequence_length)

@@ -60,7 +60,7 @@ from diffrl.models.batch_invariance import (
     rows_share_one_timestep,
 )
 from diffrl.models.registry import register_family
-from diffrl.models.weights import load_weights
+from diffrl.models.weights import load_weights, require_finite_modules
 from diffrl.sampling import randn_per_sample
 
 SCHEDULERS = ("FlowMatchEulerDiscreteScheduler", "UniPCMultistepScheduler")
@@ -234,6 +234,8 @@ class Wan22Family(FamilyAdapter):
         for module in (transformer, transformer_2, vae, text_encoder):
             if module is not None:
                 module.to(device=device).eval().requires_grad_(False)
+        require_finite_modules(root, {"transformer": transformer, "transformer_2": transformer_2, "vae": vae,
+                                      "text_encoder": text_encoder})
         boundary = None if boundary_ratio is None else boundary_ratio * scheduler.config.num_train_timesteps
         experts = WanExperts(transformer, transformer_2, boundary)
         return cls(experts, vae, text_encoder, tokenizer, scheduler, boundary_ratio=boundary_ratio,

@@ -1,20 +1,38 @@
 """Checkpoints of a run: the model a user loads, and what `--resume` needs to continue exactly.
 
 `checkpoints/rollout-N/` holds the model (LoRA in PEFT format under `lora/`, or the full transformer
-in diffusers layout under `model/`; the `--use-ema` weights when there are some) and the train state
-(`train_state.py`: parameters, optimizer, EMAs, and the loop's counters with the task's position).
+in diffusers layout under `model/`; the `--use-ema` weights when there are some), the train state
+(`train_state.py`: parameters, optimizer, EMAs, and the loop's counters with the task's position) and
+`manifest.json`, the size and sha256 of every other file in the folder.
 `checkpoints/best/` holds the model with the best selection metric of the task, with `best.json`.
+
+Writes are atomic: a checkpoint is written into `.rollout-N.partial/` beside its final name, every
+file is fsynced and listed in the manifest, and only then is the folder renamed into place (an
+existing one is swapped out atomically). A crash or kill at any moment leaves either the previous
+checkpoint or the new complete one. `--resume` takes the newest folder whose manifest is present and
+whose every file matches it; damaged or incomplete ones are skipped with one printed line.
 """
 
 from __future__ import annotations
 
 import contextlib
+import ctypes
+import hashlib
 import json
+import os
+import re
+import shutil
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 from safetensors.torch import save_file
 
 from diffrl.train.train_state import load_train_state, save_train_state
+
+MANIFEST = "manifest.json"
+MANIFEST_FORMAT = "diffrl-checkpoint/1"
+PARTIAL_SUFFIX = ".partial"
+_ROLLOUT = re.compile(r"rollout-(\d+)")
 
 
 class Checkpointer:
@@ -26,28 +44,78 @@ class Checkpointer:
         """Every rank calls this (a sharded save is collective)."""
         p = self.policy
         path = self.dir / f"rollout-{rollout_index:05d}"
-        path.mkdir(parents=True, exist_ok=True)
-        self.save_model(path)
-        save_train_state(path, transformer=p.transformer, params=p.params, names=p.trainable_names,
-                         optimizer=p.optimizer, emas=p.emas(), meta=meta, parallel=p.parallel)
+        with self._staged(path) as staging:
+            self.save_model(staging)
+            save_train_state(staging, transformer=p.transformer, params=p.params, names=p.trainable_names,
+                             optimizer=p.optimizer, emas=p.emas(), meta=meta, parallel=p.parallel)
         return path
 
     def load_latest(self) -> tuple[Path, dict]:
-        """Restore the last checkpoint into the policy; returns its path and the saved counters."""
-        checkpoints = sorted(self.dir.glob("rollout-*"))
-        if not checkpoints:
-            raise FileNotFoundError(f"--resume: no checkpoint under {self.dir}")
+        """Restore the newest complete checkpoint into the policy; returns its path and the saved counters.
+        Under torchrun rank 0 verifies the folders and tells the other ranks which one to load."""
         p = self.policy
-        meta = load_train_state(checkpoints[-1], transformer=p.transformer, params=p.params, names=p.trainable_names,
+        choice = self._choose() if p.parallel.is_main else None
+        if p.parallel.enabled:
+            import torch.distributed as dist
+
+            box = [choice]
+            dist.broadcast_object_list(box, src=0)
+            choice = box[0]
+        kind, value = choice
+        if kind != "ok":
+            raise (FileNotFoundError if kind == "missing" else ValueError)(value)
+        path = Path(value)
+        meta = load_train_state(path, transformer=p.transformer, params=p.params, names=p.trainable_names,
                                 optimizer=p.optimizer, emas=p.emas(), device=p.device, parallel=p.parallel)
-        return checkpoints[-1], meta
+        return path, meta
+
+    def _choose(self) -> tuple[str, str]:
+        """("ok", path) of the newest usable checkpoint, else ("missing" | "damaged", a one-line message).
+        Folders without a manifest are from a diffrl that wrote none when no folder has one: those are
+        loaded unverified (the newest whose train state reads)."""
+        found = sorted(((int(m.group(1)), c) for c in self.dir.glob("rollout-*")
+                        if c.is_dir() and (m := _ROLLOUT.fullmatch(c.name))), reverse=True)
+        for stale in self.dir.glob(f".*{PARTIAL_SUFFIX}"):  # writes a crash or kill cut short
+            shutil.rmtree(stale, ignore_errors=True)
+        if not found:
+            return "missing", f"--resume: no checkpoint under {self.dir}"
+        legacy = not any((c / MANIFEST).is_file() for _, c in found)
+        if legacy:
+            print(f"--resume: the checkpoints under {self.dir} have no {MANIFEST} (an older diffrl wrote them); "
+                  "they load unverified")
+        skipped = []
+        for _, candidate in found:
+            problem = unreadable_train_state(candidate) if legacy else verify_checkpoint(candidate)
+            if problem is None:
+                return "ok", str(candidate)
+            print(f"--resume: skipping {candidate}: {problem}")
+            skipped.append(f"{candidate.name}: {problem}")
+        return "damaged", f"--resume: no complete checkpoint under {self.dir} ({'; '.join(skipped)})"
 
     def save_best(self, record: dict) -> None:
-        path = self.dir / "best"
-        path.mkdir(parents=True, exist_ok=True)
-        self.save_model(path)
-        if self.policy.parallel.is_main:
-            (path / "best.json").write_text(json.dumps(record, indent=2) + "\n")
+        with self._staged(self.dir / "best") as staging:
+            self.save_model(staging)
+            if self.policy.parallel.is_main:
+                (staging / "best.json").write_text(json.dumps(record, indent=2) + "\n")
+
+    @contextlib.contextmanager
+    def _staged(self, final: Path):
+        """Yield an empty staging folder beside `final`; after the block, with every rank done writing,
+        rank 0 fsyncs and lists the files in the manifest and renames the folder to `final`. A failure
+        inside the block leaves `final` untouched (the staging folder is cleared by the next save)."""
+        par = self.policy.parallel
+        staging = final.with_name(f".{final.name}{PARTIAL_SUFFIX}")
+        if par.is_main:
+            if staging.exists():
+                shutil.rmtree(staging)
+            staging.mkdir(parents=True)
+        _barrier(par)
+        yield staging
+        _barrier(par)  # every rank's shards are written before rank 0 lists them
+        if par.is_main:
+            write_manifest(staging)
+            publish(staging, final)
+        _barrier(par)  # the checkpoint is in place for every rank when save returns
 
     def save_model(self, path: Path) -> None:
         """The model a user loads, the weights evaluation scores (the --use-ema EMA, else the current
@@ -75,3 +143,121 @@ class Checkpointer:
             transformer.peft_config["default"].save_pretrained(str(lora_dir))
         else:
             family.save(path / "model")
+
+
+def _barrier(parallel) -> None:
+    if parallel.enabled:
+        import torch.distributed as dist
+
+        dist.barrier()
+
+
+# ---------------------------------------------------------------------- manifest and atomic publish
+def _files(folder: Path) -> list[Path]:
+    return sorted(f for f in folder.rglob("*") if f.is_file() and f.relative_to(folder).as_posix() != MANIFEST)
+
+
+def _hash_file(path: Path, fsync: bool = False) -> tuple[int, str]:
+    digest, size = hashlib.sha256(), 0
+    with path.open("rb") as f:
+        while chunk := f.read(1 << 24):
+            digest.update(chunk)
+            size += len(chunk)
+        if fsync:
+            os.fsync(f.fileno())
+    return size, digest.hexdigest()
+
+
+def _hash_all(paths: list[Path], fsync: bool = False) -> list[tuple[int, str]]:
+    # hashlib releases the GIL on large buffers: a sharded or multi-file checkpoint hashes in parallel.
+    with ThreadPoolExecutor(max_workers=min(8, max(1, len(paths)))) as pool:
+        return list(pool.map(lambda p: _hash_file(p, fsync), paths))
+
+
+def _fsync_dir(path: Path) -> None:
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def write_manifest(folder: Path) -> None:
+    """fsync every file under `folder` and record its size and sha256 in `folder/manifest.json`
+    (written last, itself fsynced): a folder with a manifest is complete."""
+    files = _files(folder)
+    entries = {f.relative_to(folder).as_posix(): {"size": size, "sha256": digest}
+               for f, (size, digest) in zip(files, _hash_all(files, fsync=True), strict=True)}
+    for d in sorted({f.parent for f in files} | {folder}, key=lambda d: len(d.parts), reverse=True):
+        _fsync_dir(d)
+    with (folder / MANIFEST).open("w") as f:
+        f.write(json.dumps({"format": MANIFEST_FORMAT, "files": entries}, indent=1) + "\n")
+        f.flush()
+        os.fsync(f.fileno())
+    _fsync_dir(folder)
+
+
+def verify_checkpoint(folder: Path) -> str | None:
+    """None when `folder` has a manifest and every file it lists has the recorded size and sha256;
+    otherwise what is wrong, in a few words."""
+    manifest = folder / MANIFEST
+    if not manifest.is_file():
+        return f"no {MANIFEST} (an interrupted write)"
+    try:
+        files = json.loads(manifest.read_text())["files"]
+        entries = [(name, int(e["size"]), str(e["sha256"])) for name, e in files.items()]
+    except (OSError, ValueError, KeyError, TypeError, AttributeError) as err:
+        return f"unreadable {MANIFEST} ({type(err).__name__})"
+    if not entries:
+        return f"{MANIFEST} lists no files"
+    for name, size, _ in entries:
+        path = folder / name
+        if not path.is_file():
+            return f"{name} is missing"
+        if path.stat().st_size != size:
+            return f"{name} has {path.stat().st_size} bytes, the manifest says {size}"
+    for (name, _, digest), (_, actual) in zip(entries, _hash_all([folder / n for n, _, _ in entries]), strict=True):
+        if actual != digest:
+            return f"{name} does not match its sha256 in {MANIFEST} (damaged)"
+    return None
+
+
+def unreadable_train_state(folder: Path) -> str | None:
+    """For checkpoints without a manifest: None when the train state is there and its file loads."""
+    from diffrl.train.train_state import META_FILE, SHARDED_DIR, SINGLE_FILE, read_single_file
+
+    if (folder / SHARDED_DIR).is_dir():
+        return None if (folder / META_FILE).is_file() else f"{META_FILE} is missing"
+    try:
+        read_single_file(folder / SINGLE_FILE, "cpu")
+    except (ValueError, FileNotFoundError) as err:
+        return str(err)
+    return None
+
+
+def publish(staging: Path, final: Path) -> None:
+    """Rename the complete `staging` folder to `final`; an existing `final` is swapped out in one
+    atomic step (renameat2 RENAME_EXCHANGE on Linux) and then removed."""
+    parent = final.parent
+    if not final.exists():
+        os.rename(staging, final)
+    elif _exchange(staging, final):
+        shutil.rmtree(staging)  # now the old folder
+    else:  # no atomic exchange here: a crash between the renames leaves the older checkpoints to resume from
+        old = final.with_name(f".{final.name}.old")
+        if old.exists():
+            shutil.rmtree(old)
+        os.rename(final, old)
+        os.rename(staging, final)
+        shutil.rmtree(old)
+    _fsync_dir(parent)
+
+
+def _exchange(a: Path, b: Path) -> bool:
+    try:
+        libc = ctypes.CDLL(None, use_errno=True)
+        renameat2 = libc.renameat2
+    except (OSError, AttributeError):
+        return False
+    at_fdcwd, rename_exchange = -100, 2
+    return renameat2(at_fdcwd, os.fsencode(a), at_fdcwd, os.fsencode(b), rename_exchange) == 0

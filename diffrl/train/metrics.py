@@ -1,9 +1,52 @@
-"""Run metrics: JSONL (one record per rollout), TensorBoard, and a reward-curve PNG."""
+"""Run metrics: JSONL (one record per rollout), TensorBoard, and a reward-curve PNG.
+
+On `--resume` from rollout k, `metrics.jsonl` is rewritten (atomically) to the records of rollouts
+<= k before the run appends again, so a rollout that is re-run appears once; a last line cut short by
+a kill is dropped with a note. Any other unreadable line is an error naming the file and line.
+"""
 
 from __future__ import annotations
 
 import json
+import os
 from pathlib import Path
+
+
+def read_metrics(path: Path) -> tuple[list[dict], bool]:
+    """The records of a metrics.jsonl, and whether its last line was torn (a write cut short: dropped).
+    Raises ValueError naming the file and line for any other line that is not a record."""
+    if not path.is_file():
+        return [], False
+    lines = path.read_bytes().decode("utf-8", errors="replace").split("\n")
+    numbered = [(i, line) for i, line in enumerate(lines, 1) if line.strip()]
+    records, torn = [], False
+    for n, (i, line) in enumerate(numbered):
+        try:
+            record = json.loads(line)
+            if not isinstance(record, dict) or not isinstance(record.get("rollout"), int):
+                raise ValueError("no integer 'rollout'")
+        except ValueError as err:
+            if n == len(numbered) - 1:  # the last line: a write cut short by a kill (or a crash's zeros)
+                torn = True
+                break
+            raise ValueError(f"{path}, line {i}: not a metrics record ({str(err).splitlines()[0]})") from None
+        records.append(record)
+    return records, torn
+
+
+def _replace_file(path: Path, text: str) -> None:
+    """Write `text` to `path` atomically: a temporary file beside it, fsynced, renamed over it."""
+    tmp = path.with_name(f".{path.name}.tmp")
+    with tmp.open("w") as f:
+        f.write(text)
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(tmp, path)
+    fd = os.open(path.parent, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
 
 
 def best_by_selection(records: list[dict], key: str = "val/strict") -> dict | None:
@@ -14,19 +57,40 @@ def best_by_selection(records: list[dict], key: str = "val/strict") -> dict | No
 
 
 class MetricsLogger:
-    def __init__(self, run_dir: Path):
+    def __init__(self, run_dir: Path, resume_rollout: int | None = None):
+        """`resume_rollout`: the rollout index a resumed run continues from (its checkpoint's); the
+        records of later rollouts, which the run does again, are dropped first."""
         self.run_dir = run_dir
         self.path = run_dir / "metrics.jsonl"
+        if resume_rollout is not None and self.path.exists():
+            self._truncate_to(resume_rollout)
         self._file = self.path.open("a")
         from torch.utils.tensorboard import SummaryWriter
 
         self._tb = SummaryWriter(str(run_dir / "tensorboard"))
+
+    def _truncate_to(self, rollout: int) -> None:
+        records, torn = read_metrics(self.path)
+        if torn:
+            print(f"note: {self.path}: dropped its last line, cut short by the interrupted run")
+        kept = [r for r in records if r["rollout"] <= rollout]
+        if len(kept) < len(records):
+            print(f"note: {self.path}: dropped {len(records) - len(kept)} record(s) after rollout {rollout}, "
+                  "which this run does again")
+        unterminated = self.path.read_bytes()[-1:] not in (b"", b"\n")  # an append would join two lines
+        if torn or unterminated or len(kept) < len(records):
+            _replace_file(self.path, "".join(json.dumps(r) + "\n" for r in kept))
 
     def log(self, rollout: int, record: dict) -> None:
         self._file.write(json.dumps({"rollout": rollout, **record}) + "\n")
         self._file.flush()
         for key, value in record.items():
             self._tb.add_scalar(key, value, rollout)
+
+    def sync(self) -> None:
+        """Make the logged records durable (before a checkpoint that counts them as done)."""
+        self._file.flush()
+        os.fsync(self._file.fileno())
 
     def log_images(self, tag: str, images, step: int, captions: list[str] | None = None) -> None:
         """A few evaluation images to TensorBoard (a video by its first frame), captions as text."""
@@ -37,7 +101,7 @@ class MetricsLogger:
             self._tb.add_text(f"{tag}/captions", "\n\n".join(f"{i}: {c}" for i, c in enumerate(captions)), step)
 
     def records(self) -> list[dict]:
-        return [json.loads(line) for line in self.path.read_text().splitlines() if line.strip()]
+        return read_metrics(self.path)[0]
 
     def plot_curves(self) -> Path:
         import matplotlib

@@ -47,11 +47,19 @@ def load_train_state(path: Path, *, transformer: torch.nn.Module, params: list[t
         raise ValueError(f"--resume: {path} was written by {writer}; resume it the same way "
                          f"(this run has {parallel.world_size} rank{'s' if parallel.world_size > 1 else ''})")
     if not sharded:
-        state = torch.load(path / SINGLE_FILE, map_location=device, weights_only=True)
+        file = path / SINGLE_FILE
+        state = read_single_file(file, device)
+        saved_params = state.pop("params")
+        if len(saved_params) != len(params) or any(s.shape != p.shape for s, p in zip(saved_params, params)):
+            raise ValueError(f"--resume: {file} holds {len(saved_params)} trained tensors that do not fit the "
+                             f"{len(params)} this run trains (another model, --use-lora or --lora-rank?)")
+        try:
+            optimizer.load_state_dict(state.pop("optimizer"))
+        except (ValueError, KeyError, TypeError, RuntimeError) as err:
+            raise ValueError(f"--resume: {file}: the optimizer state does not fit this run ({_first_line(err)})") from None
         with torch.no_grad():
-            for p, saved in zip(params, state.pop("params"), strict=True):
+            for p, saved in zip(params, saved_params, strict=True):
                 p.copy_(saved)
-        optimizer.load_state_dict(state.pop("optimizer"))
         legacy = state.pop("ema", None)  # checkpoints before named EMAs held one, under "ema"
         saved = state.pop("emas", None) or ({"ema": legacy} if legacy is not None else {})
         for name, ema in emas.items():
@@ -59,19 +67,50 @@ def load_train_state(path: Path, *, transformer: torch.nn.Module, params: list[t
                 ema.load_state_dict(saved[name])
         return state
     import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.api import CheckpointException
     from torch.distributed.checkpoint.state_dict import StateDictOptions, set_state_dict
 
     state = _sharded_state(transformer, params, names, optimizer, emas)
     # Partial: the fresh optimizer has state for every parameter, the saved one only for those that
     # ever had a gradient (a module this task never runs has none), and those keep their fresh zeros.
-    dcp.load(state, checkpoint_id=str(path / SHARDED_DIR), planner=dcp.DefaultLoadPlanner(allow_partial_load=True))
+    meta_file = path / META_FILE
+    try:
+        meta = json.loads(meta_file.read_text())
+    except FileNotFoundError:
+        raise FileNotFoundError(f"--resume: {meta_file} is missing") from None
+    except (OSError, ValueError) as err:
+        raise ValueError(f"--resume: {meta_file} is damaged ({_first_line(err)})") from None
+    try:
+        dcp.load(state, checkpoint_id=str(path / SHARDED_DIR),
+                 planner=dcp.DefaultLoadPlanner(allow_partial_load=True))
+    except (CheckpointException, OSError, RuntimeError, ValueError) as err:
+        raise ValueError(f"--resume: {path / SHARDED_DIR} does not load ({_first_line(err)})") from None
     set_state_dict(transformer, optimizer, model_state_dict=state["model"], optim_state_dict=state["optimizer"],
                    options=StateDictOptions(ignore_frozen_params=True))
     with torch.no_grad():
         for name, ema in emas.items():
             for shadow, loaded in zip(ema.shadow, (state[name][n] for n in names), strict=True):
                 shadow.copy_(loaded.to_local())
-    return json.loads((path / META_FILE).read_text())
+    return meta
+
+
+def read_single_file(file: Path, device) -> dict:
+    """The dict of a one-process `train_state.pt`; a missing, empty, truncated or foreign file is a
+    one-line error naming it."""
+    if not file.is_file():
+        raise FileNotFoundError(f"--resume: {file} is missing")
+    try:
+        state = torch.load(file, map_location=device, weights_only=True)
+    except Exception as err:  # noqa: BLE001 - torch.load raises many types for a damaged archive
+        raise ValueError(f"--resume: {file} is damaged or truncated ({_first_line(err)})") from None
+    if not isinstance(state, dict) or not {"params", "optimizer"} <= state.keys():
+        raise ValueError(f"--resume: {file} is not a diffrl train state (no params/optimizer)")
+    return state
+
+
+def _first_line(err: BaseException) -> str:
+    text = str(err).strip()
+    return f"{type(err).__name__}: {text.splitlines()[0] if text else ''}".rstrip(": ")
 
 
 def _sharded_state(transformer, params, names, optimizer, emas) -> dict:

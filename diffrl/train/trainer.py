@@ -155,7 +155,8 @@ class Trainer:
         if self.parallel.is_main:
             config = {"tree": dataclasses.asdict(cfg), "flags": cfg.as_flat_dict()}
             (out / "config.json").write_text(json.dumps(config, default=str, indent=2) + "\n")
-            self.metrics = MetricsLogger(out)
+            # A resumed run drops the records of the rollouts after its checkpoint: it does them again.
+            self.metrics = MetricsLogger(out, resume_rollout=self.rollout_index if cfg.checkpoint.resume else None)
 
     def _reward_fn(self):
         t = self.cfg.task
@@ -331,6 +332,8 @@ class Trainer:
         meta = {"rollout_index": self.rollout_index, "next_group_index": self.next_group_index,
                 "weight_version": self.policy.weight_version, "elapsed_s": self.elapsed_s,
                 "task": self.task.state_dict(), "best_selection": self.best_selection}
+        if self.metrics is not None:  # the records up to this rollout are on disk before its checkpoint is
+            self.metrics.sync()
         return self.checkpointer.save(self.rollout_index, meta)
 
     def _resume(self) -> None:
