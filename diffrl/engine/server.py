@@ -43,6 +43,7 @@ from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response
 from PIL import Image
+from starlette.exceptions import HTTPException as StarletteHTTPException
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
 
 from diffrl.engine import sglang
@@ -233,6 +234,13 @@ def create_app(engine: Engine, *, update_token: str | None = None, exposed: bool
     @app.exception_handler(ValidationError)  # a request built inside an endpoint (/v1/images/generations)
     async def _inner_schema_error(_: Request, err: ValidationError) -> Response:
         return _validation_response(list(err.errors()))
+
+    @app.exception_handler(StarletteHTTPException)  # 404, 405, a body FastAPI cannot parse (not UTF-8): same shape
+    async def _http_error(_: Request, err: StarletteHTTPException) -> Response:
+        field = {404: "path", 405: "method"}.get(err.status_code, "body")
+        response = error_response(err.status_code, field, str(err.detail))
+        response.headers.update(err.headers or {})
+        return response
 
     @app.exception_handler(EngineBusy)
     async def _busy(_: Request, err: EngineBusy) -> Response:
