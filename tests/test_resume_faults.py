@@ -280,7 +280,7 @@ def test_non_finite_text_encoder_and_lora_weights_are_refused(tiny_model_dir, tm
     lora[lora_name].view(-1)[-1] = float("-inf")
     save_file(lora, str(adapter))
     with pytest.raises(ModelLoadError, match=rf"{adapter} holds NaN or inf in tensor '{lora_name}'"):
-        load_model(tiny_model_dir, adapter.parent.parent)
+        load_model(tiny_model_dir, adapter.parent)  # the adapter folder alone: no manifest to catch it first
 
 
 def test_from_pretrained_components_name_the_shard_holding_the_bad_tensor(tmp_path):
@@ -299,3 +299,32 @@ def test_from_pretrained_components_name_the_shard_holding_the_bad_tensor(tmp_pa
         module[1].bias[2] = float("nan")
     with pytest.raises(ModelLoadError, match=r"model-00002-of-00002.safetensors holds NaN or inf in tensor '1.bias'"):
         require_finite_modules(tmp_path, {"transformer": module})
+
+
+def test_evaluating_a_damaged_run_checkpoint_names_it(tiny_model_dir, tmp_path):
+    """`diffrl evaluate` / `compare` load run checkpoints through load_model, which checks the manifest:
+    a flipped byte in the saved weights would otherwise score other weights without a word."""
+    from diffrl.models.checkpoint import load_model
+
+    out = tmp_path / "run"
+    Trainer(tiny_config(tiny_model_dir, out, **FAST)).train()
+    checkpoint = out / "checkpoints" / "rollout-00001"
+    assert load_model(tiny_model_dir, checkpoint).transformer is not None
+    _flip_byte(checkpoint / "model" / "transformer" / "diffusion_pytorch_model.safetensors")
+    with pytest.raises(ModelLoadError, match=r"damaged checkpoint: .*rollout-00001 \(model/transformer/"
+                                             r"diffusion_pytorch_model.safetensors does not match its sha256"):
+        load_model(tiny_model_dir, checkpoint)
+
+
+def test_a_from_pretrained_family_refuses_nan_weights_naming_file_and_tensor(tmp_path):
+    """The diffusers `from_pretrained` path (SD3 here; every such family makes the same call)."""
+    from diffrl.models.sd3 import SD3Family, save_random_checkpoint
+
+    root = save_random_checkpoint(tmp_path / "sd3-tiny", with_t5=False)
+    weights = next((root / "transformer").glob("*.safetensors"))
+    state = load_file(str(weights))
+    name = sorted(state)[-1]
+    state[name].view(-1)[0] = float("nan")
+    save_file(state, str(weights), metadata={"format": "pt"})
+    with pytest.raises(ModelLoadError, match=rf"{weights} holds NaN or inf in tensor '{name}'"):
+        SD3Family.load(root)

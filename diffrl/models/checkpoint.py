@@ -6,6 +6,9 @@ A checkpoint is any of
 - a run checkpoint with `lora/` (PEFT adapter), applied on top of the base model;
 - a directory with `transformer/` weights but no text encoder (a full finetune copied without the
   untrained text encoder), loaded into the base model's transformer.
+
+A run checkpoint with `manifest.json` is checked against it first (sizes and sha256), and NaN or inf
+weights are refused (`diffrl.models.weights`); both errors name the file.
 """
 
 from __future__ import annotations
@@ -29,6 +32,12 @@ def load_model(base_path: Path, checkpoint: Path | None = None, *, family: str |
     checkpoint = Path(checkpoint)
     if not checkpoint.is_dir():
         raise ModelLoadError(f"checkpoint directory not found: {checkpoint}")
+    if (checkpoint / "manifest.json").is_file():  # a run checkpoint: its files must match what was written
+        from diffrl.train.checkpointer import verify_checkpoint
+
+        problem = verify_checkpoint(checkpoint)
+        if problem is not None:
+            raise ModelLoadError(f"damaged checkpoint: {checkpoint} ({problem})")
     for full in (checkpoint, checkpoint / "model"):
         if (full / "model_index.json").is_file() and (full / "text_encoder").is_dir():
             return family_cls.load(full, device=device)
