@@ -67,7 +67,9 @@ class MetricsLogger:
         self._file = self.path.open("a")
         from torch.utils.tensorboard import SummaryWriter
 
-        self._tb = SummaryWriter(str(run_dir / "tensorboard"))
+        # purge_step hides the killed run's TensorBoard events of the rollouts done again.
+        purge = None if resume_rollout is None else resume_rollout + 1
+        self._tb = SummaryWriter(str(run_dir / "tensorboard"), purge_step=purge)
 
     def _truncate_to(self, rollout: int) -> None:
         records, torn = read_metrics(self.path)
