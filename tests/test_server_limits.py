@@ -110,7 +110,7 @@ def test_lora_adapter_is_validated_before_anything_is_installed(engine):
     b'{"prompt": "a", "guidance_scale": NaN}', b'{"prompt": "a", "guidance_scale": Infinity}',
     b'{"prompt": "a", "seed": -Infinity}', b'{"prompt": "\xff\xfe bad utf-8"}', b'\xc3\x28',
     b'{"prompt": "\\ud800"}', b'{"prompt": "a", "\\udfff": 1}', b'{"prompt": "a", "negative_prompt": "\\udc80"}',
-    b'{"prompt": "a", "rank": 1e400}', b'[NaN]', b'',
+    b'{"prompt": "a", "rank": 1e400}', b'[NaN]', b'', b'{"prompt": "a", "extra_sampling_params": {"\\udc00": 1}}',
 ])
 def test_unencodable_input_gets_a_4xx_not_a_500(engine, path, body):
     response = _client(engine).post(path, content=body, headers={"content-type": "application/json"})

@@ -106,9 +106,11 @@ class RolloutRequest(BaseModel):
         if isinstance(extra, dict) and extra:
             for key, value in extra.items():
                 if key in _NOT_IN_EXTRA or key not in cls.model_fields:
-                    raise ValueError(f"extra_sampling_params.{key}: not a sampling parameter this engine knows"
+                    # The key is client text: escaped, since pydantic cannot carry a lone surrogate in a message.
+                    name = str(key).encode("utf-8", "backslashreplace").decode("utf-8")[:100]
+                    raise ValueError(f"extra_sampling_params.{name}: not a sampling parameter this engine knows"
                                      if key not in _NOT_IN_EXTRA else
-                                     f"extra_sampling_params.{key}: cannot be set through extra_sampling_params")
+                                     f"extra_sampling_params.{name}: cannot be set through extra_sampling_params")
                 if value is not None or key not in _NULL_MEANS_DEFAULT:
                     data[key] = value
             data["extra_sampling_params"] = None  # merged: the request now says it all
