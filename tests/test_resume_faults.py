@@ -204,7 +204,7 @@ def test_kill_9_at_a_random_moment_then_resume_matches_the_uninterrupted_run(tin
     and the same final weights as the run never killed. The seed of the moment is in the failure message."""
     seed = int.from_bytes(os.urandom(4), "little")
     rng = random.Random(seed)
-    num_rollout = 16
+    num_rollout = 12
     env = {**os.environ, "OMP_NUM_THREADS": "1",
            "PYTHONPATH": os.pathsep.join([str(Path(__file__).parent), os.environ.get("PYTHONPATH", "")])}
     cli = [sys.executable, "-m", "diffrl.cli.main"]
@@ -215,7 +215,7 @@ def test_kill_9_at_a_random_moment_then_resume_matches_the_uninterrupted_run(tin
                                 stdout=log, stderr=subprocess.STDOUT)
 
     def log_of(out: Path, n_extra: int) -> str:
-        return (tmp_path / f"{out.name}{n_extra}.log").read_text()[-3000:]
+        return (tmp_path / f"{out.name}{n_extra}.log").read_text()
 
     def wait_for(path: Path, proc: subprocess.Popen, timeout: float = 120) -> float:
         deadline = time.monotonic() + timeout
@@ -235,8 +235,8 @@ def test_kill_9_at_a_random_moment_then_resume_matches_the_uninterrupted_run(tin
     victim.wait()
 
     resumed = start(split, "--resume")
-    assert resumed.wait(timeout=300) == 0, f"seed {seed}: {log_of(split, 1)}"
-    assert reference.wait(timeout=300) == 0, log_of(straight, 0)
+    assert resumed.wait(timeout=300) == 0, f"seed {seed}: {log_of(split, 1)[-3000:]}"
+    assert reference.wait(timeout=300) == 0, log_of(straight, 0)[-3000:]
     assert "resumed from" in log_of(split, 1), f"seed {seed}"
     try:
         _same_run(straight, split, last=num_rollout)
