@@ -215,10 +215,22 @@ class _Guard:
 
 
 def create_app(engine: Engine, *, update_token: str | None = None, exposed: bool = False,
-               limits: ServerLimits | None = None, docs: bool = False) -> FastAPI:
+               limits: ServerLimits | None = None, docs: bool = False, trim_heap: bool = False) -> FastAPI:
     """`exposed`: bound to a non-loopback address (weight updates then require `update_token`).
-    `docs`: serve /docs and /openapi.json (off by default: they describe every endpoint to anyone)."""
+    `docs`: serve /docs and /openapi.json (off by default: they describe every endpoint to anyone).
+    `trim_heap`: when the engine falls idle, hand freed heap pages back to the OS (`malloc_trim`)."""
     limits = limits or ServerLimits()
+    trimming = {"pending": False}
+
+    async def trim_when_idle() -> None:
+        # A burst frees its memory into malloc's free lists, which keep the pages (RSS) otherwise.
+        if not trim_heap or engine.in_flight or trimming["pending"]:
+            return
+        trimming["pending"] = True
+        try:
+            await asyncio.to_thread(trim_malloc_heap)
+        finally:
+            trimming["pending"] = False
     app = FastAPI(title="diffrl engine", docs_url="/docs" if docs else None, redoc_url=None,
                   openapi_url="/openapi.json" if docs else None)
     app.add_middleware(_Guard, engine=engine, limits=limits, update_token=update_token, exposed=exposed)
@@ -268,6 +280,7 @@ def create_app(engine: Engine, *, update_token: str | None = None, exposed: bool
             raise RequestCancelled(f"the request ran past the server's time limit of {timeout} s (request_timeout_s)")
         finally:
             gone.cancel()
+            asyncio.ensure_future(trim_when_idle())
 
     @app.get("/health")
     async def health() -> dict:
@@ -408,7 +421,8 @@ class ServeConfig:
     """glibc malloc arenas for the server process (0: glibc's default, 8 per core). Threads that allocate
     each get an arena of their own, and freed memory stays in them: with the default, RSS grows by
     gigabytes under bursts of concurrent requests (BENCHMARKS.md, "Server memory"). An explicit
-    MALLOC_ARENA_MAX in the environment wins."""
+    MALLOC_ARENA_MAX in the environment wins. Above 0, the server also trims the heap (`malloc_trim`)
+    whenever it falls idle."""
 
     def engine_config(self) -> EngineConfig:
         return EngineConfig(max_outputs_per_request=self.max_outputs_per_request,
@@ -449,6 +463,14 @@ def limit_malloc_arenas(arenas: int) -> bool:
         return False
 
 
+def trim_malloc_heap() -> bool:
+    """`malloc_trim(0)`: return free heap pages of every arena to the OS (False without glibc)."""
+    try:
+        return bool(ctypes.CDLL("libc.so.6").malloc_trim(0))
+    except (OSError, AttributeError):
+        return False
+
+
 def serve(cfg: ServeConfig) -> None:
     import uvicorn
 
@@ -456,5 +478,6 @@ def serve(cfg: ServeConfig) -> None:
     engine = build_engine(cfg)
     token = cfg.update_token or os.environ.get("DIFFRL_ENGINE_TOKEN")
     exposed = cfg.host not in LOOPBACK_HOSTS
-    app = create_app(engine, update_token=token, exposed=exposed, limits=cfg.server_limits(), docs=cfg.docs)
+    app = create_app(engine, update_token=token, exposed=exposed, limits=cfg.server_limits(), docs=cfg.docs,
+                     trim_heap=cfg.malloc_arena_max > 0)
     uvicorn.run(app, host=cfg.host, port=cfg.port, log_level="info")
