@@ -136,8 +136,8 @@ def test_unipc_checkpoints_get_unipc_flow_sigmas(tmp_path):
 
 
 @pytest.mark.parametrize(("fields", "field"), [
-    (dict(height=24), "height"), (dict(width=0), "width"), (dict(width=16 * 8 * 33), "width"),
-    (dict(num_frames=6), "num_frames"), (dict(num_frames=0), "num_frames"),
+    (dict(height=24), "height"), (dict(width=16 * 8 * 33), "width"),
+    (dict(num_frames=6), "num_frames"),
     (dict(image="data:image/png;base64,AAAA"), "image"), (dict(true_cfg_scale=4.0), "true_cfg_scale"),
     (dict(guidance_scale=1.0, guidance_scale_2=3.0), "guidance_scale_2"),
 ])
@@ -148,6 +148,15 @@ def test_bad_video_requests_are_refused_by_name(wan, fields, field):
         engine.generate(RolloutRequest(**{**request, **fields}))
     assert err.value.field == field
     assert engine.in_flight == 0 and len(engine.generate(RolloutRequest(**request))) == 1
+
+
+def test_zero_sizes_are_refused_by_the_request_schema():
+    """A size of 0 used to mean "the default"; the schema now refuses it, naming the field."""
+    from pydantic import ValidationError
+
+    for field in ("width", "height", "num_frames"):
+        with pytest.raises(ValidationError, match=field):
+            RolloutRequest(prompt="a cat", **{field: 0})
 
 
 def test_guidance_scale_2_needs_a_second_expert(wan_one_expert, tiny_family):
