@@ -7,6 +7,7 @@ not UTF-8, unknown fields, wrong dtypes, foreign headers)."""
 
 import json
 import math
+import os
 
 import torch
 from fastapi.testclient import TestClient
@@ -19,7 +20,10 @@ from diffrl.engine.server import create_app
 from diffrl.engine.wire import decode_outputs
 
 FUZZ = dict(deadline=None, derandomize=True, database=None, suppress_health_check=list(HealthCheck))
-GENERATION_CASES, UPDATE_CASES = 110, 200  # a generation case runs the model; an update case is cheap
+# A generation case runs the model; an update case is cheap. DIFFRL_FUZZ_SCALE=N runs N times as many
+# cases (the CI size is 1; `DIFFRL_FUZZ_SCALE=17 pytest tests/test_server_fuzz.py` is over 5,000 requests).
+SCALE = int(os.environ.get("DIFFRL_FUZZ_SCALE", "1"))
+GENERATION_CASES, UPDATE_CASES = 110 * SCALE, 200 * SCALE
 SAMPLE = {"prompt": "a red circle", "seed": 3, "num_inference_steps": 2, "rollout": True,
           "rollout_return_dit_trajectory": True}
 
