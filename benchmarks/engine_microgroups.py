@@ -17,16 +17,14 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import socket
-import threading
-import time
+import contextlib
 
 import torch
 from report import emit
 
 from diffrl.cli.bench import time_group, transformer_gflop, transformer_step_ms
 from diffrl.engine.engine import Engine, EngineConfig
-from diffrl.engine.server import create_app
+from diffrl.engine.server import create_app, serving_in_thread
 from diffrl.models.demo import SHIPPED_DEMO_MODEL, DemoConfig, DemoFamily
 from diffrl.rollout import HttpEngineClient, InProcessEngineClient
 
@@ -42,19 +40,6 @@ def build_family(model: str, device: torch.device, dtype: torch.dtype) -> DemoFa
     family.transformer.to(dtype=dtype).eval().requires_grad_(False)
     family.text_encoder.eval().requires_grad_(False)
     return family
-
-
-def start_server(engine: Engine) -> tuple[str, object]:
-    import uvicorn
-
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    server = uvicorn.Server(uvicorn.Config(create_app(engine), host="127.0.0.1", port=port, log_level="warning"))
-    threading.Thread(target=server.run, daemon=True).start()
-    while not server.started:
-        time.sleep(0.05)
-    return f"http://127.0.0.1:{port}", server
 
 
 def main() -> None:
@@ -90,29 +75,26 @@ def main() -> None:
         gflop = transformer_gflop(family, batch, size, 1.0)
         results["transformer"][batch] = {"ms_per_sample": ms, "gflop_per_sample": gflop,
                                          "mfu": gflop / ms / args.peak_tflops if device.type == "cuda" else None}
-    server = None
-    for transport in args.transports:
-        if transport == "http":
-            url, server = start_server(engine)
-            client = HttpEngineClient(url)
-        else:
-            client = InProcessEngineClient(engine)
-        images = {}
-        for m in args.ms:
-            seconds, images[m] = asyncio.run(time_group(client, args.n, m, request, args.repeats))
-            forwards = args.n * args.steps * (2 if args.guidance_scale > 1 else 1)
-            gflop = results["transformer"][1]["gflop_per_sample"]
-            results["images_per_s"][f"{transport} M={m}"] = {
-                "images_per_s": args.n / seconds, "group_s": seconds,
-                "mfu": forwards * gflop / seconds / 1e3 / args.peak_tflops if device.type == "cuda" else None,
-            }
-            print(f"{transport:>6} M={m:<2} {args.n / seconds:8.2f} images/s  ({seconds:.2f} s per group)", flush=True)
-        # Same seeds, different batch sizes: exact on CPU; on GPU kernels may round differently per batch size.
-        reference = images[max(args.ms)]
-        results[f"{transport}_max_abs_diff_vs_M{max(args.ms)}"] = {
-            m: float((img - reference).abs().max()) for m, img in images.items()}
-    if server is not None:
-        server.should_exit = True
+    with contextlib.ExitStack() as stack:  # the HTTP server, when one is asked for, stops at the end
+        for transport in args.transports:
+            if transport == "http":
+                client = HttpEngineClient(stack.enter_context(serving_in_thread(create_app(engine))))
+            else:
+                client = InProcessEngineClient(engine)
+            images = {}
+            for m in args.ms:
+                seconds, images[m] = asyncio.run(time_group(client, args.n, m, request, args.repeats))
+                forwards = args.n * args.steps * (2 if args.guidance_scale > 1 else 1)
+                gflop = results["transformer"][1]["gflop_per_sample"]
+                results["images_per_s"][f"{transport} M={m}"] = {
+                    "images_per_s": args.n / seconds, "group_s": seconds,
+                    "mfu": forwards * gflop / seconds / 1e3 / args.peak_tflops if device.type == "cuda" else None,
+                }
+                print(f"{transport:>6} M={m:<2} {args.n / seconds:8.2f} images/s  ({seconds:.2f} s per group)", flush=True)
+            # Same seeds, different batch sizes: exact on CPU; on GPU kernels may round differently per batch size.
+            reference = images[max(args.ms)]
+            results[f"{transport}_max_abs_diff_vs_M{max(args.ms)}"] = {
+                m: float((img - reference).abs().max()) for m, img in images.items()}
     for transport in args.transports:
         one, eight = results["images_per_s"].get(f"{transport} M=1"), results["images_per_s"].get(f"{transport} M=8")
         if one and eight:

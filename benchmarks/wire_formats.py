@@ -13,19 +13,15 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import contextlib
-import socket
 import statistics
-import threading
 import time
 
-import uvicorn
 from report import emit
 
 from diffrl.engine import sglang
 from diffrl.engine.engine import Engine, EngineConfig
 from diffrl.engine.protocol import RolloutRequest
-from diffrl.engine.server import create_app
+from diffrl.engine.server import create_app, serving_in_thread
 from diffrl.engine.wire import decode_outputs, encode_outputs
 from diffrl.models import resolve_family
 from diffrl.models.demo import SHIPPED_DEMO_MODEL
@@ -47,23 +43,6 @@ def median_seconds(fn, rounds: int) -> float:
         fn()
         times.append(time.perf_counter() - start)
     return statistics.median(times)
-
-
-@contextlib.contextmanager
-def serving(app):
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=port, log_level="warning"))
-    thread = threading.Thread(target=server.run, daemon=True)
-    thread.start()
-    while not server.started:
-        time.sleep(0.05)
-    try:
-        yield f"http://127.0.0.1:{port}"
-    finally:
-        server.should_exit = True
-        thread.join(timeout=10)
 
 
 def main() -> None:
@@ -94,7 +73,7 @@ def main() -> None:
         results[name] = {"body_mb": len(body) / 1e6, "server_encode_ms": 1e3 * median_seconds(encode, args.rounds),
                          "client_decode_ms": 1e3 * decode_s, "client_intake_images_per_s": n / decode_s}
 
-    with serving(create_app(engine)) as url:
+    with serving_in_thread(create_app(engine)) as url:
         for name, wire_format in (("compact", "compact"), ("sglang_json", "sglang")):
             client = HttpEngineClient(url, wire_format=wire_format)
             try:

@@ -2,22 +2,18 @@
 
 import asyncio
 import base64
-import contextlib
 import io
 import socket
-import threading
-import time
 
 import httpx
 import numpy as np
 import pytest
 import torch
-import uvicorn
 from PIL import Image
 
 from diffrl.engine.engine import Engine, EngineConfig
 from diffrl.engine.protocol import RolloutRequest
-from diffrl.engine.server import create_app
+from diffrl.engine.server import create_app, serving_in_thread
 from diffrl.engine.wire import WireFormatError, decode_outputs, encode_outputs
 from diffrl.errors import RequestError
 from diffrl.rollout import HttpEngineClient, InProcessEngineClient, RolloutConfig, RolloutManager
@@ -27,30 +23,10 @@ ROLLOUT = dict(num_inference_steps=3, guidance_scale=3.0, rollout=True, rollout_
                rollout_return_dit_trajectory=True, rollout_return_denoising_env=True)
 
 
-@contextlib.contextmanager
-def _serving(app):
-    """`app` under uvicorn on a free loopback port, in a thread; yields its URL."""
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=port, log_level="warning"))
-    thread = threading.Thread(target=server.run, daemon=True)
-    thread.start()
-    deadline = time.time() + 20
-    while not server.started:
-        assert time.time() < deadline, "server did not start"
-        time.sleep(0.05)
-    try:
-        yield f"http://127.0.0.1:{port}"
-    finally:
-        server.should_exit = True
-        thread.join(timeout=10)
-
-
 @pytest.fixture
 def served(tiny_family):
     engine = Engine(tiny_family, EngineConfig(max_outputs_per_request=8))
-    with _serving(create_app(engine)) as url:
+    with serving_in_thread(create_app(engine)) as url:
         yield engine, url
 
 
@@ -294,7 +270,7 @@ def test_http_client_weight_push_needs_the_token_and_names_failures(tiny_family)
     token is refused (nothing changes), the right one applies, an unreachable engine is named."""
     engine = Engine(tiny_family)
     tensors = {name: p.detach() + 1 for name, p in tiny_family.transformer.named_parameters()}
-    with _serving(create_app(engine, update_token="s3cret")) as url:
+    with serving_in_thread(create_app(engine, update_token="s3cret")) as url:
         client = HttpEngineClient(url)
         try:
             with pytest.raises(EngineUnavailable, match="weight push refused: HTTP 401"):

@@ -11,11 +11,10 @@ import pytest
 import torch
 from fastapi.testclient import TestClient
 from safetensors.torch import save
-from test_server import _serving
 
 from diffrl.engine.engine import INT64_MAX, Engine, EngineConfig
 from diffrl.engine.protocol import RolloutRequest
-from diffrl.engine.server import ServeConfig, create_app
+from diffrl.engine.server import ServeConfig, create_app, serving_in_thread
 from diffrl.engine.wire import decode_outputs
 
 WEIGHTS = {"content-type": "application/octet-stream"}
@@ -159,7 +158,7 @@ def _slow(family, monkeypatch, step_s=0.05) -> list[float]:
 def test_a_request_whose_client_went_away_stops_within_one_step(tiny_family, monkeypatch):
     engine = Engine(tiny_family)
     steps = _slow(tiny_family, monkeypatch)
-    with _serving(create_app(engine)) as url:
+    with serving_in_thread(create_app(engine)) as url:
         with pytest.raises(httpx.ReadTimeout):  # the client gives up and closes its connection
             httpx.post(f"{url}/rollout/generate", json={**SAMPLE, "num_inference_steps": 400}, timeout=0.5)
         gone = time.monotonic()
@@ -207,7 +206,7 @@ def test_the_worker_pool_is_bounded_and_waiting_requests_hold_no_thread(tiny_fam
 def test_too_many_requests_in_flight_get_429(tiny_family, monkeypatch):
     engine = Engine(tiny_family, EngineConfig(max_pending_requests=1))
     _slow(tiny_family, monkeypatch, step_s=0.1)
-    with _serving(create_app(engine)) as url:
+    with serving_in_thread(create_app(engine)) as url:
         first = threading.Thread(target=httpx.post, args=(f"{url}/rollout/generate",),
                                  kwargs=dict(json={**SAMPLE, "num_inference_steps": 10}, timeout=30))
         first.start()

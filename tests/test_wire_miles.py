@@ -18,11 +18,10 @@ from typing import Any
 import httpx
 import torch
 from safetensors.torch import load
-from test_server import _serving
 
 from diffrl.engine.engine import Engine, EngineConfig
 from diffrl.engine.protocol import RolloutRequest
-from diffrl.engine.server import create_app
+from diffrl.engine.server import create_app, serving_in_thread
 
 
 # ------------------------------------------------------------------ miles' types, as its parser fills them
@@ -157,7 +156,7 @@ def test_a_miles_client_rolls_out_against_diffrl_serve_and_parses_every_record(t
     prompt, group_index = "a green triangle", 2
     seed_base = (args.rollout_seed + group_index * args.n_samples_per_prompt) % 2**31
     group = [Sample(index=k, prompt=prompt) for k in range(args.n_samples_per_prompt)]
-    with _serving(create_app(engine)) as url:
+    with serving_in_thread(create_app(engine)) as url:
         for start in range(0, len(group), args.diffusion_microgroup_size):
             microgroup = group[start:start + args.diffusion_microgroup_size]
             params = build_rollout_sampling_params(args)

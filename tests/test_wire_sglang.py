@@ -12,13 +12,12 @@ from fastapi import FastAPI, Request
 from fastapi.responses import Response
 from fastapi.testclient import TestClient
 from safetensors.torch import save
-from test_server import _serving
 
 from diffrl.algorithms.pairs import grpo_pairs
 from diffrl.engine import sglang
 from diffrl.engine.engine import Engine, EngineConfig
 from diffrl.engine.protocol import RolloutRequest
-from diffrl.engine.server import create_app, wants_compact
+from diffrl.engine.server import create_app, serving_in_thread, wants_compact
 from diffrl.engine.wire import WireFormatError, decode_outputs
 from diffrl.models.base import Latents, PromptEmbeds
 from diffrl.models.demo import DemoFamily
@@ -203,7 +202,7 @@ def _sglang_stand_in(engine, *, with_sigmas=True):
 def test_http_client_reads_sglang_responses_into_the_in_process_outputs(engine):
     request = RolloutRequest(prompt="a purple triangle", seed=40, num_outputs_per_prompt=3, **ROLLOUT)
     in_process = engine.generate(request)
-    with _serving(_sglang_stand_in(engine)) as url:
+    with serving_in_thread(_sglang_stand_in(engine)) as url:
         client = HttpEngineClient(url)
         try:
             over_json = asyncio.run(client.generate(request))
@@ -220,7 +219,7 @@ def test_sglang_responses_train_a_step(engine, tiny_family):
     """What a trainer does with a response: pairs from its trajectory, log-probs and denoising_env, and the
     replayed step's log-prob equals the rollout's (the conditioning from the wire is enough)."""
     request = RolloutRequest(prompt="a red circle", seed=7, num_outputs_per_prompt=2, **ROLLOUT)
-    with _serving(_sglang_stand_in(engine, with_sigmas=False)) as url:
+    with serving_in_thread(_sglang_stand_in(engine, with_sigmas=False)) as url:
         client = HttpEngineClient(url, family="demo")
         try:
             outputs = asyncio.run(client.generate(request))
@@ -301,7 +300,7 @@ def test_video_outputs_keep_their_frame_axis(tiny_family):
 
 def test_http_client_reads_a_diffrl_servers_json_the_same_as_its_msgpack(engine):
     request = RolloutRequest(prompt="a red circle", seed=2, num_outputs_per_prompt=2, **ROLLOUT)
-    with _serving(create_app(engine)) as url:
+    with serving_in_thread(create_app(engine)) as url:
         compact, json_client = HttpEngineClient(url), HttpEngineClient(url, wire_format="sglang")
         try:
             _same(asyncio.run(json_client.generate(request)), asyncio.run(compact.generate(request)))
