@@ -136,3 +136,22 @@ def test_prompt_set_flags_are_checked_up_front(tmp_path, tiny_model_dir):
     (tmp_path / "p.txt").write_text("x\n")
     with pytest.raises(ValueError, match="--train-categories"):
         Trainer(tiny_config(tiny_model_dir, tmp_path / "d", prompt_data=tmp_path / "p.txt", train_categories=("colors",)))
+
+
+@pytest.mark.parametrize("prompt_set", [True, False], ids=["prompt_set", "shapes"])
+def test_evaluation_uses_the_rollouts_negative_prompt(tiny_model_dir, tmp_path, prompt_dir, monkeypatch, prompt_set):
+    """--negative-prompt is the unconditional side of CFG in rollouts and in held-out evaluation alike."""
+    import diffrl.evaluation.sampling as sampling
+
+    seen, real = [], sampling.generate
+    monkeypatch.setattr(sampling, "generate", lambda *a, **k: (seen.append(k.get("negative_prompt")), real(*a, **k))[1])
+    import diffrl.evaluation.reward_eval as reward_eval
+    import diffrl.evaluation.shapes as shapes_eval
+
+    monkeypatch.setattr(reward_eval, "generate", sampling.generate)
+    monkeypatch.setattr(shapes_eval, "generate", sampling.generate)
+    task = dict(prompt_data=prompt_dir, input_key="input", reward="rewards_for_tests:from_metadata",
+                eval_num_prompts=1) if prompt_set else dict(eval_images_per_category=1)
+    trainer = Trainer(tiny_config(tiny_model_dir, tmp_path / "run", negative_prompt="blurry", **task))
+    trainer.evaluate(0)
+    assert seen and set(seen) == {"blurry"}
