@@ -126,7 +126,6 @@ def forward_flops(trainer: Trainer, prompt: str) -> float:
     """FLOPs of one transformer forward for one sample at the run's size (conditional branch only)."""
     from torch.utils.flop_counter import FlopCounterMode
 
-    from diffrl.models.base import Latents  # noqa: F401  (the family builds them)
     from diffrl.sampling import make_generators
 
     family, cfg = trainer.policy.family, trainer.cfg
@@ -180,10 +179,11 @@ def main() -> None:
     flops = forward_flops(trainer, PROMPTS[0])
     r, a, m = cfg.rollout, cfg.algorithm, cfg.model
     nft = a.loss_type == "nft"
-    rollout_cfg = 1.0 if nft else r.diffusion_guidance_scale
-    rollout_forwards = samples * r.diffusion_num_steps * (2 if (a.nft_rollout_guidance_scale if nft else rollout_cfg) > 1 else 1)
+    rollout_guidance = trainer.objective.request(0)["guidance_scale"]  # what the engine is asked for
+    rollout_forwards = samples * r.diffusion_num_steps * (2 if rollout_guidance > 1 else 1)
     per_pair = (3 + (1 if m.gradient_checkpointing else 0) + (1 if nft else 0) + (1 if a.diffusion_kl_beta > 0 else 0))
-    per_pair *= 1 if nft or r.diffusion_guidance_scale <= 1 else 2  # the trainer replays CFG in one batch
+    # Flow-GRPO replays the rollout's CFG (both branches in one batch); NFT and SFT train the conditional velocity.
+    per_pair *= 2 if a.loss_type == "flow_grpo" and r.diffusion_guidance_scale > 1 else 1
 
     records = []
     for k in range(args.num_rollout):

@@ -131,10 +131,10 @@ class Policy:
             group["lr"] = lr
 
     def step(self, grad_clip: float, ema_decay: float) -> float | None:
-        """Clip, step and bump the weight version; None (and no step) when the gradient is not finite."""
+        """Clip, step and bump the weight version; None (and no step) when the gradient is not finite
+        (the caller clears it)."""
         grad_norm = full_tensor(torch.nn.utils.clip_grad_norm_(self.params, grad_clip))
         if not torch.isfinite(grad_norm):
-            self.optimizer.zero_grad(set_to_none=True)
             return None
         self.optimizer.step()
         self.weight_version += 1
