@@ -163,11 +163,14 @@ def main() -> None:
     groups = args.rollout_batch_size or overrides["rollout_batch_size"]
     samples = groups * overrides["n_samples_per_prompt"]
     steps = overrides["num_steps_per_rollout"]
+    reward = args.reward or overrides["reward"]
     prompts = args.work_dir / "prompts.txt"
-    prompts.write_text("\n".join(PROMPTS) + "\n")
+    # The OCR reward scores the text a prompt quotes, so its runs draw only the prompts that quote some.
+    usable = [p for p in PROMPTS if '"' in p] if reward == "ocr" else PROMPTS
+    prompts.write_text("\n".join(usable) + "\n")
     run_dir = args.work_dir / f"{args.recipe}-{time.strftime('%H%M%S')}"
     fields = dict(overrides, recipe=args.recipe, model_path=args.checkpoint, prompt_data=prompts,
-                  reward=reward_spec(args.reward or overrides["reward"], args.work_dir), output_dir=run_dir,
+                  reward=reward_spec(reward, args.work_dir), output_dir=run_dir,
                   rollout_batch_size=groups, global_batch_size=samples // steps, num_rollout=args.num_rollout,
                   eval_num_prompts=0, device=args.device, **json.loads(args.flags))
     cfg = TrainConfig.flat(**fields)

@@ -34,7 +34,8 @@ for run in "$root"/*/; do
 done
 python3 scripts/summarize_runs.py "$root"/*/  # the summary is re-made from the metrics (summarize_runs.py)
 # FINAL_EVAL=N: each run's last checkpoint and checkpoints/best on N held-out images per category (the
-# trainer's seeds 10 000 + k, its evaluation CFG and steps), one run per GPU at a time; reports in the archives.
+# trainer's seeds 10 000 + k, its evaluation CFG and steps), one run per GPU at a time; reports, and every image
+# with its prompt, seed and verdict (--save-images, re-scorable offline), in the archives.
 if [[ -n "${FINAL_EVAL:-}" ]]; then
   i=0
   for run in "$root"/*/; do
@@ -45,7 +46,7 @@ print(c['eval_guidance_scale'] or c['diffusion_guidance_scale'], c['eval_num_ste
         [[ -d "$ckpt" ]] || continue
         out="$run/eval$FINAL_EVAL-$(basename "$ckpt")"
         CUDA_VISIBLE_DEVICES=$gpu python3 -m diffrl.cli.main evaluate --checkpoint "$ckpt" --images-per-category "$FINAL_EVAL" \
-          --seed 10000 --guidance-scale "$guidance" --num-steps "$steps" --device cuda --output-dir "$out" >"$out.log" 2>&1
+          --seed 10000 --guidance-scale "$guidance" --num-steps "$steps" --device cuda --output-dir "$out" --save-images >"$out.log" 2>&1
       done ) &
     (( i % gpus == 0 )) && wait
   done
