@@ -55,6 +55,7 @@ print(c['eval_guidance_scale'] or c['diffusion_guidance_scale'], c['eval_num_ste
 fi
 # One archive per run (the device returns at most 8 files of 16 MiB, 64 MiB in all, and one
 # checkpoint is ~11 MiB): metrics, log, config, the first and last eval grids, the FINAL_EVAL reports
+# with their images and records,
 # and one checkpoint without its optimizer state (text encoder kept, 1 MiB: without it the checkpoint
 # silently borrows whatever base `--model-path` names when evaluated, e.g. a newer shipped model): checkpoints/best when
 # the run validates (--val-images-per-category), else its last one.
@@ -65,7 +66,7 @@ for run in "$root"/*/; do
   grids=$(cd "$root" && ls "$name"/eval/*.png 2>/dev/null | sort | sed -n '1p;$p' | sort -u)
   (cd "$root" && tar czf "$OUT/$name.tgz" --exclude=train_state.pt \
      "$name"/metrics.jsonl "$name"/config.json "$name"/reward_curve.png "$name"/train.log $grids ${ckpt:+"$ckpt"} \
-     $(ls "$name"/eval*-*/report.json "$name"/eval*-*/samples.jsonl 2>/dev/null))
+     $(ls -d "$name"/eval*-*/{report.json,samples.jsonl,records.jsonl,images} 2>/dev/null))
   # A larger model's archive passes 16 MiB: split it (here: cat NAME.tgz.part-* | tar xz).
   if (( $(stat -c %s "$OUT/$name.tgz") > 15 * 2**20 )); then
     split -b 15M "$OUT/$name.tgz" "$OUT/$name.tgz.part-" && rm "$OUT/$name.tgz"
