@@ -59,6 +59,7 @@ def resolve_family(explicit: str | None = None, model_path: str | Path | None = 
 
 def _import_builtin_families() -> None:
     # Importing a family module registers it; done lazily so `registry` has no import cycle.
+    import diffrl.models.cosmos3  # noqa: F401
     import diffrl.models.demo  # noqa: F401
     import diffrl.models.flux3_image  # noqa: F401
     import diffrl.models.krea2  # noqa: F401

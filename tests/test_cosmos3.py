@@ -1,0 +1,181 @@
+"""The cosmos3 family (video) against diffusers' Cosmos3OmniPipeline, on tiny random checkpoints built in code."""
+
+import json
+import shutil
+from pathlib import Path
+
+import pytest
+import torch
+from family_checks import assert_sample_k_is_the_same_in_any_microgroup, run_training
+
+from diffrl.engine.engine import Engine, EngineConfig
+from diffrl.engine.protocol import RolloutRequest
+from diffrl.errors import ModelLoadError, RequestError
+from diffrl.models.base import Latents
+from diffrl.models.cosmos3 import Cosmos3Family, prompt_bytes
+from diffrl.models.cosmos3_random import save_random_checkpoint
+from diffrl.models.registry import resolve_family
+from diffrl.sampling import make_generators
+
+TOLERANCE = 1e-5  # fp32 on CPU through two code paths (measured: 0, the same operations in the same order)
+HEIGHT, WIDTH, FRAMES = 16, 32, 5  # latents [4, 2, 2, 4]: 2 latent frames of 1 × 2 patch tokens
+
+
+@pytest.fixture(scope="module")
+def cosmos_dir(tmp_path_factory) -> Path:
+    return save_random_checkpoint(tmp_path_factory.mktemp("models") / "cosmos3-tiny")
+
+
+@pytest.fixture(scope="module")
+def cosmos(cosmos_dir) -> Cosmos3Family:
+    return Cosmos3Family.load(cosmos_dir)
+
+
+def _pipeline_videos(family, prompt, negative, guidance, noise, frames):
+    """Cosmos3OmniPipeline's videos as [B, C, F, H, W]: one call per sample (it takes one), frames first."""
+    pipe = family.reference_pipeline()
+    negative = negative if guidance > 1 else None
+    videos = [pipe(prompt, negative_prompt=negative, latents=row[None], guidance_scale=guidance, num_inference_steps=3,
+                   height=HEIGHT, width=WIDTH, num_frames=frames, output_type="pt").video for row in noise]
+    return torch.stack(videos).permute(0, 2, 1, 3, 4)
+
+
+@pytest.mark.parametrize(("negative", "guidance", "frames"), [("blurry", 4.0, FRAMES), ("", 1.0, FRAMES),
+                                                               ("", 6.0, 1)], ids=["cfg", "no-cfg", "image-cfg"])
+def test_engine_reproduces_the_diffusers_pipeline(cosmos, negative, guidance, frames):
+    """ODE sampling through our engine gives the pipeline's videos from the same noise (text-to-image: 1 frame)."""
+    seed = 3
+    outputs = Engine(cosmos, EngineConfig(max_outputs_per_request=4)).generate(RolloutRequest(
+        prompt="a red cat", negative_prompt=negative, seed=seed, num_outputs_per_prompt=2, num_inference_steps=3,
+        guidance_scale=guidance, height=HEIGHT, width=WIDTH, num_frames=frames))
+    ours = torch.stack([o.generated_output for o in outputs])
+    noise = cosmos.prepare_latents(make_generators([seed, seed + 1]), HEIGHT, WIDTH, num_frames=frames).tokens
+    reference = _pipeline_videos(cosmos, "a red cat", negative, guidance, noise, frames)
+    assert ours.shape == reference.shape == (2, 3, frames, HEIGHT, WIDTH)
+    torch.testing.assert_close(ours, reference, rtol=0, atol=TOLERANCE)
+    other = _pipeline_videos(cosmos, "a green dog", negative, guidance, noise, frames)
+    assert (other - reference).abs().max() > 100 * TOLERANCE  # the comparison can fail
+
+
+def test_prompt_tokens_are_the_pipelines(cosmos):
+    """The metadata sentences, chat template and special tokens match `Cosmos3OmniPipeline.tokenize_prompt`."""
+    pipe = cosmos.reference_pipeline()
+    for prompt, negative, frames, height, width in (("a red cat.", "blurry", 5, 16, 32), ("a dog", "", 189, 720, 1280),
+                                                    ("", "", 1, 32, 16)):
+        cond, uncond = pipe.tokenize_prompt(prompt, negative, num_frames=frames, height=height, width=width)
+        size = {"num_frames": frames, "height": height, "width": width}
+        assert cosmos.prompt_token_ids(prompt, negative=False, **size) == cond
+        assert cosmos.prompt_token_ids(negative, negative=True, **size) == uncond
+
+
+def test_sde_rollouts_are_the_same_in_any_microgroup(cosmos):
+    assert_sample_k_is_the_same_in_any_microgroup(cosmos, guidance_scale=4.0, height=HEIGHT, width=WIDTH,
+                                                  num_frames=FRAMES)
+    outputs = Engine(cosmos).generate(RolloutRequest(
+        prompt="a red cat", num_outputs_per_prompt=2, num_inference_steps=3, guidance_scale=4.0, height=HEIGHT,
+        width=WIDTH, num_frames=FRAMES, rollout=True, rollout_return_dit_trajectory=True,
+        rollout_return_denoising_env=True))
+    log_probs = torch.stack([o.rollout_log_probs for o in outputs])
+    assert log_probs.shape == (2, 3) and torch.isfinite(log_probs).all()
+    assert outputs[0].dit_trajectory.latents.shape == (4, 4, 2, 2, 4)
+
+
+def test_conditioning_rows_are_padded_prompt_bytes(cosmos):
+    """A row holds the prompt's UTF-8 bytes; the zero padding a trainer adds to batch prompts changes nothing,
+    and a batch's rows get the velocity each gets alone."""
+    cond = cosmos.encode_prompts(["a red cat", "un chien vert, été"])
+    length = len("un chien vert, été".encode())
+    assert cond.embeds.shape == (2, length, 1) and cond.ids.shape == (length, 1)
+    assert prompt_bytes(cond.embeds[0]).decode() == "a red cat"
+    assert prompt_bytes(cond.embeds[1]).decode() == "un chien vert, été"
+    x = torch.randn(2, 4, 2, 2, 4)
+    sigma = torch.tensor([0.9, 0.4])  # a training micro-batch mixes steps
+    uncond = cosmos.encode_prompts(["blurry", ""])
+    both = cosmos.velocity(cosmos.transformer, Latents(x, torch.zeros(0, 1)), sigma, cond, uncond, 4.0)
+    for i in range(2):
+        alone = cosmos.velocity(cosmos.transformer, Latents(x[i : i + 1], torch.zeros(0, 1)), sigma[i : i + 1],
+                                cosmos.encode_prompts([prompt_bytes(cond.embeds[i]).decode()]),
+                                cosmos.encode_prompts([["blurry", ""][i]]), 4.0)
+        assert torch.equal(both[i : i + 1], alone)
+    with pytest.raises(ValueError, match="UTF-8 bytes"):
+        prompt_bytes(torch.tensor([[0.5]]))
+
+
+def test_defaults_schedules_and_family_name(cosmos, cosmos_dir, tmp_path):
+    from diffusers import FlowMatchEulerDiscreteScheduler, UniPCMultistepScheduler
+
+    assert cosmos.default_size() == (720, 1280) and cosmos.default_num_frames == 189  # the pipeline's defaults
+    assert cosmos.default_guidance_scale == 6.0
+    reference = FlowMatchEulerDiscreteScheduler(shift=3.0)
+    reference.set_timesteps(10)
+    torch.testing.assert_close(cosmos.sigmas(10, HEIGHT, WIDTH), reference.sigmas.float(), rtol=0, atol=0)
+    assert torch.equal(cosmos.model_timesteps(reference.sigmas[:-1]), reference.timesteps)
+    assert resolve_family(None, cosmos_dir) is Cosmos3Family
+    assert resolve_family(None, tmp_path / "Cosmos-3-Nano") is Cosmos3Family
+    # UniPC (the published scheduler): its flow σ's, and its integer timesteps for the model.
+    unipc = Cosmos3Family.load(save_random_checkpoint(tmp_path / "unipc", scheduler="unipc", shift=10.0))
+    reference = UniPCMultistepScheduler(prediction_type="flow_prediction", use_flow_sigmas=True, flow_shift=10.0)
+    reference.set_timesteps(6)
+    sigmas = unipc.sigmas(6, HEIGHT, WIDTH)
+    torch.testing.assert_close(sigmas, reference.sigmas.float(), rtol=0, atol=0)
+    assert torch.equal(unipc.model_timesteps(sigmas[:-1]), reference.timesteps.float())
+    # The pipeline's "native" schedule: linear σ's from 1 − 1/1000, shifted by the scheduler.
+    native = Cosmos3Family.load(save_random_checkpoint(tmp_path / "native", native_flow_schedule=True))
+    pipe = native.reference_pipeline()
+    pipe("a cat", num_inference_steps=4, height=HEIGHT, width=WIDTH, num_frames=1, guidance_scale=1.0,
+         output_type="latent")
+    torch.testing.assert_close(native.sigmas(4, HEIGHT, WIDTH), pipe.scheduler.sigmas.float(), rtol=0, atol=0)
+
+
+@pytest.mark.parametrize(("fields", "field"), [
+    ({"image": "data:image/png;base64,AAAA"}, "image"),  # image-to-video
+    ({"input_reference": "video.mp4"}, "input_reference"),  # video-to-video (video2world)
+    ({"num_frames": 6}, "num_frames"), ({"height": 20}, "height"),
+    ({"true_cfg_scale": 4.0}, "true_cfg_scale"), ({"guidance_scale_2": 3.0}, "guidance_scale_2"),
+])
+def test_what_it_cannot_do_is_refused_by_name(cosmos, fields, field):
+    engine = Engine(cosmos)
+    request = {"prompt": "a cat", "height": HEIGHT, "width": WIDTH, "num_frames": FRAMES, "num_inference_steps": 1}
+    with pytest.raises(RequestError) as err:
+        engine.generate(RolloutRequest(**{**request, **fields}))
+    assert err.value.field == field
+    assert engine.in_flight == 0 and len(engine.generate(RolloutRequest(**request))) == 1
+
+
+def test_other_modes_are_refused_by_the_request_schema():
+    """Sound and action generation have no request field; asking for them through extra_sampling_params is refused."""
+    from pydantic import ValidationError
+
+    for key in ("enable_sound", "action"):
+        with pytest.raises(ValidationError, match=f"extra_sampling_params.{key}"):
+            RolloutRequest(prompt="a cat", extra_sampling_params={key: True})
+
+
+def test_unsupported_checkpoints_are_refused(cosmos_dir, tmp_path):
+    broken = tmp_path / "cosmos3-broken"
+    shutil.copytree(cosmos_dir, broken)
+    index = json.loads((broken / "model_index.json").read_text())
+    (broken / "modular_model_index.json").write_text(json.dumps({**index, "distilled_sigmas": [1.0, 0.5, 0.25]}))
+    with pytest.raises(ModelLoadError, match="distilled"):
+        Cosmos3Family.load(broken)
+    (broken / "modular_model_index.json").unlink()
+    scheduler = broken / "scheduler" / "scheduler_config.json"
+    config = json.loads(scheduler.read_text())
+    scheduler.write_text(json.dumps({**config, "use_dynamic_shifting": True}))
+    with pytest.raises(ModelLoadError, match="dynamic shifting"):
+        Cosmos3Family.load(broken)
+    scheduler.write_text(json.dumps(config))
+    (broken / "vae" / "config.json").unlink()
+    with pytest.raises(ModelLoadError, match="missing file: .*vae/config.json"):
+        Cosmos3Family.load(broken)
+    trainer_only = Cosmos3Family.load(cosmos_dir, load_vae=False)  # what training needs
+    assert trainer_only.vae is None
+    with pytest.raises(RuntimeError, match="without its VAE"):
+        trainer_only.decode(torch.zeros(1, 4, 2, 2, 4), HEIGHT, WIDTH, num_frames=FRAMES)
+
+
+@pytest.mark.parametrize(("loss_type", "lora"), [("flow_grpo", True), ("nft", False)], ids=["grpo-lora", "nft-full"])
+def test_training_run_on_cosmos3(cosmos_dir, tmp_path, loss_type, lora):
+    """`diffrl train`: one rollout, one update; the checkpoint loads back with the update in it."""
+    run_training(cosmos_dir, tmp_path / "run", loss_type, lora, guidance=4.0,
+                 video={"resolution": 16, "num_frames": FRAMES})
