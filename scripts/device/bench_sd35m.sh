@@ -1,12 +1,16 @@
 #!/usr/bin/env bash
 # SD3.5-Medium at its real size (random weights built in code, no download) on the lent H200, at the
 # published Flow-GRPO SD3.5 settings (512², 10 steps, CFG 4.5, LoRA r32): DESIGN §9's peer, side by side.
-# Carry `.whl`. JOBS is a list of STAGE:COMPILE, run in order (default: all four):
+# Carry `.whl`. JOBS is a list of STAGE:COMPILE, run in order (default: all five):
 #   rollout:0 / rollout:1  benchmarks/family_rollout.py: the transformer alone, our engine, diffusers'
 #                          StableDiffusion3Pipeline on the same weights, eager / regionally compiled
 #   train:0 / train:1      `diffrl train` (Flow-GRPO, SDE on 9 of 10 steps, 4 prompts × 16 samples per
 #                          rollout, jpeg_compressibility in 6 worker processes), eager / --compile
-# ROLLOUTS (train, default 3); TRAIN_FLAGS / ROLLOUT_FLAGS: more flags for one or the other
+#   baseline:0             benchmarks/flow_grpo_baseline.py: the published Flow-GRPO code's rollout and train
+#                          step on diffusers' pipeline, same weights and batch shape (eager, as published);
+#                          e.g. JOBS="baseline:0 train:1" puts the peer and diffrl in one call
+# ROLLOUTS (train, default 3), BASELINE_ITERATIONS (baseline, measured after one warm-up, default 2);
+# TRAIN_FLAGS / ROLLOUT_FLAGS / BASELINE_FLAGS: more flags for one or another
 # (e.g. TRAIN_FLAGS=--no-compile-eager-numerics, ROLLOUT_FLAGS=--eager-numerics). Results land in $OUT (JSON / metrics JSONL per job).
 set -uo pipefail
 bash scripts/device/install_wheels.sh || exit 1
@@ -14,7 +18,12 @@ export PYTHONPATH=/tmp/site:$PWD PYTHONUNBUFFERED=1 OMP_NUM_THREADS=8
 ckpt=$PWD/runs/sd35m-random  # runs/ is git-ignored: kept on a warm machine between calls
 nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader
 quiet() { tr '\r' '\n' | grep -v "Loading\|float32\|^train \|torchvision\|^ *$" ; }
-for job in ${JOBS:-rollout:0 rollout:1 train:0 train:1}; do
+make_ckpt() {
+  [[ -d $ckpt ]] || (cd benchmarks && python3 -c "
+import sys, torch; from pathlib import Path; from family_rollout import make_checkpoint
+make_checkpoint('sd3', Path(sys.argv[1]), torch.device('cuda'))" "$ckpt")
+}
+for job in ${JOBS:-rollout:0 rollout:1 train:0 train:1 baseline:0}; do
   stage=${job%%:*}; compiled=${job##*:}
   flag=(); tag=eager
   if [[ $compiled == 1 ]]; then flag=(--compile); tag=compiled; fi
@@ -25,9 +34,7 @@ for job in ${JOBS:-rollout:0 rollout:1 train:0 train:1}; do
         --guidance-scale 4.5 --n 16 --ms 1 8 16 --repeats 2 "${flag[@]}" ${ROLLOUT_FLAGS:-} \
         --out "$OUT/family_rollout_sd35m_512_$tag.json") 2>&1 | quiet | grep -v '^ \|^[{}]' ;;
     train)
-      [[ -d $ckpt ]] || (cd benchmarks && python3 -c "
-import sys, torch; from pathlib import Path; from family_rollout import make_checkpoint
-make_checkpoint('sd3', Path(sys.argv[1]), torch.device('cuda'))" "$ckpt")
+      make_ckpt
       run=runs/sd35m-grpo-$tag; rm -rf "$run"
       # --recipe sd3-grpo (diffrl/recipes.py) holds the settings measured on 2026-12-01.
       python3 -m diffrl.cli.main train --recipe sd3-grpo --model-path "$ckpt" --diffusion-model-family sd3 \
@@ -41,6 +48,15 @@ for line in open(sys.argv[1]):
     print(r['rollout'], {k: round(v, 3) for k, v in r.items() if k in ('rollout/seconds', 'rollout/images_per_s',
           'train/seconds', 'train/pairs_per_s', 'train/pairs', 'memory/peak_gib', 'train/log_prob_mean_abs_diff')})
 " "$run/metrics.jsonl" ;;
+    baseline)
+      make_ckpt
+      # The per-GPU shape of flow_grpo's SD3.5 configs (config/grpo.py, *_sd3_4gpu: 16 prompts × 16 images
+      # over 4 GPUs): 64 samples per GPU (4 prompts × 16), 8 images per pipeline call, micro-batches of 8,
+      # gradients accumulated into two optimizer steps per rollout. Eager, as the published code runs.
+      (cd benchmarks && python3 flow_grpo_baseline.py --checkpoint "$ckpt" --resolution 512 --prompts 4 \
+        --samples-per-prompt 16 --rollout-batch 8 --train-batch 8 --optimizer-steps 2 \
+        --iterations "${BASELINE_ITERATIONS:-2}" ${BASELINE_FLAGS:-} \
+        --out "$OUT/flow_grpo_baseline_sd35m.json") 2>&1 | quiet ;;
   esac
 done
 echo "== done $(date +%T)"
