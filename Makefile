@@ -2,7 +2,7 @@
 # Both set up .venv on first use (scripts/setup.sh).
 PY := .venv/bin/python
 
-.PHONY: setup demo test
+.PHONY: setup demo test test-all
 setup:
 	@bash scripts/setup.sh
 
@@ -11,3 +11,6 @@ demo: setup
 
 test: setup
 	$(PY) -m pytest
+
+test-all: setup
+	$(PY) -m pytest -m "slow or not slow"

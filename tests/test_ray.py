@@ -12,7 +12,7 @@ from test_trainer import tiny_config
 ray = pytest.importorskip("ray", reason="Ray is part of the test extras")
 
 
-@pytest.mark.parametrize("use_lora", [False, True], ids=["full", "lora"])
+@pytest.mark.parametrize("use_lora", [pytest.param(False, marks=pytest.mark.slow), True], ids=["full", "lora"])
 def test_ray_places_two_engines_and_a_trainer_and_completes_a_step(tiny_model_dir, tmp_path, use_lora):
     """LoRA: each engine actor hosts the adapter and receives only its tensors. Full: two reward
     workers score the microgroups, and the run equals one without Ray (same seeds, same samples)."""

@@ -119,7 +119,7 @@ def test_recipe_then_flags(tmp_path):
     assert cfg.recipe == "shapes-nft" and cfg.algorithm.loss_type == "nft" and cfg.optim.lr == 0.5
 
 
-@pytest.mark.parametrize("sampling", [{}, {"category_sampling": "adaptive", "train_categories": ("colors", "counting")}],
+@pytest.mark.parametrize("sampling", [pytest.param({}, marks=pytest.mark.slow), {"category_sampling": "adaptive", "train_categories": ("colors", "counting")}],
                          ids=["uniform", "adaptive"])
 def test_resume_continues_the_run_exactly(tiny_model_dir, tmp_path, sampling):
     """Adaptive category sampling depends on past rewards: its state travels in the checkpoint."""

@@ -12,8 +12,9 @@ from diffrl.engine.engine import Engine, EngineConfig
 from diffrl.engine.protocol import RolloutRequest
 from diffrl.engine.wire import decode_outputs, encode_outputs
 from diffrl.errors import ModelLoadError, RequestError
+from diffrl.models.random_checkpoints.wan2_2 import save_random_checkpoint
 from diffrl.models.registry import resolve_family
-from diffrl.models.wan2_2 import Wan22Family, save_random_checkpoint
+from diffrl.models.wan2_2 import Wan22Family
 from diffrl.sampling import make_generators
 
 TOLERANCE = 1e-5  # fp32 on CPU through two code paths (measured: ≤ 1.2e-6)
@@ -207,6 +208,7 @@ def test_training_run_on_wan(wan_dir, tmp_path, loss_type, lora):
             assert any(n.startswith(expert) and not torch.equal(w, base[n]) for n, w in trained.items())
 
 
+@pytest.mark.slow  # two ranks: tests/test_parallel.py covers them on the demo family
 def test_two_rank_training_matches_one_process(wan_dir, tmp_path):
     """`diffrl train` under torchrun (two gloo ranks, FSDP2 over both experts' blocks) equals one process. NFT
     with micro-batches of one pair: each rank's pairs route to experts by their own samples' timesteps, so
