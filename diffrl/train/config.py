@@ -291,9 +291,31 @@ class PlacementConfig:
                  f"{self.ray_engines} engines and {self.ray_trainer_ranks} trainer ranks")
 
 
+@dataclass
+class ReplayConfig:
+    save_rollout_data: Path | None = None
+    """Write each rollout's record under this folder, one file per rollout (seeds, prompts, rewards and the
+    trajectories the trainer uses; see train/replay.py)."""
+    load_rollout_data: Path | None = None
+    """Take each rollout from its record under this folder instead of rolling out: no engine, no reward
+    model, no held-out evaluation (implies --debug-train-only); the records must be of this configuration."""
+    debug_rollout_only: bool = False
+    """Roll out (rewards, metrics, records, evaluation) but take no training step."""
+    debug_train_only: bool = False
+    """Train only, from --load-rollout-data's records: nothing samples."""
+
+    def check(self) -> None:
+        _require(not self.debug_train_only or self.load_rollout_data is not None,
+                 "--debug-train-only trains from saved rollouts: pass --load-rollout-data DIR")
+        _require(not (self.debug_rollout_only and self.load_rollout_data is not None),
+                 "--debug-rollout-only rolls out and --load-rollout-data replaces rolling out: pass one of them")
+        _require(not (self.save_rollout_data is not None and self.load_rollout_data is not None),
+                 "--save-rollout-data with --load-rollout-data would only copy the records: pass one of them")
+
+
 _SECTIONS = {"model": ModelConfig, "rollout": RolloutSettings, "engine": EnginePoolConfig,
              "algorithm": AlgorithmConfig, "optim": OptimConfig, "task": TaskConfig, "eval": EvalConfig,
-             "checkpoint": CheckpointConfig, "placement": PlacementConfig}
+             "checkpoint": CheckpointConfig, "placement": PlacementConfig, "replay": ReplayConfig}
 
 
 @dataclass
@@ -312,6 +334,7 @@ class TrainConfig:
     eval: EvalConfig = field(default_factory=EvalConfig)
     checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
     placement: PlacementConfig = field(default_factory=PlacementConfig)
+    replay: ReplayConfig = field(default_factory=ReplayConfig)
 
     @classmethod
     def flat(cls, **fields) -> TrainConfig:
@@ -322,7 +345,7 @@ class TrainConfig:
         """A copy with fields changed by their flat names; an unknown name is refused."""
         top = {k: fields.pop(k) for k in list(fields) if k in ("recipe", "seed", "deterministic_mode")}
         sections = {}
-        for name, kind in _SECTIONS.items():
+        for name in _SECTIONS:
             own = {k: fields.pop(k) for k in list(fields) if k in _FIELDS_OF[name]}
             if own:
                 sections[name] = dataclasses.replace(getattr(self, name), **own)
@@ -348,6 +371,8 @@ class TrainConfig:
         _require(a.loss_type == "flow_grpo" or int(r.diffusion_num_steps * a.nft_timestep_fraction) >= 1,
                  f"--nft-timestep-fraction {a.nft_timestep_fraction} keeps no timestep of "
                  f"--diffusion-num-steps {r.diffusion_num_steps}")
+        _require(self.replay.load_rollout_data is None or not (self.engine.engine_urls or self.placement.ray_engines),
+                 "--load-rollout-data trains without engines: drop --engine-urls and --ray-engines")
 
     def uses_ray(self) -> bool:
         return self.placement.uses_ray()

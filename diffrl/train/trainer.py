@@ -2,7 +2,8 @@
 
     for each rollout k:
         prompts      ← task.draw(k)                       (shapes world, or a prompt dataset)
-        samples      ← RolloutManager over the engines     (objective's request; rewards streamed)
+        samples      ← RolloutManager over the engines     (objective's request; rewards streamed),
+                       or rollout k's record (--load-rollout-data; --save-rollout-data writes them)
         advantages   ← rewards per prompt group            (task.observe logs its view of them)
         pairs        ← objective.pairs(samples)            (Flow-GRPO transitions or NFT's x0)
         update       ← objective.loss per micro-batch, policy.step per optimizer step
@@ -49,6 +50,15 @@ from diffrl.train.parallel import (
     rank_device,
 )
 from diffrl.train.policy import Policy, bf16_forward
+from diffrl.train.replay import (
+    RolloutRecord,
+    check_load_dir,
+    check_records,
+    fingerprint,
+    load_rollout,
+    prepare_save_dir,
+    save_rollout,
+)
 from diffrl.utils.device import resolve_device
 
 
@@ -86,6 +96,8 @@ def validate_parallel(cfg: TrainConfig, parallel: Parallel) -> None:
         raise ValueError("--drop-zero-std-groups would give ranks unequal shares; use it single-process")
     if cfg.engine.engine_urls:
         raise ValueError("--engine-urls is single-process for now (every rank would push its weights)")
+    if cfg.replay.save_rollout_data is not None or cfg.replay.load_rollout_data is not None:
+        raise ValueError("--save-rollout-data and --load-rollout-data are single-process for now")
 
 
 class Trainer:
@@ -111,7 +123,12 @@ class Trainer:
 
         # Before the model: a bad prompt file or reward spec fails in a second, not after a load.
         self.task = build_task(cfg)
-        reward_fn = reward_fn or self._reward_fn()
+        # --load-rollout-data: rollouts (rewards included) come from records; nothing samples or scores.
+        self.replaying = cfg.replay.load_rollout_data is not None
+        if self.replaying:
+            check_load_dir(cfg.replay.load_rollout_data)
+        else:
+            reward_fn = reward_fn or self._reward_fn()
         torch.manual_seed(cfg.seed)
         # bf16 forwards: load every component in bf16 (Policy upcasts what is trained to fp32 masters).
         dtype = torch.bfloat16 if bf16_forward(cfg.model, self.device) else torch.float32
@@ -124,39 +141,51 @@ class Trainer:
         self.policy = Policy(cfg, family, self.parallel, self.device)
         self.objective = build_objective(cfg, self.policy)
         self.checkpointer = Checkpointer(out, self.policy)
+        self.fingerprint = fingerprint(cfg, family.name)  # what a rollout record must share with this run
+        self.engine = self.manager = None
+        if not self.replaying:
+            self.engine, self.manager = self._rollout_engines(family, extra_engines, reward_fn)
 
-        e, r = cfg.engine, cfg.rollout
-        self.engine = Engine(self.policy.engine_family,
-                             EngineConfig(max_outputs_per_request=max(64, r.rollout_microgroup_size),
-                                          max_batch_outputs=e.engine_max_batch_outputs))
-        self.policy.local_engine = self.engine
-        # The family decodes conditioning sent in sglang's format by a server that is not diffrl's.
-        remote = [HttpEngineClient(url, max_in_flight=e.engine_concurrency, family=family.name)
-                  for url in e.engine_urls] + list(extra_engines)
-        if not e.local_engine and not remote:
-            raise ValueError("--no-local-engine needs engines to roll out on: --engine-urls or --ray-engines")
-        self.policy.attach_remote_engines(remote)
-        self.manager = RolloutManager(
-            ([InProcessEngineClient(self.engine)] if e.local_engine else []) + remote,
-            RolloutConfig(n_samples_per_prompt=r.n_samples_per_prompt, rollout_microgroup_size=r.rollout_microgroup_size,
-                          engine_concurrency=e.engine_concurrency, rollout_seed=r.rollout_seed),
-            reward_fn=reward_fn,
-        )
-
-        if self.parallel.is_main:  # only now: a run refused above leaves no folder behind
-            out.mkdir(parents=True, exist_ok=True)
         self.rollout_index = 0
         self.next_group_index = 0  # monotonic across the run: a group's index fixes its seeds
         self.elapsed_s = 0.0  # rollout + train wall clock of the run so far
         self.best_selection = -math.inf  # the best task selection metric so far (checkpoints/best)
         if cfg.checkpoint.resume:
             self._resume()
+        if self.replaying:  # every record this run will read is there and of this configuration
+            check_records(cfg.replay.load_rollout_data, range(self.rollout_index, cfg.rollout.num_rollout),
+                          self.fingerprint)
+        if self.parallel.is_main:  # only now: a run refused above leaves no folder behind
+            if cfg.replay.save_rollout_data is not None:
+                prepare_save_dir(cfg.replay.save_rollout_data, cfg.checkpoint.resume)
+            out.mkdir(parents=True, exist_ok=True)
         self.metrics = None
         if self.parallel.is_main:
             config = {"tree": dataclasses.asdict(cfg), "flags": cfg.as_flat_dict()}
             (out / "config.json").write_text(json.dumps(config, default=str, indent=2) + "\n")
             # A resumed run drops the records of the rollouts after its checkpoint: it does them again.
             self.metrics = MetricsLogger(out, resume_rollout=self.rollout_index if cfg.checkpoint.resume else None)
+
+    def _rollout_engines(self, family, extra_engines: Sequence, reward_fn) -> tuple[Engine, RolloutManager]:
+        """The in-process engine (sharing the policy's family) and the manager over it and any remote ones."""
+        e, r = self.cfg.engine, self.cfg.rollout
+        engine = Engine(self.policy.engine_family,
+                        EngineConfig(max_outputs_per_request=max(64, r.rollout_microgroup_size),
+                                     max_batch_outputs=e.engine_max_batch_outputs))
+        self.policy.local_engine = engine
+        # The family decodes conditioning sent in sglang's format by a server that is not diffrl's.
+        remote = [HttpEngineClient(url, max_in_flight=e.engine_concurrency, family=family.name)
+                  for url in e.engine_urls] + list(extra_engines)
+        if not e.local_engine and not remote:
+            raise ValueError("--no-local-engine needs engines to roll out on: --engine-urls or --ray-engines")
+        self.policy.attach_remote_engines(remote)
+        manager = RolloutManager(
+            ([InProcessEngineClient(engine)] if e.local_engine else []) + remote,
+            RolloutConfig(n_samples_per_prompt=r.n_samples_per_prompt, rollout_microgroup_size=r.rollout_microgroup_size,
+                          engine_concurrency=e.engine_concurrency, rollout_seed=r.rollout_seed),
+            reward_fn=reward_fn,
+        )
+        return engine, manager
 
     def _reward_fn(self):
         t = self.cfg.task
@@ -201,8 +230,9 @@ class Trainer:
             if last_one:
                 break
         bar.close()
-        if hasattr(self.manager.reward_fn, "close"):  # a worker pool: its processes end with the run
-            self.manager.reward_fn.close()
+        reward_fn = self.manager.reward_fn if self.manager is not None else None
+        if hasattr(reward_fn, "close"):  # a worker pool: its processes end with the run
+            reward_fn.close()
         if main:
             curve = self.metrics.plot_curves()
             print(run_summary(self.metrics.records()))
@@ -218,13 +248,21 @@ class Trainer:
         # groups have in a single-process run; the group counter stays global.
         mine = self.parallel.shard_of(len(prompts), "--rollout-batch-size")  # all of them in one process
         start = time.perf_counter()
-        with policy.engine_weights(objective.rollout_ema):
-            groups = asyncio.run(self.manager.rollout([p.prompt for p in prompts[mine]], request,
-                                                      self.next_group_index + mine.start,
-                                                      [p.metadata for p in prompts[mine]]))
-        self.next_group_index += len(prompts)
+        replay = cfg.replay
+        if self.replaying:
+            samples = load_rollout(replay.load_rollout_data, k, fingerprint=self.fingerprint, request=request,
+                                   prompts=prompts, first_group_index=self.next_group_index).samples
+        else:
+            with policy.engine_weights(objective.rollout_ema):
+                groups = asyncio.run(self.manager.rollout([p.prompt for p in prompts[mine]], request,
+                                                          self.next_group_index + mine.start,
+                                                          [p.metadata for p in prompts[mine]]))
+            samples = [s for g in groups for s in g]
         rollout_s = time.perf_counter() - start
-        samples = [s for g in groups for s in g]
+        if replay.save_rollout_data is not None:
+            save_rollout(replay.save_rollout_data, RolloutRecord(k, policy.weight_version, self.fingerprint, request,
+                                                                 prompts, self.next_group_index, samples))
+        self.next_group_index += len(prompts)
 
         # Advantages from every rank's rewards (batch-wide statistics see the whole rollout), then our rows.
         rewards = all_gather_rows(torch.tensor([s.reward for s in samples], dtype=torch.float64), self.parallel)
@@ -241,6 +279,8 @@ class Trainer:
                   "rollout/images_per_s": len(samples) / rollout_s,
                   "rollout/sde_window_start": request.get("rollout_sde_step_indices", [-1])[0]}
         record.update(self.task.observe(prompts, rewards.view(len(prompts), n).tolist()))
+        if replay.debug_rollout_only:
+            return record
         kept = [i for i in range(len(samples)) if adv.keep[i]]
         if not kept:
             record["train/skipped"] = 1.0
@@ -304,7 +344,7 @@ class Trainer:
     # ------------------------------------------------------------------ evaluation
     def evaluate(self, k: int) -> dict:
         """The task's evaluation of the weights evaluation uses (the --use-ema EMA, else the current ones)."""
-        if not self.task.evaluates:  # no weights to swap in for the engine
+        if self.engine is None or not self.task.evaluates:  # replaying records samples nothing; or no task eval
             return {}
         with self.policy.engine_weights(self.policy.eval_ema):
             if not self.parallel.is_main:
@@ -340,7 +380,9 @@ class Trainer:
         path, meta = self.checkpointer.load_latest()
         self.rollout_index = meta["rollout_index"]
         self.next_group_index = meta["next_group_index"]
-        self.policy.weight_version = self.engine.weight_version = meta["weight_version"]
+        self.policy.weight_version = meta["weight_version"]
+        if self.engine is not None:
+            self.engine.weight_version = self.policy.weight_version
         self.elapsed_s = meta.get("elapsed_s", 0.0)
         self.best_selection = meta.get("best_selection", meta.get("best_val", -math.inf))
         self.task.load_state_dict(meta.get("task", meta))  # older checkpoints kept the sampler at the top
