@@ -1,7 +1,8 @@
 """Rewards: a registry of scorers with one signature, `score(images, prompts, metadata) -> list[float]`.
 
 `images` are `[B, C, H, W]` floats in [0, 1]; a scorer may be sync or async. The model rewards and `ocr`
-also take videos `[B, C, F, H, W]` and score each as the mean of its frames' scores (`frames.py`).
+also take videos `[B, C, F, H, W]` and score each as the mean of its frames' scores (`frames.py`);
+`temporal_consistency` and `temporal_clip` score how alike a video's consecutive frames are (`temporal.py`).
 
 Model rewards load a local checkpoint, asked for as `NAME@PATH` (never a hub id). Options follow the
 path after commas: `NAME@PATH,processor=DIR` takes the processor (tokenizer and image settings) from DIR
@@ -34,7 +35,10 @@ _MODEL_REWARDS: dict[str, str] = {
     "pickscore": "diffrl.rewards.clip_scores:pickscore",
     "aesthetic": "diffrl.rewards.clip_scores:aesthetic",
     "hpsv2": "diffrl.rewards.hps:hpsv2",
+    "temporal_clip": "diffrl.rewards.temporal:temporal_clip",
 }
+# Model rewards that read a whole video (frame to frame); the others score frames and take the mean.
+_VIDEO_REWARDS = frozenset({"temporal_clip"})
 _MODEL_OPTIONS = ("processor",)
 
 
@@ -97,7 +101,8 @@ def _model_reward(model: str, path: str, device: str | None = None, options: tup
 
     module_name, _, attr = _MODEL_REWARDS[model].partition(":")
     factory = getattr(importlib.import_module(module_name), attr)
-    return mean_over_frames(factory(path, default_device(device), **dict(options)))
+    scorer = factory(path, default_device(device), **dict(options))
+    return scorer if model in _VIDEO_REWARDS else mean_over_frames(scorer)
 
 
 def _shapes_verdicts(images, prompts) -> list:
@@ -179,5 +184,6 @@ def multi_reward(weights: dict[str, float], device: str | None = None) -> Callab
     return score
 
 
-import diffrl.rewards.jpeg  # noqa: E402, F401  (registers the jpeg rewards)
-import diffrl.rewards.ocr  # noqa: E402, F401  (registers `ocr`; its model is imported on first use)
+import diffrl.rewards.jpeg  # registers the jpeg rewards
+import diffrl.rewards.ocr  # registers `ocr`; its model is imported on first use
+import diffrl.rewards.temporal  # noqa: F401  (registers `temporal_consistency`)

@@ -1,5 +1,6 @@
 """JPEG file size as a reward (the simplest non-learned rewards of the Flow-GRPO / DDPO line): the size
-in kB of the image saved as JPEG at quality 95; `jpeg_compressibility` is its negative."""
+in kB of the image saved as JPEG at quality 95; `jpeg_compressibility` is its negative. A video scores the
+mean over its frames."""
 
 from __future__ import annotations
 
@@ -8,6 +9,7 @@ import io
 from PIL import Image
 
 from diffrl.rewards import register_reward
+from diffrl.rewards.frames import mean_over_frames
 from diffrl.utils.images import to_uint8
 
 
@@ -21,10 +23,12 @@ def jpeg_kilobytes(images) -> list[float]:
 
 
 @register_reward("jpeg_incompressibility")
+@mean_over_frames
 def jpeg_incompressibility(images, prompts, metadata=None) -> list[float]:
     return jpeg_kilobytes(images)
 
 
 @register_reward("jpeg_compressibility")
+@mean_over_frames
 def jpeg_compressibility(images, prompts, metadata=None) -> list[float]:
     return [-size for size in jpeg_kilobytes(images)]

@@ -1,0 +1,59 @@
+"""Temporal-consistency rewards on video tensors `[B, C, F, H, W]`."""
+
+import pytest
+import torch
+from test_model_rewards import _save_tiny_clip
+
+from diffrl.rewards import get_reward
+
+G = torch.Generator().manual_seed(0)
+STILL = torch.rand(1, 3, 1, 32, 32, generator=G).expand(1, 3, 6, 32, 32).clone()
+NOISE = torch.rand(1, 3, 6, 32, 32, generator=G)
+
+
+def _panning(n_frames: int = 6, step: int = 1) -> torch.Tensor:
+    """A smooth scene moving `step` pixels per frame."""
+    x = torch.linspace(0, 6.28, 96)
+    scene = (0.5 + 0.5 * torch.sin(x[None, :] + x[:, None] * 0.5)).expand(3, 96, 96)
+    return torch.stack([scene[:, 16:48, k * step:32 + k * step] for k in range(n_frames)], dim=1)[None]
+
+
+@pytest.mark.parametrize("name", ["temporal_consistency", "clip"])
+def test_still_beats_smooth_motion_beats_jumbled_frames(name, tmp_path):
+    if name == "clip":
+        _save_tiny_clip(tmp_path / "clip")
+        name = f"temporal_clip@{tmp_path / 'clip'}"
+    score = get_reward(name, device="cpu")
+    smooth = _panning()
+    shuffled = _panning(step=5)[:, :, [0, 5, 1, 4, 2, 3]]  # the same frames, far apart in a jumbled order
+    values = score(torch.cat([STILL, smooth, shuffled]), ["a"] * 3)
+    assert values[0] == pytest.approx(1.0, abs=1e-5)
+    assert values[0] > values[1] > values[2], values
+
+
+def test_flicker_scores_below_smooth_motion():
+    score = get_reward("temporal_consistency")
+    smooth, flicker = _panning(), _panning().clone()
+    flicker[:, :, 1::2] = 1 - flicker[:, :, 1::2]  # every other frame inverted
+    values = score(torch.cat([smooth, flicker, NOISE]), ["a"] * 3)
+    assert values[0] > 0.95 and values[1] < 0.7 and values[2] < 0.7, values
+
+
+def test_images_and_one_frame_videos_score_one_and_bad_shapes_are_named():
+    score = get_reward("temporal_consistency")
+    assert score(torch.rand(2, 3, 16, 16), ["a", "b"]) == [1.0, 1.0]
+    assert score(torch.rand(2, 3, 1, 16, 16), ["a", "b"]) == [1.0, 1.0]
+    with pytest.raises(ValueError, match=r"\[B, C, F, H, W\].*\(3, 16, 16\)"):
+        score(torch.rand(3, 16, 16), ["a"])
+    with pytest.raises(ValueError, match="2 videos but 1 prompts"):
+        score(torch.rand(2, 3, 4, 16, 16), ["a"])
+
+
+def test_a_weighted_sum_with_a_frame_reward_scores_each_video_once():
+    videos = torch.cat([STILL, NOISE])
+    total = get_reward("multi:temporal_consistency=1,jpeg_compressibility=0.5")
+    import asyncio
+
+    values = asyncio.run(total(videos, ["a", "b"]))
+    parts = [get_reward(n)(videos, ["a", "b"]) for n in ("temporal_consistency", "jpeg_compressibility")]
+    assert values == pytest.approx([a + 0.5 * b for a, b in zip(*parts)])
