@@ -2,13 +2,14 @@
 
 Steps listed in `sde_step_indices` run the stochastic transition (`sde` or `cps`) and record a
 log-prob; every other step runs ODE. The latents entering the requested steps (and the final
-latent) are kept, which is what training pairs are made of.
+latent) are kept, which is what training pairs are made of. Rows can leave the batch between two
+steps (`keep_rows`): the engine drops the outputs of a request that was abandoned.
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable, Iterable, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 import torch
 
@@ -17,12 +18,12 @@ from diffrl.sampling import SDE_TYPES, transition
 
 
 class DenoiseStopped(Exception):
-    """`should_stop` said so between two steps (the requests being denoised were abandoned)."""
+    """`keep_rows` dropped every row between two steps (the requests being denoised were abandoned)."""
 
 
 @dataclass
 class DenoiseResult:
-    latents: torch.Tensor  # final clean latents [B, S, C], fp32
+    latents: torch.Tensor  # final clean latents [B, S, C], fp32 (B: the rows `keep_rows` kept)
     sigmas: torch.Tensor  # the schedule used, [N + 1]
     log_probs: torch.Tensor  # [B, len(sde_step_indices)], ascending step order
     # step index i → latents x_{σ_i} entering step i (index N is the final latent)
@@ -46,10 +47,12 @@ def denoise(
     log_prob_no_const: bool = False,
     transformer: torch.nn.Module | None = None,
     guidance_scale_2: float | None = None,
-    should_stop: Callable[[], bool] | None = None,
+    keep_rows: Callable[[], Sequence[int] | None] | None = None,
 ) -> DenoiseResult:
     """`guidance_scale_2` (families with a second expert only) is passed on to `family.velocity` when set.
-    `should_stop` is asked before every step; True raises `DenoiseStopped` (the rest is not computed)."""
+    `keep_rows` is asked before every step: None goes on with every row; otherwise the positions (in the
+    current batch) of the rows to go on with. The others leave everything the loop carries and are not
+    computed again, so the result holds only the kept rows, in order; keeping none raises `DenoiseStopped`."""
     if sde_type not in SDE_TYPES:
         raise ValueError(f"unknown sde type {sde_type!r}; expected one of {SDE_TYPES}")
     transformer = transformer if transformer is not None else family.transformer
@@ -67,8 +70,17 @@ def denoise(
     trajectory: dict[int, torch.Tensor] = {}
     second = {} if guidance_scale_2 is None else {"guidance_scale_2": guidance_scale_2}
     for i in range(num_steps):
-        if should_stop is not None and should_stop():
-            raise DenoiseStopped(f"stopped before step {i} of {num_steps}")
+        if keep_rows is not None and (rows := keep_rows()) is not None:
+            if not rows:
+                raise DenoiseStopped(f"stopped before step {i} of {num_steps}")
+            # Each row has its own conditioning and generator, so the kept rows go on exactly as before.
+            idx = torch.as_tensor(rows, dtype=torch.long, device=x.device)
+            x, batch = x[idx], len(rows)
+            cond = replace(cond, embeds=cond.embeds[idx])
+            uncond = None if uncond is None else replace(uncond, embeds=uncond.embeds[idx])
+            generators = [generators[r] for r in rows]
+            log_probs = [lp[idx] for lp in log_probs]
+            trajectory = {s: t[idx] for s, t in trajectory.items()}
         if i in keep:
             trajectory[i] = x.clone()
         sigma = sigmas[i].expand(batch)

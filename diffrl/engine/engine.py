@@ -14,10 +14,12 @@ not depend on what it was batched with (exactly on CPU; on GPU up to batch-size-
 A small model is launch-bound on a GPU, so this is where its rollout speed comes from.
 
 Limits (`EngineConfig`): prompt length, guidance scale, noise level, outputs × steps per request,
-per-request time, waiting requests, LoRA rank. A request can be cancelled (`cancel` event, e.g. its
-client went away): a waiting one leaves the queue, a running batch stops between denoising steps
-once every request in it is cancelled or past its deadline. Waiting requests hold no thread: a small
-pool (`worker_threads`) drives the batches.
+per-request time, waiting requests, LoRA rank. A request is abandoned when it is cancelled (`cancel`
+event, e.g. its client went away) or passes its deadline: a waiting one leaves the queue; a running
+one is answered (`RequestCancelled`) before the next denoising step and its outputs' rows leave the
+batch, while the batch's other requests go on to the same outputs they would have had; a batch with
+no request left stops. Waiting requests hold no thread: a small pool (`worker_threads`) drives the
+batches.
 """
 
 from __future__ import annotations
@@ -261,8 +263,8 @@ class Engine:
             self._in_flight -= 1
             if ticket in self._waiting:  # abandoned before any batch took it
                 self._waiting.remove(ticket)
-        # Answered or not (a cancelled await cancels the future too): a batch that still holds it stops
-        # once all its requests are abandoned.
+        # Answered or not (a cancelled await cancels the future too): a batch that still holds it drops
+        # its rows before the next step.
         ticket.cancel.set()
         ticket.settle(RequestCancelled("the caller stopped waiting"))
 
@@ -315,7 +317,7 @@ class Engine:
         outputs: list = [RuntimeError("the engine was interrupted")] * len(batch)
         try:
             outputs = self._generate(batch)
-        except DenoiseStopped:  # every request of the batch was abandoned: each hears its own reason
+        except DenoiseStopped:  # every request of the batch was abandoned (each was answered as it left)
             outputs = [t.abandoned() or RequestCancelled("abandoned") for t in batch]
         except Exception as err:  # noqa: BLE001 - handed to every caller of the batch below
             outputs = [err] * len(batch)
@@ -398,12 +400,32 @@ class Engine:
         generators = make_generators(seeds, device=plan.generator_device)
         latents = family.prepare_latents(generators, plan.height, plan.width, **_frames(plan.num_frames))
         sigmas = family.sigmas(req0.num_inference_steps, plan.height, plan.width)
+        live = list(range(len(batch)))  # positions in `batch` of the requests still denoised, in row order
+        dropped: dict[int, RequestCancelled] = {}
+
+        def keep_rows() -> list[int] | None:
+            """Between two steps: answer each newly abandoned request now and drop its rows from the batch."""
+            nonlocal live
+            gone = {k: err for k in live if (err := batch[k].abandoned()) is not None}
+            if not gone:
+                return None
+            rows, start = [], 0
+            for k in live:
+                if k not in gone:
+                    rows += range(start, start + sizes[k])
+                start += sizes[k]
+            for k, err in gone.items():
+                batch[k].settle(err)
+            dropped.update(gone)
+            live = [k for k in live if k not in gone]
+            return rows
+
         result = denoise(
             family, latents, sigmas, cond, uncond, plan.guidance_scale, generators=generators,
             sde_type=plan.sde_type, noise_level=req0.rollout_noise_level, sde_step_indices=plan.sde_steps,
             return_step_indices=plan.return_steps if req0.rollout_return_dit_trajectory else (),
             log_prob_no_const=req0.rollout_log_prob_no_const, guidance_scale_2=plan.guidance_scale_2,
-            should_stop=lambda: all(t.abandoned() is not None for t in batch),
+            keep_rows=keep_rows,
         )
         finite = torch.isfinite(result.latents).flatten(1).all(1).cpu()
         images = family.decode(result.latents, plan.height, plan.width, **_frames(plan.num_frames)).cpu()
@@ -414,9 +436,12 @@ class Engine:
         timesteps = sigmas_cpu[steps] * family.timestep_scale
         kept = {s: result.trajectory[s].cpu() for s in plan.return_steps} if req0.rollout_return_dit_trajectory else {}
         log_probs = result.log_probs.cpu()
-        outputs, row = [], 0
+        outputs, row = [], 0  # `result` holds the rows of the `live` requests only
         for k, t in enumerate(batch):
             req, n = t.req, t.req.num_outputs_per_prompt
+            if k in dropped:  # answered already
+                outputs.append(dropped[k])
+                continue
             if not finite[row:row + n].all():  # this request fails; the others of the batch stand
                 outputs.append(FloatingPointError(f"non-finite latents for prompt {req.prompt!r} seed {req.seed}"))
                 row += n

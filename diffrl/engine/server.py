@@ -265,7 +265,7 @@ def create_app(engine: Engine, *, update_token: str | None = None, exposed: bool
 
     async def generate(request: Request, req: RolloutRequest) -> list | None:
         """The engine's outputs, or None when the client went away first (the request is then abandoned:
-        it leaves the queue, or its batch stops at the next step once nobody waits for it)."""
+        it leaves the queue, or its outputs leave their batch before the next step)."""
         cancel = threading.Event()
         work = asyncio.ensure_future(engine.agenerate(req, cancel))
         gone = asyncio.ensure_future(_disconnected(request))
