@@ -194,9 +194,12 @@ def test_bad_checkpoints_are_refused(wan_dir, tmp_path):
 
 @pytest.mark.parametrize(("loss_type", "lora"), [("flow_grpo", True), ("nft", False)], ids=["grpo-lora", "nft-full"])
 def test_training_run_on_wan(wan_dir, tmp_path, loss_type, lora):
-    """Both experts train (2 steps: σ·1000 = 1000 and 3, one per expert): LoRA on both, or full weights."""
+    """Both experts train (2 steps: σ·1000 = 1000 and 3, one per expert): LoRA on both, or full weights.
+    Flow-GRPO rolls out with a second CFG scale for the low-noise expert, and its replay matches the
+    rollout's log-probs (run_training checks), so the trainer uses that scale too."""
+    second = {"diffusion_guidance_scale_2": 2.0} if loss_type == "flow_grpo" else {}
     run_training(wan_dir, tmp_path / "run", loss_type, lora, guidance=4.5,
-                 video=dict(resolution=HEIGHT, num_frames=FRAMES))
+                 video=dict(resolution=HEIGHT, num_frames=FRAMES, **second))
     from diffrl.models.checkpoint import load_model
 
     trained = load_model(wan_dir, tmp_path / "run" / "checkpoints" / "rollout-00001").transformer.state_dict()
@@ -261,3 +264,30 @@ def test_video_training_flags_are_checked(wan_dir, tiny_model_dir, tmp_path):
                             eval_images_per_category=0, **flags))
     with pytest.raises(ValueError, match="--num-frames 5: the demo family generates images"):
         Trainer(TrainConfig.flat(model_path=tiny_model_dir, output_dir=tmp_path / "c", num_frames=5, **flags))
+
+
+def test_the_second_experts_scale_reaches_rollout_and_replay(wan_dir, tmp_path, monkeypatch):
+    """--diffusion-guidance-scale-2 goes into the rollout request and into the trainer's replay of each step
+    (a tiny random model's CFG barely moves its velocity, so the calls are checked, not the log-probs)."""
+    from diffrl.train.config import TrainConfig
+    from diffrl.train.trainer import Trainer
+
+    cfg = TrainConfig.flat(
+        model_path=wan_dir, loss_type="flow_grpo", num_rollout=1, rollout_batch_size=1, n_samples_per_prompt=2,
+        rollout_microgroup_size=2, global_batch_size=2, num_steps_per_rollout=1, micro_batch_size=2,
+        diffusion_num_steps=2, diffusion_sde_window_range=(0, 2), diffusion_guidance_scale=4.5,
+        diffusion_guidance_scale_2=2.0, eval_images_per_category=0, device="cpu", use_lora=True, lora_rank=2,
+        reward="rewards_for_tests:darkness", output_dir=tmp_path / "run", resolution=HEIGHT, num_frames=FRAMES)
+    trainer = Trainer(cfg)
+    family, calls = trainer.policy.family, []
+    real = family.velocity
+
+    def velocity(*args, **kwargs):
+        calls.append((torch.is_grad_enabled(), kwargs.get("guidance_scale_2")))
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(family, "velocity", velocity)
+    assert trainer.objective.request(0)["guidance_scale_2"] == 2.0
+    trainer.rollout_and_update(0)
+    assert {grad for grad, _ in calls} == {False, True}  # the engine's steps and the trainer's replay
+    assert all(scale == 2.0 for _, scale in calls), calls

@@ -70,6 +70,9 @@ class RolloutSettings:
     rollout_seed: int = 0
     diffusion_num_steps: int = 10
     diffusion_guidance_scale: float = 1.0
+    diffusion_guidance_scale_2: float | None = None
+    """CFG scale of the second (low-noise) expert of two-expert families (wan2_2), in rollouts and in the
+    trainer's replay alike; None: --diffusion-guidance-scale for both experts."""
     diffusion_noise_level: float = 0.7
     diffusion_sde_type: Literal["sde", "cps"] = "sde"
     diffusion_sde_window_range: tuple[int, int] | None = None

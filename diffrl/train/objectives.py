@@ -65,8 +65,13 @@ class _Objective:
         return family.velocity(
             family.transformer, Latents(x, env["image_ids"].to(self.device)), sigma,
             PromptEmbeds(cond, text_ids), PromptEmbeds(uncond, negative_ids) if uncond is not None else None,
-            guidance_scale,
+            guidance_scale, **(self._second_expert() if uncond is not None else {}),
         )
+
+    def _second_expert(self) -> dict:
+        """The second expert's CFG scale, for requests and the replay, when the run sets one."""
+        scale = self.cfg.rollout.diffusion_guidance_scale_2
+        return {} if scale is None else {"guidance_scale_2": scale}
 
     def _sized(self, request: dict) -> dict:
         m, r = self.cfg.model, self.cfg.rollout
@@ -103,7 +108,7 @@ class FlowGrpo(_Objective):
         r = self.cfg.rollout
         self.window = self.sde_window(k)
         return self._sized(dict(num_inference_steps=r.diffusion_num_steps, guidance_scale=r.diffusion_guidance_scale,
-                                rollout=True, rollout_sde_type=r.diffusion_sde_type,
+                                **self._second_expert(), rollout=True, rollout_sde_type=r.diffusion_sde_type,
                                 rollout_noise_level=r.diffusion_noise_level, rollout_sde_step_indices=self.window,
                                 rollout_return_dit_trajectory=True, rollout_return_denoising_env=True))
 
@@ -203,7 +208,7 @@ class RewardFilteredSft(_Objective):
     def request(self, k: int) -> dict:
         r = self.cfg.rollout
         return self._sized(dict(num_inference_steps=r.diffusion_num_steps, guidance_scale=r.diffusion_guidance_scale,
-                                rollout=False, rollout_return_dit_trajectory=True,
+                                **self._second_expert(), rollout=False, rollout_return_dit_trajectory=True,
                                 rollout_return_step_indices=[r.diffusion_num_steps], rollout_return_denoising_env=True))
 
     def pairs(self, samples: Sequence, advantages: torch.Tensor, env: dict) -> NftPairs:
