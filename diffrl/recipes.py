@@ -82,6 +82,25 @@ _FLUX3_GRPO = dict(diffusion_model_family="flux3_image", loss_type="flow_grpo", 
                    mixed_precision="bf16", gradient_checkpointing=True, num_rollout=200, eval_interval=20,
                    checkpoint_interval=20, eval_images_per_category=0)
 
+# Flow-GRPO on Wan2.2-T2V-A14B with PickScore, one frame at 480²: miles-diffusion's
+# scripts/run-diffusion-grpo-wan22-pickscore-4gpu.sh (branch feat/wan): 10 steps, CFG 4.0 for the
+# high-noise expert and 3.0 for the low-noise one, noise 0.9, one SDE step drawn from steps 1-3 (the
+# high-noise expert's), 8 prompts × 16 samples in 2 optimizer steps, LoRA r64/α128 (Gaussian init) on
+# self-attention, cross-attention and the FFN, lr 1e-4, AdamW β2 0.999, weight decay 1e-4, clip 1e-4,
+# fp32 masters with a bf16 forward, micro-batches of one sample, 28 evaluation steps. Microgroups of 8
+# as the published multi-GPU Wan2.2 runs use (that script's own default is 1).
+_WAN_TARGETS = ("attn1.to_q", "attn1.to_k", "attn1.to_v", "attn1.to_out.0", "attn2.to_q", "attn2.to_k",
+                "attn2.to_v", "attn2.to_out.0", "ffn.net.0.proj", "ffn.net.2")
+_WAN22_GRPO = dict(diffusion_model_family="wan2_2", loss_type="flow_grpo", reward="pickscore", resolution=480,
+                   num_frames=1, use_lora=True, lora_rank=64, lora_alpha=128.0, lora_target_modules=_WAN_TARGETS,
+                   diffusion_num_steps=10, eval_num_steps=28, diffusion_guidance_scale=4.0,
+                   diffusion_guidance_scale_2=3.0, diffusion_noise_level=0.9, diffusion_sde_window_range=(1, 4),
+                   diffusion_num_sde_steps=1, rollout_batch_size=8, n_samples_per_prompt=16,
+                   rollout_microgroup_size=8, global_batch_size=64, num_steps_per_rollout=2, micro_batch_size=1,
+                   lr=1e-4, adam_beta2=0.999, weight_decay=1e-4, diffusion_clip_range=1e-4,
+                   mixed_precision="bf16", num_rollout=1000, eval_interval=20, checkpoint_interval=10,
+                   eval_images_per_category=0)
+
 SIZED: dict[str, dict[str, dict]] = {
     "sd3-grpo": {"gpu": _SD3_GRPO, "cpu": _SD3_GRPO},  # a real checkpoint has no CPU size
     "sd35-grpo-ocr": {"gpu": dict(_SD35_GRPO, reward="ocr"), "cpu": dict(_SD35_GRPO, reward="ocr")},
@@ -89,6 +108,7 @@ SIZED: dict[str, dict[str, dict]] = {
     "qwen-image-grpo-pickscore": {"gpu": _QWEN_GRPO, "cpu": _QWEN_GRPO},
     "flux3-klein-nft-pickscore": {"gpu": _FLUX3_NFT, "cpu": _FLUX3_NFT},
     "flux3-klein-grpo-hps": {"gpu": _FLUX3_GRPO, "cpu": _FLUX3_GRPO},
+    "wan22-grpo-pickscore": {"gpu": _WAN22_GRPO, "cpu": _WAN22_GRPO},
     "shapes-nft": {
         # DiffusionNFT: CFG-free ODE rollouts under the EMA old policy, full finetune.
         # Cosine decay over 60 rollouts: at a constant rate, or over more rollouts, the held-out

@@ -15,6 +15,8 @@ TABLE = {
                                   "pickscore"),
     "sd35-grpo-ocr": ("sd3", "flow_grpo", (32, 64.0), 512, 10, 4.5, ((0, 9), 9), (4, 16), 1, 8, "ocr"),
     "sd35-grpo-pickscore": ("sd3", "flow_grpo", (32, 64.0), 512, 10, 4.5, ((0, 9), 9), (4, 16), 1, 8, "pickscore"),
+    "wan22-grpo-pickscore": ("wan2_2", "flow_grpo", (64, 128.0), 480, 10, 4.0, ((1, 4), 1), (8, 16), 2, 8,
+                             "pickscore"),
 }
 
 
@@ -42,6 +44,10 @@ def test_recipe_details_the_table_names():
     grpo_hps = recipe_config("flux3-klein-grpo-hps")
     assert grpo_hps.optim.lr == 1e-5 and grpo_hps.model.mixed_precision == "bf16" and grpo_hps.algorithm.diffusion_kl_beta == 0
     assert grpo_hps.rollout.num_rollout == 200 and grpo_hps.rollout.diffusion_noise_level == 0.7
+    wan = recipe_config("wan22-grpo-pickscore")
+    assert wan.rollout.diffusion_guidance_scale_2 == 3.0 and wan.model.num_frames == 1
+    assert wan.rollout.diffusion_noise_level == 0.9 and wan.optim.lr == 1e-4 and wan.optim.global_batch_size == 64
+    assert {"attn1.to_q", "attn2.to_out.0", "ffn.net.2"} <= set(wan.model.lora_target_modules)
     nft = recipe_config("flux3-klein-nft-pickscore")
     assert nft.optim.lr == 3e-4 and nft.model.gradient_checkpointing and nft.algorithm.nft_rollout_guidance_scale == 1.0
 
