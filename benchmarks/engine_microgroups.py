@@ -26,6 +26,7 @@ from diffrl.cli.bench import time_group, transformer_gflop, transformer_step_ms
 from diffrl.engine.engine import Engine, EngineConfig
 from diffrl.engine.server import create_app, serving_in_thread
 from diffrl.models.demo import SHIPPED_DEMO_MODEL, DemoConfig, DemoFamily
+from diffrl.models.random_checkpoints.demo import random_family
 from diffrl.rollout import HttpEngineClient, InProcessEngineClient
 
 
@@ -36,7 +37,7 @@ def build_family(model: str, device: torch.device, dtype: torch.dtype) -> DemoFa
     config.transformer.update(num_layers=2, num_single_layers=36, attention_head_dim=64, num_attention_heads=24,
                               timestep_channels=256, axes_dims_rope=(16, 16, 16, 16))
     with torch.device(device):
-        family = DemoFamily.build_random(config, seed=0)
+        family = random_family(config, seed=0)
     family.transformer.to(dtype=dtype).eval().requires_grad_(False)
     family.text_encoder.eval().requires_grad_(False)
     return family

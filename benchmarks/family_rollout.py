@@ -24,12 +24,12 @@ from report import emit
 from diffrl.cli.bench import BenchConfig, bench
 
 
-# family → (module, sizes class, its real-size constructor, extra arguments of save_random_checkpoint)
+# family → extra arguments of its `diffrl.models.random_checkpoints` module's save_random_checkpoint
 REAL_SIZES = {
-    "sd3": ("diffrl.models.sd3", "SD3Sizes", "medium", {"with_t5": False}),  # SD3.5-Medium, 2.24 B
-    "flux3_image": ("diffrl.models.flux3_image", "Flux3Sizes", "class_defaults", {}),  # 5.54 B
-    "krea2": ("diffrl.models.krea2", "Krea2Sizes", "class_defaults", {}),  # 12.8 B (26 GB on disk in bf16)
-    "qwen_image": ("diffrl.models.qwen_image", "QwenImageSizes", "class_defaults", {}),  # 20.4 B (41 GB)
+    "sd3": {"with_t5": False},  # SD3.5-Medium, 2.24 B
+    "flux3_image": {},  # 5.54 B
+    "krea2": {},  # 12.8 B (26 GB on disk in bf16)
+    "qwen_image": {},  # 20.4 B (41 GB)
 }
 
 
@@ -38,11 +38,9 @@ def make_checkpoint(family: str, path: Path, device: torch.device) -> None:
 
     if family not in REAL_SIZES:
         raise SystemExit(f"--family {family}: this benchmark makes random checkpoints for {', '.join(REAL_SIZES)}")
-    module_name, sizes_class, constructor, extra = REAL_SIZES[family]
-    module = importlib.import_module(module_name)
-    sizes = getattr(getattr(module, sizes_class), constructor)()
+    module = importlib.import_module(f"diffrl.models.random_checkpoints.{family}")
     start = time.perf_counter()
-    module.save_random_checkpoint(path, sizes, device=device, dtype=torch.bfloat16, **extra)
+    module.save_random_checkpoint(path, module.real(), device=device, dtype=torch.bfloat16, **REAL_SIZES[family])
     print(f"wrote a random {family} checkpoint to {path} in {time.perf_counter() - start:.0f} s", flush=True)
 
 

@@ -3,21 +3,14 @@
 import pytest
 import torch
 
-from diffrl.models.demo import DemoConfig, DemoFamily
-
-
-def tiny_demo_config() -> DemoConfig:
-    config = DemoConfig()
-    config.transformer.update(num_layers=1, num_single_layers=1, attention_head_dim=8, num_attention_heads=2,
-                              timestep_channels=16, axes_dims_rope=(2, 2, 2, 2))
-    config.text_encoder.update(d_model=16, d_kv=8, d_ff=32, num_layers=1, num_heads=2)
-    return config
+from diffrl.models.demo import DemoFamily
+from diffrl.models.random_checkpoints import demo as random_demo
 
 
 @pytest.fixture
 def tiny_family() -> DemoFamily:
     torch.manual_seed(0)
-    return DemoFamily.build_random(tiny_demo_config(), seed=0)
+    return random_demo.random_family(random_demo.tiny(), seed=0)
 
 
 @pytest.fixture

@@ -11,10 +11,9 @@ import sys
 from pathlib import Path
 
 import torch
-from conftest import tiny_demo_config
 
 from diffrl.models.base import Latents
-from diffrl.models.demo import DemoFamily
+from diffrl.models.random_checkpoints import demo as random_demo
 from diffrl.train.ema import ParameterEMA
 from diffrl.train.parallel import finish_parallel, init_parallel, shard_transformer
 
@@ -24,7 +23,7 @@ BATCH = 4
 def main(out: Path) -> None:
     torch.set_num_threads(1)
     parallel = init_parallel(torch.device("cpu"))
-    family = DemoFamily.build_random(tiny_demo_config(), seed=0)
+    family = random_demo.random_family(random_demo.tiny(), seed=0)
     ema_reference = copy.deepcopy(family.transformer)  # the EMA holds the initial weights
     with torch.no_grad():  # the live weights move away from the EMA
         for p in family.transformer.parameters():

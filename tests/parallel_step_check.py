@@ -13,12 +13,11 @@ from pathlib import Path
 
 import torch
 import torch.distributed as dist
-from conftest import tiny_demo_config
 from safetensors.torch import save_file
 
 from diffrl.algorithms.losses import nft_loss
 from diffrl.models.base import Latents
-from diffrl.models.demo import DemoFamily
+from diffrl.models.random_checkpoints import demo as random_demo
 from diffrl.train.parallel import finish_parallel, full_tensor, init_parallel, shard_transformer
 
 BATCH, STEPS = 8, 2
@@ -27,7 +26,7 @@ BATCH, STEPS = 8, 2
 def main(out: Path) -> None:
     torch.set_num_threads(1)
     parallel = init_parallel(torch.device("cpu"))
-    family = DemoFamily.build_random(tiny_demo_config(), seed=0)
+    family = random_demo.random_family(random_demo.tiny(), seed=0)
     old_policy = copy.deepcopy(family.transformer)  # the frozen v_old of NFT
     g = torch.Generator().manual_seed(1)
     x0, noise = torch.randn(BATCH, 256, 48, generator=g), torch.randn(BATCH, 256, 48, generator=g)

@@ -7,7 +7,7 @@ import pytest
 
 from diffrl.cli.bench import BenchConfig, bench
 from diffrl.cli.main import main as cli_main
-from diffrl.models.sd3 import save_random_checkpoint
+from diffrl.models.random_checkpoints.sd3 import save_random_checkpoint
 
 
 def test_bench_reports_every_part_for_a_family_with_a_reference_pipeline(tmp_path):
@@ -39,7 +39,9 @@ def test_bench_refuses_bad_flags(capsys):
 
 
 def test_bench_times_a_video_family_and_refuses_frames_for_an_image_family(tmp_path, tiny_model_dir):
-    from diffrl.models.wan2_2 import save_random_checkpoint as save_wan
+    from diffrl.models.random_checkpoints.wan2_2 import (
+        save_random_checkpoint as save_wan,
+    )
 
     model = save_wan(tmp_path / "wan-tiny")
     results = bench(BenchConfig(model_path=model, device="cpu", dtype="float32", resolution=16, num_frames=5, n=2,

@@ -10,7 +10,8 @@ from family_checks import assert_sample_k_is_the_same_in_any_microgroup, run_tra
 from diffrl.engine.engine import Engine, EngineConfig
 from diffrl.engine.protocol import RolloutRequest
 from diffrl.errors import ModelLoadError, RequestError
-from diffrl.models.flux3_image import Flux3ImageFamily, save_random_checkpoint
+from diffrl.models.flux3_image import Flux3ImageFamily
+from diffrl.models.random_checkpoints.flux3_image import save_random_checkpoint
 from diffrl.models.registry import resolve_family
 from diffrl.sampling import make_generators
 

@@ -13,7 +13,8 @@ from diffrl.engine.engine import Engine, EngineConfig
 from diffrl.engine.protocol import RolloutRequest
 from diffrl.errors import ModelLoadError, RequestError
 from diffrl.models.base import Latents
-from diffrl.models.krea2 import PREFIX_TOKENS, SUFFIX_TOKENS, Krea2Family, save_random_checkpoint
+from diffrl.models.krea2 import PREFIX_TOKENS, SUFFIX_TOKENS, Krea2Family
+from diffrl.models.random_checkpoints.krea2 import save_random_checkpoint
 from diffrl.models.registry import resolve_family
 from diffrl.sampling import make_generators
 
@@ -199,7 +200,8 @@ def test_bad_requests_and_checkpoints_are_refused(krea2, krea2_dir, tmp_path):
         with pytest.raises(ModelLoadError, match=message):
             Krea2Family.load(_edited_copy(krea2_dir, tmp_path / f"bad-{k}", relative, **changes))
 
-    from diffrl.models.flux3_image import build_chat_tokenizer  # character-level: the template is not 34 + 5 tokens
+    # Character-level: the template is not 34 + 5 tokens.
+    from diffrl.models.random_checkpoints.tokenizers import build_chat_tokenizer
 
     other = tmp_path / "other-tokenizer"
     shutil.copytree(krea2_dir, other)

@@ -74,7 +74,7 @@ def test_resume_continues_the_prompt_order_exactly(tiny_model_dir, tmp_path, pro
 def test_a_real_family_trains_on_a_txt_file_with_the_ocr_reward(tmp_path):
     """The issue's first failure: an SD3 checkpoint, a .txt prompt file and the ocr reward."""
     pytest.importorskip("rapidocr_onnxruntime")
-    from diffrl.models.sd3 import save_random_checkpoint
+    from diffrl.models.random_checkpoints.sd3 import save_random_checkpoint
 
     sd3_dir = save_random_checkpoint(tmp_path / "sd3-tiny", with_t5=False)
     prompts = tmp_path / "train.txt"

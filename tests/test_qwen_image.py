@@ -15,7 +15,8 @@ from diffrl.engine.engine import Engine, EngineConfig
 from diffrl.engine.protocol import RolloutRequest
 from diffrl.errors import ModelLoadError, RequestError
 from diffrl.models.base import Latents, PromptEmbeds
-from diffrl.models.qwen_image import QwenImageFamily, save_random_checkpoint
+from diffrl.models.qwen_image import QwenImageFamily
+from diffrl.models.random_checkpoints.qwen_image import save_random_checkpoint
 from diffrl.models.registry import resolve_family
 from diffrl.sampling import make_generators
 
@@ -196,7 +197,7 @@ def test_unsupported_checkpoints_are_refused(qwen_dir, tmp_path, component, chan
 
 
 def test_broken_checkpoints_are_refused(qwen, qwen_dir, tmp_path):
-    from diffrl.models.flux3_image import build_chat_tokenizer
+    from diffrl.models.random_checkpoints.tokenizers import build_chat_tokenizer
 
     broken = tmp_path / "qwen-image-broken"
     shutil.copytree(qwen_dir, broken)

@@ -318,7 +318,8 @@ def test_evaluating_a_damaged_run_checkpoint_names_it(tiny_model_dir, tmp_path):
 
 def test_a_from_pretrained_family_refuses_nan_weights_naming_file_and_tensor(tmp_path):
     """The diffusers `from_pretrained` path (SD3 here; every such family makes the same call)."""
-    from diffrl.models.sd3 import SD3Family, save_random_checkpoint
+    from diffrl.models.random_checkpoints.sd3 import save_random_checkpoint
+    from diffrl.models.sd3 import SD3Family
 
     root = save_random_checkpoint(tmp_path / "sd3-tiny", with_t5=False)
     weights = next((root / "transformer").glob("*.safetensors"))

@@ -226,7 +226,8 @@ def test_evaluate_a_lora_checkpoint_of_another_family(tmp_path):
 
     from diffrl.models.checkpoint import load_model
     from diffrl.models.lora import LoraSpec, add_lora
-    from diffrl.models.sd3 import SD3Family, save_random_checkpoint
+    from diffrl.models.random_checkpoints.sd3 import save_random_checkpoint
+    from diffrl.models.sd3 import SD3Family
 
     base_dir = save_random_checkpoint(tmp_path / "sd3-tiny")
     family = SD3Family.load(base_dir)

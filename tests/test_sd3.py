@@ -11,8 +11,9 @@ from family_checks import assert_sample_k_is_the_same_in_any_microgroup, run_tra
 from diffrl.engine.engine import Engine, EngineConfig
 from diffrl.engine.protocol import RolloutRequest
 from diffrl.errors import ModelLoadError, RequestError
+from diffrl.models.random_checkpoints.sd3 import save_random_checkpoint
 from diffrl.models.registry import resolve_family
-from diffrl.models.sd3 import SD3Family, save_random_checkpoint
+from diffrl.models.sd3 import SD3Family
 from diffrl.sampling import make_generators
 
 TOLERANCE = 1e-5  # fp32 on CPU through two code paths (measured: ≤ 1.3e-6)

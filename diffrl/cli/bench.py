@@ -7,8 +7,8 @@ For one model (any family) at the settings given, measured in `--dtype` weights:
 - the engine: one group of n samples as a Flow-GRPO rollout request (SDE with log-probs on two steps,
   trajectories and conditioning returned) in microgroups of M, in-process: seconds per image, and the
   share of it the batch-n transformer alone would take (the rest is the engine's and the decode's);
-- for families with a `reference_pipeline()` (diffusers' own pipeline on the same components): that
-  pipeline at 1 and n images per call (ODE, images only), as the baseline in the same run.
+- for families whose `reference_pipeline()` is diffusers' own pipeline on the same components (not None):
+  that pipeline at 1 and n images per call (ODE, images only), as the baseline in the same run.
 `benchmarks/family_rollout.py` runs this on random weights of a family's real size.
 """
 
@@ -233,8 +233,8 @@ def bench(cfg: BenchConfig) -> dict:
                                 "peak_gib": torch.cuda.max_memory_allocated(device) / 2**30 if on_gpu else None}
         print(f"engine M={m:<2}: {per_image:.3f} s per image ({1 / per_image:.2f} images/s; the batch-{cfg.n} "
               f"transformer alone: {floor_ms / 1000:.3f} s)", flush=True)
-    if cfg.reference_pipeline and hasattr(family, "reference_pipeline"):
-        pipe = family.reference_pipeline()
+    pipe = family.reference_pipeline() if cfg.reference_pipeline else None
+    if pipe is not None:
         name = type(pipe).__name__
         results["pipeline"] = {"class": name}
         for batch in batches:

@@ -1,35 +1,77 @@
-"""What every model family provides: the adapter interface shared by the engine and the trainer.
+"""What every model family provides: the adapter interface shared by the engine and the trainer, and the
+template that makes a new family small.
 
-A family adapter owns the loaded components of one checkpoint and knows the family's
-conventions (prompt encoding, latent packing, position ids, timestep scaling, CFG, decoding).
-`velocity` takes the transformer as an argument so the trainer can pass its own (LoRA-wrapped,
-sharded) copy and still run exactly the code the engine runs.
+A family adapter owns the loaded components of one checkpoint and knows the family's conventions (prompt
+encoding, latent packing, position ids, timestep scaling, CFG, decoding). `velocity` takes the transformer
+as an argument so the trainer can pass its own (LoRA-wrapped, sharded) copy and still run exactly the code
+the engine runs.
+
+Writing a family (`diffrl/models/<name>.py`; then one import line in `registry._import_builtin_families`):
+
+    @register_family
+    class MyFamily(FamilyAdapter):
+        name, name_patterns, display_name = "my_family", ("my-family",), "My Family"
+        default_guidance_scale, timestep_scale = 4.0, 1000.0
+        lora_target_modules, block_lists = ("attn.to_q", "attn.to_k", "attn.to_v"), ("transformer_blocks",)
+        # What `load` reads (folder, class): checked, loaded in the dtype, moved to the device, NaN-checked.
+        components = (Component("transformer", "diffusers:MyTransformer"), Component("vae", "diffusers:MyVAE"),
+                      Component("scheduler", "diffusers:FlowMatchEulerDiscreteScheduler", kind="scheduler"),
+                      Component("tokenizer", "transformers:AutoTokenizer", kind="tokenizer"),
+                      Component("text_encoder", "transformers:T5EncoderModel", text_encoder=True))
+        settings_class = MySettings  # optional: per-checkpoint values, from model_index.json's `diffrl` block
+
+        def __init__(self, transformer, vae, scheduler, tokenizer, text_encoder, *, settings): ...
+        def encode_prompts(self, prompts) -> PromptEmbeds: ...
+        def prepare_latents(self, generators, height, width) -> Latents: ...
+        def sigmas(self, num_steps, height, width) -> torch.Tensor: ...
+        def run_transformer(self, transformer, latents, sigma, cond) -> torch.Tensor:
+            with self.forward_precision():  # one forward; sigma is fp32 [B]; return the velocity in fp32
+                return transformer(latents.tokens, timestep=sigma * 1000, ...)[0].float()
+        def decode(self, latents, height, width) -> torch.Tensor: ...
+        def default_size(self): ...
+        def check_size(self, height, width): ...
+        def reference_pipeline(self): ...  # diffusers' pipeline over these components (the equality test)
+
+The base class supplies the rest: `load` (the directory check, one config read per component, the
+settings, one-line errors; the `__init__` receives the components by folder name, or override
+`from_components`), `velocity` (the shared-timestep context, σ as fp32 [B], CFG: both halves in one
+forward when `pair_conditionings` can batch them, else two, combined by `combine_guidance`, by default
+`uncond + s·(cond − uncond)`), the wire conditioning, text-encoder offload and saving. A family may still
+override `load` or `velocity` whole. Random checkpoints for its tests and benchmarks go in
+`diffrl/models/random_checkpoints/<name>.py` (size presets `tiny()` and `real()`,
+`save_random_checkpoint(path, sizes)`), and `tests/test_<name>.py` checks that ODE sampling through the
+engine gives `reference_pipeline()`'s images from the same noise.
 """
 
 from __future__ import annotations
 
 import contextlib
-import json
 from abc import ABC, abstractmethod
 from collections.abc import Sequence
 from dataclasses import dataclass, replace
 from pathlib import Path
-from typing import ClassVar
+from typing import Any, ClassVar
 
 import torch
 
 from diffrl.errors import ModelLoadError, RequestError
+from diffrl.models.batch_invariance import (
+    one_value_for_all_rows,
+    rows_share_one_timestep,
+)
+from diffrl.models.components import (
+    Component,
+    checkpoint_root,
+    load_components,
+    read_json,
+    read_model_index,
+    read_settings,
+)
 from diffrl.models.weights import load_weights
 
-
-def read_json(path: Path) -> dict:
-    """A checkpoint's JSON file (config, scheduler, model index), or a `ModelLoadError` naming the file."""
-    if not path.is_file():
-        raise ModelLoadError(f"missing file: {path}")
-    try:
-        return json.loads(path.read_text())
-    except (json.JSONDecodeError, UnicodeDecodeError) as err:
-        raise ModelLoadError(f"corrupt file: {path} ({err.__class__.__name__}: {err})") from None
+# What family modules import from here (`ModelLoadError`, `Component` and `read_json` are re-exported).
+__all__ = ["Component", "FamilyAdapter", "Latents", "ModelLoadError", "PromptEmbeds", "read_json", "register_family",
+           "registered_families", "repeated_blocks", "require_pixel_multiple", "wire_text_tokens"]
 
 
 @dataclass
@@ -65,11 +107,13 @@ class Latents:
 
 
 class FamilyAdapter(ABC):
-    """One model family. Subclasses register themselves in `diffrl.models.registry`."""
+    """One model family. Subclasses register themselves with `register_family`."""
 
     name: ClassVar[str]
     # Substrings matched (case-insensitively) against a checkpoint directory's name.
     name_patterns: ClassVar[tuple[str, ...]]
+    # How messages name the model ("cannot load the FLUX 3 checkpoint …"); None: `name`.
+    display_name: ClassVar[str | None] = None
     # Text-to-image families refuse image-conditioned requests instead of ignoring them.
     accepts_image_conditioning: ClassVar[bool] = False
     # Guidance scale used when a request leaves it unset.
@@ -96,6 +140,14 @@ class FamilyAdapter(ABC):
     # set the scale as `true_cfg_scale` (it wins over `guidance_scale`); other families refuse the field.
     has_true_cfg: ClassVar[bool] = False
 
+    # ---------------------------------------------------------------- what `load` reads
+    # The checkpoint's folders, in loading order (see `diffrl.models.components`).
+    components: ClassVar[tuple[Component, ...]] = ()
+    # Per-checkpoint settings (a dataclass) read from the `diffrl` block of model_index.json; None: no settings.
+    settings_class: ClassVar[type | None] = None
+    # Whether a checkpoint without model_index.json is refused (naming the file).
+    model_index_required: ClassVar[bool] = False
+
     transformer: torch.nn.Module
     # Mixed precision of the transformer forward (weights stay as loaded, e.g. fp32 masters):
     # None = the weights' dtype, torch.bfloat16 = bf16 autocast. Set once on the shared object, so
@@ -108,8 +160,8 @@ class FamilyAdapter(ABC):
         return torch.autocast(device_type, dtype=self.autocast_dtype or torch.float32,
                               enabled=self.autocast_dtype is not None)
 
+    # ---------------------------------------------------------------- loading
     @classmethod
-    @abstractmethod
     def load(
         cls,
         model_path: str | Path,
@@ -117,8 +169,39 @@ class FamilyAdapter(ABC):
         device: torch.device | str = "cpu",
         dtype: torch.dtype = torch.float32,
         load_text_encoder: bool = True,
+        **options,
     ) -> FamilyAdapter:
-        """Load a local diffusers-format directory (never a hub id)."""
+        """Load a local diffusers-format directory (never a hub id): the settings, then every component of
+        the family's table. `options` (a family's own load keywords) go to `from_components`."""
+        root = checkpoint_root(model_path)
+        settings = cls.read_settings(root, read_model_index(root, required=cls.model_index_required))
+        parts = load_components(root, cls.checkpoint_components(settings), label=cls.display_name or cls.name,
+                                device=device, dtype=dtype, load_text_encoder=load_text_encoder)
+        return cls.from_components(root, parts, settings, **options)
+
+    @classmethod
+    def read_settings(cls, root: Path, index: dict) -> Any:
+        """The checkpoint's settings (`settings_class` from the `diffrl` block), or None. Families that refuse
+        a kind of checkpoint by its model index do so here, before anything loads."""
+        if cls.settings_class is None:
+            return None
+        return read_settings(cls.settings_class, index, root / "model_index.json")
+
+    @classmethod
+    def checkpoint_components(cls, settings: Any) -> Sequence[Component]:
+        """The components to load for this checkpoint (default: the whole table)."""
+        return cls.components
+
+    @classmethod
+    def from_components(cls, root: Path, parts: dict[str, Any], settings: Any, **options) -> FamilyAdapter:
+        """The adapter over the loaded components (by folder name): `cls(**parts)`, plus `settings=`."""
+        return cls(**parts, **({} if settings is None else {"settings": settings}), **options)
+
+    def reference_pipeline(self) -> Any:
+        """diffusers' own pipeline over this family's components (no copies of the weights): what the tests
+        check the engine against and `diffrl bench` times it against. None when diffusers has none to call
+        the same way (the demo model)."""
+        return None
 
     @abstractmethod
     def encode_prompts(self, prompts: Sequence[str]) -> PromptEmbeds:
@@ -132,7 +215,6 @@ class FamilyAdapter(ABC):
     def sigmas(self, num_steps: int, height: int, width: int) -> torch.Tensor:
         """The family's schedule `[N + 1]` for this resolution (terminal 0 included)."""
 
-    @abstractmethod
     def velocity(
         self,
         transformer: torch.nn.Module,
@@ -141,9 +223,46 @@ class FamilyAdapter(ABC):
         cond: PromptEmbeds,
         uncond: PromptEmbeds | None,
         guidance_scale: float,
+        **guidance_options,
     ) -> torch.Tensor:
-        """Predicted velocity for `latents` at `sigma` ([B]); CFG when guidance_scale > 1,
-        a single conditional forward otherwise."""
+        """Predicted velocity for `latents` at `sigma` ([B]); CFG when guidance_scale > 1, a single
+        conditional forward otherwise. `guidance_options` (e.g. `guidance_scale_2`) go to `combine_guidance`."""
+        # A rollout step's σ is one value for every row (known without a sync): the per-row timestep
+        # layers then run once for the batch (`diffrl.models.batch_invariance`).
+        with rows_share_one_timestep(one_value_for_all_rows(sigma)):
+            sigma = torch.as_tensor(sigma, device=latents.tokens.device, dtype=torch.float32)
+            sigma = sigma.expand(latents.tokens.shape[0])
+            if guidance_scale <= 1.0:
+                return self.run_transformer(transformer, latents, sigma, cond)
+            if uncond is None:
+                raise ValueError("guidance_scale > 1 needs the unconditional (negative) conditioning")
+            both = self.pair_conditionings(uncond, cond)
+            if both is None:
+                v_uncond = self.run_transformer(transformer, latents, sigma, uncond)
+                v_cond = self.run_transformer(transformer, latents, sigma, cond)
+            else:
+                doubled = Latents(torch.cat([latents.tokens, latents.tokens]), latents.ids)
+                v_uncond, v_cond = self.run_transformer(transformer, doubled, torch.cat([sigma, sigma]), both).chunk(2)
+            return self.combine_guidance(v_uncond, v_cond, guidance_scale, transformer=transformer, sigma=sigma,
+                                         **guidance_options)
+
+    def run_transformer(self, transformer: torch.nn.Module, latents: Latents, sigma: torch.Tensor,
+                        cond: PromptEmbeds) -> torch.Tensor:
+        """One transformer forward over the rows of `latents` with conditioning `cond` and σ (fp32 [B]), inside
+        `forward_precision()`: the velocity in fp32. A family that overrides `velocity` whole needs none."""
+        raise NotImplementedError(f"{type(self).__name__} implements neither run_transformer nor velocity")
+
+    def pair_conditionings(self, uncond: PromptEmbeds, cond: PromptEmbeds) -> PromptEmbeds | None:
+        """Both CFG halves as one batch (unconditional rows first), or None when they cannot share a forward
+        (text of different lengths or positions): CFG then runs two forwards."""
+        if uncond.embeds.shape[1:] != cond.embeds.shape[1:] or not torch.equal(uncond.ids, cond.ids):
+            return None
+        return replace(uncond, embeds=torch.cat([uncond.embeds, cond.embeds]))
+
+    def combine_guidance(self, v_uncond: torch.Tensor, v_cond: torch.Tensor, guidance_scale: float, *,
+                         transformer: torch.nn.Module, sigma: torch.Tensor) -> torch.Tensor:
+        """The guided velocity from the two halves (σ fp32 [B], the transformer that ran them)."""
+        return v_uncond + guidance_scale * (v_cond - v_uncond)
 
     @abstractmethod
     def decode(self, latents: torch.Tensor, height: int, width: int) -> torch.Tensor:
@@ -222,6 +341,23 @@ class FamilyAdapter(ABC):
     def load_saved_transformer(self, model_dir: Path) -> None:
         """Load into `transformer` the weights a full finetune saved with `save(model_dir)` (diffusers layout)."""
         load_weights(self.transformer, model_dir / "transformer" / "diffusion_pytorch_model.safetensors")
+
+
+# The families by name. Kept here, beside the class they subclass, so that a family module registers itself
+# without importing the registry (which imports the family modules).
+_FAMILIES: dict[str, type[FamilyAdapter]] = {}
+
+
+def register_family(cls: type[FamilyAdapter]) -> type[FamilyAdapter]:
+    if cls.name in _FAMILIES:
+        raise ValueError(f"model family {cls.name!r} is registered twice")
+    _FAMILIES[cls.name] = cls
+    return cls
+
+
+def registered_families() -> dict[str, type[FamilyAdapter]]:
+    """The families registered so far (`diffrl.models.registry` imports the built-in ones first)."""
+    return _FAMILIES
 
 
 def wire_text_tokens(kwargs: dict) -> torch.Tensor:

@@ -20,16 +20,22 @@ from pathlib import Path
 
 import torch
 from diffusers import Flux3Transformer2DModel
-from transformers import PreTrainedTokenizerFast, T5Config, T5EncoderModel
+from transformers import PreTrainedTokenizerFast, T5EncoderModel
 
-from diffrl.errors import ModelLoadError, RequestError
-from diffrl.models.base import FamilyAdapter, Latents, PromptEmbeds, read_json
-from diffrl.models.batch_invariance import embed_rows_one_at_a_time, one_value_for_all_rows, rows_share_one_timestep
-from diffrl.models.registry import register_family
+from diffrl.errors import RequestError
+from diffrl.models.base import (
+    Component,
+    FamilyAdapter,
+    Latents,
+    PromptEmbeds,
+    read_json,
+    register_family,
+)
+from diffrl.models.batch_invariance import embed_rows_one_at_a_time
+from diffrl.models.flux3_image import run_flux3_transformer
 from diffrl.models.weights import load_weights, read_weights
 from diffrl.sampling import make_sigmas, randn_per_sample
 
-PAD, UNK, EOS = "<pad>", "<unk>", "</s>"
 # The pretrained demo model that ships with the package (the main job's default).
 SHIPPED_DEMO_MODEL = Path(__file__).resolve().parents[1] / "assets" / "demo-shapes"
 
@@ -41,44 +47,19 @@ class DemoConfig:
     max_text_len: int = 16
     shift: float = 3.0
     # Flux3Transformer2DModel keyword arguments (in_channels and joint_attention_dim are derived).
-    transformer: dict = field(default_factory=lambda: dict(
-        num_layers=2, num_single_layers=6, attention_head_dim=32, num_attention_heads=4,
-        timestep_channels=128, mlp_ratio=3.0, axes_dims_rope=(8, 8, 8, 8),
-    ))
+    transformer: dict = field(default_factory=lambda: {
+        "num_layers": 2, "num_single_layers": 6, "attention_head_dim": 32, "num_attention_heads": 4,
+        "timestep_channels": 128, "mlp_ratio": 3.0, "axes_dims_rope": (8, 8, 8, 8),
+    })
     # T5Config keyword arguments (vocab_size is derived from the tokenizer).
-    text_encoder: dict = field(default_factory=lambda: dict(
-        d_model=128, d_kv=32, d_ff=256, num_layers=2, num_heads=4,
-        relative_attention_num_buckets=8, relative_attention_max_distance=16, dropout_rate=0.0,
-    ))
+    text_encoder: dict = field(default_factory=lambda: {
+        "d_model": 128, "d_kv": 32, "d_ff": 256, "num_layers": 2, "num_heads": 4,
+        "relative_attention_num_buckets": 8, "relative_attention_max_distance": 16, "dropout_rate": 0.0,
+    })
 
     @property
     def in_channels(self) -> int:
         return 3 * self.patch_size**2
-
-
-def shapes_vocabulary() -> list[str]:
-    """Every word of the shapes grammar, sorted (the demo tokenizer's vocabulary)."""
-    from diffrl.data.shapes import CATEGORIES, all_prompts
-
-    return sorted({word for category in CATEGORIES for prompt in all_prompts(category) for word in prompt.split()})
-
-
-def build_word_tokenizer(words: Sequence[str], max_length: int) -> PreTrainedTokenizerFast:
-    """A word-level tokenizer made in code (no download): lowercase, split on whitespace and
-    punctuation, unknown words → <unk>, an </s> appended, padded to `max_length`."""
-    from tokenizers import Tokenizer, normalizers, pre_tokenizers, processors
-    from tokenizers.models import WordLevel
-
-    vocab = {PAD: 0, EOS: 1, UNK: 2}
-    for word in words:
-        vocab.setdefault(word, len(vocab))
-    tok = Tokenizer(WordLevel(vocab, unk_token=UNK))
-    tok.normalizer = normalizers.Lowercase()
-    tok.pre_tokenizer = pre_tokenizers.Whitespace()
-    tok.post_processor = processors.TemplateProcessing(single=f"$A {EOS}", special_tokens=[(EOS, 1)])
-    return PreTrainedTokenizerFast(
-        tokenizer_object=tok, pad_token=PAD, unk_token=UNK, eos_token=EOS, model_max_length=max_length,
-    )
 
 
 def patchify(images: torch.Tensor, patch: int) -> torch.Tensor:
@@ -109,6 +90,23 @@ def text_position_ids(length: int, device=None) -> torch.Tensor:
     return torch.stack([zeros, zeros, zeros, l], dim=-1)
 
 
+def _load_transformer(folder: Path, dtype: torch.dtype) -> Flux3Transformer2DModel:
+    """Built from its config, then every weight loaded strictly (a missing or extra name names the file)."""
+    transformer = Flux3Transformer2DModel.from_config(read_json(folder / "config.json"))
+    load_weights(transformer, folder / "diffusion_pytorch_model.safetensors")
+    return transformer if dtype == torch.float32 else transformer.to(dtype=dtype)
+
+
+def _load_text_encoder(folder: Path, dtype: torch.dtype) -> T5EncoderModel:
+    read_weights(folder / "model.safetensors")  # names the file when it is missing or corrupt
+    # from_pretrained restores the tied input embedding that save_pretrained leaves out.
+    return T5EncoderModel.from_pretrained(str(folder), local_files_only=True).to(dtype=dtype)
+
+
+def _load_tokenizer(folder: Path, dtype: torch.dtype) -> PreTrainedTokenizerFast:
+    return PreTrainedTokenizerFast.from_pretrained(str(folder), local_files_only=True)
+
+
 @register_family
 class DemoFamily(FamilyAdapter):
     name = "demo"
@@ -116,6 +114,13 @@ class DemoFamily(FamilyAdapter):
     default_guidance_scale = 3.0
     lora_target_modules = ("to_q", "to_k", "to_v", "to_out.0", "linear_in", "linear_out")
     block_lists = ("mode_blocks", "txt_mode_blocks", "single_transformer_blocks")
+    components = (
+        Component("transformer", _load_transformer),
+        Component("tokenizer", _load_tokenizer, kind="tokenizer", config_file="tokenizer.json"),
+        Component("text_encoder", _load_text_encoder, text_encoder=True),
+    )
+    settings_class = DemoConfig
+    model_index_required = True
 
     def __init__(
         self,
@@ -133,23 +138,7 @@ class DemoFamily(FamilyAdapter):
         if batch_invariant:  # off only for pretraining, where every row has its own timestep
             embed_rows_one_at_a_time(transformer.timestep_embedder)
 
-    # ---------------------------------------------------------------- build, save, load
-    @classmethod
-    def build_random(cls, config: DemoConfig | None = None, seed: int = 0, *, batch_invariant: bool = True) -> DemoFamily:
-        """Fresh random weights (pretraining starts here; tests use it with tiny configs)."""
-        config = config or DemoConfig()
-        tokenizer = build_word_tokenizer(shapes_vocabulary(), config.max_text_len)
-        torch.manual_seed(seed)
-        text_encoder = T5EncoderModel(T5Config(
-            vocab_size=len(tokenizer), pad_token_id=0, eos_token_id=1, decoder_start_token_id=0,
-            **config.text_encoder,
-        ))
-        transformer = Flux3Transformer2DModel(
-            in_channels=config.in_channels, cond_in_channels=config.in_channels,
-            joint_attention_dim=config.text_encoder["d_model"], **config.transformer,
-        )
-        return cls(config, transformer, text_encoder, tokenizer, batch_invariant=batch_invariant)
-
+    # ---------------------------------------------------------------- save, load
     def save(self, path: str | Path) -> None:
         path = Path(path)
         path.mkdir(parents=True, exist_ok=True)
@@ -169,39 +158,9 @@ class DemoFamily(FamilyAdapter):
         (path / "model_index.json").write_text(json.dumps(index, indent=2) + "\n")
 
     @classmethod
-    def load(
-        cls, model_path, *, device="cpu", dtype=torch.float32, load_text_encoder=True, batch_invariant: bool = True,
-    ) -> DemoFamily:
-        root = Path(model_path)
-        if not root.is_dir():
-            raise ModelLoadError(f"model directory not found: {root}")
-        index = read_json(root / "model_index.json")
-        try:
-            settings = dict(index["diffrl"])
-            settings.pop("family", None)
-            config = DemoConfig(**settings)
-        except (KeyError, TypeError) as err:
-            raise ModelLoadError(f"corrupt file: {root / 'model_index.json'} (bad 'diffrl' block: {err})") from None
-
-        transformer = Flux3Transformer2DModel.from_config(read_json(root / "transformer" / "config.json"))
-        load_weights(transformer, root / "transformer" / "diffusion_pytorch_model.safetensors")
-        transformer.to(device=device).eval().requires_grad_(False)
-        if dtype != torch.float32:
-            transformer.to(dtype=dtype)
-
-        tokenizer_dir = root / "tokenizer"
-        read_json(tokenizer_dir / "tokenizer.json")  # names the file when it is missing or corrupt
-        tokenizer = PreTrainedTokenizerFast.from_pretrained(str(tokenizer_dir), local_files_only=True)
-
-        text_encoder = None
-        if load_text_encoder:
-            encoder_dir = root / "text_encoder"
-            read_json(encoder_dir / "config.json")
-            read_weights(encoder_dir / "model.safetensors")  # names the file when it is missing or corrupt
-            # from_pretrained restores the tied input embedding that save_pretrained leaves out.
-            text_encoder = T5EncoderModel.from_pretrained(str(encoder_dir), local_files_only=True)
-            text_encoder.to(device=device, dtype=dtype).eval().requires_grad_(False)
-        return cls(config, transformer, text_encoder, tokenizer, batch_invariant=batch_invariant)
+    def from_components(cls, root, parts, settings, *, batch_invariant: bool = True) -> DemoFamily:
+        return cls(settings, parts["transformer"], parts["text_encoder"], parts["tokenizer"],
+                   batch_invariant=batch_invariant)
 
     # ---------------------------------------------------------------- the family's conventions
     def default_size(self) -> tuple[int, int]:
@@ -247,34 +206,7 @@ class DemoFamily(FamilyAdapter):
         noise = randn_per_sample((len(generators), 3, height, width), generators, device=self.device)
         return Latents(patchify(noise, self.config.patch_size), self.prepare_ids())
 
-    def velocity(self, transformer, latents, sigma, cond, uncond, guidance_scale) -> torch.Tensor:
-        with rows_share_one_timestep(one_value_for_all_rows(sigma)):
-            return self._velocity(transformer, latents, sigma, cond, uncond, guidance_scale)
-
-    def _velocity(self, transformer, latents, sigma, cond, uncond, guidance_scale) -> torch.Tensor:
-        tokens = latents.tokens
-        sigma = torch.as_tensor(sigma, device=tokens.device, dtype=torch.float32).expand(tokens.shape[0])
-        dtype = next(transformer.parameters()).dtype
-        if guidance_scale > 1.0:
-            if uncond is None:
-                raise ValueError("guidance_scale > 1 needs the unconditional (negative) conditioning")
-            both = uncond.cat(cond)
-            with self.forward_precision():
-                out = transformer(
-                    hidden_states=torch.cat([tokens, tokens]).to(dtype),
-                    encoder_hidden_states=both.embeds.to(dtype),
-                    timestep=torch.cat([sigma, sigma]).to(dtype),
-                    img_ids=latents.ids, txt_ids=both.ids, return_dict=False,
-                )[0]
-            v_uncond, v_cond = out.float().chunk(2)
-            return v_uncond + guidance_scale * (v_cond - v_uncond)
-        # CFG off: one conditional forward per step.
-        with self.forward_precision():
-            out = transformer(
-                hidden_states=tokens.to(dtype), encoder_hidden_states=cond.embeds.to(dtype),
-                timestep=sigma.to(dtype), img_ids=latents.ids, txt_ids=cond.ids, return_dict=False,
-            )[0]
-        return out.float()
+    run_transformer = run_flux3_transformer  # the same diffusers transformer class as flux3_image
 
     def decode(self, latents: torch.Tensor, height: int, width: int) -> torch.Tensor:
         images = unpatchify(latents.float(), height, width, self.config.patch_size)

@@ -54,20 +54,25 @@ the template into the 34 + 5 tokens the pipeline cuts at, and scheduler options 
 from __future__ import annotations
 
 import copy
-import json
 from collections.abc import Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
 import torch
 
 from diffrl.errors import ModelLoadError
-from diffrl.models.base import FamilyAdapter, Latents, PromptEmbeds, read_json, require_pixel_multiple
+from diffrl.models.base import (
+    Component,
+    FamilyAdapter,
+    Latents,
+    PromptEmbeds,
+    register_family,
+    require_pixel_multiple,
+)
 from diffrl.models.batch_invariance import embed_rows_one_at_a_time
+from diffrl.models.components import read_settings
 from diffrl.models.qwen_vae import decode_latents, pack_latents
-from diffrl.models.registry import register_family
-from diffrl.models.weights import require_finite_modules
 from diffrl.sampling import randn_per_sample, resolution_mu
 
 # The pipeline's text layout: this prefix (34 tokens with Qwen's tokenizer, dropped from the conditioning), the
@@ -94,23 +99,6 @@ class Krea2Settings:
     patch_size: int = 2
     max_sequence_length: int = 512
     default_size: int = 1024
-
-
-def _read_settings(index_file: Path) -> Krea2Settings:
-    if not index_file.is_file():
-        return Krea2Settings()
-    index = read_json(index_file)
-    values = {key: index[key] for key in ("text_encoder_select_layers", "is_distilled", "patch_size") if key in index}
-    extra = dict(index.get("diffrl", {}))
-    extra.pop("family", None)
-    try:
-        settings = Krea2Settings(**values, **extra)
-    except TypeError as err:
-        raise ModelLoadError(f"corrupt file: {index_file} (bad 'diffrl' block: {err})") from None
-    settings.text_encoder_select_layers = tuple(int(k) for k in settings.text_encoder_select_layers)
-    if settings.max_sequence_length < 1 or settings.patch_size < 1:
-        raise ModelLoadError(f"{index_file}: max_sequence_length and patch_size must be positive")
-    return settings
 
 
 def _check_template(tokenizer) -> None:
@@ -145,11 +133,19 @@ def image_position_ids(h: int, w: int, device=None) -> torch.Tensor:
 class Krea2Family(FamilyAdapter):
     name = "krea2"
     name_patterns = ("krea2", "krea-2", "krea_2")
+    display_name = "Krea 2"
     default_guidance_scale = 5.5  # the pipeline's default g = 4.5 in Krea's form (s = 1 + g)
     timestep_scale = 1000.0  # reported timesteps are the scheduler's (σ·1000); the transformer takes them / 1000
     # The gated attention's projections: the 28 single-stream blocks' and the text fusion's (peft matches by suffix).
     lora_target_modules = ("attn.to_q", "attn.to_k", "attn.to_v", "attn.to_gate", "attn.to_out.0")
     block_lists = ("transformer_blocks",)
+    components = (
+        Component("transformer", "diffusers:Krea2Transformer2DModel"),
+        Component("vae", "diffusers:AutoencoderKLQwenImage"),
+        Component("scheduler", "diffusers:FlowMatchEulerDiscreteScheduler", kind="scheduler"),
+        Component("tokenizer", "transformers:AutoTokenizer", kind="tokenizer"),
+        Component("text_encoder", "transformers:Qwen3VLModel", text_encoder=True),
+    )
 
     def __init__(self, transformer, vae, text_encoder, tokenizer, scheduler, *, settings: Krea2Settings | None = None):
         settings = settings or Krea2Settings()
@@ -202,35 +198,17 @@ class Krea2Family(FamilyAdapter):
         pipe.set_progress_bar_config(disable=True)
         return pipe
 
-    # ---------------------------------------------------------------- load
     @classmethod
-    def load(cls, model_path, *, device="cpu", dtype=torch.float32, load_text_encoder=True) -> Krea2Family:
-        from diffusers import AutoencoderKLQwenImage, FlowMatchEulerDiscreteScheduler, Krea2Transformer2DModel
-        from transformers import AutoTokenizer, Qwen3VLModel
-
-        root = Path(model_path)
-        if not root.is_dir():
-            raise ModelLoadError(f"model directory not found: {root}")
-        for component in ("transformer", "vae") + (("text_encoder",) if load_text_encoder else ()):
-            read_json(root / component / "config.json")
-        read_json(root / "tokenizer" / "tokenizer_config.json")
-        read_json(root / "scheduler" / "scheduler_config.json")
-        settings = _read_settings(root / "model_index.json")
-        try:
-            transformer = Krea2Transformer2DModel.from_pretrained(root / "transformer", torch_dtype=dtype,
-                                                                  local_files_only=True)
-            vae = AutoencoderKLQwenImage.from_pretrained(root / "vae", torch_dtype=dtype, local_files_only=True)
-            scheduler = FlowMatchEulerDiscreteScheduler.from_pretrained(root / "scheduler", local_files_only=True)
-            tokenizer = AutoTokenizer.from_pretrained(str(root / "tokenizer"), local_files_only=True)
-            text_encoder = (Qwen3VLModel.from_pretrained(str(root / "text_encoder"), dtype=dtype, local_files_only=True)
-                            if load_text_encoder else None)
-        except (OSError, ValueError) as err:
-            raise ModelLoadError(f"cannot load the Krea 2 checkpoint {root}: {str(err).splitlines()[0]}") from None
-        for module in (transformer, vae, text_encoder):
-            if module is not None:
-                module.to(device=device).eval().requires_grad_(False)
-        require_finite_modules(root, {"transformer": transformer, "vae": vae, "text_encoder": text_encoder})
-        return cls(transformer, vae, text_encoder, tokenizer, scheduler, settings=settings)
+    def read_settings(cls, root: Path, index: dict) -> Krea2Settings:
+        """The pipeline's registered config (top level of model_index.json), then the `diffrl` block."""
+        index_file = root / "model_index.json"
+        registered = {key: index[key] for key in ("text_encoder_select_layers", "is_distilled", "patch_size")
+                      if key in index}
+        settings = read_settings(Krea2Settings, index, index_file, **registered)
+        settings.text_encoder_select_layers = tuple(int(k) for k in settings.text_encoder_select_layers)
+        if settings.max_sequence_length < 1 or settings.patch_size < 1:
+            raise ModelLoadError(f"{index_file}: max_sequence_length and patch_size must be positive")
+        return settings
 
     # ---------------------------------------------------------------- the family's conventions
     def default_size(self) -> tuple[int, int]:
@@ -300,153 +278,21 @@ class Krea2Family(FamilyAdapter):
         tokens = pack_latents(randn_per_sample(shape, generators, device=self.device), patch)
         return Latents(tokens, image_position_ids(h, w, device=self.device))
 
-    def velocity(self, transformer, latents, sigma, cond, uncond, guidance_scale) -> torch.Tensor:
-        x = latents.tokens
-        sigma = torch.as_tensor(sigma, device=x.device, dtype=torch.float32).expand(x.shape[0])
+    def run_transformer(self, transformer, latents, sigma, cond) -> torch.Tensor:
         dtype = next(transformer.parameters()).dtype
-        cfg = guidance_scale > 1.0
-        embeds = cond.embeds
-        if cfg:
-            if uncond is None:
-                raise ValueError("guidance_scale > 1 needs the unconditional (negative) conditioning")
-            if uncond.embeds.shape[1:] != cond.embeds.shape[1:]:
-                raise ValueError(f"the negative conditioning {tuple(uncond.embeds.shape[1:])} does not match the "
-                                 f"conditioning {tuple(cond.embeds.shape[1:])}")
-            embeds = torch.cat([uncond.embeds, cond.embeds])
-            x, sigma = torch.cat([x, x]), torch.cat([sigma, sigma])
-        text, mask = self.unpack_conditioning(embeds)
+        text, mask = self.unpack_conditioning(cond.embeds)
         position_ids = torch.cat([cond.ids.to(latents.ids), latents.ids])  # [text | image] `[L + S, 3]`
         # The scheduler's timestep (σ·1000) divided by num_train_timesteps, as the pipeline does.
         train_steps = self.scheduler.config.num_train_timesteps
         timestep = sigma * train_steps / train_steps
         with self.forward_precision():
-            out = transformer(hidden_states=x.to(dtype), encoder_hidden_states=text.to(dtype),
-                              timestep=timestep.to(dtype), position_ids=position_ids, encoder_attention_mask=mask,
-                              return_dict=False)[0].float()
-        if not cfg:
-            return out
-        v_uncond, v_cond = out.chunk(2)
+            return transformer(hidden_states=latents.tokens.to(dtype), encoder_hidden_states=text.to(dtype),
+                               timestep=timestep.to(dtype), position_ids=position_ids, encoder_attention_mask=mask,
+                               return_dict=False)[0].float()
+
+    def combine_guidance(self, v_uncond, v_cond, guidance_scale, *, transformer, sigma) -> torch.Tensor:
         return v_cond + (guidance_scale - 1.0) * (v_cond - v_uncond)  # Krea's form, g = s − 1
 
     def decode(self, latents: torch.Tensor, height: int, width: int) -> torch.Tensor:
         return decode_latents(self.vae, latents, height // self.pixels_per_token, width // self.pixels_per_token,
                               self.settings.patch_size)
-
-
-# -------------------------------------------------------------------- random checkpoints
-SPECIAL_TOKENS = ("<|endoftext|>", "<|im_start|>", "<|im_end|>")
-VOCABULARY = (
-    "system user assistant Describe the image by detailing color shape size texture quantity text spatial "
-    "relationships of objects and background a an on in at to left right above below with one two three four "
-    "circle circles square squares triangle triangles red green blue yellow purple orange black white cat cats "
-    "dog dogs mat fox snow blurry ugly low quality picture photo very long prompt about").split()
-
-
-def build_template_tokenizer():
-    """A word-level tokenizer made in code, with Qwen's chat markers as special tokens. Newlines and
-    punctuation are tokens of their own (as in Qwen's BPE), so the template splits into the 34 + 5 tokens the
-    pipeline cuts at; unknown words map to `<unk>`."""
-    from tokenizers import Regex, Tokenizer, pre_tokenizers
-    from tokenizers.models import WordLevel
-    from transformers import PreTrainedTokenizerFast
-
-    vocab = {token: i for i, token in enumerate((*SPECIAL_TOKENS, "<unk>", "\n", ",", ".", ":", "'"))}
-    for word in VOCABULARY:
-        vocab.setdefault(word, len(vocab))
-    tok = Tokenizer(WordLevel(vocab, unk_token="<unk>"))
-    tok.pre_tokenizer = pre_tokenizers.Sequence([
-        pre_tokenizers.Split(Regex(r"[ \t]+"), behavior="removed"),  # spaces separate words
-        pre_tokenizers.Split(Regex(r"\n|[^\w\s]"), behavior="isolated"),  # newlines and punctuation stand alone
-    ])
-    tokenizer = PreTrainedTokenizerFast(tokenizer_object=tok, pad_token="<|endoftext|>", unk_token="<unk>",
-                                        eos_token="<|im_end|>", model_max_length=32768)
-    tokenizer.add_special_tokens({"additional_special_tokens": list(SPECIAL_TOKENS[1:])})
-    return tokenizer
-
-
-@dataclass
-class Krea2Sizes:
-    """Component sizes of a random checkpoint. The defaults are tiny (tests: grouped-query attention in the
-    blocks, two fused text layers); `class_defaults()` is `Krea2Transformer2DModel`'s default configuration
-    (Krea 2's 12 B transformer) with the real VAE, for benchmarks."""
-
-    transformer: dict = field(default_factory=lambda: dict(
-        num_layers=2, attention_head_dim=16, num_attention_heads=2, num_key_value_heads=1, intermediate_size=64,
-        timestep_embed_dim=32, text_num_attention_heads=2, text_num_key_value_heads=2, text_intermediate_size=64,
-        num_layerwise_text_blocks=1, num_refiner_text_blocks=1, axes_dims_rope=(4, 6, 6)))
-    text_hidden: int = 32
-    text_layers: int = 4
-    text_heads: int = 2
-    select_layers: tuple[int, ...] = (2, 4)
-    vae: dict = field(default_factory=lambda: dict(
-        base_dim=8, z_dim=4, dim_mult=[1, 2], num_res_blocks=1, temperal_downsample=[False]))
-    max_sequence_length: int = 24
-    default_size: int = 32
-
-    @classmethod
-    def class_defaults(cls) -> Krea2Sizes:
-        """The transformer and VAE at the diffusers classes' defaults; a text encoder of Qwen3-VL-4B's width
-        (2,560) with 12 layers, one per fused tap: a prompt is encoded once per request, so its depth does not
-        change what a benchmark of sampling and training measures. 1024² and 512 text tokens, as the pipeline."""
-        return cls(transformer={}, text_hidden=2560, text_layers=12, text_heads=20,
-                   select_layers=tuple(range(1, 13)), vae={}, max_sequence_length=512, default_size=1024)
-
-
-def save_random_checkpoint(path: str | Path, sizes: Krea2Sizes | None = None, *, seed: int = 0,
-                           is_distilled: bool = False, device: str | torch.device = "cpu",
-                           dtype: torch.dtype = torch.float32) -> Path:
-    """A Krea 2 checkpoint in diffusers layout with random weights and a tokenizer made in code (no download):
-    random latent statistics, modulation tables and norm scales (zeros at init) so that every one of them is
-    exercised; the scheduler is Krea 2's (dynamic shift). Built on `device`, stored in `dtype`."""
-    from diffusers import AutoencoderKLQwenImage, FlowMatchEulerDiscreteScheduler, Krea2Transformer2DModel
-    from transformers import Qwen3VLConfig, Qwen3VLModel
-
-    sizes = sizes or Krea2Sizes()
-    path = Path(path)
-    torch.manual_seed(seed)
-    tokenizer = build_template_tokenizer()
-    heads = sizes.text_heads
-    half_head = sizes.text_hidden // heads // 2  # the rotary sections (t, h, w) split half a head
-    special = {token: tokenizer.convert_tokens_to_ids(token) for token in SPECIAL_TOKENS}
-    with torch.device(device):  # build where it is fast
-        text_encoder = Qwen3VLModel(Qwen3VLConfig(
-            text_config=dict(vocab_size=len(tokenizer), hidden_size=sizes.text_hidden,
-                             intermediate_size=2 * sizes.text_hidden, num_hidden_layers=sizes.text_layers,
-                             num_attention_heads=heads, num_key_value_heads=1, head_dim=sizes.text_hidden // heads,
-                             bos_token_id=special["<|endoftext|>"], eos_token_id=special["<|im_end|>"],
-                             pad_token_id=special["<|endoftext|>"],
-                             rope_scaling={"rope_type": "default", "mrope_section": [
-                                 half_head - 2 * (half_head // 4), half_head // 4, half_head // 4]}),
-            vision_config=dict(depth=1, hidden_size=16, intermediate_size=32, num_heads=2,
-                               out_hidden_size=sizes.text_hidden, deepstack_visual_indexes=[0])))
-        z_dim = sizes.vae.get("z_dim", 16)
-        generator = torch.Generator().manual_seed(seed)
-        latents_mean = (0.5 * torch.randn(z_dim, generator=generator)).tolist()
-        latents_std = (0.5 + 1.5 * torch.rand(z_dim, generator=generator)).tolist()
-        vae = AutoencoderKLQwenImage(latents_mean=latents_mean, latents_std=latents_std, **sizes.vae)
-        transformer = Krea2Transformer2DModel(in_channels=4 * z_dim, text_hidden_dim=sizes.text_hidden,
-                                              num_text_layers=len(sizes.select_layers), **sizes.transformer)
-        with torch.no_grad():  # at init the tables and norm scales are zeros; the text's effect is then faint
-            for name, p in transformer.named_parameters():
-                if name.endswith("scale_shift_table"):
-                    p.normal_(0, 1.0, generator=generator)
-                elif "norm" in name:
-                    p.normal_(0, 0.1, generator=generator)
-    for module, folder in ((transformer, "transformer"), (vae, "vae"), (text_encoder, "text_encoder")):
-        (module if dtype == torch.float32 else module.to(dtype)).save_pretrained(path / folder, safe_serialization=True)
-    tokenizer.save_pretrained(path / "tokenizer")
-    # Krea 2's scheduler settings (Krea2Pipeline's docstring).
-    FlowMatchEulerDiscreteScheduler(num_train_timesteps=1000, shift=1.0, use_dynamic_shifting=True, base_shift=0.5,
-                                    max_shift=1.15, base_image_seq_len=256, max_image_seq_len=6400,
-                                    ).save_pretrained(path / "scheduler")
-    index = {
-        "_class_name": "Krea2Pipeline",
-        "scheduler": ["diffusers", "FlowMatchEulerDiscreteScheduler"], "vae": ["diffusers", "AutoencoderKLQwenImage"],
-        "text_encoder": ["transformers", "Qwen3VLModel"], "tokenizer": ["transformers", "PreTrainedTokenizerFast"],
-        "transformer": ["diffusers", "Krea2Transformer2DModel"],
-        "text_encoder_select_layers": list(sizes.select_layers), "is_distilled": is_distilled, "patch_size": 2,
-        "diffrl": {"family": Krea2Family.name, "max_sequence_length": sizes.max_sequence_length,
-                   "default_size": sizes.default_size},
-    }
-    (path / "model_index.json").write_text(json.dumps(index, indent=2) + "\n")
-    return path

@@ -40,9 +40,8 @@ the guidance-distilled option (`guidance_embeds`), and scheduler options that ch
 from __future__ import annotations
 
 import copy
-import json
 from collections.abc import Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
@@ -50,21 +49,16 @@ import torch
 
 from diffrl.errors import ModelLoadError
 from diffrl.models.base import (
+    Component,
     FamilyAdapter,
     Latents,
     PromptEmbeds,
-    read_json,
+    register_family,
     require_pixel_multiple,
     wire_text_tokens,
 )
-from diffrl.models.batch_invariance import (
-    embed_rows_one_at_a_time,
-    one_value_for_all_rows,
-    rows_share_one_timestep,
-)
+from diffrl.models.batch_invariance import embed_rows_one_at_a_time
 from diffrl.models.qwen_vae import decode_latents, pack_latents
-from diffrl.models.registry import register_family
-from diffrl.models.weights import require_finite_modules
 from diffrl.sampling import randn_per_sample, resolution_mu
 
 # The prompt template Qwen-Image was trained with; the tokens before the prompt (34 with Qwen's
@@ -163,6 +157,7 @@ def text_lengths(embeds: torch.Tensor) -> torch.Tensor:
 class QwenImageFamily(FamilyAdapter):
     name = "qwen_image"
     name_patterns = ("qwen-image", "qwen_image", "qwenimage")
+    display_name = "Qwen-Image"
     default_guidance_scale = 4.0  # the pipeline's default true_cfg_scale
     timestep_scale = 1000.0  # reported timesteps are the scheduler's (σ·1000); the transformer takes them / 1000
     pads_text = True  # conditionings of different lengths share a batch, zero-padded (see the module docstring)
@@ -171,6 +166,14 @@ class QwenImageFamily(FamilyAdapter):
     lora_target_modules = ("attn.to_q", "attn.to_k", "attn.to_v", "attn.to_out.0",
                            "attn.add_q_proj", "attn.add_k_proj", "attn.add_v_proj", "attn.to_add_out")
     block_lists = ("transformer_blocks",)
+    components = (
+        Component("transformer", "diffusers:QwenImageTransformer2DModel"),
+        Component("vae", "diffusers:AutoencoderKLQwenImage"),
+        Component("scheduler", "diffusers:FlowMatchEulerDiscreteScheduler", kind="scheduler"),
+        Component("tokenizer", "transformers:AutoTokenizer", kind="tokenizer"),
+        Component("text_encoder", "transformers:Qwen2_5_VLForConditionalGeneration", text_encoder=True),
+    )
+    settings_class = QwenImageSettings
 
     def __init__(self, transformer, vae, text_encoder, tokenizer, scheduler, *,
                  settings: QwenImageSettings | None = None):
@@ -204,48 +207,13 @@ class QwenImageFamily(FamilyAdapter):
         self.vae_scale = 2 ** len(vae.config.temperal_downsample)
         self.pixels_per_token = self.vae_scale * 2  # the VAE's downsampling, then the 2x2 patches
 
-    # ---------------------------------------------------------------- load
     @classmethod
-    def load(cls, model_path, *, device="cpu", dtype=torch.float32, load_text_encoder=True) -> QwenImageFamily:
-        from diffusers import AutoencoderKLQwenImage, FlowMatchEulerDiscreteScheduler, QwenImageTransformer2DModel
-        from transformers import AutoTokenizer, Qwen2_5_VLForConditionalGeneration
-
-        root = Path(model_path)
-        if not root.is_dir():
-            raise ModelLoadError(f"model directory not found: {root}")
-        for component in ("transformer", "vae") + (("text_encoder",) if load_text_encoder else ()):
-            read_json(root / component / "config.json")
-        read_json(root / "tokenizer" / "tokenizer_config.json")
-        read_json(root / "scheduler" / "scheduler_config.json")
-        settings = QwenImageSettings()
-        index_file = root / "model_index.json"
-        if index_file.is_file():
-            index = read_json(index_file)
-            pipeline = str(index.get("_class_name", ""))
-            if "Edit" in pipeline or "Layered" in pipeline:
-                raise ModelLoadError(f"{index_file}: {pipeline} is an image-conditioned Qwen-Image variant; the "
-                                     "qwen_image family is text to image only")
-            overrides = dict(index.get("diffrl", {}))
-            overrides.pop("family", None)
-            try:
-                settings = QwenImageSettings(**overrides)
-            except TypeError as err:
-                raise ModelLoadError(f"corrupt file: {index_file} (bad 'diffrl' block: {err})") from None
-        try:
-            transformer = QwenImageTransformer2DModel.from_pretrained(root / "transformer", torch_dtype=dtype,
-                                                                      local_files_only=True)
-            vae = AutoencoderKLQwenImage.from_pretrained(root / "vae", torch_dtype=dtype, local_files_only=True)
-            scheduler = FlowMatchEulerDiscreteScheduler.from_pretrained(root / "scheduler", local_files_only=True)
-            tokenizer = AutoTokenizer.from_pretrained(str(root / "tokenizer"), local_files_only=True)
-            text_encoder = (Qwen2_5_VLForConditionalGeneration.from_pretrained(
-                str(root / "text_encoder"), dtype=dtype, local_files_only=True) if load_text_encoder else None)
-        except (OSError, ValueError) as err:
-            raise ModelLoadError(f"cannot load the Qwen-Image checkpoint {root}: {str(err).splitlines()[0]}") from None
-        for module in (transformer, vae, text_encoder):
-            if module is not None:
-                module.to(device=device).eval().requires_grad_(False)
-        require_finite_modules(root, {"transformer": transformer, "vae": vae, "text_encoder": text_encoder})
-        return cls(transformer, vae, text_encoder, tokenizer, scheduler, settings=settings)
+    def read_settings(cls, root: Path, index: dict) -> QwenImageSettings:
+        pipeline = str(index.get("_class_name", ""))
+        if "Edit" in pipeline or "Layered" in pipeline:
+            raise ModelLoadError(f"{root / 'model_index.json'}: {pipeline} is an image-conditioned Qwen-Image variant; "
+                                 "the qwen_image family is text to image only")
+        return super().read_settings(root, index)
 
     # ---------------------------------------------------------------- the family's conventions
     def default_size(self) -> tuple[int, int]:
@@ -319,24 +287,14 @@ class QwenImageFamily(FamilyAdapter):
         tokens = pack_latents(randn_per_sample(shape, generators, device=self.device)[:, 0], 2)
         return Latents(tokens, image_position_ids(h, w, device=self.device))
 
-    def velocity(self, transformer, latents, sigma, cond, uncond, guidance_scale) -> torch.Tensor:
-        with rows_share_one_timestep(one_value_for_all_rows(sigma)):
-            return self._velocity(transformer, latents, sigma, cond, uncond, guidance_scale)
+    def pair_conditionings(self, uncond: PromptEmbeds, cond: PromptEmbeds) -> PromptEmbeds:
+        """Always one forward: the shorter text is zero-padded to the longer (see the module docstring)."""
+        length = max(cond.embeds.shape[1], uncond.embeds.shape[1]) - 1
+        return PromptEmbeds(torch.cat([pad_text(uncond.embeds, length), pad_text(cond.embeds, length)]), cond.ids)
 
-    def _velocity(self, transformer, latents, sigma, cond, uncond, guidance_scale) -> torch.Tensor:
-        x = latents.tokens
-        batch = x.shape[0]
-        sigma = torch.as_tensor(sigma, device=x.device, dtype=torch.float32).expand(batch)
+    def run_transformer(self, transformer, latents, sigma, cond) -> torch.Tensor:
+        x, embeds = latents.tokens, cond.embeds
         dtype = next(transformer.parameters()).dtype
-        cfg = guidance_scale > 1.0
-        if cfg:
-            if uncond is None:
-                raise ValueError("guidance_scale > 1 needs the unconditional (negative) conditioning")
-            length = max(cond.embeds.shape[1], uncond.embeds.shape[1]) - 1  # the longer of the two (pad)
-            embeds = torch.cat([pad_text(uncond.embeds, length), pad_text(cond.embeds, length)])
-            x, sigma = torch.cat([x, x]), torch.cat([sigma, sigma])
-        else:
-            embeds = cond.embeds
         # The image grid and each row's text length, read in one host sync.
         h, w, *lengths = torch.cat([latents.ids[-1, 1:] + 1, text_lengths(embeds)]).tolist()
         longest = int(max(lengths))
@@ -347,12 +305,11 @@ class QwenImageFamily(FamilyAdapter):
         # The scheduler's timestep, σ·1000, divided by 1000 as the pipeline does.
         timestep = sigma * self.scheduler.config.num_train_timesteps / 1000
         with self.forward_precision():
-            out = transformer(hidden_states=x.to(dtype), timestep=timestep.to(dtype),
-                              encoder_hidden_states=text.to(dtype), encoder_hidden_states_mask=mask,
-                              img_shapes=[[(1, int(h), int(w))]] * x.shape[0], return_dict=False)[0].float()
-        if not cfg:
-            return out
-        v_uncond, v_cond = out.chunk(2)
+            return transformer(hidden_states=x.to(dtype), timestep=timestep.to(dtype),
+                               encoder_hidden_states=text.to(dtype), encoder_hidden_states_mask=mask,
+                               img_shapes=[[(1, int(h), int(w))]] * x.shape[0], return_dict=False)[0].float()
+
+    def combine_guidance(self, v_uncond, v_cond, guidance_scale, *, transformer, sigma) -> torch.Tensor:
         combined = v_uncond + guidance_scale * (v_cond - v_uncond)
         # True CFG's rescale: each token's guided velocity gets the norm of its conditional velocity.
         return combined * (torch.norm(v_cond, dim=-1, keepdim=True) / torch.norm(combined, dim=-1, keepdim=True))
@@ -360,110 +317,3 @@ class QwenImageFamily(FamilyAdapter):
     def decode(self, latents: torch.Tensor, height: int, width: int) -> torch.Tensor:
         return decode_latents(self.vae, latents, height // self.pixels_per_token, width // self.pixels_per_token,
                               2)
-
-
-# -------------------------------------------------------------------- random checkpoints
-SPECIAL_TOKENS = ("<|endoftext|>", "<|im_start|>", "<|im_end|>")
-TOKENIZER_WORDS = (
-    "system user assistant describe the image by detailing color shape size texture quantity text spatial "
-    "relationships of objects and background a an on in to left right above below with one two three four "
-    "circle circles square squares triangle triangles diamond diamonds red green blue yellow purple orange "
-    "black white cat cats dog dogs mat blurry ugly picture photo very long prompt about").split()
-
-
-def build_qwen_tokenizer():
-    """A word-level tokenizer made in code with Qwen's chat markers. Like Qwen's own BPE tokenizer it
-    keeps newlines and punctuation as tokens, so the template's prefix is the 34 tokens the pipeline drops."""
-    from tokenizers import Regex, Tokenizer, normalizers, pre_tokenizers
-    from tokenizers.models import WordLevel
-    from transformers import PreTrainedTokenizerFast
-
-    vocab = {token: i for i, token in enumerate((*SPECIAL_TOKENS, "<unk>", "\n", ",", ":", ".", "'", '"'))}
-    for word in TOKENIZER_WORDS:
-        vocab.setdefault(word, len(vocab))
-    tok = Tokenizer(WordLevel(vocab, unk_token="<unk>"))
-    tok.normalizer = normalizers.Lowercase()
-    tok.pre_tokenizer = pre_tokenizers.Sequence([
-        pre_tokenizers.Split(Regex(r"[ \t]+"), behavior="removed"),
-        pre_tokenizers.Split(Regex(r"\n|[^\w\s]"), behavior="isolated"),
-    ])
-    tokenizer = PreTrainedTokenizerFast(tokenizer_object=tok, pad_token="<|endoftext|>", unk_token="<unk>",
-                                        eos_token="<|im_end|>", model_max_length=32768)
-    tokenizer.add_special_tokens({"additional_special_tokens": list(SPECIAL_TOKENS[1:])})
-    return tokenizer
-
-
-@dataclass
-class QwenImageSizes:
-    """Component sizes of a random checkpoint. The defaults are tiny (tests); `class_defaults()` is the
-    diffusers classes' default transformer and VAE (Qwen-Image's 20 B transformer), for benchmarks."""
-
-    transformer: dict = field(default_factory=lambda: dict(
-        patch_size=2, num_layers=2, attention_head_dim=16, num_attention_heads=2, axes_dims_rope=(4, 6, 6)))
-    text_hidden: int = 32
-    text_layers: int = 2
-    text_heads: int = 2
-    vae: dict = field(default_factory=lambda: dict(
-        base_dim=8, z_dim=4, dim_mult=[1, 2], num_res_blocks=1, temperal_downsample=[False]))
-    default_size: int | None = 32
-
-    @classmethod
-    def class_defaults(cls) -> QwenImageSizes:
-        """`QwenImageTransformer2DModel` and `AutoencoderKLQwenImage` at their defaults (Qwen-Image's sizes),
-        with a text encoder of Qwen2.5-VL-7B's width (3,584) but 2 layers: a prompt is encoded once per
-        request, so its depth does not change what a benchmark of sampling and training measures."""
-        return cls(transformer={}, text_hidden=3584, text_layers=2, text_heads=28, vae={}, default_size=None)
-
-
-def save_random_checkpoint(path: str | Path, sizes: QwenImageSizes | None = None, *, seed: int = 0,
-                           device: str | torch.device = "cpu", dtype: torch.dtype = torch.float32) -> Path:
-    """A Qwen-Image checkpoint in diffusers layout with random weights and a tokenizer made in code (no
-    download), with random latent statistics so that decoding exercises them; built on `device`, stored in
-    `dtype`. The scheduler config is Qwen-Image's (dynamic shift, stretched to a terminal σ of 0.02)."""
-    from diffusers import AutoencoderKLQwenImage, FlowMatchEulerDiscreteScheduler, QwenImageTransformer2DModel
-    from transformers import Qwen2_5_VLConfig, Qwen2_5_VLForConditionalGeneration
-
-    sizes = sizes or QwenImageSizes()
-    path = Path(path)
-    torch.manual_seed(seed)
-    tokenizer = build_qwen_tokenizer()
-    heads = sizes.text_heads
-    half_head = sizes.text_hidden // heads // 2  # the rotary sections (t, h, w) split half a head
-    special = {token: tokenizer.convert_tokens_to_ids(token) for token in SPECIAL_TOKENS}
-    with torch.device(device):  # build where it is fast
-        text_encoder = Qwen2_5_VLForConditionalGeneration(Qwen2_5_VLConfig(
-            text_config=dict(vocab_size=len(tokenizer), hidden_size=sizes.text_hidden,
-                             intermediate_size=2 * sizes.text_hidden, num_hidden_layers=sizes.text_layers,
-                             num_attention_heads=heads, num_key_value_heads=1,
-                             bos_token_id=special["<|endoftext|>"], eos_token_id=special["<|im_end|>"],
-                             pad_token_id=special["<|endoftext|>"],
-                             rope_scaling={"rope_type": "default", "mrope_section": [
-                                 half_head - 2 * (half_head // 4), half_head // 4, half_head // 4]}),
-            vision_config=dict(depth=1, hidden_size=16, intermediate_size=32, num_heads=2,
-                               out_hidden_size=sizes.text_hidden, fullatt_block_indexes=[0])))
-        z_dim = sizes.vae.get("z_dim", 16)
-        generator = torch.Generator().manual_seed(seed)
-        # Drawn on the CPU (the generator's device) whatever `device` builds the modules.
-        latents_mean = (0.5 * torch.randn(z_dim, generator=generator, device="cpu")).tolist()
-        latents_std = (0.5 + 1.5 * torch.rand(z_dim, generator=generator, device="cpu")).tolist()
-        vae = AutoencoderKLQwenImage(latents_mean=latents_mean, latents_std=latents_std, **sizes.vae)
-        transformer = QwenImageTransformer2DModel(in_channels=4 * z_dim, out_channels=z_dim,
-                                                  joint_attention_dim=sizes.text_hidden, **sizes.transformer)
-    for module, folder in ((transformer, "transformer"), (vae, "vae"), (text_encoder, "text_encoder")):
-        module.to(dtype).save_pretrained(path / folder, safe_serialization=True)
-    tokenizer.save_pretrained(path / "tokenizer")
-    # Qwen-Image's published scheduler settings.
-    FlowMatchEulerDiscreteScheduler(
-        num_train_timesteps=1000, shift=1.0, use_dynamic_shifting=True, base_shift=0.5, max_shift=0.9,
-        base_image_seq_len=256, max_image_seq_len=8192, shift_terminal=0.02, time_shift_type="exponential",
-    ).save_pretrained(path / "scheduler")
-    index = {
-        "_class_name": "QwenImagePipeline",
-        "transformer": ["diffusers", "QwenImageTransformer2DModel"], "vae": ["diffusers", "AutoencoderKLQwenImage"],
-        "text_encoder": ["transformers", "Qwen2_5_VLForConditionalGeneration"],
-        "tokenizer": ["transformers", "PreTrainedTokenizerFast"],
-        "scheduler": ["diffusers", "FlowMatchEulerDiscreteScheduler"],
-        "diffrl": {"family": QwenImageFamily.name, "default_size": sizes.default_size},
-    }
-    (path / "model_index.json").write_text(json.dumps(index, indent=2) + "\n")
-    return path

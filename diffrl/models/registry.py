@@ -2,7 +2,8 @@
 
 Resolution order (DESIGN §5): an explicit `--diffusion-model-family`, then the environment
 variable `DIFFRL_MODEL_FAMILY`, then the checkpoint directory's name matched against each
-family's `name_patterns`.
+family's `name_patterns`. Family modules register themselves with `register_family` (from `base`, so that
+they need not import this module, which imports them).
 """
 
 from __future__ import annotations
@@ -10,17 +11,11 @@ from __future__ import annotations
 import os
 from pathlib import Path
 
-from diffrl.models.base import FamilyAdapter
+from diffrl.models.base import FamilyAdapter, registered_families
+from diffrl.models.base import register_family as register_family  # re-exported for family modules
 
 FAMILY_ENV_VAR = "DIFFRL_MODEL_FAMILY"
-_FAMILIES: dict[str, type[FamilyAdapter]] = {}
-
-
-def register_family(cls: type[FamilyAdapter]) -> type[FamilyAdapter]:
-    if cls.name in _FAMILIES:
-        raise ValueError(f"model family {cls.name!r} is registered twice")
-    _FAMILIES[cls.name] = cls
-    return cls
+_FAMILIES = registered_families()
 
 
 def family_names() -> list[str]:
@@ -58,7 +53,7 @@ def resolve_family(explicit: str | None = None, model_path: str | Path | None = 
 
 
 def _import_builtin_families() -> None:
-    # Importing a family module registers it; done lazily so `registry` has no import cycle.
+    # Importing a family module registers it (lazily: the first lookup pays for the imports).
     import diffrl.models.cosmos3  # noqa: F401
     import diffrl.models.demo  # noqa: F401
     import diffrl.models.flux3_image  # noqa: F401

@@ -36,7 +36,7 @@ from __future__ import annotations
 import copy
 import math
 from collections.abc import Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
@@ -46,24 +46,28 @@ from torch.distributed.fsdp import FSDPModule
 
 from diffrl.errors import ModelLoadError, RequestError
 from diffrl.models.base import (
+    Component,
     FamilyAdapter,
     Latents,
     PromptEmbeds,
     read_json,
+    register_family,
     require_pixel_multiple,
     wire_text_tokens,
 )
-from diffrl.models.batch_invariance import (
-    decode_rows,
-    embed_rows_one_at_a_time,
-    one_value_for_all_rows,
-    rows_share_one_timestep,
-)
-from diffrl.models.registry import register_family
-from diffrl.models.weights import load_weights, require_finite_modules
+from diffrl.models.batch_invariance import decode_rows, embed_rows_one_at_a_time
+from diffrl.models.weights import load_weights
 from diffrl.sampling import randn_per_sample
 
 SCHEDULERS = ("FlowMatchEulerDiscreteScheduler", "UniPCMultistepScheduler")
+
+
+@dataclass
+class WanSettings:
+    """What the checkpoint's model_index.json and scheduler config decide: the expert switch and the scheduler."""
+
+    boundary_ratio: float | None  # None: one expert (Wan2.1-style, or a transformer_2 the pipeline never calls)
+    scheduler_class: str
 
 
 class WanExperts(PeftAdapterMixin, torch.nn.Module):
@@ -146,6 +150,7 @@ def _run_per_sample_layers_row_by_row(transformer) -> None:
 class Wan22Family(FamilyAdapter):
     name = "wan2_2"
     name_patterns = ("wan2.2", "wan2_2", "wan2.1", "wan2_1", "wan")
+    display_name = "Wan"
     generates_video = True
     default_num_frames = 81  # WanPipeline's defaults: 81 frames of 480 × 832
     default_guidance_scale = 5.0
@@ -154,6 +159,14 @@ class Wan22Family(FamilyAdapter):
     lora_target_modules = ("attn1.to_q", "attn1.to_k", "attn1.to_v", "attn1.to_out.0",
                            "attn2.to_q", "attn2.to_k", "attn2.to_v", "attn2.to_out.0")
     block_lists = ("expert_blocks",)
+    components = (
+        Component("transformer", "diffusers:WanTransformer3DModel"),
+        Component("vae", "diffusers:AutoencoderKLWan"),
+        Component("scheduler", "diffusers:FlowMatchEulerDiscreteScheduler", kind="scheduler"),
+        Component("tokenizer", "transformers:AutoTokenizer", kind="tokenizer"),
+        Component("text_encoder", "transformers:UMT5EncoderModel", text_encoder=True),
+    )
+    model_index_required = True
 
     def __init__(self, transformer: WanExperts, vae, text_encoder, tokenizer, scheduler, *,
                  boundary_ratio: float | None = None, max_sequence_length: int = 512):
@@ -189,27 +202,11 @@ class Wan22Family(FamilyAdapter):
 
     # ---------------------------------------------------------------- load
     @classmethod
-    def load(cls, model_path, *, device="cpu", dtype=torch.float32, load_text_encoder=True,
-             max_sequence_length: int = 512) -> Wan22Family:
-        import diffusers
-        from diffusers import AutoencoderKLWan, WanTransformer3DModel
-        from transformers import AutoTokenizer, UMT5EncoderModel
-
-        root = Path(model_path)
-        if not root.is_dir():
-            raise ModelLoadError(f"model directory not found: {root}")
-        index = read_json(root / "model_index.json")
-        for component in ("transformer", "vae", "text_encoder"):
-            read_json(root / component / "config.json")
-        scheduler_config = read_json(root / "scheduler" / "scheduler_config.json")
+    def read_settings(cls, root: Path, index: dict) -> WanSettings:
         if index.get("expand_timesteps"):
             raise ModelLoadError(f"wan2_2: {root} is a TI2V checkpoint (expand_timesteps: per-token timesteps), "
                                  "which this adapter does not reproduce")
-        boundary_ratio = index.get("boundary_ratio")
-        has_second = (root / "transformer_2" / "config.json").is_file()
-        if boundary_ratio is not None and not has_second:
-            raise ModelLoadError(f"wan2_2: {root / 'model_index.json'} sets boundary_ratio={boundary_ratio} but "
-                                 f"there is no {root / 'transformer_2' / 'config.json'} (the low-noise expert)")
+        scheduler_config = read_json(root / "scheduler" / "scheduler_config.json")
         scheduler_name = scheduler_config.get("_class_name")
         if scheduler_name not in SCHEDULERS:
             raise ModelLoadError(f"wan2_2: scheduler {scheduler_name!r} in {root / 'scheduler'}; supported: "
@@ -218,28 +215,28 @@ class Wan22Family(FamilyAdapter):
             raise ModelLoadError("wan2_2: a UniPC scheduler without use_flow_sigmas has no flow-matching schedule")
         if scheduler_config.get("use_dynamic_shifting"):
             raise ModelLoadError("wan2_2: the scheduler uses dynamic shifting, which WanPipeline does not set up")
-        try:
-            def expert(folder: str):
-                return WanTransformer3DModel.from_pretrained(root / folder, torch_dtype=dtype, local_files_only=True)
+        return WanSettings(index.get("boundary_ratio"), scheduler_name)
 
-            transformer = expert("transformer")
-            transformer_2 = expert("transformer_2") if boundary_ratio is not None else None
-            vae = AutoencoderKLWan.from_pretrained(root / "vae", torch_dtype=dtype, local_files_only=True)
-            scheduler = getattr(diffusers, scheduler_name).from_pretrained(root / "scheduler", local_files_only=True)
-            tokenizer = AutoTokenizer.from_pretrained(str(root / "tokenizer"), local_files_only=True)
-            text_encoder = (UMT5EncoderModel.from_pretrained(str(root / "text_encoder"), dtype=dtype,
-                                                             local_files_only=True) if load_text_encoder else None)
-        except (OSError, ValueError) as err:
-            raise ModelLoadError(f"cannot load the Wan checkpoint {root}: {str(err).splitlines()[0]}") from None
-        for module in (transformer, transformer_2, vae, text_encoder):
-            if module is not None:
-                module.to(device=device).eval().requires_grad_(False)
-        require_finite_modules(root, {"transformer": transformer, "transformer_2": transformer_2, "vae": vae,
-                                      "text_encoder": text_encoder})
+    @classmethod
+    def checkpoint_components(cls, settings: WanSettings) -> list[Component]:
+        """The scheduler of the checkpoint's class, and the low-noise expert when the pipeline switches to it
+        (optional here, so that a missing one is named by `from_components`, after the other components)."""
+        table = [c if c.folder != "scheduler" else Component("scheduler", f"diffusers:{settings.scheduler_class}",
+                                                                kind="scheduler") for c in cls.components]
+        if settings.boundary_ratio is not None:
+            table.append(Component("transformer_2", "diffusers:WanTransformer3DModel", optional=True))
+        return table
+
+    @classmethod
+    def from_components(cls, root, parts, settings: WanSettings, *, max_sequence_length: int = 512) -> Wan22Family:
+        scheduler, boundary_ratio = parts["scheduler"], settings.boundary_ratio
+        if boundary_ratio is not None and parts["transformer_2"] is None:
+            raise ModelLoadError(f"wan2_2: {root / 'model_index.json'} sets boundary_ratio={boundary_ratio} but "
+                                 f"there is no {root / 'transformer_2' / 'config.json'} (the low-noise expert)")
         boundary = None if boundary_ratio is None else boundary_ratio * scheduler.config.num_train_timesteps
-        experts = WanExperts(transformer, transformer_2, boundary)
-        return cls(experts, vae, text_encoder, tokenizer, scheduler, boundary_ratio=boundary_ratio,
-                   max_sequence_length=max_sequence_length)
+        experts = WanExperts(parts["transformer"], parts.get("transformer_2"), boundary)
+        return cls(experts, parts["vae"], parts["text_encoder"], parts["tokenizer"], scheduler,
+                   boundary_ratio=boundary_ratio, max_sequence_length=max_sequence_length)
 
     def save(self, path: str | Path) -> None:
         """Each expert in diffusers layout (`transformer/`, `transformer_2/`), what a full finetune changes."""
@@ -296,7 +293,8 @@ class Wan22Family(FamilyAdapter):
         return PromptEmbeds(tokens[None], torch.zeros(tokens.shape[0], 1)), torch.zeros(0, 1)
 
     def encode_prompts(self, prompts: Sequence[str]) -> PromptEmbeds:
-        from diffusers.pipelines.wan.pipeline_wan import prompt_clean  # the pipeline's own text cleaning
+        # The pipeline's own text cleaning.
+        from diffusers.pipelines.wan.pipeline_wan import prompt_clean
 
         if self.text_encoder is None:
             raise RuntimeError("this Wan model was loaded without its text encoder")
@@ -319,30 +317,18 @@ class Wan22Family(FamilyAdapter):
         # The transformer patchifies and positions the latents itself: no position ids to carry.
         return Latents(randn_per_sample(shape, generators, device=self.device), torch.zeros(0, 1, device=self.device))
 
-    def velocity(self, transformer, latents, sigma, cond, uncond, guidance_scale, guidance_scale_2=None):
-        with rows_share_one_timestep(one_value_for_all_rows(sigma)):
-            return self._velocity(transformer, latents, sigma, cond, uncond, guidance_scale, guidance_scale_2)
-
-    def _velocity(self, transformer, latents, sigma, cond, uncond, guidance_scale, guidance_scale_2):
-        x = latents.tokens
-        # WanPipeline's timestep: σ·num_train_timesteps in fp32, whatever the weights' dtype.
-        t = (torch.as_tensor(sigma, device=x.device, dtype=torch.float32) * self.timestep_scale).expand(x.shape[0])
+    def run_transformer(self, transformer, latents, sigma, cond) -> torch.Tensor:
         dtype = next(transformer.parameters()).dtype
-        cfg = guidance_scale > 1.0  # as the pipeline: CFG for both experts, or for neither
-        if cfg:
-            if uncond is None:
-                raise ValueError("guidance_scale > 1 needs the unconditional (negative) conditioning")
-            x, t_in, text = torch.cat([x, x]), torch.cat([t, t]), torch.cat([uncond.embeds, cond.embeds])
-        else:
-            t_in, text = t, cond.embeds
+        # WanPipeline's timestep: σ·num_train_timesteps in fp32, whatever the weights' dtype.
         with self.forward_precision():
-            out = transformer(hidden_states=x.to(dtype), timestep=t_in, encoder_hidden_states=text.to(dtype),
-                              return_dict=False)[0].float()
-        if not cfg:
-            return out
-        v_uncond, v_cond = out.chunk(2)
+            return transformer(hidden_states=latents.tokens.to(dtype), timestep=sigma * self.timestep_scale,
+                               encoder_hidden_states=cond.embeds.to(dtype), return_dict=False)[0].float()
+
+    def combine_guidance(self, v_uncond, v_cond, guidance_scale, *, transformer, sigma,
+                         guidance_scale_2: float | None = None) -> torch.Tensor:
+        """As the pipeline: CFG for both experts (or for neither), each with its own scale."""
         scale_2 = guidance_scale if guidance_scale_2 is None else guidance_scale_2
-        high = transformer.high_noise(t)
+        high = transformer.high_noise(sigma * self.timestep_scale)
         if bool(high.all()):
             scale = guidance_scale
         elif not bool(high.any()):
@@ -360,63 +346,3 @@ class Wan22Family(FamilyAdapter):
         latents = latents / inv_std + mean  # the pipeline's arithmetic, to the rounding
         videos = decode_rows(lambda rows: self.vae.decode(rows.to(vae_dtype), return_dict=False)[0], latents)
         return (videos.float() / 2 + 0.5).clamp(0, 1)  # [B, 3, F, H, W]
-
-
-# -------------------------------------------------------------------- random checkpoints
-@dataclass
-class WanSizes:
-    """Component sizes of a random checkpoint (tiny defaults, for tests). The VAE keeps Wan's factors
-    (4 in time, 8 in space) at a few channels."""
-
-    transformer: dict = field(default_factory=lambda: dict(
-        patch_size=(1, 2, 2), num_attention_heads=2, attention_head_dim=8, in_channels=4, out_channels=4,
-        freq_dim=16, ffn_dim=32, num_layers=2, rope_max_seq_len=32))
-    text_encoder: dict = field(default_factory=lambda: dict(d_model=32, d_kv=8, d_ff=64, num_layers=1, num_heads=2))
-    vae: dict = field(default_factory=lambda: dict(
-        base_dim=8, z_dim=4, dim_mult=[1, 2, 2, 2], num_res_blocks=1, temperal_downsample=[False, True, True],
-        latents_mean=[0.1, -0.2, 0.3, 0.0], latents_std=[1.5, 0.8, 1.2, 2.0]))
-
-
-def save_random_checkpoint(path: str | Path, sizes: WanSizes | None = None, *, seed: int = 0, two_experts: bool = True,
-                           boundary_ratio: float = 0.875, scheduler: str = "euler", shift: float = 3.0,
-                           device: str | torch.device = "cpu", dtype: torch.dtype = torch.float32) -> Path:
-    """A Wan checkpoint in diffusers layout (written by `WanPipeline.save_pretrained`) with random weights
-    and a tokenizer made in code (no download): two experts switched at `boundary_ratio` (Wan2.2), or one
-    (Wan2.1-style, no boundary). `scheduler`: "euler" (FlowMatchEulerDiscreteScheduler) or "unipc" (Wan's
-    published kind, flow σ's)."""
-    from diffusers import (
-        AutoencoderKLWan,
-        FlowMatchEulerDiscreteScheduler,
-        UniPCMultistepScheduler,
-        WanPipeline,
-        WanTransformer3DModel,
-    )
-    from transformers import UMT5Config, UMT5EncoderModel
-
-    from diffrl.models.demo import build_word_tokenizer
-
-    sizes = sizes or WanSizes()
-    torch.manual_seed(seed)
-    tokenizer = build_word_tokenizer("a an the red blue green cat dog circle square of on video".split(), 512)
-    width = sizes.text_encoder["d_model"]
-    def stored(module):  # fp32 as built; another dtype cast as a whole (diffusers warns about its fp32 modules)
-        return module if dtype == torch.float32 else module.to(dtype)
-
-    with torch.device(device):
-        text_encoder = stored(UMT5EncoderModel(UMT5Config(vocab_size=len(tokenizer), decoder_start_token_id=0,
-                                                          pad_token_id=0, **sizes.text_encoder)))
-        experts = [stored(WanTransformer3DModel(text_dim=width, **sizes.transformer))
-                   for _ in range(2 if two_experts else 1)]
-        vae = stored(AutoencoderKLWan(**sizes.vae))
-    if scheduler == "euler":
-        sched = FlowMatchEulerDiscreteScheduler(shift=shift)
-    elif scheduler == "unipc":
-        sched = UniPCMultistepScheduler(prediction_type="flow_prediction", use_flow_sigmas=True, flow_shift=shift,
-                                        final_sigmas_type="zero")
-    else:
-        raise ValueError(f"scheduler {scheduler!r}: 'euler' or 'unipc'")
-    pipe = WanPipeline(tokenizer=tokenizer, text_encoder=text_encoder, vae=vae, scheduler=sched,
-                       transformer=experts[0], transformer_2=experts[1] if two_experts else None,
-                       boundary_ratio=boundary_ratio if two_experts else None)
-    pipe.save_pretrained(path, safe_serialization=True)
-    return Path(path)

@@ -26,6 +26,7 @@ from diffrl.algorithms.losses import sft_loss
 from diffrl.data.scenes import RenderedScenes
 from diffrl.models.base import Latents
 from diffrl.models.demo import DemoConfig, DemoFamily
+from diffrl.models.random_checkpoints.demo import random_family
 from diffrl.sampling import noised
 from diffrl.train.ema import ParameterEMA
 from diffrl.utils.device import autocast, resolve_device
@@ -129,7 +130,7 @@ def pretrain(cfg: PretrainConfig) -> Path:
         family = DemoFamily.load(cfg.init_from, batch_invariant=False)
         print(f"initialized from {cfg.init_from}")
     else:
-        family = DemoFamily.build_random(cfg.demo_config(), seed=cfg.seed, batch_invariant=False)
+        family = random_family(cfg.demo_config(), seed=cfg.seed, batch_invariant=False)
     family.transformer.to(device).train().requires_grad_(True)
     family.text_encoder.to(device).train().requires_grad_(True)
     modules = [family.transformer, family.text_encoder]

@@ -1,0 +1,110 @@
+"""Reading a diffusers-format checkpoint directory from a family's table of components.
+
+Each `Component` names a folder of the checkpoint and the class that loads it. `load_components` checks
+every folder's config file first (a missing or corrupt one is named in a one-line `ModelLoadError`), loads
+them, moves the modules to the device in eval mode without gradients and refuses NaN or inf weights.
+`read_settings` reads a family's per-checkpoint settings from the `diffrl` block of `model_index.json`.
+"""
+
+from __future__ import annotations
+
+import importlib
+import json
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from diffrl.errors import ModelLoadError
+from diffrl.models.weights import require_finite_modules
+
+# The file every folder of a kind holds, read before loading so that a missing or corrupt one is named.
+CONFIG_FILES = {"model": "config.json", "tokenizer": "tokenizer_config.json", "scheduler": "scheduler_config.json"}
+
+
+def read_json(path: Path) -> dict:
+    """A checkpoint's JSON file (config, scheduler, model index), or a `ModelLoadError` naming the file."""
+    if not path.is_file():
+        raise ModelLoadError(f"missing file: {path}")
+    try:
+        return json.loads(path.read_text())
+    except (json.JSONDecodeError, UnicodeDecodeError) as err:
+        raise ModelLoadError(f"corrupt file: {path} ({err.__class__.__name__}: {err})") from None
+
+
+@dataclass(frozen=True)
+class Component:
+    """One folder of a checkpoint. `loader` is `"package:Class"` (loaded with the class's `from_pretrained`,
+    locally, in the load's dtype for models) or a function `(folder, dtype) -> component` for a custom layout."""
+
+    folder: str
+    loader: str | Callable[[Path, torch.dtype], Any]
+    kind: str = "model"  # "model", "tokenizer" or "scheduler"
+    text_encoder: bool = False  # left out (None) when the family is loaded without its text encoders
+    optional: bool = False  # None when the checkpoint lacks it (its config file is absent)
+    config_file: str | None = None  # read before loading; None: the kind's usual file
+
+    @property
+    def config_path(self) -> str:
+        return f"{self.folder}/{self.config_file or CONFIG_FILES[self.kind]}"
+
+    def load(self, root: Path, dtype: torch.dtype) -> Any:
+        folder = root / self.folder
+        if callable(self.loader):
+            return self.loader(folder, dtype)
+        package, name = self.loader.split(":")
+        cls = getattr(importlib.import_module(package), name)
+        if self.kind != "model":
+            return cls.from_pretrained(str(folder), local_files_only=True)
+        if package == "diffusers":
+            return cls.from_pretrained(folder, torch_dtype=dtype, local_files_only=True)
+        return cls.from_pretrained(str(folder), dtype=dtype, local_files_only=True)
+
+
+def checkpoint_root(model_path: str | Path) -> Path:
+    root = Path(model_path)
+    if not root.is_dir():
+        raise ModelLoadError(f"model directory not found: {root}")
+    return root
+
+
+def read_model_index(root: Path, *, required: bool) -> dict:
+    """`model_index.json`, or {} when the checkpoint has none and the family does not need one."""
+    index_file = root / "model_index.json"
+    return read_json(index_file) if required or index_file.is_file() else {}
+
+
+def read_settings(settings_class: type, index: dict, index_file: Path, **values):
+    """`settings_class(**values)` overridden by the `diffrl` block of the model index (its `family` key aside)."""
+    overrides = dict(index.get("diffrl", {}))
+    overrides.pop("family", None)
+    try:
+        return settings_class(**{**values, **overrides})
+    except TypeError as err:
+        raise ModelLoadError(f"corrupt file: {index_file} (bad 'diffrl' block: {err})") from None
+
+
+def load_components(root: Path, table: Iterable[Component], *, label: str, device: torch.device | str,
+                    dtype: torch.dtype, load_text_encoder: bool) -> dict[str, Any]:
+    """Every component of `table` by folder name (None for one left out or absent)."""
+    parts: dict[str, Any] = {}
+    wanted = []
+    for component in table:
+        absent = component.optional and not (root / component.config_path).is_file()
+        parts[component.folder] = None
+        if not absent and (load_text_encoder or not component.text_encoder):
+            wanted.append(component)
+    for component in wanted:
+        read_json(root / component.config_path)
+    try:
+        parts.update({component.folder: component.load(root, dtype) for component in wanted})
+    except (OSError, ValueError) as err:
+        first_line = (str(err).splitlines() or [type(err).__name__])[0]
+        raise ModelLoadError(f"cannot load the {label} checkpoint {root}: {first_line}") from None
+    modules = {folder: part for folder, part in parts.items() if isinstance(part, torch.nn.Module)}
+    for module in modules.values():
+        module.to(device=device).eval().requires_grad_(False)
+    require_finite_modules(root, modules)
+    return parts

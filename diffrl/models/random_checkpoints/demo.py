@@ -1,0 +1,49 @@
+"""Demo models with random weights, in memory: pretraining starts from one (`real()` is the shipped model's
+size), tests use `tiny()`. `family.save(path)` writes one in diffusers layout."""
+
+from __future__ import annotations
+
+import torch
+
+from diffrl.models.demo import DemoConfig, DemoFamily
+from diffrl.models.random_checkpoints.tokenizers import build_word_tokenizer
+
+
+def tiny() -> DemoConfig:
+    """A demo model of a few thousand parameters (CPU tests)."""
+    config = DemoConfig()
+    config.transformer.update(num_layers=1, num_single_layers=1, attention_head_dim=8, num_attention_heads=2,
+                              timestep_channels=16, axes_dims_rope=(2, 2, 2, 2))
+    config.text_encoder.update(d_model=16, d_kv=8, d_ff=32, num_layers=1, num_heads=2)
+    return config
+
+
+def real() -> DemoConfig:
+    """The shipped demo model's sizes."""
+    return DemoConfig()
+
+
+def shapes_vocabulary() -> list[str]:
+    """Every word of the shapes grammar, sorted (the demo tokenizer's vocabulary)."""
+    from diffrl.data.shapes import CATEGORIES, all_prompts
+
+    return sorted({word for category in CATEGORIES for prompt in all_prompts(category) for word in prompt.split()})
+
+
+def random_family(config: DemoConfig | None = None, seed: int = 0, *, batch_invariant: bool = True) -> DemoFamily:
+    """A demo family of `config`'s sizes (default: `real()`) with fresh random weights. `batch_invariant=False`
+    for pretraining, where every row has its own timestep."""
+    from diffusers import Flux3Transformer2DModel
+    from transformers import T5Config, T5EncoderModel
+
+    config = config or real()
+    tokenizer = build_word_tokenizer(shapes_vocabulary(), config.max_text_len)
+    torch.manual_seed(seed)
+    text_encoder = T5EncoderModel(T5Config(
+        vocab_size=len(tokenizer), pad_token_id=0, eos_token_id=1, decoder_start_token_id=0, **config.text_encoder,
+    ))
+    transformer = Flux3Transformer2DModel(
+        in_channels=config.in_channels, cond_in_channels=config.in_channels,
+        joint_attention_dim=config.text_encoder["d_model"], **config.transformer,
+    )
+    return DemoFamily(config, transformer, text_encoder, tokenizer, batch_invariant=batch_invariant)

@@ -1,0 +1,73 @@
+"""Tokenizers made in code for the random checkpoints (and the demo model): small vocabularies in the
+formats the families' real tokenizers have, so the families' own text handling runs unchanged."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+PAD, UNK, EOS = "<pad>", "<unk>", "</s>"
+# Qwen's chat markers (the Qwen tokenizers' special tokens).
+QWEN_SPECIAL_TOKENS = ("<|endoftext|>", "<|im_start|>", "<|im_end|>")
+
+
+def build_word_tokenizer(words: Sequence[str], max_length: int):
+    """A word-level tokenizer made in code (no download): lowercase, split on whitespace and
+    punctuation, unknown words → <unk>, an </s> appended, padded to `max_length`."""
+    from tokenizers import Tokenizer, normalizers, pre_tokenizers, processors
+    from tokenizers.models import WordLevel
+    from transformers import PreTrainedTokenizerFast
+
+    vocab = {PAD: 0, EOS: 1, UNK: 2}
+    for word in words:
+        vocab.setdefault(word, len(vocab))
+    tok = Tokenizer(WordLevel(vocab, unk_token=UNK))
+    tok.normalizer = normalizers.Lowercase()
+    tok.pre_tokenizer = pre_tokenizers.Whitespace()
+    tok.post_processor = processors.TemplateProcessing(single=f"$A {EOS}", special_tokens=[(EOS, 1)])
+    return PreTrainedTokenizerFast(
+        tokenizer_object=tok, pad_token=PAD, unk_token=UNK, eos_token=EOS, model_max_length=max_length,
+    )
+
+
+def build_chat_tokenizer():
+    """A character-level tokenizer with the Qwen chat markers and a chat template, made in code."""
+    from tokenizers import Tokenizer, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    vocab = {token: i for i, token in enumerate(QWEN_SPECIAL_TOKENS)}
+    for code in range(32, 127):
+        vocab.setdefault(chr(code), len(vocab))
+    vocab.setdefault("\n", len(vocab))
+    tok = Tokenizer(models.WordLevel(vocab, unk_token="<|endoftext|>"))
+    tok.pre_tokenizer = pre_tokenizers.Split("", "isolated")
+    tokenizer = PreTrainedTokenizerFast(tokenizer_object=tok, pad_token="<|endoftext|>", eos_token="<|im_end|>")
+    tokenizer.add_special_tokens({"additional_special_tokens": list(QWEN_SPECIAL_TOKENS[1:])})
+    tokenizer.chat_template = (
+        "{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n{% endfor %}"
+        "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}")
+    return tokenizer
+
+
+def build_qwen_word_tokenizer(words: Sequence[str], punctuation: Sequence[str], *, lowercase: bool):
+    """A word-level tokenizer with Qwen's chat markers as special tokens. Like Qwen's own BPE tokenizer it
+    keeps newlines and punctuation as tokens of their own, so Qwen-Image's prompt template splits into the
+    token counts its pipelines cut at; unknown words map to `<unk>`."""
+    from tokenizers import Regex, Tokenizer, normalizers, pre_tokenizers
+    from tokenizers.models import WordLevel
+    from transformers import PreTrainedTokenizerFast
+
+    vocab = {token: i for i, token in enumerate((*QWEN_SPECIAL_TOKENS, "<unk>", "\n", *punctuation))}
+    for word in words:
+        vocab.setdefault(word, len(vocab))
+    tok = Tokenizer(WordLevel(vocab, unk_token="<unk>"))
+    if lowercase:
+        tok.normalizer = normalizers.Lowercase()
+    tok.pre_tokenizer = pre_tokenizers.Sequence([
+        pre_tokenizers.Split(Regex(r"[ \t]+"), behavior="removed"),  # spaces separate words
+        pre_tokenizers.Split(Regex(r"\n|[^\w\s]"), behavior="isolated"),  # newlines and punctuation stand alone
+    ])
+    tokenizer = PreTrainedTokenizerFast(tokenizer_object=tok, pad_token="<|endoftext|>", unk_token="<unk>",
+                                        eos_token="<|im_end|>", model_max_length=32768)
+    tokenizer.add_special_tokens({"additional_special_tokens": list(QWEN_SPECIAL_TOKENS[1:])})
+    return tokenizer
+

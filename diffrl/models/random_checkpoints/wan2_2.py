@@ -1,0 +1,83 @@
+"""Wan checkpoints with random weights, written by `WanPipeline.save_pretrained` (no download): two experts
+switched at a boundary (Wan2.2) or one (Wan2.1-style). `tiny()` for tests (Wan's VAE factors, 4 in time and 8
+in space, at a few channels); `real()` (`WanTransformer3DModel` and `AutoencoderKLWan` at their defaults: two
+14 B experts, Wan2.2 A14B's sizes) for benchmarks."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from diffrl.models.random_checkpoints.tokenizers import build_word_tokenizer
+
+TOKENIZER_WORDS = "a an the red blue green cat dog circle square of on video".split()  # noqa: SIM905
+
+
+@dataclass
+class WanSizes:
+    transformer: dict  # WanTransformer3DModel keywords (text_dim is the text encoder's width)
+    text_encoder: dict  # UMT5Config keywords
+    vae: dict  # AutoencoderKLWan keywords
+
+
+def tiny() -> WanSizes:
+    return WanSizes(
+        transformer={"patch_size": (1, 2, 2), "num_attention_heads": 2, "attention_head_dim": 8, "in_channels": 4,
+                     "out_channels": 4, "freq_dim": 16, "ffn_dim": 32, "num_layers": 2, "rope_max_seq_len": 32},
+        text_encoder={"d_model": 32, "d_kv": 8, "d_ff": 64, "num_layers": 1, "num_heads": 2},
+        vae={"base_dim": 8, "z_dim": 4, "dim_mult": [1, 2, 2, 2], "num_res_blocks": 1,
+             "temperal_downsample": [False, True, True], "latents_mean": [0.1, -0.2, 0.3, 0.0],
+             "latents_std": [1.5, 0.8, 1.2, 2.0]})
+
+
+def real() -> WanSizes:
+    """Each expert and the VAE at the diffusers classes' defaults (Wan's 14 B transformer, its 16-channel VAE);
+    a UMT5 encoder of UMT5-XXL's width (4,096) with 2 layers."""
+    return WanSizes(transformer={},
+                    text_encoder={"d_model": 4096, "d_kv": 64, "d_ff": 10240, "num_layers": 2, "num_heads": 64},
+                    vae={})
+
+
+def save_random_checkpoint(path: str | Path, sizes: WanSizes | None = None, *, seed: int = 0, two_experts: bool = True,
+                           boundary_ratio: float = 0.875, scheduler: str = "euler", shift: float = 3.0,
+                           device: str | torch.device = "cpu", dtype: torch.dtype = torch.float32) -> Path:
+    """A Wan checkpoint in diffusers layout with random weights (default sizes: `tiny()`) and a tokenizer made in
+    code: two experts switched at `boundary_ratio` (Wan2.2), or one (Wan2.1-style, no boundary). `scheduler`:
+    "euler" (FlowMatchEulerDiscreteScheduler) or "unipc" (Wan's published kind, flow σ's)."""
+    from diffusers import (
+        AutoencoderKLWan,
+        FlowMatchEulerDiscreteScheduler,
+        UniPCMultistepScheduler,
+        WanPipeline,
+        WanTransformer3DModel,
+    )
+    from transformers import UMT5Config, UMT5EncoderModel
+
+    sizes = sizes or tiny()
+    torch.manual_seed(seed)
+    tokenizer = build_word_tokenizer(TOKENIZER_WORDS, 512)
+    width = sizes.text_encoder["d_model"]
+
+    def stored(module):  # fp32 as built; another dtype cast as a whole (diffusers warns about its fp32 modules)
+        return module if dtype == torch.float32 else module.to(dtype)
+
+    with torch.device(device):
+        text_encoder = stored(UMT5EncoderModel(UMT5Config(vocab_size=len(tokenizer), decoder_start_token_id=0,
+                                                          pad_token_id=0, **sizes.text_encoder)))
+        experts = [stored(WanTransformer3DModel(text_dim=width, **sizes.transformer))
+                   for _ in range(2 if two_experts else 1)]
+        vae = stored(AutoencoderKLWan(**sizes.vae))
+    if scheduler == "euler":
+        sched = FlowMatchEulerDiscreteScheduler(shift=shift)
+    elif scheduler == "unipc":
+        sched = UniPCMultistepScheduler(prediction_type="flow_prediction", use_flow_sigmas=True, flow_shift=shift,
+                                        final_sigmas_type="zero")
+    else:
+        raise ValueError(f"scheduler {scheduler!r}: 'euler' or 'unipc'")
+    pipe = WanPipeline(tokenizer=tokenizer, text_encoder=text_encoder, vae=vae, scheduler=sched,
+                       transformer=experts[0], transformer_2=experts[1] if two_experts else None,
+                       boundary_ratio=boundary_ratio if two_experts else None)
+    pipe.save_pretrained(path, safe_serialization=True)
+    return Path(path)
