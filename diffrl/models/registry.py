@@ -58,6 +58,7 @@ def _import_builtin_families() -> None:
     import diffrl.models.demo  # noqa: F401
     import diffrl.models.flux3_image  # noqa: F401
     import diffrl.models.krea2  # noqa: F401
+    import diffrl.models.ltx2  # noqa: F401
     import diffrl.models.qwen_image  # noqa: F401
     import diffrl.models.sd3  # noqa: F401
     import diffrl.models.wan2_2  # noqa: F401

@@ -1,0 +1,373 @@
+"""The `ltx2` family: LTX-2 and LTX-2.3 text to video (diffusers' `LTX2Pipeline`), video out, no audio out.
+
+A checkpoint is a local diffusers-format directory as `LTX2Pipeline.save_pretrained` writes it: `transformer/`
+(`LTX2VideoTransformer3DModel`), `connectors/` (`LTX2TextConnectors`), `vae/` (`AutoencoderKLLTX2Video`),
+`audio_vae/` (only its config is read), `text_encoder/` (Gemma 3), `tokenizer/`, `scheduler/`
+(`FlowMatchEulerDiscreteScheduler`), and `model_index.json`, whose `diffrl` block may set `Ltx2Settings`.
+
+Audio. LTX-2 is a joint audio-video model: its transformer denoises audio latents beside the video ones, and
+each stream attends to the other in every block, so the video the pipeline makes depends on the audio being
+denoised with it. This adapter keeps that: the latent state is the pipeline's packed video tokens followed by
+its packed audio tokens (`[B, S_video + S_audio, C]`, which needs an audio token as wide as a video token, 128
+in LTX-2 and LTX-2.3), both start from the same output's generator (video noise first, as the pipeline draws
+it), and every step (ODE, SDE, CPS) moves both, as the pipeline's scheduler does. Only the video is decoded;
+the audio track is never produced (there is no request field for it) and a log-prob covers both streams. The
+published LTX-2.3 GRPO runs (miles-diffusion) train video-only instead, with the audio-video cross-attention
+switched off in rollout and training; that variant is not the pipeline's model and is not offered here.
+
+What this adapter reproduces of `LTX2Pipeline` (`tests/test_ltx2.py`, ODE sampling from the same noise):
+- conditioning: the prompt stripped, left-padded to `max_sequence_length` tokens (1,024), every Gemma layer's
+  hidden states stacked, then the connectors: the video and audio text tokens side by side in one tensor; the
+  text mask is the connectors' (they zero the video text tokens they mask; diffusers' mask no token);
+- the schedule: `linspace(1, 1/N, N)` through the scheduler with μ from the number of video tokens (the
+  pipeline's base/max shift defaults 0.95/2.05 at 1,024/4,096 tokens unless the scheduler sets them), the
+  transformer's timestep and σ both σ·1000; positions from the transformer's own rotary helpers at the
+  checkpoint's frame rate (24 fps), carried as the video tokens' position ids (`Latents.ids`, `[S_video, 6]`:
+  start and end in time, height, width); the audio tokens' positions follow from their count;
+- CFG as the pipeline combines it: in x0 space, `x0 = x − σ·v`, `x0_cond + (s − 1)·(x0_cond − x0_uncond)`, back
+  to a velocity, with one scale for video and audio (the pipeline's `audio_guidance_scale=None`); without CFG a
+  single conditional forward. Not reproduced: the pipeline's spatio-temporal guidance, modality-isolation
+  guidance and guidance rescale (its defaults turn them on; `stg_scale=0`, `modality_scale=1`,
+  `guidance_rescale=0` is what this adapter is);
+- decoding: the video tokens unpacked, `latents · std / scaling_factor + mean` per channel, the VAE at decode
+  timestep 0, frames in [0, 1], `[B, 3, F, H, W]`.
+
+Refused: distilled checkpoints (a `distill` in the directory name or the model index: their fixed 8-step
+schedule is not the pipeline's default one), schedulers other than FlowMatchEulerDiscrete, and image
+conditioning (requests with an image are refused by the engine; the checkpoint itself also does image to video).
+Not passed through yet: a request's `fps` (the engine does not hand it to families): the frame rate is the
+checkpoint's setting.
+"""
+
+from __future__ import annotations
+
+import copy
+import math
+from collections.abc import Sequence
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+import torch
+
+from diffrl.errors import ModelLoadError, RequestError
+from diffrl.models.base import (
+    Component,
+    FamilyAdapter,
+    Latents,
+    PromptEmbeds,
+    read_json,
+    register_family,
+    require_pixel_multiple,
+    wire_text_tokens,
+)
+from diffrl.models.batch_invariance import decode_rows
+from diffrl.models.components import read_settings
+from diffrl.sampling import randn_per_sample, resolution_mu
+
+
+@dataclass
+class Ltx2Settings:
+    """Per-checkpoint values (the `diffrl` block of model_index.json); the defaults are the pipeline's."""
+
+    max_sequence_length: int = 1024
+    frame_rate: float = 24.0
+    default_num_frames: int = 121
+    default_height: int = 512
+    default_width: int = 768
+
+
+@dataclass(frozen=True)
+class Geometry:
+    """One video size in latents: frames, height and width of the video latents, the audio latent frames, and
+    the number of video tokens."""
+
+    frames: int
+    height: int
+    width: int
+    audio_frames: int
+    video_tokens: int
+
+
+def _load_text_encoder(folder: Path, dtype: torch.dtype):
+    """The transformers class the config names (Gemma 3 for LTX-2 and LTX-2.3)."""
+    import transformers
+
+    names = read_json(folder / "config.json").get("architectures") or ["Gemma3ForConditionalGeneration"]
+    cls = getattr(transformers, names[0], None)
+    if cls is None:
+        raise ModelLoadError(f"{folder / 'config.json'}: unknown text encoder class {names[0]!r}")
+    return cls.from_pretrained(str(folder), dtype=dtype, local_files_only=True)
+
+
+def _load_connectors(folder: Path, dtype: torch.dtype):
+    from diffusers.pipelines.ltx2 import LTX2TextConnectors
+
+    return LTX2TextConnectors.from_pretrained(folder, torch_dtype=dtype, local_files_only=True)
+
+
+def _audio_vae_config(folder: Path, dtype: torch.dtype) -> dict:
+    """Only the audio VAE's config: it sizes the audio latents, which are never decoded."""
+    return read_json(folder / "config.json")
+
+
+@register_family
+class Ltx2Family(FamilyAdapter):
+    name = "ltx2"
+    name_patterns = ("ltx-2", "ltx2", "ltx_2")
+    display_name = "LTX-2"
+    generates_video = True
+    default_guidance_scale = 3.0  # the pipeline's video guidance_scale
+    timestep_scale = 1000.0
+    # Every attention's projections and every feed-forward (video and audio streams; peft matches by suffix).
+    lora_target_modules = ("to_q", "to_k", "to_v", "to_out.0", "net.0.proj", "net.2")
+    block_lists = ("transformer_blocks",)
+    components = (
+        Component("transformer", "diffusers:LTX2VideoTransformer3DModel"),
+        Component("vae", "diffusers:AutoencoderKLLTX2Video"),
+        Component("audio_vae", _audio_vae_config),
+        Component("scheduler", "diffusers:FlowMatchEulerDiscreteScheduler", kind="scheduler"),
+        Component("tokenizer", "transformers:AutoTokenizer", kind="tokenizer"),
+        Component("text_encoder", _load_text_encoder, text_encoder=True),
+        Component("connectors", _load_connectors, text_encoder=True),
+    )
+    settings_class = Ltx2Settings
+    model_index_required = True
+
+    def __init__(self, transformer, vae, audio_vae: dict, scheduler, tokenizer, text_encoder, connectors, *,
+                 settings: Ltx2Settings | None = None):
+        from diffusers.models.autoencoders.autoencoder_kl_ltx2_audio import (
+            LATENT_DOWNSAMPLE_FACTOR,
+        )
+
+        self.settings = settings = settings or Ltx2Settings()
+        self.transformer = transformer
+        self.vae, self.scheduler, self.tokenizer = vae, scheduler, tokenizer
+        self.text_encoder, self.connectors = text_encoder, connectors
+        self.text_encoders = [m for m in (text_encoder, connectors) if m is not None]  # offloaded together
+        # The pipeline pads Gemma's prompts on the left, with EOS when the tokenizer has no pad token.
+        tokenizer.padding_side = "left"
+        if tokenizer.pad_token is None:
+            tokenizer.pad_token = tokenizer.eos_token
+        self.default_num_frames = settings.default_num_frames
+        config = transformer.config
+        self.patch, self.patch_t = config.patch_size, config.patch_size_t
+        self.spatial_ratio = vae.spatial_compression_ratio
+        self.temporal_ratio = vae.temporal_compression_ratio
+        # The audio latents, as the pipeline sizes them from the audio VAE's config (its ratios are constants).
+        self.audio_channels = audio_vae.get("latent_channels", 8)
+        self.audio_mel_bins = audio_vae.get("mel_bins", 64) // LATENT_DOWNSAMPLE_FACTOR
+        self.audio_per_second = (audio_vae.get("sample_rate", 16000) / audio_vae.get("mel_hop_length", 160)
+                                 / float(LATENT_DOWNSAMPLE_FACTOR))
+
+    @classmethod
+    def read_settings(cls, root: Path, index: dict) -> Ltx2Settings:
+        index_file = root / "model_index.json"
+        named = f"{root.resolve().name} {index.get('_name_or_path', '')}".lower()
+        if "distill" in named:
+            raise ModelLoadError(f"ltx2: {root} is a distilled LTX-2 checkpoint (a fixed few-step schedule without "
+                                 "CFG), which this adapter does not reproduce; use the full (dev) checkpoint")
+        scheduler = (index.get("scheduler") or [None, None])[-1]
+        if scheduler != "FlowMatchEulerDiscreteScheduler":
+            raise ModelLoadError(f"ltx2: scheduler {scheduler!r} in {index_file}; LTX2Pipeline's is "
+                                 "FlowMatchEulerDiscreteScheduler")
+        settings = read_settings(Ltx2Settings, index, index_file)
+        if settings.max_sequence_length < 1 or settings.frame_rate <= 0 or settings.default_num_frames < 1:
+            raise ModelLoadError(f"{index_file}: max_sequence_length, frame_rate and default_num_frames must be "
+                                 "positive")
+        return settings
+
+    @classmethod
+    def from_components(cls, root, parts, settings: Ltx2Settings) -> Ltx2Family:
+        family = cls(**parts, settings=settings)
+        family.root = Path(root)  # the reference pipeline loads the audio parts from here
+        config = family.transformer.config
+        video_width = config.in_channels
+        audio_width = family.audio_channels * family.audio_mel_bins
+        if audio_width != config.audio_in_channels or audio_width != video_width:
+            raise ModelLoadError(f"ltx2: {root}: an audio token is {audio_width} wide (audio_vae: "
+                                 f"{family.audio_channels} channels × {family.audio_mel_bins} mel bins), the "
+                                 f"transformer takes {config.audio_in_channels} and a video token is {video_width}; "
+                                 "this adapter carries both streams in one tensor and needs them equal")
+        return family
+
+    def reference_pipeline(self):
+        """diffusers' `LTX2Pipeline` over this family's components; the audio VAE and the vocoder (which only
+        its audio output needs) are loaded from the checkpoint for it."""
+        from diffusers import AutoencoderKLLTX2Audio, LTX2Pipeline
+        from diffusers.pipelines.ltx2.vocoder import LTX2Vocoder
+
+        root, dtype = self.root, next(self.transformer.parameters()).dtype
+        audio_vae = AutoencoderKLLTX2Audio.from_pretrained(root / "audio_vae", torch_dtype=dtype,
+                                                           local_files_only=True).to(self.device)
+        vocoder = LTX2Vocoder.from_pretrained(root / "vocoder", torch_dtype=dtype, local_files_only=True)
+        vocoder.to(self.device)
+        pipe = LTX2Pipeline(scheduler=self.scheduler, vae=self.vae, audio_vae=audio_vae, text_encoder=self.text_encoder,
+                            tokenizer=self.tokenizer, connectors=self.connectors, transformer=self.transformer,
+                            vocoder=vocoder)
+        pipe.set_progress_bar_config(disable=True)
+        return pipe
+
+    # ---------------------------------------------------------------- sizes
+    def default_size(self) -> tuple[int, int]:
+        return self.settings.default_height, self.settings.default_width
+
+    def _frames(self, num_frames: int | None) -> int:
+        return self.default_num_frames if num_frames is None else num_frames
+
+    def geometry(self, height: int, width: int, num_frames: int | None = None) -> Geometry:
+        frames = self._frames(num_frames)
+        latent_frames = (frames - 1) // self.temporal_ratio + 1
+        h, w = height // self.spatial_ratio, width // self.spatial_ratio
+        audio_frames = round(frames / self.settings.frame_rate * self.audio_per_second)
+        tokens = (latent_frames // self.patch_t) * (h // self.patch) * (w // self.patch)
+        return Geometry(latent_frames, h, w, audio_frames, tokens)
+
+    def check_size(self, height: int, width: int, num_frames: int | None = None) -> None:
+        # The pipeline asks for multiples of 32; a latent must also fill whole patches.
+        require_pixel_multiple("LTX-2", math.lcm(32, self.spatial_ratio * self.patch), height=height, width=width)
+        if num_frames is not None:
+            t = self.temporal_ratio
+            if num_frames < 1 or (num_frames - 1) % t:
+                raise RequestError("num_frames", f"num_frames={num_frames}: LTX-2 needs {t}k + 1 frames (1, {t + 1}, "
+                                                 f"{2 * t + 1}, …)")
+            if ((num_frames - 1) // t + 1) % self.patch_t:
+                raise RequestError("num_frames", f"num_frames={num_frames}: the latent frames do not fill the "
+                                                 f"temporal patch {self.patch_t}")
+
+    def sigmas(self, num_steps: int, height: int, width: int, num_frames: int | None = None) -> torch.Tensor:
+        """The pipeline's schedule: its σ grid through the scheduler, shifted by μ of the video token count."""
+        config = self.scheduler.config
+        mu = resolution_mu(self.geometry(height, width, num_frames).video_tokens,
+                           config.get("base_image_seq_len", 1024), config.get("max_image_seq_len", 4096),
+                           config.get("base_shift", 0.95), config.get("max_shift", 2.05))
+        scheduler = copy.deepcopy(self.scheduler)  # set_timesteps changes the scheduler's state
+        scheduler.set_timesteps(sigmas=np.linspace(1.0, 1 / num_steps, num_steps), mu=mu, device="cpu")
+        sigmas = scheduler.sigmas.to(device=self.device, dtype=torch.float32)
+        if len(sigmas) != num_steps + 1 or float(sigmas[-1]) != 0.0:
+            raise ValueError(f"ltx2: the scheduler's schedule {sigmas.tolist()} does not end at σ = 0 after "
+                             f"{num_steps} steps")
+        return sigmas
+
+    # ---------------------------------------------------------------- conditioning
+    def encode_prompts(self, prompts: Sequence[str]) -> PromptEmbeds:
+        if self.text_encoder is None or self.connectors is None:
+            raise RuntimeError("this LTX-2 model was loaded without its text encoder")
+        length = self.settings.max_sequence_length
+        tokens = self.tokenizer([p.strip() for p in prompts], padding="max_length", max_length=length,
+                                truncation=True, add_special_tokens=True, return_tensors="pt")
+        device = self.text_encoder.device
+        mask = tokens.attention_mask.to(device)
+        out = self.text_encoder(input_ids=tokens.input_ids.to(device), attention_mask=mask, output_hidden_states=True)
+        layers = torch.stack(out.hidden_states, dim=-1).flatten(2, 3).to(self.text_encoder.dtype)
+        video, audio, _ = self.connectors(layers, mask, padding_side="left")
+        return PromptEmbeds(torch.cat([video, audio], dim=-1).float(), torch.zeros(length, 1, device=video.device))
+
+    def unpack_conditioning(self, embeds: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """(video text tokens, audio text tokens, text mask) of `PromptEmbeds.embeds`. The mask is the connectors':
+        the video text tokens they did not zero (they zero those they mask; diffusers' connectors mask none)."""
+        width = self.transformer.config.cross_attention_dim
+        video, audio = embeds[..., :width], embeds[..., width:]
+        return video, audio, (video != 0).any(dim=-1).long()
+
+    def cond_kwargs_to_wire(self, cond: PromptEmbeds, image_ids: torch.Tensor) -> dict:
+        """The transformer's own names: both streams' text tokens (one-element lists, as sglang sends them), the
+        text mask, and the video tokens' positions."""
+        video, audio, mask = self.unpack_conditioning(cond.embeds[0])
+        return {"encoder_hidden_states": [video], "audio_encoder_hidden_states": [audio],
+                "encoder_attention_mask": mask, "video_coords": image_ids}
+
+    @classmethod
+    def cond_kwargs_from_wire(cls, kwargs: dict) -> tuple[PromptEmbeds, torch.Tensor | None]:
+        video = wire_text_tokens(kwargs)
+        audio = wire_text_tokens({"encoder_hidden_states": kwargs.get("audio_encoder_hidden_states")})
+        if audio.shape[0] != video.shape[0]:
+            raise ValueError(f"{video.shape[0]} video text tokens but {audio.shape[0]} audio text tokens")
+        cond = PromptEmbeds(torch.cat([video, audio], dim=-1)[None], torch.zeros(video.shape[0], 1))
+        return cond, kwargs.get("video_coords")
+
+    # ---------------------------------------------------------------- latents
+    def prepare_latents(self, generators, height, width, num_frames: int | None = None) -> Latents:
+        frames = self._frames(num_frames)
+        self.check_size(height, width, frames)
+        g = self.geometry(height, width, frames)
+        batch, device = len(generators), self.device
+        # Per generator: the video noise, then the audio noise, as the pipeline draws them.
+        video = randn_per_sample((batch, self.vae.config.latent_channels, g.frames, g.height, g.width), generators,
+                                 device=device)
+        audio = randn_per_sample((batch, self.audio_channels, g.audio_frames, self.audio_mel_bins), generators,
+                                 device=device)
+        tokens = torch.cat([self._pack_video(video), audio.transpose(1, 2).flatten(2)], dim=1)
+        coords = self.transformer.rope.prepare_video_coords(1, g.frames, g.height, g.width, device,
+                                                            fps=self.settings.frame_rate)
+        return Latents(tokens, coords[0].permute(1, 0, 2).flatten(1))  # [S_video, (time, height, width) × 2]
+
+    def _pack_video(self, latents: torch.Tensor) -> torch.Tensor:
+        """`[B, C, F, H, W]` → tokens `[B, S, C·p_t·p·p]` in (frame, row, column) order, as the pipeline packs."""
+        b, c, f, h, w = latents.shape
+        p, pt = self.patch, self.patch_t
+        x = latents.reshape(b, c, f // pt, pt, h // p, p, w // p, p)
+        return x.permute(0, 2, 4, 6, 1, 3, 5, 7).reshape(b, (f // pt) * (h // p) * (w // p), c * pt * p * p)
+
+    def _unpack_video(self, tokens: torch.Tensor, g: Geometry) -> torch.Tensor:
+        p, pt = self.patch, self.patch_t
+        b = tokens.shape[0]
+        x = tokens.reshape(b, g.frames // pt, g.height // p, g.width // p, -1, pt, p, p)
+        return x.permute(0, 4, 1, 5, 2, 6, 3, 7).reshape(b, -1, g.frames, g.height, g.width)
+
+    # ---------------------------------------------------------------- the transformer
+    def velocity(self, transformer, latents, sigma, cond, uncond, guidance_scale, **guidance_options):
+        # The CFG combination works on x0 = x − σ·v, so it needs the latents too.
+        return super().velocity(transformer, latents, sigma, cond, uncond, guidance_scale, x=latents.tokens,
+                                **guidance_options)
+
+    def run_transformer(self, transformer, latents, sigma, cond) -> torch.Tensor:
+        x = latents.tokens
+        if x.device.type == "cpu" and x.shape[0] > 1:
+            # One row per forward on CPU, so that a sample's velocity is bit-identical in any batch (DESIGN §2):
+            # besides BLAS, the vectorized exp (sigmoid gates, GELU, RoPE's sin and cos) rounds unlike the
+            # scalar one that a tensor's last few elements get, so a row's numbers depend on its neighbours.
+            return torch.cat([self._forward(transformer, x[i : i + 1], latents.ids, sigma[i : i + 1],
+                                            cond.embeds[i : i + 1]) for i in range(x.shape[0])])
+        return self._forward(transformer, x, latents.ids, sigma, cond.embeds)
+
+    def _forward(self, transformer, x, coords, sigma, embeds) -> torch.Tensor:
+        batch, video_tokens = x.shape[0], coords.shape[0]
+        dtype = next(transformer.parameters()).dtype
+        text, audio_text, mask = self.unpack_conditioning(embeds)
+        timestep = sigma * self.timestep_scale  # the scheduler's timestep, fp32; LTX-2.3 also takes it as σ
+        video_coords = coords.to(torch.float32).reshape(video_tokens, 3, 2).permute(1, 0, 2)
+        video_coords = video_coords[None].expand(batch, -1, -1, -1)
+        audio_coords = transformer.audio_rope.prepare_audio_coords(batch, x.shape[1] - video_tokens, x.device)
+        with self.forward_precision():
+            video, audio = transformer(
+                hidden_states=x[:, :video_tokens].to(dtype).contiguous(),
+                audio_hidden_states=x[:, video_tokens:].to(dtype).contiguous(),
+                encoder_hidden_states=text.to(dtype), audio_encoder_hidden_states=audio_text.to(dtype),
+                timestep=timestep, sigma=timestep, encoder_attention_mask=mask, audio_encoder_attention_mask=mask,
+                fps=self.settings.frame_rate, video_coords=video_coords, audio_coords=audio_coords,
+                use_cross_timestep=True, return_dict=False)
+        return torch.cat([video.float(), audio.float()], dim=1)
+
+    def combine_guidance(self, v_uncond, v_cond, guidance_scale, *, transformer, sigma, x) -> torch.Tensor:
+        x = x.float()
+        s = sigma.view(-1, *[1] * (x.dim() - 1))
+        x0_cond, x0_uncond = x - v_cond * s, x - v_uncond * s
+        guided = x0_cond + (guidance_scale - 1) * (x0_cond - x0_uncond)
+        return (x - guided) / s
+
+    # ---------------------------------------------------------------- decoding
+    def decode(self, latents: torch.Tensor, height: int, width: int, num_frames: int | None = None) -> torch.Tensor:
+        g = self.geometry(height, width, num_frames)
+        video = self._unpack_video(latents[:, :g.video_tokens].float(), g)
+        shape = (1, -1, 1, 1, 1)
+        mean = self.vae.latents_mean.view(shape).to(video.device, video.dtype)
+        std = self.vae.latents_std.view(shape).to(video.device, video.dtype)
+        video = video * std / self.vae.config.scaling_factor + mean
+        vae_dtype = next(self.vae.parameters()).dtype
+        # A VAE with timestep conditioning decodes at the pipeline's default decode timestep, 0.
+        timestep = None
+        if self.vae.config.timestep_conditioning:
+            timestep = torch.zeros(1, device=video.device, dtype=vae_dtype)
+        frames = decode_rows(lambda rows: self.vae.decode(rows.to(vae_dtype), timestep, return_dict=False)[0], video)
+        return (frames.float() / 2 + 0.5).clamp(0, 1)  # [B, 3, F, H, W]
