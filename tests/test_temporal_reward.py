@@ -57,3 +57,23 @@ def test_a_weighted_sum_with_a_frame_reward_scores_each_video_once():
     values = asyncio.run(total(videos, ["a", "b"]))
     parts = [get_reward(n)(videos, ["a", "b"]) for n in ("temporal_consistency", "jpeg_compressibility")]
     assert values == pytest.approx([a + 0.5 * b for a, b in zip(*parts)])
+
+
+def test_a_reward_shown_evenly_spaced_frames():
+    from diffrl.rewards.frames import on_frames
+
+    seen = []
+
+    def score(images, prompts, metadata=None):
+        seen.append(images)
+        return [float(v) for v in images.mean(dim=tuple(range(1, images.dim())))]
+
+    video = torch.arange(7.0).view(1, 1, 7, 1, 1).expand(1, 3, 7, 2, 2)  # frame k holds the value k
+    assert on_frames(score, 3)(video, ["a"]) == [pytest.approx((0 + 3 + 6) / 3)]
+    assert seen[-1][0, 0, :, 0, 0].tolist() == [0.0, 3.0, 6.0]
+    assert on_frames(score, 9)(video, ["a"]) == [pytest.approx(3.0)]  # fewer frames than asked: all of them
+    assert on_frames(score, None) is score
+    image = torch.rand(2, 3, 4, 4)
+    assert on_frames(score, 3)(image, ["a", "b"]) == score(image, ["a", "b"])
+    with pytest.raises(ValueError, match="frames"):
+        on_frames(score, 0)

@@ -25,6 +25,27 @@ def as_frames(images: torch.Tensor, prompts: list[str], metadata: list[dict] | N
     return frames, prompts, metadata, f
 
 
+def on_frames(score: Callable, count: int | None) -> Callable:
+    """`score` shown only `count` evenly spaced frames of each video (first and last included), as published
+    video recipes score PickScore on a few frames; images and videos of at most `count` frames pass whole.
+    None: every frame. Works for sync and async scorers alike (it only changes the input)."""
+    if count is None:
+        return score
+    if count < 1:
+        raise ValueError(f"reward frames: expected a count >= 1, got {count}")
+
+    @functools.wraps(score)
+    def scored(images, prompts, metadata=None):
+        if images.dim() == 5 and images.shape[2] > count:
+            picks = torch.linspace(0, images.shape[2] - 1, count).round().long()
+            images = images.index_select(2, picks.to(images.device))
+        return score(images, prompts, metadata)
+
+    if hasattr(score, "close"):  # a worker pool: its owner still ends its processes
+        scored.close = score.close
+    return scored
+
+
 def mean_over_frames(score: Callable) -> Callable:
     """`score` (a sync image scorer) extended to videos: all frames in one call, then each video's mean."""
 
