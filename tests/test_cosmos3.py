@@ -13,7 +13,7 @@ from diffrl.engine.protocol import RolloutRequest
 from diffrl.errors import ModelLoadError, RequestError
 from diffrl.models.base import Latents
 from diffrl.models.cosmos3 import Cosmos3Family, prompt_bytes
-from diffrl.models.cosmos3_random import save_random_checkpoint
+from diffrl.models.random_checkpoints.cosmos3 import save_random_checkpoint
 from diffrl.models.registry import resolve_family
 from diffrl.sampling import make_generators
 

@@ -16,16 +16,18 @@ same noise):
 - the schedule: the scheduler's own `set_timesteps(N)` (or the pipeline's "native" linear flow σ's when the
   checkpoint asks for them); the transformer's timestep is the scheduler's, σ·num_train_timesteps (integer for
   UniPC, whose timesteps are integers);
-- CFG as the pipeline combines it, `uncond + s·(cond − uncond)`, each pass its own forward.
+- CFG as the pipeline combines it, `uncond + s·(cond − uncond)` (the base class's `combine_guidance`), the
+  negative prompt's pass its own forward.
 
 Prompts become text only once the video's size is known (its sentences name the size and duration), which the
 engine's `encode_prompts` is not told. So a conditioning row holds the prompt's UTF-8 bytes (zero-padded, one per
-token slot: `pads_text`), and `velocity` turns it into token ids for the size its latents have (cached). The
+token slot: `pads_text`), and `run_transformer` turns it into token ids for the size its latents have (cached;
+the negative prompt's rows are marked by `pair_conditionings`). The
 duration is read back from the latent frame count, so a request's `num_frames` must be 4k + 1 (the pipeline
 would take any); the frame rate is the pipeline's default, 24.
 
-The transformer's forward takes one sample (its attention has no batch axis), so `velocity` runs the rows of a
-batch one after another: sample k's velocity does not depend on its batch, on any device.
+The transformer's forward takes one sample (its attention has no batch axis), so `run_transformer` runs the rows
+of a batch one after another: sample k's velocity does not depend on its batch, on any device.
 
 Not reproduced: the solver. Our steps are the shared Euler ODE / SDE of `diffrl.sampling`; a checkpoint whose
 scheduler is UniPC (as published ones) gets UniPC's flow σ's with our steps. Refused by name: image- and
@@ -38,6 +40,7 @@ from __future__ import annotations
 import copy
 import threading
 from collections.abc import Sequence
+from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
@@ -45,15 +48,16 @@ import torch
 
 from diffrl.errors import ModelLoadError, RequestError
 from diffrl.models.base import (
+    Component,
     FamilyAdapter,
     Latents,
     PromptEmbeds,
     read_json,
+    register_family,
     require_pixel_multiple,
 )
 from diffrl.models.batch_invariance import decode_rows
-from diffrl.models.registry import register_family
-from diffrl.models.weights import require_finite_modules
+from diffrl.models.components import checkpoint_root, load_components, read_model_index
 from diffrl.sampling import randn_per_sample
 
 SCHEDULERS = ("FlowMatchEulerDiscreteScheduler", "UniPCMultistepScheduler")
@@ -64,6 +68,26 @@ SYSTEM_PROMPTS = {  # the pipeline's system messages (their wording is what the 
 }
 # Packed sequences kept per (prompt, role, latent grid, device): a request's rows share one, steps reuse it.
 SEQUENCE_CACHE_SIZE = 256
+
+
+@dataclass
+class Cosmos3Settings:
+    """What the checkpoint decides: its scheduler class, the pipeline's prompt and schedule options
+    (model_index.json) and the VAE's factors (vae/config.json)."""
+
+    scheduler_class: str
+    use_system_prompt: bool = True
+    native_flow_schedule: bool = False
+    vae_scale_spatial: int = 8
+    vae_scale_temporal: int = 4
+
+
+@dataclass
+class GuidancePair(PromptEmbeds):
+    """Both CFG halves in one conditioning, the negative prompt's rows first: the pipeline writes the negative
+    prompt's metadata sentences negated, so the rows must say which they are."""
+
+    negative_rows: int = 0
 
 
 def prompt_with_metadata(prompt: str, *, negative: bool, num_frames: int, height: int, width: int,
@@ -94,6 +118,7 @@ def prompt_bytes(row: torch.Tensor) -> bytes:
 class Cosmos3Family(FamilyAdapter):
     name = "cosmos3"
     name_patterns = ("cosmos3", "cosmos-3", "cosmos_3")
+    display_name = "Cosmos3"
     generates_video = True
     default_num_frames = 189  # the pipeline's defaults: 189 frames (7.9 s at 24 FPS) of 720 × 1280, CFG 6
     default_guidance_scale = 6.0
@@ -104,21 +129,26 @@ class Cosmos3Family(FamilyAdapter):
     lora_target_modules = ("self_attn.add_q_proj", "self_attn.add_k_proj", "self_attn.add_v_proj",
                            "self_attn.to_add_out")
     block_lists = ("layers",)
+    components = (
+        Component("transformer", "diffusers:Cosmos3OmniTransformer"),
+        Component("vae", "diffusers:AutoencoderKLWan"),
+        Component("scheduler", "diffusers:FlowMatchEulerDiscreteScheduler", kind="scheduler"),
+        Component("text_tokenizer", "transformers:AutoTokenizer", kind="tokenizer"),
+    )
+    model_index_required = True
 
-    def __init__(self, transformer, vae, tokenizer, scheduler, *, vae_scale_spatial: int, vae_scale_temporal: int,
-                 use_system_prompt: bool = True, native_flow_schedule: bool = False):
+    def __init__(self, transformer, vae, scheduler, text_tokenizer, *, settings: Cosmos3Settings):
         self.transformer = transformer
         self.vae = vae
-        self.tokenizer = tokenizer
         self.scheduler = scheduler
-        self.vae_scale_spatial = vae_scale_spatial
-        self.vae_scale_temporal = vae_scale_temporal
-        self.use_system_prompt = use_system_prompt
-        self.native_flow_schedule = native_flow_schedule
+        self.tokenizer = text_tokenizer
+        self.settings = settings
+        self.vae_scale_spatial = settings.vae_scale_spatial
+        self.vae_scale_temporal = settings.vae_scale_temporal
         self.config = transformer.config
         self.timestep_scale = float(scheduler.config.num_train_timesteps)
         self.integer_timesteps = type(scheduler).__name__ == "UniPCMultistepScheduler"
-        self._special = [tokenizer.eos_token_id, tokenizer.convert_tokens_to_ids("<|vision_start|>")]
+        self._special = [text_tokenizer.eos_token_id, text_tokenizer.convert_tokens_to_ids("<|vision_start|>")]
         self._sequences: dict[tuple, dict] = {}
         self._sequences_lock = threading.Lock()
 
@@ -131,8 +161,8 @@ class Cosmos3Family(FamilyAdapter):
             raise RuntimeError("this Cosmos3 model was loaded without its VAE")
         pipe = Cosmos3OmniPipeline(transformer=self.transformer, text_tokenizer=self.tokenizer, vae=self.vae,
                                    scheduler=self.scheduler, enable_safety_checker=False,
-                                   default_use_system_prompt=self.use_system_prompt,
-                                   use_native_flow_schedule=self.native_flow_schedule)
+                                   default_use_system_prompt=self.settings.use_system_prompt,
+                                   use_native_flow_schedule=self.settings.native_flow_schedule)
         pipe.set_progress_bar_config(disable=True)
         return pipe
 
@@ -140,19 +170,18 @@ class Cosmos3Family(FamilyAdapter):
     @classmethod
     def load(cls, model_path, *, device="cpu", dtype=torch.float32, load_text_encoder=True,
              load_vae: bool = True) -> Cosmos3Family:
-        """`load_text_encoder` changes nothing (the transformer reads the tokens itself); `load_vae=False` loads
-        what training needs (transformer, tokenizer, scheduler) and leaves decoding out."""
-        import diffusers
-        from diffusers import AutoencoderKLWan, Cosmos3OmniTransformer
-        from transformers import AutoTokenizer
+        """The base class's load, less the VAE with `load_vae=False` (training needs the transformer, tokenizer
+        and scheduler only). `load_text_encoder` changes nothing: the transformer reads the tokens itself."""
+        root = checkpoint_root(model_path)
+        settings = cls.read_settings(root, read_model_index(root, required=True))
+        table = [c for c in cls.checkpoint_components(settings) if load_vae or c.folder != "vae"]
+        parts = load_components(root, table, label=cls.display_name, device=device, dtype=dtype,
+                                load_text_encoder=load_text_encoder)
+        return cls.from_components(root, parts, settings)
 
-        root = Path(model_path)
-        if not root.is_dir():
-            raise ModelLoadError(f"model directory not found: {root}")
-        index = read_json(root / "model_index.json")
+    @classmethod
+    def read_settings(cls, root: Path, index: dict) -> Cosmos3Settings:
         _refuse_distilled(root, index)
-        read_json(root / "transformer" / "config.json")
-        vae_config = read_json(root / "vae" / "config.json")
         scheduler_config = read_json(root / "scheduler" / "scheduler_config.json")
         scheduler_name = scheduler_config.get("_class_name")
         if scheduler_name not in SCHEDULERS:
@@ -163,35 +192,30 @@ class Cosmos3Family(FamilyAdapter):
         if scheduler_config.get("use_dynamic_shifting"):
             raise ModelLoadError("cosmos3: the scheduler uses dynamic shifting, which Cosmos3OmniPipeline does not "
                                  "set up")
-        try:
-            transformer = Cosmos3OmniTransformer.from_pretrained(root / "transformer", torch_dtype=dtype,
-                                                                 local_files_only=True)
-            vae = (AutoencoderKLWan.from_pretrained(root / "vae", torch_dtype=dtype, local_files_only=True)
-                   if load_vae else None)
-            scheduler = getattr(diffusers, scheduler_name).from_pretrained(root / "scheduler", local_files_only=True)
-            tokenizer = AutoTokenizer.from_pretrained(str(root / "text_tokenizer"), local_files_only=True)
-        except (OSError, ValueError) as err:
-            raise ModelLoadError(f"cannot load the Cosmos3 checkpoint {root}: {str(err).splitlines()[0]}") from None
+        vae_config = read_json(root / "vae" / "config.json")  # its factors size the latents, with or without it
+        return Cosmos3Settings(scheduler_name, use_system_prompt=bool(index.get("default_use_system_prompt", True)),
+                               native_flow_schedule=bool(index.get("use_native_flow_schedule", False)),
+                               vae_scale_spatial=int(vae_config.get("scale_factor_spatial", 8)),
+                               vae_scale_temporal=int(vae_config.get("scale_factor_temporal", 4)))
+
+    @classmethod
+    def checkpoint_components(cls, settings: Cosmos3Settings) -> list[Component]:
+        """The table with the checkpoint's own scheduler class."""
+        return [c if c.folder != "scheduler" else Component("scheduler", f"diffusers:{settings.scheduler_class}",
+                                                            kind="scheduler") for c in cls.components]
+
+    @classmethod
+    def from_components(cls, root, parts, settings: Cosmos3Settings) -> Cosmos3Family:
+        tokenizer = parts["text_tokenizer"]
         if tokenizer.convert_tokens_to_ids("<|vision_start|>") in (None, tokenizer.unk_token_id) \
                 or tokenizer.eos_token_id is None or tokenizer.chat_template is None:
             raise ModelLoadError(f"cosmos3: the tokenizer in {root / 'text_tokenizer'} needs a chat template, an "
                                  "end-of-text token and <|vision_start|>")
-        for module in (transformer, vae):
-            if module is not None:
-                module.to(device=device).eval().requires_grad_(False)
-        require_finite_modules(root, {"transformer": transformer, "vae": vae})
-        return cls(transformer, vae, tokenizer, scheduler,
-                   vae_scale_spatial=int(vae_config.get("scale_factor_spatial", 8)),
-                   vae_scale_temporal=int(vae_config.get("scale_factor_temporal", 4)),
-                   use_system_prompt=bool(index.get("default_use_system_prompt", True)),
-                   native_flow_schedule=bool(index.get("use_native_flow_schedule", False)))
+        return cls(parts["transformer"], parts.get("vae"), parts["scheduler"], tokenizer, settings=settings)
 
     # ---------------------------------------------------------------- sizes and schedule
     def default_size(self) -> tuple[int, int]:
         return 720, 1280
-
-    def _num_frames(self, num_frames: int | None) -> int:
-        return self.default_num_frames if num_frames is None else num_frames
 
     def check_size(self, height: int, width: int, num_frames: int | None = None) -> None:
         require_pixel_multiple("Cosmos3", self.vae_scale_spatial, height=height, width=width)
@@ -203,7 +227,7 @@ class Cosmos3Family(FamilyAdapter):
 
     def sigmas(self, num_steps: int, height: int, width: int) -> torch.Tensor:
         scheduler = copy.deepcopy(self.scheduler)  # set_timesteps changes the scheduler's state
-        if self.native_flow_schedule:  # the pipeline's option: linear σ's from 1 − 1/T, shifted by the scheduler
+        if self.settings.native_flow_schedule:  # the pipeline's option: linear σ's from 1 − 1/T, then shifted
             train_steps = scheduler.config.num_train_timesteps
             scheduler.set_timesteps(num_steps, device="cpu",
                                     sigmas=np.linspace(1.0 - 1.0 / train_steps, 0.0, num_steps + 1)[:-1])
@@ -229,7 +253,7 @@ class Cosmos3Family(FamilyAdapter):
         """The token ids the pipeline gives this prompt (or negative prompt) for a video of this size."""
         kind = "image" if num_frames == 1 else "video"
         text = prompt_with_metadata(prompt, negative=negative, num_frames=num_frames, height=height, width=width)
-        messages = [{"role": "system", "content": SYSTEM_PROMPTS[kind]}] if self.use_system_prompt else []
+        messages = [{"role": "system", "content": SYSTEM_PROMPTS[kind]}] if self.settings.use_system_prompt else []
         messages.append({"role": "user", "content": text})
         encoded = self.tokenizer.apply_chat_template(messages, tokenize=True, add_generation_prompt=True,
                                                      add_vision_id=False, return_dict=True)
@@ -285,7 +309,7 @@ class Cosmos3Family(FamilyAdapter):
 
     # ---------------------------------------------------------------- denoising
     def prepare_latents(self, generators, height, width, num_frames: int | None = None) -> Latents:
-        num_frames = self._num_frames(num_frames)
+        num_frames = self.default_num_frames if num_frames is None else num_frames
         self.check_size(height, width, num_frames)
         shape = (len(generators), self.config.latent_channel, (num_frames - 1) // self.vae_scale_temporal + 1,
                  height // self.vae_scale_spatial, width // self.vae_scale_spatial)
@@ -299,32 +323,34 @@ class Cosmos3Family(FamilyAdapter):
             return torch.floor(sigma.double() * self.timestep_scale).float()
         return sigma * self.timestep_scale
 
-    def velocity(self, transformer, latents, sigma, cond, uncond, guidance_scale):
+    def pair_conditionings(self, uncond: PromptEmbeds, cond: PromptEmbeds) -> GuidancePair:
+        """Both halves as one conditioning (zero padding to the longer is harmless), the negative rows marked.
+        `run_transformer` still runs one forward per row, as the pipeline's two passes; `combine_guidance`
+        (the base class's) combines them as the pipeline does."""
+        length = max(uncond.embeds.shape[1], cond.embeds.shape[1])
+
+        def padded(e: torch.Tensor) -> torch.Tensor:
+            return torch.nn.functional.pad(e, (0, 0, 0, length - e.shape[1]))
+
+        return GuidancePair(torch.cat([padded(uncond.embeds), padded(cond.embeds)]),
+                            cond.ids.new_zeros(length, cond.ids.shape[1]), negative_rows=len(uncond))
+
+    def run_transformer(self, transformer, latents, sigma, cond) -> torch.Tensor:
         x = latents.tokens
-        t = self.model_timesteps(torch.as_tensor(sigma, device=x.device)).expand(x.shape[0])
-        cfg = guidance_scale > 1.0
-        if cfg and uncond is None:
-            raise ValueError("guidance_scale > 1 needs the unconditional (negative) conditioning")
+        t = self.model_timesteps(sigma)
+        negative_rows = cond.negative_rows if isinstance(cond, GuidancePair) else 0
         _, _, frames, latent_h, latent_w = x.shape
         grid = (frames, latent_h * self.vae_scale_spatial, latent_w * self.vae_scale_spatial)
+        dtype = next(transformer.parameters()).dtype
         rows = []
         for b in range(x.shape[0]):  # one sample per forward (see the module docstring)
-            v = self._forward(transformer, x[b : b + 1], t[b], cond.embeds[b], False, grid)
-            if cfg:  # as the pipeline: a second forward for the negative prompt, combined in fp32
-                v_uncond = self._forward(transformer, x[b : b + 1], t[b], uncond.embeds[b], True, grid)
-                v = v_uncond + guidance_scale * (v - v_uncond)
-            rows.append(v)
+            packed = self._sequence(prompt_bytes(cond.embeds[b]), b < negative_rows, grid, x.device)
+            timesteps = t[b].expand(packed["vision_sequence_indexes"].shape[0])  # one per video token
+            with self.forward_precision():
+                out = transformer(vision_tokens=[x[b : b + 1].to(dtype)], vision_timesteps=timesteps,
+                                  return_dict=False, **packed)
+            rows.append(out[0][0].float())
         return torch.cat(rows)
-
-    def _forward(self, transformer, x: torch.Tensor, t: torch.Tensor, text: torch.Tensor, negative: bool,
-                 grid: tuple[int, int, int]) -> torch.Tensor:
-        """The transformer's velocity `[1, C, F, h, w]` for one sample `x` at model timestep `t`."""
-        packed = self._sequence(prompt_bytes(text), negative, grid, x.device)
-        dtype = next(transformer.parameters()).dtype
-        timesteps = t.expand(packed["vision_sequence_indexes"].shape[0])  # one per video token
-        with self.forward_precision():
-            out = transformer(vision_tokens=[x.to(dtype)], vision_timesteps=timesteps, return_dict=False, **packed)
-        return out[0][0].float()
 
     def decode(self, latents: torch.Tensor, height: int, width: int, num_frames: int | None = None) -> torch.Tensor:
         if self.vae is None:
@@ -340,13 +366,13 @@ class Cosmos3Family(FamilyAdapter):
 
 
 def _refuse_distilled(root: Path, index: dict) -> None:
-    """Distilled students sample on a fixed few-step schedule with CFG baked in, which this adapter does not run."""
-    for name in ("model_index.json", "modular_model_index.json"):
-        config = index if name == "model_index.json" else None
-        if config is None:
-            if not (root / name).is_file():
-                continue
-            config = read_json(root / name)
+    """Distilled students sample on a fixed few-step schedule with CFG baked in, which this adapter does not run.
+    diffusers marks them in the model index or in the modular pipeline's index."""
+    configs = {root / "model_index.json": index}
+    modular = root / "modular_model_index.json"
+    if modular.is_file():
+        configs[modular] = read_json(modular)
+    for path, config in configs.items():
         if config.get("is_distilled") or config.get("distilled_sigmas"):
-            raise ModelLoadError(f"cosmos3: {root / name} describes a distilled checkpoint (a fixed few-step schedule "
-                                 "with CFG in its weights), which this adapter does not sample")
+            raise ModelLoadError(f"cosmos3: {path} describes a distilled checkpoint (a fixed few-step schedule with "
+                                 "CFG in its weights), which this adapter does not sample")
