@@ -101,6 +101,17 @@ def test_conditioning_rows_are_padded_prompt_bytes(cosmos):
         prompt_bytes(torch.tensor([[0.5]]))
 
 
+def test_bf16_autocast_over_fp32_weights(cosmos_dir):
+    """A full finetune's forward on a GPU: fp32 masters under bf16 autocast (a dtype mix the transformer alone
+    refuses), close to the fp32 velocity."""
+    family = Cosmos3Family.load(cosmos_dir)
+    args = (Latents(torch.randn(1, 4, 2, 2, 4), torch.zeros(0, 1)), torch.tensor([0.7]),
+            family.encode_prompts(["a red cat"]), family.encode_prompts(["blurry"]), 4.0)
+    exact = family.velocity(family.transformer, *args)
+    family.autocast_dtype = torch.bfloat16
+    torch.testing.assert_close(family.velocity(family.transformer, *args), exact, rtol=0.05, atol=0.05)
+
+
 def test_defaults_schedules_and_family_name(cosmos, cosmos_dir, tmp_path):
     from diffusers import FlowMatchEulerDiscreteScheduler, UniPCMultistepScheduler
 

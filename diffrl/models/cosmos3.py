@@ -146,6 +146,7 @@ class Cosmos3Family(FamilyAdapter):
         self.vae_scale_spatial = settings.vae_scale_spatial
         self.vae_scale_temporal = settings.vae_scale_temporal
         self.config = transformer.config
+        _keep_vision_tokens_in_the_weights_dtype(transformer)
         self.timestep_scale = float(scheduler.config.num_train_timesteps)
         self.integer_timesteps = type(scheduler).__name__ == "UniPCMultistepScheduler"
         self._special = [text_tokenizer.eos_token_id, text_tokenizer.convert_tokens_to_ids("<|vision_start|>")]
@@ -363,6 +364,18 @@ class Cosmos3Family(FamilyAdapter):
         latents = latents / inv_std + mean  # the pipeline's arithmetic, to the rounding
         videos = decode_rows(lambda rows: self.vae.decode(rows.to(vae_dtype), return_dict=False)[0], latents)
         return (videos.float() / 2 + 0.5).clamp(0, 1)  # [B, 3, F, H, W]
+
+
+def _keep_vision_tokens_in_the_weights_dtype(transformer) -> None:
+    """Under bf16 autocast over fp32 weights (a full finetune's masters), `proj_in` returns bf16 tokens while the
+    packed sequence they are written into and the timestep embeddings added to them stay fp32, a mix the
+    transformer's scatter refuses: its output goes back to the weights' dtype (a no-op without autocast)."""
+    if _to_weights_dtype not in transformer.proj_in._forward_hooks.values():
+        transformer.proj_in.register_forward_hook(_to_weights_dtype)
+
+
+def _to_weights_dtype(module: torch.nn.Module, args, output: torch.Tensor) -> torch.Tensor:
+    return output.to(module.weight.dtype)
 
 
 def _refuse_distilled(root: Path, index: dict) -> None:
