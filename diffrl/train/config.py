@@ -103,9 +103,21 @@ class EnginePoolConfig:
     """Keep the in-process engine in the rollout pool (--no-local-engine: the URLs only)."""
     engine_token: str | None = None
     """Bearer token for the engines' weight updates (default: env DIFFRL_ENGINE_TOKEN)."""
+    colocate: bool = False
+    """Roll out on an engine in its own process on the trainer's device (started by the trainer) in place
+    of the in-process one: weights reach it by tensor sharing (CUDA IPC handles on a GPU), and it sleeps
+    while the trainer trains (--engine-sleep-level). Held-out evaluation still samples in-process."""
+    update_weight_buffer_size: int = 512 * 2**20
+    """Bytes per weight bucket sent to a --colocate engine (a larger tensor goes alone): the extra device
+    memory a weight sync holds on each side."""
+    engine_sleep_level: Literal[0, 1, 2] = 1
+    """What a --colocate engine releases while the trainer trains: 0 nothing, 1 its cached memory
+    (activations, the allocator's cache), 2 also its weights (to pinned host memory until the next rollout)."""
 
     def check(self) -> None:
         _require(self.engine_concurrency >= 1, f"--engine-concurrency must be >= 1, got {self.engine_concurrency}")
+        _require(self.update_weight_buffer_size >= 1,
+                 f"--update-weight-buffer-size must be >= 1 byte, got {self.update_weight_buffer_size}")
 
 
 @dataclass
@@ -162,6 +174,9 @@ class OptimConfig:
     adam_beta1: float = 0.9
     adam_beta2: float = 0.999
     grad_clip: float = 1.0
+    offload_optimizer: bool = False
+    """Keep the optimizer state (Adam's moments) in host memory while the engines sample and on the device
+    for the update: the same steps, less device memory during rollouts (a copy each way per rollout)."""
 
     def check(self) -> None:
         for name in ("global_batch_size", "num_steps_per_rollout", "micro_batch_size"):
@@ -374,8 +389,12 @@ class TrainConfig:
         _require(a.loss_type == "flow_grpo" or int(r.diffusion_num_steps * a.nft_timestep_fraction) >= 1,
                  f"--nft-timestep-fraction {a.nft_timestep_fraction} keeps no timestep of "
                  f"--diffusion-num-steps {r.diffusion_num_steps}")
-        _require(self.replay.load_rollout_data is None or not (self.engine.engine_urls or self.placement.ray_engines),
-                 "--load-rollout-data trains without engines: drop --engine-urls and --ray-engines")
+        _require(self.replay.load_rollout_data is None or not (self.engine.engine_urls or self.placement.ray_engines
+                                                               or self.engine.colocate),
+                 "--load-rollout-data trains without engines: drop --engine-urls, --ray-engines and --colocate")
+        _require(not (self.engine.colocate and self.uses_ray()),
+                 "--colocate starts its engine beside a one-process trainer; not with --ray-engines or "
+                 "--ray-trainer-ranks")
 
     def uses_ray(self) -> bool:
         return self.placement.uses_ray()

@@ -8,7 +8,9 @@ for the reference model inside a block, and for the engines to hold given weight
 Engines: the in-process engine of a one-process run shares the trained module (every update is live
 for it; an EMA is swapped in for a block). Under torchrun the trainer's copy is sharded with FSDP2
 and the engine samples from a full copy refreshed from the shards; remote engines (`--engine-urls`,
-Ray actors) get the trained tensors pushed.
+Ray actors, a `--colocate` engine process) get the trained tensors pushed. A colocated engine and the
+trainer take turns on the device: the engine is woken for the sampling block and put back to sleep
+after it, and `--offload-optimizer` keeps the optimizer state in host memory during the block.
 """
 
 from __future__ import annotations
@@ -20,10 +22,12 @@ from collections.abc import Sequence
 
 import torch
 
+from diffrl.engine.colocated import ColocatedEngineClient
 from diffrl.models.compile import compile_blocks
 from diffrl.models.lora import LoraSpec, add_lora
 from diffrl.train.ema import ParameterEMA
 from diffrl.train.parallel import Parallel, full_tensor, shard_transformer
+from diffrl.utils.offload import OptimizerOffload
 
 
 def bf16_forward(model_cfg, device: torch.device) -> bool:
@@ -84,8 +88,11 @@ class Policy:
         # ones (an EMA that is never updated). LoRA gets it by disabling the adapter.
         self.base_weights = (ParameterEMA(self.params, dtype=torch.bfloat16 if bf16 else None)
                              if a.diffusion_kl_beta > 0 and a.kl_reference == "base" and not m.use_lora else None)
+        self.optimizer_offload = OptimizerOffload(self.optimizer) if o.offload_optimizer else None
         self.local_engine = None  # the in-process engine, whose outputs carry the weight version
         self.remote_engines: list = []
+        self.colocated: list[ColocatedEngineClient] = []  # engines that sleep while the trainer trains
+        self.engine_sleep_level = cfg.engine.engine_sleep_level
         self.engine_token = cfg.engine.engine_token or os.environ.get("DIFFRL_ENGINE_TOKEN")
         self.weight_version = 0
 
@@ -97,6 +104,7 @@ class Policy:
     def attach_remote_engines(self, clients: Sequence) -> None:
         """Engines elsewhere join the sync; with LoRA they host the adapter unmerged and get only its tensors."""
         self.remote_engines = list(clients)
+        self.colocated = [c for c in self.remote_engines if isinstance(c, ColocatedEngineClient)]
         if self.lora is not None:
             for client in self.remote_engines:
                 client.add_lora_adapter(self.lora, self.engine_token)
@@ -105,12 +113,33 @@ class Policy:
     def engine_weights(self, ema: ParameterEMA | None):
         """The engines sample with an EMA (NFT's old policy; evaluation with --use-ema) or, given None,
         the current weights, inside the block. Every rank calls this."""
-        with ema.swapped_in() if ema is not None else contextlib.nullcontext():
-            self._send_weights_to_engines()
-            if self.engine_family is self.family:
-                yield  # the shared module holds the EMA only while swapped in
-                return
-        yield
+        with self._sampling_memory():
+            with ema.swapped_in() if ema is not None else contextlib.nullcontext():
+                self._send_weights_to_engines()
+                if self.engine_family is self.family:
+                    yield  # the shared module holds the EMA only while swapped in
+                    return
+            yield
+
+    @contextlib.contextmanager
+    def _sampling_memory(self):
+        """The device's memory goes to the engines inside the block: the optimizer state on the host
+        (--offload-optimizer), the trainer's cached blocks released and colocated engines awake; after
+        it, the engines asleep again (--engine-sleep-level) and the state back."""
+        if self.optimizer_offload is not None:
+            self.optimizer_offload.offload()
+        if self.colocated and self.device.type == "cuda":
+            torch.cuda.empty_cache()  # what training left cached is the engine process's to use now
+        for engine in self.colocated:
+            engine.wake()
+        try:
+            yield
+        finally:
+            if self.engine_sleep_level:
+                for engine in self.colocated:
+                    engine.sleep(self.engine_sleep_level)
+            if self.optimizer_offload is not None:
+                self.optimizer_offload.restore()
 
     @torch.no_grad()
     def _send_weights_to_engines(self) -> None:

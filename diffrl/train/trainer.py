@@ -29,12 +29,19 @@ import torch
 from tqdm import tqdm
 
 from diffrl.algorithms.advantages import compute_advantages
+from diffrl.engine.colocated import ColocatedEngineClient, EngineProcessSpec
 from diffrl.engine.engine import Engine, EngineConfig
+from diffrl.engine.wire import dtype_name
 from diffrl.errors import RequestError
 from diffrl.models import resolve_family
 from diffrl.rewards import get_reward
 from diffrl.rewards.workers import ProcessRewardPool
-from diffrl.rollout import HttpEngineClient, InProcessEngineClient, RolloutConfig, RolloutManager
+from diffrl.rollout import (
+    HttpEngineClient,
+    InProcessEngineClient,
+    RolloutConfig,
+    RolloutManager,
+)
 from diffrl.tasks import build_task
 from diffrl.train.checkpointer import Checkpointer
 from diffrl.train.config import TrainConfig
@@ -94,8 +101,8 @@ def validate_parallel(cfg: TrainConfig, parallel: Parallel) -> None:
         raise ValueError("several ranks need an explicit --output-dir (each would stamp its own)")
     if cfg.algorithm.drop_zero_std_groups:
         raise ValueError("--drop-zero-std-groups would give ranks unequal shares; use it single-process")
-    if cfg.engine.engine_urls:
-        raise ValueError("--engine-urls is single-process for now (every rank would push its weights)")
+    if cfg.engine.engine_urls or cfg.engine.colocate:
+        raise ValueError("--engine-urls and --colocate are single-process for now (every rank would push its weights)")
     if cfg.replay.save_rollout_data is not None or cfg.replay.load_rollout_data is not None:
         raise ValueError("--save-rollout-data and --load-rollout-data are single-process for now")
 
@@ -142,7 +149,7 @@ class Trainer:
         self.objective = build_objective(cfg, self.policy)
         self.checkpointer = Checkpointer(out, self.policy)
         self.fingerprint = fingerprint(cfg, family.name)  # what a rollout record must share with this run
-        self.engine = self.manager = None
+        self.engine = self.manager = self.colocated = None
         if not self.replaying:
             self.engine, self.manager = self._rollout_engines(family, extra_engines, reward_fn)
 
@@ -167,7 +174,9 @@ class Trainer:
             self.metrics = MetricsLogger(out, resume_rollout=self.rollout_index if cfg.checkpoint.resume else None)
 
     def _rollout_engines(self, family, extra_engines: Sequence, reward_fn) -> tuple[Engine, RolloutManager]:
-        """The in-process engine (sharing the policy's family) and the manager over it and any remote ones."""
+        """The in-process engine (sharing the policy's family) and the manager over it and any remote ones;
+        with --colocate an engine process on this device takes the in-process engine's place in the pool
+        (the in-process one still evaluates)."""
         e, r = self.cfg.engine, self.cfg.rollout
         engine = Engine(self.policy.engine_family,
                         EngineConfig(max_outputs_per_request=max(64, r.rollout_microgroup_size),
@@ -176,16 +185,35 @@ class Trainer:
         # The family decodes conditioning sent in sglang's format by a server that is not diffrl's.
         remote = [HttpEngineClient(url, max_in_flight=e.engine_concurrency, family=family.name)
                   for url in e.engine_urls] + list(extra_engines)
+        if e.colocate:
+            self.colocated = ColocatedEngineClient(self._colocated_spec(family),
+                                                   buffer_bytes=e.update_weight_buffer_size)
+            remote.append(self.colocated)
         if not e.local_engine and not remote:
             raise ValueError("--no-local-engine needs engines to roll out on: --engine-urls or --ray-engines")
         self.policy.attach_remote_engines(remote)
         manager = RolloutManager(
-            ([InProcessEngineClient(engine)] if e.local_engine else []) + remote,
+            ([InProcessEngineClient(engine)] if e.local_engine and not e.colocate else []) + remote,
             RolloutConfig(n_samples_per_prompt=r.n_samples_per_prompt, rollout_microgroup_size=r.rollout_microgroup_size,
                           engine_concurrency=e.engine_concurrency, rollout_seed=r.rollout_seed),
             reward_fn=reward_fn,
         )
         return engine, manager
+
+    def _colocated_spec(self, family) -> EngineProcessSpec:
+        """An engine process that computes what the in-process engine would: the same checkpoint, dtypes
+        (a full finetune's fp32 masters included), forward precision, compilation and CPU threads."""
+        cfg, m = self.cfg, self.cfg.model
+        autocast = family.autocast_dtype
+        return EngineProcessSpec(
+            model_path=str(m.model_path), family=family.name, device=str(self.device),
+            dtype="bfloat16" if bf16_forward(m, self.device) else "float32",
+            transformer_dtype=None if m.use_lora else "float32", autocast_dtype=None if autocast is None else dtype_name(autocast),
+            offload_text_encoder=m.offload_text_encoder, compile=m.compile,
+            compile_eager_numerics=m.compile_eager_numerics,
+            max_outputs_per_request=max(64, cfg.rollout.rollout_microgroup_size),
+            max_batch_outputs=cfg.engine.engine_max_batch_outputs, num_threads=torch.get_num_threads(),
+            float32_matmul_precision=m.float32_matmul_precision, deterministic=cfg.deterministic_mode)
 
     def _reward_fn(self):
         t = self.cfg.task
@@ -233,6 +261,8 @@ class Trainer:
         reward_fn = self.manager.reward_fn if self.manager is not None else None
         if hasattr(reward_fn, "close"):  # a worker pool: its processes end with the run
             reward_fn.close()
+        if self.colocated is not None:
+            self.colocated.close()
         if main:
             curve = self.metrics.plot_curves()
             print(run_summary(self.metrics.records()))
