@@ -15,8 +15,6 @@ and `summary.json` goes last: a directory without it is an evaluation that did n
 
 from __future__ import annotations
 
-import asyncio
-import concurrent.futures
 import inspect
 import json
 import math
@@ -36,6 +34,7 @@ from diffrl.data.prompts import PromptRecord
 from diffrl.evaluation.sampling import TEST_SEED, generate
 from diffrl.models.base import FamilyAdapter
 from diffrl.rewards import get_reward
+from diffrl.utils.blocking import run_blocking
 from diffrl.utils.images import save_grid, to_uint8
 
 GRID_IMAGES = 32
@@ -117,16 +116,7 @@ def _resolve(values):
     """A scorer's result, awaited when it is a coroutine (also from inside a running event loop)."""
     if not inspect.isawaitable(values):
         return values
-
-    async def wait():
-        return await values
-
-    try:
-        asyncio.get_running_loop()
-    except RuntimeError:
-        return asyncio.run(wait())
-    with concurrent.futures.ThreadPoolExecutor(1) as pool:  # a loop runs here: await it on its own thread
-        return pool.submit(asyncio.run, wait()).result()
+    return run_blocking(lambda: values)
 
 
 def score_components(components: Sequence[RewardComponent], images: torch.Tensor, prompts: list[str],
