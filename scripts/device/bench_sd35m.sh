@@ -9,8 +9,13 @@
 #   baseline:0             benchmarks/flow_grpo_baseline.py: the published Flow-GRPO code's rollout and train
 #                          step on diffusers' pipeline, same weights and batch shape (eager, as published);
 #                          e.g. JOBS="baseline:0 train:1" puts the peer and diffrl in one call
-# ROLLOUTS (train, default 3), BASELINE_ITERATIONS (baseline, measured after one warm-up, default 2);
-# TRAIN_FLAGS / ROLLOUT_FLAGS / BASELINE_FLAGS: more flags for one or another
+#   profile:0 / profile:1  benchmarks/profile_training.py (not in the default list): one `diffrl train --recipe
+#                          sd3-grpo` step after a warm-up under torch.profiler, eager / --compile: GPU busy vs
+#                          wall, kernels by category, host syncs, launches, host and GPU time per phase;
+#                          profile_sd35m_{eager,compiled}.json, and the gzipped Chrome trace when under 15 MiB
+# ROLLOUTS (train, default 3), BASELINE_ITERATIONS (baseline, measured after one warm-up, default 2),
+# PROFILE_GROUPS (profile: prompt groups of 16 per rollout; default 2, to stay near 3 minutes; the recipe's: 4);
+# TRAIN_FLAGS / ROLLOUT_FLAGS / BASELINE_FLAGS / PROFILE_FLAGS: more flags for one or another
 # (e.g. TRAIN_FLAGS=--no-compile-eager-numerics, ROLLOUT_FLAGS=--eager-numerics). Results land in $OUT (JSON / metrics JSONL per job).
 set -uo pipefail
 bash scripts/device/install_wheels.sh || exit 1
@@ -57,6 +62,13 @@ for line in open(sys.argv[1]):
         --samples-per-prompt 16 --rollout-batch 8 --train-batch 8 --optimizer-steps 2 \
         --iterations "${BASELINE_ITERATIONS:-2}" ${BASELINE_FLAGS:-} \
         --out "$OUT/flow_grpo_baseline_sd35m.json") 2>&1 | quiet ;;
+    profile)
+      make_ckpt
+      # The report's summary lines, not its JSON (that is in $OUT).
+      python3 benchmarks/profile_training.py --checkpoint "$ckpt" --recipe sd3-grpo --reward jpeg_compressibility \
+        --reward-workers 6 --rollout-batch-size "${PROFILE_GROUPS:-2}" --work-dir runs/profile-training "${flag[@]}" \
+        ${PROFILE_FLAGS:-} --out "$OUT/profile_sd35m_$tag.json" --trace-dir "$OUT" --trace-max-mib 15 2>&1 \
+        | quiet | sed '/^{/,$d' ;;
   esac
 done
 echo "== done $(date +%T)"
