@@ -8,13 +8,10 @@ from pathlib import Path
 
 import pytest
 
-try:  # where the random-checkpoint builders live now; before, each family module had its own
-    from diffrl.models.random_checkpoints.sd3 import save_random_checkpoint
-except ImportError:
-    from diffrl.models.sd3 import save_random_checkpoint
+from diffrl.models.random_checkpoints.sd3 import save_random_checkpoint
 
 BENCHMARKS = Path(__file__).resolve().parent.parent / "benchmarks"
-# sd3-grpo cut to CPU size: 2 groups × 2 samples, 2 steps (1 SDE step: 2 train pairs per sample), 32².
+# sd3-grpo cut to CPU size: 2 groups × 2 samples, 2 steps, both SDE and trained (2 pairs per sample), 32².
 TINY = ["--rollout-batch-size", "2", "--n-samples-per-prompt", "2", "--rollout-microgroup-size", "2",
         "--diffusion-num-steps", "2", "--diffusion-sde-window-range", "0", "2", "--diffusion-num-sde-steps", "2",
         "--micro-batch-size", "2", "--resolution", "32", "--lora-rank", "2", "--device", "cpu",
