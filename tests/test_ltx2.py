@@ -21,7 +21,7 @@ from diffrl.sampling import make_generators, transition
 
 TOLERANCE = 1e-5  # fp32 on CPU through two code paths (measured: ≤ 2e-6, up to 6 steps)
 # The tiny checkpoint's defaults: 9 frames (2 latent frames) of 64 × 96 (2 × 3 tokens), 9 audio tokens, 16 text
-# tokens. The engine's schedule is the default frame count's (it does not pass num_frames to `sigmas`).
+# tokens.
 HEIGHT, WIDTH, FRAMES = 64, 96, 9
 VIDEO_TOKENS, AUDIO_TOKENS = 2 * 2 * 3, 9
 # LTX2Pipeline's extra guidance terms off: its CFG alone, one scale for video and audio.
@@ -46,30 +46,31 @@ def ltx_no_registers(tmp_path_factory) -> Ltx2Family:
     return Ltx2Family.load(path)
 
 
-def _pipeline_videos(family, prompt, negative, guidance, seeds, steps):
+def _pipeline_videos(family, prompt, negative, guidance, seeds, steps, frames=FRAMES):
     """LTX2Pipeline's videos as [B, C, F, H, W] (it returns frames first), each output from its own generator."""
     frames = family.reference_pipeline()(
         prompt=prompt, negative_prompt=negative if guidance > 1 else None, generator=make_generators(seeds),
         num_videos_per_prompt=len(seeds), num_inference_steps=steps, guidance_scale=guidance, height=HEIGHT,
-        width=WIDTH, num_frames=FRAMES, max_sequence_length=family.settings.max_sequence_length, output_type="pt",
+        width=WIDTH, num_frames=frames, max_sequence_length=family.settings.max_sequence_length, output_type="pt",
         **PLAIN_CFG).frames
     return frames.permute(0, 2, 1, 3, 4)
 
 
-@pytest.mark.parametrize(("variant", "negative", "guidance"), [
-    ("registers", "blurry", 3.0), ("registers", "", 1.0), ("no-registers", "", 4.0)],
-    ids=["cfg", "no-cfg", "cfg-no-registers"])
-def test_engine_reproduces_the_diffusers_pipeline(ltx, ltx_no_registers, variant, negative, guidance):
+@pytest.mark.parametrize(("variant", "negative", "guidance", "frames"), [
+    ("registers", "blurry", 3.0, FRAMES), ("registers", "", 1.0, FRAMES), ("no-registers", "", 4.0, FRAMES),
+    ("registers", "", 1.0, 17)], ids=["cfg", "no-cfg", "cfg-no-registers", "no-cfg-17-frames"])
+def test_engine_reproduces_the_diffusers_pipeline(ltx, ltx_no_registers, variant, negative, guidance, frames):
     """ODE sampling through our engine gives LTX2Pipeline's videos from the same generators (video and audio
-    noise drawn from each output's own)."""
+    noise drawn from each output's own), also at a frame count other than the checkpoint's default, whose
+    schedule is shifted for its own token count."""
     family = ltx if variant == "registers" else ltx_no_registers
     steps, seed = 3, 3
     outputs = Engine(family, EngineConfig(max_outputs_per_request=4)).generate(RolloutRequest(
         prompt="a red cat", negative_prompt=negative, seed=seed, num_outputs_per_prompt=2, num_inference_steps=steps,
-        guidance_scale=guidance, height=HEIGHT, width=WIDTH, num_frames=FRAMES))
+        guidance_scale=guidance, height=HEIGHT, width=WIDTH, num_frames=frames))
     ours = torch.stack([o.generated_output for o in outputs])
-    reference = _pipeline_videos(family, "a red cat", negative, guidance, [seed, seed + 1], steps)
-    assert ours.shape == reference.shape == (2, 3, FRAMES, HEIGHT, WIDTH)
+    reference = _pipeline_videos(family, "a red cat", negative, guidance, [seed, seed + 1], steps, frames)
+    assert ours.shape == reference.shape == (2, 3, frames, HEIGHT, WIDTH)
     assert 0 <= ours.min() and ours.max() <= 1
     torch.testing.assert_close(ours, reference, rtol=0, atol=TOLERANCE)
     pipe = family.reference_pipeline()  # the text mask the pipeline's transformer gets is ours

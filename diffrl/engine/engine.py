@@ -399,7 +399,7 @@ class Engine:
         seeds = [t.req.seed + i for t in batch for i in range(t.req.num_outputs_per_prompt)]
         generators = make_generators(seeds, device=plan.generator_device)
         latents = family.prepare_latents(generators, plan.height, plan.width, **_frames(plan.num_frames))
-        sigmas = family.sigmas(req0.num_inference_steps, plan.height, plan.width)
+        sigmas = family.sigmas(req0.num_inference_steps, plan.height, plan.width, **_frames(plan.num_frames))
         live = list(range(len(batch)))  # positions in `batch` of the requests still denoised, in row order
         dropped: dict[int, RequestCancelled] = {}
 

@@ -213,7 +213,8 @@ class FamilyAdapter(ABC):
 
     @abstractmethod
     def sigmas(self, num_steps: int, height: int, width: int) -> torch.Tensor:
-        """The family's schedule `[N + 1]` for this resolution (terminal 0 included)."""
+        """The family's schedule `[N + 1]` for this resolution (terminal 0 included). Video families also
+        take `num_frames` (the engine passes it to them), for schedules shifted by the token count."""
 
     def velocity(
         self,

@@ -226,7 +226,7 @@ class Cosmos3Family(FamilyAdapter):
                 raise RequestError("num_frames", f"num_frames={num_frames}: Cosmos3 needs {t}k + 1 frames (1, "
                                                  f"{t + 1}, {2 * t + 1}, …; 1 is an image)")
 
-    def sigmas(self, num_steps: int, height: int, width: int) -> torch.Tensor:
+    def sigmas(self, num_steps: int, height: int, width: int, num_frames: int | None = None) -> torch.Tensor:
         scheduler = copy.deepcopy(self.scheduler)  # set_timesteps changes the scheduler's state
         if self.settings.native_flow_schedule:  # the pipeline's option: linear σ's from 1 − 1/T, then shifted
             train_steps = scheduler.config.num_train_timesteps

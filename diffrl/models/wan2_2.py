@@ -273,7 +273,7 @@ class Wan22Family(FamilyAdapter):
                 raise RequestError("num_frames", f"num_frames={num_frames}: {latent} latent frames do not fit the "
                                                  f"temporal patch {p_t} and the rotary table")
 
-    def sigmas(self, num_steps: int, height: int, width: int) -> torch.Tensor:
+    def sigmas(self, num_steps: int, height: int, width: int, num_frames: int | None = None) -> torch.Tensor:
         scheduler = copy.deepcopy(self.scheduler)  # set_timesteps changes the scheduler's state
         scheduler.set_timesteps(num_steps, device="cpu")
         sigmas = scheduler.sigmas.to(device=self.device, dtype=torch.float32)
