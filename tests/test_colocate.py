@@ -104,18 +104,16 @@ def test_only_a_shared_tensor_is_unpickled():
 
 # ---------------------------------------------------------------------------------------------- the engine process
 @pytest.fixture(scope="module")
-def model_dir(tmp_path_factory):
-    from diffrl.models.random_checkpoints import demo as random_demo
+def model_dir():
+    from diffrl.models.demo import SHIPPED_DEMO_MODEL
 
-    torch.manual_seed(0)
-    path = tmp_path_factory.mktemp("models") / "tiny-demo"
-    random_demo.random_family(random_demo.tiny(), seed=0).save(path)
-    return path
+    return SHIPPED_DEMO_MODEL  # 3 M parameters: 12 buckets of 1 MiB
 
 
 @pytest.fixture(scope="module")
 def colocated(model_dir):
-    client = ColocatedEngineClient(EngineProcessSpec(model_path=str(model_dir), family="demo"), buffer_bytes=2048)
+    client = ColocatedEngineClient(EngineProcessSpec(model_path=str(model_dir), family="demo"),
+                                   buffer_bytes=2**20)
     yield client
     client.close()
     assert client.process.exitcode == 0
@@ -142,6 +140,7 @@ def test_engine_process_receives_full_weights_and_a_lora_adapter_in_buckets(colo
     engine.add_lora_adapter(spec)
     lora = {n: 0.2 * torch.randn(p.shape, generator=gen) for n, p in engine.family.transformer.named_parameters()
             if "lora_" in n}
+    colocated.buffer_bytes = 4096  # the adapter is small
     assert colocated.push_weights(lora, version=4) > 1
     engine.update_weights(lora, 4)
     before = _generate(colocated)
@@ -169,7 +168,8 @@ def test_a_bad_bucket_changes_nothing_and_is_reported(colocated, model_dir):
             colocated.push_weights(tensors, version=99)
     # The first of two buckets is refused: the sync stops there and the second is never sent.
     with pytest.raises(EngineUnavailable, match="weight bucket 1/2 refused"):
-        colocated.push_weights({name: torch.full(shape, math.inf), "x": torch.zeros(1024)}, version=99)
+        colocated.push_weights({name: torch.full(shape, math.inf), "x": torch.zeros(colocated.buffer_bytes)},
+                               version=99)
     assert colocated.health()["weight_version"] == version
     _assert_same_outputs(_generate(colocated), before)
 

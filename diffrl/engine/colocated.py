@@ -32,6 +32,7 @@ from diffrl.engine.protocol import RolloutOutput, RolloutRequest
 from diffrl.engine.weight_sync import (
     DEFAULT_BUFFER_BYTES,
     apply_bucket,
+    receive_tensor,
     send_in_buckets,
     share_tensor,
 )
@@ -139,6 +140,7 @@ class _EngineServer:
         self.device = family.device
         self.weights = ModuleOffload(family_modules(family), self.device)
         self.asleep = 0  # the level it sleeps at; 0: awake
+        self.bucket_buffer: torch.Tensor | None = None  # the trainer's weight buffer during a sync
         # Rollout requests wait in the engine's queue on this loop (no thread each) while its workers denoise.
         self.loop = asyncio.new_event_loop()
         threading.Thread(target=self.loop.run_forever, name="engine-requests", daemon=True).start()
@@ -178,9 +180,7 @@ class _EngineServer:
 
     def _control(self, op: str, header: dict, payload: bytes | None) -> dict:
         if op == "update_weights":
-            self._require_awake("weights")
-            return apply_bucket(self.engine, header.get("layout"), payload, header.get("version"),
-                                bool(header.get("last")))
+            return self._update_weights(header, payload)
         if op == "add_lora":
             self._require_awake("lora")
             return {"added": self.engine.add_lora_adapter(LoraSpec.model_validate(header.get("lora")))}
@@ -194,6 +194,22 @@ class _EngineServer:
             return {"weight_version": self.engine.weight_version, "in_flight": self.engine.in_flight,
                     "asleep": self.asleep}
         raise RequestError("op", f"unknown operation {str(op)[:50]!r}")
+
+    def _update_weights(self, header: dict, payload: bytes | None) -> dict:
+        """One bucket. The first of a sync carries the shared buffer, which is kept (mapped, not copied)
+        until the sync ends: its last bucket, or a refusal, which stops it."""
+        last = bool(header.get("last"))
+        try:
+            self._require_awake("weights")
+            if payload is not None:
+                self.bucket_buffer = receive_tensor(payload)
+            return apply_bucket(self.engine, self.bucket_buffer, header.get("layout"), header.get("version"), last)
+        except Exception:
+            last = True
+            raise
+        finally:
+            if last:  # released before the answer: the trainer frees the buffer once the sync is over
+                self.bucket_buffer = None
 
     def _require_awake(self, field: str) -> None:
         if self.asleep:
@@ -337,7 +353,7 @@ class ColocatedEngineClient:
 
         def send(layout: list[dict], buffer: torch.Tensor | None, index: int, count: int) -> None:
             header = {"op": "update_weights", "layout": layout, "version": version, "last": index == count - 1}
-            self._request(header, share_tensor(buffer) if buffer is not None else None,
+            self._request(header, share_tensor(buffer) if buffer is not None and index == 0 else None,
                           what=f"weight bucket {index + 1}/{count} refused: ")
 
         count = send_in_buckets(tensors, self.buffer_bytes, send)

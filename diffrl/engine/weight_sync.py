@@ -2,10 +2,10 @@
 
 The sender splits named tensors (a full transformer's, or only a LoRA adapter's) into consecutive
 buckets of at most `max_bytes`, in their given order; a tensor larger than that goes alone. Each
-bucket is copied into one flat byte buffer (reused from bucket to bucket) and handed over by torch's
-own tensor sharing: a CUDA buffer travels as an IPC handle (the receiver maps the sender's memory, no
-copy), a CPU one as shared memory. Only the buffer is pickled, by torch's reductions, and the receiver
-unpickles nothing else (`receive_tensor`); names, dtypes, shapes and offsets travel as JSON.
+bucket is copied into one flat byte buffer, the same for every bucket of a sync, which is handed over
+once by torch's own tensor sharing: on a GPU as a CUDA IPC handle (the receiver maps the sender's
+memory, no copy), on a CPU as shared memory. Only the buffer is pickled, by torch's reductions, and
+the receiver unpickles nothing else (`receive_tensor`); names, dtypes, shapes and offsets travel as JSON.
 
 The receiver applies a bucket with `Engine.update_weights` (names, shapes, dtypes and finiteness all
 checked before anything is written: a refused bucket changes nothing) and answers; only then is the
@@ -138,32 +138,30 @@ def receive_tensor(payload: bytes) -> torch.Tensor:
 def send_in_buckets(tensors: Mapping[str, torch.Tensor], max_bytes: int,
                     send: Callable[[list[dict], torch.Tensor | None, int, int], None]) -> int:
     """Pack `tensors` bucket by bucket into one buffer on their device and call `send(layout, buffer, index,
-    count)` for each; `send` returns once the receiver is done with the buffer (it is then overwritten).
-    No tensors: one empty bucket, so the version still moves. Returns the number of buckets."""
+    count)` for each; `send` returns once the receiver is done with the bucket, which is then overwritten
+    by the next (the buffer is the same object every time: share it once). No tensors: one empty bucket
+    and no buffer, so the version still moves. Returns the number of buckets."""
     plans = plan_buckets(tensors, max_bytes) or [[]]
     device = next(iter(tensors.values())).device if tensors else torch.device("cpu")
     size = max(packed_bytes(tensors, names) for names in plans)
     buffer = torch.empty(size, dtype=torch.uint8, device=device) if size else None
     if buffer is not None and device.type == "cpu":
-        buffer.share_memory_()  # once: every bucket reuses the same shared pages
+        buffer.share_memory_()  # before packing: moving it to shared memory would copy it
     for i, names in enumerate(plans):
         layout = pack(tensors, names, buffer) if names else []
-        used = packed_bytes(tensors, names)
         if device.type == "cuda":
-            # The receiver reuses a mapping it already holds without waiting on the sharing event, so the
-            # copies into the buffer must be finished before it is announced.
+            # The receiver's mapping of the buffer outlives one bucket, so it does not wait on the sharing
+            # event again: the copies into the buffer must be finished before the bucket is announced.
             torch.cuda.current_stream(device).synchronize()
-        send(layout, buffer[:used] if used else None, i, len(plans))
+        send(layout, buffer, i, len(plans))
     return len(plans)
 
 
-def apply_bucket(engine, layout: list, payload: bytes | None, version: int, last: bool) -> dict:
-    """The receiving side: one bucket into `engine` (all or nothing, by `Engine.update_weights`); the
-    version moves to `version` with the last bucket only. The buffer is released before returning."""
-    buffer = receive_tensor(payload) if payload is not None else torch.empty(0, dtype=torch.uint8)
-    tensors = unpack(buffer, layout)
+def apply_bucket(engine, buffer: torch.Tensor | None, layout: list, version: int, last: bool) -> dict:
+    """The receiving side: one bucket of the shared `buffer` into `engine` (all or nothing, by
+    `Engine.update_weights`); the version moves to `version` with the last bucket only."""
+    tensors = unpack(buffer if buffer is not None else torch.empty(0, dtype=torch.uint8), layout)
     new_version = engine.update_weights(tensors, version if last else engine.weight_version)
-    if buffer.is_cuda:  # the copies out of the sender's memory are done before it may overwrite it
+    if buffer is not None and buffer.is_cuda:  # the copies out of the sender's memory are done before it reuses it
         torch.cuda.synchronize(buffer.device)
-    del tensors, buffer
     return {"weight_version": new_version, "tensors": len(layout)}
