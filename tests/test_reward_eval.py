@@ -264,3 +264,18 @@ def test_a_video_is_written_as_an_animated_png_with_every_frame(tmp_path):
         for f in range(5):
             apng.seek(f)
             np.testing.assert_array_equal(np.asarray(apng.convert("RGB")), to_uint8(video[:, f][None])[0])
+
+
+def test_a_video_frame_grid_shows_each_video_as_a_row_of_evenly_spaced_frames(tmp_path):
+    from diffrl.evaluation.reward_eval import save_frame_grid
+
+    videos = torch.zeros(3, 3, 15, 8, 12)
+    for f in range(15):
+        videos[:, :, f] = f / 14  # frame f is one grey level
+    path = save_frame_grid(videos, tmp_path / "frames.png", limit=2, frames=4)
+    with Image.open(path) as grid:
+        pixels = np.asarray(grid.convert("L"))
+    pad, cell_w, cell_h = 2, 12 * 2, 8 * 2  # save_grid's layout: cells upscaled 2×, 2 px apart
+    assert pixels.shape[1] == 4 * (cell_w + pad) + pad  # four frames per row
+    levels = [int(pixels[pad + cell_h // 2, pad + c * (cell_w + pad) + cell_w // 2]) for c in range(4)]
+    assert levels == [round(255 * f / 14) for f in (0, 5, 9, 14)], levels  # the first video's frames 0, 5, 9, 14

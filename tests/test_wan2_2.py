@@ -291,3 +291,21 @@ def test_the_second_experts_scale_reaches_rollout_and_replay(wan_dir, tmp_path, 
     trainer.rollout_and_update(0)
     assert {grad for grad, _ in calls} == {False, True}  # the engine's steps and the trainer's replay
     assert all(scale == 2.0 for _, scale in calls), calls
+
+
+def test_a_video_evaluation_writes_every_video_and_a_frame_grid(wan, tmp_path):
+    """Held-out evaluation of a video family: videos through the engine, scored as videos, every one written
+    (animated PNG with all its frames) and a frame grid beside the first-frame grid."""
+    from PIL import Image
+
+    from diffrl.data.prompts import PromptRecord
+    from diffrl.evaluation.reward_eval import evaluate_with_reward
+
+    out = tmp_path / "eval"
+    result = evaluate_with_reward(wan, [PromptRecord("a cat", {}), PromptRecord("a dog", {})], "temporal_consistency",
+                                  num_steps=2, guidance_scale=1.0, resolution=HEIGHT, num_frames=FRAMES, out_dir=out)
+    assert result.images.shape[2] == FRAMES and 0 < result.summary["eval/reward"] < 1
+    for name in ("00000.png", "00001.png"):
+        with Image.open(out / "images" / name) as video:
+            assert video.n_frames == FRAMES
+    assert (out / "frames.png").is_file() and (out / "grid.png").is_file() and (out / "summary.json").is_file()

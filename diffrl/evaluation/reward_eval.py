@@ -9,7 +9,8 @@ spec is one component) and by their weighted total. The reward sees each record'
 
 On disk (`out_dir`): `images/00000.png`, … (a video as an animated PNG, lossless, all its frames at
 `VIDEO_FPS`), `records.jsonl` (one line per image), `grid.png` (the first images, a video's first frame,
-captioned with prompt and reward) and `summary.json`. Every file is written under a temporary name and renamed,
+captioned with prompt and reward), for videos `frames.png` (the first videos one per row, each as
+evenly spaced frames) and `summary.json`. Every file is written under a temporary name and renamed,
 and `summary.json` goes last: a directory without it is an evaluation that did not finish.
 """
 
@@ -166,7 +167,7 @@ def evaluate_with_reward(
     if out_dir is not None:
         out_dir = Path(out_dir)
         # Never mix an earlier evaluation's files with ours (a shorter rerun would leave its extra images).
-        for stale in ("summary.json", "records.jsonl", "grid.png"):
+        for stale in ("summary.json", "records.jsonl", "grid.png", "frames.png"):
             (out_dir / stale).unlink(missing_ok=True)
         (out_dir / "images").mkdir(parents=True, exist_ok=True)
         for stale in (out_dir / "images").glob("[0-9]*.png"):
@@ -185,6 +186,8 @@ def evaluate_with_reward(
     result = RewardEval(summary, rows, images, components, out_dir)
     if out_dir is not None:
         save_eval_grid(result, out_dir / "grid.png")
+        if images.dim() == 5:
+            save_frame_grid(images, out_dir / "frames.png")
         write_text_atomic(out_dir / "records.jsonl", "".join(json.dumps(r) + "\n" for r in rows))
         info = {**summary, "n_images": len(rows), "n_prompts": len(records),
                 "config": {"seeds_per_prompt": seeds_per_prompt, "seed": seed, "num_steps": num_steps,
@@ -227,6 +230,22 @@ def save_eval_grid(result: RewardEval, path: Path, limit: int = GRID_IMAGES) -> 
     captions = [f"{r['reward']:.3f} {r['prompt']}" for r in shown]
     with atomic_path(path) as tmp:
         save_grid(first_frames(result.images[: len(shown)]), tmp, ncols=8, captions=captions, caption_lines=3)
+    return path
+
+
+FRAME_GRID_VIDEOS, FRAME_GRID_FRAMES = 8, 8
+
+
+def save_frame_grid(videos: torch.Tensor, path: Path, limit: int = FRAME_GRID_VIDEOS,
+                    frames: int = FRAME_GRID_FRAMES) -> Path:
+    """The first `limit` videos [N, 3, F, H, W], one per row, each as up to `frames` evenly spaced frames
+    (first and last included), captioned with their frame index: a video's motion at a glance."""
+    shown = videos[:limit]
+    picks = torch.linspace(0, shown.shape[2] - 1, min(frames, shown.shape[2])).round().long()
+    cells = shown.index_select(2, picks).transpose(1, 2).flatten(0, 1)  # [N·K, 3, H, W], row by row
+    captions = [f"frame {int(k)}" for _ in range(len(shown)) for k in picks]
+    with atomic_path(path) as tmp:
+        save_grid(cells, tmp, ncols=len(picks), captions=captions, caption_lines=1)
     return path
 
 
