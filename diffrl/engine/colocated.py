@@ -124,7 +124,7 @@ class _EngineServer:
         if spec.deterministic:
             torch.use_deterministic_algorithms(True)
         device = torch.device(spec.device)
-        if device.type == "cuda":
+        if device.type == "cuda" and device.index is not None:
             torch.cuda.set_device(device)
         family = resolve_family(spec.family, spec.model_path).load(spec.model_path, device=device,
                                                                    dtype=_DTYPES[spec.dtype])

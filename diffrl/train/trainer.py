@@ -204,9 +204,11 @@ class Trainer:
         """An engine process that computes what the in-process engine would: the same checkpoint, dtypes
         (a full finetune's fp32 masters included), forward precision, compilation and CPU threads."""
         cfg, m = self.cfg, self.cfg.model
-        autocast = family.autocast_dtype
+        autocast, device = family.autocast_dtype, self.device
+        if device.type == "cuda" and device.index is None:  # this process's GPU, named for the other one
+            device = torch.device("cuda", torch.cuda.current_device())
         return EngineProcessSpec(
-            model_path=str(m.model_path), family=family.name, device=str(self.device),
+            model_path=str(m.model_path), family=family.name, device=str(device),
             dtype="bfloat16" if bf16_forward(m, self.device) else "float32",
             transformer_dtype=None if m.use_lora else "float32", autocast_dtype=None if autocast is None else dtype_name(autocast),
             offload_text_encoder=m.offload_text_encoder, compile=m.compile,
