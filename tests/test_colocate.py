@@ -4,11 +4,13 @@ against the embedded default."""
 
 import asyncio
 import copy
+import importlib.util
 import itertools
 import json
 import math
 import os
 import pickle
+from pathlib import Path
 
 import pytest
 import torch
@@ -261,3 +263,23 @@ def test_train_colocate_equals_the_embedded_default(tiny_model_dir, tmp_path, us
                {k: v for k, v in b.items() if not any(t in k for t in timing)}
     for a, b in zip(embedded.policy.params, trainer.policy.params, strict=True):
         assert torch.equal(a, b)
+
+
+@pytest.mark.slow
+def test_weight_sync_benchmark_runs_on_a_cpu(tmp_path, monkeypatch):
+    """benchmarks/weight_sync.py's CPU fallback on the shipped demo model: both paths sync both modes, the
+    engine samples the same after waking, and the report is written."""
+    benchmarks = Path(__file__).resolve().parent.parent / "benchmarks"
+    monkeypatch.syspath_prepend(str(benchmarks))
+    spec = importlib.util.spec_from_file_location("weight_sync_benchmark", benchmarks / "weight_sync.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    results = module.main(["--device", "cpu", "--lora-rank", "2", "--buffer-mib", "1", "--repeats", "1", "--n", "1",
+                           "--steps", "2", "--out", str(tmp_path / "weight_sync.json")])
+    for mode in ("lora", "full"):
+        entry = results["modes"][mode]
+        assert entry["ipc_1MiB"]["buckets"] >= 1 and entry["http"]["seconds"] > 0
+        assert [r["level"] for r in entry["sleep"]] == [1, 2]
+        assert all(r["bit_identical_after_wake"] for r in entry["sleep"])
+    assert results["modes"]["full"]["optimizer_offload"]["moved_bytes"] > 0
+    assert json.loads((tmp_path / "weight_sync.json").read_text())["family"] == "demo"
