@@ -135,11 +135,13 @@ class Policy:
         try:
             yield
         finally:
-            if self.engine_sleep_level:
-                for engine in self.colocated:
-                    engine.sleep(self.engine_sleep_level)
-            if self.optimizer_offload is not None:
-                self.optimizer_offload.restore()
+            try:
+                if self.engine_sleep_level:
+                    for engine in self.colocated:
+                        engine.sleep(self.engine_sleep_level)
+            finally:  # the state comes back even when an engine cannot be put to sleep
+                if self.optimizer_offload is not None:
+                    self.optimizer_offload.restore()
 
     @torch.no_grad()
     def _send_weights_to_engines(self) -> None:
