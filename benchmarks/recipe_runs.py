@@ -8,12 +8,12 @@ Random weights at the family's real size are built in code when `--checkpoint` i
 (`family_rollout.REAL_SIZES`), and so is the reward's model at its published size (PickScore and HPSv2.1
 are CLIP ViT-H-14: 0.99 B parameters) with a small local tokenizer: the compute is the real one, the
 scores are noise. Only `--rollout-batch-size` (prompt groups per rollout) may be cut below the recipe's,
-to fit the time a lent GPU gives; samples per prompt, microgroups, steps, resolution, CFG, the SDE window,
+to fit the time a lent GPU gives; samples per prompt, microgroups, steps, size and frames, CFG, the SDE window,
 LoRA and precision stay the recipe's, and the optimizer steps per rollout too (their batch follows).
 
 Reported per rollout: seconds of rollout and training, images/s, train pairs/s, peak GPU memory, and the
 model FLOP utilization of the transformer: FLOPs counted once per forward (torch's flop counter, batch 1,
-the recipe's resolution and a prompt of the set), times the forwards the recipe runs (rollout: steps ×
+the recipe's size and frames and a prompt of the set), times the forwards the recipe runs (rollout: steps ×
 (2 with CFG); training: per pair the policy's forward and backward (×3), the recomputed forward with
 gradient checkpointing (×1), the old policy (NFT) or the reference (KL) (×1 each)), over the peak.
 """
@@ -129,10 +129,11 @@ def forward_flops(trainer: Trainer, prompt: str) -> float:
     from diffrl.sampling import make_generators
 
     family, cfg = trainer.policy.family, trainer.cfg
-    height, width = (cfg.model.resolution,) * 2 if cfg.model.resolution else family.default_size()
+    height, width = cfg.model.size() or family.default_size()
+    frames = {"num_frames": cfg.model.num_frames} if family.generates_video else {}  # None: the family's default
     with torch.no_grad():
         cond = family.encode_prompts([prompt])
-        latents = family.prepare_latents(make_generators([0], device="cpu"), height, width)
+        latents = family.prepare_latents(make_generators([0], device="cpu"), height, width, **frames)
         sigma = torch.full((1,), 0.5, device=family.device)
         counter = FlopCounterMode(display=False)
         with counter:

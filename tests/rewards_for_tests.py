@@ -26,3 +26,17 @@ def signed_darkness(images, prompts, metadata=None):
     """Darkness above 0.5 times each prompt's metadata `sign`: prompts can favour dark or bright images, or
     neither (sign 0), so one comparison can hold wins, ties and losses."""
     return [float(m["sign"]) * (0.5 - float(image.mean())) for image, m in zip(images, metadata, strict=True)]
+
+
+def frame_count(images, prompts, metadata=None):
+    """How many frames of each video the reward is shown (1 for images)."""
+    return [float(images.shape[2]) if images.dim() == 5 else 1.0] * len(images)
+
+
+FRAMES_SEEN: list[int] = []
+
+
+def darkness_noting_frames(images, prompts, metadata=None):
+    """`darkness`, noting in FRAMES_SEEN how many frames each call was shown (an inline reward's caller reads it)."""
+    FRAMES_SEEN.append(images.shape[2] if images.dim() == 5 else 1)
+    return darkness(images, prompts, metadata)

@@ -211,3 +211,19 @@ def test_resume_rewrites_records_without_duplicates(tiny_model_dir, tmp_path):
     resumed.train()
     assert sorted(p.name for p in records.iterdir()) == ["rollout-000000.safetensors", "rollout-000001.safetensors"]
     assert {k: _without_timings(record_path(records, k)) for k in (0, 1)} == before  # the same rollout, rewritten
+
+
+def test_the_fingerprint_holds_the_size_however_it_was_spelled(tmp_path):
+    """--resolution N and --height N --width N make the same records; records from before --height/--width
+    (which held the square side as `resolution`) still load; a size or --reward-frames that differs is named."""
+    from diffrl.train.replay import _check_fingerprint, fingerprint
+
+    square = fingerprint(TrainConfig.flat(resolution=16), "demo")
+    assert square == fingerprint(TrainConfig.flat(height=16, width=16), "demo")
+    assert (square["height"], square["width"]) == (16, 16) and "resolution" not in square
+    older = {k: v for k, v in square.items() if k not in ("height", "width", "reward_frames")} | {"resolution": 16}
+    _check_fingerprint(tmp_path / "r", older, square)
+    with pytest.raises(ValueError, match="recorded with --width 16; this run has 24"):
+        _check_fingerprint(tmp_path / "r", square, fingerprint(TrainConfig.flat(height=16, width=24), "demo"))
+    with pytest.raises(ValueError, match=r"recorded with --reward-frames \(the default\); this run has 3"):
+        _check_fingerprint(tmp_path / "r", square, fingerprint(TrainConfig.flat(resolution=16, reward_frames=3), "demo"))

@@ -394,3 +394,54 @@ def test_offloaded_text_encoder_visits_the_device_only_to_encode(tiny_model_dir,
     trainer.rollout_and_update(0)
     assert encoded_on and all(d == str(family.device) for d in encoded_on)  # moved in for every encode
     assert moves[-1] == "cpu" and moves.count("cpu") == moves.count(str(family.device))  # and back each time
+
+
+def test_size_flags_square_or_height_and_width(tiny_model_dir, tmp_path, capsys):
+    """--resolution is the square shorthand of --height/--width: both kinds, or one side alone, are refused in
+    one line naming the flags; a size the family cannot make is refused naming the flags that gave it."""
+    assert TrainConfig.flat(height=16, width=24).model.size() == (16, 24)
+    assert TrainConfig.flat(resolution=16).model.size() == (16, 16) and TrainConfig.flat().model.size() is None
+    flags = ["train", "--model-path", str(tiny_model_dir), "--output-dir", str(tmp_path / "x")]
+    for extra, named in ((["--resolution", "16", "--height", "16", "--width", "24"], ("--resolution 16", "--height")),
+                         (["--height", "16"], ("--height and --width go together",))):
+        assert cli_main([*flags, *extra]) == 2
+        err = capsys.readouterr().err
+        assert err.count("\n") == 1 and all(name in err for name in named), err
+    assert not (tmp_path / "x").exists()
+    with pytest.raises(ValueError, match="--height and --width must be > 0"):
+        validate_config(TrainConfig.flat(height=0, width=16))
+    with pytest.raises(ValueError, match=r"^--height 16 --width 24: "):  # the demo model makes one square size
+        Trainer(tiny_config(tiny_model_dir, tmp_path / "run", height=16, width=24))
+
+
+def test_random_sde_steps_are_distinct_seeded_and_trained_exactly(tiny_model_dir, tmp_path, monkeypatch):
+    """--diffusion-sde-step-strategy random: each rollout's SDE steps are distinct, drawn anywhere in the
+    window (not necessarily adjacent), sorted and fixed by the run seed and rollout index; the train pairs are
+    exactly those steps' transitions, and the first pass reproduces the engine's log-probs."""
+    cfg = tiny_config(tiny_model_dir, tmp_path / "run", diffusion_num_steps=6, diffusion_sde_window_range=(1, 6),
+                      diffusion_num_sde_steps=2, diffusion_sde_step_strategy="random")
+    trainer = Trainer(cfg)
+    draws = [trainer.objective.sde_window(k) for k in range(40)]
+    assert all(len(set(d)) == 2 and d == sorted(d) and 1 <= d[0] and d[-1] < 6 for d in draws)
+    assert any(b - a > 1 for a, b in draws) and len({tuple(d) for d in draws}) > 5
+    assert draws == [trainer.objective.sde_window(k) for k in range(40)]  # seeded, not stateful
+    window = Trainer(tiny_config(tiny_model_dir, tmp_path / "window", diffusion_num_steps=6,
+                                 diffusion_sde_window_range=(1, 6), diffusion_num_sde_steps=2))
+    assert all(b == a + 1 for a, b in (window.objective.sde_window(k) for k in range(40)))  # the default: adjacent
+
+    k = next(k for k, (a, b) in enumerate(draws) if b - a > 1)
+    seen = {}
+    real_pairs = trainer.objective.pairs
+
+    def pairs(samples, advantages, env):
+        seen["sigmas"] = samples[0].output.dit_trajectory.sigmas
+        seen["pairs"] = real_pairs(samples, advantages, env)
+        return seen["pairs"]
+
+    monkeypatch.setattr(trainer.objective, "pairs", pairs)
+    trainer.rollout_index = k
+    record = trainer.rollout_and_update(k)
+    sigmas, trained = seen["sigmas"], seen["pairs"]
+    assert {float(s) for s in trained.sigma} == {float(sigmas[i]) for i in draws[k]}
+    assert {float(s) for s in trained.sigma_next} == {float(sigmas[i + 1]) for i in draws[k]}
+    assert record["train/pairs"] == 2 * 3 * 2 and record["train/log_prob_mean_abs_diff"] == 0.0

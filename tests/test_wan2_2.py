@@ -264,6 +264,11 @@ def test_video_training_flags_are_checked(wan_dir, tiny_model_dir, tmp_path):
                             eval_images_per_category=0, **flags))
     with pytest.raises(ValueError, match="--num-frames 5: the demo family generates images"):
         Trainer(TrainConfig.flat(model_path=tiny_model_dir, output_dir=tmp_path / "c", num_frames=5, **flags))
+    with pytest.raises(ValueError, match="--reward-frames 3: the demo family generates images"):
+        Trainer(TrainConfig.flat(model_path=tiny_model_dir, output_dir=tmp_path / "d", reward_frames=3, **flags))
+    with pytest.raises(ValueError, match="--height 16 --width 20: width=20"):
+        Trainer(TrainConfig.flat(model_path=wan_dir, output_dir=tmp_path / "e", height=16, width=20,
+                                 eval_images_per_category=0, **flags))
 
 
 def test_the_second_experts_scale_reaches_rollout_and_replay(wan_dir, tmp_path, monkeypatch):
@@ -309,3 +314,35 @@ def test_a_video_evaluation_writes_every_video_and_a_frame_grid(wan, tmp_path):
         with Image.open(out / "images" / name) as video:
             assert video.n_frames == FRAMES
     assert (out / "frames.png").is_file() and (out / "grid.png").is_file() and (out / "summary.json").is_file()
+
+
+def test_non_square_size_and_reward_frames_reach_rollouts_and_evaluation(wan_dir, tmp_path):
+    """--height/--width size the rollouts and the held-out videos; --reward-frames K shows the reward K evenly
+    spaced frames of each video, in the rollouts (here through a reward worker process) and in evaluation."""
+    from PIL import Image
+
+    from diffrl.train.config import TrainConfig
+    from diffrl.train.trainer import Trainer
+
+    data = tmp_path / "prompts"
+    data.mkdir()
+    (data / "train.txt").write_text("a red cat\na blue dog\n")
+    (data / "test.txt").write_text("a green cat\n")
+    out = tmp_path / "run"
+    cfg = TrainConfig.flat(
+        model_path=wan_dir, prompt_data=data, num_rollout=1, rollout_batch_size=1, n_samples_per_prompt=2,
+        rollout_microgroup_size=1, global_batch_size=2, num_steps_per_rollout=1, micro_batch_size=2,
+        diffusion_num_steps=2, diffusion_sde_window_range=(0, 2), diffusion_num_sde_steps=1, device="cpu",
+        use_lora=True, lora_rank=2, eval_images_per_category=0, eval_num_prompts=1, output_dir=out,
+        height=HEIGHT, width=WIDTH, num_frames=FRAMES, reward_frames=2, reward="rewards_for_tests:frame_count",
+        reward_workers=1)
+    trainer = Trainer(cfg)
+    request = trainer.objective.request(0)
+    assert (request["height"], request["width"], request["num_frames"]) == (HEIGHT, WIDTH, FRAMES)
+    last = trainer.train()
+    assert last["rollout/reward/raw_mean"] == 2.0 and last["eval/reward"] == 2.0  # 2 of 5 frames, both times
+    with Image.open(out / "eval" / "rollout-00001" / "images" / "00000.png") as video:  # written whole
+        assert video.size == (WIDTH, HEIGHT) and video.n_frames == FRAMES
+    summary = json.loads((out / "eval" / "rollout-00001" / "summary.json").read_text())
+    assert (summary["config"]["height"], summary["config"]["width"], summary["config"]["reward_frames"]) == (
+        HEIGHT, WIDTH, 2)

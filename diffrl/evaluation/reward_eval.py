@@ -23,7 +23,7 @@ import os
 import re
 from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 
 import numpy as np
@@ -35,8 +35,10 @@ from diffrl.data.prompts import PromptRecord
 from diffrl.evaluation.sampling import TEST_SEED, generate
 from diffrl.models.base import FamilyAdapter
 from diffrl.rewards import get_reward
+from diffrl.rewards.frames import on_frames
 from diffrl.utils.blocking import run_blocking
 from diffrl.utils.images import save_grid, to_uint8
+from diffrl.utils.size import sample_size
 
 GRID_IMAGES = 32
 VIDEO_FPS = 8
@@ -151,17 +153,24 @@ def evaluate_with_reward(
     out_dir: Path | None = None,
     progress: bool = False,
     reward_device: str | None = None,
+    height: int | None = None,
+    width: int | None = None,
+    reward_frames: int | None = None,
 ) -> RewardEval:
     """Sample every record `seeds_per_prompt` times (image k: seed + k), score each image by every
     component and the total, and write everything under `out_dir` when given (see the module docstring).
-    `reward_device`: where a spec's model rewards load and score (None: CUDA when present)."""
+    The size is `height` × `width` or the square `resolution` (None: the family's). `reward_device`: where
+    a spec's model rewards load and score (None: CUDA when present). `reward_frames`: every component sees
+    only this many evenly spaced frames of each video, as training's reward does (the files keep them all)."""
     if not records:
         raise ValueError("evaluation: no prompts")
     if seeds_per_prompt < 1:
         raise ValueError(f"--n-samples-per-eval-prompt must be >= 1, got {seeds_per_prompt}")
     if batch_size < 1:
         raise ValueError(f"--batch-size must be >= 1, got {batch_size}")
-    components = reward_components(reward, device=reward_device)
+    sample_size(resolution, height, width)  # a contradictory size fails before any file is touched
+    components = [replace(c, score=on_frames(c.score, reward_frames))
+                  for c in reward_components(reward, device=reward_device)]
     expanded = [(i, r) for i, r in enumerate(records) for _ in range(seeds_per_prompt)]
     seeds = [seed + k for k in range(len(expanded))]
     if out_dir is not None:
@@ -176,9 +185,10 @@ def evaluate_with_reward(
     family.transformer.eval()  # the trainer hands over its live model: sample it in eval mode, then restore
     try:
         rows, images = _sample_and_score(family, expanded, seeds, components, num_steps=num_steps,
-                                         guidance_scale=guidance_scale, resolution=resolution, num_frames=num_frames,
-                                         negative_prompt=negative_prompt, batch_size=batch_size, out_dir=out_dir,
-                                         progress=progress)
+                                         guidance_scale=guidance_scale,
+                                         size={"resolution": resolution, "height": height, "width": width},
+                                         num_frames=num_frames, negative_prompt=negative_prompt,
+                                         batch_size=batch_size, out_dir=out_dir, progress=progress)
     finally:
         family.transformer.train(was_training)
     summary = {"eval/reward": _mean(r["reward"] for r in rows)}
@@ -191,14 +201,15 @@ def evaluate_with_reward(
         write_text_atomic(out_dir / "records.jsonl", "".join(json.dumps(r) + "\n" for r in rows))
         info = {**summary, "n_images": len(rows), "n_prompts": len(records),
                 "config": {"seeds_per_prompt": seeds_per_prompt, "seed": seed, "num_steps": num_steps,
-                           "guidance_scale": guidance_scale, "resolution": resolution, "num_frames": num_frames,
+                           "guidance_scale": guidance_scale, "resolution": resolution, "height": height,
+                           "width": width, "num_frames": num_frames, "reward_frames": reward_frames,
                            "negative_prompt": negative_prompt, "sampler": "ode"},
                 "components": {c.name: {"spec": c.spec, "weight": c.weight} for c in components}}
         write_text_atomic(out_dir / "summary.json", json.dumps(info, indent=2) + "\n")
     return result
 
 
-def _sample_and_score(family, expanded, seeds, components, *, num_steps, guidance_scale, resolution, num_frames,
+def _sample_and_score(family, expanded, seeds, components, *, num_steps, guidance_scale, size, num_frames,
                       negative_prompt, batch_size, out_dir, progress) -> tuple[list[dict], torch.Tensor]:
     """Batch by batch: sample, score, write each image; the rows and all images in order."""
     rows, chunks = [], []
@@ -208,7 +219,7 @@ def _sample_and_score(family, expanded, seeds, components, *, num_steps, guidanc
         part_seeds = seeds[start : start + batch_size]
         prompts = [r.prompt for _, r in part]
         images = generate(family, prompts, part_seeds, num_steps=num_steps, guidance_scale=guidance_scale,
-                          batch_size=batch_size, resolution=resolution, num_frames=num_frames,
+                          batch_size=batch_size, **size, num_frames=num_frames,
                           negative_prompt=negative_prompt)
         metadata = [{**r.metadata, "seed": s} for (_, r), s in zip(part, part_seeds, strict=True)]
         totals, rewards = score_components(components, images, prompts, metadata)

@@ -21,6 +21,7 @@ from diffrl.engine.engine import Engine, EngineConfig
 from diffrl.engine.protocol import RolloutOutput, RolloutRequest
 from diffrl.models.base import FamilyAdapter
 from diffrl.utils.blocking import run_blocking
+from diffrl.utils.size import sample_size
 
 # First seeds of the trainer's held-out (test prompts) and validation (train prompts) evaluations;
 # image k of a set gets seed + k. Anything that wants the trainer's images uses these.
@@ -72,13 +73,16 @@ def generate(
     resolution: int | None = None,
     num_frames: int | None = None,
     negative_prompt: str = "",
+    height: int | None = None,
+    width: int | None = None,
 ) -> torch.Tensor:
     """ODE samples, image k from (prompts[k], seeds[k]); images [N, 3, H, W] (a video family:
-    [N, 3, F, H, W]) in [0, 1] on CPU, square `resolution` pixels a side (None: the family's default
-    size). `negative_prompt` is the unconditional side of CFG (used only when guidance_scale > 1)."""
+    [N, 3, F, H, W]) in [0, 1] on CPU, `height` × `width` pixels or square `resolution` pixels a side
+    (None: the family's default size). `negative_prompt` is the unconditional side of CFG (used only
+    when guidance_scale > 1)."""
     if len(prompts) != len(seeds):
         raise ValueError(f"{len(prompts)} prompts but {len(seeds)} seeds")
-    height, width = (resolution, resolution) if resolution else family.default_size()
+    height, width = sample_size(resolution, height, width) or family.default_size()
     frames = _frames_kwargs(family, num_frames)
     family.check_size(height, width, **frames)
     # CPU generators: a seed gives the same initial noise on every device (CUDA generators draw other

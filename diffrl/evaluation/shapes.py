@@ -76,13 +76,15 @@ def evaluate_prompts(
     progress: bool = False,
     resolution: int | None = None,
     negative_prompt: str = "",
+    height: int | None = None,
+    width: int | None = None,
 ) -> tuple[list[SampleRecord], torch.Tensor]:
     """Sample every prompt `num_seeds` times (one count for all, or one per prompt) and score it."""
     per_prompt = [num_seeds] * len(prompts) if isinstance(num_seeds, int) else list(num_seeds)
     expanded = [p for p, k in zip(prompts, per_prompt, strict=True) for _ in range(k)]
     seeds = [seed + i for i in range(len(expanded))]
     images = generate(family, expanded, seeds, num_steps=num_steps, guidance_scale=guidance_scale,
-                      batch_size=batch_size, progress=progress, resolution=resolution,
+                      batch_size=batch_size, progress=progress, resolution=resolution, height=height, width=width,
                       negative_prompt=negative_prompt)
     records = []
     for prompt, s, image in zip(expanded, seeds, to_uint8(images)):

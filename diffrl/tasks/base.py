@@ -18,8 +18,13 @@ class EvalSettings:
     num_steps: int
     guidance_scale: float
     resolution: int | None = None
+    """The square shorthand of height × width (as --resolution); None: height/width, else the family's."""
+    height: int | None = None
+    width: int | None = None
     num_frames: int | None = None
     negative_prompt: str = ""
+    reward_frames: int | None = None
+    """Video: the frames of each video a reward sees (as --reward-frames); None: every frame."""
 
     @classmethod
     def from_config(cls, cfg) -> EvalSettings:
@@ -27,8 +32,13 @@ class EvalSettings:
         return cls(num_steps=e.eval_num_steps or r.diffusion_num_steps,
                    guidance_scale=e.eval_guidance_scale if e.eval_guidance_scale is not None
                    else r.diffusion_guidance_scale,
-                   resolution=cfg.model.resolution, num_frames=cfg.model.num_frames,
-                   negative_prompt=r.negative_prompt)
+                   resolution=cfg.model.resolution, height=cfg.model.height, width=cfg.model.width,
+                   num_frames=cfg.model.num_frames, negative_prompt=r.negative_prompt,
+                   reward_frames=cfg.task.reward_frames)
+
+    def size(self) -> dict:
+        """The size keywords of the evaluation functions."""
+        return {"resolution": self.resolution, "height": self.height, "width": self.width}
 
 
 @dataclass

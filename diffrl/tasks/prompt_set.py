@@ -58,9 +58,9 @@ class PromptSetTask:
         s = self.settings
         result = evaluate_with_reward(
             family, self.eval_records, self.reward, seeds_per_prompt=self.eval_cfg.n_samples_per_eval_prompt,
-            seed=TEST_SEED, num_steps=s.num_steps, guidance_scale=s.guidance_scale, resolution=s.resolution,
+            seed=TEST_SEED, num_steps=s.num_steps, guidance_scale=s.guidance_scale, **s.size(),
             num_frames=s.num_frames, negative_prompt=s.negative_prompt, out_dir=out_dir / f"rollout-{k:05d}",
-            reward_device=self.reward_device)
+            reward_device=self.reward_device, reward_frames=s.reward_frames)
         shown = min(self.eval_cfg.eval_log_images, len(result.rows))
         return EvalOutcome(metrics=dict(result.summary), images=result.images[:shown],
                            captions=[f"{row['reward']:.3f} {row['prompt']}" for row in result.rows[:shown]])

@@ -73,7 +73,7 @@ class ShapesTask:
             prompts, seeds_per_prompt = balanced_eval_set(prompts, per_category)
             records, images = evaluate_prompts(family, prompts, num_seeds=seeds_per_prompt, seed=seed,
                                                num_steps=s.num_steps, guidance_scale=s.guidance_scale,
-                                               resolution=s.resolution, negative_prompt=s.negative_prompt)
+                                               **s.size(), negative_prompt=s.negative_prompt)
             summary = summarize(records)
             outcome.metrics[f"{prefix}/strict"] = summary["overall_strict"]
             outcome.metrics[f"{prefix}/score"] = summary["overall_score"]

@@ -15,6 +15,7 @@ from pathlib import Path
 from typing import Literal
 
 from diffrl.models.demo import SHIPPED_DEMO_MODEL
+from diffrl.utils.size import sample_size, size_flags
 
 
 def _require(ok: bool, message: str) -> None:
@@ -27,8 +28,13 @@ class ModelConfig:
     model_path: Path = SHIPPED_DEMO_MODEL
     diffusion_model_family: str | None = None
     resolution: int | None = None
-    """Side in pixels of the square images rolled out and evaluated; None: the family's default
-    (e.g. 1024 for SD3.5, whose published Flow-GRPO recipes train at 512)."""
+    """Side in pixels of the square images rolled out and evaluated (shorthand for --height N --width N);
+    None: --height/--width, else the family's default (e.g. 1024 for SD3.5, whose published Flow-GRPO
+    recipes train at 512)."""
+    height: int | None = None
+    """Height in pixels of the samples rolled out and evaluated, with --width, for sizes that are not
+    square (e.g. video at 512 × 768); not with --resolution."""
+    width: int | None = None
     num_frames: int | None = None
     """Frames of each rolled-out video (video families, e.g. wan2_2); None: the family's default."""
     use_lora: bool = True
@@ -57,7 +63,14 @@ class ModelConfig:
     def check(self) -> None:
         _require(self.lora_rank >= 1 and self.lora_alpha > 0,
                  f"--lora-rank must be >= 1 and --lora-alpha > 0 (got {self.lora_rank}, {self.lora_alpha})")
-        _require(self.resolution is None or self.resolution > 0, f"--resolution must be > 0, got {self.resolution}")
+        self.size()  # refuses --resolution with --height/--width, one side alone, or a side below 1
+
+    def size(self) -> tuple[int, int] | None:
+        """(height, width) of rollouts and evaluation; None: the family's default."""
+        return sample_size(self.resolution, self.height, self.width)
+
+    def size_flags(self) -> str:
+        return size_flags(self.resolution, self.height, self.width)
 
 
 @dataclass
@@ -76,9 +89,13 @@ class RolloutSettings:
     diffusion_noise_level: float = 0.7
     diffusion_sde_type: Literal["sde", "cps"] = "sde"
     diffusion_sde_window_range: tuple[int, int] | None = None
-    """SDE steps are a window of --diffusion-num-sde-steps steps inside [lo, hi) (default: all steps).
-    The published spelling `3,5` is accepted as well as `3 5`."""
+    """SDE steps are --diffusion-num-sde-steps steps inside [lo, hi) (default: all steps), picked as
+    --diffusion-sde-step-strategy says. The published spelling `3,5` is accepted as well as `3 5`."""
     diffusion_num_sde_steps: int = 2
+    diffusion_sde_step_strategy: Literal["window", "random"] = "window"
+    """How each rollout picks its --diffusion-num-sde-steps SDE steps inside --diffusion-sde-window-range:
+    window = consecutive steps at a random start; random = distinct steps drawn uniformly, not necessarily
+    adjacent (as the published LTX-2.3 runs). Either is seeded by the run seed and the rollout index."""
     negative_prompt: str = ""
     """The unconditional prompt of CFG in rollouts and evaluation."""
 
@@ -195,6 +212,9 @@ class TaskConfig:
     """Held-out prompts (same formats); None: the test split of a --prompt-data directory."""
     input_key: str = "prompt"
     reward: str = "shapes"
+    reward_frames: int | None = None
+    """Video: the reward (rollouts and held-out evaluation alike) sees only this many evenly spaced frames
+    of each video, first and last included; None: every frame."""
     reward_workers: int = 0
     """Score rewards in this many worker processes (microgroups in parallel, as they land); 0: inline."""
     reward_device: str | None = None
@@ -213,6 +233,8 @@ class TaskConfig:
 
     def check(self) -> None:
         _require(self.reward_workers >= 0, f"--reward-workers must be >= 0, got {self.reward_workers}")
+        _require(self.reward_frames is None or self.reward_frames >= 1,
+                 f"--reward-frames must be >= 1 (or unset: every frame), got {self.reward_frames}")
         _require(self.prompt_data is not None or self.eval_prompt_data is None,
                  "--eval-prompt-data needs --prompt-data (the shapes world has its own test split)")
         _require(self.prompt_data is None or not self.train_categories,

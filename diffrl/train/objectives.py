@@ -75,8 +75,9 @@ class _Objective:
 
     def _sized(self, request: dict) -> dict:
         m, r = self.cfg.model, self.cfg.rollout
-        if m.resolution:
-            request.update(height=m.resolution, width=m.resolution)
+        size = m.size()
+        if size is not None:
+            request.update(height=size[0], width=size[1])
         if m.num_frames is not None:
             request.update(num_frames=m.num_frames)
         if r.negative_prompt:
@@ -98,10 +99,15 @@ class FlowGrpo(_Objective):
     rollout_ema = None  # rolls out with the current weights (on-policy)
 
     def sde_window(self, k: int) -> list[int]:
-        """Rollout k's SDE steps: --diffusion-num-sde-steps consecutive steps at a start drawn in the window."""
-        lo, hi = self.cfg.rollout.sde_window_range()
-        width = self.cfg.rollout.diffusion_num_sde_steps
-        start = int(np.random.default_rng([self.cfg.seed, k, 1]).integers(lo, hi - width + 1))
+        """Rollout k's SDE steps, ascending: --diffusion-num-sde-steps consecutive steps at a start drawn in the
+        window, or (--diffusion-sde-step-strategy random) as many distinct steps drawn anywhere in it."""
+        r = self.cfg.rollout
+        lo, hi = r.sde_window_range()
+        width = r.diffusion_num_sde_steps
+        rng = np.random.default_rng([self.cfg.seed, k, 1])
+        if r.diffusion_sde_step_strategy == "random":
+            return sorted(int(i) for i in rng.choice(np.arange(lo, hi), size=width, replace=False))
+        start = int(rng.integers(lo, hi - width + 1))
         return list(range(start, start + width))
 
     def request(self, k: int) -> dict:

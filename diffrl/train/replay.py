@@ -40,9 +40,9 @@ _TRAJECTORY = ("latents", "timesteps", "sigmas", "latent_step_indices")
 
 # What makes records of one configuration unusable by another, by the flag that sets it.
 FINGERPRINT_FLAGS = {"loss_type": "--loss-type", "diffusion_model_family": "--diffusion-model-family",
-                     "resolution": "--resolution", "num_frames": "--num-frames",
+                     "height": "--height", "width": "--width", "num_frames": "--num-frames",
                      "rollout_batch_size": "--rollout-batch-size", "n_samples_per_prompt": "--n-samples-per-prompt",
-                     "rollout_seed": "--rollout-seed", "reward": "--reward"}
+                     "rollout_seed": "--rollout-seed", "reward": "--reward", "reward_frames": "--reward-frames"}
 
 
 def record_path(directory: Path, k: int) -> Path:
@@ -50,12 +50,14 @@ def record_path(directory: Path, k: int) -> Path:
 
 
 def fingerprint(cfg, family_name: str) -> dict:
-    """The settings a record must share with the run that trains from it (see FINGERPRINT_FLAGS)."""
+    """The settings a record must share with the run that trains from it (see FINGERPRINT_FLAGS); the size
+    as height and width, however the flags spelled it."""
+    height, width = cfg.model.size() or (None, None)
     return {"loss_type": cfg.algorithm.loss_type, "diffusion_model_family": family_name,
-            "resolution": cfg.model.resolution, "num_frames": cfg.model.num_frames,
+            "height": height, "width": width, "num_frames": cfg.model.num_frames,
             "rollout_batch_size": cfg.rollout.rollout_batch_size,
             "n_samples_per_prompt": cfg.rollout.n_samples_per_prompt, "rollout_seed": cfg.rollout.rollout_seed,
-            "reward": cfg.task.reward}
+            "reward": cfg.task.reward, "reward_frames": cfg.task.reward_frames}
 
 
 @dataclass
@@ -197,6 +199,9 @@ def _metadata(path: Path, header: dict | None) -> dict:
 
 
 def _check_fingerprint(path: Path, recorded: dict, ours: dict) -> None:
+    if "resolution" in recorded:  # records from before --height/--width held the square side
+        side = recorded["resolution"]
+        recorded = {**recorded, "height": side, "width": side}
     for field, flag in FINGERPRINT_FLAGS.items():
         if recorded.get(field) != ours.get(field):
             raise ValueError(f"--load-rollout-data: {path} was recorded with {flag} {_shown(recorded.get(field))}; "

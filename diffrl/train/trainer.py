@@ -20,6 +20,7 @@ import asyncio
 import dataclasses
 import json
 import math
+import os
 import time
 from collections.abc import Callable, Sequence
 from pathlib import Path
@@ -35,6 +36,7 @@ from diffrl.engine.wire import dtype_name
 from diffrl.errors import RequestError
 from diffrl.models import resolve_family
 from diffrl.rewards import get_reward
+from diffrl.rewards.frames import on_frames
 from diffrl.rewards.workers import ProcessRewardPool
 from diffrl.rollout import (
     HttpEngineClient,
@@ -75,18 +77,22 @@ def validate_config(cfg: TrainConfig) -> None:
 
 
 def check_family_flags(cfg: TrainConfig, family) -> None:
-    """What the loaded family decides: --resolution it can make, --num-frames only for video."""
-    m = cfg.model
-    if m.resolution is not None:
+    """What the loaded family decides: the size it can make (--resolution or --height/--width),
+    --num-frames and --reward-frames only for video."""
+    m, size = cfg.model, cfg.model.size()
+    if size is not None:
         try:
-            family.check_size(m.resolution, m.resolution)
+            family.check_size(*size)
         except RequestError as err:
-            raise ValueError(f"--resolution {m.resolution}: {err.message}") from None
+            raise ValueError(f"{m.size_flags()}: {err.message}") from None
     if not family.generates_video:
         if m.num_frames not in (None, 1):
             raise ValueError(f"--num-frames {m.num_frames}: the {family.name} family generates images, not video")
+        if cfg.task.reward_frames is not None:
+            raise ValueError(f"--reward-frames {cfg.task.reward_frames}: the {family.name} family generates images, "
+                             "not video")
     elif m.num_frames is not None:
-        height, width = (m.resolution, m.resolution) if m.resolution else family.default_size()
+        height, width = size or family.default_size()
         try:
             family.check_size(height, width, num_frames=m.num_frames)
         except RequestError as err:
@@ -123,6 +129,8 @@ class Trainer:
         self.cfg = cfg
         self.out = out = cfg.checkpoint.output_dir
         if cfg.deterministic_mode:
+            # cuBLAS is deterministic only with a fixed workspace, and torch refuses its matmuls without one.
+            os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
             torch.use_deterministic_algorithms(True)
         torch.set_float32_matmul_precision(cfg.model.float32_matmul_precision)
         if self.parallel.is_main and out.exists() and any(out.iterdir()) and not cfg.checkpoint.resume:
@@ -134,8 +142,8 @@ class Trainer:
         self.replaying = cfg.replay.load_rollout_data is not None
         if self.replaying:
             check_load_dir(cfg.replay.load_rollout_data)
-        else:
-            reward_fn = reward_fn or self._reward_fn()
+        else:  # published video recipes score a few evenly spaced frames of each video (--reward-frames)
+            reward_fn = on_frames(reward_fn or self._reward_fn(), cfg.task.reward_frames)
         torch.manual_seed(cfg.seed)
         # bf16 forwards: load every component in bf16 (Policy upcasts what is trained to fp32 masters).
         dtype = torch.bfloat16 if bf16_forward(cfg.model, self.device) else torch.float32
