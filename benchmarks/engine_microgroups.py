@@ -71,7 +71,7 @@ def main() -> None:
                "guidance_scale": args.guidance_scale, "transformer": {}, "images_per_s": {}}
     reps = 5 if device.type == "cuda" else 2
     for batch in sorted({1, *args.ms}):
-        size = family.config.image_size  # one conditional forward (guidance 1)
+        size = (family.config.image_size,) * 2  # one conditional forward (guidance 1)
         ms = transformer_step_ms(family, batch, size, 1.0, reps)
         gflop = transformer_gflop(family, batch, size, 1.0)
         results["transformer"][batch] = {"ms_per_sample": ms, "gflop_per_sample": gflop,

@@ -34,7 +34,10 @@ class BenchConfig:
     dtype: str = "bfloat16"
     """Weights' dtype for the benchmark (float32 or bfloat16)."""
     resolution: int | None = None
-    """Square image side; None: the family's default."""
+    """Square image side; None: --height/--width, else the family's default size."""
+    height: int | None = None
+    """With --width, instead of --resolution: a size that is not square (e.g. video at 512 × 768)."""
+    width: int | None = None
     num_frames: int | None = None
     """Video families: frames per sample (None: the family's default); refused for image families."""
     n: int = 16
@@ -79,11 +82,11 @@ def _frames(family, num_frames: int | None) -> dict:
     return {"num_frames": num_frames} if family.generates_video else {}
 
 
-def _step_inputs(family, batch: int, size: int, guidance: float, num_frames: int | None = None):
+def _step_inputs(family, batch: int, size: tuple[int, int], guidance: float, num_frames: int | None = None):
     from diffrl.sampling import make_generators
 
     device = family.device
-    latents = family.prepare_latents(make_generators(range(batch), device=device), size, size,
+    latents = family.prepare_latents(make_generators(range(batch), device=device), *size,
                                      **_frames(family, num_frames))
     cond = family.encode_prompts([PROMPT]).repeat(batch)
     uncond = family.encode_prompts([""]).repeat(batch) if guidance > 1 else None
@@ -91,7 +94,7 @@ def _step_inputs(family, batch: int, size: int, guidance: float, num_frames: int
 
 
 @torch.no_grad()
-def transformer_gflop(family, batch: int, size: int, guidance: float, num_frames: int | None = None) -> float:
+def transformer_gflop(family, batch: int, size: tuple[int, int], guidance: float, num_frames: int | None = None) -> float:
     """GFLOP per sample of one denoising step's transformer work (cond + uncond when CFG is on), counted
     eagerly (before any compilation: the counter does not see inside compiled graphs)."""
     from torch.utils.flop_counter import FlopCounterMode
@@ -103,7 +106,7 @@ def transformer_gflop(family, batch: int, size: int, guidance: float, num_frames
 
 
 @torch.no_grad()
-def transformer_step_ms(family, batch: int, size: int, guidance: float, reps: int,
+def transformer_step_ms(family, batch: int, size: tuple[int, int], guidance: float, reps: int,
                         num_frames: int | None = None) -> float:
     """ms per sample of one denoising step's transformer work, after two warm-up calls."""
     latents, sigma, cond, uncond = _step_inputs(family, batch, size, guidance, num_frames)
@@ -116,15 +119,15 @@ def transformer_step_ms(family, batch: int, size: int, guidance: float, reps: in
 
 
 @torch.no_grad()
-def decode_ms_per_image(family, batch: int, size: int, reps: int, num_frames: int | None = None) -> dict[str, float]:
+def decode_ms_per_image(family, batch: int, size: tuple[int, int], reps: int, num_frames: int | None = None) -> dict[str, float]:
     """ms per image (or video) of the VAE decode: one per call (what the engine does on CPU) and the
     family's own `decode` (in chunks on a GPU)."""
     from diffrl.sampling import make_generators
 
     frames = _frames(family, num_frames)
-    latents = family.prepare_latents(make_generators(range(batch), device=family.device), size, size, **frames).tokens
-    ways = {"one_per_call": lambda: torch.cat([family.decode(row[None], size, size, **frames) for row in latents]),
-            "family_decode": lambda: family.decode(latents, size, size, **frames)}
+    latents = family.prepare_latents(make_generators(range(batch), device=family.device), *size, **frames).tokens
+    ways = {"one_per_call": lambda: torch.cat([family.decode(row[None], *size, **frames) for row in latents]),
+            "family_decode": lambda: family.decode(latents, *size, **frames)}
     return {name: _ms_per_call(run, family.device, reps) / batch for name, run in ways.items()}
 
 
@@ -144,7 +147,7 @@ async def time_group(client, n: int, m: int, request: dict, repeats: int, prompt
 
 
 @torch.no_grad()
-def pipeline_s_per_image(pipe, device, batch: int, size: int, steps: int, guidance: float, repeats: int,
+def pipeline_s_per_image(pipe, device, batch: int, size: tuple[int, int], steps: int, guidance: float, repeats: int,
                          num_frames: int | None = None) -> float:
     """Seconds per image (or video) of a diffusers pipeline making `batch` per call (median of `repeats`)."""
     import inspect
@@ -155,7 +158,7 @@ def pipeline_s_per_image(pipe, device, batch: int, size: int, steps: int, guidan
     extra = {"num_frames": num_frames} if num_frames is not None else {}
 
     def run():
-        pipe(prompt=PROMPT, num_inference_steps=steps, guidance_scale=guidance, height=size, width=size,
+        pipe(prompt=PROMPT, num_inference_steps=steps, guidance_scale=guidance, height=size[0], width=size[1],
              generator=generator, output_type="pt", **{count: batch}, **extra)
 
     run()
@@ -176,6 +179,7 @@ def bench(cfg: BenchConfig) -> dict:
     from diffrl.models.demo import SHIPPED_DEMO_MODEL
     from diffrl.rollout import InProcessEngineClient
     from diffrl.utils.device import resolve_device
+    from diffrl.utils.size import sample_size
 
     if cfg.dtype not in ("float32", "bfloat16"):
         raise ValueError(f"--dtype must be float32 or bfloat16, got {cfg.dtype!r}")
@@ -186,16 +190,17 @@ def bench(cfg: BenchConfig) -> dict:
     model_path = cfg.model_path or SHIPPED_DEMO_MODEL
     family = resolve_family(cfg.diffusion_model_family, model_path).load(
         model_path, device=device, dtype=getattr(torch, cfg.dtype))
-    size = cfg.resolution or family.default_size()[0]
+    size = sample_size(cfg.resolution, cfg.height, cfg.width) or family.default_size()
     if cfg.num_frames is not None and not family.generates_video:
         raise ValueError(f"--num-frames {cfg.num_frames}: the {family.name} family generates images, not video")
     frames = family.default_num_frames if family.generates_video and cfg.num_frames is None else cfg.num_frames
-    family.check_size(size, size, **_frames(family, frames))
+    family.check_size(*size, **_frames(family, frames))
     guidance = family.default_guidance_scale if cfg.guidance_scale is None else cfg.guidance_scale
     on_gpu = device.type == "cuda"
     results = {"family": family.name, "model_path": str(model_path),
                "device": torch.cuda.get_device_name(device) if on_gpu else "cpu", "dtype": cfg.dtype,
-               "transformer_params": sum(p.numel() for p in family.transformer.parameters()), "resolution": size,
+               "transformer_params": sum(p.numel() for p in family.transformer.parameters()),
+               "resolution": size[0] if size[0] == size[1] else None, "height": size[0], "width": size[1],
                "num_frames": frames if family.generates_video else None, "n": cfg.n, "steps": cfg.steps,
                "guidance_scale": guidance, "compile": cfg.compile,
                "eager_numerics": cfg.compile and cfg.eager_numerics, "transformer": {}, "engine": {}}
@@ -220,7 +225,7 @@ def bench(cfg: BenchConfig) -> dict:
     engine = Engine(family, EngineConfig(max_outputs_per_request=cfg.n, max_batch_outputs=cfg.n))
     request = dict(num_inference_steps=cfg.steps, guidance_scale=guidance, rollout=True, rollout_sde_type="sde",
                    rollout_noise_level=0.7, rollout_sde_step_indices=[1, 2] if cfg.steps > 2 else [0],
-                   rollout_return_dit_trajectory=True, rollout_return_denoising_env=True, height=size, width=size,
+                   rollout_return_dit_trajectory=True, rollout_return_denoising_env=True, height=size[0], width=size[1],
                    **_frames(family, frames))
     client = InProcessEngineClient(engine)
     for m in cfg.ms:

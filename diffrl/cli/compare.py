@@ -51,6 +51,11 @@ class CompareConfig:
     """With --prompt-data: the unconditional side of CFG."""
     resolution: int | None = None
     """With --prompt-data: side in pixels of the square images (default: the family's size)."""
+    height: int | None = None
+    """With --prompt-data and --width, instead of --resolution: a size that is not square."""
+    width: int | None = None
+    reward_frames: int | None = None
+    """With --prompt-data, video: the reward sees this many evenly spaced frames of each video (default: all)."""
     num_frames: int | None = None
     """With --prompt-data, video families: frames per sample (default: the family's)."""
     batch_size: int = 16
@@ -131,7 +136,8 @@ def compare_by_prompt_data(cfg: CompareConfig) -> dict:
     labels = {"base_cfg": f"base CFG {guidance:g}", "base_nocfg": "base no CFG",
               "trained": f"trained CFG {trained_guidance:g}"}
     common = dict(seeds_per_prompt=cfg.n_samples_per_eval_prompt, seed=seed, num_steps=cfg.num_steps,
-                  resolution=cfg.resolution, num_frames=cfg.num_frames, negative_prompt=cfg.negative_prompt,
+                  resolution=cfg.resolution, height=cfg.height, width=cfg.width, num_frames=cfg.num_frames,
+                  reward_frames=cfg.reward_frames, negative_prompt=cfg.negative_prompt,
                   batch_size=cfg.batch_size, progress=True)
     print(f"comparing {cfg.trained} with {cfg.base_checkpoint or cfg.base} on {len(records)} prompts of "
           f"{cfg.prompt_data} × {cfg.n_samples_per_eval_prompt} seeds ({cfg.num_steps} ODE steps, {device}), "

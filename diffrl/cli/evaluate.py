@@ -66,6 +66,12 @@ class EvaluateConfig:
     """CFG scale (default: 3.0 for the shapes world, the family's default for --prompt-data)."""
     resolution: int | None = None
     """Side in pixels of the square images (default: the family's size)."""
+    height: int | None = None
+    """With --width, instead of --resolution: a size that is not square (e.g. video at 512 × 768)."""
+    width: int | None = None
+    reward_frames: int | None = None
+    """With --prompt-data, video: the reward sees this many evenly spaced frames of each video (as the trained
+    run's --reward-frames); default every frame."""
     batch_size: int = 64
     device: str = "auto"
     output_dir: Path = Path("runs/eval")
@@ -95,6 +101,7 @@ def evaluate(cfg: EvaluateConfig) -> dict:
     records, images = evaluate_prompts(
         family, prompts, num_seeds=seeds, seed=cfg.seed, num_steps=cfg.num_steps,
         guidance_scale=cfg.guidance_scale, batch_size=cfg.batch_size, progress=True, resolution=cfg.resolution,
+        height=cfg.height, width=cfg.width,
     )
     summary = summarize(records)
     out = cfg.output_dir
@@ -145,9 +152,9 @@ def evaluate_prompt_data(cfg: EvaluateConfig) -> dict:
           f"({cfg.num_steps} ODE steps, CFG {cfg.guidance_scale}, {device}), reward {cfg.reward}")
     result = evaluate_with_reward(
         family, records, components, seeds_per_prompt=cfg.n_samples_per_eval_prompt, seed=cfg.seed,
-        num_steps=cfg.num_steps, guidance_scale=cfg.guidance_scale, resolution=cfg.resolution,
-        num_frames=cfg.num_frames, negative_prompt=cfg.negative_prompt, batch_size=cfg.batch_size,
-        out_dir=cfg.output_dir, progress=True)
+        num_steps=cfg.num_steps, guidance_scale=cfg.guidance_scale, resolution=cfg.resolution, height=cfg.height,
+        width=cfg.width, num_frames=cfg.num_frames, reward_frames=cfg.reward_frames,
+        negative_prompt=cfg.negative_prompt, batch_size=cfg.batch_size, out_dir=cfg.output_dir, progress=True)
     width = max(len(k) for k in result.summary)
     for key, value in result.summary.items():
         print(f"{key:<{width}}  {value:.4f}")
