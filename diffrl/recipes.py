@@ -101,6 +101,47 @@ _WAN22_GRPO = dict(diffusion_model_family="wan2_2", loss_type="flow_grpo", rewar
                    mixed_precision="bf16", num_rollout=1000, eval_interval=20, checkpoint_interval=10,
                    eval_images_per_category=0)
 
+# Flow-GRPO on LTX-2.3 (dev) with PickScore: radixark/miles_diffusion's run_diffusion_grpo_ltx23_sglang.py
+# (run-diffusion-grpo-ltx23-sglang.sh): 57 frames of 512 × 768 (24 fps, the checkpoint's frame rate), 24 steps, CPS
+# at noise 0.8 (log-probs without constants, as our CPS step computes them), 3 SDE steps per rollout drawn anywhere
+# in steps 0-9 (not necessarily adjacent), CFG 1 with no negative prompt, 8 prompts × 8 samples in 2 optimizer
+# steps, microgroup 1, per-prompt mean with batch-wide std, clip 1e-5 (what the script passes; its header says
+# 1e-4), no KL, lr 2e-4, AdamW β2 0.999, weight decay 1e-4, LoRA r64/α128 (Gaussian init) on the family's default
+# targets (ours: the settings we follow name none), PickScore on 3 evenly spaced frames, bf16 with gradient
+# checkpointing, micro-batches of one sample, deterministic mode, 200 rollouts. Unlike the published run, the audio
+# stream is denoised beside the video (the pipeline's joint model; see models/ltx2.py). Evaluation and checkpoint
+# intervals are ours.
+_LTX23_GRPO = dict(diffusion_model_family="ltx2", loss_type="flow_grpo", reward="pickscore", reward_frames=3,
+                   height=512, width=768, num_frames=57, use_lora=True, lora_rank=64, lora_alpha=128.0,
+                   diffusion_num_steps=24, diffusion_guidance_scale=1.0, diffusion_sde_type="cps",
+                   diffusion_noise_level=0.8, diffusion_sde_window_range=(0, 10), diffusion_num_sde_steps=3,
+                   diffusion_sde_step_strategy="random", globalize_reward_std=True, rollout_batch_size=8,
+                   n_samples_per_prompt=8, rollout_microgroup_size=1, global_batch_size=32, num_steps_per_rollout=2,
+                   micro_batch_size=1, lr=2e-4, adam_beta2=0.999, weight_decay=1e-4, diffusion_clip_range=1e-5,
+                   diffusion_kl_beta=0.0, mixed_precision="bf16", gradient_checkpointing=True, deterministic_mode=True,
+                   num_rollout=200, eval_interval=20, checkpoint_interval=10, eval_images_per_category=0)
+
+# Flow-GRPO on Cosmos3 with PickScore. No RL run is published. The design of this system sets 16 samples per prompt
+# and microgroups of 1 (the family's packed forward takes one sample); published are the pipeline's inference
+# defaults, which the rollouts keep: 35 steps, CFG 6, 189 frames of 720 × 1280 at 24 fps (the family's frame rate).
+# Ours, from the LTX-2.3 recipe above (the published video GRPO run closest to this one): CPS at noise 0.8, 3 SDE
+# steps drawn anywhere in steps 0-9, clip 1e-5, no KL, per-prompt mean with batch-wide std, lr 2e-4, AdamW β2 0.999,
+# weight decay 1e-4, LoRA r64/α128 on the family's targets (the generation pathway's attention), PickScore on 3
+# evenly spaced frames, bf16 with gradient checkpointing, micro-batches of one sample, deterministic mode, 200
+# rollouts; 8 prompts in 2 optimizer steps as the Wan2.2 recipe (the published run with 16 samples per prompt);
+# evaluation and checkpoint intervals. Rollouts at the pipeline's size are costly: --height/--width/--num-frames set
+# a smaller one.
+_COSMOS3_GRPO = dict(diffusion_model_family="cosmos3", loss_type="flow_grpo", reward="pickscore", reward_frames=3,
+                     height=720, width=1280, num_frames=189, use_lora=True, lora_rank=64, lora_alpha=128.0,
+                     diffusion_num_steps=35, diffusion_guidance_scale=6.0, diffusion_sde_type="cps",
+                     diffusion_noise_level=0.8, diffusion_sde_window_range=(0, 10), diffusion_num_sde_steps=3,
+                     diffusion_sde_step_strategy="random", globalize_reward_std=True, rollout_batch_size=8,
+                     n_samples_per_prompt=16, rollout_microgroup_size=1, global_batch_size=64,
+                     num_steps_per_rollout=2, micro_batch_size=1, lr=2e-4, adam_beta2=0.999, weight_decay=1e-4,
+                     diffusion_clip_range=1e-5, diffusion_kl_beta=0.0, mixed_precision="bf16",
+                     gradient_checkpointing=True, deterministic_mode=True, num_rollout=200, eval_interval=20,
+                     checkpoint_interval=10, eval_images_per_category=0)
+
 SIZED: dict[str, dict[str, dict]] = {
     "sd3-grpo": {"gpu": _SD3_GRPO, "cpu": _SD3_GRPO},  # a real checkpoint has no CPU size
     "sd35-grpo-ocr": {"gpu": dict(_SD35_GRPO, reward="ocr"), "cpu": dict(_SD35_GRPO, reward="ocr")},
@@ -109,6 +150,8 @@ SIZED: dict[str, dict[str, dict]] = {
     "flux3-klein-nft-pickscore": {"gpu": _FLUX3_NFT, "cpu": _FLUX3_NFT},
     "flux3-klein-grpo-hps": {"gpu": _FLUX3_GRPO, "cpu": _FLUX3_GRPO},
     "wan22-grpo-pickscore": {"gpu": _WAN22_GRPO, "cpu": _WAN22_GRPO},
+    "ltx23-grpo-pickscore": {"gpu": _LTX23_GRPO, "cpu": _LTX23_GRPO},
+    "cosmos3-grpo": {"gpu": _COSMOS3_GRPO, "cpu": _COSMOS3_GRPO},
     "shapes-nft": {
         # DiffusionNFT: CFG-free ODE rollouts under the EMA old policy, full finetune.
         # Cosine decay over 60 rollouts: at a constant rate, or over more rollouts, the held-out

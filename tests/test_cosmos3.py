@@ -190,3 +190,39 @@ def test_training_run_on_cosmos3(cosmos_dir, tmp_path, loss_type, lora):
     """`diffrl train`: one rollout, one update; the checkpoint loads back with the update in it."""
     run_training(cosmos_dir, tmp_path / "run", loss_type, lora, guidance=4.0,
                  video={"resolution": 16, "num_frames": FRAMES})
+
+
+def test_the_cosmos3_recipe_runs_a_rollout_at_tiny_size(cosmos_dir, tmp_path):
+    """`diffrl train --recipe cosmos3-grpo` with only size, steps, batch, reward and output overridden: the
+    recipe's CFG 6, CPS, random SDE steps, reward frames, microgroup 1, bf16 forward, gradient checkpointing and
+    deterministic mode run one rollout and its 2 optimizer steps on a tiny checkpoint."""
+    import rewards_for_tests
+
+    from diffrl.cli.main import parse
+    from diffrl.train.trainer import Trainer
+
+    data = tmp_path / "prompts"
+    data.mkdir()
+    (data / "train.txt").write_text("a red cat\na blue dog\n")
+    (data / "test.txt").write_text("a green cat\n")
+    out = tmp_path / "run"
+    cfg = parse(["train", "--recipe", "cosmos3-grpo", "--model-path", str(cosmos_dir), "--device", "cpu",
+                 "--height", str(HEIGHT), "--width", str(WIDTH), "--num-frames", str(FRAMES),
+                 "--diffusion-num-steps", "6", "--diffusion-sde-window-range", "0,6",
+                 "--rollout-batch-size", "1", "--n-samples-per-prompt", "4", "--global-batch-size", "2",
+                 "--num-rollout", "1", "--prompt-data", str(data), "--eval-num-prompts", "1",
+                 "--reward", "rewards_for_tests:darkness_noting_frames", "--output-dir", str(out)])
+    r = cfg.rollout
+    assert (r.diffusion_guidance_scale, r.diffusion_sde_type, r.diffusion_sde_step_strategy, cfg.task.reward_frames,
+            r.rollout_microgroup_size, cfg.model.mixed_precision, cfg.deterministic_mode) == (
+        6.0, "cps", "random", 3, 1, "bf16", True)
+    rewards_for_tests.FRAMES_SEEN.clear()
+    try:
+        trainer = Trainer(cfg)
+        steps = trainer.objective.sde_window(0)
+        last = trainer.train()
+    finally:
+        torch.use_deterministic_algorithms(False)
+    assert rewards_for_tests.FRAMES_SEEN and set(rewards_for_tests.FRAMES_SEEN) == {3}  # rollouts and evaluation
+    assert len(steps) == 3 and last["train/pairs"] == 4 * 3 and torch.isfinite(torch.tensor(last["train/loss"]))
+    assert last["rollout/sde_window_start"] == steps[0] and "eval/reward" in last

@@ -245,3 +245,41 @@ def test_training_runs_and_its_checkpoint_loads_back(ltx_dir, tmp_path, loss_typ
     else:
         base = load_model(ltx_dir).transformer.state_dict()
         assert any(not torch.equal(w, base[name]) for name, w in weights.items())
+
+
+def test_the_ltx23_recipe_runs_a_rollout_at_tiny_size(ltx_dir, tmp_path):
+    """`diffrl train --recipe ltx23-grpo-pickscore` with only size, steps, batch, reward and output overridden:
+    the recipe's CPS, random SDE steps (non-adjacent here), reward frames, microgroup 1, bf16 forward, gradient
+    checkpointing and deterministic mode run one rollout and its 2 optimizer steps on a tiny checkpoint."""
+    import rewards_for_tests
+
+    from diffrl.cli.main import parse
+    from diffrl.train.trainer import Trainer
+
+    data = tmp_path / "prompts"
+    data.mkdir()
+    (data / "train.txt").write_text("a red cat running\na blue dog in rain\n")
+    (data / "test.txt").write_text("a green cat\n")
+    out = tmp_path / "run"
+    cfg = parse(["train", "--recipe", "ltx23-grpo-pickscore", "--model-path", str(ltx_dir), "--device", "cpu",
+                 "--height", str(HEIGHT), "--width", str(WIDTH), "--num-frames", str(FRAMES),
+                 "--diffusion-num-steps", "6", "--diffusion-sde-window-range", "0,6",
+                 "--rollout-batch-size", "2", "--n-samples-per-prompt", "2", "--global-batch-size", "2",
+                 "--num-rollout", "1", "--prompt-data", str(data), "--eval-num-prompts", "1",
+                 "--reward", "rewards_for_tests:darkness_noting_frames", "--output-dir", str(out)])
+    r = cfg.rollout
+    assert (r.diffusion_sde_type, r.diffusion_noise_level, r.diffusion_sde_step_strategy, cfg.task.reward_frames,
+            r.rollout_microgroup_size, cfg.model.mixed_precision, cfg.deterministic_mode) == (
+        "cps", 0.8, "random", 3, 1, "bf16", True)
+    rewards_for_tests.FRAMES_SEEN.clear()
+    try:
+        trainer = Trainer(cfg)
+        steps = trainer.objective.sde_window(0)
+        assert len(steps) == 3 and steps[-1] - steps[0] > 2  # rollout 0 of seed 0: 3 steps, not all adjacent
+        last = trainer.train()
+    finally:
+        torch.use_deterministic_algorithms(False)
+    assert rewards_for_tests.FRAMES_SEEN and set(rewards_for_tests.FRAMES_SEEN) == {3}  # rollouts and evaluation
+    assert last["train/pairs"] == 2 * 2 * 3 and torch.isfinite(torch.tensor(last["train/loss"]))
+    assert last["train/log_prob_mean_abs_diff"] < 1e-2  # bf16 forwards (measured: 0 on CPU)
+    assert last["rollout/sde_window_start"] == steps[0] and "eval/reward" in last

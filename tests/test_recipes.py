@@ -6,34 +6,50 @@ import pytest
 from diffrl.cli.main import parse
 from diffrl.recipes import recipe_config, recipe_names
 
-# recipe → (family, loss, LoRA rank/alpha or None for a full finetune, resolution, steps, CFG,
+# recipe → (family, loss, LoRA rank/alpha or None for a full finetune, height × width, steps, CFG,
 #           SDE window and steps (GRPO), prompts × samples, optimizer steps per rollout, microgroup, reward)
 TABLE = {
-    "flux3-klein-nft-pickscore": ("flux3_image", "nft", (32, 64.0), 1024, 16, 1.0, None, (8, 8), 1, 8, "pickscore"),
-    "flux3-klein-grpo-hps": ("flux3_image", "flow_grpo", None, 1024, 10, 3.5, ((1, 3), 1), (16, 16), 2, 16, "hpsv2"),
-    "qwen-image-grpo-pickscore": ("qwen_image", "flow_grpo", (64, 128.0), 512, 10, 4.0, ((3, 5), 2), (32, 16), 2, 8,
+    "flux3-klein-nft-pickscore": ("flux3_image", "nft", (32, 64.0), (1024, 1024), 16, 1.0, None, (8, 8), 1, 8,
                                   "pickscore"),
-    "sd35-grpo-ocr": ("sd3", "flow_grpo", (32, 64.0), 512, 10, 4.5, ((0, 9), 9), (4, 16), 1, 8, "ocr"),
-    "sd35-grpo-pickscore": ("sd3", "flow_grpo", (32, 64.0), 512, 10, 4.5, ((0, 9), 9), (4, 16), 1, 8, "pickscore"),
-    "wan22-grpo-pickscore": ("wan2_2", "flow_grpo", (64, 128.0), 480, 10, 4.0, ((1, 4), 1), (8, 16), 2, 8,
+    "flux3-klein-grpo-hps": ("flux3_image", "flow_grpo", None, (1024, 1024), 10, 3.5, ((1, 3), 1), (16, 16), 2, 16,
+                             "hpsv2"),
+    "qwen-image-grpo-pickscore": ("qwen_image", "flow_grpo", (64, 128.0), (512, 512), 10, 4.0, ((3, 5), 2), (32, 16),
+                                  2, 8, "pickscore"),
+    "sd35-grpo-ocr": ("sd3", "flow_grpo", (32, 64.0), (512, 512), 10, 4.5, ((0, 9), 9), (4, 16), 1, 8, "ocr"),
+    "sd35-grpo-pickscore": ("sd3", "flow_grpo", (32, 64.0), (512, 512), 10, 4.5, ((0, 9), 9), (4, 16), 1, 8,
+                            "pickscore"),
+    "wan22-grpo-pickscore": ("wan2_2", "flow_grpo", (64, 128.0), (480, 480), 10, 4.0, ((1, 4), 1), (8, 16), 2, 8,
                              "pickscore"),
+    "ltx23-grpo-pickscore": ("ltx2", "flow_grpo", (64, 128.0), (512, 768), 24, 1.0, ((0, 10), 3), (8, 8), 2, 1,
+                             "pickscore"),
+    "cosmos3-grpo": ("cosmos3", "flow_grpo", (64, 128.0), (720, 1280), 35, 6.0, ((0, 10), 3), (8, 16), 2, 1,
+                     "pickscore"),
+}
+# video recipe → (frames, SDE type, noise level, SDE step strategy, frames the reward sees)
+VIDEO = {
+    "wan22-grpo-pickscore": (1, "sde", 0.9, "window", None),
+    "ltx23-grpo-pickscore": (57, "cps", 0.8, "random", 3),
+    "cosmos3-grpo": (189, "cps", 0.8, "random", 3),
 }
 
 
 @pytest.mark.parametrize("name", sorted(TABLE))
 def test_recipe_has_the_published_settings(name):
-    family, loss, lora, res, steps, cfg_scale, sde, batch, opt_steps, micro, reward = TABLE[name]
+    family, loss, lora, size, steps, cfg_scale, sde, batch, opt_steps, micro, reward = TABLE[name]
     for device in ("cpu", "cuda"):  # a real checkpoint's recipe has one size
         cfg = recipe_config(name, device)
         cfg.check()
         m, r, a, o = cfg.model, cfg.rollout, cfg.algorithm, cfg.optim
-        assert (m.diffusion_model_family, a.loss_type, m.resolution) == (family, loss, res)
+        assert (m.diffusion_model_family, a.loss_type, m.size()) == (family, loss, size)
         assert (m.lora_rank, m.lora_alpha) == lora if lora else not m.use_lora
         assert (r.diffusion_num_steps, r.diffusion_guidance_scale) == (steps, cfg_scale)
         if sde:
             assert (r.diffusion_sde_window_range, r.diffusion_num_sde_steps) == sde
         assert (r.rollout_batch_size, r.n_samples_per_prompt) == batch
         assert (o.num_steps_per_rollout, r.rollout_microgroup_size, cfg.task.reward) == (opt_steps, micro, reward)
+        if name in VIDEO:
+            assert (m.num_frames, r.diffusion_sde_type, r.diffusion_noise_level, r.diffusion_sde_step_strategy,
+                    cfg.task.reward_frames) == VIDEO[name]
 
 
 def test_recipe_details_the_table_names():
@@ -48,6 +64,13 @@ def test_recipe_details_the_table_names():
     assert wan.rollout.diffusion_guidance_scale_2 == 3.0 and wan.model.num_frames == 1
     assert wan.rollout.diffusion_noise_level == 0.9 and wan.optim.lr == 1e-4 and wan.optim.global_batch_size == 64
     assert {"attn1.to_q", "attn2.to_out.0", "ffn.net.2"} <= set(wan.model.lora_target_modules)
+    for video in ("ltx23-grpo-pickscore", "cosmos3-grpo"):
+        cfg = recipe_config(video)
+        o, a = cfg.optim, cfg.algorithm
+        assert (o.lr, o.adam_beta2, o.weight_decay, o.micro_batch_size) == (2e-4, 0.999, 1e-4, 1)
+        assert (a.diffusion_clip_range, a.diffusion_kl_beta, a.globalize_reward_std) == (1e-5, 0.0, True)
+        assert cfg.model.mixed_precision == "bf16" and cfg.model.gradient_checkpointing and cfg.deterministic_mode
+        assert cfg.rollout.negative_prompt == "" and cfg.rollout.num_rollout == 200
     nft = recipe_config("flux3-klein-nft-pickscore")
     assert nft.optim.lr == 3e-4 and nft.model.gradient_checkpointing and nft.algorithm.nft_rollout_guidance_scale == 1.0
 
