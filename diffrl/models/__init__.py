@@ -1,6 +1,12 @@
 """Model families: one adapter per family behind a registry (see `registry.py`)."""
 
-from diffrl.models.base import FamilyAdapter, Latents, ModelLoadError, PromptEmbeds, register_family
+from diffrl.models.base import (
+    FamilyAdapter,
+    Latents,
+    ModelLoadError,
+    PromptEmbeds,
+    register_family,
+)
 from diffrl.models.registry import family_names, get_family, resolve_family
 
 __all__ = [

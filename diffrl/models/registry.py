@@ -12,7 +12,6 @@ import os
 from pathlib import Path
 
 from diffrl.models.base import FamilyAdapter, registered_families
-from diffrl.models.base import register_family as register_family  # re-exported for family modules
 
 FAMILY_ENV_VAR = "DIFFRL_MODEL_FAMILY"
 _FAMILIES = registered_families()
