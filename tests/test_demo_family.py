@@ -135,3 +135,16 @@ def test_registry_resolution_order(tmp_path, monkeypatch):
         resolve_family(None, tmp_path / "my-demo-model")
     # The explicit flag wins over the environment.
     assert resolve_family("demo", tmp_path / "x") is get_family("demo")
+
+
+def test_cfg_compares_position_ids_once_per_pair_of_conditionings(tiny_family, monkeypatch):
+    """Comparing position ids waits for the device on a GPU; a denoising loop passes the same pair every step."""
+    cond, uncond = tiny_family.encode_prompts(["a red circle"]), tiny_family.encode_prompts([""])
+    compared = []
+    equal = torch.equal
+    monkeypatch.setattr(torch, "equal", lambda a, b: compared.append(1) or equal(a, b))
+    for _ in range(5):
+        assert tiny_family.pair_conditionings(uncond, cond) is not None
+    assert len(compared) == 1
+    other = tiny_family.encode_prompts(["a blue square"])  # a new pair is compared again
+    assert tiny_family.pair_conditionings(uncond, other) is not None and len(compared) == 2

@@ -256,9 +256,19 @@ class FamilyAdapter(ABC):
     def pair_conditionings(self, uncond: PromptEmbeds, cond: PromptEmbeds) -> PromptEmbeds | None:
         """Both CFG halves as one batch (unconditional rows first), or None when they cannot share a forward
         (text of different lengths or positions): CFG then runs two forwards."""
-        if uncond.embeds.shape[1:] != cond.embeds.shape[1:] or not torch.equal(uncond.ids, cond.ids):
+        if uncond.embeds.shape[1:] != cond.embeds.shape[1:] or not self._same_ids(uncond.ids, cond.ids):
             return None
         return replace(uncond, embeds=torch.cat([uncond.embeds, cond.embeds]))
+
+    def _same_ids(self, a: torch.Tensor, b: torch.Tensor) -> bool:
+        """torch.equal of two position-id tensors, remembered for the last pair compared: a denoising loop
+        passes the same two tensors at every step, and comparing GPU tensors waits for the device."""
+        last = getattr(self, "_last_ids_pair", None)
+        if last is not None and last[0] is a and last[1] is b:
+            return last[2]
+        same = a.shape == b.shape and bool(torch.equal(a, b))
+        self._last_ids_pair = (a, b, same)  # holding the tensors keeps their identity from being reused
+        return same
 
     def combine_guidance(self, v_uncond: torch.Tensor, v_cond: torch.Tensor, guidance_scale: float, *,
                          transformer: torch.nn.Module, sigma: torch.Tensor) -> torch.Tensor:
