@@ -5,8 +5,9 @@ and against diffusers' own pipeline on the same weights in the same run.
     python benchmarks/family_rollout.py --family flux3_image --checkpoint /tmp/flux3 --resolution 1024 --guidance-scale 1
 
 A missing `--checkpoint` folder is first filled with random weights at the family's real size, built in
-code (no download; `REAL_SIZES` below: SD3.5-Medium, FLUX 3 Klein's class defaults, Krea-2, Qwen-Image),
-with shallow text encoders where the family's builder makes them (a prompt is encoded once per request).
+code (no download; `REAL_SIZES` below: SD3.5-Medium, FLUX 3 Klein's class defaults, Krea-2, Qwen-Image,
+Wan2.2 A14B, LTX-2.3, Cosmos3), with shallow text encoders where the family's builder makes them (a prompt is
+encoded once per request). Video families take `--num-frames` and `--height/--width`.
 
 What it measures is `diffrl bench` (`diffrl/cli/bench.py` says what; the baseline is diffusers' own
 pipeline on the same weights, in the same run, for families with a `reference_pipeline()`).
@@ -16,6 +17,7 @@ from __future__ import annotations
 
 import argparse
 import time
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
@@ -24,23 +26,57 @@ from report import emit
 from diffrl.cli.bench import BenchConfig, bench
 
 
-# family → extra arguments of its `diffrl.models.random_checkpoints` module's save_random_checkpoint
+@dataclass
+class RealSize:
+    real: dict  # keywords of the family's `diffrl.models.random_checkpoints` module's real()
+    save: dict  # keywords of its save_random_checkpoint
+    disk_gb: float | None = None  # what it writes in bf16 (checked against the free space before building)
+
+
 REAL_SIZES = {
-    "sd3": {"with_t5": False},  # SD3.5-Medium, 2.24 B
-    "flux3_image": {},  # 5.54 B
-    "krea2": {},  # 12.8 B (26 GB on disk in bf16)
-    "qwen_image": {},  # 20.4 B (41 GB)
+    "sd3": RealSize({}, {"with_t5": False}),  # SD3.5-Medium, 2.24 B
+    "flux3_image": RealSize({}, {}),  # 5.54 B
+    "krea2": RealSize({}, {}, 26),  # 12.8 B
+    "qwen_image": RealSize({}, {}, 41),  # 20.4 B
+    # Wan2.2 A14B: two 14.3 B experts, the second a link to the first's files (58 GB would be written otherwise),
+    # UMT5-XXL's width in 2 layers (0.39 B), the VAE (0.13 B).
+    "wan2_2": RealSize({}, {"shared_experts": True}, 30),
+    # LTX-2.3: the 19.0 B transformer, its 2.1 B connectors, a 2-layer Gemma 3 of Gemma-3-12B's width (0.45 B), the
+    # video and audio VAEs and the vocoder (0.84 B): 22.4 B.
+    "ltx2": RealSize({"text_layers": 2}, {}, 45),
+    "cosmos3": RealSize({}, {}, 32),  # Cosmos3OmniTransformer's defaults (15.2 B) and a 48-channel Wan VAE (0.70 B)
 }
 
 
-def make_checkpoint(family: str, path: Path, device: torch.device) -> None:
+def make_checkpoint(family: str, path: Path, device: torch.device, tiny: bool = False) -> None:
+    """A random checkpoint at the family's real size in bf16, built on `device` (the GPU: a minute, not the CPU's
+    many); `tiny`: the module's `tiny()` sizes in fp32 instead (CPU tests of the benchmark scripts)."""
+    import gc
     import importlib
+    import shutil
 
     if family not in REAL_SIZES:
         raise SystemExit(f"--family {family}: this benchmark makes random checkpoints for {', '.join(REAL_SIZES)}")
+    size = REAL_SIZES[family]
     module = importlib.import_module(f"diffrl.models.random_checkpoints.{family}")
     start = time.perf_counter()
-    module.save_random_checkpoint(path, module.real(), device=device, dtype=torch.bfloat16, **REAL_SIZES[family])
+    # Written beside, then renamed: a run stopped while writing leaves no checkpoint that looks whole.
+    partial = path.with_name(path.name + ".partial")
+    shutil.rmtree(partial, ignore_errors=True)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    if tiny:
+        module.save_random_checkpoint(partial, **size.save)
+    else:
+        free = shutil.disk_usage(path.parent).free / 1e9
+        if size.disk_gb is not None and free < size.disk_gb + 2:
+            raise SystemExit(f"a random {family} checkpoint needs about {size.disk_gb:.0f} GB; {free:.0f} GB are free "
+                             f"under {path.parent}")
+        module.save_random_checkpoint(partial, module.real(**size.real), device=device, dtype=torch.bfloat16,
+                                      **size.save)
+    partial.rename(path)
+    gc.collect()  # the built modules, off the device before the run loads the checkpoint
+    if device.type == "cuda":
+        torch.cuda.empty_cache()
     print(f"wrote a random {family} checkpoint to {path} in {time.perf_counter() - start:.0f} s", flush=True)
 
 
@@ -51,6 +87,9 @@ def main() -> None:
     parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     parser.add_argument("--dtype", default="bfloat16", choices=["float32", "bfloat16"])
     parser.add_argument("--resolution", type=int, default=None, help="default: the family's")
+    parser.add_argument("--height", type=int, default=None, help="with --width, instead of --resolution")
+    parser.add_argument("--width", type=int, default=None)
+    parser.add_argument("--num-frames", type=int, default=None, help="video families (default: the family's)")
     parser.add_argument("--n", type=int, default=16)
     parser.add_argument("--ms", type=int, nargs="+", default=[1, 8, 16])
     parser.add_argument("--steps", type=int, default=10)
@@ -66,8 +105,8 @@ def main() -> None:
         make_checkpoint(args.family, args.checkpoint, torch.device(args.device))
     results = bench(BenchConfig(
         model_path=args.checkpoint, diffusion_model_family=args.family, device=args.device, dtype=args.dtype,
-        resolution=args.resolution, n=args.n, ms=tuple(args.ms), steps=args.steps, guidance_scale=args.guidance_scale,
-        repeats=args.repeats, peak_tflops=args.peak_tflops, compile=args.compile, eager_numerics=args.eager_numerics))
+        resolution=args.resolution, height=args.height, width=args.width, num_frames=args.num_frames, n=args.n,
+        ms=tuple(args.ms), steps=args.steps, guidance_scale=args.guidance_scale, repeats=args.repeats, peak_tflops=args.peak_tflops, compile=args.compile, eager_numerics=args.eager_numerics))
     emit(results, args.out)
 
 
