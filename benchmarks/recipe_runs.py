@@ -3,19 +3,30 @@ advantages, train pairs and optimizer steps, exactly as `diffrl train --recipe N
 
     python benchmarks/recipe_runs.py --recipe qwen-image-grpo-pickscore --checkpoint /tmp/qwen \
         --rollout-batch-size 1 --num-rollout 3 --out qwen.json
+    python benchmarks/recipe_runs.py --recipe ltx23-grpo-pickscore --checkpoint /tmp/ltx2 \
+        --rollout-batch-size 1 --num-frames 25 --microgroups 8 2 4 --out ltx.json
 
 Random weights at the family's real size are built in code when `--checkpoint` is missing
 (`family_rollout.REAL_SIZES`), and so is the reward's model at its published size (PickScore and HPSv2.1
 are CLIP ViT-H-14: 0.99 B parameters) with a small local tokenizer: the compute is the real one, the
-scores are noise. Only `--rollout-batch-size` (prompt groups per rollout) may be cut below the recipe's,
-to fit the time a lent GPU gives; samples per prompt, microgroups, steps, size and frames, CFG, the SDE window,
-LoRA and precision stay the recipe's, and the optimizer steps per rollout too (their batch follows).
+scores are noise. Only `--rollout-batch-size` (prompt groups per rollout), `--num-frames` and
+`--height/--width` may be cut below the recipe's, to fit the time a lent GPU gives (the JSON's `cuts` lists
+every setting that is not the recipe's); samples per prompt, microgroups, steps, CFG, the SDE window, LoRA and
+precision stay the recipe's, and the optimizer steps per rollout too (their batch follows).
 
 Reported per rollout: seconds of rollout and training, images/s, train pairs/s, peak GPU memory, and the
 model FLOP utilization of the transformer: FLOPs counted once per forward (torch's flop counter, batch 1,
-the recipe's size and frames and a prompt of the set), times the forwards the recipe runs (rollout: steps ×
-(2 with CFG); training: per pair the policy's forward and backward (×3), the recomputed forward with
-gradient checkpointing (×1), the old policy (NFT) or the reference (KL) (×1 each)), over the peak.
+the run's size and frames and a prompt of the set; a video family's forward is one sample's, LTX-2's with
+its audio stream), times the forwards the recipe runs (rollout: steps × (2 with CFG); training: per pair the
+policy's forward and backward (×3), the recomputed forward with gradient checkpointing (×1), the old policy
+(NFT) or the reference (KL) (×1 each)), over the peak.
+
+`--microgroups M …`: after the main rollouts (the first of which is the warm-up; with `--num-rollout 0`, one
+warm-up rollout), `--sweep-rollouts` more at each rollout microgroup size M, on the same trainer; the seconds
+per sample end to end of each M (the main rollouts after the first stand for the recipe's M) and the fastest.
+`--stop-by`: no rollout is started that would end after that time by the longest so far (a device call's
+limit); the JSON is rewritten after every rollout, so what ran is kept. `--tiny`: the family's tiny random
+checkpoint and a tiny PickScore, for a CPU run of these paths.
 """
 
 from __future__ import annotations
@@ -55,22 +66,35 @@ def small_clip_tokenizer(path: Path) -> None:
     CLIPTokenizer(str(path / "vocab.json"), str(path / "merges.txt")).save_pretrained(path)
 
 
-def pickscore_checkpoint(path: Path) -> None:
-    """A random CLIP ViT-H-14 (PickScore's architecture) in transformers' format, with its processor."""
-    from transformers import CLIPConfig, CLIPImageProcessor, CLIPModel, CLIPProcessor, CLIPTokenizer
+def pickscore_checkpoint(path: Path, tiny: bool = False) -> None:
+    """A random CLIP ViT-H-14 (PickScore's architecture) in transformers' format, with its processor; `tiny`: a
+    CLIP of a few channels that sees 32² images."""
+    from transformers import (
+        CLIPConfig,
+        CLIPImageProcessor,
+        CLIPModel,
+        CLIPProcessor,
+        CLIPTokenizer,
+    )
 
     small_clip_tokenizer(path)
     tokenizer = CLIPTokenizer(str(path / "vocab.json"), str(path / "merges.txt"))
+    if tiny:
+        text = {"hidden_size": 16, "intermediate_size": 32, "num_hidden_layers": 1, "num_attention_heads": 2}
+        vision = {**text, "image_size": 32, "patch_size": 16}
+        side, projection = 32, 16
+    else:
+        text = {"hidden_size": 1024, "intermediate_size": 4096, "num_hidden_layers": 24, "num_attention_heads": 16}
+        vision = {"hidden_size": 1280, "intermediate_size": 5120, "num_hidden_layers": 32, "num_attention_heads": 16,
+                  "image_size": 224, "patch_size": 14}
+        side, projection = 224, 1024
     config = CLIPConfig(
-        text_config=dict(vocab_size=49408, hidden_size=1024, intermediate_size=4096, num_hidden_layers=24,
-                         num_attention_heads=16, max_position_embeddings=77, hidden_act="gelu",
-                         bos_token_id=tokenizer.bos_token_id, eos_token_id=tokenizer.eos_token_id),
-        vision_config=dict(hidden_size=1280, intermediate_size=5120, num_hidden_layers=32, num_attention_heads=16,
-                           image_size=224, patch_size=14, hidden_act="gelu"),
-        projection_dim=1024)
+        text_config=dict(vocab_size=49408, max_position_embeddings=77, hidden_act="gelu",
+                         bos_token_id=tokenizer.bos_token_id, eos_token_id=tokenizer.eos_token_id, **text),
+        vision_config=dict(hidden_act="gelu", **vision), projection_dim=projection)
     CLIPModel(config).save_pretrained(path)
-    processor = CLIPProcessor(image_processor=CLIPImageProcessor(size={"shortest_edge": 224},
-                                                                 crop_size={"height": 224, "width": 224}),
+    processor = CLIPProcessor(image_processor=CLIPImageProcessor(size={"shortest_edge": side},
+                                                                 crop_size={"height": side, "width": side}),
                               tokenizer=tokenizer)
     processor.save_pretrained(path)
 
@@ -107,12 +131,12 @@ def hps_checkpoint(path: Path) -> None:
     save_file(state, str(path / "hps_v2.1_random.safetensors"))
 
 
-def reward_spec(reward: str, root: Path) -> str:
-    """The recipe's reward with a local random checkpoint where it needs one."""
+def reward_spec(reward: str, root: Path, tiny: bool = False) -> str:
+    """The recipe's reward with a local random checkpoint where it needs one (`tiny`: a tiny PickScore)."""
     if reward == "pickscore":
-        path = root / "pickscore-random"
+        path = root / ("pickscore-tiny" if tiny else "pickscore-random")
         if not path.exists():
-            pickscore_checkpoint(path)
+            pickscore_checkpoint(path, tiny)
         return f"pickscore@{path}"
     if reward == "hpsv2":
         path = root / "hps-random"
@@ -141,39 +165,74 @@ def forward_flops(trainer: Trainer, prompt: str) -> float:
     return float(counter.get_total_flops())
 
 
-def main() -> None:
+# Settings that name the run rather than change its work: never listed as cuts.
+NOT_CUTS = {"reward", "num_rollout", "model_path", "prompt_data", "output_dir", "device", "eval_num_prompts"}
+
+
+def cuts_from(recipe: dict, run: dict) -> dict:
+    """Each setting the run does not take from the recipe: name → [the recipe's, the run's]."""
+    cuts = {}
+    for name in sorted(set(recipe) | set(run)):
+        theirs, ours = recipe.get(name), run.get(name)
+        if name not in NOT_CUTS and name in run and ours != theirs:
+            cuts[name] = [list(theirs) if isinstance(theirs, tuple) else theirs,
+                          list(ours) if isinstance(ours, tuple) else ours]
+    return cuts
+
+
+def main(argv: list[str] | None = None) -> dict:
     parser = argparse.ArgumentParser()
     parser.add_argument("--recipe", required=True)
     parser.add_argument("--checkpoint", type=Path, required=True)
     parser.add_argument("--work-dir", type=Path, default=Path("runs/recipe-bench"))
     parser.add_argument("--rollout-batch-size", type=int, default=None, help="prompt groups per rollout (default: the recipe's)")
+    parser.add_argument("--num-frames", type=int, default=None, help="video recipes: frames per sample (default: the recipe's)")
+    parser.add_argument("--height", type=int, default=None, help="with --width: the sample size (default: the recipe's)")
+    parser.add_argument("--width", type=int, default=None)
     parser.add_argument("--num-rollout", type=int, default=3)
+    parser.add_argument("--microgroups", type=int, nargs="*", default=[],
+                        help="rollout microgroup sizes to time after the main rollouts, --sweep-rollouts each")
+    parser.add_argument("--sweep-rollouts", type=int, default=2)
+    parser.add_argument("--stop-by", type=float, default=None,
+                        help="seconds since the epoch: no rollout starts that would end later, by the longest so far")
     parser.add_argument("--reward", default=None, help="default: the recipe's, on a random real-size checkpoint")
     parser.add_argument("--device", default="cuda", help="cpu: a dry run of the script on a small checkpoint")
+    parser.add_argument("--tiny", action="store_true", help="tiny random checkpoints (the family's and PickScore's)")
     parser.add_argument("--peak-tflops", type=float, default=790.0, help="dense bf16 peak (H200: 790)")
     parser.add_argument("--flags", default="{}", help="more TrainConfig fields, as JSON")
     parser.add_argument("--out", default=None)
-    args = parser.parse_args()
+    args = parser.parse_args(argv)
+    if (args.height is None) != (args.width is None):
+        parser.error("--height and --width go together")
 
     overrides = recipe_overrides(args.recipe, "cuda")
     family = overrides["diffusion_model_family"]
     args.work_dir.mkdir(parents=True, exist_ok=True)
     cuda = args.device == "cuda"
     if not args.checkpoint.exists():
-        make_checkpoint(family, args.checkpoint, torch.device(args.device))
-    groups = args.rollout_batch_size or overrides["rollout_batch_size"]
-    samples = groups * overrides["n_samples_per_prompt"]
-    steps = overrides["num_steps_per_rollout"]
+        make_checkpoint(family, args.checkpoint, torch.device(args.device), tiny=args.tiny)
     reward = args.reward or overrides["reward"]
     prompts = args.work_dir / "prompts.txt"
     # The OCR reward scores the text a prompt quotes, so its runs draw only the prompts that quote some.
     usable = [p for p in PROMPTS if '"' in p] if reward == "ocr" else PROMPTS
     prompts.write_text("\n".join(usable) + "\n")
     run_dir = args.work_dir / f"{args.recipe}-{time.strftime('%H%M%S')}"
-    fields = dict(overrides, recipe=args.recipe, model_path=args.checkpoint, prompt_data=prompts,
-                  reward=reward_spec(reward, args.work_dir), output_dir=run_dir,
-                  rollout_batch_size=groups, global_batch_size=samples // steps, num_rollout=args.num_rollout,
-                  eval_num_prompts=0, device=args.device, **json.loads(args.flags))
+    changed = json.loads(args.flags)
+    if args.rollout_batch_size is not None:
+        changed["rollout_batch_size"] = args.rollout_batch_size
+    if args.num_frames is not None:
+        changed["num_frames"] = args.num_frames
+    if args.height is not None:  # a recipe's square --resolution gives way to the size asked for
+        changed.update(resolution=None, height=args.height, width=args.width)
+    fields = {**overrides, **changed}
+    samples = fields["rollout_batch_size"] * fields["n_samples_per_prompt"]
+    fields["global_batch_size"] = samples // fields["num_steps_per_rollout"]  # the optimizer steps stay the recipe's
+    sweep = [m for m in dict.fromkeys(args.microgroups) if m <= fields["n_samples_per_prompt"]]
+    planned = args.num_rollout + len(sweep) * args.sweep_rollouts + (1 if sweep and not args.num_rollout else 0)
+    cuts = cuts_from(overrides, fields)
+    fields.update(recipe=args.recipe, model_path=args.checkpoint, prompt_data=prompts, output_dir=run_dir,
+                  reward=reward_spec(reward, args.work_dir, args.tiny), num_rollout=max(planned, 1),
+                  eval_num_prompts=0, device=args.device)
     cfg = TrainConfig.flat(**fields)
     start = time.perf_counter()
     trainer = Trainer(cfg)
@@ -188,27 +247,82 @@ def main() -> None:
     per_pair = (3 + (1 if m.gradient_checkpointing else 0) + (1 if nft else 0) + (1 if a.diffusion_kl_beta > 0 else 0))
     # Flow-GRPO replays the rollout's CFG (both branches in one batch); NFT and SFT train the conditional velocity.
     per_pair *= 2 if a.loss_type == "flow_grpo" and r.diffusion_guidance_scale > 1 else 1
+    peak = args.peak_tflops * 1e12
+    size = m.size() or trainer.policy.family.default_size()
+    results = {
+        "recipe": args.recipe, "family": family, "device": torch.cuda.get_device_name() if cuda else "cpu",
+        "tiny": args.tiny, "height": size[0], "width": size[1],
+        "num_frames": m.num_frames if trainer.policy.family.generates_video else None,
+        "rollout_batch_size": r.rollout_batch_size, "recipe_rollout_batch_size": overrides["rollout_batch_size"],
+        "samples_per_rollout": samples, "rollout_microgroup_size": r.rollout_microgroup_size, "cuts": cuts,
+        "load_s": load_s, "gflop_per_forward": flops / 1e9,
+        "transformer_params_b": sum(p.numel() for p in trainer.policy.transformer.parameters()) / 1e9,
+        "trained_params_m": sum(p.numel() for p in trainer.policy.params) / 1e6,
+        "max_memory_gib": None, "rollouts": [], "stopped": None}
 
-    records = []
-    for k in range(args.num_rollout):
+    def save() -> None:  # after every rollout: a call stopped at its limit keeps what ran
+        results["max_memory_gib"] = torch.cuda.max_memory_allocated() / 2**30 if cuda else None
+        if args.out:
+            Path(args.out).write_text(json.dumps(results, indent=2))
+
+    longest = 0.0
+
+    def one_rollout(microgroup: int, tag: str) -> dict | None:
+        """One rollout and its update at this microgroup size, or None (and why, in `stopped`) when it would
+        end after --stop-by."""
+        nonlocal longest
+        if args.stop_by is not None and longest and time.time() + 1.1 * longest > args.stop_by:
+            results["stopped"] = results["stopped"] or f"before {tag} rollout at microgroup {microgroup}: --stop-by"
+            return None
+        trainer.manager.config.rollout_microgroup_size = microgroup  # read per rollout by the manager
+        k = trainer.rollout_index
+        wall = time.perf_counter()
         record = trainer.rollout_and_update(k)
+        wall = time.perf_counter() - wall
+        longest = max(longest, wall)
         trainer.rollout_index = k + 1
         rollout_s, train_s, pairs = record["rollout/seconds"], record.get("train/seconds", 0.0), record.get("train/pairs", 0)
-        peak = args.peak_tflops * 1e12
-        records.append({
-            "rollout": k, "rollout_s": rollout_s, "train_s": train_s, "seconds_per_sample": (rollout_s + train_s) / samples,
+        row = {
+            "rollout": k, "kind": tag, "microgroup": microgroup, "rollout_s": rollout_s, "train_s": train_s,
+            "wall_s": wall, "seconds_per_sample": (rollout_s + train_s) / samples,
             "images_per_s": samples / rollout_s, "train_pairs": pairs, "train_pairs_per_s": pairs / train_s if train_s else 0.0,
             "rollout_mfu": rollout_forwards * flops / rollout_s / peak,
             "train_mfu": pairs * per_pair * flops / train_s / peak if train_s else 0.0,
             "peak_gib": record.get("memory/peak_gib"), "reward_mean": record["rollout/reward/raw_mean"],
-            "loss": record.get("train/loss"), "log_prob_mean_abs_diff": record.get("train/log_prob_mean_abs_diff")})
-        print(json.dumps(records[-1]), flush=True)
-    emit({"recipe": args.recipe, "family": family, "device": torch.cuda.get_device_name() if cuda else "cpu",
-          "rollout_batch_size": groups, "recipe_rollout_batch_size": overrides["rollout_batch_size"],
-          "samples_per_rollout": samples, "load_s": load_s, "gflop_per_forward": flops / 1e9,
-          "transformer_params_b": sum(p.numel() for p in trainer.policy.transformer.parameters()) / 1e9,
-          "trained_params_m": sum(p.numel() for p in trainer.policy.params) / 1e6,
-          "max_memory_gib": torch.cuda.max_memory_allocated() / 2**30 if cuda else None, "rollouts": records}, args.out)
+            "loss": record.get("train/loss"), "log_prob_mean_abs_diff": record.get("train/log_prob_mean_abs_diff")}
+        results["rollouts"].append(row)
+        print(json.dumps(row), flush=True)
+        save()
+        return row
+
+    def mean(rows: list[dict], key: str) -> float | None:
+        return sum(row[key] for row in rows) / len(rows) if rows else None
+
+    main_rows = [row for _ in range(args.num_rollout) if (row := one_rollout(r.rollout_microgroup_size, "main"))]
+    timed = main_rows[1:] or main_rows  # the first pays CUDA's warm-up
+    results.update({key: mean(timed, key) for key in ("seconds_per_sample", "rollout_mfu", "train_mfu")})
+    if sweep:
+        if not main_rows:
+            one_rollout(sweep[0], "warm-up")
+        by_size = {r.rollout_microgroup_size: timed} if timed and r.rollout_microgroup_size not in sweep else {}
+        for size_m in sweep:
+            if cuda:
+                torch.cuda.reset_peak_memory_stats()
+            by_size[size_m] = [row for _ in range(args.sweep_rollouts) if (row := one_rollout(size_m, "sweep"))]
+        results["microgroups"] = [
+            {"microgroup": size_m, "rollouts": len(rows), "seconds_per_sample": mean(rows, "seconds_per_sample"),
+             "peak_gib": max((row["peak_gib"] for row in rows if row["peak_gib"] is not None), default=None)}
+            for size_m, rows in sorted(by_size.items()) if rows]
+        measured = [entry for entry in results["microgroups"] if entry["seconds_per_sample"] is not None]
+        results["fastest_microgroup"] = min(measured, key=lambda e: e["seconds_per_sample"])["microgroup"] if measured else None
+    save()
+    if args.out:  # the whole report is in the file; the log gets its summary
+        summary = ("recipe", "cuts", "gflop_per_forward", "seconds_per_sample", "rollout_mfu", "train_mfu",
+                   "max_memory_gib", "microgroups", "fastest_microgroup", "stopped")
+        print(json.dumps({key: results.get(key) for key in summary}), flush=True)
+    else:
+        emit(results, None)
+    return results
 
 
 if __name__ == "__main__":
