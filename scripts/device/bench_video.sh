@@ -1,0 +1,62 @@
+#!/usr/bin/env bash
+# The video recipes end to end on the lent H200 at real size with random weights built in code
+# (benchmarks/recipe_runs.py, family_rollout.REAL_SIZES): 3 rollouts with the recipe's reward model (a random
+# PickScore, CLIP ViT-H-14), advantages, pairs and optimizer steps, then a rollout microgroup sweep on the same
+# trainer. Carry `.whl`.
+#
+# JOBS: RECIPE:GROUPS[:FRAMES[:HEIGHTxWIDTH]] items run in order. GROUPS: prompt groups per rollout; FRAMES and
+# the size: cuts below the recipe's ("-" or absent: the recipe's). Samples per prompt, steps, CFG, SDE settings,
+# microgroup, LoRA and precision stay the recipe's; the JSON's `cuts` lists what does not.
+# MICROGROUPS: rollout microgroup sizes timed after the main rollouts, SWEEP_ROLLOUTS (2) each; the main
+# rollouts after the first stand for the recipe's size. ROLLOUTS: main rollouts (3; the first is the warm-up).
+# BUDGET_S (560): no rollout starts that would end later than this many seconds after the script began (by
+# the longest so far), so a call of 600 s ends with its JSON; the JSON is rewritten after every rollout.
+# FLAGS: more recipe_runs.py flags (e.g. "--tiny --device cpu" for a dry run of this script).
+# Out: $OUT/video_RECIPE.json and $OUT/log.txt. Checkpoints live in runs/FAMILY-random (git-ignored; a warm
+# machine keeps them between calls); every other family's is deleted before a job builds or loads its own, as
+# the disk (64 GiB) holds one: Wan2.2 30 GB (its second expert links the first's files), LTX-2.3 45 GB,
+# Cosmos3 32 GB, plus the random PickScore (4 GB, kept).
+#
+# One family per call (timeout_s 600, carry [".whl"]); estimates from the FLOPs per forward and the image
+# recipes' measured MFU (35-50%); setup (wheels, building and writing the checkpoint, PickScore, loading) ~2-2.5 min:
+#   JOBS="wan22-grpo-pickscore:1" MICROGROUPS="4 16 2 1" bash scripts/device/bench_video.sh
+#     Wan2.2 A14B (2 × 14.3 B), 1 frame of 480² as published, 1 group (of 8) × 16 samples, recipe microgroup 8;
+#     ~27 TFLOP per forward, ~35 s per rollout: 3 rollouts ~2 min, sweep ~4.5 min; ~8.5 min in all.
+#   JOBS="ltx23-grpo-pickscore:1:25" MICROGROUPS="8 4 2" bash scripts/device/bench_video.sh
+#     LTX-2.3 (19 B + 2.1 B connectors), 512 × 768 as published but 25 frames (cut from 57: at 57, ~115 TFLOP per
+#     forward and ~105 s per rollout, the 3 rollouts alone fill the call), 1 group (of 8) × 8 samples, recipe
+#     microgroup 1; ~55 TFLOP per forward (audio stream included), ~50 s per rollout: 3 rollouts ~2.5 min,
+#     sweep ~5 min (BUDGET_S drops what does not fit); ~9.5 min.
+#   JOBS="cosmos3-grpo:1:9:480x832" MICROGROUPS="4 16" bash scripts/device/bench_video.sh
+#     Cosmos3 (15.2 B), 480 × 832 × 9 frames (cut from the pipeline's 720 × 1280 × 189; at 25 frames one
+#     rollout of 16 samples, 35 steps with CFG 6, costs ~3 min, so 3 would not fit), 1 group (of 8) × 16
+#     samples, recipe microgroup 1; ~19 TFLOP per forward, one sample per forward, ~80 s per rollout: 3 rollouts
+#     ~4 min, sweep ~2.5 min; ~9 min.
+set -uo pipefail
+started=$(date +%s)
+bash scripts/device/install_wheels.sh || exit 1
+export PYTHONPATH=/tmp/site:$PWD PYTHONUNBUFFERED=1 OMP_NUM_THREADS=8 PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True
+nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader
+quiet() { tr '\r' '\n' | grep -v "Loading\|float32\|torchvision\|^ *$\|Writing model\|^train " ; }
+for job in ${JOBS:?JOBS=recipe:groups[:frames[:HxW]] ...}; do
+  IFS=: read -r recipe groups frames size <<<"$job"
+  family=$(python3 -c "from diffrl.recipes import recipe_overrides; print(recipe_overrides('$recipe', 'cuda')['diffusion_model_family'])")
+  for other in runs/*-random runs/*-random.partial; do
+    [[ -e $other && $other != runs/$family-random ]] && rm -rf "$other"
+  done
+  mkdir -p runs && df -h runs | tail -1
+  args=(--rollout-batch-size "$groups" --num-rollout "${ROLLOUTS:-3}" --sweep-rollouts "${SWEEP_ROLLOUTS:-2}"
+        --stop-by "$((started + ${BUDGET_S:-560}))")
+  [[ -n ${frames:-} && $frames != - ]] && args+=(--num-frames "$frames")
+  [[ -n ${size:-} && $size != - ]] && args+=(--height "${size%x*}" --width "${size#*x}")
+  # shellcheck disable=SC2206  # lists of words
+  [[ -n ${MICROGROUPS:-} ]] && args+=(--microgroups ${MICROGROUPS})
+  # shellcheck disable=SC2206
+  [[ -n ${FLAGS:-} ]] && args+=(${FLAGS})
+  echo "== $job $(date +%T)" | tee -a "$OUT/log.txt"
+  (cd benchmarks && python3 recipe_runs.py --recipe "$recipe" --checkpoint "$PWD/../runs/$family-random" \
+    --work-dir "$PWD/../runs/recipe-bench" --out "$OUT/video_${recipe}.json" "${args[@]}") 2>&1 | quiet \
+    | tee -a "$OUT/log.txt"
+  nvidia-smi --query-gpu=memory.used --format=csv,noheader
+done
+echo "== done $(date +%T), $(( $(date +%s) - started )) s" | tee -a "$OUT/log.txt"
