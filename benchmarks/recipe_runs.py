@@ -25,7 +25,8 @@ policy's forward and backward (×3), the recomputed forward with gradient checkp
 warm-up rollout), `--sweep-rollouts` more at each rollout microgroup size M, on the same trainer; the seconds
 per sample end to end of each M (the main rollouts after the first stand for the recipe's M) and the fastest.
 `--stop-by`: no rollout is started that would end after that time by the longest so far (a device call's
-limit); the JSON is rewritten after every rollout, so what ran is kept. `--tiny`: the family's tiny random
+limit), `--sweep-stop-by` an earlier one for the sweep; the JSON is rewritten after every rollout, so what
+ran is kept. `--tiny`: the family's tiny random
 checkpoint and a tiny PickScore, for a CPU run of these paths.
 """
 
@@ -195,6 +196,7 @@ def main(argv: list[str] | None = None) -> dict:
     parser.add_argument("--sweep-rollouts", type=int, default=2)
     parser.add_argument("--stop-by", type=float, default=None,
                         help="seconds since the epoch: no rollout starts that would end later, by the longest so far")
+    parser.add_argument("--sweep-stop-by", type=float, default=None, help="the same for the sweep (default: --stop-by)")
     parser.add_argument("--reward", default=None, help="default: the recipe's, on a random real-size checkpoint")
     parser.add_argument("--device", default="cuda", help="cpu: a dry run of the script on a small checkpoint")
     parser.add_argument("--tiny", action="store_true", help="tiny random checkpoints (the family's and PickScore's)")
@@ -266,13 +268,15 @@ def main(argv: list[str] | None = None) -> dict:
             Path(args.out).write_text(json.dumps(results, indent=2))
 
     longest = 0.0
+    sweep_stop_by = args.stop_by if args.sweep_stop_by is None else args.sweep_stop_by
 
     def one_rollout(microgroup: int, tag: str) -> dict | None:
         """One rollout and its update at this microgroup size, or None (and why, in `stopped`) when it would
-        end after --stop-by."""
+        end after its deadline."""
         nonlocal longest
-        if args.stop_by is not None and longest and time.time() + 1.1 * longest > args.stop_by:
-            results["stopped"] = results["stopped"] or f"before {tag} rollout at microgroup {microgroup}: --stop-by"
+        flag, stop_by = ("--stop-by", args.stop_by) if tag == "main" else ("--sweep-stop-by", sweep_stop_by)
+        if stop_by is not None and longest and time.time() + 1.1 * longest > stop_by:
+            results["stopped"] = results["stopped"] or f"before {tag} rollout at microgroup {microgroup}: {flag}"
             return None
         trainer.manager.config.rollout_microgroup_size = microgroup  # read per rollout by the manager
         k = trainer.rollout_index

@@ -76,6 +76,15 @@ def test_the_microgroup_sweep_times_each_size(recipe_runs, tmp_path):
 def test_no_rollout_starts_past_stop_by(recipe_runs, tmp_path):
     """A deadline already past lets the first rollout run (there is no estimate yet) and stops the next ones."""
     report = _run(recipe_runs, tmp_path, "ltx23-grpo-pickscore", "--microgroups", "2", "--stop-by", "1")
-    assert len(report["rollouts"]) == 1 and report["stopped"].startswith("before main rollout")
+    assert len(report["rollouts"]) == 1 and report["stopped"] == "before main rollout at microgroup 1: --stop-by"
     assert report["microgroups"] == [{"microgroup": 1, "rollouts": 1, "seconds_per_sample":
                                       report["rollouts"][0]["seconds_per_sample"], "peak_gib": None}]
+
+
+def test_the_sweep_has_its_own_deadline(recipe_runs, tmp_path):
+    """--sweep-stop-by past: the main rollouts run, the sweep does not."""
+    report = _run(recipe_runs, tmp_path, "wan22-grpo-pickscore", "--num-rollout", "2", "--microgroups", "2",
+                  "--sweep-stop-by", "1")
+    assert [row["kind"] for row in report["rollouts"]] == ["main", "main"]
+    assert report["stopped"] == "before sweep rollout at microgroup 2: --sweep-stop-by"
+    assert [entry["microgroup"] for entry in report["microgroups"]] == [8] and report["fastest_microgroup"] == 8

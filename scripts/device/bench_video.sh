@@ -9,29 +9,31 @@
 # microgroup, LoRA and precision stay the recipe's; the JSON's `cuts` lists what does not.
 # MICROGROUPS: rollout microgroup sizes timed after the main rollouts, SWEEP_ROLLOUTS (2) each; the main
 # rollouts after the first stand for the recipe's size. ROLLOUTS: main rollouts (3; the first is the warm-up).
-# BUDGET_S (560): no rollout starts that would end later than this many seconds after the script began (by
-# the longest so far), so a call of 600 s ends with its JSON; the JSON is rewritten after every rollout.
+# BUDGET_S (500): no sweep rollout starts that would end later than this many seconds after the script began
+# (by the longest so far), so that three calls and the machine's start fit 30 minutes of device time; a main
+# rollout only for the call's own limit (575 s). The JSON is rewritten after every rollout.
 # FLAGS: more recipe_runs.py flags (e.g. "--tiny --device cpu" for a dry run of this script).
 # Out: $OUT/video_RECIPE.json and $OUT/log.txt. Checkpoints live in runs/FAMILY-random (git-ignored; a warm
 # machine keeps them between calls); every other family's is deleted before a job builds or loads its own, as
 # the disk (64 GiB) holds one: Wan2.2 30 GB (its second expert links the first's files), LTX-2.3 45 GB,
 # Cosmos3 32 GB, plus the random PickScore (4 GB, kept).
 #
-# One family per call (timeout_s 600, carry [".whl"]); estimates from the FLOPs per forward and the image
-# recipes' measured MFU (35-50%); setup (wheels, building and writing the checkpoint, PickScore, loading) ~2-2.5 min:
+# One family per call (timeout_s 600, carry [".whl"]), in this order. Estimates: FLOPs per forward from the
+# models' shapes, MFU 35-50% as the image recipes measured; setup (wheels, building and writing the checkpoint,
+# PickScore, loading) ~2-2.5 min. BUDGET_S drops the sweep rollouts that would not fit: each call ~8.5 min.
 #   JOBS="wan22-grpo-pickscore:1" MICROGROUPS="4 16 2 1" bash scripts/device/bench_video.sh
 #     Wan2.2 A14B (2 × 14.3 B), 1 frame of 480² as published, 1 group (of 8) × 16 samples, recipe microgroup 8;
-#     ~27 TFLOP per forward, ~35 s per rollout: 3 rollouts ~2 min, sweep ~4.5 min; ~8.5 min in all.
-#   JOBS="ltx23-grpo-pickscore:1:25" MICROGROUPS="8 4 2" bash scripts/device/bench_video.sh
-#     LTX-2.3 (19 B + 2.1 B connectors), 512 × 768 as published but 25 frames (cut from 57: at 57, ~115 TFLOP per
-#     forward and ~105 s per rollout, the 3 rollouts alone fill the call), 1 group (of 8) × 8 samples, recipe
-#     microgroup 1; ~55 TFLOP per forward (audio stream included), ~50 s per rollout: 3 rollouts ~2.5 min,
-#     sweep ~5 min (BUDGET_S drops what does not fit); ~9.5 min.
+#     ~28 TFLOP per forward, ~35 s per rollout: 3 rollouts ~2 min, sweep ~4 min (7-8 of its 8 rollouts).
+#   JOBS="ltx23-grpo-pickscore:1" MICROGROUPS="8" bash scripts/device/bench_video.sh
+#     LTX-2.3 (19 B + 2.1 B connectors), 57 frames of 512 × 768 as published, 1 group (of 8) × 8 samples,
+#     recipe microgroup 1; ~90 TFLOP per forward (audio stream included), ~80-105 s per rollout: 3 rollouts
+#     4-5 min, then microgroup 8 as far as it fits (0-2 rollouts). With a fourth call's time, the sweep at 25
+#     frames (a cut; ~45 TFLOP, ~45 s per rollout): JOBS="ltx23-grpo-pickscore:1:25" MICROGROUPS="8 4 2"
 #   JOBS="cosmos3-grpo:1:9:480x832" MICROGROUPS="4 16" bash scripts/device/bench_video.sh
-#     Cosmos3 (15.2 B), 480 × 832 × 9 frames (cut from the pipeline's 720 × 1280 × 189; at 25 frames one
-#     rollout of 16 samples, 35 steps with CFG 6, costs ~3 min, so 3 would not fit), 1 group (of 8) × 16
-#     samples, recipe microgroup 1; ~19 TFLOP per forward, one sample per forward, ~80 s per rollout: 3 rollouts
-#     ~4 min, sweep ~2.5 min; ~9 min.
+#     Cosmos3 (15.2 B), 480 × 832 × 9 frames: a cut from the pipeline's 720 × 1280 × 189 (at 25 frames one
+#     rollout of 16 samples, 35 steps with CFG 6, costs ~3 min, at 17 frames ~2-2.5 min, so 3 would not fit
+#     with the setup), 1 group (of 8) × 16 samples, recipe microgroup 1; ~19 TFLOP per forward, one sample per
+#     forward, 70-90 s per rollout: 3 rollouts ~4 min, sweep ~2 min (microgroup 4).
 set -uo pipefail
 started=$(date +%s)
 bash scripts/device/install_wheels.sh || exit 1
@@ -46,7 +48,7 @@ for job in ${JOBS:?JOBS=recipe:groups[:frames[:HxW]] ...}; do
   done
   mkdir -p runs && df -h runs | tail -1
   args=(--rollout-batch-size "$groups" --num-rollout "${ROLLOUTS:-3}" --sweep-rollouts "${SWEEP_ROLLOUTS:-2}"
-        --stop-by "$((started + ${BUDGET_S:-560}))")
+        --stop-by "$((started + 575))" --sweep-stop-by "$((started + ${BUDGET_S:-500}))")
   [[ -n ${frames:-} && $frames != - ]] && args+=(--num-frames "$frames")
   [[ -n ${size:-} && $size != - ]] && args+=(--height "${size%x*}" --width "${size#*x}")
   # shellcheck disable=SC2206  # lists of words
