@@ -34,6 +34,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import time
 from pathlib import Path
 
@@ -209,6 +210,11 @@ def main(argv: list[str] | None = None) -> dict:
 
     overrides = recipe_overrides(args.recipe, "cuda")
     family = overrides["diffusion_model_family"]
+    changed = json.loads(args.flags)
+    if changed.get("deterministic_mode", overrides.get("deterministic_mode")):
+        # Deterministic mode's cuBLAS workspace: cuBLAS reads it once, when CUDA starts, which building the
+        # checkpoint on the GPU does before the trainer could set it.
+        os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
     args.work_dir.mkdir(parents=True, exist_ok=True)
     cuda = args.device == "cuda"
     if not args.checkpoint.exists():
@@ -219,7 +225,6 @@ def main(argv: list[str] | None = None) -> dict:
     usable = [p for p in PROMPTS if '"' in p] if reward == "ocr" else PROMPTS
     prompts.write_text("\n".join(usable) + "\n")
     run_dir = args.work_dir / f"{args.recipe}-{time.strftime('%H%M%S')}"
-    changed = json.loads(args.flags)
     if args.rollout_batch_size is not None:
         changed["rollout_batch_size"] = args.rollout_batch_size
     if args.num_frames is not None:

@@ -25,6 +25,7 @@ TINY = {
 @pytest.fixture
 def recipe_runs(monkeypatch):
     monkeypatch.syspath_prepend(str(BENCHMARKS))  # the script's own imports (family_rollout, report)
+    monkeypatch.delenv("CUBLAS_WORKSPACE_CONFIG", raising=False)  # the script sets it: restored afterwards
     spec = importlib.util.spec_from_file_location("recipe_runs", BENCHMARKS / "recipe_runs.py")
     script = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(script)

@@ -38,6 +38,8 @@ set -uo pipefail
 started=$(date +%s)
 bash scripts/device/install_wheels.sh || exit 1
 export PYTHONPATH=/tmp/site:$PWD PYTHONUNBUFFERED=1 OMP_NUM_THREADS=8 PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True
+# The video recipes run in deterministic mode, whose cuBLAS workspace must be set before CUDA starts.
+export CUBLAS_WORKSPACE_CONFIG=:4096:8
 nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader
 quiet() { tr '\r' '\n' | grep -v "Loading\|float32\|torchvision\|^ *$\|Writing model\|^train " ; }
 for job in ${JOBS:?JOBS=recipe:groups[:frames[:HxW]] ...}; do
