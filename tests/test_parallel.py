@@ -55,7 +55,8 @@ def test_shares_must_divide():
         p.shard_of(7, "--rollout-batch-size")
 
 
-@pytest.mark.parametrize(("loss_type", "lora"), [("flow_grpo", False), pytest.param("nft", False, marks=pytest.mark.slow), ("nft", True)],
+@pytest.mark.parametrize(("loss_type", "lora"), [("flow_grpo", False), pytest.param("nft", False, marks=pytest.mark.slow),
+                                                            pytest.param("nft", True, marks=pytest.mark.slow)],
                          ids=["grpo", "nft", "nft-lora"])
 def test_two_rank_training_run_matches_one_process(tiny_model_dir, tmp_path, loss_type, lora):
     """`diffrl train` under torchrun with two gloo ranks: same rollouts and rewards, the same losses

@@ -91,7 +91,8 @@ def test_bad_requests_and_checkpoints_are_refused(sd3, sd3_dir, tmp_path):
         SD3Family.load(dynamic)
 
 
-@pytest.mark.parametrize(("loss_type", "lora"), [("flow_grpo", True), ("nft", False)], ids=["grpo-lora", "nft-full"])
+# NFT full finetunes are covered on the demo, flux3, qwen_image and krea2 families in the default run.
+@pytest.mark.parametrize(("loss_type", "lora"), [("flow_grpo", True), pytest.param("nft", False, marks=pytest.mark.slow)], ids=["grpo-lora", "nft-full"])
 def test_training_run_on_sd3(sd3_dir, tmp_path, loss_type, lora):
     run_training(sd3_dir, tmp_path / "run", loss_type, lora, guidance=4.5)
 
