@@ -40,6 +40,7 @@ from diffrl.engine.wire import WireFormatError, decode_outputs, encode_outputs
 from diffrl.errors import RequestError
 from diffrl.models.lora import LoraSpec
 from diffrl.rollout.clients import EngineUnavailable
+from diffrl.utils import determinism
 from diffrl.utils.offload import ModuleOffload, family_modules
 
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
@@ -121,9 +122,9 @@ class _EngineServer:
         if spec.num_threads:
             torch.set_num_threads(spec.num_threads)
         torch.set_float32_matmul_precision(spec.float32_matmul_precision)
-        if spec.deterministic:
-            torch.use_deterministic_algorithms(True)
         device = torch.device(spec.device)
+        if spec.deterministic:  # the trainer's settings (the cuBLAS one is inherited, set before CUDA starts)
+            determinism.enable(device)
         if device.type == "cuda" and device.index is not None:
             torch.cuda.set_device(device)
         family = resolve_family(spec.family, spec.model_path).load(spec.model_path, device=device,

@@ -97,12 +97,20 @@ def _model_reward(model: str, path: str, device: str | None = None, options: tup
     """Loaded once per process and device (a worker pool builds its own)."""
     import importlib
 
+    from diffrl.rewards import colocate
     from diffrl.rewards.frames import mean_over_frames
 
     module_name, _, attr = _MODEL_REWARDS[model].partition(":")
     factory = getattr(importlib.import_module(module_name), attr)
     scorer = factory(path, default_device(device), **dict(options))
+    colocate.track(scorer.modules, default_device(device))  # --reward-colocate moves them off the device
     return scorer if model in _VIDEO_REWARDS else mean_over_frames(scorer)
+
+
+def model_rewards_in(spec: str) -> list[str]:
+    """The model rewards a reward spec names (`pickscore@DIR`, or inside `multi:`), by name."""
+    entries = _split_multi(spec.removeprefix("multi:")) if spec.startswith("multi:") else [spec]
+    return [name for name in (entry.partition("@")[0].strip() for entry in entries) if name in _MODEL_REWARDS]
 
 
 def _shapes_verdicts(images, prompts) -> list:

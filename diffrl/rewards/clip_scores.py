@@ -84,6 +84,7 @@ def clipscore(path: str, device: torch.device, processor: str | None = None):
     def score(images, prompts, metadata=None) -> list[float]:
         return (2.5 * clip.cosine(images, list(prompts)).clamp(min=0)).tolist()
 
+    score.modules = (clip.model,)  # what --reward-colocate moves
     return score
 
 
@@ -97,6 +98,7 @@ def pickscore(path: str, device: torch.device, processor: str | None = None):
         logits = clip.model.logit_scale.exp().float() * clip.cosine(images, list(prompts))
         return (logits / PICKSCORE_SCALE).tolist()
 
+    score.modules = (clip.model,)
     return score
 
 
@@ -140,4 +142,5 @@ def aesthetic(path: str, device: torch.device, processor: str | None = None):
         with torch.no_grad():
             return head(clip.image_embeds(images)).squeeze(-1).tolist()
 
+    score.modules = (clip.model, head)
     return score

@@ -251,4 +251,5 @@ def hpsv2(path: str, device: torch.device, processor: str | None = None):
     def score(images, prompts, metadata=None) -> list[float]:
         return model.cosine(images, list(prompts)).tolist()
 
+    score.modules = (model.model,)  # what --reward-colocate moves (the normalization constants are 24 bytes)
     return score

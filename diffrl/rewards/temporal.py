@@ -53,4 +53,5 @@ def temporal_clip(path: str, device: torch.device, processor: str | None = None)
         embeds = clip.image_embeds(frames).view(b, f, -1)
         return (embeds[:, 1:] * embeds[:, :-1]).sum(-1).mean(-1).tolist()
 
+    score.modules = (clip.model,)  # what --reward-colocate moves
     return score

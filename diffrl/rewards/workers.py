@@ -5,6 +5,11 @@ wait for each other in the trainer's process. A pool scores them in parallel, as
 
 What crosses the process boundary is our own formats: images as safetensors bytes, prompts and
 metadata as JSON, rewards as plain floats (the pool's envelope around them is internal, as Ray's is).
+Each call's rewards come back to that call, in order, whichever worker scored it and whenever.
+
+With `--reward-colocate` every worker moves its model rewards off the device and back (`sleep` / `wake`):
+the pool sends one message per worker, and a barrier keeps a worker that has taken one from taking
+another, so each worker gets exactly one.
 """
 
 from __future__ import annotations
@@ -19,6 +24,8 @@ from concurrent.futures import ProcessPoolExecutor
 import torch
 
 from diffrl.engine.wire import decode_weights, encode_weights
+from diffrl.rewards import colocate
+from diffrl.utils import determinism
 
 
 def encode_batch(images: torch.Tensor, prompts: list[str], metadata: list[dict] | None) -> tuple[bytes, str, str]:
@@ -31,13 +38,29 @@ def decode_batch(images: bytes, prompts_json: str, metadata_json: str) -> tuple[
 
 
 _SCORERS: dict[tuple[str, str | None], Callable] = {}  # per worker process: each reward is built once
+_BARRIER = None  # per worker process: the pool's, for messages every worker must take once
+BROADCAST_TIMEOUT_S = 600.0
 
 
-def _one_thread_per_worker() -> None:
-    """The pool is the parallelism: a worker whose torch ops spread over every core (torch's default,
-    or the parent's OMP_NUM_THREADS) oversubscribes the machine. Measured on 2 cores, 32 batches of 16
-    shapes images: a 2-worker pool took 0.40-0.56 s with torch's default threads, 0.17-0.27 s with one."""
+def _start_worker(barrier, device: str | None, deterministic: bool) -> None:
+    """One thread per worker: the pool is the parallelism, and a worker whose torch ops spread over every
+    core (torch's default, or the parent's OMP_NUM_THREADS) oversubscribes the machine. Measured on 2 cores,
+    32 batches of 16 shapes images: a 2-worker pool took 0.40-0.56 s with torch's default threads, 0.17-0.27 s
+    with one. One thread also fixes how CPU reductions split, whichever worker scores a batch."""
+    global _BARRIER
+    _BARRIER = barrier
     torch.set_num_threads(1)
+    if deterministic:
+        from diffrl.rewards import default_device
+
+        determinism.enable(default_device(device))
+
+
+def _in_every_worker(op: str) -> int:
+    """`sleep` or `wake` this worker's model rewards, then hold it until every worker has taken its message."""
+    moved = colocate.sleep() if op == "sleep" else colocate.wake()
+    _BARRIER.wait(BROADCAST_TIMEOUT_S)
+    return moved
 
 
 def _score_in_worker(reward: str, device: str | None, images: bytes, prompts_json: str,
@@ -56,19 +79,32 @@ class ProcessRewardPool:
     """The rollout manager's reward function, scored in `workers` spawned processes; model rewards load on
     `device` in each worker (None: CUDA when available, else the CPU; see `get_reward`)."""
 
-    def __init__(self, reward: str, workers: int, device: str | None = None):
+    def __init__(self, reward: str, workers: int, device: str | None = None, deterministic: bool = False):
         if workers < 1:
             raise ValueError(f"--reward-workers must be >= 1 for a pool, got {workers}")
-        self.reward = reward
+        self.reward, self.workers = reward, workers
         self.device = None if device is None else str(device)
         # spawn, not fork: the parent runs threads (the engine) and may hold a CUDA context.
-        self._pool = ProcessPoolExecutor(workers, mp_context=multiprocessing.get_context("spawn"),
-                                         initializer=_one_thread_per_worker)
+        context = multiprocessing.get_context("spawn")
+        self._pool = ProcessPoolExecutor(workers, mp_context=context, initializer=_start_worker,
+                                         initargs=(context.Barrier(workers), self.device, deterministic))
 
     async def __call__(self, images: torch.Tensor, prompts: list[str], metadata: list[dict] | None = None) -> list[float]:
         loop = asyncio.get_running_loop()
         return await loop.run_in_executor(self._pool, _score_in_worker, self.reward, self.device,
                                           *encode_batch(images, prompts, metadata))
+
+    def sleep(self) -> int:
+        """Every worker's model rewards to host memory (`--reward-colocate`); returns the bytes moved."""
+        return self._everywhere("sleep")
+
+    def wake(self) -> int:
+        return self._everywhere("wake")
+
+    def _everywhere(self, op: str) -> int:
+        # A worker not started yet is started by its message (the executor spawns one per waiting call).
+        futures = [self._pool.submit(_in_every_worker, op) for _ in range(self.workers)]
+        return sum(f.result() for f in futures)
 
     def close(self) -> None:
         self._pool.shutdown(cancel_futures=True)

@@ -219,6 +219,10 @@ class TaskConfig:
     """Score rewards in this many worker processes (microgroups in parallel, as they land); 0: inline."""
     reward_device: str | None = None
     """Where model rewards (pickscore, hpsv2, …) run; None: CUDA when present, else the CPU."""
+    reward_colocate: bool = False
+    """Model rewards share the trainer's GPU but leave it while the trainer trains: moved to host memory after
+    each rollout and evaluation, back before the next one scores (as a --colocate engine sleeps); with
+    --reward-workers each worker moves its own copy. Costs a copy of the reward's weights each way per rollout."""
     train_categories: tuple[str, ...] = ()
     """Shapes categories to draw train prompts from (default: all six)."""
     category_sampling: Literal["uniform", "adaptive"] = "uniform"
@@ -239,6 +243,14 @@ class TaskConfig:
                  "--eval-prompt-data needs --prompt-data (the shapes world has its own test split)")
         _require(self.prompt_data is None or not self.train_categories,
                  "--train-categories picks shapes categories; a --prompt-data set has none")
+        if self.reward_colocate:
+            from diffrl.rewards import model_rewards_in
+
+            _require(bool(model_rewards_in(self.reward)),
+                     f"--reward-colocate moves model rewards (clipscore, pickscore, aesthetic, hpsv2, temporal_clip) "
+                     f"off the GPU; --reward {self.reward} has none")
+            _require(self.reward_device != "cpu", "--reward-colocate with --reward-device cpu: the reward is never "
+                                                  "on the GPU (drop one of them)")
 
 
 @dataclass
@@ -417,6 +429,9 @@ class TrainConfig:
         _require(not (self.engine.colocate and self.uses_ray()),
                  "--colocate starts its engine beside a one-process trainer; not with --ray-engines or "
                  "--ray-trainer-ranks")
+        _require(not (self.task.reward_colocate and self.placement.ray_reward_workers),
+                 "--reward-colocate moves the rewards of the trainer's process and of --reward-workers; Ray reward "
+                 "actors (--ray-reward-workers) keep theirs")
 
     def uses_ray(self) -> bool:
         return self.placement.uses_ray()

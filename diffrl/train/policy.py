@@ -10,7 +10,8 @@ for it; an EMA is swapped in for a block). Under torchrun the trainer's copy is 
 and the engine samples from a full copy refreshed from the shards; remote engines (`--engine-urls`,
 Ray actors, a `--colocate` engine process) get the trained tensors pushed. A colocated engine and the
 trainer take turns on the device: the engine is woken for the sampling block and put back to sleep
-after it, and `--offload-optimizer` keeps the optimizer state in host memory during the block.
+after it, `--reward-colocate` model rewards likewise (`rewards/colocate.py`), and `--offload-optimizer`
+keeps the optimizer state in host memory during the block.
 """
 
 from __future__ import annotations
@@ -92,6 +93,7 @@ class Policy:
         self.local_engine = None  # the in-process engine, whose outputs carry the weight version
         self.remote_engines: list = []
         self.colocated: list[ColocatedEngineClient] = []  # engines that sleep while the trainer trains
+        self.colocated_rewards: list = []  # reward models (in this process, in workers) that do too
         self.engine_sleep_level = cfg.engine.engine_sleep_level
         self.engine_token = cfg.engine.engine_token or os.environ.get("DIFFRL_ENGINE_TOKEN")
         self.weight_version = 0
@@ -123,15 +125,16 @@ class Policy:
 
     @contextlib.contextmanager
     def _sampling_memory(self):
-        """The device's memory goes to the engines inside the block: the optimizer state on the host
-        (--offload-optimizer), the trainer's cached blocks released and colocated engines awake; after
-        it, the engines asleep again (--engine-sleep-level) and the state back."""
+        """The device's memory goes to the engines and rewards inside the block: the optimizer state on the
+        host (--offload-optimizer), the trainer's cached blocks released, colocated engines and reward models
+        awake; after it, the engines asleep again (--engine-sleep-level), the reward models on the host and
+        the state back."""
         if self.optimizer_offload is not None:
             self.optimizer_offload.offload()
-        if self.colocated and self.device.type == "cuda":
-            torch.cuda.empty_cache()  # what training left cached is the engine process's to use now
-        for engine in self.colocated:
-            engine.wake()
+        if (self.colocated or self.colocated_rewards) and self.device.type == "cuda":
+            torch.cuda.empty_cache()  # what training left cached is the other processes' to use now
+        for sleeper in (*self.colocated, *self.colocated_rewards):
+            sleeper.wake()
         try:
             yield
         finally:
@@ -139,6 +142,8 @@ class Policy:
                 if self.engine_sleep_level:
                     for engine in self.colocated:
                         engine.sleep(self.engine_sleep_level)
+                for reward in self.colocated_rewards:
+                    reward.sleep()
             finally:  # the state comes back even when an engine cannot be put to sleep
                 if self.optimizer_offload is not None:
                     self.optimizer_offload.restore()

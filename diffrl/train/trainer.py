@@ -20,7 +20,6 @@ import asyncio
 import dataclasses
 import json
 import math
-import os
 import time
 from collections.abc import Callable, Sequence
 from pathlib import Path
@@ -36,6 +35,7 @@ from diffrl.engine.wire import dtype_name
 from diffrl.errors import RequestError
 from diffrl.models import resolve_family
 from diffrl.rewards import get_reward
+from diffrl.rewards.colocate import InProcessRewards
 from diffrl.rewards.frames import on_frames
 from diffrl.rewards.workers import ProcessRewardPool
 from diffrl.rollout import (
@@ -68,6 +68,7 @@ from diffrl.train.replay import (
     prepare_save_dir,
     save_rollout,
 )
+from diffrl.utils import determinism
 from diffrl.utils.device import resolve_device
 
 
@@ -120,6 +121,8 @@ class Trainer:
         scorer placed elsewhere (e.g. Ray reward workers) in place of `--reward` in this process."""
         validate_config(cfg)
         self.device = rank_device(resolve_device(cfg.placement.device))
+        # Before anything touches CUDA: cuBLAS reads its workspace setting once (utils/determinism.py).
+        self.determinism = determinism.enable(self.device) if cfg.deterministic_mode else None
         self.parallel = init_parallel(self.device)
         if self.parallel.enabled:
             validate_parallel(cfg, self.parallel)
@@ -128,16 +131,13 @@ class Trainer:
             cfg = cfg.replace(output_dir=Path("runs") / f"{cfg.recipe or cfg.algorithm.loss_type}-{stamp}")
         self.cfg = cfg
         self.out = out = cfg.checkpoint.output_dir
-        if cfg.deterministic_mode:
-            # cuBLAS is deterministic only with a fixed workspace, and torch refuses its matmuls without one.
-            os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
-            torch.use_deterministic_algorithms(True)
         torch.set_float32_matmul_precision(cfg.model.float32_matmul_precision)
         if self.parallel.is_main and out.exists() and any(out.iterdir()) and not cfg.checkpoint.resume:
             raise FileExistsError(f"{out} is not empty; pass --resume to continue it or choose another --output-dir")
 
         # Before the model: a bad prompt file or reward spec fails in a second, not after a load.
         self.task = build_task(cfg)
+        self.reward_pool = None  # --reward-workers: the worker processes
         # --load-rollout-data: rollouts (rewards included) come from records; nothing samples or scores.
         self.replaying = cfg.replay.load_rollout_data is not None
         if self.replaying:
@@ -160,6 +160,8 @@ class Trainer:
         self.engine = self.manager = self.colocated = None
         if not self.replaying:
             self.engine, self.manager = self._rollout_engines(family, extra_engines, reward_fn)
+        if cfg.task.reward_colocate:  # this process's reward models (inline, evaluation) and the workers'
+            self.policy.colocated_rewards = [InProcessRewards(), *([self.reward_pool] if self.reward_pool else [])]
 
         self.rollout_index = 0
         self.next_group_index = 0  # monotonic across the run: a group's index fixes its seeds
@@ -176,7 +178,7 @@ class Trainer:
             out.mkdir(parents=True, exist_ok=True)
         self.metrics = None
         if self.parallel.is_main:
-            config = {"tree": dataclasses.asdict(cfg), "flags": cfg.as_flat_dict()}
+            config = {"tree": dataclasses.asdict(cfg), "flags": cfg.as_flat_dict(), "determinism": self.determinism}
             (out / "config.json").write_text(json.dumps(config, default=str, indent=2) + "\n")
             # A resumed run drops the records of the rollouts after its checkpoint: it does them again.
             self.metrics = MetricsLogger(out, resume_rollout=self.rollout_index if cfg.checkpoint.resume else None)
@@ -188,7 +190,8 @@ class Trainer:
         e, r = self.cfg.engine, self.cfg.rollout
         engine = Engine(self.policy.engine_family,
                         EngineConfig(max_outputs_per_request=max(64, r.rollout_microgroup_size),
-                                     max_batch_outputs=e.engine_max_batch_outputs))
+                                     max_batch_outputs=determinism.engine_batch_outputs(
+                                         e.engine_max_batch_outputs, self.cfg.deterministic_mode)))
         self.policy.local_engine = engine
         # The family decodes conditioning sent in sglang's format by a server that is not diffrl's.
         remote = [HttpEngineClient(url, max_in_flight=e.engine_concurrency, family=family.name)
@@ -222,13 +225,16 @@ class Trainer:
             offload_text_encoder=m.offload_text_encoder, compile=m.compile,
             compile_eager_numerics=m.compile_eager_numerics,
             max_outputs_per_request=max(64, cfg.rollout.rollout_microgroup_size),
-            max_batch_outputs=cfg.engine.engine_max_batch_outputs, num_threads=torch.get_num_threads(),
+            max_batch_outputs=determinism.engine_batch_outputs(cfg.engine.engine_max_batch_outputs, cfg.deterministic_mode),
+            num_threads=torch.get_num_threads(),
             float32_matmul_precision=m.float32_matmul_precision, deterministic=cfg.deterministic_mode)
 
     def _reward_fn(self):
         t = self.cfg.task
         if t.reward_workers:
-            return ProcessRewardPool(t.reward, t.reward_workers, device=t.reward_device)
+            self.reward_pool = ProcessRewardPool(t.reward, t.reward_workers, device=t.reward_device,
+                                                 deterministic=self.cfg.deterministic_mode)
+            return self.reward_pool
         return get_reward(t.reward, device=t.reward_device)
 
     # ------------------------------------------------------------------ the loop
