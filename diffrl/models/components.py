@@ -108,3 +108,27 @@ def load_components(root: Path, table: Iterable[Component], *, label: str, devic
         module.to(device=device).eval().requires_grad_(False)
     require_finite_modules(root, modules)
     return parts
+
+
+def read_flow_scheduler(family: str, root: Path, supported: Iterable[str], pipeline: str) -> tuple[str, dict]:
+    """The checkpoint's scheduler class name and config, refusing one the family's flow-matching steps
+    cannot follow: an unsupported class, UniPC without flow σ's, or dynamic shifting `pipeline` never sets up."""
+    config = read_json(root / "scheduler" / "scheduler_config.json")
+    name = config.get("_class_name")
+    if name not in supported:
+        raise ModelLoadError(f"{family}: scheduler {name!r} in {root / 'scheduler'}; supported: {', '.join(supported)}")
+    if name == "UniPCMultistepScheduler" and not config.get("use_flow_sigmas"):
+        raise ModelLoadError(f"{family}: a UniPC scheduler without use_flow_sigmas has no flow-matching schedule")
+    if config.get("use_dynamic_shifting"):
+        raise ModelLoadError(f"{family}: the scheduler uses dynamic shifting, which {pipeline} does not set up")
+    return name, config
+
+
+def scheduler_sigmas(family: str, scheduler, num_steps: int, device: torch.device | str) -> torch.Tensor:
+    """A scheduler's σ's after `set_timesteps`, fp32 on `device`, checked to be N steps ending at σ = 0 (the
+    shared steps integrate to the terminal σ; a scheduler with another final σ would stop short)."""
+    sigmas = scheduler.sigmas.to(device=device, dtype=torch.float32)
+    if len(sigmas) != num_steps + 1 or float(sigmas[-1]) != 0.0:
+        raise ValueError(f"{family}: the scheduler's schedule {sigmas.tolist()} does not end at σ = 0 after "
+                         f"{num_steps} steps (final_sigmas_type must be 'zero')")
+    return sigmas

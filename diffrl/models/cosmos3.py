@@ -57,7 +57,13 @@ from diffrl.models.base import (
     require_pixel_multiple,
 )
 from diffrl.models.batch_invariance import decode_rows
-from diffrl.models.components import checkpoint_root, load_components, read_model_index
+from diffrl.models.components import (
+    checkpoint_root,
+    load_components,
+    read_flow_scheduler,
+    read_model_index,
+    scheduler_sigmas,
+)
 from diffrl.sampling import randn_per_sample
 
 SCHEDULERS = ("FlowMatchEulerDiscreteScheduler", "UniPCMultistepScheduler")
@@ -183,16 +189,7 @@ class Cosmos3Family(FamilyAdapter):
     @classmethod
     def read_settings(cls, root: Path, index: dict) -> Cosmos3Settings:
         _refuse_distilled(root, index)
-        scheduler_config = read_json(root / "scheduler" / "scheduler_config.json")
-        scheduler_name = scheduler_config.get("_class_name")
-        if scheduler_name not in SCHEDULERS:
-            raise ModelLoadError(f"cosmos3: scheduler {scheduler_name!r} in {root / 'scheduler'}; supported: "
-                                 f"{', '.join(SCHEDULERS)}")
-        if scheduler_name == "UniPCMultistepScheduler" and not scheduler_config.get("use_flow_sigmas"):
-            raise ModelLoadError("cosmos3: a UniPC scheduler without use_flow_sigmas has no flow-matching schedule")
-        if scheduler_config.get("use_dynamic_shifting"):
-            raise ModelLoadError("cosmos3: the scheduler uses dynamic shifting, which Cosmos3OmniPipeline does not "
-                                 "set up")
+        scheduler_name, _ = read_flow_scheduler("cosmos3", root, SCHEDULERS, "Cosmos3OmniPipeline")
         vae_config = read_json(root / "vae" / "config.json")  # its factors size the latents, with or without it
         return Cosmos3Settings(scheduler_name, use_system_prompt=bool(index.get("default_use_system_prompt", True)),
                                native_flow_schedule=bool(index.get("use_native_flow_schedule", False)),
@@ -234,11 +231,7 @@ class Cosmos3Family(FamilyAdapter):
                                     sigmas=np.linspace(1.0 - 1.0 / train_steps, 0.0, num_steps + 1)[:-1])
         else:
             scheduler.set_timesteps(num_steps, device="cpu")
-        sigmas = scheduler.sigmas.to(device=self.device, dtype=torch.float32)
-        if len(sigmas) != num_steps + 1 or float(sigmas[-1]) != 0.0:
-            raise ValueError(f"cosmos3: the scheduler's schedule {sigmas.tolist()} does not end at σ = 0 after "
-                             f"{num_steps} steps (final_sigmas_type must be 'zero')")
-        return sigmas
+        return scheduler_sigmas("cosmos3", scheduler, num_steps, self.device)
 
     # ---------------------------------------------------------------- conditioning
     def encode_prompts(self, prompts: Sequence[str]) -> PromptEmbeds:

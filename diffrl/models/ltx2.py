@@ -62,7 +62,7 @@ from diffrl.models.base import (
     wire_text_tokens,
 )
 from diffrl.models.batch_invariance import decode_rows
-from diffrl.models.components import read_settings
+from diffrl.models.components import read_settings, scheduler_sigmas
 from diffrl.sampling import randn_per_sample, resolution_mu
 
 
@@ -243,11 +243,7 @@ class Ltx2Family(FamilyAdapter):
                            config.get("base_shift", 0.95), config.get("max_shift", 2.05))
         scheduler = copy.deepcopy(self.scheduler)  # set_timesteps changes the scheduler's state
         scheduler.set_timesteps(sigmas=np.linspace(1.0, 1 / num_steps, num_steps), mu=mu, device="cpu")
-        sigmas = scheduler.sigmas.to(device=self.device, dtype=torch.float32)
-        if len(sigmas) != num_steps + 1 or float(sigmas[-1]) != 0.0:
-            raise ValueError(f"ltx2: the scheduler's schedule {sigmas.tolist()} does not end at σ = 0 after "
-                             f"{num_steps} steps")
-        return sigmas
+        return scheduler_sigmas("ltx2", scheduler, num_steps, self.device)
 
     # ---------------------------------------------------------------- conditioning
     def encode_prompts(self, prompts: Sequence[str]) -> PromptEmbeds:

@@ -50,12 +50,12 @@ from diffrl.models.base import (
     FamilyAdapter,
     Latents,
     PromptEmbeds,
-    read_json,
     register_family,
     require_pixel_multiple,
     wire_text_tokens,
 )
 from diffrl.models.batch_invariance import decode_rows, embed_rows_one_at_a_time
+from diffrl.models.components import read_flow_scheduler, scheduler_sigmas
 from diffrl.models.weights import load_weights
 from diffrl.sampling import randn_per_sample
 
@@ -206,15 +206,7 @@ class Wan22Family(FamilyAdapter):
         if index.get("expand_timesteps"):
             raise ModelLoadError(f"wan2_2: {root} is a TI2V checkpoint (expand_timesteps: per-token timesteps), "
                                  "which this adapter does not reproduce")
-        scheduler_config = read_json(root / "scheduler" / "scheduler_config.json")
-        scheduler_name = scheduler_config.get("_class_name")
-        if scheduler_name not in SCHEDULERS:
-            raise ModelLoadError(f"wan2_2: scheduler {scheduler_name!r} in {root / 'scheduler'}; supported: "
-                                 f"{', '.join(SCHEDULERS)}")
-        if scheduler_name == "UniPCMultistepScheduler" and not scheduler_config.get("use_flow_sigmas"):
-            raise ModelLoadError("wan2_2: a UniPC scheduler without use_flow_sigmas has no flow-matching schedule")
-        if scheduler_config.get("use_dynamic_shifting"):
-            raise ModelLoadError("wan2_2: the scheduler uses dynamic shifting, which WanPipeline does not set up")
+        scheduler_name, _ = read_flow_scheduler("wan2_2", root, SCHEDULERS, "WanPipeline")
         return WanSettings(index.get("boundary_ratio"), scheduler_name)
 
     @classmethod
@@ -276,11 +268,7 @@ class Wan22Family(FamilyAdapter):
     def sigmas(self, num_steps: int, height: int, width: int, num_frames: int | None = None) -> torch.Tensor:
         scheduler = copy.deepcopy(self.scheduler)  # set_timesteps changes the scheduler's state
         scheduler.set_timesteps(num_steps, device="cpu")
-        sigmas = scheduler.sigmas.to(device=self.device, dtype=torch.float32)
-        if len(sigmas) != num_steps + 1 or float(sigmas[-1]) != 0.0:
-            raise ValueError(f"wan2_2: the scheduler's schedule {sigmas.tolist()} does not end at σ = 0 after "
-                             f"{num_steps} steps (final_sigmas_type must be 'zero')")
-        return sigmas
+        return scheduler_sigmas("wan2_2", scheduler, num_steps, self.device)
 
     @torch.no_grad()
     def cond_kwargs_to_wire(self, cond: PromptEmbeds, image_ids: torch.Tensor) -> dict:
