@@ -56,7 +56,6 @@ from diffrl.models.base import (
     register_family,
     require_pixel_multiple,
 )
-from diffrl.models.batch_invariance import decode_rows
 from diffrl.models.components import (
     checkpoint_root,
     load_components,
@@ -64,6 +63,7 @@ from diffrl.models.components import (
     read_model_index,
     scheduler_sigmas,
 )
+from diffrl.models.wan2_2 import decode_wan_latents
 from diffrl.sampling import randn_per_sample
 
 SCHEDULERS = ("FlowMatchEulerDiscreteScheduler", "UniPCMultistepScheduler")
@@ -349,14 +349,7 @@ class Cosmos3Family(FamilyAdapter):
     def decode(self, latents: torch.Tensor, height: int, width: int, num_frames: int | None = None) -> torch.Tensor:
         if self.vae is None:
             raise RuntimeError("this Cosmos3 model was loaded without its VAE (load_vae=False)")
-        config = self.vae.config
-        vae_dtype = next(self.vae.parameters()).dtype
-        shape = (1, config.z_dim, 1, 1, 1)
-        mean = torch.tensor(config.latents_mean, device=latents.device).view(shape)
-        inv_std = 1.0 / torch.tensor(config.latents_std, device=latents.device).view(shape)
-        latents = latents / inv_std + mean  # the pipeline's arithmetic, to the rounding
-        videos = decode_rows(lambda rows: self.vae.decode(rows.to(vae_dtype), return_dict=False)[0], latents)
-        return (videos.float() / 2 + 0.5).clamp(0, 1)  # [B, 3, F, H, W]
+        return decode_wan_latents(self.vae, latents)
 
 
 def _keep_vision_tokens_in_the_weights_dtype(transformer) -> None:

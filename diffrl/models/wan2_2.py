@@ -326,11 +326,17 @@ class Wan22Family(FamilyAdapter):
         return v_uncond + scale * (v_cond - v_uncond)
 
     def decode(self, latents: torch.Tensor, height: int, width: int, num_frames: int | None = None) -> torch.Tensor:
-        config = self.vae.config
-        vae_dtype = next(self.vae.parameters()).dtype
-        shape = (1, config.z_dim, 1, 1, 1)
-        mean = torch.tensor(config.latents_mean, device=latents.device).view(shape)
-        inv_std = 1.0 / torch.tensor(config.latents_std, device=latents.device).view(shape)
-        latents = latents / inv_std + mean  # the pipeline's arithmetic, to the rounding
-        videos = decode_rows(lambda rows: self.vae.decode(rows.to(vae_dtype), return_dict=False)[0], latents)
-        return (videos.float() / 2 + 0.5).clamp(0, 1)  # [B, 3, F, H, W]
+        return decode_wan_latents(self.vae, latents)
+
+
+def decode_wan_latents(vae, latents: torch.Tensor) -> torch.Tensor:
+    """Latents `[B, C, F', H', W']` normalized per channel → videos `[B, 3, F, H, W]` in [0, 1] through an
+    AutoencoderKLWan (Wan2.2's VAE, also Cosmos3's), one row at a time, with the pipelines' arithmetic."""
+    config = vae.config
+    vae_dtype = next(vae.parameters()).dtype
+    shape = (1, config.z_dim, 1, 1, 1)
+    mean = torch.tensor(config.latents_mean, device=latents.device).view(shape)
+    inv_std = 1.0 / torch.tensor(config.latents_std, device=latents.device).view(shape)
+    latents = latents / inv_std + mean  # the pipeline's arithmetic, to the rounding
+    videos = decode_rows(lambda rows: vae.decode(rows.to(vae_dtype), return_dict=False)[0], latents)
+    return (videos.float() / 2 + 0.5).clamp(0, 1)
