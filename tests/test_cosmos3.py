@@ -185,7 +185,8 @@ def test_unsupported_checkpoints_are_refused(cosmos_dir, tmp_path):
         trainer_only.decode(torch.zeros(1, 4, 2, 2, 4), HEIGHT, WIDTH, num_frames=FRAMES)
 
 
-@pytest.mark.parametrize(("loss_type", "lora"), [("flow_grpo", True), ("nft", False)], ids=["grpo-lora", "nft-full"])
+@pytest.mark.parametrize(("loss_type", "lora"), [("flow_grpo", True), pytest.param("nft", False, marks=pytest.mark.slow)],
+                         ids=["grpo-lora", "nft-full"])
 def test_training_run_on_cosmos3(cosmos_dir, tmp_path, loss_type, lora):
     """`diffrl train`: one rollout, one update; the checkpoint loads back with the update in it."""
     run_training(cosmos_dir, tmp_path / "run", loss_type, lora, guidance=4.0,

@@ -214,6 +214,7 @@ def test_bad_requests_and_checkpoints_are_refused(krea2, krea2_dir, tmp_path):
         Krea2Family.load(other)
 
 
-@pytest.mark.parametrize(("loss_type", "lora"), [("flow_grpo", True), ("nft", False)], ids=["grpo-lora", "nft-full"])
+@pytest.mark.parametrize(("loss_type", "lora"), [("flow_grpo", True), pytest.param("nft", False, marks=pytest.mark.slow)],
+                         ids=["grpo-lora", "nft-full"])
 def test_training_run_on_krea2(krea2_dir, tmp_path, loss_type, lora):
     run_training(krea2_dir, tmp_path / "run", loss_type, lora, guidance=2.0)

@@ -246,6 +246,7 @@ def test_trainer_pads_a_rollout_of_prompts_of_different_lengths(qwen):
     torch.testing.assert_close(mixed, torch.cat(engine), rtol=0, atol=1e-5)
 
 
-@pytest.mark.parametrize(("loss_type", "lora"), [("flow_grpo", True), ("nft", False)], ids=["grpo-lora", "nft-full"])
+@pytest.mark.parametrize(("loss_type", "lora"), [("flow_grpo", True), pytest.param("nft", False, marks=pytest.mark.slow)],
+                         ids=["grpo-lora", "nft-full"])
 def test_training_run_on_qwen_image(qwen_dir, tmp_path, loss_type, lora):
     run_training(qwen_dir, tmp_path / "run", loss_type, lora, guidance=4.0)
