@@ -12,6 +12,7 @@ from pathlib import Path
 import torch
 
 from diffrl.models.random_checkpoints.tokenizers import build_chat_tokenizer
+from diffrl.models.random_checkpoints.wan2_2 import flow_scheduler
 
 
 def build_tokenizer():
@@ -52,12 +53,7 @@ def save_random_checkpoint(path: str | Path, sizes: Cosmos3Sizes | None = None, 
     """A Cosmos3 checkpoint written by `Cosmos3OmniPipeline.save_pretrained` (default sizes: `tiny()`), with random
     latent statistics so that decoding exercises them. `scheduler`: "euler" (FlowMatchEulerDiscreteScheduler,
     which our Euler steps reproduce exactly) or "unipc" (the published kind, flow σ's)."""
-    from diffusers import (
-        AutoencoderKLWan,
-        Cosmos3OmniTransformer,
-        FlowMatchEulerDiscreteScheduler,
-        UniPCMultistepScheduler,
-    )
+    from diffusers import AutoencoderKLWan, Cosmos3OmniTransformer
     from diffusers.pipelines.cosmos.pipeline_cosmos3_omni import Cosmos3OmniPipeline
 
     sizes = sizes or tiny()
@@ -74,13 +70,7 @@ def save_random_checkpoint(path: str | Path, sizes: Cosmos3Sizes | None = None, 
     with torch.device(device):
         transformer = stored(Cosmos3OmniTransformer(**sizes.transformer))
         vae = stored(AutoencoderKLWan(latents_mean=latents_mean, latents_std=latents_std, **sizes.vae))
-    if scheduler == "euler":
-        sched = FlowMatchEulerDiscreteScheduler(shift=shift)
-    elif scheduler == "unipc":
-        sched = UniPCMultistepScheduler(prediction_type="flow_prediction", use_flow_sigmas=True, flow_shift=shift,
-                                        final_sigmas_type="zero")
-    else:
-        raise ValueError(f"scheduler {scheduler!r}: 'euler' or 'unipc'")
+    sched = flow_scheduler(scheduler, shift)
     pipe = Cosmos3OmniPipeline(transformer=transformer, text_tokenizer=tokenizer, vae=vae, scheduler=sched,
                                enable_safety_checker=False, use_native_flow_schedule=native_flow_schedule)
     pipe.save_pretrained(path, safe_serialization=True)

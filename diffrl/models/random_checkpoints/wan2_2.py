@@ -52,8 +52,6 @@ def save_random_checkpoint(path: str | Path, sizes: WanSizes | None = None, *, s
     two experts' compute and memory on half the disk (Wan2.2 A14B at real size: 29 GB instead of 58)."""
     from diffusers import (
         AutoencoderKLWan,
-        FlowMatchEulerDiscreteScheduler,
-        UniPCMultistepScheduler,
         WanPipeline,
         WanTransformer3DModel,
     )
@@ -73,13 +71,7 @@ def save_random_checkpoint(path: str | Path, sizes: WanSizes | None = None, *, s
         experts = [stored(WanTransformer3DModel(text_dim=width, **sizes.transformer))
                    for _ in range(2 if two_experts and not shared_experts else 1)]
         vae = stored(AutoencoderKLWan(**sizes.vae))
-    if scheduler == "euler":
-        sched = FlowMatchEulerDiscreteScheduler(shift=shift)
-    elif scheduler == "unipc":
-        sched = UniPCMultistepScheduler(prediction_type="flow_prediction", use_flow_sigmas=True, flow_shift=shift,
-                                        final_sigmas_type="zero")
-    else:
-        raise ValueError(f"scheduler {scheduler!r}: 'euler' or 'unipc'")
+    sched = flow_scheduler(scheduler, shift)
     pipe = WanPipeline(tokenizer=tokenizer, text_encoder=text_encoder, vae=vae, scheduler=sched,
                        transformer=experts[0], transformer_2=experts[1] if len(experts) == 2 else None,
                        boundary_ratio=boundary_ratio if two_experts else None)
@@ -91,3 +83,16 @@ def save_random_checkpoint(path: str | Path, sizes: WanSizes | None = None, *, s
         index["transformer_2"] = index["transformer"]
         (path / "model_index.json").write_text(json.dumps(index, indent=2) + "\n")
     return path
+
+
+def flow_scheduler(kind: str, shift: float):
+    """A random checkpoint's scheduler: FlowMatch Euler, or UniPC on flow σ's ending at σ = 0 (Wan's and
+    Cosmos3's published one)."""
+    from diffusers import FlowMatchEulerDiscreteScheduler, UniPCMultistepScheduler
+
+    if kind == "euler":
+        return FlowMatchEulerDiscreteScheduler(shift=shift)
+    if kind == "unipc":
+        return UniPCMultistepScheduler(prediction_type="flow_prediction", use_flow_sigmas=True, flow_shift=shift,
+                                       final_sigmas_type="zero")
+    raise ValueError(f"scheduler {kind!r}: 'euler' or 'unipc'")
