@@ -40,7 +40,7 @@ if [[ -n "${FINAL_EVAL:-}" ]]; then
   i=0
   for run in "$root"/*/; do
     gpu=${gpu_ids[$(( i++ % gpus ))]}
-    read -r guidance steps < <(python3 -c "import json, sys; c = json.load(open(sys.argv[1]))
+    read -r guidance steps < <(python3 -c "import json, sys; c = json.load(open(sys.argv[1])); c = c.get('flags', c)  # config.json: {tree, flags, …} (flat before)
 print(c['eval_guidance_scale'] or c['diffusion_guidance_scale'], c['eval_num_steps'] or c['diffusion_num_steps'])" "$run/config.json")
     ( for ckpt in $(ls -d "$run"checkpoints/rollout-* 2>/dev/null | sort | tail -1) "$run"checkpoints/best; do
         [[ -d "$ckpt" ]] || continue
