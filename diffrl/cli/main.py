@@ -10,6 +10,7 @@ import sys
 import tyro
 
 from diffrl.cli.bench import BenchConfig, bench
+from diffrl.cli.bench_train import BENCH_TRAIN_DEFAULTS, BenchTrainConfig, bench_train
 from diffrl.cli.compare import CompareConfig, compare
 from diffrl.cli.evaluate import EvaluateConfig, evaluate
 from diffrl.engine.server import ServeConfig, serve
@@ -19,7 +20,7 @@ from diffrl.train.config import TrainConfig
 from diffrl.train.pretrain import PretrainConfig, pretrain
 
 SUBCOMMANDS = {"train": TrainConfig, "pretrain": PretrainConfig, "evaluate": EvaluateConfig, "compare": CompareConfig,
-               "serve": ServeConfig, "bench": BenchConfig}
+               "serve": ServeConfig, "bench": BenchConfig, "bench-train": BenchTrainConfig}
 
 
 def _flag_value(args: list[str], flag: str) -> str | None:
@@ -61,9 +62,12 @@ def published_spellings(args: list[str]) -> list[str]:
 
 
 def parse(argv: list[str]):
-    if argv[:1] == ["train"]:
+    if argv[:1] in (["train"], ["bench-train"]):
         args = published_spellings(argv[1:])
         default = recipe_config(_flag_value(args, "--recipe"), _flag_value(args, "--device") or "auto")
+        if argv[0] == "bench-train":  # `train`'s flags, its defaults but a short run, and the benchmark's own
+            return tyro.cli(BenchTrainConfig, default=BenchTrainConfig(train=default.replace(**BENCH_TRAIN_DEFAULTS)),
+                            args=args, prog="diffrl bench-train", config=(tyro.conf.OmitArgPrefixes,))
         return tyro.cli(TrainConfig, default=default, args=args, prog="diffrl train",
                         config=(tyro.conf.OmitArgPrefixes,))
     return tyro.extras.subcommand_cli_from_dict(
@@ -90,6 +94,8 @@ def main(argv: list[str] | None = None) -> int:
             compare(config)
         elif isinstance(config, BenchConfig):
             bench(config)
+        elif isinstance(config, BenchTrainConfig):
+            bench_train(config)
         else:
             evaluate(config)
     except (ModelLoadError, FileExistsError, FileNotFoundError, ValueError) as err:

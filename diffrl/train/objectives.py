@@ -126,7 +126,7 @@ class FlowGrpo(_Objective):
                           env["cond"], env["uncond"], self.window)
 
     def start_update(self) -> None:
-        self._first_pass_diff, self._first_pass_n = 0.0, 0
+        self._first_pass_diff, self._first_pass_clipped, self._first_pass_n = 0.0, 0.0, 0
 
     def loss(self, batch: GrpoPairs, env: dict, step: int) -> tuple[torch.Tensor, dict[str, float]]:
         r, a, dev = self.cfg.rollout, self.cfg.algorithm, self.device
@@ -153,6 +153,7 @@ class FlowGrpo(_Objective):
                                kl_beta=a.diffusion_kl_beta, mean=out.mean, ref_mean=ref_mean, std=out.std)
         if step == 0:  # weights untouched yet: the rollout-vs-trainer log-prob agreement
             self._first_pass_diff += (out.log_prob.detach() - old_log_prob).abs().mean().item() * len(batch)
+            self._first_pass_clipped += terms.clipfrac.item() * len(batch)
             self._first_pass_n += len(batch)
         stats = {"train/loss": terms.loss.item(), "train/policy_loss": terms.policy_loss.item(),
                  "train/kl_loss": terms.kl_loss.item(), "train/approx_kl": terms.approx_kl.item(),
@@ -162,7 +163,9 @@ class FlowGrpo(_Objective):
     def update_stats(self) -> dict[str, float]:
         if not self._first_pass_n:
             return {}
-        return {"train/log_prob_mean_abs_diff": self._first_pass_diff / self._first_pass_n}
+        # train/clipfrac averages every optimizer step; the first pass alone measures on-policy exactness.
+        return {"train/log_prob_mean_abs_diff": self._first_pass_diff / self._first_pass_n,
+                "train/first_pass_clipfrac": self._first_pass_clipped / self._first_pass_n}
 
 
 class DiffusionNft(_Objective):

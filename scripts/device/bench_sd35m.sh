@@ -4,8 +4,9 @@
 # Carry `.whl`. JOBS is a list of STAGE:COMPILE, run in order (default: all five):
 #   rollout:0 / rollout:1  benchmarks/family_rollout.py: the transformer alone, our engine, diffusers'
 #                          StableDiffusion3Pipeline on the same weights, eager / regionally compiled
-#   train:0 / train:1      `diffrl train` (Flow-GRPO, SDE on 9 of 10 steps, 4 prompts × 16 samples per
-#                          rollout, jpeg_compressibility in 6 worker processes), eager / --compile
+#   train:0 / train:1      `diffrl bench-train` (Flow-GRPO, SDE on 9 of 10 steps, 4 prompts × 16 samples per
+#                          rollout, jpeg_compressibility in 6 worker processes), eager / --compile: the training
+#                          loop's cost table (steady state = the rollouts after the first), with an MFU estimate
 #   baseline:0             benchmarks/flow_grpo_baseline.py: the published Flow-GRPO code's rollout and train
 #                          step on diffusers' pipeline, same weights and batch shape (eager, as published);
 #                          e.g. JOBS="baseline:0 train:1" puts the peer and diffrl in one call
@@ -41,18 +42,12 @@ for job in ${JOBS:-rollout:0 rollout:1 train:0 train:1 baseline:0}; do
     train)
       make_ckpt
       run=runs/sd35m-grpo-$tag; rm -rf "$run"
-      # --recipe sd3-grpo (diffrl/recipes.py) holds the settings measured on 2026-12-01.
-      python3 -m diffrl.cli.main train --recipe sd3-grpo --model-path "$ckpt" --diffusion-model-family sd3 \
-        --num-rollout "${ROLLOUTS:-3}" --reward jpeg_compressibility --reward-workers 6 --checkpoint-interval 1000 \
-        --output-dir "$run" "${flag[@]}" ${TRAIN_FLAGS:-} 2>&1 | quiet | tail -15
-      cp "$run/metrics.jsonl" "$OUT/train_sd35m_grpo_$tag.jsonl" 2>/dev/null
-      python3 -c "
-import json, sys
-for line in open(sys.argv[1]):
-    r = json.loads(line)
-    print(r['rollout'], {k: round(v, 3) for k, v in r.items() if k in ('rollout/seconds', 'rollout/images_per_s',
-          'train/seconds', 'train/pairs_per_s', 'train/pairs', 'memory/peak_gib', 'train/log_prob_mean_abs_diff')})
-" "$run/metrics.jsonl" ;;
+      # --recipe sd3-grpo (diffrl/recipes.py) holds the settings measured on 2026-12-01. bench-train prints the
+      # table (diffrl/cli/bench_train.py) and writes it with the per-rollout figures as JSON.
+      python3 -m diffrl.cli.main bench-train --recipe sd3-grpo --model-path "$ckpt" --diffusion-model-family sd3 \
+        --num-rollout "${ROLLOUTS:-3}" --reward jpeg_compressibility --reward-workers 6 --output-dir "$run" \
+        --out "$OUT/train_sd35m_grpo_$tag.json" "${flag[@]}" ${TRAIN_FLAGS:-} 2>&1 | quiet | tail -22
+      cp "$run/metrics.jsonl" "$OUT/train_sd35m_grpo_$tag.jsonl" 2>/dev/null ;;
     baseline)
       make_ckpt
       # The per-GPU shape of flow_grpo's SD3.5 configs (config/grpo.py, *_sd3_4gpu: 16 prompts × 16 images
