@@ -5,6 +5,10 @@
   tensors, full trajectories, conditioning on every record: `sglang.py`), so its clients work unchanged;
   `Accept: application/msgpack` negotiates diffrl's compact format instead (`wire.py`: msgpack, raw
   safetensors bytes, only the returned steps, conditioning once), which diffrl's own client asks for.
+  Either body is written while it is sent (`streaming.py`), record by record, each tensor from its own
+  memory, with its `Content-Length` known up front: the bytes are those of the body built in one piece,
+  but the server never holds that piece (a video response is gigabytes), the client can decode output 0
+  while the rest is on the wire, and a client that goes away mid-body stops the writing.
 - `GET /health_generate`: sglang-diffusion's liveness probe (200 while the server is up).
 - `POST /v1/images/generations`: OpenAI-style plain generation (PNG as base64), for eval and serving.
 - `GET /health`: status, family, weight version and the in-flight count used for routing.
@@ -42,15 +46,17 @@ from typing import Literal
 import torch
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
-from fastapi.responses import JSONResponse, Response
+from fastapi.responses import JSONResponse, Response, StreamingResponse
 from PIL import Image
+from starlette.background import BackgroundTask
 from starlette.exceptions import HTTPException as StarletteHTTPException
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
 
 from diffrl.engine import sglang
 from diffrl.engine.engine import INT64_MAX, Engine, EngineBusy, EngineConfig, RequestCancelled
 from diffrl.engine.protocol import RolloutRequest, utf8_text
-from diffrl.engine.wire import MEDIA_TYPE, WireFormatError, decode_weights, encode_outputs
+from diffrl.engine.streaming import Body, stream
+from diffrl.engine.wire import MEDIA_TYPE, WireFormatError, decode_weights, encode_outputs, output_body
 from diffrl.errors import RequestError
 from diffrl.models.lora import LoraSpec
 from diffrl.utils.images import to_uint8
@@ -216,10 +222,13 @@ class _Guard:
 
 
 def create_app(engine: Engine, *, update_token: str | None = None, exposed: bool = False,
-               limits: ServerLimits | None = None, docs: bool = False, trim_heap: bool = False) -> FastAPI:
+               limits: ServerLimits | None = None, docs: bool = False, trim_heap: bool = False,
+               stream_responses: bool = True) -> FastAPI:
     """`exposed`: bound to a non-loopback address (weight updates then require `update_token`).
     `docs`: serve /docs and /openapi.json (off by default: they describe every endpoint to anyone).
-    `trim_heap`: when the engine falls idle, hand freed heap pages back to the OS (`malloc_trim`)."""
+    `trim_heap`: when the engine falls idle, hand freed heap pages back to the OS (`malloc_trim`).
+    `stream_responses`: write rollout responses as they are sent (False: build each body first, then send
+    it; the same bytes)."""
     limits = limits or ServerLimits()
     trimming = {"pending": False}
 
@@ -298,13 +307,24 @@ def create_app(engine: Engine, *, update_token: str | None = None, exposed: bool
         if wants_compact(request.headers.get("accept")):
             if (outputs := await generate(request, req)) is None:
                 return Response(status_code=499)
+            if stream_responses:
+                return streamed(output_body(outputs), MEDIA_TYPE)
             body = await asyncio.to_thread(encode_outputs, outputs)  # serialization off the event loop
             return Response(content=body, media_type=MEDIA_TYPE)
         engine.plan(req)  # refuse bad input by the client's own field values before rewriting the request
         if (outputs := await generate(request, sglang.engine_request(req))) is None:
             return Response(status_code=499)
+        if stream_responses:  # the shared conditioning is base64-encoded here, once: off the event loop
+            body = await asyncio.to_thread(sglang.response_body, outputs, req, engine.family, uuid.uuid4().hex)
+            return streamed(body, sglang.JSON_MEDIA_TYPE)
         body = await asyncio.to_thread(sglang.encode_response, outputs, req, engine.family, uuid.uuid4().hex)
         return Response(content=body, media_type=sglang.JSON_MEDIA_TYPE)
+
+    def streamed(body: Body, media_type: str) -> StreamingResponse:
+        # Content-Length is known before a byte is written: clients see the framing a built body has.
+        # Once it is sent (or its client left), the heap goes back as after any request.
+        return StreamingResponse(stream(body), media_type=media_type, headers={"content-length": str(body.length)},
+                                 background=BackgroundTask(trim_when_idle))
 
     @app.post("/lora_adapter")
     async def lora_adapter(spec: LoraSpec) -> Response:  # token, host, origin, content type: `_Guard`
@@ -389,6 +409,9 @@ class ServeConfig:
     max_outputs_per_request: int = 64
     max_batch_outputs: int = 64
     """Outputs of waiting requests denoised together in one batch (requests with equal settings)."""
+    stream_responses: bool = True
+    """Write each rollout response while it is sent, output by output (the same bytes as a body built
+    first, never held whole in memory); False: build the body, then send it."""
     update_token: str | None = None
     """Bearer token for POST /update_weights and /lora_adapter (default: env DIFFRL_ENGINE_TOKEN). Without
     one, only a loopback server accepts them."""
@@ -506,5 +529,5 @@ def serve(cfg: ServeConfig) -> None:
     token = cfg.update_token or os.environ.get("DIFFRL_ENGINE_TOKEN")
     exposed = cfg.host not in LOOPBACK_HOSTS
     app = create_app(engine, update_token=token, exposed=exposed, limits=cfg.server_limits(), docs=cfg.docs,
-                     trim_heap=cfg.malloc_arena_max > 0)
+                     trim_heap=cfg.malloc_arena_max > 0, stream_responses=cfg.stream_responses)
     uvicorn.run(app, host=cfg.host, port=cfg.port, log_level="info")

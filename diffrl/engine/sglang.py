@@ -13,7 +13,8 @@ base64 of a safetensors file holding one tensor "t", "shape": [...], "dtype": "t
 The engine's `RolloutOutput` is the compact, in-process shape (log-probs per SDE step, the latents of
 the returned steps, conditioning once per request in diffrl's keys). `encode_response` turns it into
 this format on the server and `decode_response` turns this format back into it on the client, so the
-trainer reads one shape whatever the wire. The family adapter maps conditioning to and from sglang's
+trainer reads one shape whatever the wire. `response_body` is the same bytes written while they are sent
+and `ResponseStreamDecoder` reads them record by record as they arrive (`streaming.py`). The family adapter maps conditioning to and from sglang's
 cond kwargs (`FamilyAdapter.cond_kwargs_to_wire` / `cond_kwargs_from_wire`). Nothing here unpickles:
 tensors are safetensors, checked against a dtype whitelist, their declared shape and finiteness.
 """
@@ -31,6 +32,7 @@ from safetensors.torch import load as load_safetensors
 from safetensors.torch import save as save_safetensors
 
 from diffrl.engine.protocol import DitTrajectory, RolloutOutput, RolloutRequest
+from diffrl.engine.streaming import Base64, Body, JsonListSplitter, TensorFile, json_parts
 from diffrl.engine.wire import WireFormatError
 from diffrl.models.base import FamilyAdapter, PromptEmbeds
 
@@ -132,18 +134,25 @@ def engine_request(req: RolloutRequest) -> RolloutRequest:
 # ---------------------------------------------------------------------------- server side
 def encode_response(outputs: Sequence[RolloutOutput], req: RolloutRequest, family: FamilyAdapter,
                     request_id: str) -> bytes:
-    """The engine's outputs for `engine_request(req)` as sglang's JSON list. The conditioning (the same for
-    every output of a request) and the timesteps are encoded once and repeated on every record."""
+    """The engine's outputs for `engine_request(req)` as sglang's JSON list, in one piece."""
+    return bytes(response_body(outputs, req, family, request_id))
+
+
+def response_body(outputs: Sequence[RolloutOutput], req: RolloutRequest, family: FamilyAdapter,
+                  request_id: str) -> Body:
+    """`encode_response`'s bytes as a `streaming.Body`, written record by record as it is sent: each output's
+    tensors are base64-encoded from their own memory then. The conditioning (the same for every output of a
+    request) and the timesteps are encoded once, here, and repeated on every record."""
     n = req.num_inference_steps
     sde = torch.tensor(sde_steps(req), dtype=torch.int64)
     first = outputs[0]
     env = None
     if first.denoising_env is not None:
-        env = _to_json(_env_to_wire(first.denoising_env, family))
-    timesteps = None
+        env = _encoded(_to_json(_env_to_wire(first.denoising_env, family)))
+    timesteps = sigmas = None
     if first.dit_trajectory is not None:
-        timesteps = tensor_to_json(first.dit_trajectory.timesteps[:-1])  # the final latent has no step
-        sigmas = tensor_to_json(first.dit_trajectory.sigmas)
+        timesteps = _encoded(tensor_to_json(first.dit_trajectory.timesteps[:-1]))  # the final latent has no step
+        sigmas = _encoded(tensor_to_json(first.dit_trajectory.sigmas))
     records = []
     for out in outputs:
         image = out.generated_output if family.generates_video else out.generated_output.unsqueeze(1)
@@ -151,18 +160,29 @@ def encode_response(outputs: Sequence[RolloutOutput], req: RolloutRequest, famil
         if out.rollout_log_probs is not None:
             full = torch.zeros(n, dtype=torch.float32)
             full[sde] = out.rollout_log_probs.float()
-            log_probs = tensor_to_json(full)
+            log_probs = _lazy_tensor(full)
         trajectory = None
         if out.dit_trajectory is not None:
-            trajectory = {"latents": tensor_to_json(out.dit_trajectory.latents), "timesteps": timesteps,
+            trajectory = {"latents": _lazy_tensor(out.dit_trajectory.latents), "timesteps": timesteps,
                           "sigmas": sigmas}
         records.append({
             "request_id": request_id, "prompt": req.prompt, "seed": req.seed,
-            "generated_output": tensor_to_json(image), "rollout_log_probs": log_probs,
+            "generated_output": _lazy_tensor(image), "rollout_log_probs": log_probs,
             "rollout_debug_tensors": None, "denoising_env": env, "dit_trajectory": trajectory,
             "inference_time_s": out.inference_time_s, "peak_memory_mb": out.peak_memory_mb,
         })
-    return json.dumps(records, separators=(",", ":"), allow_nan=False).encode()
+    return Body(json_parts(records))
+
+
+def _lazy_tensor(tensor: torch.Tensor) -> dict:
+    """`tensor_to_json(tensor)` with its data base64-encoded only when the body is written."""
+    return {"__tensor__": True, "data": Base64(TensorFile(tensor, _KEY)), "shape": list(tensor.shape),
+            "dtype": str(tensor.dtype)}
+
+
+def _encoded(value: Any) -> bytes:
+    """JSON text of `value`, encoded once (`json_parts` repeats it as it is)."""
+    return json.dumps(value, separators=(",", ":"), allow_nan=False).encode()
 
 
 def _env_to_wire(env: dict[str, torch.Tensor], family: FamilyAdapter) -> dict:
@@ -188,37 +208,74 @@ def decode_response(payload: bytes, req: RolloutRequest,
         raise WireFormatError(f"response is not valid JSON: {err}") from None
     if not isinstance(records, list) or not records or not all(isinstance(r, dict) for r in records):
         raise WireFormatError("response body must be a non-empty list with one record per output")
-    n = req.num_inference_steps
-    sde = sde_steps(req)
-    rows = trajectory_steps(req)
-    wanted = compact_return_steps(req)
-    outputs = []
-    for i, record in enumerate(records):
-        where = f"output {i}"
+    reader = _RecordReader(req, family)
+    return [reader.output(i, record) for i, record in enumerate(records)]
+
+
+class ResponseStreamDecoder:
+    """`decode_response` as the bytes arrive: `feed(data)` returns the outputs whose records `data` completed
+    (record i is decoded as soon as its closing brace is in); `finish()` checks the list was whole."""
+
+    def __init__(self, req: RolloutRequest, family: type[FamilyAdapter] = FamilyAdapter):
+        self._splitter = JsonListSplitter()
+        self._reader = _RecordReader(req, family)
+        self.count = 0
+
+    def feed(self, data: bytes | memoryview) -> list[RolloutOutput]:
+        outputs = []
+        for text in self._splitter.feed(data):
+            try:
+                record = json.loads(text)
+            except (ValueError, UnicodeDecodeError) as err:
+                raise WireFormatError(f"output {self.count}: not valid JSON: {err}") from None
+            if not isinstance(record, dict):
+                raise WireFormatError("response body must be a non-empty list with one record per output")
+            outputs.append(self._reader.output(self.count, record))
+            self.count += 1
+        return outputs
+
+    def finish(self) -> None:
+        self._splitter.finish()
+        if self.count == 0:
+            raise WireFormatError("response body must be a non-empty list with one record per output")
+
+
+class _RecordReader:
+    """One sglang record as the engine's in-process output (what `decode_response` does to each)."""
+
+    def __init__(self, req: RolloutRequest, family: type[FamilyAdapter]):
+        self.req, self.family = req, family
+        self.n = req.num_inference_steps
+        self.sde = sde_steps(req)
+        self.rows = trajectory_steps(req)
+        self.wanted = compact_return_steps(req)
+        self.video = family.generates_video if family is not FamilyAdapter else (req.num_frames or 1) > 1
+
+    def output(self, i: int, record: dict) -> RolloutOutput:
+        req, n, where = self.req, self.n, f"output {i}"
         image = tensor_from_json(record.get("generated_output"), f"{where}.generated_output")
-        video = family.generates_video if family is not FamilyAdapter else (req.num_frames or 1) > 1
-        if image.dim() == 4 and image.shape[1] == 1 and not video:
+        if image.dim() == 4 and image.shape[1] == 1 and not self.video:
             image = image[:, 0]  # sglang's image [C, 1, H, W] → diffrl's [C, H, W]
         log_probs = None
         if record.get("rollout_log_probs") is not None:
             full = tensor_from_json(record["rollout_log_probs"], f"{where}.rollout_log_probs")
             if tuple(full.shape) != (n,):
                 raise WireFormatError(f"{where}.rollout_log_probs: expected one per step [{n}], got {list(full.shape)}")
-            log_probs = full[sde].float()
+            log_probs = full[self.sde].float()
         trajectory = None
         if record.get("dit_trajectory"):
-            trajectory = _decode_trajectory(record["dit_trajectory"], rows, wanted, n, f"{where}.dit_trajectory")
+            trajectory = _decode_trajectory(record["dit_trajectory"], self.rows, self.wanted, n,
+                                            f"{where}.dit_trajectory")
         env = None
         if i == 0 and record.get("denoising_env"):  # the same for every output: kept once, as in-process
-            env = _decode_env(record["denoising_env"], family, trajectory, req, f"{where}.denoising_env")
-        outputs.append(RolloutOutput(
+            env = _decode_env(record["denoising_env"], self.family, trajectory, req, f"{where}.denoising_env")
+        return RolloutOutput(
             seed=req.seed + i,  # sglang reports the request's seed on every record; output i drew seed + i
             generated_output=image, rollout_log_probs=log_probs, dit_trajectory=trajectory, denoising_env=env,
             weight_version=int(record.get("weight_version", -1)),
             inference_time_s=float(record.get("inference_time_s") or 0.0),
             peak_memory_mb=float(record.get("peak_memory_mb") or 0.0),
-        ))
-    return outputs
+        )
 
 
 def _decode_trajectory(obj: Any, rows: list[int], wanted: list[int], n: int, field: str) -> DitTrajectory:

@@ -3,6 +3,8 @@
 The body is a list with one map per output; each tensor is
 `{"__tensor__": true, "data": <safetensors bytes>, "shape": [...], "dtype": "..."}` — the
 convention sglang-diffusion uses, so its clients parse our responses and ours parse its.
+`output_body` is the same bytes written as they are sent, and `OutputStreamDecoder` reads them
+output by output as they arrive (`streaming.py`).
 """
 
 from __future__ import annotations
@@ -15,6 +17,7 @@ from safetensors.torch import load as load_safetensors
 from safetensors.torch import save as save_safetensors
 
 from diffrl.engine.protocol import DitTrajectory, RolloutOutput
+from diffrl.engine.streaming import Body, TensorFile, msgpack_array_header, msgpack_parts
 
 MEDIA_TYPE = "application/msgpack"
 _TENSOR_KEY = "data"
@@ -75,6 +78,21 @@ def encode_outputs(outputs: list[RolloutOutput]) -> bytes:
     return msgpack.packb([_to_wire(o) for o in outputs], use_bin_type=True)
 
 
+def _tensor_map(tensor: torch.Tensor) -> dict:
+    """`encode_tensor`'s map with the data left to be written (`streaming.TensorFile`)."""
+    return {"__tensor__": True, "data": TensorFile(tensor, _TENSOR_KEY), "shape": list(tensor.shape),
+            "dtype": dtype_name(tensor.dtype)}
+
+
+def output_body(outputs: list[RolloutOutput]) -> Body:
+    """`encode_outputs(outputs)` as a `streaming.Body`: the same bytes, each tensor written from its own
+    memory as the body is sent."""
+    parts = [msgpack_array_header(len(outputs))]
+    for output in outputs:
+        parts += msgpack_parts(output, _tensor_map)
+    return Body(parts)
+
+
 def decode_outputs(payload: bytes) -> list[RolloutOutput]:
     try:
         records = msgpack.unpackb(payload, raw=False, object_hook=_from_wire_hook, strict_map_key=True)
@@ -84,11 +102,52 @@ def decode_outputs(payload: bytes) -> list[RolloutOutput]:
         raise WireFormatError(f"response is not valid msgpack: {err}") from None
     if not isinstance(records, list):
         raise WireFormatError("response body must be a list with one record per output")
-    outputs = []
-    for record in records:
+    return [_output(record) for record in records]
+
+
+def _output(record) -> RolloutOutput:
+    try:
+        trajectory = record.get("dit_trajectory")
+        return RolloutOutput(**{**record, "dit_trajectory": DitTrajectory(**trajectory) if trajectory else None})
+    except (TypeError, AttributeError) as err:
+        raise WireFormatError(f"malformed output record: {err}") from None
+
+
+class OutputStreamDecoder:
+    """Reads a compact response as its bytes arrive: `feed(data)` returns the outputs completed by `data`
+    (each decoded as soon as its last byte is in); `finish()` checks that every announced output came."""
+
+    def __init__(self):
+        # No buffer cap below msgpack's own (4 GiB): one video output is hundreds of MB.
+        self._unpacker = msgpack.Unpacker(raw=False, object_hook=_from_wire_hook, strict_map_key=True,
+                                          max_buffer_size=0)
+        self.expected: int | None = None
+        self.count = 0
+        self._received = 0
+
+    def feed(self, data: bytes | memoryview) -> list[RolloutOutput]:
+        outputs = []
+        self._received += len(data)
         try:
-            trajectory = record.get("dit_trajectory")
-            outputs.append(RolloutOutput(**{**record, "dit_trajectory": DitTrajectory(**trajectory) if trajectory else None}))
-        except (TypeError, AttributeError) as err:
-            raise WireFormatError(f"malformed output record: {err}") from None
-    return outputs
+            self._unpacker.feed(data)
+            if self.expected is None:
+                self.expected = self._unpacker.read_array_header()
+            while self.count < self.expected:
+                outputs.append(_output(self._unpacker.unpack()))
+                self.count += 1
+        except msgpack.OutOfData:
+            pass
+        except WireFormatError:
+            raise
+        except Exception as err:
+            if self.expected is None:
+                raise WireFormatError("response body must be a list with one record per output") from None
+            raise WireFormatError(f"response is not valid msgpack: {err}") from None
+        if self.count == self.expected and self._unpacker.tell() < self._received:
+            raise WireFormatError("bytes after the last output record")
+        return outputs
+
+    def finish(self) -> None:
+        if self.expected is None or self.count < self.expected:
+            raise WireFormatError(f"the response ended after {self.count} of "
+                                  f"{'?' if self.expected is None else self.expected} output records")

@@ -2,16 +2,20 @@
 
 The rollout manager only sees `EngineClient.generate(request) -> list[RolloutOutput]`. A refused
 request raises `RequestError` (not retried: another engine would refuse it too); an engine that
-cannot answer raises `EngineUnavailable` (retried on another engine).
+cannot answer raises `EngineUnavailable` (retried on another engine). A client whose `streams_outputs`
+is true also takes `on_output(i, output)`, called on the event loop as each output of the response
+arrives, before `generate` returns them all.
 """
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import http.client
 import json
 import os
 import threading
+from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from typing import Protocol
 from urllib.parse import urlsplit
@@ -21,13 +25,16 @@ import torch
 from diffrl.engine import sglang
 from diffrl.engine.engine import Engine
 from diffrl.engine.protocol import RolloutOutput, RolloutRequest
-from diffrl.engine.wire import MEDIA_TYPE, WireFormatError, decode_outputs, encode_weights
+from diffrl.engine.wire import MEDIA_TYPE, OutputStreamDecoder, WireFormatError, decode_outputs, encode_weights
 from diffrl.errors import RequestError
 from diffrl.models.base import FamilyAdapter
 from diffrl.models.lora import LoraSpec
 
 # Compact msgpack first; sglang-diffusion's JSON (what its servers always send) is read as well.
 _ACCEPT = {"compact": f"{MEDIA_TYPE}, {sglang.JSON_MEDIA_TYPE};q=0.5", "sglang": sglang.JSON_MEDIA_TYPE}
+# Most bytes one read of a streamed response takes: a read returns what has arrived, up to this.
+_READ_BYTES = 4 << 20
+OnOutput = Callable[[int, RolloutOutput], None]
 
 
 class EngineUnavailable(RuntimeError):
@@ -70,10 +77,16 @@ class HttpEngineClient:
     in-process `RolloutOutput`s. Reading JSON conditioning needs the model family's mapping of sglang's
     cond kwargs: `family` (a name or adapter class); else the server's `/health` family (a diffrl
     server), else env `DIFFRL_MODEL_FAMILY`, else the FLUX-style default. `wire_format="sglang"` asks a
-    diffrl server for the JSON format too (to measure or check it)."""
+    diffrl server for the JSON format too (to measure or check it).
+
+    `stream` (default): read a response as it arrives and decode each output as soon as its last byte is
+    in (either format), handing it to `generate`'s `on_output` while the rest is still on the wire: a
+    video response is large, so the scorer starts on output 0 long before output M − 1 has landed.
+    False: read the whole body, then decode it."""
 
     def __init__(self, base_url: str, *, timeout_s: float = 600.0, max_in_flight: int = 64,
-                 family: str | type[FamilyAdapter] | None = None, wire_format: str = "compact"):
+                 family: str | type[FamilyAdapter] | None = None, wire_format: str = "compact",
+                 stream: bool = True):
         url = urlsplit(base_url)
         if url.scheme not in ("http", "https") or not url.hostname:
             raise ValueError(f"engine URL {base_url!r}: expected http://host:port")
@@ -87,6 +100,7 @@ class HttpEngineClient:
         self._local = threading.local()  # each worker thread's connection
         self._family = family
         self._family_lock = threading.Lock()
+        self.streams_outputs = stream
 
     def _connection(self) -> http.client.HTTPConnection:
         connection = getattr(self._local, "connection", None)
@@ -112,22 +126,62 @@ class HttpEngineClient:
         status, content, _ = self._request_blocking("POST", path, body, headers, what)
         return status, content
 
-    def _generate_blocking(self, body: bytes, request: RolloutRequest) -> list[RolloutOutput]:
-        status, content, kind = self._request_blocking(
-            "POST", "/rollout/generate", body, {"content-type": "application/json", "accept": self._accept}, what="")
+    def _generate_blocking(self, body: bytes, request: RolloutRequest,
+                           deliver: OnOutput | None = None) -> list[RolloutOutput]:
+        headers = {"content-type": "application/json", "accept": self._accept}
+        if not self.streams_outputs:
+            status, content, kind = self._request_blocking("POST", "/rollout/generate", body, headers, what="")
+            self._check_status(status, content)
+            try:
+                if _is_compact(kind):
+                    return decode_outputs(content)
+                return sglang.decode_response(content, request, self._family_class())
+            except WireFormatError as err:  # a garbled answer: another engine may give a good one
+                raise EngineUnavailable(f"{self.name}: malformed response: {err}") from err
+        connection = None
+        try:
+            connection = self._connection()
+            connection.request("POST", f"{self._url.path.rstrip('/')}/rollout/generate", body=body, headers=headers)
+            response = connection.getresponse()
+            if response.status != 200:
+                self._check_status(response.status, response.read())
+            if _is_compact(response.getheader("content-type") or ""):
+                decoder = OutputStreamDecoder()
+            else:  # this thread's connection is busy with the response: /health goes on another
+                decoder = sglang.ResponseStreamDecoder(request, self._family_class(spare_connection=True))
+            outputs: list[RolloutOutput] = []
+            while chunk := response.read1(_READ_BYTES):
+                for output in decoder.feed(chunk):
+                    if deliver is not None:
+                        deliver(len(outputs), output)
+                    outputs.append(output)
+            decoder.finish()
+            return outputs
+        except (OSError, http.client.HTTPException) as err:
+            self._drop(connection)
+            raise EngineUnavailable(f"{self.name}: {err.__class__.__name__}: {err}") from err
+        except WireFormatError as err:  # a garbled answer: another engine may give a good one
+            self._drop(connection)  # the rest of the body is unread
+            raise EngineUnavailable(f"{self.name}: malformed response: {err}") from err
+        except BaseException:
+            self._drop(connection)
+            raise
+
+    def _check_status(self, status: int, content: bytes) -> None:
         if status in (400, 422):
             raise RequestError(*_field_and_message(content))
         if status != 200:
             raise EngineUnavailable(f"{self.name}: HTTP {status}: {content[:200].decode(errors='replace')}")
-        try:
-            if kind.split(";")[0].strip().lower() in (MEDIA_TYPE, "application/x-msgpack"):
-                return decode_outputs(content)
-            return sglang.decode_response(content, request, self._family_class())
-        except WireFormatError as err:  # a garbled answer: another engine may give a good one
-            raise EngineUnavailable(f"{self.name}: malformed response: {err}") from err
 
-    def _family_class(self) -> type[FamilyAdapter]:
-        """The family whose cond-kwargs mapping reads this engine's JSON conditioning (resolved once)."""
+    def _drop(self, connection: http.client.HTTPConnection | None) -> None:
+        """Close this thread's connection: a response left part-read cannot be followed by another request."""
+        if connection is not None:
+            connection.close()
+        self._local.connection = None
+
+    def _family_class(self, spare_connection: bool = False) -> type[FamilyAdapter]:
+        """The family whose cond-kwargs mapping reads this engine's JSON conditioning (resolved once).
+        `spare_connection`: ask /health on a connection of its own."""
         with self._family_lock:
             if isinstance(self._family, type):
                 return self._family
@@ -136,16 +190,37 @@ class HttpEngineClient:
             name = self._family or os.environ.get("DIFFRL_MODEL_FAMILY")
             if name is None:
                 try:
-                    status, content, _ = self._request_blocking("GET", "/health", None, {}, what="health: ")
+                    if spare_connection:
+                        status, content = self._health_on_new_connection()
+                    else:
+                        status, content, _ = self._request_blocking("GET", "/health", None, {}, what="health: ")
                     name = json.loads(content).get("family") if status == 200 else None
-                except (EngineUnavailable, ValueError, AttributeError):
+                except (EngineUnavailable, OSError, http.client.HTTPException, ValueError, AttributeError):
                     name = None
             self._family = get_family(name) if name else FamilyAdapter
             return self._family
 
-    async def generate(self, request: RolloutRequest) -> list[RolloutOutput]:
+    def _health_on_new_connection(self) -> tuple[int, bytes]:
+        kind = http.client.HTTPSConnection if self._url.scheme == "https" else http.client.HTTPConnection
+        connection = kind(self._url.hostname, self._url.port, timeout=min(self._timeout_s, 30.0))
+        try:
+            connection.request("GET", f"{self._url.path.rstrip('/')}/health")
+            response = connection.getresponse()
+            return response.status, response.read()
+        finally:
+            connection.close()
+
+    async def generate(self, request: RolloutRequest, on_output: OnOutput | None = None) -> list[RolloutOutput]:
+        """The request's outputs; with `stream`, `on_output(i, output)` runs on this event loop as output i
+        arrives (for every output, before this returns)."""
         body = json.dumps(request.model_dump(exclude_none=True)).encode()
-        return await asyncio.get_running_loop().run_in_executor(self._threads, self._generate_blocking, body, request)
+        loop = asyncio.get_running_loop()
+        deliver = None
+        if on_output is not None:
+            def deliver(i: int, output: RolloutOutput) -> None:
+                with contextlib.suppress(RuntimeError):  # the loop has closed: nobody waits for the output
+                    loop.call_soon_threadsafe(on_output, i, output)
+        return await loop.run_in_executor(self._threads, self._generate_blocking, body, request, deliver)
 
     def push_weights(self, tensors: dict[str, torch.Tensor], version: int, token: str | None = None) -> None:
         """Send named transformer tensors to the engine (`POST /update_weights`), synchronously:
@@ -169,6 +244,10 @@ class HttpEngineClient:
     def close(self) -> None:
         """Stop the worker threads (their connections close with them)."""
         self._threads.shutdown(wait=False)
+
+
+def _is_compact(content_type: str) -> bool:
+    return content_type.split(";")[0].strip().lower() in (MEDIA_TYPE, "application/x-msgpack")
 
 
 def _field_and_message(content: bytes) -> tuple[str, str]:

@@ -4,8 +4,10 @@ Every microgroup of every group is its own asyncio task. A global semaphore caps
 requests at `engine_concurrency × number_of_engines`; each request goes to the engine with the
 fewest in-flight requests (ties: the first listed). The reward of a microgroup is computed as
 soon as it lands, while other microgroups are still generating (the semaphore is released first,
-so scoring never holds an engine slot). A failed engine costs a retry elsewhere, not a sample:
-the seeds fix the result.
+so scoring never holds an engine slot). Videos from a client that streams a response's outputs
+(`HttpEngineClient`) are scored one by one as each arrives, while the rest of the response is still on
+the wire (`stream_scoring`). A failed engine costs a retry elsewhere, not a sample: the seeds fix the
+result.
 """
 
 from __future__ import annotations
@@ -35,6 +37,10 @@ class RolloutConfig:
     """In-flight requests per engine; the manager's global cap is this × number of engines."""
     rollout_seed: int = 0
     max_retries: int = 2
+    stream_scoring: bool = True
+    """Videos arriving one by one from a client that streams them are each scored alone as soon as they
+    arrive (the reward batch is then always 1 video, whatever the timing). Images, other clients and False:
+    one reward batch per microgroup once all of it is in."""
 
 
 @dataclass
@@ -102,28 +108,35 @@ class RolloutManager:
 
     async def _microgroup(self, prompt, prompt_meta, fields, group_index, idx, size, seed, stats) -> list[Sample]:
         request = RolloutRequest(prompt=prompt, seed=seed, num_outputs_per_prompt=size, **fields)
-        outputs, engine = await self._dispatch(request, stats)
+        scorer = None if self.reward_fn is None else _Scorer(self.reward_fn, prompt, prompt_meta, group_index, idx)
+        try:
+            outputs, engine = await self._dispatch(
+                request, stats, scorer.arrived if scorer is not None and self.config.stream_scoring else None)
+            rewards = None
+            if scorer is not None:  # streamed: scored now, while other microgroups generate
+                outputs, rewards = await scorer.finish(outputs)
+        finally:
+            if scorer is not None:
+                scorer.cancel()  # a failed microgroup's scoring
         samples = [Sample(prompt, group_index, idx + i, o.seed, o, engine) for i, o in enumerate(outputs)]
-        if self.reward_fn is not None:  # streamed: scored now, while other microgroups generate
-            images = torch.stack([o.generated_output for o in outputs])
-            meta = [{**prompt_meta, "seed": s.seed, "group_index": group_index, "sample_index": s.sample_index}
-                    for s in samples]
-            rewards = self.reward_fn(images, [prompt] * size, meta)
-            if inspect.isawaitable(rewards):
-                rewards = await rewards
-            for sample, reward in zip(samples, rewards, strict=True):
-                sample.reward = float(reward)
+        for sample, reward in zip(samples, rewards or [None] * len(samples), strict=True):
+            sample.reward = reward
         return samples
 
-    async def _dispatch(self, request: RolloutRequest, stats: RolloutStats) -> tuple[list[RolloutOutput], str]:
+    async def _dispatch(self, request: RolloutRequest, stats: RolloutStats,
+                        on_output=None) -> tuple[list[RolloutOutput], str]:
         failed: set[int] = set()
         async with self._slots:
             for attempt in range(self.config.max_retries + 1):
                 k = self._least_loaded(exclude=failed)
                 self._in_flight[k] += 1
                 stats.requests += 1
+                client = self.clients[k]
                 try:
-                    outputs = await self.clients[k].generate(request)
+                    if on_output is not None and getattr(client, "streams_outputs", False):
+                        outputs = await client.generate(request, on_output=on_output)
+                    else:
+                        outputs = await client.generate(request)
                 except RequestError:
                     raise
                 except EngineUnavailable as err:
@@ -143,3 +156,51 @@ class RolloutManager:
     def _least_loaded(self, exclude: set[int]) -> int:
         candidates = [k for k in range(len(self.clients)) if k not in exclude] or list(range(len(self.clients)))
         return min(candidates, key=lambda k: self._in_flight[k])
+
+
+class _Scorer:
+    """The rewards of one microgroup: each video handed to `arrived(i, output)` is scored alone at once (a
+    task, so the client's next output is not held up); `finish(outputs)` scores what is left in one batch and
+    returns the outputs scored (for an index that arrived twice, e.g. from a retry after a broken response:
+    the first) with their rewards."""
+
+    def __init__(self, reward_fn: RewardFn, prompt: str, prompt_meta: dict, group_index: int, first_index: int):
+        self.reward_fn, self.prompt, self.prompt_meta = reward_fn, prompt, prompt_meta
+        self.group_index, self.first_index = group_index, first_index
+        self.outputs: dict[int, RolloutOutput] = {}
+        self.rewards: dict[int, float] = {}
+        self.tasks: list[asyncio.Task] = []
+
+    def arrived(self, i: int, output: RolloutOutput) -> None:
+        image = output.generated_output
+        if i in self.outputs or not (image.dim() == 4 and image.shape[1] > 1):  # images: one batch at the end
+            return
+        self.outputs[i] = output
+        self.tasks.append(asyncio.ensure_future(self._score([i])))
+
+    async def finish(self, outputs: list[RolloutOutput]) -> tuple[list[RolloutOutput], list[float]]:
+        rest = [i for i in range(len(outputs)) if i not in self.outputs]
+        for i in rest:
+            self.outputs[i] = outputs[i]
+        if rest:
+            await self._score(rest)
+        await asyncio.gather(*self.tasks)
+        return [self.outputs[i] for i in range(len(outputs))], [self.rewards[i] for i in range(len(outputs))]
+
+    async def _score(self, indices: list[int]) -> None:
+        outputs = [self.outputs[i] for i in indices]
+        images = torch.stack([o.generated_output for o in outputs])
+        meta = [{**self.prompt_meta, "seed": o.seed, "group_index": self.group_index,
+                 "sample_index": self.first_index + i} for i, o in zip(indices, outputs)]
+        rewards = self.reward_fn(images, [self.prompt] * len(indices), meta)
+        if inspect.isawaitable(rewards):
+            rewards = await rewards
+        for i, reward in zip(indices, rewards, strict=True):
+            self.rewards[i] = float(reward)
+
+    def cancel(self) -> None:
+        for task in self.tasks:
+            if not task.done():
+                task.cancel()
+            elif not task.cancelled():
+                task.exception()  # retrieved: a failed microgroup raises its own error
