@@ -99,6 +99,12 @@ def main() -> None:
     parser.add_argument("--compile", action="store_true", help="regional torch.compile of the family's blocks")
     parser.add_argument("--eager-numerics", action="store_true",
                         help="with --compile: inductor's emulate_precision_casts (the trainer's default)")
+    parser.add_argument("--compile-mode", default="default",
+                        choices=["default", "reduce-overhead", "max-autotune-no-cudagraphs"])
+    parser.add_argument("--attention-backend", default="auto", choices=["auto", "flash", "cudnn", "efficient", "math"])
+    parser.add_argument("--fuse-qkv", action="store_true", help="SD3: q/k/v projections as one matmul per stream")
+    parser.add_argument("--vae-decode-batch", type=int, default=None, help="images per VAE decode call; 0: all")
+    parser.add_argument("--no-pipeline", action="store_true", help="skip diffusers' pipeline (the baseline)")
     parser.add_argument("--out", default=None)
     args = parser.parse_args()
     if not args.checkpoint.exists():
@@ -106,7 +112,9 @@ def main() -> None:
     results = bench(BenchConfig(
         model_path=args.checkpoint, diffusion_model_family=args.family, device=args.device, dtype=args.dtype,
         resolution=args.resolution, height=args.height, width=args.width, num_frames=args.num_frames, n=args.n,
-        ms=tuple(args.ms), steps=args.steps, guidance_scale=args.guidance_scale, repeats=args.repeats, peak_tflops=args.peak_tflops, compile=args.compile, eager_numerics=args.eager_numerics))
+        ms=tuple(args.ms), steps=args.steps, guidance_scale=args.guidance_scale, repeats=args.repeats, peak_tflops=args.peak_tflops, compile=args.compile, eager_numerics=args.eager_numerics,
+        compile_mode=args.compile_mode, attention_backend=args.attention_backend, fuse_qkv=args.fuse_qkv,
+        vae_decode_batch=args.vae_decode_batch, reference_pipeline=not args.no_pipeline))
     emit(results, args.out)
 
 

@@ -19,6 +19,7 @@ import json
 import time
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Literal
 
 import torch
 
@@ -55,6 +56,14 @@ class BenchConfig:
     """Regional torch.compile of the family's blocks (as `diffrl train --compile`)."""
     eager_numerics: bool = False
     """With --compile: keep eager's bf16 roundings (the trainer's default; costs a few percent)."""
+    compile_mode: Literal["default", "reduce-overhead", "max-autotune-no-cudagraphs"] = "default"
+    """With --compile: torch.compile's mode (as `diffrl train --compile-mode`)."""
+    attention_backend: Literal["auto", "flash", "cudnn", "efficient", "math"] = "auto"
+    """SDPA kernel of the transformer's forwards (as `diffrl train --attention-backend`)."""
+    fuse_qkv: bool = False
+    """SD3: q/k/v projections as one matmul per stream (as `diffrl train --fuse-qkv`)."""
+    vae_decode_batch: int | None = None
+    """Images per VAE decode call in the family's decode; 0: all at once (as `diffrl train --vae-decode-batch`)."""
     reference_pipeline: bool = True
     """Also time diffusers' pipeline on the same weights, when the family has one."""
     out: Path | None = None
@@ -175,8 +184,8 @@ def pipeline_s_per_image(pipe, device, batch: int, size: tuple[int, int], steps:
 def bench(cfg: BenchConfig) -> dict:
     from diffrl.engine.engine import Engine, EngineConfig
     from diffrl.models import resolve_family
-    from diffrl.models.compile import compile_blocks
     from diffrl.models.demo import SHIPPED_DEMO_MODEL
+    from diffrl.models.speed import SpeedOptions
     from diffrl.rollout import InProcessEngineClient
     from diffrl.utils.device import resolve_device
     from diffrl.utils.size import sample_size
@@ -186,10 +195,15 @@ def bench(cfg: BenchConfig) -> dict:
     if cfg.n < 1 or not cfg.ms or any(not 1 <= m <= cfg.n for m in cfg.ms) or cfg.repeats < 1:
         raise ValueError(f"--ms must lie in 1..--n ({cfg.n}) and --repeats be >= 1; got --ms {list(cfg.ms)}, "
                          f"--repeats {cfg.repeats}")
+    speed = SpeedOptions(attention_backend=cfg.attention_backend, fuse_qkv=cfg.fuse_qkv,
+                         vae_decode_batch=cfg.vae_decode_batch, compile=cfg.compile, compile_mode=cfg.compile_mode,
+                         compile_eager_numerics=cfg.eager_numerics)
+    speed.check()
     device = resolve_device(cfg.device)
     model_path = cfg.model_path or SHIPPED_DEMO_MODEL
     family = resolve_family(cfg.diffusion_model_family, model_path).load(
         model_path, device=device, dtype=getattr(torch, cfg.dtype))
+    speed.apply(family)  # the engine's and the pipeline's transformer alike (the pipeline skips the SDPA choice)
     size = sample_size(cfg.resolution, cfg.height, cfg.width) or family.default_size()
     if cfg.num_frames is not None and not family.generates_video:
         raise ValueError(f"--num-frames {cfg.num_frames}: the {family.name} family generates images, not video")
@@ -203,13 +217,15 @@ def bench(cfg: BenchConfig) -> dict:
                "resolution": size[0] if size[0] == size[1] else None, "height": size[0], "width": size[1],
                "num_frames": frames if family.generates_video else None, "n": cfg.n, "steps": cfg.steps,
                "guidance_scale": guidance, "compile": cfg.compile,
-               "eager_numerics": cfg.compile and cfg.eager_numerics, "transformer": {}, "engine": {}}
+               "eager_numerics": cfg.compile and cfg.eager_numerics,
+               "compile_mode": cfg.compile_mode if cfg.compile else None, "attention_backend": cfg.attention_backend,
+               "fuse_qkv": cfg.fuse_qkv, "vae_decode_batch": cfg.vae_decode_batch, "transformer": {}, "engine": {}}
     reps = 5 if on_gpu else 1
     batches = sorted({1, cfg.n})
     gflops = {batch: transformer_gflop(family, batch, size, guidance, frames) for batch in batches}
     if cfg.compile:
         start = time.perf_counter()
-        compile_blocks(family.transformer, family.block_lists, eager_numerics=cfg.eager_numerics)
+        speed.compile_family(family)
         transformer_step_ms(family, cfg.n, size, guidance, 1, frames)
         results["compile_s"] = time.perf_counter() - start
         print(f"compiled the blocks and ran batch {cfg.n}: {results['compile_s']:.0f} s", flush=True)
@@ -222,7 +238,8 @@ def bench(cfg: BenchConfig) -> dict:
     print("VAE decode, ms per image: " + ", ".join(f"{k} {v:.1f}" for k, v in results["decode_ms_per_image"].items()),
           flush=True)
     floor_ms = results["transformer"][cfg.n]["ms_per_sample_step"] * cfg.steps
-    engine = Engine(family, EngineConfig(max_outputs_per_request=cfg.n, max_batch_outputs=cfg.n))
+    engine = Engine(family, EngineConfig(max_outputs_per_request=cfg.n, max_batch_outputs=cfg.n,
+                                         worker_threads=speed.engine_worker_threads(EngineConfig.worker_threads)))
     request = dict(num_inference_steps=cfg.steps, guidance_scale=guidance, rollout=True, rollout_sde_type="sde",
                    rollout_noise_level=0.7, rollout_sde_step_indices=[1, 2] if cfg.steps > 2 else [0],
                    rollout_return_dit_trajectory=True, rollout_return_denoising_env=True, height=size[0], width=size[1],

@@ -63,6 +63,11 @@ class EngineProcessSpec:
     offload_text_encoder: bool = False
     compile: bool = False
     compile_eager_numerics: bool = True
+    compile_mode: str = "default"
+    attention_backend: str = "auto"
+    fuse_qkv: bool = False
+    vae_decode_batch: int | None = None
+    """The trainer's speed options (`diffrl.models.speed.SpeedOptions`): the same forward on both sides."""
     max_outputs_per_request: int = 64
     max_batch_outputs: int = 64
     num_threads: int | None = None
@@ -117,7 +122,7 @@ def run_engine_process(connection, spec_json: str) -> None:
 class _EngineServer:
     def __init__(self, spec: EngineProcessSpec):
         from diffrl.models import resolve_family
-        from diffrl.models.compile import compile_blocks
+        from diffrl.models.speed import SpeedOptions
 
         if spec.num_threads:
             torch.set_num_threads(spec.num_threads)
@@ -134,10 +139,14 @@ class _EngineServer:
         family.autocast_dtype = _DTYPES[spec.autocast_dtype] if spec.autocast_dtype else None
         if spec.offload_text_encoder:
             family.offload_text_encoders_to_cpu()
-        if spec.compile:
-            compile_blocks(family.transformer, family.block_lists, eager_numerics=spec.compile_eager_numerics)
+        speed = SpeedOptions(attention_backend=spec.attention_backend, fuse_qkv=spec.fuse_qkv,
+                             vae_decode_batch=spec.vae_decode_batch, compile=spec.compile,
+                             compile_mode=spec.compile_mode, compile_eager_numerics=spec.compile_eager_numerics)
+        speed.apply(family, deterministic=spec.deterministic, lora_allowed_on_qkv=True)  # the adapter comes later
+        speed.compile_family(family)
         self.engine = Engine(family, EngineConfig(max_outputs_per_request=spec.max_outputs_per_request,
-                                                  max_batch_outputs=spec.max_batch_outputs))
+                                                  max_batch_outputs=spec.max_batch_outputs,
+                                                  worker_threads=speed.engine_worker_threads(EngineConfig.worker_threads)))
         self.device = family.device
         self.weights = ModuleOffload(family_modules(family), self.device)
         self.asleep = 0  # the level it sleeps at; 0: awake

@@ -418,6 +418,16 @@ class ServeConfig:
     compile: bool = False
     """torch.compile the transformer's repeated blocks (as `diffrl train --compile`, with eager's bf16
     roundings kept); a LoRA adapter hosted later recompiles them once."""
+    compile_mode: Literal["default", "reduce-overhead", "max-autotune-no-cudagraphs"] = "default"
+    """With --compile: torch.compile's mode (as `diffrl train --compile-mode`)."""
+    attention_backend: Literal["auto", "flash", "cudnn", "efficient", "math"] = "auto"
+    """SDPA kernel of the transformer's forwards (as `diffrl train --attention-backend`: a trainer pushing to
+    this engine should use the same, or its first-pass log-probs drift by the kernels' rounding)."""
+    fuse_qkv: bool = False
+    """SD3: q/k/v projections as one matmul per stream (as `diffrl train --fuse-qkv`); streams whose projections
+    a hosted LoRA adapter wraps run them one by one."""
+    vae_decode_batch: int | None = None
+    """Images per VAE decode call; 0: all at once; None: the default (see `diffrl train --vae-decode-batch`)."""
     # Limits (docs/wire-format.md, "Limits"): a refusal is a 4xx naming the field and changes nothing.
     max_body_bytes: int = 1 << 20
     """Largest JSON request body (bytes)."""
@@ -462,16 +472,22 @@ class ServeConfig:
 
 
 def build_engine(cfg: ServeConfig) -> Engine:
+    from dataclasses import replace
+
     from diffrl.models import resolve_family
-    from diffrl.models.compile import compile_blocks
     from diffrl.models.demo import SHIPPED_DEMO_MODEL
+    from diffrl.models.speed import SpeedOptions
     from diffrl.utils.device import resolve_device
 
+    speed = SpeedOptions(attention_backend=cfg.attention_backend, fuse_qkv=cfg.fuse_qkv,
+                         vae_decode_batch=cfg.vae_decode_batch, compile=cfg.compile, compile_mode=cfg.compile_mode)
+    speed.check()  # before the model loads
     model_path = cfg.model_path or SHIPPED_DEMO_MODEL
     family = resolve_family(cfg.diffusion_model_family, model_path).load(model_path, device=resolve_device(cfg.device))
-    if cfg.compile:
-        compile_blocks(family.transformer, family.block_lists)
-    return Engine(family, cfg.engine_config())
+    speed.apply(family, lora_allowed_on_qkv=True)  # a trainer's adapter comes later
+    speed.compile_family(family)
+    config = cfg.engine_config()
+    return Engine(family, replace(config, worker_threads=speed.engine_worker_threads(config.worker_threads)))
 
 
 def limit_malloc_arenas(arenas: int) -> bool:

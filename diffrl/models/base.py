@@ -55,6 +55,7 @@ from typing import Any, ClassVar
 import torch
 
 from diffrl.errors import ModelLoadError, RequestError
+from diffrl.models.attention import attention_context
 from diffrl.models.batch_invariance import (
     one_value_for_all_rows,
     rows_share_one_timestep,
@@ -153,12 +154,20 @@ class FamilyAdapter(ABC):
     # None = the weights' dtype, torch.bfloat16 = bf16 autocast. Set once on the shared object, so
     # the engine's rollouts and the trainer's forwards always run at the same precision.
     autocast_dtype: torch.dtype | None = None
+    # The SDPA kernel of every transformer call (`diffrl.models.attention.ATTENTION_BACKENDS`; auto: torch's
+    # choice), set once on the shared object like `autocast_dtype`.
+    attention_backend: str = "auto"
+    # Images (or videos) the VAE decodes per call: None = the default (one per call on CPU, where it keeps
+    # sample k's image independent of its batch; a pixel budget per call on a GPU), 0 = all at once, N = N.
+    vae_decode_batch: int | None = None
 
+    @contextlib.contextmanager
     def forward_precision(self):
-        """The context every transformer call of `velocity` runs in (see `autocast_dtype`)."""
+        """The context every transformer call of `velocity` runs in: `autocast_dtype` and `attention_backend`."""
         device_type = next(self.transformer.parameters()).device.type
-        return torch.autocast(device_type, dtype=self.autocast_dtype or torch.float32,
-                              enabled=self.autocast_dtype is not None)
+        with torch.autocast(device_type, dtype=self.autocast_dtype or torch.float32,
+                            enabled=self.autocast_dtype is not None), attention_context(self.attention_backend):
+            yield
 
     # ---------------------------------------------------------------- loading
     @classmethod

@@ -80,11 +80,16 @@ DECODE_PIXELS_PER_CALL = 8 * 512 * 512
 
 
 def decode_rows(decode: Callable[[torch.Tensor], torch.Tensor], latents: torch.Tensor, *,
-                chunked: bool | None = None) -> torch.Tensor:
+                chunked: bool | None = None, per_call: int | None = None) -> torch.Tensor:
     """`decode` over the rows of `latents`: one row per call on CPU, where BLAS would round a batched
     convolution differently and an image must not depend on its microgroup; on a GPU (or `chunked`) in
     chunks of `DECODE_PIXELS_PER_CALL`, since kernels there differ by batch size anyway and one 512²
-    image per call left the VAE mostly idle (BENCHMARKS.md, SD3.5-M)."""
+    image per call left the VAE mostly idle (BENCHMARKS.md, SD3.5-M). `per_call` (the family's
+    `vae_decode_batch`, `--vae-decode-batch`) overrides both on any device: N rows per call, 0 all at once."""
+    if per_call is not None:
+        if per_call < 0:
+            raise ValueError(f"--vae-decode-batch must be >= 0 (0: all at once), got {per_call}")
+        return torch.cat([decode(chunk) for chunk in latents.split(per_call or len(latents))])
     if not (latents.device.type != "cpu" if chunked is None else chunked):
         return torch.cat([decode(row[None]) for row in latents])
     first = decode(latents[:1])  # its size says how many images fit in one call

@@ -9,6 +9,15 @@ Blocks rather than the whole transformer because
 - the engine and the trainer share the compiled modules, so rollout and training still run one
   implementation of the forward.
 Apply it after LoRA is added (peft replaces layers inside the blocks) and before FSDP2 shards them.
+
+Modes (`--compile-mode`, torch.compile's `mode`):
+- `default`: inductor's fused kernels, no CUDA graphs.
+- `reduce-overhead`: the same kernels replayed as CUDA graphs (cudagraph trees), which removes the host's
+  launch cost per kernel. Each block records one graph per input shape (the engine's batch, the trainer's
+  micro-batch, a smaller last one) and per thread that runs it; their memory pools stay reserved, so peak
+  memory grows; weights must keep their addresses (in-place updates only, as the optimizer does).
+- `max-autotune-no-cudagraphs`: inductor times several GEMM and fusion choices per shape and keeps the
+  fastest; compilation takes several times longer (minutes on SD3.5-M), the kernels are the same kind.
 """
 
 from __future__ import annotations
@@ -24,16 +33,21 @@ from diffrl.models.base import repeated_blocks
 # than dynamo's default of 8 entries, and past the limit it silently runs eager.
 RECOMPILE_LIMIT = 64
 
+COMPILE_MODES = ("default", "reduce-overhead", "max-autotune-no-cudagraphs")
+
 
 def compile_blocks(transformer: torch.nn.Module, block_lists: Sequence[str], *, mode: str | None = None,
                    eager_numerics: bool = True) -> int:
-    """Compile every block named by `block_lists` (see `repeated_blocks`); returns how many.
+    """Compile every block named by `block_lists` (see `repeated_blocks`) in `mode` (one of `COMPILE_MODES`;
+    None: default); returns how many.
 
     `eager_numerics` keeps the bf16 roundings eager would make between fused ops (inductor's
     `emulate_precision_casts`). The engine's graph (no gradients) and the trainer's (with them) fuse
     differently, so without it the trainer's replay of a rollout step drifts from the engine's log-prob:
     on SD3.5-M at 512² the first pass's mean |Δlogp| was 2.2e-4 (36% of pairs clipped at Flow-GRPO's clip
     range 1e-4) and 4.5e-5 with it (14%), for 7% of the training speed (BENCHMARKS.md). Eager: 1.6e-8."""
+    if mode is not None and mode not in COMPILE_MODES:
+        raise ValueError(f"--compile-mode {mode}: expected one of {', '.join(COMPILE_MODES)}")
     torch._dynamo.config.recompile_limit = max(torch._dynamo.config.recompile_limit, RECOMPILE_LIMIT)
     import torch._inductor.config as inductor_config
 
@@ -42,5 +56,5 @@ def compile_blocks(transformer: torch.nn.Module, block_lists: Sequence[str], *, 
     if not blocks:
         raise ValueError(f"no blocks to compile under {list(block_lists)}")
     for block in blocks:
-        block.compile(mode=mode)
+        block.compile(mode=None if mode == "default" else mode)
     return len(blocks)

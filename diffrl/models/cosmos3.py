@@ -349,7 +349,7 @@ class Cosmos3Family(FamilyAdapter):
     def decode(self, latents: torch.Tensor, height: int, width: int, num_frames: int | None = None) -> torch.Tensor:
         if self.vae is None:
             raise RuntimeError("this Cosmos3 model was loaded without its VAE (load_vae=False)")
-        return decode_wan_latents(self.vae, latents)
+        return decode_wan_latents(self.vae, latents, per_call=self.vae_decode_batch)
 
 
 def _keep_vision_tokens_in_the_weights_dtype(transformer) -> None:

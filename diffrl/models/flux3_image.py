@@ -217,5 +217,6 @@ class Flux3ImageFamily(FamilyAdapter):
         grid = grid.reshape(batch, channels // 4, 2, 2, h, w).permute(0, 1, 4, 2, 5, 3)
         grid = grid.reshape(batch, channels // 4, h * 2, w * 2)
         vae_dtype = next(self.vae.parameters()).dtype
-        images = decode_rows(lambda rows: self.vae.decode(rows.to(vae_dtype), return_dict=False)[0], grid)
+        images = decode_rows(lambda rows: self.vae.decode(rows.to(vae_dtype), return_dict=False)[0], grid,
+                             per_call=self.vae_decode_batch)
         return (images.float() / 2 + 0.5).clamp(0, 1)

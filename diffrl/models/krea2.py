@@ -295,4 +295,4 @@ class Krea2Family(FamilyAdapter):
 
     def decode(self, latents: torch.Tensor, height: int, width: int) -> torch.Tensor:
         return decode_latents(self.vae, latents, height // self.pixels_per_token, width // self.pixels_per_token,
-                              self.settings.patch_size)
+                              self.settings.patch_size, per_call=self.vae_decode_batch)

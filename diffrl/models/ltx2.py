@@ -365,5 +365,6 @@ class Ltx2Family(FamilyAdapter):
         timestep = None
         if self.vae.config.timestep_conditioning:
             timestep = torch.zeros(1, device=video.device, dtype=vae_dtype)
-        frames = decode_rows(lambda rows: self.vae.decode(rows.to(vae_dtype), timestep, return_dict=False)[0], video)
+        frames = decode_rows(lambda rows: self.vae.decode(rows.to(vae_dtype), timestep, return_dict=False)[0], video,
+                             per_call=self.vae_decode_batch)
         return (frames.float() / 2 + 0.5).clamp(0, 1)  # [B, 3, F, H, W]

@@ -316,4 +316,4 @@ class QwenImageFamily(FamilyAdapter):
 
     def decode(self, latents: torch.Tensor, height: int, width: int) -> torch.Tensor:
         return decode_latents(self.vae, latents, height // self.pixels_per_token, width // self.pixels_per_token,
-                              2)
+                              2, per_call=self.vae_decode_batch)

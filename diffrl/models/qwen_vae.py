@@ -23,8 +23,8 @@ def unpack_latents(tokens: torch.Tensor, h: int, w: int, patch: int) -> torch.Te
     return grid.reshape(batch, channels // patch**2, 1, h * patch, w * patch)
 
 
-def decode_latents(vae, tokens: torch.Tensor, h: int, w: int, patch: int) -> torch.Tensor:
-    """Packed tokens of an h×w token grid → images `[B, 3, H, W]` in [0, 1]."""
+def decode_latents(vae, tokens: torch.Tensor, h: int, w: int, patch: int, per_call: int | None = None) -> torch.Tensor:
+    """Packed tokens of an h×w token grid → images `[B, 3, H, W]` in [0, 1] (`per_call`: see `decode_rows`)."""
     grid = unpack_latents(tokens, h, w, patch)
     config = vae.config
     vae_dtype = next(vae.parameters()).dtype
@@ -33,5 +33,5 @@ def decode_latents(vae, tokens: torch.Tensor, h: int, w: int, patch: int) -> tor
     mean = torch.tensor(config.latents_mean).view(shape).to(grid.device, vae_dtype)
     inverse_std = 1.0 / torch.tensor(config.latents_std).view(shape).to(grid.device, vae_dtype)
     grid = grid / inverse_std + mean  # the pipelines' arithmetic, to the bit
-    images = decode_rows(lambda rows: vae.decode(rows, return_dict=False)[0][:, :, 0], grid)
+    images = decode_rows(lambda rows: vae.decode(rows, return_dict=False)[0][:, :, 0], grid, per_call=per_call)
     return (images.float() / 2 + 0.5).clamp(0, 1)

@@ -194,5 +194,6 @@ class SD3Family(FamilyAdapter):
         config = self.vae.config
         latents = latents / config.scaling_factor + (config.shift_factor or 0.0)
         vae_dtype = next(self.vae.parameters()).dtype
-        images = decode_rows(lambda rows: self.vae.decode(rows.to(vae_dtype), return_dict=False)[0], latents)
+        images = decode_rows(lambda rows: self.vae.decode(rows.to(vae_dtype), return_dict=False)[0], latents,
+                             per_call=self.vae_decode_batch)
         return (images.float() / 2 + 0.5).clamp(0, 1)

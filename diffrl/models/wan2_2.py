@@ -326,17 +326,18 @@ class Wan22Family(FamilyAdapter):
         return v_uncond + scale * (v_cond - v_uncond)
 
     def decode(self, latents: torch.Tensor, height: int, width: int, num_frames: int | None = None) -> torch.Tensor:
-        return decode_wan_latents(self.vae, latents)
+        return decode_wan_latents(self.vae, latents, per_call=self.vae_decode_batch)
 
 
-def decode_wan_latents(vae, latents: torch.Tensor) -> torch.Tensor:
+def decode_wan_latents(vae, latents: torch.Tensor, per_call: int | None = None) -> torch.Tensor:
     """Latents `[B, C, F', H', W']` normalized per channel → videos `[B, 3, F, H, W]` in [0, 1] through an
-    AutoencoderKLWan (Wan2.2's VAE, also Cosmos3's), one row at a time, with the pipelines' arithmetic."""
+    AutoencoderKLWan (Wan2.2's VAE, also Cosmos3's), rows per call as `decode_rows` says (`per_call`: the family's
+    `vae_decode_batch`), with the pipelines' arithmetic."""
     config = vae.config
     vae_dtype = next(vae.parameters()).dtype
     shape = (1, config.z_dim, 1, 1, 1)
     mean = torch.tensor(config.latents_mean, device=latents.device).view(shape)
     inv_std = 1.0 / torch.tensor(config.latents_std, device=latents.device).view(shape)
     latents = latents / inv_std + mean  # the pipeline's arithmetic, to the rounding
-    videos = decode_rows(lambda rows: vae.decode(rows.to(vae_dtype), return_dict=False)[0], latents)
+    videos = decode_rows(lambda rows: vae.decode(rows.to(vae_dtype), return_dict=False)[0], latents, per_call=per_call)
     return (videos.float() / 2 + 0.5).clamp(0, 1)

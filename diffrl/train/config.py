@@ -56,6 +56,22 @@ class ModelConfig:
     compile_eager_numerics: bool = True
     """With --compile: keep eager's bf16 roundings between fused ops, so the trainer's compiled replay of
     a rollout step stays close to the engine's log-prob (Flow-GRPO's ratio; see models/compile.py)."""
+    compile_mode: Literal["default", "reduce-overhead", "max-autotune-no-cudagraphs"] = "default"
+    """With --compile: torch.compile's mode. reduce-overhead replays each block as CUDA graphs (no launch
+    cost per kernel; one graph per batch size and thread, whose memory stays reserved); max-autotune-no-cudagraphs
+    times GEMM and fusion choices per shape (compilation takes several times longer). See models/compile.py."""
+    attention_backend: Literal["auto", "flash", "cudnn", "efficient", "math"] = "auto"
+    """SDPA kernel of every transformer forward, rollouts and training alike (one kernel, so the first-pass
+    ratio is not moved by a kernel switch); auto: torch's choice. cudnn and efficient need CUDA; deterministic
+    mode allows efficient and math only."""
+    fuse_qkv: bool = False
+    """SD3: each attention stream's q, k and v projections as one matmul (weights concatenated per call, so
+    full finetunes and weight updates stay exact). Streams whose projections carry LoRA stay unfused: with
+    SD3's default targets only the image-only attention of SD3.5's dual-attention blocks fuses. Refused when
+    LoRA leaves nothing to fuse."""
+    vae_decode_batch: int | None = None
+    """Images per VAE decode call in rollouts and evaluation; 0: all at once. None: one per call on CPU (sample
+    k's image then does not depend on its batch), 8 at 512² (a pixel budget) on a GPU."""
     float32_matmul_precision: Literal["highest", "high", "medium"] = "high"
     """torch.set_float32_matmul_precision; "high" lets GPUs use TF32 (engine and trainer alike, so the
     first-pass ratio stays 1). No effect on CPU."""
@@ -64,6 +80,15 @@ class ModelConfig:
         _require(self.lora_rank >= 1 and self.lora_alpha > 0,
                  f"--lora-rank must be >= 1 and --lora-alpha > 0 (got {self.lora_rank}, {self.lora_alpha})")
         self.size()  # refuses --resolution with --height/--width, one side alone, or a side below 1
+        self.speed_options().check()
+
+    def speed_options(self):
+        """The forward's speed settings, as the engine processes and the policy apply them."""
+        from diffrl.models.speed import SpeedOptions
+
+        return SpeedOptions(attention_backend=self.attention_backend, fuse_qkv=self.fuse_qkv,
+                            vae_decode_batch=self.vae_decode_batch, compile=self.compile,
+                            compile_mode=self.compile_mode, compile_eager_numerics=self.compile_eager_numerics)
 
     def size(self) -> tuple[int, int] | None:
         """(height, width) of rollouts and evaluation; None: the family's default."""
@@ -411,6 +436,7 @@ class TrainConfig:
 
         for name in _SECTIONS:
             getattr(self, name).check()
+        self.model.speed_options().check(self.deterministic_mode)  # the attention kernels it allows
         r, o, a = self.rollout, self.optim, self.algorithm
         check_batch_invariant(r.rollout_batch_size, r.n_samples_per_prompt, o.global_batch_size, o.num_steps_per_rollout)
         lo, hi = r.sde_window_range() if a.loss_type == "flow_grpo" else (0, r.diffusion_num_steps)

@@ -24,7 +24,6 @@ from collections.abc import Sequence
 import torch
 
 from diffrl.engine.colocated import ColocatedEngineClient
-from diffrl.models.compile import compile_blocks
 from diffrl.models.lora import LoraSpec, add_lora
 from diffrl.train.ema import ParameterEMA
 from diffrl.train.parallel import Parallel, full_tensor, shard_transformer
@@ -64,12 +63,19 @@ class Policy:
             if not any("lora_" in n for n, _ in transformer.named_parameters()):
                 raise ValueError(f"--lora-target-modules {', '.join(targets)}: no module of the {family.name} "
                                  "transformer matches")
+        # Attention kernel, fused projections, decode batch: after LoRA (whose targets --fuse-qkv checks),
+        # before the engine's copy is made, so that both run the same forward.
+        speed = m.speed_options()
+        streams = speed.apply(family, deterministic=cfg.deterministic_mode)
+        if streams and parallel.is_main:
+            print(f"--fuse-qkv: {sum(streams.values())} of {len(streams)} attention streams fused (the others carry "
+                  "LoRA on their q/k/v projections)")
         # The engine's family: the trained one itself in one process; under torchrun a full copy whose
         # weights are synced from the shards before each rollout and evaluation.
         self.engine_family = twin_with_own_transformer(family) if parallel.enabled else family
-        if m.compile:  # after LoRA (it replaces layers inside the blocks), before FSDP2 shards them
-            for f in {id(f): f for f in (family, self.engine_family)}.values():
-                compile_blocks(f.transformer, f.block_lists, eager_numerics=m.compile_eager_numerics)
+        # Compiled after LoRA (it replaces layers inside the blocks), before FSDP2 shards them.
+        for f in {id(f): f for f in (family, self.engine_family)}.values():
+            speed.compile_family(f)
         if parallel.enabled:
             shard_transformer(transformer, family.block_lists, parallel.mesh)
         # Trained, and what other engines receive after each update (LoRA: only the adapter's tensors).

@@ -191,7 +191,9 @@ class Trainer:
         engine = Engine(self.policy.engine_family,
                         EngineConfig(max_outputs_per_request=max(64, r.rollout_microgroup_size),
                                      max_batch_outputs=determinism.engine_batch_outputs(
-                                         e.engine_max_batch_outputs, self.cfg.deterministic_mode)))
+                                         e.engine_max_batch_outputs, self.cfg.deterministic_mode),
+                                     worker_threads=self.cfg.model.speed_options().engine_worker_threads(
+                                         EngineConfig.worker_threads)))
         self.policy.local_engine = engine
         # The family decodes conditioning sent in sglang's format by a server that is not diffrl's.
         remote = [HttpEngineClient(url, max_in_flight=e.engine_concurrency, family=family.name)
@@ -223,7 +225,8 @@ class Trainer:
             dtype="bfloat16" if bf16_forward(m, self.device) else "float32",
             transformer_dtype=None if m.use_lora else "float32", autocast_dtype=None if autocast is None else dtype_name(autocast),
             offload_text_encoder=m.offload_text_encoder, compile=m.compile,
-            compile_eager_numerics=m.compile_eager_numerics,
+            compile_eager_numerics=m.compile_eager_numerics, compile_mode=m.compile_mode,
+            attention_backend=m.attention_backend, fuse_qkv=m.fuse_qkv, vae_decode_batch=m.vae_decode_batch,
             max_outputs_per_request=max(64, cfg.rollout.rollout_microgroup_size),
             max_batch_outputs=determinism.engine_batch_outputs(cfg.engine.engine_max_batch_outputs, cfg.deterministic_mode),
             num_threads=torch.get_num_threads(),

@@ -1,0 +1,72 @@
+"""The forward's speed options in one object, applied the same way wherever a family is loaded to sample or
+train (the trainer's policy, a colocated engine process, `diffrl serve`, `diffrl bench`), so the engine and
+the trainer always run one forward:
+
+- `attention_backend` (`--attention-backend`): the SDPA kernel of every transformer call (`models/attention.py`);
+- `fuse_qkv` (`--fuse-qkv`): SD3's q/k/v projections as one matmul per stream (`models/attention.py`);
+- `vae_decode_batch` (`--vae-decode-batch`): images per VAE decode call (`batch_invariance.decode_rows`);
+- `compile`, `compile_mode`, `compile_eager_numerics` (`--compile`, `--compile-mode`,
+  `--compile-eager-numerics`): regional compilation of the repeated blocks (`models/compile.py`).
+
+`apply` sets the first three on a family (after a LoRA adapter is added, before compilation); `compile`
+compiles its blocks.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from diffrl.models.attention import check_attention_backend, fuse_qkv_projections, fused_qkv_streams
+from diffrl.models.compile import COMPILE_MODES, compile_blocks
+
+
+@dataclass(frozen=True)
+class SpeedOptions:
+    attention_backend: str = "auto"
+    fuse_qkv: bool = False
+    vae_decode_batch: int | None = None
+    compile: bool = False
+    compile_mode: str = "default"
+    compile_eager_numerics: bool = True
+
+    def check(self, deterministic: bool = False) -> None:
+        """Refuse contradictory values, naming the flags (the device is checked by `apply`)."""
+        check_attention_backend(self.attention_backend, None, deterministic)
+        if self.compile_mode not in COMPILE_MODES:
+            raise ValueError(f"--compile-mode {self.compile_mode}: expected one of {', '.join(COMPILE_MODES)}")
+        if self.compile_mode != "default" and not self.compile:
+            raise ValueError(f"--compile-mode {self.compile_mode} needs --compile")
+        if self.vae_decode_batch is not None and self.vae_decode_batch < 0:
+            raise ValueError(f"--vae-decode-batch must be >= 0 (0: all at once), got {self.vae_decode_batch}")
+
+    def apply(self, family, *, deterministic: bool = False, lora_allowed_on_qkv: bool = False) -> dict[str, bool]:
+        """Set the attention backend, the decode batch and the fused projections on `family`; returns the fused
+        attention streams (`fused_qkv_streams`: name → fused). With --fuse-qkv, streams whose projections carry a
+        LoRA adapter stay unfused (an adapter's delta needs its layer's own input, which a per-layer peft wrapper
+        computes), the others fuse; when a LoRA adapter leaves no stream to fuse the option would do nothing and
+        is refused, unless `lora_allowed_on_qkv` (an engine, which hosts whatever adapter a trainer sends)."""
+        self.check(deterministic)
+        check_attention_backend(self.attention_backend, family.device, deterministic)
+        family.attention_backend = self.attention_backend
+        family.vae_decode_batch = self.vae_decode_batch
+        if not self.fuse_qkv:
+            return {}
+        fuse_qkv_projections(family.transformer)
+        streams = fused_qkv_streams(family.transformer)
+        if not any(streams.values()) and not lora_allowed_on_qkv:
+            raise ValueError(f"--fuse-qkv: a LoRA adapter wraps the q/k/v projections of every attention stream "
+                             f"({len(streams)}), so nothing would fuse; pass --lora-target-modules without them, or "
+                             "drop --fuse-qkv")
+        return streams
+
+    def engine_worker_threads(self, default: int) -> int:
+        """Threads an engine drives its batches with: one under CUDA graphs (reduce-overhead), whose recordings
+        and memory pools are kept per thread; `default` otherwise."""
+        return 1 if self.compile and self.compile_mode == "reduce-overhead" else default
+
+    def compile_family(self, family) -> int:
+        """Compile the family's repeated blocks when `compile` is set; returns how many (0 when not)."""
+        if not self.compile:
+            return 0
+        return compile_blocks(family.transformer, family.block_lists, mode=self.compile_mode,
+                              eager_numerics=self.compile_eager_numerics)
