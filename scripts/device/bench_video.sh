@@ -34,6 +34,18 @@
 #     rollout of 16 samples, 35 steps with CFG 6, costs ~3 min, at 17 frames ~2-2.5 min, so 3 would not fit
 #     with the setup), 1 group (of 8) × 16 samples, recipe microgroup 1; ~19 TFLOP per forward, one sample per
 #     forward, 70-90 s per rollout: 3 rollouts ~4 min, sweep ~2 min (microgroup 4).
+#
+# http:FAMILY:GROUPS[:FRAMES[:HEIGHTxWIDTH]] items run benchmarks/video_microgroups_http.py instead: the family's
+# real-size random checkpoint behind one engine server (a subprocess, loopback HTTP), a rollout of GROUPS prompts ×
+# 8 samples at each microgroup size of MICROGROUPS (default "1 8 2 4"), streaming on and off, scored by SCORER
+# (default temporal_consistency, on the CPU; sleep:S: a stand-in costing S s per sample), 24 steps with 3 CPS steps
+# at noise 0.8 and CFG 1 (LTX-2.3's recipe), the engine denoising each request alone (the recipe's deterministic
+# mode). No rollout starts that would end past the call's limit (575 s); the JSON is rewritten after each.
+# Out: $OUT/video_http_FAMILY.json (wall, first scored sample, scoring hidden under the engine, per M and mode).
+#   JOBS="http:ltx2:1:57" MICROGROUPS="1 8" bash scripts/device/bench_video.sh
+#     The published claim (M = 1 pipelines better for LTX-2.3): 512 × 768 × 57 frames (the recipe's), 1 prompt × 8
+#     samples; a response of 8 is ~2.2 GB (compact). Setup ~2.5 min, ~60-100 s per rollout: M 1 and 8, streaming
+#     on and off (4 rollouts). A second call: MICROGROUPS="2 4"; a third: SCORER=sleep:2 MICROGROUPS="1 8".
 set -uo pipefail
 started=$(date +%s)
 bash scripts/device/install_wheels.sh || exit 1
@@ -43,12 +55,31 @@ export CUBLAS_WORKSPACE_CONFIG=:4096:8
 nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader
 quiet() { tr '\r' '\n' | grep -v "Loading\|float32\|torchvision\|^ *$\|Writing model\|^train " ; }
 for job in ${JOBS:?JOBS=recipe:groups[:frames[:HxW]] ...}; do
-  IFS=: read -r recipe groups frames size <<<"$job"
-  family=$(python3 -c "from diffrl.recipes import recipe_overrides; print(recipe_overrides('$recipe', 'cuda')['diffusion_model_family'])")
+  if [[ $job == http:* ]]; then
+    IFS=: read -r _ family groups frames size <<<"$job"
+  else
+    IFS=: read -r recipe groups frames size <<<"$job"
+    family=$(python3 -c "from diffrl.recipes import recipe_overrides; print(recipe_overrides('$recipe', 'cuda')['diffusion_model_family'])")
+  fi
   for other in runs/*-random runs/*-random.partial; do
     [[ -e $other && $other != runs/$family-random ]] && rm -rf "$other"
   done
   mkdir -p runs && df -h runs | tail -1
+  if [[ $job == http:* ]]; then
+    args=(--family "$family" --checkpoint "runs/$family-random" --prompts "$groups" --stop-by "$((started + 575))"
+          --scorer "${SCORER:-temporal_consistency}")
+    [[ -n ${frames:-} && $frames != - ]] && args+=(--num-frames "$frames")
+    [[ -n ${size:-} && $size != - ]] && args+=(--height "${size%x*}" --width "${size#*x}")
+    # shellcheck disable=SC2206  # lists of words
+    args+=(--microgroups ${MICROGROUPS:-1 8 2 4})
+    # shellcheck disable=SC2206
+    [[ -n ${FLAGS:-} ]] && args+=(${FLAGS})
+    echo "== $job $(date +%T)" | tee -a "$OUT/log.txt"
+    python3 benchmarks/video_microgroups_http.py --out "$OUT/video_http_${family}.json" "${args[@]}" 2>&1 | quiet \
+      | tee -a "$OUT/log.txt"
+    nvidia-smi --query-gpu=memory.used --format=csv,noheader
+    continue
+  fi
   args=(--rollout-batch-size "$groups" --num-rollout "${ROLLOUTS:-3}" --sweep-rollouts "${SWEEP_ROLLOUTS:-2}"
         --stop-by "$((started + 575))" --sweep-stop-by "$((started + ${BUDGET_S:-500}))")
   [[ -n ${frames:-} && $frames != - ]] && args+=(--num-frames "$frames")
