@@ -1,5 +1,5 @@
 """The shapes verifier against what an honest judge fails: a dirty background, stray marks and
-specks, ghost shapes, malformed shapes. The verifier is the RL reward, so each of these is a
+specks, ghost shapes, malformed shapes, dithered fills. The verifier is the RL reward, so each of these is a
 reward hack unless it fails strictly, with its reason named. Clean renders softened like a real
 sample (mild blur and noise), and a triangle shaded in two tones of its color, still pass.
 
@@ -240,6 +240,51 @@ def ghost_shape(prompt: str, seed: int, rng: np.random.Generator) -> np.ndarray 
     return soften(image, rng)
 
 
+def cielab(rgb) -> np.ndarray:
+    """CIELAB (D65) of an sRGB color in 0-255."""
+    c = np.asarray(rgb, np.float64) / 255
+    linear = np.where(c <= 0.04045, c / 12.92, ((c + 0.055) / 1.055) ** 2.4)
+    xyz = np.array([[0.4124, 0.3576, 0.1805], [0.2126, 0.7152, 0.0722], [0.0193, 0.1192, 0.9505]]) @ linear
+    t = xyz / np.array([0.9505, 1.0, 1.089])
+    f = np.where(t > (6 / 29) ** 3, np.cbrt(t), t / (3 * (6 / 29) ** 2) + 4 / 29)
+    return np.array([116 * f[1] - 16, 500 * (f[0] - f[1]), 200 * (f[1] - f[2])])
+
+
+def dithered_shape(rng: np.random.Generator) -> tuple[np.ndarray, str, float]:
+    """One shape whose fill is a checkerboard of two shades of its color, as the Flow-GRPO checkpoint
+    drew: the palette color and a darker shade or a lighter tint of it, or a shade and a tint around
+    it; cells of 1, 2 or (shapes of 20 px or more) 4 px; the two shades 12-24 ΔE apart (at 8 the pattern is faint even
+    zoomed in, from 12 it is plain at 4x). Returns (image with mild color noise, prompt, ΔE)."""
+    color = COLOR_NAMES[rng.integers(len(COLOR_NAMES))]
+    shape = SHAPES[rng.integers(len(SHAPES))]
+    side = int(rng.integers(14, 25))
+    base = np.array(COLORS[color], np.float64)
+    mode = ("darker", "lighter", "around")[rng.integers(3)]
+
+    def shades(t: float) -> tuple[np.ndarray, np.ndarray]:
+        darker, lighter = base * (1 - t), 255 - (255 - base) * (1 - t)
+        if mode == "around":
+            return base * (1 - t / 2), 255 - (255 - base) * (1 - t / 2)
+        return base, darker if mode == "darker" else lighter
+
+    target = rng.uniform(12, 24)
+    lo, hi = 0.0, 1.0  # the shading amount that puts the shades `target` apart (ΔE grows with it)
+    for _ in range(30):
+        mid = (lo + hi) / 2
+        first, second = shades(mid)
+        lo, hi = (mid, hi) if np.linalg.norm(cielab(first) - cielab(second)) < target else (lo, mid)
+    first, second = shades(lo)
+    cell = (1, 2, 4)[rng.integers(3 if side >= 20 else 2)]  # five cells across or more: a pattern, not shading
+    yy, xx = np.mgrid[:side, :side] + rng.integers(cell, size=(2, 1, 1))  # random phase
+    fill = np.where(((yy // cell + xx // cell) % 2 == 0)[..., None], first, second)
+    coverage = draw_polygon_mask(side, lambda d, s: draw_shape(d, shape, (0, 0, side * s - 1, side * s - 1), 255))
+    image = np.full((SIZE, SIZE, 3), 255.0)
+    x, y = (int(v) for v in rng.integers(3, SIZE - side - 3, size=2))
+    image[y : y + side, x : x + side] += coverage[..., None] * (fill - 255)
+    image += rng.normal(0, rng.uniform(0.5, 2.0), image.shape)
+    return np.clip(np.round(image), 0, 255).astype(np.uint8), f"a {color} {shape}", float(target)
+
+
 def _fail_rate(make, reason: str, n: int = PER_KIND, seed: int = 0) -> tuple[float, list]:
     """Share of n generated (image, prompt) cases (None: skipped) that fail with `reason` first."""
     rng = np.random.default_rng(seed)
@@ -341,6 +386,45 @@ def test_malformed_shapes_fail_as_shape(kind):
     rate, wrong = _fail_rate(make, "shape", seed=MALFORMED.index(kind) + 30)
     print(f"{kind}: {rate:.3f} fail as shape")
     assert rate >= MIN_RATE, wrong[:10]
+
+
+def test_dithered_fills_fail_as_texture():
+    """A checkerboard fill of two shades 12-24 ΔE apart, cells of 1, 2 or 4 px, fails as texture."""
+    rate, wrong = _fail_rate(lambda rng, k: dithered_shape(rng)[:2], "texture", seed=50)
+    print(f"dithered fill: {rate:.3f} fail as texture")
+    assert rate >= MIN_RATE, wrong[:10]
+
+
+@pytest.mark.parametrize("pattern", ["white_checker_1", "white_checker_2", "white_dots"])
+def test_white_pixels_in_a_fill_are_texture_not_holes(pattern):
+    """Pixels too pale to be the object's own leave pockets in it; small pockets are part of the
+    fill (a checkerboard with white, white dots), while a ring's hole stays a hole (a shape flaw)."""
+    rng = np.random.default_rng(52)
+    for color in COLOR_NAMES:
+        side = 22
+        yy, xx = np.mgrid[:side, :side]
+        if pattern == "white_dots":  # 2x2 dots every 5 px, off the edge
+            white = (yy % 5 < 2) & (xx % 5 < 2) & (yy > 2) & (xx > 2) & (yy < side - 3) & (xx < side - 3)
+        else:
+            cell = int(pattern[-1])
+            white = (yy // cell + xx // cell) % 2 == 0
+        fill = np.where(white[..., None], 255.0, np.array(COLORS[color], np.float64))
+        image = np.full((SIZE, SIZE, 3), 255.0)
+        image[20 : 20 + side, 20 : 20 + side] = fill
+        image = np.clip(np.round(image + rng.normal(0, 1, image.shape)), 0, 255).astype(np.uint8)
+        verdict = verify(image, f"a {color} square")
+        assert verdict.reason.startswith("texture: object 1 fill is dithered"), (color, verdict.reason)
+
+
+def test_dithered_object_counts_but_matches_no_shape():
+    """Like a malformed shape: the count and color stay right, the shape component is lost."""
+    rng = np.random.default_rng(51)
+    image, prompt, _ = dithered_shape(rng)
+    (found,) = detect_objects(image)
+    assert found.dithered and found.flaw is None
+    verdict = verify(image, prompt)
+    assert not verdict.strict and verdict.reason.startswith("texture: object 1 fill is dithered")
+    assert verdict.score == pytest.approx(2 / 3)
 
 
 def test_malformed_shape_is_one_object_that_matches_no_shape():
