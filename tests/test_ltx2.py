@@ -183,15 +183,22 @@ def test_defaults_targets_and_family_name(ltx, ltx_dir):
 @pytest.mark.parametrize(("fields", "field"), [
     ({"height": 48}, "height"), ({"width": 80}, "width"), ({"num_frames": 10}, "num_frames"),
     ({"image": "data:image/png;base64,AAAA"}, "image"), ({"true_cfg_scale": 4.0}, "true_cfg_scale"),
-    ({"guidance_scale": 4.0, "guidance_scale_2": 3.0}, "guidance_scale_2"),
+    ({"guidance_scale": 4.0, "guidance_scale_2": 3.0}, "guidance_scale_2"), ({"fps": 12}, "fps"),
+    ({"num_inference_steps": 1}, "num_inference_steps"),  # the terminal stretch of a 1-step schedule is 0/0
 ])
 def test_bad_requests_are_refused_by_name(ltx, fields, field):
     """Image conditioning (image to video) is refused, not ignored; so are sizes the VAE cannot take."""
     engine = Engine(ltx)
     with pytest.raises(RequestError) as err:
-        engine.generate(RolloutRequest(**{"prompt": "a cat", "num_inference_steps": 1, **fields}))
+        engine.generate(RolloutRequest(**{"prompt": "a cat", "num_inference_steps": 2, **fields}))
     assert err.value.field == field
     assert engine.in_flight == 0
+
+
+def test_the_checkpoints_frame_rate_is_accepted(ltx):
+    """`fps` equal to the checkpoint's frame rate is the default, not an error (sglang clients send it)."""
+    outputs = Engine(ltx).generate(RolloutRequest(prompt="a cat", num_inference_steps=3, fps=24))
+    assert len(outputs) == 1 and outputs[0].generated_output.shape[1] == ltx.default_num_frames
 
 
 def _edit_json(path: Path, **changes) -> None:

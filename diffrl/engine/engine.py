@@ -184,6 +184,9 @@ class Engine:
             num_frames = family.default_num_frames if req.num_frames is None else req.num_frames
         elif req.num_frames not in (None, 1):
             raise RequestError("num_frames", f"the {family.name} family generates images, not video (got {req.num_frames})")
+        if req.fps is not None and family.frame_rate is not None and req.fps != family.frame_rate:
+            raise RequestError("fps", f"the {family.name} family samples at its checkpoint's {family.frame_rate:g} fps "
+                                      f"(positions and prompt depend on it); got {req.fps}")
         if req.guidance_scale_2 is not None and not family.uses_guidance_scale_2:
             raise RequestError("guidance_scale_2", f"the {family.name} family (this checkpoint) has no second expert; "
                                                    "use guidance_scale")
@@ -195,6 +198,10 @@ class Engine:
         width = default_w if req.width is None else req.width
         family.check_size(height, width, **_frames(num_frames))
         n = req.num_inference_steps
+        # A scheduler may have no schedule at some step counts (one step with a terminal stretch divides by 0).
+        if not torch.isfinite(family.sigmas(n, height, width, **_frames(num_frames))).all():
+            raise RequestError("num_inference_steps", f"the {family.name} family's scheduler has no finite schedule "
+                                                      f"of {n} steps at this size")
         sde_type = req.rollout_sde_type if req.rollout else "ode"
         sde_steps = tuple(range(n)) if req.rollout_sde_step_indices is None else tuple(req.rollout_sde_step_indices)
         # Checked whether or not `rollout` is set: a bad index is a bad request either way.

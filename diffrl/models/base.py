@@ -134,6 +134,9 @@ class FamilyAdapter(ABC):
     # below; the engine refuses `num_frames` other than 1 for them.
     generates_video: ClassVar[bool] = False
     default_num_frames: ClassVar[int] = 1
+    # Video families whose samples depend on the frame rate (rotary positions, a prompt's duration sentence):
+    # the rate they sample at. The engine refuses a request's `fps` that differs; None: `fps` changes nothing.
+    frame_rate: float | None = None
     # Whether requests may set `guidance_scale_2` (the CFG scale of a second, low-noise expert); `velocity`
     # then takes it as a keyword (None: the same as guidance_scale). A family may set it per checkpoint.
     uses_guidance_scale_2: bool = False

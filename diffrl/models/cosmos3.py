@@ -127,6 +127,7 @@ class Cosmos3Family(FamilyAdapter):
     display_name = "Cosmos3"
     generates_video = True
     default_num_frames = 189  # the pipeline's defaults: 189 frames (7.9 s at 24 FPS) of 720 × 1280, CFG 6
+    frame_rate = FPS
     default_guidance_scale = 6.0
     timestep_scale = 1000.0
     pads_text = True  # conditioning rows are zero-padded bytes

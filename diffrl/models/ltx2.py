@@ -35,8 +35,8 @@ What this adapter reproduces of `LTX2Pipeline` (`tests/test_ltx2.py`, ODE sampli
 Refused: distilled checkpoints (a `distill` in the directory name or the model index: their fixed 8-step
 schedule is not the pipeline's default one), schedulers other than FlowMatchEulerDiscrete, and image
 conditioning (requests with an image are refused by the engine; the checkpoint itself also does image to video).
-Not passed through yet: a request's `fps` (the engine does not hand it to families): the frame rate is the
-checkpoint's setting.
+The frame rate is the checkpoint's setting (`frame_rate`): a request's `fps` must equal it (the engine refuses
+another, which would move the rotary positions).
 """
 
 from __future__ import annotations
@@ -150,6 +150,7 @@ class Ltx2Family(FamilyAdapter):
         if tokenizer.pad_token is None:
             tokenizer.pad_token = tokenizer.eos_token
         self.default_num_frames = settings.default_num_frames
+        self.frame_rate = settings.frame_rate
         config = transformer.config
         self.patch, self.patch_t = config.patch_size, config.patch_size_t
         self.spatial_ratio = vae.spatial_compression_ratio
