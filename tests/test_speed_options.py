@@ -268,3 +268,15 @@ def test_fused_qkv_trains_with_lora_and_stays_on_policy(sd35_dir, tmp_path, targ
     assert sum(streams.values()) == (1 if not targets else 5)
     record = trainer.rollout_and_update(0)
     assert record["train/log_prob_mean_abs_diff"] == 0.0 and record["train/grad_norm"] > 0
+
+
+# ---------------------------------------------------------------------------------------------- conditioning rows
+def test_pairs_index_one_row_per_request_conditioning():
+    """Samples of one request hold views of its conditioning: one row each, gathered back bit for bit."""
+    from diffrl.train.objectives import conditioning_rows
+
+    requests = [torch.randn(1, 5, 4), torch.randn(1, 5, 4)]
+    per_sample = [requests[0][0], requests[0][0], requests[1][0], requests[0][0][:], torch.randn(5, 4)]
+    rows, index = conditioning_rows(per_sample, "cpu")
+    assert rows.shape == (3, 5, 4) and [int(i) for i in index] == [0, 0, 1, 0, 2]
+    assert torch.equal(rows[torch.stack(index)], torch.stack(per_sample))

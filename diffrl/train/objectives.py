@@ -52,6 +52,22 @@ def rollout_conditioning(samples, pad_text: bool = False) -> dict:
             "negative_text_ids": env.get("negative_text_ids", env["text_ids"])}
 
 
+def conditioning_rows(tensors: Sequence[torch.Tensor], device: torch.device | str) -> tuple[torch.Tensor, list]:
+    """The distinct conditionings of `tensors` stacked on `device`, and each tensor's row in it. Samples of one
+    request hold views of its one conditioning (same memory, shape and strides): they share a row. Train pairs
+    then carry a row index instead of a copy of their prompt's embeddings (SD3 at 512²: 5.5 MB per pair and
+    CFG half), so the embeddings are neither stacked per pair on the host nor copied to the device per
+    micro-batch; a micro-batch gathers its rows on the device (the same values, bit for bit)."""
+    rows, index, seen = [], [], {}
+    for t in tensors:
+        key = (t.data_ptr(), tuple(t.shape), t.stride(), t.dtype, t.device)
+        if key not in seen:
+            seen[key] = len(rows)
+            rows.append(t)
+        index.append(torch.tensor(seen[key]))
+    return torch.stack(rows).to(device), index
+
+
 class _Objective:
     """What both objectives share: the policy they train and the family's velocity."""
 
@@ -119,11 +135,16 @@ class FlowGrpo(_Objective):
                                 rollout_return_dit_trajectory=True, rollout_return_denoising_env=True))
 
     def pairs(self, samples: Sequence, advantages: torch.Tensor, env: dict) -> GrpoPairs:
+        """Pairs whose `cond` / `uncond` are rows of `env["cond_rows"]` / `env["uncond_rows"]` (on the device)."""
         trajectories = [s.output.dit_trajectory for s in samples]
         self.sigma_max = float(trajectories[0].sigmas[1])  # the SDE's σ̃ where σ = 1
+        env["cond_rows"], cond = conditioning_rows(env["cond"], self.device)
+        uncond = [torch.tensor(0)] * len(samples)  # unused without CFG
+        if self.cfg.rollout.diffusion_guidance_scale > 1.0:
+            env["uncond_rows"], uncond = conditioning_rows(env["uncond"], self.device)
         return grpo_pairs([t.latents for t in trajectories], trajectories[0].latent_step_indices.tolist(),
                           [s.output.rollout_log_probs for s in samples], trajectories[0].sigmas, advantages,
-                          env["cond"], env["uncond"], self.window)
+                          cond, uncond, self.window)
 
     def start_update(self) -> None:
         self._first_pass_diff, self._first_pass_clipped, self._first_pass_n = 0.0, 0.0, 0
@@ -133,8 +154,8 @@ class FlowGrpo(_Objective):
         guidance = r.diffusion_guidance_scale
         x, x_next = batch.x.to(dev), batch.x_next.to(dev)
         sigma, sigma_next = batch.sigma.to(dev), batch.sigma_next.to(dev)
-        cond = batch.cond.to(dev)
-        uncond = batch.uncond.to(dev) if guidance > 1.0 else None
+        cond = env["cond_rows"][batch.cond.to(dev)]
+        uncond = env["uncond_rows"][batch.uncond.to(dev)] if guidance > 1.0 else None
 
         def step_of(v):  # the engine's transition, scoring the rollout's x_next instead of drawing one
             return transition(r.diffusion_sde_type, x, v, sigma, sigma_next, r.diffusion_noise_level,
@@ -181,14 +202,16 @@ class DiffusionNft(_Objective):
                                 rollout_return_step_indices=[n_steps], rollout_return_denoising_env=True))
 
     def pairs(self, samples: Sequence, advantages: torch.Tensor, env: dict) -> NftPairs:
+        """Pairs whose `cond` are rows of `env["cond_rows"]` (on the device)."""
         x0 = torch.stack([s.output.dit_trajectory.latents[0] for s in samples])
+        env["cond_rows"], cond = conditioning_rows(env["cond"], self.device)
         return nft_pairs(x0, [s.seed for s in samples], samples[0].output.dit_trajectory.sigmas, advantages,
-                         env["cond"], timestep_fraction=self.cfg.algorithm.nft_timestep_fraction)
+                         cond, timestep_fraction=self.cfg.algorithm.nft_timestep_fraction)
 
     def loss(self, batch: NftPairs, env: dict, step: int) -> tuple[torch.Tensor, dict[str, float]]:
         a, dev = self.cfg.algorithm, self.device
         x0, noise, t = batch.x0.to(dev), batch.noise.to(dev), batch.t.to(dev)
-        cond = batch.cond.to(dev)
+        cond = env["cond_rows"][batch.cond.to(dev)]
         x_t = noised(x0, noise, t)
         # The old policy first, with no graph: swapping parameters after building v_θ's graph would corrupt it.
         with torch.no_grad(), self.policy.ema.swapped_in():
@@ -221,20 +244,21 @@ class RewardFilteredSft(_Objective):
                                 rollout_return_step_indices=[r.diffusion_num_steps], rollout_return_denoising_env=True))
 
     def pairs(self, samples: Sequence, advantages: torch.Tensor, env: dict) -> NftPairs:
-        """Only the samples above their prompt's mean are data (none of a group whose rewards are equal)."""
+        """Only the samples above their prompt's mean are data (none of a group whose rewards are equal); their
+        `cond` are rows of `env["cond_rows"]`."""
         better = [i for i in range(len(samples)) if advantages[i] > 0]
         x0 = torch.stack([samples[i].output.dit_trajectory.latents[0] for i in better]) if better else None
         if x0 is None:
             return NftPairs(*(torch.empty(0) for _ in range(5)))
+        env["cond_rows"], cond = conditioning_rows([env["cond"][i] for i in better], self.device)
         return nft_pairs(x0, [samples[i].seed for i in better], samples[0].output.dit_trajectory.sigmas,
-                         advantages[better], [env["cond"][i] for i in better],
-                         timestep_fraction=self.cfg.algorithm.nft_timestep_fraction)
+                         advantages[better], cond, timestep_fraction=self.cfg.algorithm.nft_timestep_fraction)
 
     def loss(self, batch: NftPairs, env: dict, step: int) -> tuple[torch.Tensor, dict[str, float]]:
         dev = self.device
         x0, noise, t = batch.x0.to(dev), batch.noise.to(dev), batch.t.to(dev)
         x_t = noised(x0, noise, t)
-        loss = sft_loss(self._velocity(x_t, t, batch.cond.to(dev), None, 1.0, env), x0, noise)
+        loss = sft_loss(self._velocity(x_t, t, env["cond_rows"][batch.cond.to(dev)], None, 1.0, env), x0, noise)
         return loss, {"train/loss": loss.item()}
 
 
