@@ -225,82 +225,76 @@ def json_parts(value) -> list[Part]:
 class JsonListSplitter:
     """Cuts a JSON list of objects into its elements' bytes as the text arrives: `feed(data)` returns the
     elements completed by `data`; `finish()` checks the list was closed. Only the structure is scanned
-    (brackets, strings and their escapes); each element is left to `json.loads`."""
+    (brackets, strings and their escapes, with the state kept across pieces); each element is left to
+    `json.loads`. An element's pieces are joined once, when it closes."""
 
     _SYNTAX = re.compile(rb'[{}\[\]"]')
-    _IN_STRING = re.compile(rb'["\\]')
     _SPACE = b" \t\r\n"
 
     def __init__(self):
-        self._buf = bytearray()
-        self._pos = 0  # next byte of `_buf` to look at
-        self._state = "open"  # open: before "["; item: before an element; inside: in one; after: after one; done
+        self._state = "open"  # open: before "["; first/item: before an element; inside: in one; after; done
+        self._pieces: list[bytes] = []  # the open element's text so far
         self._depth = 0
-        self._string = False
+        self._string = self._escape = False
         self.count = 0
 
     def feed(self, data: bytes | memoryview) -> list[bytes]:
         from diffrl.engine.wire import WireFormatError
 
-        self._buf += data
-        elements, buf = [], self._buf
-        while self._pos < len(buf):
+        data = bytes(data)
+        elements, pos, start = [], 0, 0
+        while True:
             if self._state == "inside":
-                end = self._scan()
+                end = self._scan(data, pos)
                 if end is None:
+                    self._pieces.append(data[start:])
                     break
-                elements.append(bytes(buf[:end]))
-                del buf[:end]
-                self._pos, self._state = 0, "after"
+                elements.append(b"".join([*self._pieces, data[start:end]]))
+                self._pieces, self._state, pos = [], "after", end
                 self.count += 1
                 continue
-            byte = buf[self._pos]
+            if pos >= len(data):
+                break
+            byte = data[pos]
             if byte in self._SPACE:
-                self._pos += 1
+                pos += 1
                 continue
             char = chr(byte)
             if self._state == "open" and char == "[":
                 self._state = "first"
             elif self._state in ("first", "item") and char == "{":
-                del buf[:self._pos]
-                self._pos, self._state, self._depth, self._string = 1, "inside", 1, False
-                continue
-            elif self._state == "first" and char == "]" or self._state == "after" and char == "]":
+                self._state, self._depth, self._string, self._escape, start = "inside", 1, False, False, pos
+            elif self._state in ("first", "after") and char == "]":
                 self._state = "done"
             elif self._state == "after" and char == ",":
                 self._state = "item"
             else:
                 raise WireFormatError(f"response is not a JSON list of records: unexpected {char!r} "
                                       f"({self._state} element {self.count})")
-            self._pos += 1
-        if self._state != "inside":
-            del buf[:self._pos]
-            self._pos = 0
+            pos += 1
         return elements
 
-    def _scan(self) -> int | None:
-        """Where the element being read ends (the index after its closing brace), or None: more text needed."""
-        buf = self._buf
+    def _scan(self, data: bytes, pos: int) -> int | None:
+        """Where the open element ends in `data` (the index after its closing brace), or None: it goes on."""
         while True:
-            if self._string:
-                match = self._IN_STRING.search(buf, self._pos)
-                if match is None:
-                    self._pos = len(buf)
+            if self._escape:
+                if pos >= len(data):
                     return None
-                if match[0] == b"\\":
-                    if match.start() + 1 >= len(buf):  # the escaped character has not arrived yet
-                        self._pos = match.start()
-                        return None
-                    self._pos = match.start() + 2
+                pos, self._escape = pos + 1, False
+            if self._string:  # two memchr scans: most of a record is one long base64 string
+                quote = data.find(b'"', pos)
+                slash = data.find(b"\\", pos, len(data) if quote < 0 else quote)
+                if slash >= 0:
+                    pos, self._escape = slash + 1, True
                     continue
-                self._string, self._pos = False, match.end()
+                if quote < 0:
+                    return None
+                pos, self._string = quote + 1, False
                 continue
-            match = self._SYNTAX.search(buf, self._pos)
+            match = self._SYNTAX.search(data, pos)
             if match is None:
-                self._pos = len(buf)
                 return None
-            self._pos = match.end()
-            char = match[0]
+            pos, char = match.end(), match[0]
             if char == b'"':
                 self._string = True
             elif char in (b"{", b"["):
@@ -308,7 +302,7 @@ class JsonListSplitter:
             else:
                 self._depth -= 1
                 if self._depth == 0:
-                    return self._pos
+                    return pos
 
     def finish(self) -> None:
         from diffrl.engine.wire import WireFormatError
