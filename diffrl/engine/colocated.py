@@ -139,9 +139,7 @@ class _EngineServer:
         family.autocast_dtype = _DTYPES[spec.autocast_dtype] if spec.autocast_dtype else None
         if spec.offload_text_encoder:
             family.offload_text_encoders_to_cpu()
-        speed = SpeedOptions(attention_backend=spec.attention_backend, fuse_qkv=spec.fuse_qkv,
-                             vae_decode_batch=spec.vae_decode_batch, compile=spec.compile,
-                             compile_mode=spec.compile_mode, compile_eager_numerics=spec.compile_eager_numerics)
+        speed = SpeedOptions.of(spec)
         speed.apply(family, deterministic=spec.deterministic, lora_allowed_on_qkv=True)  # the adapter comes later
         speed.compile_family(family)
         self.engine = Engine(family, EngineConfig(max_outputs_per_request=spec.max_outputs_per_request,

@@ -479,8 +479,7 @@ def build_engine(cfg: ServeConfig) -> Engine:
     from diffrl.models.speed import SpeedOptions
     from diffrl.utils.device import resolve_device
 
-    speed = SpeedOptions(attention_backend=cfg.attention_backend, fuse_qkv=cfg.fuse_qkv,
-                         vae_decode_batch=cfg.vae_decode_batch, compile=cfg.compile, compile_mode=cfg.compile_mode)
+    speed = SpeedOptions.of(cfg)  # eager numerics kept with --compile, as `diffrl train` keeps them by default
     speed.check()  # before the model loads
     model_path = cfg.model_path or SHIPPED_DEMO_MODEL
     family = resolve_family(cfg.diffusion_model_family, model_path).load(model_path, device=resolve_device(cfg.device))

@@ -14,7 +14,7 @@ compiles its blocks.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, fields
 
 from diffrl.models.attention import check_attention_backend, fuse_qkv_projections, fused_qkv_streams
 from diffrl.models.compile import COMPILE_MODES, compile_blocks
@@ -28,6 +28,12 @@ class SpeedOptions:
     compile: bool = False
     compile_mode: str = "default"
     compile_eager_numerics: bool = True
+
+    @classmethod
+    def of(cls, config) -> SpeedOptions:
+        """The options of a config that declares them under these names (`diffrl train`'s model section,
+        `diffrl serve`, the colocated engine's spec); one it does not declare keeps its default."""
+        return cls(**{f.name: getattr(config, f.name) for f in fields(cls) if hasattr(config, f.name)})
 
     def check(self, deterministic: bool = False) -> None:
         """Refuse contradictory values, naming the flags (the device is checked by `apply`)."""

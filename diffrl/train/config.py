@@ -86,9 +86,7 @@ class ModelConfig:
         """The forward's speed settings, as the engine processes and the policy apply them."""
         from diffrl.models.speed import SpeedOptions
 
-        return SpeedOptions(attention_backend=self.attention_backend, fuse_qkv=self.fuse_qkv,
-                            vae_decode_batch=self.vae_decode_batch, compile=self.compile,
-                            compile_mode=self.compile_mode, compile_eager_numerics=self.compile_eager_numerics)
+        return SpeedOptions.of(self)
 
     def size(self) -> tuple[int, int] | None:
         """(height, width) of rollouts and evaluation; None: the family's default."""
