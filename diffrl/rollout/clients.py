@@ -102,11 +102,14 @@ class HttpEngineClient:
         self._family_lock = threading.Lock()
         self.streams_outputs = stream
 
+    def _new_connection(self, timeout_s: float) -> http.client.HTTPConnection:
+        kind = http.client.HTTPSConnection if self._url.scheme == "https" else http.client.HTTPConnection
+        return kind(self._url.hostname, self._url.port, timeout=timeout_s)
+
     def _connection(self) -> http.client.HTTPConnection:
         connection = getattr(self._local, "connection", None)
         if connection is None:
-            kind = http.client.HTTPSConnection if self._url.scheme == "https" else http.client.HTTPConnection
-            connection = self._local.connection = kind(self._url.hostname, self._url.port, timeout=self._timeout_s)
+            connection = self._local.connection = self._new_connection(self._timeout_s)
         return connection
 
     def _request_blocking(self, method: str, path: str, body: bytes | None, headers: dict,
@@ -201,8 +204,7 @@ class HttpEngineClient:
             return self._family
 
     def _health_on_new_connection(self) -> tuple[int, bytes]:
-        kind = http.client.HTTPSConnection if self._url.scheme == "https" else http.client.HTTPConnection
-        connection = kind(self._url.hostname, self._url.port, timeout=min(self._timeout_s, 30.0))
+        connection = self._new_connection(min(self._timeout_s, 30.0))
         try:
             connection.request("GET", f"{self._url.path.rstrip('/')}/health")
             response = connection.getresponse()
