@@ -12,15 +12,13 @@ from __future__ import annotations
 
 import argparse
 import collections
-import json
 import time
 from pathlib import Path
 
 import numpy as np
-from PIL import Image
 
 from diffrl.data.shapes import verify
-from diffrl.evaluation.shapes import RECORDS_FILE, SampleRecord, summarize
+from diffrl.evaluation.shapes import SampleRecord, judge, saved_samples, summarize
 
 
 def _kind(reason: str) -> str:
@@ -29,14 +27,11 @@ def _kind(reason: str) -> str:
 
 def rescore_folder(folder: Path, show: int) -> tuple[list[np.ndarray], list[str]]:
     """Print the comparison for one folder; returns its images and prompts."""
-    rows = [json.loads(line) for line in (folder / RECORDS_FILE).read_text(encoding="utf-8").splitlines()]
-    images = [np.asarray(Image.open(folder / row["file"]).convert("RGB")) for row in rows]
-    old, new = [], []
-    for row, image in zip(rows, images, strict=True):
-        verdict = verify(image, row["prompt"])
-        key = (row["prompt"], row["category"], row["seed"])
-        old.append(SampleRecord(*key, row["strict"], row["score"], row["reason"]))
-        new.append(SampleRecord(*key, verdict.strict, verdict.score, verdict.reason))
+    samples = saved_samples(folder)
+    rows, images = [row for row, _ in samples], [image for _, image in samples]
+    old = [SampleRecord(row["prompt"], row["category"], row["seed"], row["strict"], row["score"], row["reason"])
+           for row in rows]
+    new = [judge(row, image) for row, image in samples]
     before, after = summarize(old), summarize(new)
     print(f"== {folder} ({len(rows)} images)")
     print(f"{'':<14} {'strict':>15} {'score':>15}")

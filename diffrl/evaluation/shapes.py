@@ -153,17 +153,23 @@ def save_samples(records: Sequence[SampleRecord], images: torch.Tensor, out_dir:
     return rows
 
 
+def saved_samples(out_dir: str | Path) -> list[tuple[dict, np.ndarray]]:
+    """Each sample an evaluation saved (`--save-images`): its record as written (with the verdict of the
+    verifier at evaluation time) and its image, in record order."""
+    out_dir = Path(out_dir)
+    rows = [json.loads(line) for line in (out_dir / RECORDS_FILE).read_text(encoding="utf-8").splitlines()]
+    return [(row, np.asarray(Image.open(out_dir / row["file"]).convert("RGB"))) for row in rows]
+
+
+def judge(row: dict, image: np.ndarray) -> SampleRecord:
+    """A saved sample's record with the current verifier's verdict."""
+    verdict = verify(image, row["prompt"])
+    return SampleRecord(row["prompt"], row["category"], row["seed"], verdict.strict, verdict.score, verdict.reason)
+
+
 def rescore(out_dir: str | Path) -> list[SampleRecord]:
     """The saved images of an evaluation scored again by the current verifier, in record order."""
-    out_dir = Path(out_dir)
-    rescored = []
-    for line in (out_dir / RECORDS_FILE).read_text(encoding="utf-8").splitlines():
-        row = json.loads(line)
-        image = np.asarray(Image.open(out_dir / row["file"]).convert("RGB"))
-        verdict = verify(image, row["prompt"])
-        rescored.append(SampleRecord(row["prompt"], row["category"], row["seed"], verdict.strict, verdict.score,
-                                     verdict.reason))
-    return rescored
+    return [judge(row, image) for row, image in saved_samples(out_dir)]
 
 
 def save_records_grid(records: Sequence[SampleRecord], images: torch.Tensor, path: str | Path,
