@@ -278,31 +278,28 @@ def _surely_white() -> int:
 _SURELY_WHITE = _surely_white()
 
 
-def _dilate(mask: np.ndarray, radius: int) -> np.ndarray:
-    """`mask` grown by `radius` pixels in every direction, diagonals included (a square window)."""
+def _square_window(mask: np.ndarray, radius: int, fold) -> np.ndarray:
+    """`fold` (np.logical_or or np.logical_and) of `mask` over each pixel's square window of `radius`,
+    pixels outside the image counting as False: separable, a row pass then a column pass."""
     height, width = mask.shape
     padded = np.pad(mask, radius)
-    rows = np.zeros((height + 2 * radius, width), dtype=bool)
-    for dx in range(2 * radius + 1):
-        rows |= padded[:, dx : dx + width]
-    grown = np.zeros(mask.shape, dtype=bool)
-    for dy in range(2 * radius + 1):
-        grown |= rows[dy : dy + height]
-    return grown
+    rows = padded[:, :width].copy()
+    for dx in range(1, 2 * radius + 1):
+        fold(rows, padded[:, dx : dx + width], out=rows)
+    folded = rows[:height].copy()
+    for dy in range(1, 2 * radius + 1):
+        fold(folded, rows[dy : dy + height], out=folded)
+    return folded
+
+
+def _dilate(mask: np.ndarray, radius: int) -> np.ndarray:
+    """`mask` grown by `radius` pixels in every direction, diagonals included (a square window)."""
+    return _square_window(mask, radius, np.logical_or)
 
 
 def _erode(mask: np.ndarray, radius: int) -> np.ndarray:
     """The pixels of `mask` whose square window of `radius` lies in `mask` (outside it is not)."""
-    height, width = mask.shape
-    padded = np.zeros((height + 2 * radius, width + 2 * radius), dtype=bool)
-    padded[radius:-radius, radius:-radius] = mask
-    rows = padded[:, : width].copy()
-    for dx in range(1, 2 * radius + 1):
-        rows &= padded[:, dx : dx + width]
-    kept = rows[:height].copy()
-    for dy in range(1, 2 * radius + 1):
-        kept &= rows[dy : dy + height]
-    return kept
+    return _square_window(mask, radius, np.logical_and)
 
 
 def _euler_number(mask: np.ndarray) -> int:
