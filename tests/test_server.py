@@ -159,6 +159,36 @@ def test_http_client_survives_one_event_loop_per_rollout(served):
         assert len(groups[0]) == 2
 
 
+def test_http_client_outlives_the_servers_idle_timeout(tiny_family):
+    """A trainer talks to its engine once per rollout, far apart; the server closes an idle kept-alive
+    connection meanwhile (uvicorn: after 5 s). The next weight push (with a large body: a broken pipe while
+    writing it) and the next rollout request (a closed socket for an answer) go out again on a new connection."""
+    import time
+
+    from diffrl.engine.server import ServerLimits
+
+    engine = Engine(tiny_family, EngineConfig(max_outputs_per_request=8))
+    weights = {k: v.clone() for k, v in engine.family.transformer.state_dict().items()}
+    padded = weights | {"pad": torch.zeros(4 << 20)}  # 16 MB: more than the socket buffers take unread
+    request = RolloutRequest(prompt="a circle", seed=3, num_outputs_per_prompt=1, num_inference_steps=1)
+    app = create_app(engine, limits=ServerLimits(max_weights_bytes=64 << 20))
+    with serving_in_thread(app, keep_alive_s=0.2) as url:
+        client = HttpEngineClient(url)
+        try:
+            client.push_weights(weights, 1)
+            time.sleep(0.6)
+            client.push_weights(weights, 2)
+            time.sleep(0.6)
+            with pytest.raises(EngineUnavailable, match="refused: HTTP 400"):  # the server's answer ("pad" is
+                client.push_weights(padded, 3)                                 # no parameter), not a broken pipe
+            assert engine.weight_version == 2
+            first = asyncio.run(client.generate(request))
+            time.sleep(0.6)
+            assert torch.equal(asyncio.run(client.generate(request))[0].generated_output, first[0].generated_output)
+        finally:
+            client.close()
+
+
 def _post_weights(url, tensors, token=None, version=None):
     from safetensors.torch import save
 

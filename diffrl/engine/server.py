@@ -511,9 +511,10 @@ def trim_malloc_heap() -> bool:
 
 
 @contextlib.contextmanager
-def serving_in_thread(app, start_timeout_s: float = 20.0):
+def serving_in_thread(app, start_timeout_s: float = 20.0, keep_alive_s: float = 5.0):
     """`app` under uvicorn on a free loopback port in a daemon thread (tests and benchmarks); yields its
-    URL and stops the server on exit."""
+    URL and stops the server on exit. `keep_alive_s`: how long an idle connection stays open (uvicorn's
+    default, 5 s)."""
     import socket
 
     import uvicorn
@@ -521,7 +522,8 @@ def serving_in_thread(app, start_timeout_s: float = 20.0):
     with socket.socket() as sock:
         sock.bind(("127.0.0.1", 0))
         port = sock.getsockname()[1]
-    server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=port, log_level="warning"))
+    server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=port, log_level="warning",
+                                            timeout_keep_alive=keep_alive_s))
     thread = threading.Thread(target=server.run, daemon=True)
     thread.start()
     deadline = time.monotonic() + start_timeout_s

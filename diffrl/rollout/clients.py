@@ -112,17 +112,37 @@ class HttpEngineClient:
             connection = self._local.connection = self._new_connection(self._timeout_s)
         return connection
 
+    def _send(self, method: str, path: str, body: bytes | None, headers: dict) -> http.client.HTTPResponse:
+        """Send a request on this thread's kept-alive connection and return its response (headers read).
+
+        A server closes a kept-alive connection that sits idle (uvicorn after 5 s), and a trainer's next
+        weight push or rollout request comes a whole rollout later: on such a connection the request fails
+        before any answer (a broken pipe while the body is written, or a closed socket instead of a status
+        line). The server never saw it, so it goes once more on a new connection. A connection that has
+        carried nothing yet gets no second try: its failure is the server's."""
+        connection = self._connection()
+        reused = connection.sock is not None
+        target = f"{self._url.path.rstrip('/')}{path}"
+        try:
+            connection.request(method, target, body=body, headers=headers)
+            return connection.getresponse()
+        except (BrokenPipeError, ConnectionResetError):  # RemoteDisconnected is a ConnectionResetError
+            if not reused:
+                raise
+        self._drop()
+        connection = self._connection()
+        connection.request(method, target, body=body, headers=headers)
+        return connection.getresponse()
+
     def _request_blocking(self, method: str, path: str, body: bytes | None, headers: dict,
                           what: str) -> tuple[int, bytes, str]:
         """One request over this thread's kept-alive connection: (status, body, content type). A broken
         connection is dropped, not reused."""
         try:
-            connection = self._connection()
-            connection.request(method, f"{self._url.path.rstrip('/')}{path}", body=body, headers=headers)
-            response = connection.getresponse()
+            response = self._send(method, path, body, headers)
             return response.status, response.read(), response.getheader("content-type") or ""
         except (OSError, http.client.HTTPException) as err:
-            self._local.connection = None
+            self._drop()
             raise EngineUnavailable(f"{self.name}: {what}{err.__class__.__name__}: {err}") from err
 
     def _post_blocking(self, path: str, body: bytes, headers: dict, what: str) -> tuple[int, bytes]:
@@ -141,11 +161,8 @@ class HttpEngineClient:
                 return sglang.decode_response(content, request, self._family_class())
             except WireFormatError as err:  # a garbled answer: another engine may give a good one
                 raise EngineUnavailable(f"{self.name}: malformed response: {err}") from err
-        connection = None
         try:
-            connection = self._connection()
-            connection.request("POST", f"{self._url.path.rstrip('/')}/rollout/generate", body=body, headers=headers)
-            response = connection.getresponse()
+            response = self._send("POST", "/rollout/generate", body, headers)
             if response.status != 200:
                 self._check_status(response.status, response.read())
             if _is_compact(response.getheader("content-type") or ""):
@@ -161,13 +178,13 @@ class HttpEngineClient:
             decoder.finish()
             return outputs
         except (OSError, http.client.HTTPException) as err:
-            self._drop(connection)
+            self._drop()
             raise EngineUnavailable(f"{self.name}: {err.__class__.__name__}: {err}") from err
         except WireFormatError as err:  # a garbled answer: another engine may give a good one
-            self._drop(connection)  # the rest of the body is unread
+            self._drop()  # the rest of the body is unread
             raise EngineUnavailable(f"{self.name}: malformed response: {err}") from err
         except BaseException:
-            self._drop(connection)
+            self._drop()
             raise
 
     def _check_status(self, status: int, content: bytes) -> None:
@@ -176,8 +193,9 @@ class HttpEngineClient:
         if status != 200:
             raise EngineUnavailable(f"{self.name}: HTTP {status}: {content[:200].decode(errors='replace')}")
 
-    def _drop(self, connection: http.client.HTTPConnection | None) -> None:
+    def _drop(self) -> None:
         """Close this thread's connection: a response left part-read cannot be followed by another request."""
+        connection = getattr(self._local, "connection", None)
         if connection is not None:
             connection.close()
         self._local.connection = None
