@@ -476,6 +476,30 @@ def test_stray_ink_fades_the_partial_credit():
     assert dirty.balanced_score == dirty.exact_count_score == 0.0
 
 
+def test_every_strict_failure_costs_partial_credit():
+    """The partial score is the reward RL climbs: an image that fails strictly for any reason must score
+    below a clean one, or the policy is not pushed off it. A single small mark (too small to move the stray
+    fraction) is the case that used to keep full credit."""
+    rng = np.random.default_rng(43)
+    makers = {
+        "small mark": lambda p, k: with_marks(p, k, rng, [(5, 5)], [(90, 90, 90)], True),
+        "speck": lambda p, k: with_marks(p, k, rng, [(3, 3)], [(230, 30, 30)], False),
+        "grain": lambda p, k: grain(p, k, rng, 8.0),
+    }
+    checked = 0
+    for kind, make in makers.items():
+        for k in range(20):
+            prompt = random_prompt(rng)
+            image = make(prompt, k)
+            if image is None:
+                continue
+            verdict = verify(image, prompt)
+            if not verdict.strict:
+                checked += 1
+                assert verdict.score < 1.0 and verdict.balanced_score < 1.0, (kind, prompt, verdict)
+    assert checked >= 40
+
+
 def test_a_thin_stray_line_is_a_mark():
     """A long one-pixel line is no compact blob, and too thin to dirty the background: still a mark."""
     rng = np.random.default_rng(42)

@@ -67,6 +67,9 @@ STRAY_LIMIT = 0.015
 # specks of 3x3 px, blurred, cover ~13%.
 BACKGROUND_LIMIT = 0.20
 STRAY_ZERO_CREDIT = 0.10  # partial credit fades from STRAY_LIMIT to 0 here
+# Each mark keeps this share of the partial credit: a mark fails the image strictly, so the reward must see
+# it too, also when it is too small to move the stray fraction (a 33 px mark is 0.8% of 64x64).
+MARK_CREDIT = 0.8
 # ---- shapes
 # Softened renders score >= 0.90 with a lead of >= 0.08; the shipped model's fair shapes score
 # >= ~0.80 with leads >= ~0.03; an inverted triangle ~0.66; a diamond with rounded vertices is
@@ -645,7 +648,7 @@ def verify(image, prompt_or_spec: str | SceneSpec) -> Verdict:
     the balanced score first averages the components of each kind, then the kinds; the exact-count
     score is half [the count is exact] and half the mean of the other components; all are
     times a cleanliness factor that is 1 up to STRAY_LIMIT of stray ink and 0 from
-    STRAY_ZERO_CREDIT. The reason names the first failure among a dirty background or stray
+    STRAY_ZERO_CREDIT, and times MARK_CREDIT for each stray mark: every strict failure costs credit. The reason names the first failure among a dirty background or stray
     marks, the count, then each object's texture, shape and color, then the relation, and starts
     with that word. A dithered object fails its shape component, as a malformed one does.
     """
@@ -685,6 +688,7 @@ def verify(image, prompt_or_spec: str | SceneSpec) -> Verdict:
             failures.append(f"relation: {_the(want0)} is not {RELATIONS[spec.relation]} {_the(want1)}")
 
     clean = min(1.0, max(0.0, (STRAY_ZERO_CREDIT - scene.stray_fraction) / (STRAY_ZERO_CREDIT - STRAY_LIMIT)))
+    clean *= MARK_CREDIT ** len(scene.marks)
     every_component = [value for values in components.values() for value in values]
     not_count = [value for kind, values in components.items() if kind != "count" for value in values]
     return Verdict(
