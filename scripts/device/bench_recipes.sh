@@ -4,6 +4,8 @@
 # JOBS: RECIPE:GROUPS items run in order (GROUPS: prompt groups per rollout, cut to fit the call's time;
 # everything else is the recipe's), ROLLOUTS (default 3). Checkpoints stay in runs/ (git-ignored) between calls
 # on a warm machine; a family's checkpoint is removed when a job of another family needs the disk (KEEP=1 keeps).
+# An OCR recipe (sd35-grpo-ocr) scores with RapidOCR: carry [".whl", ".whl-ocr"], with results/ moved out of the
+# checkout for that call (both wheel sets and results/ together pass the 64 MiB a call may carry).
 set -uo pipefail
 bash scripts/device/install_wheels.sh || exit 1
 export PYTHONPATH=/tmp/site:$PWD PYTHONUNBUFFERED=1 OMP_NUM_THREADS=8 PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True

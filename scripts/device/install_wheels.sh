@@ -5,4 +5,7 @@
 set -euo pipefail
 exec 9>/tmp/site.lock
 if command -v flock >/dev/null; then flock 9; fi
-python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl
+# .whl-ocr/ (RapidOCR and its needs) travels only with calls that score OCR.
+shopt -s nullglob
+python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl \
+  .whl-ocr/*.whl
