@@ -3,13 +3,11 @@
 The body is a list with one map per output; each tensor is
 `{"__tensor__": true, "data": <safetensors bytes>, "shape": [...], "dtype": "..."}` — the
 convention sglang-diffusion uses, so its clients parse our responses and ours parse its.
-`output_body` is the same bytes written as they are sent, and `OutputStreamDecoder` reads them
+`output_body` writes them as they are sent (`encode_outputs`: in one piece), and `OutputStreamDecoder` reads them
 output by output as they arrive (`streaming.py`).
 """
 
 from __future__ import annotations
-
-import dataclasses
 
 import msgpack
 import torch
@@ -29,12 +27,6 @@ class WireFormatError(ValueError):
 
 def dtype_name(dtype: torch.dtype) -> str:
     return str(dtype).removeprefix("torch.")
-
-
-def encode_tensor(tensor: torch.Tensor) -> dict:
-    tensor = tensor.detach().contiguous().cpu()
-    return {"__tensor__": True, "data": save_safetensors({_TENSOR_KEY: tensor}),
-            "shape": list(tensor.shape), "dtype": dtype_name(tensor.dtype)}
 
 
 def decode_tensor(obj: dict) -> torch.Tensor:
@@ -60,37 +52,29 @@ def decode_weights(body: bytes) -> dict[str, torch.Tensor]:
         raise WireFormatError(f"body is not valid safetensors: {err}") from None
 
 
-def _to_wire(value):
-    if isinstance(value, torch.Tensor):
-        return encode_tensor(value)
-    if dataclasses.is_dataclass(value):
-        return {f.name: _to_wire(getattr(value, f.name)) for f in dataclasses.fields(value)}
-    if isinstance(value, dict):
-        return {k: _to_wire(v) for k, v in value.items()}
-    return value
-
-
 def _from_wire_hook(obj: dict):
     return decode_tensor(obj) if obj.get("__tensor__") is True else obj
 
 
-def encode_outputs(outputs: list[RolloutOutput]) -> bytes:
-    return msgpack.packb([_to_wire(o) for o in outputs], use_bin_type=True)
-
-
 def _tensor_map(tensor: torch.Tensor) -> dict:
-    """`encode_tensor`'s map with the data left to be written (`streaming.TensorFile`)."""
+    """A tensor's wire map: {"__tensor__": true, "data": a safetensors file holding it as "t", "shape", "dtype"},
+    the data left to be written (`streaming.TensorFile`)."""
     return {"__tensor__": True, "data": TensorFile(tensor, _TENSOR_KEY), "shape": list(tensor.shape),
             "dtype": dtype_name(tensor.dtype)}
 
 
 def output_body(outputs: list[RolloutOutput]) -> Body:
-    """`encode_outputs(outputs)` as a `streaming.Body`: the same bytes, each tensor written from its own
-    memory as the body is sent."""
+    """The compact response, a msgpack list with one map per output (its dataclass fields, tensors as
+    `_tensor_map`s), as a `streaming.Body`: each tensor is written from its own memory as the body is sent."""
     parts = [msgpack_array_header(len(outputs))]
     for output in outputs:
         parts += msgpack_parts(output, _tensor_map)
     return Body(parts)
+
+
+def encode_outputs(outputs: list[RolloutOutput]) -> bytes:
+    """The compact response in one piece (`output_body`'s bytes)."""
+    return bytes(output_body(outputs))
 
 
 def decode_outputs(payload: bytes) -> list[RolloutOutput]:
