@@ -83,3 +83,26 @@ def test_pool_workers_score_on_one_thread_each(monkeypatch):
     finally:
         pool.close()
     assert threads == [1.0, 1.0]
+
+
+def test_crisp_shapes_reward_grades_shapes_that_barely_pass():
+    """`shapes_crisp` is the partial credit with a passing shape graded by its lead over the next template:
+    a round circle keeps full credit, a squircle that still passes as a circle gets a little less (the
+    signal the plain partial credit does not give), a failing one the same as the partial credit."""
+    import numpy as np
+
+    def superellipse(p: float) -> np.ndarray:  # |x|^p + |y|^p <= 1: p = 2 a circle, larger p towards a square
+        y, x = np.mgrid[0:64, 0:64].astype(float)
+        image = np.full((64, 64, 3), 255, np.uint8)
+        image[np.abs((x - 32) / 12) ** p + np.abs((y - 32) / 12) ** p <= 1] = (220, 40, 40)
+        return image
+
+    images = _as_batch(superellipse(2.0), superellipse(2.8), superellipse(3.2))
+    prompts = ["a red circle"] * 3
+    partial = get_reward("shapes")(images, prompts)
+    strict = get_reward("shapes_strict")(images, prompts)
+    crisp = get_reward("shapes_crisp")(images, prompts)
+    assert strict == [1.0, 1.0, 0.0]
+    assert partial[0] == partial[1] == 1.0 and crisp[0] == 1.0
+    assert 0.95 < crisp[1] < 1.0
+    assert crisp[2] == partial[2] < 0.7

@@ -259,7 +259,7 @@ def test_partial_credit_and_reasons():
     assert verdict.score == pytest.approx(5 / 6)
     assert verdict.balanced_score == pytest.approx(3 / 4)  # count, shapes, colors right; relation wrong
     assert verdict.reason == "relation: the blue square is not to the right of the yellow circle"
-    assert verify(render_prompt(prompt, seed=0), parse_prompt(prompt)) == shapes.Verdict(1.0, True, "ok", 1.0, 1.0)
+    assert verify(render_prompt(prompt, seed=0), parse_prompt(prompt)) == shapes.Verdict(1.0, True, "ok", 1.0, 1.0, 1.0)
 
 
 def test_exact_count_score_ranks_a_misshapen_object_above_an_extra_one():

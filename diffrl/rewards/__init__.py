@@ -141,6 +141,14 @@ def shapes_exact_count_reward(images, prompts, metadata=None) -> list[float]:
     return [verdict.exact_count_score for verdict in _shapes_verdicts(images, prompts)]
 
 
+@register_reward("shapes_crisp")
+def shapes_crisp_reward(images, prompts, metadata=None) -> list[float]:
+    """Partial credit with each passing shape graded by how clearly it beats the second-best template
+    (verify.CRISP_LEAD): shapes that barely pass (a lumpy circle near a diamond) keep a signal to sharpen,
+    also in groups where every sample passes."""
+    return [verdict.crisp_score for verdict in _shapes_verdicts(images, prompts)]
+
+
 @register_reward("shapes_strict")
 def shapes_strict_reward(images, prompts, metadata=None) -> list[float]:
     """1 when the verifier passes the image strictly, else 0 (a sharper signal than partial credit)."""

@@ -76,6 +76,10 @@ MARK_CREDIT = 0.8
 # a diamond or between a diamond and a circle (lead < 0.03), never a clean circle.
 MIN_IOU = 0.78  # the best template's soft IoU with the object
 MIN_MARGIN = 0.03  # ... and its lead over the second-best template
+# The crisp score (`Verdict.crisp_score`, reward `shapes_crisp`) grades a passing shape by its lead: full credit
+# from the renders' lead of CRISP_LEAD, CRISP_FLOOR at none, so that RL keeps sharpening shapes that barely pass.
+CRISP_LEAD = 0.08
+CRISP_FLOOR = 0.9
 # Width / height (either way) fitted for the best template: a 4:3 box still passes for a square
 # or a circle (the model's are up to ~1.25), a tall or flat triangle is still a triangle.
 MAX_ASPECT = 1.3
@@ -152,6 +156,7 @@ class DetectedObject:
     area: int  # core pixels
     bbox: tuple[int, int, int, int]  # x0, y0, x1, y1 with x1, y1 exclusive
     confidence: float  # soft IoU of the object with the chosen shape's template
+    lead: float = 0.0  # how far that overlap leads the second-best template's
     flaw: str | None = None  # why the object is no clean shape, e.g. "concave shape (concavity 0.21)"
     zigzag: float = 0.0  # texture of the fill: mean ΔE per pixel step off a monotone path (see `_zigzag`)
 
@@ -178,6 +183,8 @@ class Verdict:
     # three with one misshapen 0.75), so RL learns to hedge with extra objects; here the exact count
     # comes first (0.5 and 0.83).
     exact_count_score: float
+    # As `score`, with each passing shape graded by how clearly it leads the second-best template (CRISP_LEAD)
+    crisp_score: float
 
 
 @dataclass(frozen=True)
@@ -526,7 +533,7 @@ def _describe_component(image: np.ndarray, chroma: np.ndarray, objects: np.ndarr
     alpha = _coverage(image[pad].astype(np.float32), _PALETTE[color_index]) * owned
     alpha[own] = 1.0  # shaded core pixels are full coverage whatever their lightness
     fit = _fit_shape(alpha)
-    best, _ = fit.best()
+    best, second = fit.best()
     cx, cy = fit.centroid
     return DetectedObject(
         shape=SHAPES[best],
@@ -535,6 +542,7 @@ def _describe_component(image: np.ndarray, chroma: np.ndarray, objects: np.ndarr
         area=int(mask.sum()),
         bbox=(box[1].start, box[0].start, box[1].stop, box[0].stop),
         confidence=float(fit.ious[best]),
+        lead=float(fit.ious[best] - fit.ious[second]),
         flaw=fit.flaw(),
         zigzag=_zigzag(image[box], interior, min_windows),
     )
@@ -648,7 +656,9 @@ def verify(image, prompt_or_spec: str | SceneSpec) -> Verdict:
     the balanced score first averages the components of each kind, then the kinds; the exact-count
     score is half [the count is exact] and half the mean of the other components; all are
     times a cleanliness factor that is 1 up to STRAY_LIMIT of stray ink and 0 from
-    STRAY_ZERO_CREDIT, and times MARK_CREDIT for each stray mark: every strict failure costs credit. The reason names the first failure among a dirty background or stray
+    STRAY_ZERO_CREDIT, and times MARK_CREDIT for each stray mark: every strict failure costs credit.
+    The crisp score is the score with each passing shape graded by its lead over the second-best
+    template (CRISP_FLOOR at none, 1 from CRISP_LEAD). The reason names the first failure among a dirty background or stray
     marks, the count, then each object's texture, shape and color, then the relation, and starts
     with that word. A dithered object fails its shape component, as a malformed one does.
     """
@@ -659,7 +669,7 @@ def verify(image, prompt_or_spec: str | SceneSpec) -> Verdict:
 
     n_required, n_found = len(spec.objects), len(detected)
     components = {"count": [1.0 if n_found == n_required else max(0.0, 1 - abs(n_found - n_required) / n_required)]}
-    failures = []
+    failures, crisp = [], []  # crisp: each required object's graded shape credit
     if (stray := _stray_failure(scene)) is not None:
         failures.append(stray)
     if n_found != n_required:
@@ -671,7 +681,9 @@ def verify(image, prompt_or_spec: str | SceneSpec) -> Verdict:
         if got is not None and got.dithered:
             failures.append(f"texture: object {i} fill is dithered (a {got.color} {got.shape}, zig-zag ΔE "
                             f"{got.zigzag:.1f} per pixel > {TEXTURE_DELTA_E:g})")
-        checks = [("shape", got is not None and _shape_ok(got, want))]
+        shape_ok = got is not None and _shape_ok(got, want)
+        crisp.append(CRISP_FLOOR + (1 - CRISP_FLOOR) * min(1.0, got.lead / CRISP_LEAD) if shape_ok else 0.0)
+        checks = [("shape", shape_ok)]
         if want.color is not None:
             checks.append(("color", got is not None and got.color == want.color))
         for kind, ok in checks:
@@ -691,10 +703,12 @@ def verify(image, prompt_or_spec: str | SceneSpec) -> Verdict:
     clean *= MARK_CREDIT ** len(scene.marks)
     every_component = [value for values in components.values() for value in values]
     not_count = [value for kind, values in components.items() if kind != "count" for value in values]
+    crisp_components = [value for kind, values in components.items() if kind != "shape" for value in values] + crisp
     return Verdict(
         score=float(np.mean(every_component)) * clean,
         strict=not failures,
         reason=failures[0] if failures else "ok",
         balanced_score=float(np.mean([np.mean(values) for values in components.values()])) * clean,
         exact_count_score=(0.5 * (n_found == n_required) + 0.5 * float(np.mean(not_count))) * clean,
+        crisp_score=float(np.mean(crisp_components)) * clean,
     )
