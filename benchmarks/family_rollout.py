@@ -100,7 +100,7 @@ def main() -> None:
     parser.add_argument("--eager-numerics", action="store_true",
                         help="with --compile: inductor's emulate_precision_casts (the trainer's default)")
     parser.add_argument("--compile-mode", default="default",
-                        choices=["default", "reduce-overhead", "max-autotune-no-cudagraphs"])
+                        choices=["default", "max-autotune-no-cudagraphs"])
     parser.add_argument("--attention-backend", default="auto", choices=["auto", "flash", "cudnn", "efficient", "math"])
     parser.add_argument("--fuse-qkv", action="store_true", help="SD3: q/k/v projections as one matmul per stream")
     parser.add_argument("--vae-decode-batch", type=int, default=None, help="images per VAE decode call; 0: all")

@@ -45,7 +45,6 @@ class Lever:
 # On top of `--compile` (the 2026-12-01 measurement's baseline, BENCHMARKS.md). `base` is that baseline.
 TRAIN = {
     "base": Lever((), "base", "--compile (eager numerics on), the recipe's settings"),
-    "reduce-overhead": Lever(("--compile-mode", "reduce-overhead"), "compile", "CUDA graphs per block"),
     "autotune": Lever(("--compile-mode", "max-autotune-no-cudagraphs"), "compile", "GEMM autotuning (long compile)"),
     "flash": Lever(("--attention-backend", "flash"), "attention", "FlashAttention-2 kernel"),
     "cudnn": Lever(("--attention-backend", "cudnn"), "attention", "cuDNN attention"),
@@ -59,7 +58,6 @@ TRAIN = {
 }
 ENGINE = {
     "base": Lever((), "base", "--compile; diffusers' pipeline in the same run"),
-    "reduce-overhead": Lever(("--compile-mode", "reduce-overhead"), "compile", "CUDA graphs per block"),
     "flash": Lever(("--attention-backend", "flash"), "attention", "FlashAttention-2 kernel"),
     "cudnn": Lever(("--attention-backend", "cudnn"), "attention", "cuDNN attention"),
     "efficient": Lever(("--attention-backend", "efficient"), "attention", "memory-efficient kernel"),

@@ -50,17 +50,17 @@ def test_the_combination_takes_the_best_lever_of_each_group_that_keeps_exactness
     _metrics(tmp_path / "train-flash", [first, (2.4, 4.9, 5e-5)])  # -2.7%, beaten by cudnn in its group
     _metrics(tmp_path / "train-vae-all", [first, (2.49, 5.0, 5e-5)])  # -0.1%: out
     _metrics(tmp_path / "train-no-eager-numerics", [first, (2.2, 4.4, 2.2e-4)])  # faster, but 4x the drift: out
-    _metrics(tmp_path / "train-reduce-overhead", [first, (2.0, 4.0, 5e-5)])  # -20%: in
+    _metrics(tmp_path / "train-fuse-qkv", [first, (2.0, 4.0, 5e-5)])  # -20%: in
     (tmp_path / "train-autotune.rc").write_text("124\n")  # timed out before any rollout
     flags, reasons = speed_levers.combination(tmp_path, "train")
-    assert flags == ["--attention-backend", "cudnn", "--compile-mode", "reduce-overhead"]
+    assert flags == ["--attention-backend", "cudnn", "--fuse-qkv"]
     assert any(r.startswith("no-eager-numerics:") and "left out" in r for r in reasons)
     assert "autotune: no result (rc 124)" in reasons
     table = speed_levers.report(tmp_path)
     base_row = next(line for line in table.splitlines() if line.startswith("| base |"))
     assert "| 0.156 | 34.7 | 0.469 |" in base_row  # 2.5 s / 16 images, 5 s / 144 pairs, 7.5 s / 16 samples
     assert "| 140 |" in base_row  # the first rollout with its compilation, seconds
-    assert "| reduce-overhead | --compile-mode reduce-overhead | 0.125 | 27.8 | 0.375 | -20.0% |" in table
+    assert "| fuse-qkv | --fuse-qkv | 0.125 | 27.8 | 0.375 | -20.0% |" in table
     assert "| autotune | --compile-mode max-autotune-no-cudagraphs | – |" in table and "timed out" in table
 
 

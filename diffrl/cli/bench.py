@@ -57,7 +57,8 @@ class BenchConfig:
     eager_numerics: bool = False
     """With --compile: keep eager's bf16 roundings (the trainer's default; costs a few percent)."""
     compile_mode: Literal["default", "reduce-overhead", "max-autotune-no-cudagraphs"] = "default"
-    """With --compile: torch.compile's mode (as `diffrl train --compile-mode`)."""
+    """With --compile: torch.compile's mode (as `diffrl train --compile-mode`; reduce-overhead is refused: CUDA
+    graphs fail under per-block compilation, each block's replay overwriting the previous block's output)."""
     attention_backend: Literal["auto", "flash", "cudnn", "efficient", "math"] = "auto"
     """SDPA kernel of the transformer's forwards (as `diffrl train --attention-backend`)."""
     fuse_qkv: bool = False
@@ -238,8 +239,7 @@ def bench(cfg: BenchConfig) -> dict:
     print("VAE decode, ms per image: " + ", ".join(f"{k} {v:.1f}" for k, v in results["decode_ms_per_image"].items()),
           flush=True)
     floor_ms = results["transformer"][cfg.n]["ms_per_sample_step"] * cfg.steps
-    engine = Engine(family, EngineConfig(max_outputs_per_request=cfg.n, max_batch_outputs=cfg.n,
-                                         worker_threads=speed.engine_worker_threads(EngineConfig.worker_threads)))
+    engine = Engine(family, EngineConfig(max_outputs_per_request=cfg.n, max_batch_outputs=cfg.n))
     request = dict(num_inference_steps=cfg.steps, guidance_scale=guidance, rollout=True, rollout_sde_type="sde",
                    rollout_noise_level=0.7, rollout_sde_step_indices=[1, 2] if cfg.steps > 2 else [0],
                    rollout_return_dit_trajectory=True, rollout_return_denoising_env=True, height=size[0], width=size[1],

@@ -143,8 +143,7 @@ class _EngineServer:
         speed.apply(family, deterministic=spec.deterministic, lora_allowed_on_qkv=True)  # the adapter comes later
         speed.compile_family(family)
         self.engine = Engine(family, EngineConfig(max_outputs_per_request=spec.max_outputs_per_request,
-                                                  max_batch_outputs=spec.max_batch_outputs,
-                                                  worker_threads=speed.engine_worker_threads(EngineConfig.worker_threads)))
+                                                  max_batch_outputs=spec.max_batch_outputs))
         self.device = family.device
         self.weights = ModuleOffload(family_modules(family), self.device)
         self.asleep = 0  # the level it sleeps at; 0: awake

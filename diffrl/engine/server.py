@@ -419,7 +419,8 @@ class ServeConfig:
     """torch.compile the transformer's repeated blocks (as `diffrl train --compile`, with eager's bf16
     roundings kept); a LoRA adapter hosted later recompiles them once."""
     compile_mode: Literal["default", "reduce-overhead", "max-autotune-no-cudagraphs"] = "default"
-    """With --compile: torch.compile's mode (as `diffrl train --compile-mode`)."""
+    """With --compile: torch.compile's mode (as `diffrl train --compile-mode`; reduce-overhead is refused: CUDA
+    graphs fail under per-block compilation, each block's replay overwriting the previous block's output)."""
     attention_backend: Literal["auto", "flash", "cudnn", "efficient", "math"] = "auto"
     """SDPA kernel of the transformer's forwards (as `diffrl train --attention-backend`: a trainer pushing to
     this engine should use the same, or its first-pass log-probs drift by the kernels' rounding)."""
@@ -472,8 +473,6 @@ class ServeConfig:
 
 
 def build_engine(cfg: ServeConfig) -> Engine:
-    from dataclasses import replace
-
     from diffrl.models import resolve_family
     from diffrl.models.demo import SHIPPED_DEMO_MODEL
     from diffrl.models.speed import SpeedOptions
@@ -485,8 +484,7 @@ def build_engine(cfg: ServeConfig) -> Engine:
     family = resolve_family(cfg.diffusion_model_family, model_path).load(model_path, device=resolve_device(cfg.device))
     speed.apply(family, lora_allowed_on_qkv=True)  # a trainer's adapter comes later
     speed.compile_family(family)
-    config = cfg.engine_config()
-    return Engine(family, replace(config, worker_threads=speed.engine_worker_threads(config.worker_threads)))
+    return Engine(family, cfg.engine_config())
 
 
 def limit_malloc_arenas(arenas: int) -> bool:

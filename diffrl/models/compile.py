@@ -12,12 +12,12 @@ Apply it after LoRA is added (peft replaces layers inside the blocks) and before
 
 Modes (`--compile-mode`, torch.compile's `mode`):
 - `default`: inductor's fused kernels, no CUDA graphs.
-- `reduce-overhead`: the same kernels replayed as CUDA graphs (cudagraph trees), which removes the host's
-  launch cost per kernel. Each block records one graph per input shape (the engine's batch, the trainer's
-  micro-batch, a smaller last one) and per thread that runs it; their memory pools stay reserved, so peak
-  memory grows; weights must keep their addresses (in-place updates only, as the optimizer does).
 - `max-autotune-no-cudagraphs`: inductor times several GEMM and fusion choices per shape and keeps the
   fastest; compilation takes several times longer (minutes on SD3.5-M), the kernels are the same kind.
+`reduce-overhead` (CUDA graphs) is refused (`SpeedOptions.check`): every block of one kind replays one
+compiled graph, and in inference cudagraph trees take each call for a new iteration, so the next block's
+replay overwrites the output the previous block handed it ("accessing tensor output of CUDAGraphs that has
+been overwritten by a subsequent run", on an H200, in the training loop and the engine alike).
 """
 
 from __future__ import annotations
@@ -33,7 +33,9 @@ from diffrl.models.base import repeated_blocks
 # than dynamo's default of 8 entries, and past the limit it silently runs eager.
 RECOMPILE_LIMIT = 64
 
-COMPILE_MODES = ("default", "reduce-overhead", "max-autotune-no-cudagraphs")
+COMPILE_MODES = ("default", "max-autotune-no-cudagraphs")
+REDUCE_OVERHEAD_REFUSED = ("--compile-mode reduce-overhead: CUDA graphs fail under per-block compilation (each "
+                           "block's replay overwrites the previous block's output; BENCHMARKS.md, speed levers)")
 
 
 def compile_blocks(transformer: torch.nn.Module, block_lists: Sequence[str], *, mode: str | None = None,
@@ -46,6 +48,8 @@ def compile_blocks(transformer: torch.nn.Module, block_lists: Sequence[str], *, 
     differently, so without it the trainer's replay of a rollout step drifts from the engine's log-prob:
     on SD3.5-M at 512² the first pass's mean |Δlogp| was 2.2e-4 (36% of pairs clipped at Flow-GRPO's clip
     range 1e-4) and 4.5e-5 with it (14%), for 7% of the training speed (BENCHMARKS.md). Eager: 1.6e-8."""
+    if mode == "reduce-overhead":
+        raise ValueError(REDUCE_OVERHEAD_REFUSED)
     if mode is not None and mode not in COMPILE_MODES:
         raise ValueError(f"--compile-mode {mode}: expected one of {', '.join(COMPILE_MODES)}")
     torch._dynamo.config.recompile_limit = max(torch._dynamo.config.recompile_limit, RECOMPILE_LIMIT)

@@ -17,7 +17,7 @@ from __future__ import annotations
 from dataclasses import dataclass, fields
 
 from diffrl.models.attention import check_attention_backend, fuse_qkv_projections, fused_qkv_streams
-from diffrl.models.compile import COMPILE_MODES, compile_blocks
+from diffrl.models.compile import COMPILE_MODES, REDUCE_OVERHEAD_REFUSED, compile_blocks
 
 
 @dataclass(frozen=True)
@@ -38,6 +38,8 @@ class SpeedOptions:
     def check(self, deterministic: bool = False) -> None:
         """Refuse contradictory values, naming the flags (the device is checked by `apply`)."""
         check_attention_backend(self.attention_backend, None, deterministic)
+        if self.compile_mode == "reduce-overhead":
+            raise ValueError(REDUCE_OVERHEAD_REFUSED)
         if self.compile_mode not in COMPILE_MODES:
             raise ValueError(f"--compile-mode {self.compile_mode}: expected one of {', '.join(COMPILE_MODES)}")
         if self.compile_mode != "default" and not self.compile:
@@ -64,11 +66,6 @@ class SpeedOptions:
                              f"({len(streams)}), so nothing would fuse; pass --lora-target-modules without them, or "
                              "drop --fuse-qkv")
         return streams
-
-    def engine_worker_threads(self, default: int) -> int:
-        """Threads an engine drives its batches with: one under CUDA graphs (reduce-overhead), whose recordings
-        and memory pools are kept per thread; `default` otherwise."""
-        return 1 if self.compile and self.compile_mode == "reduce-overhead" else default
 
     def compile_family(self, family) -> int:
         """Compile the family's repeated blocks when `compile` is set; returns how many (0 when not)."""

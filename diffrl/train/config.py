@@ -57,9 +57,9 @@ class ModelConfig:
     """With --compile: keep eager's bf16 roundings between fused ops, so the trainer's compiled replay of
     a rollout step stays close to the engine's log-prob (Flow-GRPO's ratio; see models/compile.py)."""
     compile_mode: Literal["default", "reduce-overhead", "max-autotune-no-cudagraphs"] = "default"
-    """With --compile: torch.compile's mode. reduce-overhead replays each block as CUDA graphs (no launch
-    cost per kernel; one graph per batch size and thread, whose memory stays reserved); max-autotune-no-cudagraphs
-    times GEMM and fusion choices per shape (compilation takes several times longer). See models/compile.py."""
+    """With --compile: torch.compile's mode. max-autotune-no-cudagraphs times GEMM and fusion choices per shape
+    (compilation takes several times longer). reduce-overhead is refused: CUDA graphs fail under per-block
+    compilation (each block's replay overwrites the previous block's output). See models/compile.py."""
     attention_backend: Literal["auto", "flash", "cudnn", "efficient", "math"] = "auto"
     """SDPA kernel of every transformer forward, rollouts and training alike (one kernel, so the first-pass
     ratio is not moved by a kernel switch); auto: torch's choice. cudnn and efficient need CUDA; deterministic

@@ -191,9 +191,7 @@ class Trainer:
         engine = Engine(self.policy.engine_family,
                         EngineConfig(max_outputs_per_request=max(64, r.rollout_microgroup_size),
                                      max_batch_outputs=determinism.engine_batch_outputs(
-                                         e.engine_max_batch_outputs, self.cfg.deterministic_mode),
-                                     worker_threads=self.cfg.model.speed_options().engine_worker_threads(
-                                         EngineConfig.worker_threads)))
+                                         e.engine_max_batch_outputs, self.cfg.deterministic_mode)))
         self.policy.local_engine = engine
         # The family decodes conditioning sent in sglang's format by a server that is not diffrl's.
         remote = [HttpEngineClient(url, max_in_flight=e.engine_concurrency, family=family.name)

@@ -15,16 +15,16 @@
 #                --ms ENGINE_MS (8 16) --compile + NAME's flags: the transformer, the decode, the engine on a group
 #                of 16; diffusers' StableDiffusion3Pipeline in engine:base only (a lever changes the transformer
 #                the pipeline shares), into runs/speed-levers/engine-NAME.json
-#   NAME: base (--compile alone), reduce-overhead, autotune (max-autotune-no-cudagraphs: long compile), flash,
+#   NAME: base (--compile alone), autotune (max-autotune-no-cudagraphs: long compile), flash,
 #         cudnn, efficient, fuse-qkv, vae-all (--vae-decode-batch 0), mb16, mb32-gc, no-eager-numerics (train),
 #         vae-4 (engine), and combo: the levers measured so far under runs/speed-levers that beat base by 2%
 #         (train: without doubling the first pass's |Δ log p|), the best of each exclusive group
 #   sdpa         which SDPA kernel torch picks here for SD3.5-M's attention, and which ones can run it
 #   table        the tables from everything under runs/speed-levers (also printed at the end of every call)
-#   train1 = "sdpa train:base train:reduce-overhead train:cudnn"
+#   train1 = "sdpa train:base train:cudnn"
 #   train2 = "train:flash train:fuse-qkv train:mb16 train:combo"
 #   (vae-all is left to the engine job: a training rollout of 16 images decodes in 2 calls either way)
-#   engine = "engine:base engine:reduce-overhead engine:cudnn engine:fuse-qkv engine:vae-all engine:combo"
+#   engine = "engine:base engine:cudnn engine:fuse-qkv engine:vae-all engine:combo"
 # BUDGET_S (570): a run is given only the time left until this many seconds after the script began (then it
 # is stopped and shows "timed out"), so that a call ends within its 600 s with the table printed.
 # TRAIN_FLAGS / ENGINE_FLAGS: more flags for every run of that kind (they come last, so they win).
@@ -38,8 +38,8 @@
 # (timeout_s 600, carry [".whl"]), each 8.5-9.5 min, ~28 min of device time; runs/ and the compile cache stay on
 # the machine while it is warm, so train:combo in the second call sees the first call's results (on a fresh
 # machine it finds none and runs base's flags):
-#   JOBS=train1 bash scripts/device/speed_levers.sh   # ckpt ~80 s, base ~160 s, reduce-overhead ~100 s (cached
-#                                                     # graphs), cudnn ~160 s (new attention graphs)
+#   JOBS=train1 bash scripts/device/speed_levers.sh   # ckpt ~80 s, base ~160 s, cudnn ~160 s (new attention
+#                                                     # graphs)
 #   JOBS=train2 bash scripts/device/speed_levers.sh   # flash ~100-160 s (cached if auto picks flash), fuse-qkv
 #                                                     # ~130 s, mb16 ~130 s, combo ~120 s
 #   JOBS=engine bash scripts/device/speed_levers.sh   # base ~150 s (pipeline at 1 and 16 per call), each lever
@@ -66,9 +66,9 @@ groups=${PROMPT_GROUPS:-1}
 jobs=()
 for job in ${JOBS:-train1}; do
   case $job in
-    train1) jobs+=(sdpa train:base train:reduce-overhead train:cudnn) ;;
+    train1) jobs+=(sdpa train:base train:cudnn) ;;
     train2) jobs+=(train:flash train:fuse-qkv train:mb16 train:combo) ;;
-    engine) jobs+=(engine:base engine:reduce-overhead engine:cudnn engine:fuse-qkv engine:vae-all engine:combo) ;;
+    engine) jobs+=(engine:base engine:cudnn engine:fuse-qkv engine:vae-all engine:combo) ;;
     *) jobs+=("$job") ;;
   esac
 done
