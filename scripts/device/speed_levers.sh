@@ -31,21 +31,16 @@
 # A dry run of the plumbing on a CPU: WHEELS=0 (no wheels to install) CKPT=a tiny sd3 checkpoint DIR=elsewhere,
 # TRAIN_FLAGS="--resolution 32 --device cpu" ENGINE_FLAGS="--resolution 32 --dtype float32 --device cpu".
 #
-# One matrix does not fit one 600 s call: a compiled run pays its compilation (BENCHMARKS.md, 2026-12-01: the
-# first rollout 54-61 s and its training 90-92 s at the recipe's size; here ~40 s + ~75 s, and less for a
-# configuration whose graphs inductor's cache on the machine already holds), the checkpoint takes ~1-1.5 min
-# to build on a fresh machine. These estimates are not measured: BUDGET_S cuts what does not fit. Three calls
-# (timeout_s 600, carry [".whl"]), each 8.5-9.5 min, ~28 min of device time; runs/ and the compile cache stay on
-# the machine while it is warm, so train:combo in the second call sees the first call's results (on a fresh
-# machine it finds none and runs base's flags):
-#   JOBS=train1 bash scripts/device/speed_levers.sh   # ckpt ~80 s, base ~160 s, cudnn ~160 s (new attention
-#                                                     # graphs)
-#   JOBS=train2 bash scripts/device/speed_levers.sh   # flash ~100-160 s (cached if auto picks flash), fuse-qkv
-#                                                     # ~130 s, mb16 ~130 s, combo ~120 s
-#   JOBS=engine bash scripts/device/speed_levers.sh   # base ~150 s (pipeline at 1 and 16 per call), each lever
-#                                                     # ~60-90 s
-# Results: $OUT/speed-levers/ (each run's metrics.jsonl and config.json, the engine JSONs, flags, exit statuses,
-# log tails), $OUT/speed_levers.md (the tables); `python benchmarks/speed_levers.py table --dir DIR` rebuilds them
+# One matrix does not fit one 600 s call. Measured on an H200 (2026-12-02, one warm machine, carry [".whl"]): the
+# checkpoint builds in 24 s; train1 took 339 s (base 200 s with its compilation, cudnn 90 s), train2 413 s (flash,
+# fuse-qkv, mb16, combo 80-140 s each), engine 420 s (base with the pipeline ~130 s, each lever 60-80 s): ~20 min of
+# device time with the start. runs/ and the compile cache stay on the machine while it is warm, so train:combo in
+# the second call sees the first call's results (on a fresh machine it finds none and runs base's flags):
+#   JOBS=train1 bash scripts/device/speed_levers.sh
+#   JOBS=train2 bash scripts/device/speed_levers.sh
+#   JOBS=engine bash scripts/device/speed_levers.sh
+# Results: $OUT/speed_levers.md (the tables) and $OUT/results.tgz (speed-levers/: each run's metrics.jsonl and
+# config.json, the engine JSONs, flags, exit statuses, log tails; packed: a call brings back 8 files); `python benchmarks/speed_levers.py table --dir DIR` rebuilds them
 # from the copies of several calls put in one folder.
 set -uo pipefail
 started=$(date +%s)
@@ -114,3 +109,4 @@ for job in "${jobs[@]}"; do
 done
 python3 benchmarks/speed_levers.py table --dir "$dir" --out "$OUT/speed_levers.md"
 echo "== done $(date +%T), $(( $(date +%s) - started )) s"
+bash scripts/device/pack_out.sh
