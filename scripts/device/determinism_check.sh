@@ -8,7 +8,9 @@
 #   sd35m  `--recipe sd3-grpo` on SD3.5-Medium at its real size (random weights built in code, as
 #          bench_sd35m.sh builds runs/sd35m-random), jpeg_compressibility in 4 worker processes; the rollout
 #          cut to 1 prompt × SAMPLES samples (default 8; the recipe's: 4 × 16) to fit the time
-# ROLLOUTS (default 5). Results land in $OUT: determinism_{demo,sd35m}.json, summary.txt (the table).
+# ROLLOUTS (default 5). Results land in $OUT: determinism_{demo,sd35m}.json, summary.txt (the table), and the
+# tail of each run's log (3 per job). Both jobs make 9 files, one more than a call brings back: pack_out.sh then
+# puts all but summary.txt into $OUT/results.tgz.
 set -uo pipefail
 bash scripts/device/install_wheels.sh || exit 1
 export PYTHONPATH=/tmp/site:$PWD PYTHONUNBUFFERED=1 OMP_NUM_THREADS=8
@@ -37,3 +39,4 @@ make_checkpoint('sd3', Path(sys.argv[1]), torch.device('cuda'))" "$ckpt")
 done
 python3 benchmarks/determinism.py --table "$OUT"/determinism_*.json | tee "$OUT/summary.txt"
 echo "== done $(date +%T)"
+bash scripts/device/pack_out.sh
