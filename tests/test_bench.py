@@ -4,6 +4,7 @@ diffusers' pipeline on the same weights; bad flags are refused naming them."""
 import json
 
 import pytest
+import torch
 
 from diffrl.cli.bench import BenchConfig, bench
 from diffrl.cli.main import main as cli_main
@@ -51,3 +52,29 @@ def test_bench_times_a_video_family_and_refuses_frames_for_an_image_family(tmp_p
     assert results["pipeline"]["class"] == "WanPipeline" and results["pipeline"][2]["s_per_image"] > 0
     with pytest.raises(ValueError, match="--num-frames 5: the demo family generates images"):
         bench(BenchConfig(model_path=tiny_model_dir, device="cpu", num_frames=5))
+
+
+@pytest.mark.parametrize(("family_name", "pipeline"), [("qwen_image", "QwenImagePipeline"),
+                                                       ("flux3_image", "Flux3ModularPipeline")])
+def test_bench_gives_the_pipeline_the_cfg_scale_in_its_own_terms(tmp_path, family_name, pipeline):
+    """Qwen-Image's CFG scale is `true_cfg_scale` (on only with a negative prompt), FLUX 3's is its modular
+    pipeline's guider: with CFG on, the pipeline runs two transformer forwards a step, with it off one."""
+    import importlib
+
+    from diffrl.cli.bench import pipeline_s_per_image
+    from diffrl.models.registry import resolve_family
+
+    save = importlib.import_module(f"diffrl.models.random_checkpoints.{family_name}").save_random_checkpoint
+    model = save(tmp_path / family_name)
+    results = bench(BenchConfig(model_path=model, diffusion_model_family=family_name, device="cpu", dtype="float32",
+                                resolution=32, n=2, ms=(2,), steps=2, repeats=1))
+    assert results["pipeline"]["class"] == pipeline and results["pipeline"][2]["s_per_image"] > 0
+    family = resolve_family(family_name, model).load(model)
+    forwards = []
+    family.transformer.register_forward_hook(lambda *_: forwards.append(1))
+    pipe = family.reference_pipeline()
+    for guidance, per_step in ((4.0, 2), (1.0, 1)):
+        forwards.clear()
+        pipeline_s_per_image(pipe, torch.device("cpu"), 1, (32, 32), 2, guidance, 1,
+                             inputs=family.reference_pipeline_kwargs())
+        assert len(forwards) == 2 * 2 * per_step  # a warm-up call and a timed one, two steps each

@@ -30,33 +30,12 @@ def flux3(flux3_dir) -> Flux3ImageFamily:
     return Flux3ImageFamily.load(flux3_dir)
 
 
-class _ChatProcessor:
-    """What diffusers' FLUX 3 text step uses of the Qwen3-VL processor (chat template, tokenizer), for
-    text-only prompts; the real processor needs torchvision for its video half."""
-
-    def __init__(self, tokenizer):
-        self.tokenizer = tokenizer
-
-    def apply_chat_template(self, *args, **kwargs):
-        return self.tokenizer.apply_chat_template(*args, **kwargs)
-
-
-def _diffusers_images(family, model_dir, prompt, negative_prompt, guidance, noise, steps, height, width):
-    from diffusers import FlowMatchEulerDiscreteScheduler
-    from diffusers.guiders import ClassifierFreeGuidance
-    from diffusers.modular_pipelines.flux3 import Flux3AutoBlocks
-
-    blocks = Flux3AutoBlocks()
-    blocks.sub_blocks.pop("prompt_upsampler")  # encode the prompt as given
-    pipe = blocks.init_pipeline()
-    pipe.update_components(
-        transformer=family.transformer, vae=family.vae, text_encoder=family.text_encoder,
-        tokenizer=_ChatProcessor(family.tokenizer),
-        scheduler=FlowMatchEulerDiscreteScheduler.from_pretrained(model_dir / "scheduler"),
-        guider=ClassifierFreeGuidance(guidance_scale=guidance, enabled=guidance > 1))
+def _diffusers_images(family, prompt, negative_prompt, guidance, noise, steps, height, width):
+    pipe = family.reference_pipeline()
+    pipe.update_components(guider=pipe.guider.new(guidance_scale=guidance, enabled=guidance > 1))  # its CFG scale
     return pipe(prompt=prompt, negative_prompt=negative_prompt if guidance > 1 else None, latents=noise,
                 num_inference_steps=steps, height=height, width=width, num_images_per_prompt=len(noise),
-                text_encoder_out_layers=family.settings.text_encoder_out_layers, output="images", output_type="pt")
+                output="images", output_type="pt", **family.reference_pipeline_kwargs())
 
 
 @pytest.mark.parametrize(("prompt", "negative", "guidance"), [
@@ -64,7 +43,7 @@ def _diffusers_images(family, model_dir, prompt, negative_prompt, guidance, nois
     ("a red cat on a mat", "", 1.0),  # CFG off: one conditional forward per step
     (LONG_PROMPT, "", 3.5),  # a 160-token prompt against an 80-token negative: two forwards
 ], ids=["cfg", "no-cfg", "long-prompt"])
-def test_engine_reproduces_the_diffusers_pipeline(flux3, flux3_dir, prompt, negative, guidance):
+def test_engine_reproduces_the_diffusers_pipeline(flux3, prompt, negative, guidance):
     """ODE sampling through our engine gives diffusers' FLUX 3 images from the same initial noise."""
     height, width, steps, seed = 32, 48, 4, 7
     engine = Engine(flux3, EngineConfig(max_outputs_per_request=4))
@@ -75,11 +54,11 @@ def test_engine_reproduces_the_diffusers_pipeline(flux3, flux3_dir, prompt, nega
     # The engine's initial noise (output i has seed + i), on diffusers' latent grid [B, C, h, w].
     tokens = flux3.prepare_latents(make_generators([seed, seed + 1]), height, width).tokens
     noise = tokens.transpose(1, 2).reshape(2, -1, height // 4, width // 4)
-    reference = _diffusers_images(flux3, flux3_dir, prompt, negative, guidance, noise, steps, height, width)
+    reference = _diffusers_images(flux3, prompt, negative, guidance, noise, steps, height, width)
     assert ours.shape == reference.shape == (2, 3, height, width)
     torch.testing.assert_close(ours, reference, rtol=0, atol=TOLERANCE)
     # The comparison can fail: another prompt moves the images far beyond the tolerance.
-    other = _diffusers_images(flux3, flux3_dir, "a green dog", negative, guidance, noise, steps, height, width)
+    other = _diffusers_images(flux3, "a green dog", negative, guidance, noise, steps, height, width)
     assert (other - reference).abs().max() > 100 * TOLERANCE
 
 

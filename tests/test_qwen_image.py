@@ -1,6 +1,5 @@
 """The qwen_image family against diffusers' QwenImagePipeline, on a tiny random checkpoint built in code."""
 
-import copy
 import json
 import shutil
 from pathlib import Path
@@ -37,21 +36,11 @@ def qwen(qwen_dir) -> QwenImageFamily:
     return QwenImageFamily.load(qwen_dir)
 
 
-def _pipeline(family):
-    from diffusers import QwenImagePipeline
-
-    pipe = QwenImagePipeline(scheduler=copy.deepcopy(family.scheduler), vae=family.vae,
-                             text_encoder=family.text_encoder, tokenizer=family.tokenizer,
-                             transformer=family.transformer)
-    pipe.set_progress_bar_config(disable=True)
-    return pipe
-
-
 def _diffusers_images(family, prompt, negative, guidance, steps, height, width, **noise):
     """QwenImagePipeline's images; its CFG scale is `true_cfg_scale`, on when a negative prompt is given."""
-    return _pipeline(family)(prompt=prompt, negative_prompt=negative if guidance > 1 else None,
-                             true_cfg_scale=guidance, num_inference_steps=steps, height=height, width=width,
-                             output_type="pt", **noise).images
+    pipe = family.reference_pipeline()
+    return pipe(prompt=prompt, negative_prompt=negative if guidance > 1 else None, true_cfg_scale=guidance,
+                num_inference_steps=steps, height=height, width=width, output_type="pt", **noise).images
 
 
 @pytest.mark.parametrize(("prompt", "negative", "guidance"), [
@@ -81,7 +70,7 @@ def test_engine_reproduces_the_diffusers_pipeline(qwen, prompt, negative, guidan
 
 def test_initial_noise_is_what_the_pipeline_draws(qwen):
     """Per-sample generators draw the pipeline's own noise ([1, C, 2h, 2w] per sample, packed 2x2)."""
-    pipe = _pipeline(qwen)
+    pipe = qwen.reference_pipeline()
     generators = make_generators([5, 6])
     theirs = pipe.prepare_latents(2, qwen.vae.config.z_dim, 32, 48, torch.float32, "cpu", generators)
     ours = qwen.prepare_latents(make_generators([5, 6]), 32, 48)
@@ -114,7 +103,7 @@ def test_conditioning_carries_its_text_lengths(qwen):
     assert both.embeds[0, 9:].abs().max() == 0 and both.embeds[0, 0, 1:].abs().max() == 0
     alone = qwen.encode_prompts([SHORT])
     assert alone.embeds.shape == (1, 9, 32) and torch.equal(alone.embeds[0], both.embeds[0, :9])
-    theirs, mask = _pipeline(qwen)._get_qwen_prompt_embeds([SHORT, LONG], device="cpu")
+    theirs, mask = qwen.reference_pipeline()._get_qwen_prompt_embeds([SHORT, LONG], device="cpu")
     assert mask.sum(1).tolist() == [8, 15]
     torch.testing.assert_close(both.embeds[:, 1:] * mask[..., None], theirs * mask[..., None], rtol=0, atol=1e-6)
 

@@ -158,18 +158,30 @@ async def time_group(client, n: int, m: int, request: dict, repeats: int, prompt
 
 @torch.no_grad()
 def pipeline_s_per_image(pipe, device, batch: int, size: tuple[int, int], steps: int, guidance: float, repeats: int,
-                         num_frames: int | None = None) -> float:
-    """Seconds per image (or video) of a diffusers pipeline making `batch` per call (median of `repeats`)."""
+                         num_frames: int | None = None, inputs: dict | None = None) -> float:
+    """Seconds per image (or video) of a diffusers pipeline making `batch` per call (median of `repeats`);
+    `inputs`: the family's `reference_pipeline_kwargs()`."""
     import inspect
+
+    from diffusers.modular_pipelines import ModularPipeline
 
     generator = torch.Generator(device).manual_seed(0)
     accepted = inspect.signature(pipe.__call__).parameters
     count = "num_videos_per_prompt" if "num_videos_per_prompt" in accepted else "num_images_per_prompt"
-    extra = {"num_frames": num_frames} if num_frames is not None else {}
+    extra = {**(inputs or {}), **({"num_frames": num_frames} if num_frames is not None else {})}
+    # The CFG scale in the pipeline's own terms: a modular pipeline's guider (FLUX 3); Qwen-Image's
+    # `true_cfg_scale`, on only with a negative prompt (its `guidance_scale` is the guidance-distilled
+    # variant's); else `guidance_scale`.
+    if isinstance(pipe, ModularPipeline):
+        pipe.update_components(guider=pipe.guider.new(guidance_scale=guidance, enabled=guidance > 1))
+    elif "true_cfg_scale" in accepted:
+        extra.update(true_cfg_scale=guidance, negative_prompt="" if guidance > 1 else None)
+    else:
+        extra["guidance_scale"] = guidance
 
     def run():
-        pipe(prompt=PROMPT, num_inference_steps=steps, guidance_scale=guidance, height=size[0], width=size[1],
-             generator=generator, output_type="pt", **{count: batch}, **extra)
+        pipe(prompt=PROMPT, num_inference_steps=steps, height=size[0], width=size[1], generator=generator,
+             output_type="pt", **{count: batch}, **extra)
 
     run()
     times = []
@@ -261,7 +273,8 @@ def bench(cfg: BenchConfig) -> dict:
         results["pipeline"] = {"class": name}
         for batch in batches:
             per_image = pipeline_s_per_image(pipe, device, batch, size, cfg.steps, guidance, cfg.repeats,
-                                             frames if family.generates_video else None)
+                                             frames if family.generates_video else None,
+                                             family.reference_pipeline_kwargs())
             results["pipeline"][batch] = {"s_per_image": per_image}
             print(f"{name}, {batch:>2} images per call: {per_image:.3f} s per image", flush=True)
         best_engine = min(r["s_per_image"] for r in results["engine"].values())

@@ -215,6 +215,11 @@ class FamilyAdapter(ABC):
         the same way (the demo model)."""
         return None
 
+    def reference_pipeline_kwargs(self) -> dict[str, Any]:
+        """Keywords that a call of `reference_pipeline()` needs for this checkpoint besides the request's (prompt,
+        steps, size, count, CFG scale): none by default (FLUX 3 names its text encoder layers)."""
+        return {}
+
     @abstractmethod
     def encode_prompts(self, prompts: Sequence[str]) -> PromptEmbeds:
         """Encode each prompt once."""

@@ -107,6 +107,17 @@ def run_flux3_transformer(family: FamilyAdapter, transformer, latents: Latents, 
                            return_dict=False)[0].float()
 
 
+class _ChatProcessor:
+    """What diffusers' FLUX 3 text step uses of the Qwen3-VL processor (chat template, tokenizer), for
+    text-only prompts; the real processor needs torchvision for its video half."""
+
+    def __init__(self, tokenizer):
+        self.tokenizer = tokenizer
+
+    def apply_chat_template(self, *args, **kwargs):
+        return self.tokenizer.apply_chat_template(*args, **kwargs)
+
+
 @register_family
 class Flux3ImageFamily(FamilyAdapter):
     name = "flux3_image"
@@ -124,6 +135,7 @@ class Flux3ImageFamily(FamilyAdapter):
         Component("text_encoder", "transformers:Qwen3VLForConditionalGeneration", text_encoder=True),
     )
     settings_class = Flux3Settings
+    root: Path | None = None  # the checkpoint directory, when loaded from one (the reference pipeline's scheduler)
 
     def __init__(self, transformer, vae, text_encoder, tokenizer, *, shift: float, settings: Flux3Settings):
         if getattr(transformer.config, "flow_map", False):
@@ -144,8 +156,38 @@ class Flux3ImageFamily(FamilyAdapter):
 
     @classmethod
     def from_components(cls, root, parts, settings) -> Flux3ImageFamily:
-        return cls(parts["transformer"], parts["vae"], parts["text_encoder"], parts["tokenizer"],
-                   shift=_static_shift(root / "scheduler"), settings=settings)
+        family = cls(parts["transformer"], parts["vae"], parts["text_encoder"], parts["tokenizer"],
+                     shift=_static_shift(root / "scheduler"), settings=settings)
+        family.root = Path(root)
+        return family
+
+    def reference_pipeline(self):
+        """diffusers' FLUX 3 modular pipeline (`Flux3AutoBlocks` less the prompt upsampler: the prompt is
+        encoded as given) over this family's own components (no copy of the weights): what the tests check
+        the engine against and the benchmarks time it against. Its CFG is its guider's, here at the family's
+        default scale (another: `pipe.update_components(guider=pipe.guider.new(guidance_scale=...))`); call
+        it with `reference_pipeline_kwargs()`."""
+        from diffusers import FlowMatchEulerDiscreteScheduler
+        from diffusers.guiders import ClassifierFreeGuidance
+        from diffusers.modular_pipelines.flux3 import Flux3AutoBlocks
+
+        scheduler_dir = None if self.root is None else self.root / "scheduler"
+        if scheduler_dir is not None and (scheduler_dir / "scheduler_config.json").is_file():
+            scheduler = FlowMatchEulerDiscreteScheduler.from_pretrained(scheduler_dir)
+        else:  # no scheduler config: diffusers' default scheduler at FLUX 3's shift, as `_static_shift` reads it
+            scheduler = FlowMatchEulerDiscreteScheduler(shift=self.shift)
+        blocks = Flux3AutoBlocks()
+        blocks.sub_blocks.pop("prompt_upsampler")  # encode the prompt as given
+        pipe = blocks.init_pipeline()
+        pipe.update_components(transformer=self.transformer, vae=self.vae, text_encoder=self.text_encoder,
+                               tokenizer=_ChatProcessor(self.tokenizer), scheduler=scheduler,
+                               guider=ClassifierFreeGuidance(guidance_scale=self.default_guidance_scale))
+        pipe.set_progress_bar_config(disable=True)
+        return pipe
+
+    def reference_pipeline_kwargs(self) -> dict:
+        """The checkpoint's text encoder layers: an input of each pipeline call, whose default is FLUX 3's."""
+        return {"text_encoder_out_layers": self.settings.text_encoder_out_layers}
 
     # ---------------------------------------------------------------- the family's conventions
     def default_size(self) -> tuple[int, int]:

@@ -207,6 +207,19 @@ class QwenImageFamily(FamilyAdapter):
         self.vae_scale = 2 ** len(vae.config.temperal_downsample)
         self.pixels_per_token = self.vae_scale * 2  # the VAE's downsampling, then the 2x2 patches
 
+    def reference_pipeline(self):
+        """diffusers' `QwenImagePipeline` over this family's own components (no copy of the weights): what the
+        tests check the engine against and the benchmarks time it against. Its CFG scale is `true_cfg_scale`,
+        on only when a negative prompt is given (its `guidance_scale` is the guidance-distilled variant's)."""
+        from diffusers import QwenImagePipeline
+
+        # A copy of the scheduler: the pipeline's set_timesteps and steps rewrite its state (timesteps, σ's,
+        # step index), and the family's scheduler is the engine's.
+        pipe = QwenImagePipeline(scheduler=copy.deepcopy(self.scheduler), vae=self.vae, text_encoder=self.text_encoder,
+                                 tokenizer=self.tokenizer, transformer=self.transformer)
+        pipe.set_progress_bar_config(disable=True)
+        return pipe
+
     @classmethod
     def read_settings(cls, root: Path, index: dict) -> QwenImageSettings:
         pipeline = str(index.get("_class_name", ""))
