@@ -157,3 +157,28 @@ def test_an_idle_engine_gathers_a_rollouts_requests_into_one_batch(tiny_family):
         batches[wait] = engine.denoise_batches
     assert batches[0.5] == 1  # 4 requests of 2 outputs, one batch of 8 (without the wait: 2, the first alone)
     assert torch.equal(images[0.0], images[0.5])
+
+
+def test_a_batch_encodes_each_distinct_prompt_once(tiny_family, monkeypatch):
+    """M = 1 makes one request per sample; gathered into one batch, a group's requests share one encoding
+    of the prompt and one of the negative prompt, and give the samples each request gives alone."""
+    import asyncio
+
+    from diffrl.rollout import InProcessEngineClient, RolloutConfig, RolloutManager
+
+    config = RolloutConfig(n_samples_per_prompt=4, rollout_microgroup_size=1, engine_concurrency=8)
+    request = {**ROLLOUT, "negative_prompt": "blurry"}
+    alone = Engine(tiny_family, EngineConfig(max_outputs_per_request=8))
+    expected = [alone.generate(RolloutRequest(prompt="a red circle", seed=s, num_outputs_per_prompt=1, **request))[0]
+                for s in range(4)]
+    engine = Engine(tiny_family, EngineConfig(max_outputs_per_request=8, max_batch_outputs=8, batch_wait_s=0.5))
+    calls = []
+    original = engine.family.encode_prompts
+    monkeypatch.setattr(engine.family, "encode_prompts", lambda prompts: calls.append(list(prompts)) or original(prompts))
+    groups = asyncio.run(RolloutManager([InProcessEngineClient(engine)], config).rollout(["a red circle"], request))
+    assert engine.denoise_batches == 1
+    assert calls == [["a red circle"], ["blurry"]]  # not once per request (4 + 4)
+    for got, want in zip(groups[0], expected, strict=True):
+        assert got.seed == want.seed
+        assert torch.equal(got.output.generated_output, want.generated_output)
+        assert torch.equal(got.output.rollout_log_probs, want.rollout_log_probs)

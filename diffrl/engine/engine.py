@@ -388,10 +388,12 @@ class Engine:
         start = time.perf_counter()
         self.denoise_batches += 1
         sizes = [t.req.num_outputs_per_prompt for t in batch]
-        # Each request's prompt is encoded once, then repeated to its outputs.
+        # Each distinct prompt of the batch is encoded once, then repeated to its requests' outputs: the
+        # microgroups of one group (M = 1: one request per sample) share a prompt and a negative prompt, and a
+        # real text encoder (T5-XXL, Qwen2.5-VL) costs a forward of billions of parameters per prompt.
         with family.text_encoders_on_device():
-            conds = [family.encode_prompts([t.req.prompt]) for t in batch]
-            unconds = ([family.encode_prompts([t.req.negative_prompt]) for t in batch] if plan.guidance_scale > 1.0
+            conds = _encode_each_once(family, [t.req.prompt for t in batch])
+            unconds = (_encode_each_once(family, [t.req.negative_prompt for t in batch]) if plan.guidance_scale > 1.0
                        else None)
         if len(batch) > 1 and not (_same_ids(conds) and _same_ids(unconds or [])):
             outputs = []  # text lengths differ: no shared batch, one request at a time
@@ -492,6 +494,13 @@ def _generator_device(requested: str | None, device: torch.device) -> torch.devi
     if requested == "cuda" or requested.startswith("cuda:"):
         return device
     raise RequestError("generator_device", f"expected 'cpu', 'cuda' or 'device', got {requested!r}")
+
+
+def _encode_each_once(family: FamilyAdapter, prompts: list[str]) -> list[PromptEmbeds]:
+    """`family.encode_prompts([p])` for each prompt of the list, encoding a repeated prompt only once (the same
+    conditioning object stands for each of its repeats: encoding is deterministic, and nothing mutates it)."""
+    encoded = {p: family.encode_prompts([p]) for p in dict.fromkeys(prompts)}
+    return [encoded[p] for p in prompts]
 
 
 def _same_ids(parts: list[PromptEmbeds]) -> bool:
