@@ -40,7 +40,8 @@ def test_generate_returns_one_record_per_output(engine):
     assert not torch.equal(outs[0].generated_output, outs[1].generated_output)
 
 
-def test_prompt_is_encoded_once_per_request(engine, monkeypatch):
+def test_prompt_is_encoded_once_per_request(tiny_family, monkeypatch):
+    engine = Engine(tiny_family, EngineConfig(max_outputs_per_request=8, prompt_cache_bytes=0))
     calls = []
     original = engine.family.encode_prompts
     monkeypatch.setattr(engine.family, "encode_prompts", lambda prompts: calls.append(list(prompts)) or original(prompts))
@@ -49,6 +50,47 @@ def test_prompt_is_encoded_once_per_request(engine, monkeypatch):
     calls.clear()
     engine.generate(RolloutRequest(prompt="two squares", num_outputs_per_prompt=8, num_inference_steps=2, guidance_scale=1.0))
     assert calls == [["two squares"]]  # CFG off: no negative branch at all
+
+
+def test_encoded_prompts_are_kept_for_later_requests_of_the_same_weights(tiny_family, monkeypatch):
+    """A rollout sends a prompt's microgroups one after another (and a video family's M = 1 requests one
+    sample each): the engine encodes the prompt once per weight version, within its byte budget, and the
+    samples are those of an engine that encodes every time."""
+    def counting(engine):
+        calls = []
+        original = engine.family.encode_prompts
+        monkeypatch.setattr(engine.family, "encode_prompts",
+                            lambda prompts: calls.append(prompts[0]) or original(prompts))
+        return calls
+
+    def request(prompt, seed):
+        return RolloutRequest(prompt=prompt, seed=seed, num_outputs_per_prompt=2, negative_prompt="blurry", **ROLLOUT)
+
+    uncached = Engine(tiny_family, EngineConfig(max_outputs_per_request=8, prompt_cache_bytes=0))
+    expected = [uncached.generate(request("a red circle", s)) for s in (0, 2)]
+    engine = Engine(tiny_family, EngineConfig(max_outputs_per_request=8))
+    calls = counting(engine)
+    got = [engine.generate(request("a red circle", s)) for s in (0, 2)]
+    assert calls == ["a red circle", "blurry"] and engine.prompt_encodes == 2
+    for outs, want in zip(got, expected, strict=True):
+        assert all(torch.equal(a.generated_output, b.generated_output) and torch.equal(a.rollout_log_probs,
+                   b.rollout_log_probs) for a, b in zip(outs, want, strict=True))
+    # New weights: encoded again (only the transformer changes, but no encoding outlives a version).
+    name, param = next(iter(engine.family.transformer.named_parameters()))
+    engine.update_weights({name: param.detach().clone()})
+    engine.generate(request("a red circle", 4))
+    assert calls[2:] == ["a red circle", "blurry"]
+    # A budget of one encoding: the older one goes first.
+    one = Engine(tiny_family, EngineConfig(max_outputs_per_request=8))._encode(["a red circle"])[0]
+    size = sum(t.numel() * t.element_size() for t in (one.embeds, one.ids))
+    small = Engine(tiny_family, EngineConfig(max_outputs_per_request=8, prompt_cache_bytes=size))
+    small._encode(["a red circle"]), small._encode(["two squares"]), small._encode(["two squares"])
+    assert small.prompt_encodes == 2
+    small._encode(["a red circle"])
+    assert small.prompt_encodes == 3
+    small.clear_prompt_cache()
+    small._encode(["a red circle"])
+    assert small.prompt_encodes == 4
 
 
 def test_plain_generation_is_ode_without_log_probs(engine):
@@ -171,13 +213,15 @@ def test_a_batch_encodes_each_distinct_prompt_once(tiny_family, monkeypatch):
     alone = Engine(tiny_family, EngineConfig(max_outputs_per_request=8))
     expected = [alone.generate(RolloutRequest(prompt="a red circle", seed=s, num_outputs_per_prompt=1, **request))[0]
                 for s in range(4)]
-    engine = Engine(tiny_family, EngineConfig(max_outputs_per_request=8, max_batch_outputs=8, batch_wait_s=0.5))
+    engine = Engine(tiny_family, EngineConfig(max_outputs_per_request=8, max_batch_outputs=8, batch_wait_s=0.5,
+                                              prompt_cache_bytes=0))  # shared within the batch, not kept
     calls = []
     original = engine.family.encode_prompts
     monkeypatch.setattr(engine.family, "encode_prompts", lambda prompts: calls.append(list(prompts)) or original(prompts))
     groups = asyncio.run(RolloutManager([InProcessEngineClient(engine)], config).rollout(["a red circle"], request))
     assert engine.denoise_batches == 1
     assert calls == [["a red circle"], ["blurry"]]  # not once per request (4 + 4)
+    assert engine.prompt_encodes == 2
     for got, want in zip(groups[0], expected, strict=True):
         assert got.seed == want.seed
         assert torch.equal(got.output.generated_output, want.generated_output)

@@ -229,6 +229,7 @@ class _EngineServer:
             raise RequestError("level", f"{self.engine.in_flight} requests are in flight")
         before = self._memory()
         moved = self.weights.offload() if level == 2 else 0
+        self.engine.clear_prompt_cache()  # encoded prompts are device memory too
         gc.collect()  # the last batch's tensors, before the allocator's cache is emptied
         if self.device.type == "cuda":
             torch.cuda.empty_cache()

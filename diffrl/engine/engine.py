@@ -25,9 +25,11 @@ batches.
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import resource
 import threading
 import time
+from collections import OrderedDict
 from concurrent.futures import Future, InvalidStateError, ThreadPoolExecutor
 from dataclasses import dataclass, field, replace
 
@@ -74,6 +76,9 @@ class EngineConfig:
     """Threads that drive denoising batches (one runs the model at a time; waiting requests hold none)."""
     max_lora_rank: int = 256
     """Largest LoRA rank `add_lora_adapter` hosts."""
+    prompt_cache_bytes: int = 256 << 20
+    """Encoded prompts kept for later requests of the same weights (least recently used out first; 0: none).
+    A group's microgroups, and every group of a prompt within a rollout, share its encoding."""
 
 
 INT64_MAX = 2**63 - 1  # weight versions travel as int64 (msgpack, JSON clients)
@@ -146,6 +151,8 @@ class Engine:
         self._in_flight = 0
         self._waiting: list[_Ticket] = []
         self.denoise_batches = 0  # batches run so far (fewer than requests when requests share batches)
+        self.prompt_encodes = 0  # text-encoder calls so far (fewer than prompts when encodings are shared)
+        self._prompts = _PromptCache(self.config.prompt_cache_bytes)  # used under _model_lock
         # Bounded: waiting requests sit in `_waiting`, not in threads (each thread can grow its own malloc arena).
         self._threads = ThreadPoolExecutor(max_workers=max(1, self.config.worker_threads), thread_name_prefix="engine")
 
@@ -376,6 +383,26 @@ class Engine:
             self.weight_version = self.weight_version + 1 if version is None else version
         return self.weight_version
 
+    def _encode(self, prompts: list[str]) -> list[PromptEmbeds]:
+        """Each prompt's conditioning; a prompt seen in this batch, or earlier under the same weights, is not
+        encoded again (encoding is deterministic, and nothing mutates an encoding once made)."""
+        out, fresh = [], {}
+        for prompt in prompts:
+            encoded = fresh.get(prompt)
+            if encoded is None:
+                encoded = self._prompts.get(prompt, self.weight_version)
+            if encoded is None:
+                encoded = fresh[prompt] = self.family.encode_prompts([prompt])
+                self.prompt_encodes += 1
+                self._prompts.put(prompt, encoded)
+            out.append(encoded)
+        return out
+
+    def clear_prompt_cache(self) -> None:
+        """Free the encoded prompts kept for later requests (a colocated engine going to sleep)."""
+        with self._model_lock:
+            self._prompts.clear()
+
     @torch.no_grad()
     def _generate(self, batch: list[_Ticket]) -> list[list[RolloutOutput] | Exception]:
         """Denoise the requests of `batch` (same batch key) as one batch; outputs (or the error) per request."""
@@ -392,9 +419,8 @@ class Engine:
         # microgroups of one group (M = 1: one request per sample) share a prompt and a negative prompt, and a
         # real text encoder (T5-XXL, Qwen2.5-VL) costs a forward of billions of parameters per prompt.
         with family.text_encoders_on_device():
-            conds = _encode_each_once(family, [t.req.prompt for t in batch])
-            unconds = (_encode_each_once(family, [t.req.negative_prompt for t in batch]) if plan.guidance_scale > 1.0
-                       else None)
+            conds = self._encode([t.req.prompt for t in batch])
+            unconds = self._encode([t.req.negative_prompt for t in batch]) if plan.guidance_scale > 1.0 else None
         if len(batch) > 1 and not (_same_ids(conds) and _same_ids(unconds or [])):
             outputs = []  # text lengths differ: no shared batch, one request at a time
             for t in batch:
@@ -496,11 +522,41 @@ def _generator_device(requested: str | None, device: torch.device) -> torch.devi
     raise RequestError("generator_device", f"expected 'cpu', 'cuda' or 'device', got {requested!r}")
 
 
-def _encode_each_once(family: FamilyAdapter, prompts: list[str]) -> list[PromptEmbeds]:
-    """`family.encode_prompts([p])` for each prompt of the list, encoding a repeated prompt only once (the same
-    conditioning object stands for each of its repeats: encoding is deterministic, and nothing mutates it)."""
-    encoded = {p: family.encode_prompts([p]) for p in dict.fromkeys(prompts)}
-    return [encoded[p] for p in prompts]
+class _PromptCache:
+    """Encoded prompts of one weight version, least recently used first, within `max_bytes`. Only the
+    transformer's weights ever change (weight sync, LoRA adapters), but any change of version empties it."""
+
+    def __init__(self, max_bytes: int):
+        self.max_bytes = max_bytes
+        self._entries: OrderedDict[str, PromptEmbeds] = OrderedDict()
+        self._bytes = 0
+        self._version: int | None = None
+
+    def get(self, prompt: str, version: int) -> PromptEmbeds | None:
+        if version != self._version:
+            self.clear()
+            self._version = version
+        if (hit := self._entries.get(prompt)) is not None:
+            self._entries.move_to_end(prompt)
+        return hit
+
+    def put(self, prompt: str, encoded: PromptEmbeds) -> None:
+        size = _nbytes(encoded)
+        if size > self.max_bytes:
+            return
+        self._entries[prompt] = encoded
+        self._bytes += size
+        while self._bytes > self.max_bytes:
+            self._bytes -= _nbytes(self._entries.popitem(last=False)[1])
+
+    def clear(self) -> None:
+        self._entries.clear()
+        self._bytes = 0
+
+
+def _nbytes(encoded: PromptEmbeds) -> int:
+    values = (getattr(encoded, f.name) for f in dataclasses.fields(encoded))
+    return sum(v.numel() * v.element_size() for v in values if isinstance(v, torch.Tensor))
 
 
 def _same_ids(parts: list[PromptEmbeds]) -> bool:
