@@ -446,6 +446,8 @@ class ServeConfig:
     """Requests in flight (waiting or running); more get HTTP 429."""
     worker_threads: int = 4
     """Threads driving denoising batches (waiting requests hold none)."""
+    prompt_cache_bytes: int = 256 << 20
+    """Encoded prompts kept for later requests under the same weights (bytes of device memory; 0: none)."""
     allowed_hosts: tuple[str, ...] = ()
     """Host names accepted on /update_weights and /lora_adapter besides loopback ones."""
     allowed_origins: tuple[str, ...] = ()
@@ -465,7 +467,7 @@ class ServeConfig:
                             max_guidance_scale=self.max_guidance_scale, max_noise_level=self.max_noise_level,
                             max_output_steps=self.max_output_steps, request_timeout_s=self.request_timeout_s,
                             max_pending_requests=self.max_pending_requests, worker_threads=self.worker_threads,
-                            max_lora_rank=self.max_lora_rank)
+                            max_lora_rank=self.max_lora_rank, prompt_cache_bytes=self.prompt_cache_bytes)
 
     def server_limits(self) -> ServerLimits:
         return ServerLimits(max_body_bytes=self.max_body_bytes, max_weights_bytes=self.max_weights_bytes,
