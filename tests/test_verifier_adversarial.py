@@ -476,10 +476,10 @@ def test_stray_ink_fades_the_partial_credit():
     assert dirty.balanced_score == dirty.exact_count_score == 0.0
 
 
-def test_every_strict_failure_costs_partial_credit():
-    """The partial score is the reward RL climbs: an image that fails strictly for any reason must score
-    below a clean one, or the policy is not pushed off it. A single small mark (too small to move the stray
-    fraction) is the case that used to keep full credit."""
+def test_every_strict_failure_costs_crisp_credit():
+    """Under the crisp score (reward `shapes_crisp`) an image that fails strictly for any reason scores below
+    a clean one, so the policy is pushed off it. A single small mark (too small to move the stray fraction)
+    is what the plain partial credit leaves whole."""
     rng = np.random.default_rng(43)
     makers = {
         "small mark": lambda p, k: with_marks(p, k, rng, [(5, 5)], [(90, 90, 90)], True),
@@ -496,7 +496,7 @@ def test_every_strict_failure_costs_partial_credit():
             verdict = verify(image, prompt)
             if not verdict.strict:
                 checked += 1
-                assert verdict.score < 1.0 and verdict.balanced_score < 1.0, (kind, prompt, verdict)
+                assert verdict.crisp_score < 1.0, (kind, prompt, verdict)
     assert checked >= 40
 
 

@@ -145,7 +145,8 @@ def shapes_exact_count_reward(images, prompts, metadata=None) -> list[float]:
 def shapes_crisp_reward(images, prompts, metadata=None) -> list[float]:
     """Partial credit with each passing shape graded by how clearly it beats the second-best template
     (verify.CRISP_LEAD): shapes that barely pass (a lumpy circle near a diamond) keep a signal to sharpen,
-    also in groups where every sample passes."""
+    also in groups where every sample passes; and each stray mark charged (verify.MARK_CREDIT), so every
+    strict failure costs credit."""
     return [verdict.crisp_score for verdict in _shapes_verdicts(images, prompts)]
 
 

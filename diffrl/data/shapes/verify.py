@@ -67,8 +67,10 @@ STRAY_LIMIT = 0.015
 # specks of 3x3 px, blurred, cover ~13%.
 BACKGROUND_LIMIT = 0.20
 STRAY_ZERO_CREDIT = 0.10  # partial credit fades from STRAY_LIMIT to 0 here
-# Each mark keeps this share of the partial credit: a mark fails the image strictly, so the reward must see
-# it too, also when it is too small to move the stray fraction (a 33 px mark is 0.8% of 64x64).
+# In the crisp score, each mark keeps this share of the credit: a mark fails the image strictly, but one too
+# small to move the stray fraction (a 33 px mark is 0.8% of 64x64) leaves the partial credit whole. The partial
+# credit itself does not charge marks: on the CPU demo (4 steps) charging them took the held-out gain of
+# `make demo` from 0.429 -> 0.588 to none (docs/journal.md).
 MARK_CREDIT = 0.8
 # ---- shapes
 # Softened renders score >= 0.90 with a lead of >= 0.08; the shipped model's fair shapes score
@@ -183,7 +185,8 @@ class Verdict:
     # three with one misshapen 0.75), so RL learns to hedge with extra objects; here the exact count
     # comes first (0.5 and 0.83).
     exact_count_score: float
-    # As `score`, with each passing shape graded by how clearly it leads the second-best template (CRISP_LEAD)
+    # As `score`, with each passing shape graded by how clearly it leads the second-best template (CRISP_LEAD),
+    # and each stray mark charged (MARK_CREDIT)
     crisp_score: float
 
 
@@ -656,9 +659,9 @@ def verify(image, prompt_or_spec: str | SceneSpec) -> Verdict:
     the balanced score first averages the components of each kind, then the kinds; the exact-count
     score is half [the count is exact] and half the mean of the other components; all are
     times a cleanliness factor that is 1 up to STRAY_LIMIT of stray ink and 0 from
-    STRAY_ZERO_CREDIT, and times MARK_CREDIT for each stray mark: every strict failure costs credit.
-    The crisp score is the score with each passing shape graded by its lead over the second-best
-    template (CRISP_FLOOR at none, 1 from CRISP_LEAD). The reason names the first failure among a dirty background or stray
+    STRAY_ZERO_CREDIT. The crisp score is the score with each passing shape graded by its lead over the
+    second-best template (CRISP_FLOOR at none, 1 from CRISP_LEAD) and times MARK_CREDIT for each stray
+    mark: in it, every strict failure costs credit. The reason names the first failure among a dirty background or stray
     marks, the count, then each object's texture, shape and color, then the relation, and starts
     with that word. A dithered object fails its shape component, as a malformed one does.
     """
@@ -700,7 +703,6 @@ def verify(image, prompt_or_spec: str | SceneSpec) -> Verdict:
             failures.append(f"relation: {_the(want0)} is not {RELATIONS[spec.relation]} {_the(want1)}")
 
     clean = min(1.0, max(0.0, (STRAY_ZERO_CREDIT - scene.stray_fraction) / (STRAY_ZERO_CREDIT - STRAY_LIMIT)))
-    clean *= MARK_CREDIT ** len(scene.marks)
     every_component = [value for values in components.values() for value in values]
     not_count = [value for kind, values in components.items() if kind != "count" for value in values]
     crisp_components = [value for kind, values in components.items() if kind != "shape" for value in values] + crisp
@@ -710,5 +712,5 @@ def verify(image, prompt_or_spec: str | SceneSpec) -> Verdict:
         reason=failures[0] if failures else "ok",
         balanced_score=float(np.mean([np.mean(values) for values in components.values()])) * clean,
         exact_count_score=(0.5 * (n_found == n_required) + 0.5 * float(np.mean(not_count))) * clean,
-        crisp_score=float(np.mean(crisp_components)) * clean,
+        crisp_score=float(np.mean(crisp_components)) * clean * MARK_CREDIT ** len(scene.marks),
     )
