@@ -163,9 +163,10 @@ SIZED: dict[str, dict[str, dict]] = {
         "gpu": dict(loss_type="nft", use_lora=False, lr=1e-4,
                     **{**_GPU_BATCH, "num_rollout": 60, "micro_batch_size": 1152},
                     lr_schedule="cosine", lr_min_ratio=0.1, category_sampling="adaptive"),
-        # The CPU main command (`make demo`, about 6 minutes on 2 cores): 4 steps, one group per
-        # category per rollout, one optimizer step of 48 samples × 3 timesteps. Figures: README.
-        "cpu": dict(loss_type="nft", use_lora=False, lr=1e-4, diffusion_num_steps=4, num_rollout=22,
+        # The CPU main command (`make demo`, about 4 minutes on 2 cores): 4 steps, one group per
+        # category per rollout, one optimizer step of 48 samples × 3 timesteps. lr 5e-5: on the hardened
+        # verifier 1e-4 left the train reward without a trend (2e-4 collapsed; docs/journal.md). Figures: README.
+        "cpu": dict(loss_type="nft", use_lora=False, lr=5e-5, diffusion_num_steps=4, num_rollout=22,
                     rollout_batch_size=6, n_samples_per_prompt=8, rollout_microgroup_size=8, global_batch_size=48,
                     num_steps_per_rollout=1, micro_batch_size=48, eval_interval=22, eval_images_per_category=8,
                     checkpoint_interval=11),

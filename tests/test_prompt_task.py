@@ -99,7 +99,7 @@ def test_the_demo_recipe_trains_on_a_prompt_file_with_any_reward(tmp_path):
     args = ["train", "--recipe", "shapes-nft", "--device", "cpu", "--prompt-data", str(tmp_path / "train.txt"),
             "--eval-prompt-data", str(tmp_path / "test.txt"), "--reward", "jpeg_compressibility"]
     cfg = parse(args)
-    assert cfg.algorithm.loss_type == "nft" and cfg.rollout.diffusion_num_steps == 4 and cfg.optim.lr == 1e-4
+    assert cfg.algorithm.loss_type == "nft" and cfg.rollout.diffusion_num_steps == 4 and cfg.optim.lr == 5e-5
     out = tmp_path / "run"
     small = ["--num-rollout", "1", "--rollout-batch-size", "2", "--n-samples-per-prompt", "2",
              "--rollout-microgroup-size", "2", "--global-batch-size", "4", "--micro-batch-size", "12",

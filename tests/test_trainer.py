@@ -212,8 +212,8 @@ def test_recipes_scale_with_the_device_and_flags_override_them():
     assert recipe_config("shapes-grpo-gpu", "cpu").rollout.rollout_batch_size == 32  # -gpu forces the GPU size
     for cfg in (cpu, gpu, recipe_config("shapes-grpo", "cpu"), recipe_config("shapes-grpo", "cuda")):
         validate_config(cfg)  # every preset satisfies the batch invariant
-    parsed = parse(["train", "--recipe", "shapes-nft", "--device", "cpu", "--lr", "5e-5"])
-    assert parsed.rollout.rollout_batch_size == 6 and parsed.optim.lr == 5e-5 and parsed.recipe == "shapes-nft"
+    parsed = parse(["train", "--recipe", "shapes-nft", "--device", "cpu", "--lr", "2e-5"])
+    assert parsed.rollout.rollout_batch_size == 6 and parsed.optim.lr == 2e-5 and parsed.recipe == "shapes-nft"
     with pytest.raises(ValueError, match="shapes-nft-gpu"):
         recipe_config("shapes-sft")
 
