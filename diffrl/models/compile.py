@@ -38,6 +38,14 @@ REDUCE_OVERHEAD_REFUSED = ("--compile-mode reduce-overhead: CUDA graphs fail und
                            "block's replay overwrites the previous block's output; BENCHMARKS.md, speed levers)")
 
 
+def check_compile_mode(mode: str | None) -> None:
+    """Refuse a mode other than `COMPILE_MODES` (None: default), reduce-overhead with its reason."""
+    if mode == "reduce-overhead":
+        raise ValueError(REDUCE_OVERHEAD_REFUSED)
+    if mode is not None and mode not in COMPILE_MODES:
+        raise ValueError(f"--compile-mode {mode}: expected one of {', '.join(COMPILE_MODES)}")
+
+
 def compile_blocks(transformer: torch.nn.Module, block_lists: Sequence[str], *, mode: str | None = None,
                    eager_numerics: bool = True) -> int:
     """Compile every block named by `block_lists` (see `repeated_blocks`) in `mode` (one of `COMPILE_MODES`;
@@ -48,10 +56,7 @@ def compile_blocks(transformer: torch.nn.Module, block_lists: Sequence[str], *, 
     differently, so without it the trainer's replay of a rollout step drifts from the engine's log-prob:
     on SD3.5-M at 512² the first pass's mean |Δlogp| was 2.2e-4 (36% of pairs clipped at Flow-GRPO's clip
     range 1e-4) and 4.5e-5 with it (14%), for 7% of the training speed (BENCHMARKS.md). Eager: 1.6e-8."""
-    if mode == "reduce-overhead":
-        raise ValueError(REDUCE_OVERHEAD_REFUSED)
-    if mode is not None and mode not in COMPILE_MODES:
-        raise ValueError(f"--compile-mode {mode}: expected one of {', '.join(COMPILE_MODES)}")
+    check_compile_mode(mode)
     torch._dynamo.config.recompile_limit = max(torch._dynamo.config.recompile_limit, RECOMPILE_LIMIT)
     import torch._inductor.config as inductor_config
 

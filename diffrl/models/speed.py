@@ -17,7 +17,7 @@ from __future__ import annotations
 from dataclasses import dataclass, fields
 
 from diffrl.models.attention import check_attention_backend, fuse_qkv_projections, fused_qkv_streams
-from diffrl.models.compile import COMPILE_MODES, REDUCE_OVERHEAD_REFUSED, compile_blocks
+from diffrl.models.compile import check_compile_mode, compile_blocks
 
 
 @dataclass(frozen=True)
@@ -38,10 +38,7 @@ class SpeedOptions:
     def check(self, deterministic: bool = False) -> None:
         """Refuse contradictory values, naming the flags (the device is checked by `apply`)."""
         check_attention_backend(self.attention_backend, None, deterministic)
-        if self.compile_mode == "reduce-overhead":
-            raise ValueError(REDUCE_OVERHEAD_REFUSED)
-        if self.compile_mode not in COMPILE_MODES:
-            raise ValueError(f"--compile-mode {self.compile_mode}: expected one of {', '.join(COMPILE_MODES)}")
+        check_compile_mode(self.compile_mode)
         if self.compile_mode != "default" and not self.compile:
             raise ValueError(f"--compile-mode {self.compile_mode} needs --compile")
         if self.vae_decode_batch is not None and self.vae_decode_batch < 0:

@@ -40,8 +40,9 @@
 #   JOBS=train2 bash scripts/device/speed_levers.sh
 #   JOBS=engine bash scripts/device/speed_levers.sh
 # Results: $OUT/speed_levers.md (the tables) and $OUT/results.tgz (speed-levers/: each run's metrics.jsonl and
-# config.json, the engine JSONs, flags, exit statuses, log tails; packed: a call brings back 8 files); `python benchmarks/speed_levers.py table --dir DIR` rebuilds them
-# from the copies of several calls put in one folder.
+# config.json, the engine JSONs, flags, exit statuses, log tails; packed: a call brings back 8 files);
+# `python benchmarks/speed_levers.py table --dir DIR` rebuilds the tables from the copies of several calls put in
+# one folder.
 set -uo pipefail
 started=$(date +%s)
 [[ ${WHEELS:-1} == 0 ]] || bash scripts/device/install_wheels.sh || exit 1

@@ -661,8 +661,8 @@ def verify(image, prompt_or_spec: str | SceneSpec) -> Verdict:
     times a cleanliness factor that is 1 up to STRAY_LIMIT of stray ink and 0 from
     STRAY_ZERO_CREDIT. The crisp score is the score with each passing shape graded by its lead over the
     second-best template (CRISP_FLOOR at none, 1 from CRISP_LEAD) and times MARK_CREDIT for each stray
-    mark: in it, every strict failure costs credit. The reason names the first failure among a dirty background or stray
-    marks, the count, then each object's texture, shape and color, then the relation, and starts
+    mark: in it, every strict failure costs credit. The reason names the first failure among a dirty
+    background or stray marks, the count, then each object's texture, shape and color, then the relation, and starts
     with that word. A dithered object fails its shape component, as a malformed one does.
     """
     spec = parse_prompt(prompt_or_spec) if isinstance(prompt_or_spec, str) else prompt_or_spec
