@@ -27,6 +27,17 @@ def test_quoted_text_and_the_score_formula():
         quoted_text("a sign with nothing quoted")
 
 
+def test_an_apostrophe_does_not_open_a_quoted_span():
+    """Double quotes win over single ones, and an apostrophe inside a word is not a quote."""
+    assert quoted_text('A kid\'s drawing labeled "Mom\'s house"') == "Mom's house"
+    assert quoted_text("Baker's dozen sign: 'FRESH'") == "FRESH"
+    assert quoted_text("a sign that says 'Don't Panic' in red") == "Don't Panic"
+    assert quoted_text("a sign that says “Don’t Panic”") == "Don’t Panic"
+    assert quoted_text("the chef's menu reads ‘soup’") == "soup"
+    with pytest.raises(ValueError, match="quotes no text"):
+        quoted_text("the chef's special")
+
+
 def test_ocr_reads_the_quoted_text_back():
     reward = get_reward("ocr")
     prompts = ['a poster that says "diffrl"', 'a poster that says "diffrl"', 'a sign reading "hello"']

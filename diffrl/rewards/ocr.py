@@ -1,6 +1,8 @@
 """`ocr`: does the image show the text the prompt quotes? The Flow-GRPO OCR task's reward.
 
-The text to render is the prompt's first quoted span ("…", '…', “…” or ‘…’). A real OCR model reads the
+The text to render is the prompt's first double-quoted span ("…" or “…”, as Flow-GRPO's OCR prompts quote
+it), else its first single-quoted one ('…' or ‘…’, whose quotes are not apostrophes inside a word, as in
+"kid's"). A real OCR model reads the
 image: RapidOCR's PP-OCR detector and recogniser in ONNX, which ship inside the `rapidocr-onnxruntime`
 wheel (`pip install 'diffrl[ocr]'`), so nothing is downloaded at run time. Both texts are compared
 lower-cased with whitespace removed: 1 when the image's text contains the target, else
@@ -17,12 +19,16 @@ from diffrl.rewards import register_reward
 from diffrl.rewards.frames import mean_over_frames
 from diffrl.utils.images import to_uint8
 
-_QUOTED = re.compile(r'"([^"]+)"|“([^”]+)”|‘([^’]+)’|\'([^\']+)\'')
+_DOUBLE_QUOTED = re.compile(r'"([^"]+)"|“([^”]+)”')
+# An apostrophe (kid's, Don't) sits between letters: a single quote opens or closes only beside a non-letter.
+_SINGLE_QUOTED = re.compile(r"(?<!\w)'(.+?)'(?!\w)|‘(.+?)’(?!\w)")
 
 
 def quoted_text(prompt: str) -> str:
-    """The first quoted span of `prompt`; a prompt without one has nothing for OCR to check."""
-    match = _QUOTED.search(prompt)
+    """The first double-quoted span of `prompt`, else its first single-quoted one: double quotes first, so an
+    apostrophe before them ("a kid's drawing labeled "Mom's house"") cannot open a span. A prompt without
+    one has nothing for OCR to check."""
+    match = _DOUBLE_QUOTED.search(prompt) or _SINGLE_QUOTED.search(prompt)
     if match is None:
         raise ValueError(f"ocr reward: the prompt quotes no text to render: {prompt!r}")
     return next(group for group in match.groups() if group is not None)
