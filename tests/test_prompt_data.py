@@ -43,6 +43,17 @@ def test_bad_jsonl_names_the_line(tmp_path, content, message):
         load_prompts(path)
 
 
+def test_a_byte_order_mark_is_not_part_of_the_first_prompt_and_other_encodings_are_refused(tmp_path):
+    """Windows editors start UTF-8 files with a BOM; it must not reach the model (txt) nor break JSON (jsonl)."""
+    (tmp_path / "p.txt").write_bytes('\ufeffa sign that says "café"\r\nsecond\r\n'.encode())
+    assert [r.prompt for r in load_prompts(tmp_path / "p.txt")] == ['a sign that says "café"', "second"]
+    (tmp_path / "p.jsonl").write_bytes(('\ufeff' + json.dumps({"prompt": "x", "k": 1}) + "\n").encode())
+    assert load_prompts(tmp_path / "p.jsonl") == [PromptRecord("x", {"k": 1})]
+    (tmp_path / "latin1.txt").write_bytes("first\ncaf\xe9\n".encode("latin-1"))
+    with pytest.raises(ValueError, match="latin1.txt:2: not UTF-8"):
+        load_prompts(tmp_path / "latin1.txt")
+
+
 def test_missing_paths_and_splits(tmp_path):
     with pytest.raises(FileNotFoundError, match="no such file"):
         load_prompts(tmp_path / "nope.txt")

@@ -41,8 +41,7 @@ def load_prompts(path: str | Path, split: Split = "train", input_key: str = "pro
     if path.suffix == ".jsonl":
         records = _read_jsonl(path, input_key)
     elif path.suffix == ".txt":
-        lines = path.read_text(encoding="utf-8").splitlines()
-        records = [PromptRecord(line.strip()) for line in lines if line.strip()]
+        records = [PromptRecord(line.strip()) for line in _read_lines(path) if line.strip()]
     else:
         raise ValueError(f"prompt data {path}: expected a .txt file (one prompt per line), a .jsonl file "
                          "or a directory holding train.txt/test.txt or train_metadata.jsonl/test_metadata.jsonl")
@@ -59,9 +58,21 @@ def split_file(directory: Path, split: Split) -> Path:
     raise FileNotFoundError(f"prompt data {directory}: no {split}_metadata.jsonl or {split}.txt in it")
 
 
+def _read_lines(path: Path) -> list[str]:
+    """The file's lines as UTF-8. A byte-order mark (what Windows editors write first) is dropped, not
+    left at the start of the first prompt; other encodings are refused naming the line."""
+    raw = path.read_bytes()
+    try:
+        return raw.decode("utf-8-sig").splitlines()
+    except UnicodeDecodeError as err:
+        line = raw[: err.start].count(b"\n") + 1
+        raise ValueError(f"prompt data {path}:{line}: not UTF-8 (byte {raw[err.start]:#04x}); "
+                         "save the file as UTF-8") from None
+
+
 def _read_jsonl(path: Path, input_key: str) -> list[PromptRecord]:
     records = []
-    for number, line in enumerate(path.read_text(encoding="utf-8").splitlines(), start=1):
+    for number, line in enumerate(_read_lines(path), start=1):
         if not line.strip():
             continue
         try:
