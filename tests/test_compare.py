@@ -68,3 +68,19 @@ def test_compare_command_writes_report_and_grid(tiny_model_dir, tmp_path, capsys
     assert len(report["prompts"]) == 4 and (out / "side_by_side.png").is_file()
     assert "4 ties" in capsys.readouterr().out
     assert cli_main(["compare", "--trained", str(tmp_path / "nope"), "--device", "cpu"]) == 2
+
+
+def test_a_wrong_trained_path_fails_before_the_base_model_samples(tiny_model_dir, tmp_path, capsys):
+    """The trained model loads after the base model's columns are sampled (minutes on a real model): a missing
+    path, or a run folder given for one of its checkpoints, fails first, in one line."""
+    (tmp_path / "prompts.txt").write_text("a red circle\n")
+    run = tmp_path / "run"
+    (run / "checkpoints" / "rollout-00001").mkdir(parents=True)
+    for trained, message in ((tmp_path / "nope", "checkpoint directory not found"),
+                             (run, "holds no model (a run folder: pass one of its checkpoints/rollout-N)")):
+        out = tmp_path / "cmp"
+        code = cli_main(["compare", "--base", str(tiny_model_dir), "--trained", str(trained), "--prompt-data",
+                         str(tmp_path / "prompts.txt"), "--reward", "jpeg_compressibility", "--guidance-scale", "2",
+                         "--num-steps", "1", "--device", "cpu", "--output-dir", str(out)])
+        assert code == 2 and message in capsys.readouterr().err
+        assert not out.exists()  # nothing sampled

@@ -20,7 +20,7 @@ from diffrl.evaluation.compare import (REWARD_COLUMNS, compare_by_reward, compar
 from diffrl.evaluation.reward_eval import evaluate_with_reward, reward_components, write_text_atomic
 from diffrl.evaluation.sampling import TEST_SEED
 from diffrl.evaluation.shapes import summarize
-from diffrl.models.checkpoint import load_model
+from diffrl.models.checkpoint import check_checkpoint, load_model
 from diffrl.models.demo import SHIPPED_DEMO_MODEL
 from diffrl.utils.device import resolve_device
 
@@ -79,6 +79,10 @@ class CompareConfig:
 
 
 def compare(cfg: CompareConfig) -> dict:
+    # The trained model loads after the base model's images are made: a wrong path must fail before them.
+    check_checkpoint(cfg.trained)
+    if cfg.base_checkpoint is not None:
+        check_checkpoint(cfg.base_checkpoint)
     if cfg.prompt_data is not None or cfg.reward is not None:
         return compare_by_prompt_data(cfg)
     device = resolve_device(cfg.device)

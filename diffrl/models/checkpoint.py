@@ -30,16 +30,15 @@ def load_model(base_path: Path, checkpoint: Path | None = None, *, family: str |
     if checkpoint is None:
         return family_cls.load(base_path, device=device)
     checkpoint = Path(checkpoint)
-    if not checkpoint.is_dir():
-        raise ModelLoadError(f"checkpoint directory not found: {checkpoint}")
     if (checkpoint / "manifest.json").is_file():  # a run checkpoint: its files must match what was written
         from diffrl.train.checkpointer import verify_checkpoint
 
         problem = verify_checkpoint(checkpoint)
         if problem is not None:
             raise ModelLoadError(f"damaged checkpoint: {checkpoint} ({problem})")
+    check_checkpoint(checkpoint)
     for full in (checkpoint, checkpoint / "model"):
-        if (full / "model_index.json").is_file() and (full / "text_encoder").is_dir():
+        if _is_full_model(full):
             return family_cls.load(full, device=device)
     model = family_cls.load(base_path, device=device)
     lora_dir = checkpoint / "lora" if (checkpoint / "lora").is_dir() else checkpoint
@@ -47,11 +46,34 @@ def load_model(base_path: Path, checkpoint: Path | None = None, *, family: str |
         _apply_lora(model.transformer, lora_dir)
         return model
     for model_dir in (checkpoint, checkpoint / "model"):
-        if (model_dir / "transformer" / "diffusion_pytorch_model.safetensors").is_file():
+        if _has_transformer(model_dir):
             model.load_saved_transformer(model_dir)  # the family's own layout (e.g. Wan2.2's two experts)
             return model
-    raise ModelLoadError(f"{checkpoint} holds no model: expected model_index.json, model/, lora/adapter_config.json "
-                         "or transformer/diffusion_pytorch_model.safetensors")
+    raise AssertionError("check_checkpoint admitted a directory holding no model")  # unreachable
+
+
+def check_checkpoint(checkpoint: Path) -> Path:
+    """`checkpoint` if it is a directory holding a model in one of the layouts above, else a ModelLoadError
+    naming it. Cheap (no weights read): a command that loads the checkpoint late (`diffrl compare` loads it
+    after the base model's images) calls it first, so a wrong path fails before any sampling."""
+    checkpoint = Path(checkpoint)
+    if not checkpoint.is_dir():
+        raise ModelLoadError(f"checkpoint directory not found: {checkpoint}")
+    candidates = (checkpoint, checkpoint / "model")
+    if (any(_is_full_model(d) or _has_transformer(d) for d in candidates)
+            or (checkpoint / "lora" / "adapter_config.json").is_file() or (checkpoint / "adapter_config.json").is_file()):
+        return checkpoint
+    hint = " (a run folder: pass one of its checkpoints/rollout-N)" if (checkpoint / "checkpoints").is_dir() else ""
+    raise ModelLoadError(f"{checkpoint} holds no model{hint}: expected model_index.json, model/, "
+                         "lora/adapter_config.json or transformer/diffusion_pytorch_model.safetensors")
+
+
+def _is_full_model(directory: Path) -> bool:
+    return (directory / "model_index.json").is_file() and (directory / "text_encoder").is_dir()
+
+
+def _has_transformer(directory: Path) -> bool:
+    return (directory / "transformer" / "diffusion_pytorch_model.safetensors").is_file()
 
 
 def _apply_lora(transformer: torch.nn.Module, lora_dir: Path) -> None:
