@@ -1,5 +1,7 @@
 """Built-in shapes rewards on rendered (exact) and blank images."""
 
+import sys
+
 import pytest
 import torch
 
@@ -106,3 +108,16 @@ def test_crisp_shapes_reward_grades_shapes_that_barely_pass():
     assert partial[0] == partial[1] == 1.0 and crisp[0] == 1.0
     assert 0.95 < crisp[1] < 1.0
     assert crisp[2] == partial[2] < 0.7
+
+
+def test_a_custom_reward_is_found_in_the_current_directory(tmp_path, monkeypatch):
+    """`diffrl train --reward myreward:score` run beside myreward.py: the console script's sys.path lacks
+    the current directory (`python -m` would have it), yet the module is found there."""
+    (tmp_path / "diffrl_user_reward_in_cwd.py").write_text(
+        "def score(images, prompts, metadata):\n    return [float(m['value']) for m in metadata]\n")
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setattr(sys, "path", [p for p in sys.path if p not in ("", str(tmp_path))])
+    reward = get_reward("diffrl_user_reward_in_cwd:score")
+    assert reward(torch.zeros(2, 3, 8, 8), ["a", "b"], [{"value": 1}, {"value": 2}]) == [1.0, 2.0]
+    with pytest.raises(ValueError, match="cannot be imported: No module named 'no_such_reward_module'"):
+        get_reward("no_such_reward_module:score")

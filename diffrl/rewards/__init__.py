@@ -66,11 +66,9 @@ def get_reward(name: str, device: str | None = None) -> Callable:
             options.append((key.strip(), value))
         return _model_reward(model, path, None if device is None else str(device), tuple(sorted(options)))
     if ":" in name:
-        import importlib
-
         module_name, _, attr = name.partition(":")
         try:
-            return getattr(importlib.import_module(module_name), attr)
+            return getattr(_import_custom(module_name), attr)
         except (ImportError, AttributeError) as err:
             raise ValueError(f"custom reward {name!r} cannot be imported: {err}") from None
     try:
@@ -78,6 +76,24 @@ def get_reward(name: str, device: str | None = None) -> Callable:
     except KeyError:
         raise ValueError(f"unknown reward {name!r}; known: {', '.join(sorted(_REWARDS))} "
                          "(or a custom one as module:function)") from None
+
+
+def _import_custom(module_name: str):
+    """A custom reward's module, found on sys.path or else in the current directory: `diffrl` is a console
+    script, whose sys.path (unlike `python -m`'s) lacks the directory a user runs it from, beside their
+    `myreward.py`. The directory goes last, so it shadows no installed module."""
+    import importlib
+    import os
+    import sys
+
+    try:
+        return importlib.import_module(module_name)
+    except ModuleNotFoundError as err:
+        top = module_name.partition(".")[0]
+        if err.name != top or os.getcwd() in sys.path or "" in sys.path:
+            raise
+    sys.path.append(os.getcwd())
+    return importlib.import_module(module_name)
 
 
 def default_device(device: str | None = None):
