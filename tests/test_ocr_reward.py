@@ -66,3 +66,20 @@ def test_a_video_scores_as_the_mean_of_its_frames(monkeypatch):
     assert per_frame == pytest.approx([1.0, 4 / 6, 1.0])  # frames that score differently
     video = frames.permute(1, 0, 2, 3)[None]  # [B, C, F, H, W]
     assert reward(video, prompt) == pytest.approx([sum(per_frame) / 3])
+
+
+def test_a_prompt_set_without_quoted_text_is_refused_up_front(tmp_path):
+    """`--reward ocr` on prompts without quotes fails before any model loads (it failed when the first such
+    prompt was scored: after the held-out evaluation), naming the file and the prompt; inside `multi:` too."""
+    from diffrl.cli.main import main as cli_main
+    from diffrl.rewards import check_prompts
+
+    check_prompts("ocr", ['a sign that says "hi"'], "p.txt")
+    check_prompts("jpeg_compressibility", ["a cat"], "p.txt")  # rewards without a check are not asked
+    with pytest.raises(ValueError, match=r"^p.txt, prompt 2: ocr reward: the prompt quotes no text to render: 'a cat'$"):
+        check_prompts("multi:jpeg_compressibility=0.5,ocr=1", ['a sign that says "hi"', "a cat"], "p.txt")
+    (tmp_path / "test.txt").write_text('a sign that says "hi"\na cat\n')
+    missing_model = tmp_path / "no-model"  # never reached: the prompts are refused first
+    assert cli_main(["evaluate", "--model-path", str(missing_model), "--prompt-data", str(tmp_path / "test.txt"),
+                     "--reward", "ocr", "--output-dir", str(tmp_path / "ev")]) == 2
+    assert not (tmp_path / "ev").exists()

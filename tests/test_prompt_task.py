@@ -155,3 +155,9 @@ def test_evaluation_uses_the_rollouts_negative_prompt(tiny_model_dir, tmp_path, 
     trainer = Trainer(tiny_config(tiny_model_dir, tmp_path / "run", negative_prompt="blurry", **task))
     trainer.evaluate(0)
     assert seen and set(seen) == {"blurry"}
+
+
+def test_a_reward_that_cannot_score_a_training_prompt_is_refused_before_the_model_loads(tmp_path):
+    (tmp_path / "train.txt").write_text('a sign that says "OPEN"\na photo of a dog\n')
+    with pytest.raises(ValueError, match=r"train.txt \(training prompts\), prompt 2: .*quotes no text"):
+        Trainer(tiny_config(tmp_path / "no-model", tmp_path / "run", prompt_data=tmp_path / "train.txt", reward="ocr"))

@@ -21,6 +21,7 @@ from diffrl.evaluation.shapes import (IMAGES_DIR, RECORDS_FILE, balanced_eval_se
                                      format_summary, records_as_dicts, save_records_grid, save_samples, summarize)
 from diffrl.models.checkpoint import load_model
 from diffrl.models.demo import SHIPPED_DEMO_MODEL
+from diffrl.rewards import check_prompts
 from diffrl.utils.device import resolve_device
 
 SHAPES_GUIDANCE_SCALE = 3.0  # the shapes evaluation's CFG when --guidance-scale is left unset
@@ -137,7 +138,9 @@ def eval_prompts(prompt_data: Path | None, reward: str | None, input_key: str, n
     if n_samples_per_eval_prompt < 1:
         raise ValueError(f"--n-samples-per-eval-prompt must be >= 1, got {n_samples_per_eval_prompt}")
     records = load_prompts(prompt_data, split="test", input_key=input_key)
-    return records[:num_prompts] if num_prompts is not None else records
+    records = records[:num_prompts] if num_prompts is not None else records
+    check_prompts(reward, [r.prompt for r in records], f"prompt data {prompt_data}")
+    return records
 
 
 def evaluate_prompt_data(cfg: EvaluateConfig) -> dict:

@@ -14,7 +14,7 @@ last: `multi:pickscore@/m/PickScore_v1,processor=/m/CLIP-ViT-H-14=1,hpsv2@/m/HPS
 from __future__ import annotations
 
 import functools
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 
 _REWARDS: dict[str, Callable] = {}
 
@@ -94,6 +94,25 @@ def _import_custom(module_name: str):
             raise
     sys.path.append(os.getcwd())
     return importlib.import_module(module_name)
+
+
+def check_prompts(spec: str, prompts: Sequence[str], source: str) -> None:
+    """Refuse, before any model loads or samples, a prompt that a reward of `spec` cannot score, naming
+    `source` and the prompt's number; otherwise the run fails when that prompt is first scored, after a
+    held-out evaluation or minutes of rollouts. A reward declares what it needs with a `check_prompt(prompt)`
+    attribute that raises ValueError (`ocr`: a quoted text); rewards without one are not asked."""
+    names = list(_parse_weights(spec.removeprefix("multi:"))) if spec.startswith("multi:") else [spec]
+    for name in names:
+        # Registered rewards and custom ones; a model reward (NAME@PATH) is not loaded for this.
+        scorer = _REWARDS.get(name) or (get_reward(name) if ":" in name and "@" not in name else None)
+        check = getattr(scorer, "check_prompt", None)
+        if check is None:
+            continue
+        for number, prompt in enumerate(prompts, start=1):
+            try:
+                check(prompt)
+            except ValueError as err:
+                raise ValueError(f"{source}, prompt {number}: {err}") from None
 
 
 def default_device(device: str | None = None):

@@ -82,3 +82,6 @@ def read_text(pixels) -> str:
 def ocr_reward(images, prompts, metadata=None) -> list[float]:
     targets = [quoted_text(p) for p in prompts]  # refuse a prompt without quotes before any OCR runs
     return [text_score(read_text(pixels), target) for pixels, target in zip(to_uint8(images), targets, strict=True)]
+
+
+ocr_reward.check_prompt = quoted_text  # a prompt set is checked for quoted text up front (rewards.check_prompts)

@@ -16,6 +16,7 @@ import numpy as np
 
 from diffrl.data.prompts import PromptRecord, PromptStream, load_prompts
 from diffrl.evaluation.sampling import TEST_SEED
+from diffrl.rewards import check_prompts
 from diffrl.tasks.base import EvalOutcome, EvalSettings
 
 # Metadata keys that name a prompt's kind (GenEval's `tag`); rewards are also logged per kind.
@@ -37,6 +38,9 @@ class PromptSetTask:
         else:
             self.eval_records = load_prompts(held_out or path, "test", task_cfg.input_key)[: eval_cfg.eval_num_prompts]
         self.evaluates = bool(self.eval_records)
+        check_prompts(self.reward, [r.prompt for r in self.train.records], f"prompt data {path} (training prompts)")
+        check_prompts(self.reward, [r.prompt for r in self.eval_records],
+                      f"prompt data {held_out or path} (held-out prompts)")
 
     def check_family(self, family) -> None:
         pass  # rewards score video as the mean over its frames
