@@ -307,3 +307,17 @@ def test_http_client_reads_a_diffrl_servers_json_the_same_as_its_msgpack(engine)
         finally:
             compact.close()
             json_client.close()
+
+
+@pytest.mark.parametrize("key,why", [("eta", "not a sampling parameter"), ("rollout", "cannot be set")])
+def test_a_refused_extra_sampling_params_key_is_the_error_field(engine, key, why):
+    """A refused `extra_sampling_params` key is named in `error.field` (and in `detail`'s loc), as every
+    other refusal names its field, not reported as the whole body."""
+    client = TestClient(create_app(engine))
+    response = client.post("/rollout/generate", json={**SGLANG_REQUEST, "extra_sampling_params": {key: 1.0}})
+    assert response.status_code == 422
+    body = response.json()
+    assert body["error"]["field"] == f"extra_sampling_params.{key}"
+    name, _, rest = body["error"]["message"].partition(": ")
+    assert name == f"extra_sampling_params.{key}" and rest.startswith(why)  # named once, then why
+    assert body["detail"][0]["loc"] == ["body", "extra_sampling_params", key]

@@ -15,6 +15,7 @@ from typing import Any, Literal
 
 import torch
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
+from pydantic_core import PydanticCustomError
 
 from diffrl.errors import RequestError  # noqa: F401  (re-exported: part of the protocol)
 
@@ -28,6 +29,8 @@ _NULL_MEANS_DEFAULT = ("negative_prompt", "num_inference_steps", "num_outputs_pe
                        "suppress_logs")
 # `extra_sampling_params` may not override these (sglang keeps `rollout` from the request itself).
 _NOT_IN_EXTRA = ("prompt", "rollout", "extra_sampling_params")
+# The pydantic error type of a refused `extra_sampling_params` key (its context holds the key).
+EXTRA_KEY_ERROR = "extra_sampling_param"
 
 
 # The schema's own bounds (what no engine could serve); each engine's limits are checked in `Engine.plan`.
@@ -108,9 +111,12 @@ class RolloutRequest(BaseModel):
                 if key in _NOT_IN_EXTRA or key not in cls.model_fields:
                     # The key is client text: escaped, since pydantic cannot carry a lone surrogate in a message.
                     name = str(key).encode("utf-8", "backslashreplace").decode("utf-8")[:100]
-                    raise ValueError(f"extra_sampling_params.{name}: not a sampling parameter this engine knows"
-                                     if key not in _NOT_IN_EXTRA else
-                                     f"extra_sampling_params.{name}: cannot be set through extra_sampling_params")
+                    # Its own error type carries the key, so the server names `extra_sampling_params.<key>`
+                    # as the field (a model-level error has no location of its own).
+                    raise PydanticCustomError(
+                        EXTRA_KEY_ERROR, "extra_sampling_params.{key}: " + (
+                            "not a sampling parameter this engine knows" if key not in _NOT_IN_EXTRA else
+                            "cannot be set through extra_sampling_params"), {"key": name})
                 if value is not None or key not in _NULL_MEANS_DEFAULT:
                     data[key] = value
             data["extra_sampling_params"] = None  # merged: the request now says it all

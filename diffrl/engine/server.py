@@ -54,7 +54,7 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_valida
 
 from diffrl.engine import sglang
 from diffrl.engine.engine import INT64_MAX, Engine, EngineBusy, EngineConfig, RequestCancelled
-from diffrl.engine.protocol import RolloutRequest, utf8_text
+from diffrl.engine.protocol import EXTRA_KEY_ERROR, RolloutRequest, utf8_text
 from diffrl.engine.streaming import Body, stream
 from diffrl.engine.wire import MEDIA_TYPE, WireFormatError, decode_weights, encode_outputs, output_body
 from diffrl.errors import RequestError
@@ -130,11 +130,14 @@ def _validation_response(errors: list[dict]) -> Response:
     detail = []
     for err in errors[:10]:
         loc = [part if isinstance(part, int) else str(part)[:100] for part in err.get("loc", ())]
+        if err.get("type") == EXTRA_KEY_ERROR:  # a refused extra_sampling_params key: name it, not the body
+            loc += ["extra_sampling_params", str((err.get("ctx") or {}).get("key", ""))[:100]]
         detail.append({"loc": loc, "msg": " ".join(str(err.get("msg", "")).split())[:300],
                        "type": str(err.get("type", ""))[:60]})
     first = detail[0] if detail else {"loc": [], "msg": "invalid request"}
     field = ".".join(str(p) for p in first["loc"] if p != "body") or "body"
-    return error_response(422, field, f"{field}: {first['msg']}", detail)
+    message = first["msg"] if first["msg"].startswith(f"{field}: ") else f"{field}: {first['msg']}"
+    return error_response(422, field, message, detail)
 
 
 def _host_name(host: str) -> str:
