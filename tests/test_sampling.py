@@ -94,15 +94,20 @@ def test_sde_log_prob_matches_float64_gaussian(step):
     assert torch.equal(rescored.log_prob, out.log_prob)
 
 
-def test_sde_log_prob_without_constants_drops_only_the_constants():
+def test_sde_log_prob_without_constants_is_sglangs_squared_error():
+    """`rollout_log_prob_no_const` means what sglang-diffusion's scheduler computes: −mean((x' − mean)²), with
+    neither the constants nor the 1/(2·std²) of the Gaussian; the same draw, only the score differs."""
     x, v = _fixed_inputs()
     sigmas = make_sigmas(10, shift=3.0)
     kwargs = dict(sigma_max=float(sigmas[1]), generators=make_generators([5, 6, 7]))
     full = sde_step(x, v, sigmas[2], sigmas[3], 0.7, **kwargs)
     bare = sde_step(x, v, sigmas[2], sigmas[3], 0.7, sigma_max=float(sigmas[1]),
                     next_latents=full.next_latents, log_prob_no_const=True)
-    constants = -torch.log(full.std.double()) - math.log(math.sqrt(2 * math.pi))
-    torch.testing.assert_close(full.log_prob.double(), bare.log_prob.double() + constants, rtol=0, atol=1e-5)
+    squared_error = ((full.next_latents.double() - full.mean.double()) ** 2).flatten(1).mean(1)
+    torch.testing.assert_close(bare.log_prob.double(), -squared_error, rtol=1e-6, atol=0)
+    std = full.std.double()
+    gaussian = -squared_error / (2 * std**2) - torch.log(std) - math.log(math.sqrt(2 * math.pi))
+    torch.testing.assert_close(full.log_prob.double(), gaussian, rtol=0, atol=1e-5)
 
 
 def test_cps_log_prob_matches_float64_reference():

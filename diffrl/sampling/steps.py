@@ -91,7 +91,8 @@ def sde_step(
     `std_t = a·sqrt(σ / (1 − σ̃))` with σ̃ = σ except at σ = 1, where the schedule's next-largest
     sigma `sigma_max` stands in (the formula is singular at 1).
     `mean = x·(1 + std_t²·dt/(2σ)) + v·(1 + std_t²·(1 − σ)/(2σ))·dt`, `x' = mean + std_t·sqrt(−dt)·ε`.
-    With `noise_level = 0` this is exactly the Euler step.
+    With `noise_level = 0` this is exactly the Euler step. log p is the Gaussian log-density, averaged over
+    a sample's elements; `log_prob_no_const` gives `−mean((x' − mean)²)` instead (no variance, no constants).
     """
     x, v = x.float(), v.float()
     sig = _per_sample(sigma, x)
@@ -103,9 +104,10 @@ def sde_step(
     if noise_level == 0:
         return StepOutput(mean, mean, std.flatten(), None)
     x_next = _draw_or_take(mean, std, generators, next_latents)
-    log_density = -((x_next.detach() - mean) ** 2) / (2 * std**2)
-    if not log_prob_no_const:
-        log_density = log_density - torch.log(std) - math.log(math.sqrt(2 * math.pi))
+    squared_error = (x_next.detach() - mean) ** 2
+    if log_prob_no_const:  # sglang-diffusion's meaning of the wire flag: −mean((x' − mean)²), as the CPS step
+        return StepOutput(x_next, mean, std.flatten(), -_mean_over_sample(squared_error))
+    log_density = -squared_error / (2 * std**2) - torch.log(std) - math.log(math.sqrt(2 * math.pi))
     return StepOutput(x_next, mean, std.flatten(), _mean_over_sample(log_density))
 
 
