@@ -34,9 +34,11 @@ _SD3_GRPO = dict(diffusion_model_family="sd3", loss_type="flow_grpo", use_lora=T
                  num_steps_per_rollout=1, micro_batch_size=8, eval_images_per_category=0)
 
 # The same on a prompt dataset with the published rewards: microgroups of 8 (the miles-diffusion
-# scripts' --diffusion-microgroup-size 8), AdamW weight decay 1e-4 and β2 0.999, 40 evaluation steps.
+# scripts' --diffusion-microgroup-size 8), AdamW weight decay 1e-4 and β2 0.999, 40 evaluation steps,
+# per-prompt mean with batch-wide std, and the KL term to the base of flow_grpo's SD3.5 configs
+# (config/grpo.py: `general_ocr_sd3*` β 0.04, as miles-diffusion's SD3 OCR script; `pickscore_sd3*` β 0.01).
 _SD35_GRPO = dict(_SD3_GRPO, rollout_microgroup_size=8, weight_decay=1e-4, adam_beta2=0.999, eval_num_steps=40,
-                  eval_interval=30, checkpoint_interval=20, num_rollout=600)
+                  globalize_reward_std=True, eval_interval=30, checkpoint_interval=20, num_rollout=600)
 
 # Flow-GRPO on Qwen-Image with PickScore: flow_grpo's `pickscore_qwenimage` as miles-diffusion's
 # scripts/run-diffusion-grpo-pickscore-5gpu-flowgrpo-aligned.sh runs it: 512², 10 steps (50 to
@@ -144,8 +146,9 @@ _COSMOS3_GRPO = dict(diffusion_model_family="cosmos3", loss_type="flow_grpo", re
 
 SIZED: dict[str, dict[str, dict]] = {
     "sd3-grpo": {"gpu": _SD3_GRPO, "cpu": _SD3_GRPO},  # a real checkpoint has no CPU size
-    "sd35-grpo-ocr": {"gpu": dict(_SD35_GRPO, reward="ocr"), "cpu": dict(_SD35_GRPO, reward="ocr")},
-    "sd35-grpo-pickscore": {"gpu": dict(_SD35_GRPO, reward="pickscore"), "cpu": dict(_SD35_GRPO, reward="pickscore")},
+    "sd35-grpo-ocr": {"gpu": (_ocr := dict(_SD35_GRPO, reward="ocr", diffusion_kl_beta=0.04)), "cpu": _ocr},
+    "sd35-grpo-pickscore": {"gpu": (_pick := dict(_SD35_GRPO, reward="pickscore", diffusion_kl_beta=0.01)),
+                            "cpu": _pick},
     "qwen-image-grpo-pickscore": {"gpu": _QWEN_GRPO, "cpu": _QWEN_GRPO},
     "flux3-klein-nft-pickscore": {"gpu": _FLUX3_NFT, "cpu": _FLUX3_NFT},
     "flux3-klein-grpo-hps": {"gpu": _FLUX3_GRPO, "cpu": _FLUX3_GRPO},

@@ -71,6 +71,10 @@ def test_recipe_details_the_table_names():
         assert (a.diffusion_clip_range, a.diffusion_kl_beta, a.globalize_reward_std) == (1e-5, 0.0, True)
         assert cfg.model.mixed_precision == "bf16" and cfg.model.gradient_checkpointing and cfg.deterministic_mode
         assert cfg.rollout.negative_prompt == "" and cfg.rollout.num_rollout == 200
+    for sd35, kl_beta in (("sd35-grpo-ocr", 0.04), ("sd35-grpo-pickscore", 0.01)):  # flow_grpo's SD3.5 configs
+        a = recipe_config(sd35).algorithm
+        assert (a.diffusion_kl_beta, a.globalize_reward_std, a.globalize_reward_mean) == (kl_beta, True, False)
+    assert recipe_config("sd3-grpo").algorithm.diffusion_kl_beta == 0  # the benchmark setting stays KL-free
     nft = recipe_config("flux3-klein-nft-pickscore")
     assert nft.optim.lr == 3e-4 and nft.model.gradient_checkpointing and nft.algorithm.nft_rollout_guidance_scale == 1.0
 
