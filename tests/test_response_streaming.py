@@ -108,6 +108,24 @@ def test_a_tensor_file_is_the_bytes_safetensors_writes(tensor):
         assert TensorFile(torch.empty(tensor.shape, dtype=tensor.dtype, device="meta"), "t").length == len(whole)
 
 
+def test_a_weight_update_is_the_file_safetensors_writes_sent_tensor_by_tensor():
+    """A weight push's body (`wire.weights_body`) is byte for byte `safetensors.torch.save` of the tensors, in
+    any mix of dtypes and names, without gathering them first; the server's decoder reads it back."""
+    from diffrl.engine.wire import decode_weights, weights_body
+    torch.manual_seed(0)
+    tensors = {"b.weight": torch.randn(3, 5), "d.bias": torch.randn(7).to(torch.bfloat16), "a.h": torch.randn(2).half(),
+               "step": torch.arange(4), "mask": torch.tensor([True, False]), "empty": torch.zeros(0),
+               "t.weight": torch.randn(6, 4).t(), "n": torch.randn(3, dtype=torch.float64),
+               "q": torch.arange(5, dtype=torch.int32), "u": torch.arange(3, dtype=torch.uint8)}
+    whole = save_safetensors({k: v.contiguous() for k, v in tensors.items()})
+    body = weights_body(tensors)
+    assert body.length == len(whole)
+    for size in (1, 7, 64, 1 << 20):
+        assert b"".join(body.chunks(size)) == whole
+    back = decode_weights(b"".join(body.chunks()))
+    assert set(back) == set(tensors) and all(torch.equal(back[k], v) for k, v in tensors.items())
+
+
 def test_streamed_bodies_are_the_bytes_built_in_one_piece(engine):
     for fields in ({**ROLLOUT, "negative_prompt": "blurry"}, {**ROLLOUT, "rollout_return_step_indices": [1, 3]}):
         req = RolloutRequest(prompt=PROMPT, seed=5, num_outputs_per_prompt=3, **fields)

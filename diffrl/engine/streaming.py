@@ -36,41 +36,62 @@ _SAFETENSORS_DTYPES = {
     torch.float64: "F64", torch.float32: "F32", torch.float16: "F16", torch.bfloat16: "BF16", torch.int64: "I64",
     torch.int32: "I32", torch.int16: "I16", torch.int8: "I8", torch.uint8: "U8", torch.bool: "BOOL",
 }
+# The order safetensors lays a file's tensors out in (its dtype enum, descending; then by name).
+_LAYOUT_RANK = {dtype: rank for rank, dtype in enumerate((
+    torch.int64, torch.float64, torch.float32, torch.int32, torch.bfloat16, torch.float16, torch.int16, torch.int8,
+    torch.uint8, torch.bool))}
 
 
-class TensorFile:
-    """`tensor` as a safetensors file holding it under `name`, laid out as `safetensors.torch.save` writes it
-    (little-endian header length, the JSON header padded with spaces to 8 bytes, the raw data), produced
-    slice by slice from the tensor's own memory. Its length needs only the shape and dtype (a meta tensor
+class SafetensorsFile:
+    """Named tensors as one safetensors file (little-endian header length, the JSON header padded with spaces
+    to 8 bytes, the raw data), produced slice by slice from each tensor's own memory: a device tensor is
+    copied to the host one at a time, as its turn comes, so writing the file holds one tensor beyond the
+    tensors. Tensors are laid out as `safetensors.torch.save` lays them out (the same bytes), widest element
+    first, which keeps every tensor aligned to its element size. Its length needs only shapes and dtypes (meta tensors
     will do for sizing)."""
 
-    __slots__ = ("tensor", "head", "length", "_whole")
+    __slots__ = ("tensors", "head", "length", "_whole")
 
-    def __init__(self, tensor: torch.Tensor, name: str):
-        self.tensor = tensor.detach()
+    def __init__(self, tensors: dict[str, torch.Tensor]):
+        self.tensors = sorted(((name, t.detach()) for name, t in tensors.items()),
+                              key=lambda item: (_LAYOUT_RANK.get(item[1].dtype, 0), item[0]))
         self._whole = None
-        code = _SAFETENSORS_DTYPES.get(self.tensor.dtype)
-        if code is None or sys.byteorder != "little":  # rare: let safetensors write it, in one piece
-            self._whole = save_safetensors({name: self.tensor.contiguous().cpu()})
+        if sys.byteorder != "little" or any(t.dtype not in _SAFETENSORS_DTYPES for _, t in self.tensors):
+            # rare: let safetensors write it, in one piece
+            self._whole = save_safetensors({name: t.contiguous().cpu() for name, t in self.tensors})
             self.head, self.length = b"", len(self._whole)
             return
-        nbytes = self.tensor.numel() * self.tensor.element_size()
-        header = json.dumps({name: {"dtype": code, "shape": list(self.tensor.shape), "data_offsets": [0, nbytes]}},
-                            separators=(",", ":")).encode()
-        header += b" " * (-len(header) % 8)
-        self.head = struct.pack("<Q", len(header)) + header
-        self.length = len(self.head) + nbytes
+        header, offset = {}, 0
+        for name, t in self.tensors:
+            nbytes = t.numel() * t.element_size()
+            header[name] = {"dtype": _SAFETENSORS_DTYPES[t.dtype], "shape": list(t.shape),
+                            "data_offsets": [offset, offset + nbytes]}
+            offset += nbytes
+        text = json.dumps(header, separators=(",", ":")).encode()
+        text += b" " * (-len(text) % 8)
+        self.head = struct.pack("<Q", len(text)) + text
+        self.length = len(self.head) + offset
 
     def pieces(self, size: int = CHUNK_BYTES) -> Iterator[bytes | memoryview]:
         if self._whole is not None:
             yield self._whole
             return
         yield self.head
-        data = self.tensor.contiguous().cpu().reshape(-1)
-        if data.numel():
-            raw = memoryview(data.view(torch.uint8).numpy())
-            for start in range(0, len(raw), size):
-                yield raw[start:start + size]
+        for _, tensor in self.tensors:
+            data = tensor.contiguous().cpu().reshape(-1)
+            if data.numel():
+                raw = memoryview(data.view(torch.uint8).numpy())
+                for start in range(0, len(raw), size):
+                    yield raw[start:start + size]
+
+
+class TensorFile(SafetensorsFile):
+    """One tensor as a safetensors file holding it under `name`: what a wire tensor map carries."""
+
+    __slots__ = ()
+
+    def __init__(self, tensor: torch.Tensor, name: str):
+        super().__init__({name: tensor})
 
 
 class Base64:
@@ -102,7 +123,7 @@ class Base64:
             yield binascii.b2a_base64(carry, newline=False)
 
 
-Part = bytes | TensorFile | Base64
+Part = bytes | SafetensorsFile | Base64
 
 
 class Body:

@@ -12,10 +12,9 @@ from __future__ import annotations
 import msgpack
 import torch
 from safetensors.torch import load as load_safetensors
-from safetensors.torch import save as save_safetensors
 
 from diffrl.engine.protocol import DitTrajectory, RolloutOutput
-from diffrl.engine.streaming import Body, TensorFile, msgpack_array_header, msgpack_parts
+from diffrl.engine.streaming import Body, SafetensorsFile, TensorFile, msgpack_array_header, msgpack_parts
 
 MEDIA_TYPE = "application/msgpack"
 _TENSOR_KEY = "data"
@@ -40,9 +39,15 @@ def decode_tensor(obj: dict) -> torch.Tensor:
     return tensor
 
 
+def weights_body(tensors: dict[str, torch.Tensor]) -> Body:
+    """Named tensors (a weight update) as one safetensors body, written as it is sent: a full model's
+    weights are never gathered into one host buffer."""
+    return Body([SafetensorsFile(tensors)])
+
+
 def encode_weights(tensors: dict[str, torch.Tensor]) -> bytes:
-    """Named tensors (a weight update) as one safetensors body."""
-    return save_safetensors({k: v.detach().cpu().contiguous() for k, v in tensors.items()})
+    """`weights_body` in one piece."""
+    return bytes(weights_body(tensors))
 
 
 def decode_weights(body: bytes) -> dict[str, torch.Tensor]:

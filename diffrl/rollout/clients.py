@@ -25,7 +25,8 @@ import torch
 from diffrl.engine import sglang
 from diffrl.engine.engine import Engine
 from diffrl.engine.protocol import RolloutOutput, RolloutRequest
-from diffrl.engine.wire import MEDIA_TYPE, OutputStreamDecoder, WireFormatError, decode_outputs, encode_weights
+from diffrl.engine.streaming import Body
+from diffrl.engine.wire import MEDIA_TYPE, OutputStreamDecoder, WireFormatError, decode_outputs, weights_body
 from diffrl.errors import RequestError
 from diffrl.models.base import FamilyAdapter
 from diffrl.models.lora import LoraSpec
@@ -112,7 +113,7 @@ class HttpEngineClient:
             connection = self._local.connection = self._new_connection(self._timeout_s)
         return connection
 
-    def _send(self, method: str, path: str, body: bytes | None, headers: dict) -> http.client.HTTPResponse:
+    def _send(self, method: str, path: str, body: bytes | Body | None, headers: dict) -> http.client.HTTPResponse:
         """Send a request on this thread's kept-alive connection and return its response (headers read).
 
         A server closes a kept-alive connection that sits idle (uvicorn after 5 s), and a trainer's next
@@ -123,18 +124,24 @@ class HttpEngineClient:
         connection = self._connection()
         reused = connection.sock is not None
         target = f"{self._url.path.rstrip('/')}{path}"
+        if isinstance(body, Body):  # written as it is sent, with its length known up front
+            headers = {**headers, "content-length": str(body.length)}
+
+        def payload():  # a Body's chunks start over on the second try
+            return body.chunks() if isinstance(body, Body) else body
+
         try:
-            connection.request(method, target, body=body, headers=headers)
+            connection.request(method, target, body=payload(), headers=headers)
             return connection.getresponse()
         except (BrokenPipeError, ConnectionResetError):  # RemoteDisconnected is a ConnectionResetError
             if not reused:
                 raise
         self._drop()
         connection = self._connection()
-        connection.request(method, target, body=body, headers=headers)
+        connection.request(method, target, body=payload(), headers=headers)
         return connection.getresponse()
 
-    def _request_blocking(self, method: str, path: str, body: bytes | None, headers: dict,
+    def _request_blocking(self, method: str, path: str, body: bytes | Body | None, headers: dict,
                           what: str) -> tuple[int, bytes, str]:
         """One request over this thread's kept-alive connection: (status, body, content type). A broken
         connection is dropped, not reused."""
@@ -145,7 +152,7 @@ class HttpEngineClient:
             self._drop()
             raise EngineUnavailable(f"{self.name}: {what}{err.__class__.__name__}: {err}") from err
 
-    def _post_blocking(self, path: str, body: bytes, headers: dict, what: str) -> tuple[int, bytes]:
+    def _post_blocking(self, path: str, body: bytes | Body, headers: dict, what: str) -> tuple[int, bytes]:
         status, content, _ = self._request_blocking("POST", path, body, headers, what)
         return status, content
 
@@ -246,14 +253,14 @@ class HttpEngineClient:
         """Send named transformer tensors to the engine (`POST /update_weights`), synchronously:
         the trainer pushes between rollouts, outside any event loop."""
         headers = {"x-weight-version": str(version), "content-type": "application/octet-stream"}
-        self._post("/update_weights", "weight push", token, encode_weights(tensors), headers)
+        self._post("/update_weights", "weight push", token, weights_body(tensors), headers)
 
     def add_lora_adapter(self, spec: LoraSpec, token: str | None = None) -> None:
         """Have the engine host the trainer's LoRA adapter (`POST /lora_adapter`; idempotent)."""
         self._post("/lora_adapter", "LoRA adapter", token, json.dumps(spec.model_dump()).encode(),
                    {"content-type": "application/json"})
 
-    def _post(self, path: str, what: str, token: str | None, body: bytes, headers: dict) -> None:
+    def _post(self, path: str, what: str, token: str | None, body: bytes | Body, headers: dict) -> None:
         if token:
             headers = {**headers, "authorization": f"Bearer {token}"}
         status, content = self._post_blocking(path, body, headers, what=f"{what} failed: ")
