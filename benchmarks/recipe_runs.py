@@ -17,9 +17,10 @@ precision stay the recipe's, and the optimizer steps per rollout too (their batc
 Reported per rollout: seconds of rollout and training, images/s, train pairs/s, peak GPU memory, and the
 model FLOP utilization of the transformer: FLOPs counted once per forward (torch's flop counter, batch 1,
 the run's size and frames and a prompt of the set; a video family's forward is one sample's, LTX-2's with
-its audio stream), times the forwards the recipe runs (rollout: steps × (2 with CFG); training: per pair the
-policy's forward and backward (×3), the recomputed forward with gradient checkpointing (×1), the old policy
-(NFT) or the reference (KL) (×1 each)), over the peak.
+its audio stream), times the forwards the recipe runs (rollout: steps × (2 with CFG); training: per pair
+`bench_train.train_forward_equivalents`: the policy's forward, its backward (≈ 1 forward with LoRA, 2 for a full
+finetune), the old policy (NFT) or the reference (KL), × 2 when Flow-GRPO trains with CFG; gradient
+checkpointing's recomputed forward is not counted, by MFU's convention), over the peak.
 
 `--microgroups M …`: after the main rollouts (the first of which is the warm-up; with `--num-rollout 0`, one
 warm-up rollout), `--sweep-rollouts` more at each rollout microgroup size M, on the same trainer; the seconds
@@ -42,6 +43,7 @@ import torch
 from family_rollout import make_checkpoint
 from report import emit
 
+from diffrl.cli.bench_train import train_forward_equivalents
 from diffrl.recipes import recipe_overrides
 from diffrl.rewards.hps import VIT_H_14
 from diffrl.train.config import TrainConfig
@@ -248,10 +250,9 @@ def main(argv: list[str] | None = None) -> dict:
         torch.cuda.reset_peak_memory_stats()
     flops = forward_flops(trainer, PROMPTS[0])
     r, a, m = cfg.rollout, cfg.algorithm, cfg.model
-    nft = a.loss_type == "nft"
     rollout_guidance = trainer.objective.request(0)["guidance_scale"]  # what the engine is asked for
     rollout_forwards = samples * r.diffusion_num_steps * (2 if rollout_guidance > 1 else 1)
-    per_pair = (3 + (1 if m.gradient_checkpointing else 0) + (1 if nft else 0) + (1 if a.diffusion_kl_beta > 0 else 0))
+    per_pair = train_forward_equivalents(cfg)
     # Flow-GRPO replays the rollout's CFG (both branches in one batch); NFT and SFT train the conditional velocity.
     per_pair *= 2 if a.loss_type == "flow_grpo" and r.diffusion_guidance_scale > 1 else 1
     peak = args.peak_tflops * 1e12

@@ -7,7 +7,7 @@ from pathlib import Path
 
 import pytest
 
-from diffrl.cli.bench_train import format_table, training_table
+from diffrl.cli.bench_train import format_table, train_forward_equivalents, training_table
 from diffrl.cli.main import main as cli_main
 from diffrl.cli.main import parse
 
@@ -112,3 +112,17 @@ def test_table_takes_medians_after_the_first_rollout_and_an_mfu_on_a_gpu():
     assert "| peak GPU memory | 21.0 GiB | 30.0 GiB |" in text and "median of rollouts 2–5" in text
     with pytest.raises(ValueError, match="no rollout"):
         training_table([{"rollout": 0}])
+
+
+def test_model_flops_per_pair_count_what_the_model_needs_not_the_recompute():
+    """MFU's FLOPs per train pair, in forwards: forward + backward (≈ 1 with LoRA, 2 for a full finetune) + the
+    forwards without gradients (NFT's old policy, the KL reference); gradient checkpointing adds nothing."""
+    def forwards(*flags):
+        return train_forward_equivalents(parse(["train", *flags]))
+
+    assert forwards("--recipe", "sd3-grpo") == 2  # LoRA Flow-GRPO without KL
+    assert forwards("--recipe", "sd35-grpo-ocr") == 3  # + the KL reference
+    assert forwards("--recipe", "flux3-klein-grpo-hps") == 3  # full finetune: a backward of 2
+    assert forwards("--recipe", "flux3-klein-nft-pickscore") == 3  # LoRA + NFT's old policy
+    assert (forwards("--recipe", "flux3-klein-nft-pickscore", "--no-gradient-checkpointing")
+            == forwards("--recipe", "flux3-klein-nft-pickscore"))

@@ -80,6 +80,25 @@ def training_table(records: list[dict], flops: dict | None = None, peak_tflops: 
             "steady_rollouts": [r["rollout"] for r in steady], "rollouts": rows}
 
 
+def backward_factor(cfg: TrainConfig) -> float:
+    """A backward pass's FLOPs in forwards: ≈ 1 with LoRA (gradients of the activations only; the adapters'
+    own are negligible), 2 for a full finetune (activations and weights)."""
+    return 1.0 if cfg.model.use_lora else 2.0
+
+
+def no_grad_forwards_per_pair(cfg: TrainConfig) -> int:
+    """Forwards without gradients per train pair: NFT's old policy, and the KL reference when there is a KL term."""
+    a = cfg.algorithm
+    return int(a.loss_type == "nft") + int(a.diffusion_kl_beta > 0 and a.loss_type != "sft")
+
+
+def train_forward_equivalents(cfg: TrainConfig) -> float:
+    """Model FLOPs of one train pair, in forwards of the trained velocity (a CFG velocity counts as one here):
+    its forward, its backward and the forwards without gradients. Gradient checkpointing's recomputed forward
+    is not counted, by MFU's convention (it is work the hardware does, not work the model needs)."""
+    return 1 + backward_factor(cfg) + no_grad_forwards_per_pair(cfg)
+
+
 def estimate_flops(cfg: TrainConfig, family) -> dict:
     """Transformer GFLOP per sample of a rollout and per train pair, counted at batch 1 by torch's
     FlopCounterMode (eagerly, as compiled graphs hide their ops from the counter)."""
@@ -92,10 +111,8 @@ def estimate_flops(cfg: TrainConfig, family) -> dict:
     train_cfg = r.diffusion_guidance_scale if a.loss_type == "flow_grpo" else 1.0  # NFT and SFT train without CFG
     with torch.compiler.set_stance("force_eager"):
         gflop = {g: transformer_gflop(family, 1, size, g, frames) for g in {rollout_cfg, train_cfg}}
-    backward = 1.0 if m.use_lora else 2.0
-    # Forwards without gradients per pair: NFT's old policy, and the KL reference when there is a KL term.
-    no_grad = (a.loss_type == "nft") + (a.diffusion_kl_beta > 0 and a.loss_type != "sft")
-    train_pair = gflop[train_cfg] * (1 + backward + no_grad)
+    backward, no_grad = backward_factor(cfg), no_grad_forwards_per_pair(cfg)
+    train_pair = gflop[train_cfg] * train_forward_equivalents(cfg)
     step = "CFG step (cond + uncond)" if rollout_cfg > 1 else "step"
     how = (f"{r.diffusion_num_steps} rollout steps × {_gflop(gflop[rollout_cfg])} per {step} + each trained step "
            f"× {_gflop(train_pair)} (its forward, {_gflop(gflop[train_cfg])}, and a backward of ≈ {backward:g}× the "
