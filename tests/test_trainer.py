@@ -146,6 +146,8 @@ def test_resume_continues_the_run_exactly(tiny_model_dir, tmp_path, sampling):
     state_b = torch.load(split / "checkpoints" / "rollout-00003" / "train_state.pt", weights_only=True)
     assert all(torch.equal(x, y) for x, y in zip(state_a["params"], state_b["params"]))
     assert (split / "reward_curve.png").is_file() and (split / "checkpoints" / "rollout-00003" / "model").is_dir()
+    report = (split / "report.md").read_text()  # rewritten by the resumed run: the whole run's report
+    assert "3 of 3 rollouts" in report and f"| 3 | {b[3]['eval/strict']:.4g} |" in report
 
 
 def test_lora_checkpoint_is_peft_format(tiny_model_dir, tmp_path):

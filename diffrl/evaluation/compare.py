@@ -17,9 +17,10 @@ from pathlib import Path
 
 import torch
 
-from diffrl.evaluation.reward_eval import atomic_path, first_frames
+from diffrl.evaluation.reward_eval import first_frames
 from diffrl.evaluation.shapes import SampleRecord, evaluate_prompts
 from diffrl.models.base import FamilyAdapter
+from diffrl.utils.atomic import atomic_path
 from diffrl.utils.images import save_grid
 
 _TIE_TOLERANCE = 1e-6

@@ -19,10 +19,8 @@ from __future__ import annotations
 import inspect
 import json
 import math
-import os
 import re
-from collections.abc import Callable, Iterator, Sequence
-from contextlib import contextmanager
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 
@@ -36,6 +34,7 @@ from diffrl.evaluation.sampling import TEST_SEED, generate
 from diffrl.models.base import FamilyAdapter
 from diffrl.rewards import get_reward
 from diffrl.rewards.frames import on_frames
+from diffrl.utils.atomic import atomic_path, write_text_atomic
 from diffrl.utils.blocking import run_blocking
 from diffrl.utils.images import save_grid, to_uint8
 from diffrl.utils.size import sample_size
@@ -276,25 +275,6 @@ def _write_sample(sample: torch.Tensor, path: Path) -> Path:
     with atomic_path(path) as tmp:
         frames[0].save(tmp, format="PNG", save_all=True, append_images=frames[1:], duration=1000 // VIDEO_FPS, loop=0)
     return path
-
-
-@contextmanager
-def atomic_path(path: Path) -> Iterator[Path]:
-    """A temporary name beside `path` (same suffix, so writers can tell the format), renamed onto it at
-    the end; an interrupted write leaves only the temporary file."""
-    path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_name(f".{path.stem}.tmp-{os.getpid()}{path.suffix}")
-    try:
-        yield tmp
-        os.replace(tmp, path)
-    finally:
-        tmp.unlink(missing_ok=True)
-
-
-def write_text_atomic(path: Path, text: str) -> None:
-    with atomic_path(path) as tmp:
-        tmp.write_text(text, encoding="utf-8")
 
 
 def _mean(values) -> float:

@@ -22,9 +22,9 @@ import torch
 from PIL import Image
 
 from diffrl.data.shapes import CATEGORIES, category_of, prompts_by_category, test_prompts, verify
-from diffrl.evaluation.reward_eval import atomic_path, write_text_atomic
 from diffrl.evaluation.sampling import TEST_SEED, VALIDATION_SEED, generate  # noqa: F401  (re-exported)
 from diffrl.models.base import FamilyAdapter
+from diffrl.utils.atomic import atomic_path, write_text_atomic
 from diffrl.utils.images import save_grid, to_uint8
 
 

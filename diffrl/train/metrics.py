@@ -11,6 +11,8 @@ import json
 import os
 from pathlib import Path
 
+from diffrl.utils.atomic import write_text_atomic
+
 
 def read_metrics(path: Path) -> tuple[list[dict], bool]:
     """The records of a metrics.jsonl, and whether its last line was torn (a write cut short: dropped).
@@ -32,21 +34,6 @@ def read_metrics(path: Path) -> tuple[list[dict], bool]:
             raise ValueError(f"{path}, line {i}: not a metrics record ({str(err).splitlines()[0]})") from None
         records.append(record)
     return records, torn
-
-
-def _replace_file(path: Path, text: str) -> None:
-    """Write `text` to `path` atomically: a temporary file beside it, fsynced, renamed over it."""
-    tmp = path.with_name(f".{path.name}.tmp")
-    with tmp.open("w") as f:
-        f.write(text)
-        f.flush()
-        os.fsync(f.fileno())
-    os.replace(tmp, path)
-    fd = os.open(path.parent, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
 
 
 def best_by_selection(records: list[dict], key: str = "val/strict") -> dict | None:
@@ -81,7 +68,7 @@ class MetricsLogger:
                   "which this run does again")
         unterminated = self.path.read_bytes()[-1:] not in (b"", b"\n")  # an append would join two lines
         if torn or unterminated or len(kept) < len(records):
-            _replace_file(self.path, "".join(json.dumps(r) + "\n" for r in kept))
+            write_text_atomic(self.path, "".join(json.dumps(r) + "\n" for r in kept), durable=True)
 
     def log(self, rollout: int, record: dict) -> None:
         self._file.write(json.dumps({"rollout": rollout, **record}) + "\n")

@@ -68,6 +68,7 @@ from diffrl.train.replay import (
     prepare_save_dir,
     save_rollout,
 )
+from diffrl.train.report import write_report
 from diffrl.utils import determinism
 from diffrl.utils.device import resolve_device
 
@@ -266,6 +267,9 @@ class Trainer:
                 self.metrics.log(self.rollout_index, record)
             if self.rollout_index % cfg.checkpoint.checkpoint_interval == 0 or last_one:
                 self.save_checkpoint()
+                if main:  # a killed run keeps the report of its last checkpoint
+                    self.metrics.plot_curves()
+                    write_report(self.out)
             started += time.perf_counter() - paused
             bar.update(1)
             bar.set_postfix(reward=f"{record['rollout/reward/raw_mean']:.3f}", loss=f"{record.get('train/loss', float('nan')):.4f}")
@@ -280,8 +284,9 @@ class Trainer:
             self.colocated.close()
         if main:
             curve = self.metrics.plot_curves()
+            report = write_report(self.out)
             print(run_summary(self.metrics.records()))
-            print(f"run folder: {self.out}  (metrics.jsonl, tensorboard/, eval/, checkpoints/, {curve.name})")
+            print(f"run folder: {self.out}  ({report.name}, metrics.jsonl, tensorboard/, eval/, checkpoints/, {curve.name})")
             self.metrics.close()
         return last
 

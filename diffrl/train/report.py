@@ -1,0 +1,122 @@
+"""A run's one-page report, `report.md` in its folder: what ran (the settings a reader asks for first), how
+it went (the reward's first and last rollouts, every held-out evaluation), what it cost (seconds, images/s,
+train pairs/s, memory) and where the rest is (curve, evaluation images, checkpoints).
+
+Written from `config.json`'s flat settings and `metrics.jsonl` alone, atomically, at every checkpoint and at
+the end of the run, so a killed run has the report of its last checkpoint and `write_report(run_dir)`
+rebuilds it for any run folder.
+"""
+
+from __future__ import annotations
+
+import json
+import statistics
+from pathlib import Path
+
+from diffrl.train.metrics import best_by_selection, read_metrics
+from diffrl.utils.atomic import write_text_atomic
+
+# The settings a reader checks first, by flat name (config.json "flags"), in this order.
+_SETTINGS = (
+    ("recipe", "recipe"), ("diffusion_model_family", "family"), ("model_path", "model"),
+    ("loss_type", "algorithm"), ("reward", "reward"), ("prompt_data", "prompt data"),
+    ("eval_prompt_data", "held-out prompt data"), ("resolution", "resolution"),
+    ("diffusion_num_steps", "denoising steps"), ("diffusion_guidance_scale", "CFG scale"),
+    ("diffusion_sde_type", "SDE type"), ("diffusion_noise_level", "noise level"),
+    ("diffusion_sde_window_range", "SDE window"), ("diffusion_num_sde_steps", "SDE steps per sample"),
+    ("rollout_batch_size", "prompt groups per rollout"), ("n_samples_per_prompt", "samples per prompt"),
+    ("rollout_microgroup_size", "microgroup"), ("global_batch_size", "samples per optimizer step"),
+    ("num_steps_per_rollout", "optimizer steps per rollout"), ("use_lora", "LoRA"), ("lora_rank", "LoRA rank"),
+    ("lr", "learning rate"), ("lr_schedule", "learning-rate schedule"), ("diffusion_clip_range", "clip range"),
+    ("diffusion_kl_beta", "KL β"), ("num_rollout", "rollouts planned"), ("seed", "seed"),
+    ("deterministic_mode", "deterministic mode"), ("device", "device"), ("mixed_precision", "precision"),
+)
+# Per-rollout costs: metric, label, format.
+_COSTS = (
+    ("rollout/seconds", "rollout seconds", "{:.2f}"), ("rollout/images_per_s", "images/s", "{:.2f}"),
+    ("train/seconds", "training seconds", "{:.2f}"), ("train/pairs_per_s", "train pairs/s", "{:.1f}"),
+    ("memory/peak_gib", "peak GPU memory (GiB)", "{:.1f}"),
+)
+
+
+def write_report(run_dir: Path) -> Path:
+    """(Re)write `run_dir/report.md` from the run's config.json and metrics.jsonl; returns its path."""
+    run_dir = Path(run_dir)
+    flags = {}
+    if (run_dir / "config.json").is_file():
+        flags = json.loads((run_dir / "config.json").read_text()).get("flags", {})
+    records, _ = read_metrics(run_dir / "metrics.jsonl")
+    path = run_dir / "report.md"
+    write_text_atomic(path, render_report(run_dir, flags, records))
+    return path
+
+
+def render_report(run_dir: Path, flags: dict, records: list[dict]) -> str:
+    from diffrl.train.trainer import run_summary  # the console's summary, one definition
+
+    rollouts = [r for r in records if "rollout/reward/raw_mean" in r]
+    lines = [f"# Run report: {run_dir.name}", ""]
+    done = rollouts[-1]["rollout"] if rollouts else 0
+    elapsed = rollouts[-1].get("time/elapsed_s") if rollouts else None
+    lines.append(f"{done} of {flags.get('num_rollout', '?')} rollouts"
+                 + (f" in {_duration(elapsed)} of rollout and training" if elapsed is not None else "")
+                 + " (evaluations and checkpoints not counted).")
+    lines += ["", "## Settings", "", "| setting | value |", "|---|---|"]
+    for key, label in _SETTINGS:
+        value = flags.get(key)
+        if value is None or (key == "lora_rank" and not flags.get("use_lora")):
+            continue
+        lines.append(f"| {label} (`--{key.replace('_', '-')}`) | {_cell(value)} |")
+    lines.append("")
+    lines.append("Every setting: `config.json`.")
+
+    lines += ["", "## Outcome", ""]
+    summary = run_summary(records)
+    lines += [f"- {line}" for line in summary.splitlines()] if summary else ["- no rollout finished yet"]
+    evals = [r for r in records if any(k.startswith("eval/") for k in r)]
+    if evals:
+        keys = sorted({k for r in evals for k in r if k.startswith("eval/") and isinstance(r[k], int | float)})
+        lines += ["", "Held-out evaluations (ODE, fixed seeds):", "",
+                  "| rollout | " + " | ".join(f"`{k}`" for k in keys) + " |", "|---" * (len(keys) + 1) + "|"]
+        for r in evals:
+            lines.append(f"| {r['rollout']} | " + " | ".join(_number(r.get(k)) for k in keys) + " |")
+    best = best_by_selection(records, "val/strict")
+    if best is not None:
+        lines += ["", f"`checkpoints/best` holds rollout {best['rollout']} (highest validation accuracy)."]
+
+    if len(rollouts) > 1:  # the first rollout pays warm-up (allocator, kernels, compilation)
+        steady = rollouts[1:]
+        lines += ["", "## Cost", "", f"Medians of rollouts {steady[0]['rollout']}–{steady[-1]['rollout']} "
+                  "(rollout 1 holds the warm-up and is left out):", "", "| per rollout | median |", "|---|---|"]
+        for key, label, fmt in _COSTS:
+            values = [r[key] for r in steady if isinstance(r.get(key), int | float)]
+            if values:
+                lines.append(f"| {label} | {fmt.format(statistics.median(values))} |")
+
+    lines += ["", "## Files", ""]
+    if (run_dir / "reward_curve.png").is_file():
+        lines += ["![reward and held-out scores by rollout](reward_curve.png)", ""]
+    lines.append("- `metrics.jsonl` (one record per rollout), `tensorboard/`, `config.json`")
+    eval_dir = run_dir / "eval"
+    if eval_dir.is_dir() and (entries := sorted(p.name for p in eval_dir.iterdir())):
+        shown = entries if len(entries) <= 6 else [*entries[:3], "…", *entries[-2:]]
+        lines.append(f"- `eval/`: {', '.join(e if e == '…' else f'`{e}`' for e in shown)}")
+    checkpoints = run_dir / "checkpoints"
+    if checkpoints.is_dir() and (saved := sorted(p.name for p in checkpoints.iterdir() if p.is_dir())):
+        lines.append(f"- `checkpoints/`: {', '.join(f'`{name}`' for name in saved)}")
+    return "\n".join(lines) + "\n"
+
+
+def _cell(value) -> str:
+    if isinstance(value, list | tuple):
+        return ", ".join(str(v) for v in value)
+    return f"`{value}`" if isinstance(value, str) else str(value)
+
+
+def _number(value) -> str:
+    return "" if value is None else f"{value:.4g}" if isinstance(value, float) else str(value)
+
+
+def _duration(seconds: float) -> str:
+    minutes, secs = divmod(round(seconds), 60)
+    return f"{minutes} min {secs} s" if minutes else f"{secs} s"

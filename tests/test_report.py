@@ -1,0 +1,39 @@
+"""The run's one-page report (report.md) is made of its config.json and metrics.jsonl only."""
+
+import json
+
+from diffrl.train.report import write_report
+
+
+def _run_folder(tmp_path, records, flags):
+    (tmp_path / "config.json").write_text(json.dumps({"tree": {}, "flags": flags}))
+    (tmp_path / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in records))
+    return tmp_path
+
+
+def test_report_states_settings_outcome_every_evaluation_and_steady_costs(tmp_path):
+    records = [{"rollout": 0, "eval/reward": 0.25, "eval/reward/ocr": 0.25}]
+    for k, seconds in zip(range(1, 5), (30.0, 2.0, 4.0, 3.0)):  # rollout 1 pays the warm-up
+        records.append({"rollout": k, "rollout/reward/raw_mean": 0.1 * k, "rollout/seconds": seconds,
+                        "rollout/images_per_s": 64 / seconds, "train/seconds": 1.0, "train/pairs_per_s": 500.0,
+                        "time/elapsed_s": 40.0 + k})
+    records[2]["eval/reward"] = records[2]["eval/reward/ocr"] = 0.5
+    records[4].update({"eval/reward": 0.75, "eval/reward/ocr": 0.75})
+    flags = {"recipe": "sd35-grpo-ocr", "diffusion_model_family": "sd3", "loss_type": "flow_grpo", "reward": "ocr",
+             "prompt_data": "/d/ocr", "use_lora": False, "lora_rank": 32, "diffusion_sde_window_range": [0, 9],
+             "num_rollout": 10, "model_path": None}
+    path = write_report(_run_folder(tmp_path, records, flags))
+    text = path.read_text()
+    assert path.name == "report.md" and "4 of 10 rollouts in 44 s" in text
+    assert "| recipe (`--recipe`) | `sd35-grpo-ocr` |" in text and "| SDE window (`--diffusion-sde-window-range`) | 0, 9 |" in text
+    assert "LoRA rank" not in text and "(`--model-path`)" not in text  # a full finetune; a setting left unset
+    assert "reward: first 2 rollouts 0.150" in text  # the console's summary
+    for rollout, value in ((0, "0.25"), (2, "0.5"), (4, "0.75")):
+        assert f"| {rollout} | {value} | {value} |" in text
+    assert "| rollout seconds | 3.00 |" in text  # the median of rollouts 2-4: the warm-up's 30 s is left out
+    assert not list(tmp_path.glob(".*tmp*"))  # written atomically: no temporary left
+
+
+def test_report_of_a_run_that_has_not_finished_a_rollout(tmp_path):
+    text = write_report(_run_folder(tmp_path, [{"rollout": 0, "eval/strict": 0.5}], {"num_rollout": 3})).read_text()
+    assert "0 of 3 rollouts" in text and "no rollout finished yet" in text and "## Cost" not in text
