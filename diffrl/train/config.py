@@ -324,10 +324,20 @@ class CheckpointConfig:
     checkpoint_interval: int = 4
     time_budget_minutes: float | None = None
     """Stop after the rollout that passes this wall-clock budget (then the final eval and checkpoint)."""
+    use_wandb: bool = False
+    """Also log metrics and evaluation images to Weights & Biases (the `wandb` package; its key from
+    WANDB_API_KEY or `wandb login`, never from a flag)."""
+    wandb_project: str = "diffrl"
+    wandb_group: str | None = None
+    wandb_run_name: str | None = None
+    """Default: the run folder's name."""
+    wandb_mode: str = "online"
+    """online, or offline (written under the run folder, `wandb sync` later)."""
 
     def check(self) -> None:
         _require(self.checkpoint_interval >= 1, "--checkpoint-interval must be >= 1")
         _require(not self.resume or self.output_dir is not None, "--resume needs the --output-dir of the run to continue")
+        _require(self.wandb_mode in ("online", "offline"), f"--wandb-mode must be online or offline, got {self.wandb_mode!r}")
 
 
 @dataclass

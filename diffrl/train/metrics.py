@@ -1,4 +1,4 @@
-"""Run metrics: JSONL (one record per rollout), TensorBoard, and a reward-curve PNG.
+"""Run metrics: JSONL (one record per rollout), TensorBoard (and W&B when asked), and a reward-curve PNG.
 
 On `--resume` from rollout k, `metrics.jsonl` is rewritten (atomically) to the records of rollouts
 <= k before the run appends again, so a rollout that is re-run appears once; a last line cut short by
@@ -44,10 +44,12 @@ def best_by_selection(records: list[dict], key: str = "val/strict") -> dict | No
 
 
 class MetricsLogger:
-    def __init__(self, run_dir: Path, resume_rollout: int | None = None):
+    def __init__(self, run_dir: Path, resume_rollout: int | None = None, wandb=None):
         """`resume_rollout`: the rollout index a resumed run continues from (its checkpoint's); the
-        records of later rollouts, which the run does again, are dropped first."""
+        records of later rollouts, which the run does again, are dropped first. `wandb`: a `WandbRun` that
+        gets every record and image too."""
         self.run_dir = run_dir
+        self.wandb = wandb
         self.path = run_dir / "metrics.jsonl"
         if resume_rollout is not None and self.path.exists():
             self._truncate_to(resume_rollout)
@@ -75,6 +77,8 @@ class MetricsLogger:
         self._file.flush()
         for key, value in record.items():
             self._tb.add_scalar(key, value, rollout)
+        if self.wandb is not None:
+            self.wandb.log(rollout, record)
 
     def sync(self) -> None:
         """Make the logged records durable (before a checkpoint that counts them as done)."""
@@ -88,6 +92,8 @@ class MetricsLogger:
         self._tb.add_images(tag, images.float().clamp(0, 1), step)
         if captions:
             self._tb.add_text(f"{tag}/captions", "\n\n".join(f"{i}: {c}" for i, c in enumerate(captions)), step)
+        if self.wandb is not None:
+            self.wandb.log_images(tag, images, step, captions)
 
     def records(self) -> list[dict]:
         return read_metrics(self.path)[0]
@@ -123,3 +129,5 @@ class MetricsLogger:
     def close(self) -> None:
         self._file.close()
         self._tb.close()
+        if self.wandb is not None:
+            self.wandb.finish()

@@ -69,6 +69,7 @@ from diffrl.train.replay import (
     save_rollout,
 )
 from diffrl.train.report import write_report
+from diffrl.train.wandb_run import WandbRun, require_wandb
 from diffrl.utils import determinism
 from diffrl.utils.device import resolve_device
 
@@ -76,6 +77,8 @@ from diffrl.utils.device import resolve_device
 def validate_config(cfg: TrainConfig) -> None:
     """Refuse contradictory settings up front, naming the flags (each section checks its own)."""
     cfg.check()
+    if cfg.checkpoint.use_wandb:
+        require_wandb()  # before any model loads
 
 
 def check_family_flags(cfg: TrainConfig, family) -> None:
@@ -182,7 +185,11 @@ class Trainer:
             config = {"tree": dataclasses.asdict(cfg), "flags": cfg.as_flat_dict(), "determinism": self.determinism}
             (out / "config.json").write_text(json.dumps(config, default=str, indent=2) + "\n")
             # A resumed run drops the records of the rollouts after its checkpoint: it does them again.
-            self.metrics = MetricsLogger(out, resume_rollout=self.rollout_index if cfg.checkpoint.resume else None)
+            wandb = None
+            if cfg.checkpoint.use_wandb:
+                wandb = WandbRun(out, cfg.checkpoint, json.loads(json.dumps(cfg.as_flat_dict(), default=str)))
+            self.metrics = MetricsLogger(out, resume_rollout=self.rollout_index if cfg.checkpoint.resume else None,
+                                         wandb=wandb)
 
     def _rollout_engines(self, family, extra_engines: Sequence, reward_fn) -> tuple[Engine, RolloutManager]:
         """The in-process engine (sharing the policy's family) and the manager over it and any remote ones;
