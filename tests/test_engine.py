@@ -64,7 +64,8 @@ def test_encoded_prompts_are_kept_for_later_requests_of_the_same_weights(tiny_fa
         return calls
 
     def request(prompt, seed):
-        return RolloutRequest(prompt=prompt, seed=seed, num_outputs_per_prompt=2, negative_prompt="blurry", **ROLLOUT)
+        return RolloutRequest(prompt=prompt, seed=seed, num_outputs_per_prompt=2, negative_prompt="blurry",
+                              rollout_return_denoising_env=True, **ROLLOUT)
 
     uncached = Engine(tiny_family, EngineConfig(max_outputs_per_request=8, prompt_cache_bytes=0))
     expected = [uncached.generate(request("a red circle", s)) for s in (0, 2)]
@@ -72,6 +73,13 @@ def test_encoded_prompts_are_kept_for_later_requests_of_the_same_weights(tiny_fa
     calls = counting(engine)
     got = [engine.generate(request("a red circle", s)) for s in (0, 2)]
     assert calls == ["a red circle", "blurry"] and engine.prompt_encodes == 2
+    # A caller changing a response's conditioning in place does not reach the cached encoding.
+    env = got[0][0].denoising_env
+    for key in ("prompt_embeds", "negative_prompt_embeds"):
+        env[key].mul_(0.0)
+    again = engine.generate(request("a red circle", 2))
+    assert engine.prompt_encodes == 2 and all(torch.equal(a.generated_output, b.generated_output)
+                                              for a, b in zip(again, expected[1], strict=True))
     for outs, want in zip(got, expected, strict=True):
         assert all(torch.equal(a.generated_output, b.generated_output) and torch.equal(a.rollout_log_probs,
                    b.rollout_log_probs) for a, b in zip(outs, want, strict=True))

@@ -580,14 +580,18 @@ def _short(values) -> str:
 
 
 def _denoising_env(cond, uncond, image_ids, sigmas, plan: _Plan) -> dict[str, torch.Tensor]:
-    """What a trainer needs to replay any step of this request (once per request, unexpanded)."""
-    env = {"prompt_embeds": cond.embeds.cpu(), "text_ids": cond.ids.cpu(), "image_ids": image_ids.cpu(),
-           "sigmas": sigmas.cpu(), "guidance_scale": torch.tensor(plan.guidance_scale)}
+    """What a trainer needs to replay any step of this request (once per request, unexpanded). Copies, also on
+    a CPU engine: the encodings are the prompt cache's, which a caller changing its env must not reach."""
+    def own(t: torch.Tensor) -> torch.Tensor:
+        return t.detach().to("cpu", copy=True)
+
+    env = {"prompt_embeds": own(cond.embeds), "text_ids": own(cond.ids), "image_ids": own(image_ids),
+           "sigmas": own(sigmas), "guidance_scale": torch.tensor(plan.guidance_scale)}
     if plan.guidance_scale_2 is not None:
         env["guidance_scale_2"] = torch.tensor(plan.guidance_scale_2)
     if uncond is not None:
-        env["negative_prompt_embeds"] = uncond.embeds.cpu()
-        env["negative_text_ids"] = uncond.ids.cpu()  # its own text window (FLUX 3 pads each prompt separately)
+        env["negative_prompt_embeds"] = own(uncond.embeds)
+        env["negative_text_ids"] = own(uncond.ids)  # its own text window (FLUX 3 pads each prompt separately)
     return env
 
 
