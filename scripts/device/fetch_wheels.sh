@@ -13,7 +13,7 @@ pip=.venv/bin/pip
 [[ -x $pip ]] || { echo "no .venv: run scripts/setup.sh (or make test) first" >&2; exit 1; }
 packages=(diffusers tyro docstring-parser typeguard typing-extensions
           pydantic pydantic-core annotated-types typing-inspection
-          fastapi starlette annotated-doc opentelemetry-api uvicorn msgpack)
+          fastapi starlette annotated-doc opentelemetry-api uvicorn httptools msgpack)
 ocr_packages=(rapidocr-onnxruntime pyclipper shapely)
 pinned() {
   for p in "$@"; do
