@@ -188,6 +188,7 @@ class _Guard:
             if not message.get("more_body", False):
                 break
         body, replayed = b"".join(chunks), False
+        del chunks  # a weight push is held once from here on, not twice
 
         async def replay():
             nonlocal replayed
@@ -345,7 +346,7 @@ def create_app(engine: Engine, *, update_token: str | None = None, exposed: bool
             version = int(header)
         body = await request.body()
         try:
-            tensors = decode_weights(body)  # safetensors: plain tensors, never pickle
+            tensors = decode_weights(body, views=True)  # safetensors: plain tensors, never pickle; read only
         except WireFormatError as err:
             raise RequestError("weights", str(err)) from None
         new_version = await asyncio.to_thread(engine.update_weights, tensors, version)

@@ -32,7 +32,7 @@ CHUNK_BYTES = 4 << 20
 small enough to bound what one response holds beyond its tensors."""
 
 # safetensors' dtype codes for what the wire carries; any other dtype is written by safetensors itself.
-_SAFETENSORS_DTYPES = {
+SAFETENSORS_DTYPES = {
     torch.float64: "F64", torch.float32: "F32", torch.float16: "F16", torch.bfloat16: "BF16", torch.int64: "I64",
     torch.int32: "I32", torch.int16: "I16", torch.int8: "I8", torch.uint8: "U8", torch.bool: "BOOL",
 }
@@ -56,7 +56,7 @@ class SafetensorsFile:
         self.tensors = sorted(((name, t.detach()) for name, t in tensors.items()),
                               key=lambda item: (_LAYOUT_RANK.get(item[1].dtype, 0), item[0]))
         self._whole = None
-        if sys.byteorder != "little" or any(t.dtype not in _SAFETENSORS_DTYPES for _, t in self.tensors):
+        if sys.byteorder != "little" or any(t.dtype not in SAFETENSORS_DTYPES for _, t in self.tensors):
             # rare: let safetensors write it, in one piece
             self._whole = save_safetensors({name: t.contiguous().cpu() for name, t in self.tensors})
             self.head, self.length = b"", len(self._whole)
@@ -64,7 +64,7 @@ class SafetensorsFile:
         header, offset = {}, 0
         for name, t in self.tensors:
             nbytes = t.numel() * t.element_size()
-            header[name] = {"dtype": _SAFETENSORS_DTYPES[t.dtype], "shape": list(t.shape),
+            header[name] = {"dtype": SAFETENSORS_DTYPES[t.dtype], "shape": list(t.shape),
                             "data_offsets": [offset, offset + nbytes]}
             offset += nbytes
         text = json.dumps(header, separators=(",", ":")).encode()

@@ -9,12 +9,25 @@ output by output as they arrive (`streaming.py`).
 
 from __future__ import annotations
 
+import json
+import math
+import struct
+import warnings
+from typing import NoReturn
+
 import msgpack
 import torch
 from safetensors.torch import load as load_safetensors
 
 from diffrl.engine.protocol import DitTrajectory, RolloutOutput
-from diffrl.engine.streaming import Body, SafetensorsFile, TensorFile, msgpack_array_header, msgpack_parts
+from diffrl.engine.streaming import (
+    SAFETENSORS_DTYPES,
+    Body,
+    SafetensorsFile,
+    TensorFile,
+    msgpack_array_header,
+    msgpack_parts,
+)
 
 MEDIA_TYPE = "application/msgpack"
 _TENSOR_KEY = "data"
@@ -50,11 +63,82 @@ def encode_weights(tensors: dict[str, torch.Tensor]) -> bytes:
     return bytes(weights_body(tensors))
 
 
-def decode_weights(body: bytes) -> dict[str, torch.Tensor]:
+def decode_weights(body: bytes, *, views: bool = False) -> dict[str, torch.Tensor]:
+    """Named tensors from a safetensors body. `views`: the tensors share the body's memory instead of copying
+    it (a server reading a full model's weights holds them once, not twice); they are then to be read,
+    not written, since `bytes` are immutable."""
+    if views:
+        return _safetensors_views(body)
     try:
         return load_safetensors(body)
     except Exception as err:  # safetensors raises several types for malformed bytes
         raise WireFormatError(f"body is not valid safetensors: {err}") from None
+
+
+_DTYPES = {code: dtype for dtype, code in SAFETENSORS_DTYPES.items()}
+_MAX_HEADER_BYTES = 100_000_000  # safetensors' own limit
+
+
+def _safetensors_views(body: bytes) -> dict[str, torch.Tensor]:
+    """The safetensors layout checked as safetensors checks it (header within the body and its limit, known
+    dtypes, sizes that match shapes, offsets that tile the data exactly), then each tensor made over its
+    bytes. A tensor whose offset does not suit its element size, and a bool tensor (whose bytes may hold
+    values other than 0 and 1), are copied instead."""
+    def refuse(why: str) -> NoReturn:
+        raise WireFormatError(f"body is not valid safetensors: {why}")
+
+    if len(body) < 8:
+        refuse("shorter than its 8-byte header length")
+    (header_len,) = struct.unpack("<Q", body[:8])
+    if header_len > _MAX_HEADER_BYTES or 8 + header_len > len(body):
+        refuse(f"a header of {header_len} bytes does not fit the body ({len(body)} bytes) or the limit")
+    try:
+        header = json.loads(bytes(body[8:8 + header_len]))
+    except ValueError:
+        refuse("the header is not JSON")
+    if not isinstance(header, dict):
+        refuse("the header is not a JSON object")
+    header.pop("__metadata__", None)
+    start, data_len = 8 + header_len, len(body) - 8 - header_len
+    entries = []
+    for name, entry in header.items():
+        if not (isinstance(entry, dict) and entry.keys() == {"dtype", "shape", "data_offsets"}):
+            refuse(f"{name[:80]!r}: an entry needs exactly dtype, shape and data_offsets")
+        dtype, shape, offsets = _DTYPES.get(entry["dtype"]), entry["shape"], entry["data_offsets"]
+        if dtype is None:
+            refuse(f"{name[:80]!r}: unknown dtype {str(entry['dtype'])[:20]!r}")
+        if not (isinstance(shape, list) and all(type(d) is int and d >= 0 for d in shape)):
+            refuse(f"{name[:80]!r}: the shape is not a list of sizes")
+        if not (isinstance(offsets, list) and len(offsets) == 2 and all(type(o) is int for o in offsets)
+                and 0 <= offsets[0] <= offsets[1] <= data_len):
+            refuse(f"{name[:80]!r}: data_offsets outside the data")
+        numel = math.prod(shape)
+        if offsets[1] - offsets[0] != numel * dtype.itemsize:
+            refuse(f"{name[:80]!r}: {offsets[1] - offsets[0]} bytes for {numel} elements of {entry['dtype']}")
+        entries.append((offsets[0], offsets[1], name, dtype, shape, numel))
+    entries.sort()
+    end = 0
+    for begin, stop, name, *_ in entries:
+        if begin != end:
+            refuse(f"{name[:80]!r}: its data overlaps another's or leaves a gap")
+        end = stop
+    if end != data_len:
+        refuse(f"the tensors cover {end} of the {data_len} data bytes")
+    tensors = {}
+    with warnings.catch_warnings():  # frombuffer of immutable bytes: the tensors are only read
+        warnings.simplefilter("ignore", UserWarning)
+        for begin, _, name, dtype, shape, numel in entries:
+            offset = start + begin
+            if numel == 0:
+                tensor = torch.empty(shape, dtype=dtype)
+            elif dtype == torch.bool:
+                tensor = torch.frombuffer(body, dtype=torch.uint8, count=numel, offset=offset).ne(0).view(shape)
+            elif offset % dtype.itemsize:
+                tensor = torch.frombuffer(bytearray(body[offset:offset + numel * dtype.itemsize]), dtype=dtype).view(shape)
+            else:
+                tensor = torch.frombuffer(body, dtype=dtype, count=numel, offset=offset).view(shape)
+            tensors[name] = tensor
+    return tensors
 
 
 def _from_wire_hook(obj: dict):
