@@ -42,6 +42,7 @@ from diffrl.models.lora import LoraSpec
 from diffrl.rollout.clients import EngineUnavailable
 from diffrl.utils import determinism
 from diffrl.utils.offload import ModuleOffload, family_modules
+from diffrl.utils.spawned import no_named_semaphores
 
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
@@ -106,6 +107,7 @@ class Channel:
 # ---------------------------------------------------------------------------------------------- the engine side
 def run_engine_process(connection, spec_json: str) -> None:
     """The engine process's main function: load, say "ready", serve until told to close or the pipe closes."""
+    no_named_semaphores()  # before the model load's progress bars: a SIGKILL leaves nothing in /dev/shm
     channel = Channel(connection)
     try:
         server = _EngineServer(EngineProcessSpec.from_json(spec_json))

@@ -26,6 +26,7 @@ import torch
 from diffrl.engine.wire import decode_weights, encode_weights
 from diffrl.rewards import colocate
 from diffrl.utils import determinism
+from diffrl.utils.spawned import no_named_semaphores
 
 
 def encode_batch(images: torch.Tensor, prompts: list[str], metadata: list[dict] | None) -> tuple[bytes, str, str]:
@@ -49,6 +50,7 @@ def _start_worker(barrier, device: str | None, deterministic: bool) -> None:
     with one. One thread also fixes how CPU reductions split, whichever worker scores a batch."""
     global _BARRIER
     _BARRIER = barrier
+    no_named_semaphores()  # a model reward's loading bars: a SIGKILL leaves nothing in /dev/shm
     torch.set_num_threads(1)
     if deterministic:
         from diffrl.rewards import default_device

@@ -1,0 +1,43 @@
+"""The processes diffrl spawns (a `--colocate` engine, reward workers) hold no named POSIX semaphore: a
+SIGKILL of the whole process group (`timeout -s KILL diffrl train …`) runs no cleanup, so any such
+semaphore stays in /dev/shm for good. tqdm made one in each at its first progress bar."""
+
+from pathlib import Path
+
+from diffrl.engine.colocated import ColocatedEngineClient, EngineProcessSpec
+from diffrl.rewards.workers import ProcessRewardPool
+
+
+def _semaphores(pid: int) -> list[str]:
+    """The POSIX semaphores a process has mapped (glibc maps each from /dev/shm/sem.*)."""
+    return [line.split()[-1] for line in Path(f"/proc/{pid}/maps").read_text().splitlines() if "/dev/shm/sem." in line]
+
+
+def _semaphores_a_bar_adds() -> list[str]:
+    import os
+
+    from tqdm import tqdm
+
+    before = _semaphores(os.getpid())  # the pool's own queues and barrier, made by the parent
+    for _ in tqdm(range(2), disable=False):
+        pass
+    return sorted(set(_semaphores(os.getpid())) - set(before))
+
+
+def test_a_colocated_engine_process_holds_no_named_semaphore():
+    from diffrl.models.demo import SHIPPED_DEMO_MODEL
+
+    client = ColocatedEngineClient(EngineProcessSpec(model_path=str(SHIPPED_DEMO_MODEL), family="demo"))
+    try:
+        client.health()  # loaded (its progress bars drawn) and serving
+        assert _semaphores(client.process.pid) == []
+    finally:
+        client.close()
+
+
+def test_a_progress_bar_in_a_reward_worker_makes_no_named_semaphore():
+    pool = ProcessRewardPool("shapes", 1)
+    try:
+        assert pool._pool.submit(_semaphores_a_bar_adds).result() == []
+    finally:
+        pool.close()
