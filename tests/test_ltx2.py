@@ -185,6 +185,8 @@ def test_defaults_targets_and_family_name(ltx, ltx_dir):
     ({"image": "data:image/png;base64,AAAA"}, "image"), ({"true_cfg_scale": 4.0}, "true_cfg_scale"),
     ({"guidance_scale": 4.0, "guidance_scale_2": 3.0}, "guidance_scale_2"), ({"fps": 12}, "fps"),
     ({"num_inference_steps": 1}, "num_inference_steps"),  # the terminal stretch of a 1-step schedule is 0/0
+    # One latent row or column: the tiny VAE's decoder pads by reflection (diffusers' default) and cannot.
+    ({"height": 32}, "height"), ({"width": 32}, "width"),
 ])
 def test_bad_requests_are_refused_by_name(ltx, fields, field):
     """Image conditioning (image to video) is refused, not ignored; so are sizes the VAE cannot take."""
@@ -193,6 +195,13 @@ def test_bad_requests_are_refused_by_name(ltx, fields, field):
         engine.generate(RolloutRequest(**{"prompt": "a cat", "num_inference_steps": 2, **fields}))
     assert err.value.field == field
     assert engine.in_flight == 0
+
+
+def test_image_conditioning_is_refused_as_a_video_family(ltx):
+    """The refusal says what the family does: text to video, not text to image."""
+    with pytest.raises(RequestError) as err:
+        Engine(ltx).generate(RolloutRequest(prompt="a cat", num_inference_steps=2, input_reference="x.png"))
+    assert err.value.field == "input_reference" and "text-to-video only" in str(err.value)
 
 
 def test_the_checkpoints_frame_rate_is_accepted(ltx):

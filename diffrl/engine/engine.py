@@ -185,7 +185,8 @@ class Engine:
         if not family.accepts_image_conditioning:
             for name in IMAGE_CONDITIONING_FIELDS:
                 if getattr(req, name) is not None:
-                    raise RequestError(name, f"the {family.name} family is text-to-image only; image conditioning is refused")
+                    kind = "text-to-video" if family.generates_video else "text-to-image"
+                    raise RequestError(name, f"the {family.name} family is {kind} only; image conditioning is refused")
         num_frames = None
         if family.generates_video:
             num_frames = family.default_num_frames if req.num_frames is None else req.num_frames

@@ -227,6 +227,13 @@ class Ltx2Family(FamilyAdapter):
     def check_size(self, height: int, width: int, num_frames: int | None = None) -> None:
         # The pipeline asks for multiples of 32; a latent must also fill whole patches.
         require_pixel_multiple("LTX-2", math.lcm(32, self.spatial_ratio * self.patch), height=height, width=width)
+        # A decoder that pads by reflection (diffusers' default for this VAE) cannot pad a latent side of 1: the
+        # request would fail in the decode, after all its steps, as a 500 instead of a refusal.
+        if self.vae.config.get("decoder_spatial_padding_mode", "zeros") == "reflect":
+            for name, value in (("height", height), ("width", width)):
+                if value // self.spatial_ratio < 2:
+                    raise RequestError(name, f"{name}={value}: this checkpoint's VAE decoder pads by reflection and "
+                                             f"needs at least {2 * self.spatial_ratio} pixels")
         if num_frames is not None:
             t = self.temporal_ratio
             if num_frames < 1 or (num_frames - 1) % t:
