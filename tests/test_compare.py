@@ -49,6 +49,20 @@ def test_transformer_only_checkpoint_and_bad_paths(tiny_model_dir, tiny_family, 
         load_model(tiny_model_dir, tmp_path / "missing")
 
 
+def test_a_lora_for_another_model_is_refused_naming_the_base_flag(tiny_model_dir, tmp_path):
+    """A LoRA whose targets the base lacks (a video run's checkpoint evaluated on the default base, the demo
+    model) is a one-line error naming the flag to pass, not PEFT's "Target modules … not found"."""
+    from peft import LoraConfig
+    from safetensors.torch import save_file
+
+    lora = tmp_path / "ckpt" / "lora"
+    LoraConfig(r=2, lora_alpha=2, target_modules=["attn1.to_q", "ffn.net.2"]).save_pretrained(str(lora))
+    save_file({"base_model.model.blocks.0.attn1.to_q.lora_A.weight": torch.zeros(2, 4)},
+              str(lora / "adapter_model.safetensors"))
+    with pytest.raises(ModelLoadError, match="not modules of the demo model .*--model-path"):
+        load_model(tiny_model_dir, tmp_path / "ckpt")
+
+
 def test_outcome_rules():
     assert outcome(0, 1, 0.9, 0.5) == "win"  # a strict pass beats any partial credit
     assert outcome(1, 0, 0.5, 0.9) == "loss"

@@ -43,7 +43,15 @@ def load_model(base_path: Path, checkpoint: Path | None = None, *, family: str |
     model = family_cls.load(base_path, device=device)
     lora_dir = checkpoint / "lora" if (checkpoint / "lora").is_dir() else checkpoint
     if (lora_dir / "adapter_config.json").is_file():
-        _apply_lora(model.transformer, lora_dir)
+        try:
+            _apply_lora(model.transformer, lora_dir)
+        except ValueError as err:  # PEFT: "Target modules … not found in the base model" names no model
+            if "not found in the base model" not in str(err):
+                raise
+            # Usually the base was left at its default (the demo model) for another family's checkpoint.
+            raise ModelLoadError(f"{lora_dir}: its LoRA targets are not modules of the {model.name} model at "
+                                 f"{base_path}; pass the base model the run trained (--model-path, or --base "
+                                 "for diffrl compare)") from None
         return model
     for model_dir in (checkpoint, checkpoint / "model"):
         if _has_transformer(model_dir):
