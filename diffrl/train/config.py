@@ -158,6 +158,13 @@ class EnginePoolConfig:
         _require(self.engine_concurrency >= 1, f"--engine-concurrency must be >= 1, got {self.engine_concurrency}")
         _require(self.update_weight_buffer_size >= 1,
                  f"--update-weight-buffer-size must be >= 1 byte, got {self.update_weight_buffer_size}")
+        # Only a --colocate engine sleeps and takes bucketed syncs: without it these would do nothing, silently.
+        _require(self.colocate or self.engine_sleep_level == 1,
+                 f"--engine-sleep-level {self.engine_sleep_level} sets what a --colocate engine releases; "
+                 "add --colocate or drop it")
+        _require(self.colocate or self.update_weight_buffer_size == 512 * 2**20,
+                 f"--update-weight-buffer-size {self.update_weight_buffer_size} sizes the weight buckets of a "
+                 "--colocate engine; add --colocate or drop it")
 
 
 @dataclass
