@@ -77,3 +77,19 @@ def test_a_reward_shown_evenly_spaced_frames():
     assert on_frames(score, 3)(image, ["a", "b"]) == score(image, ["a", "b"])
     with pytest.raises(ValueError, match="frames"):
         on_frames(score, 0)
+
+
+def test_reward_frames_leave_a_temporal_reward_its_consecutive_frames():
+    """--reward-frames K shows image rewards K frames; a temporal reward compares consecutive frames, so it
+    keeps them all, alone or inside a multi: sum whose image parts still see K frames."""
+    import asyncio
+
+    from diffrl.rewards.frames import on_frames
+
+    video = _panning(n_frames=9, step=2)
+    temporal = get_reward("temporal_consistency")
+    assert on_frames(temporal, 3)(video, ["a"]) == temporal(video, ["a"])
+    jpeg = get_reward("jpeg_compressibility")
+    total = on_frames(get_reward("multi:temporal_consistency=1,jpeg_compressibility=0.5"), 3)
+    expected = temporal(video, ["a"])[0] + 0.5 * on_frames(jpeg, 3)(video, ["a"])[0]
+    assert asyncio.run(total(video, ["a"])) == [pytest.approx(expected)]

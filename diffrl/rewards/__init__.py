@@ -220,9 +220,12 @@ def _parse_weights(spec: str) -> dict[str, float]:
 
 def multi_reward(weights: dict[str, float], device: str | None = None) -> Callable:
     """Σ w·reward; each part may be sync or async (the sum is async, the rollout manager awaits it)."""
-    import inspect
+    return weighted_sum([(get_reward(name, device=device), w) for name, w in weights.items()])
 
-    parts = [(get_reward(name, device=device), w) for name, w in weights.items()]
+
+def weighted_sum(parts: list[tuple[Callable, float]]) -> Callable:
+    """Σ w·fn over (fn, w) parts; the parts stay readable (`weighted_parts`) for `frames.on_frames`."""
+    import inspect
 
     async def score(images, prompts, metadata=None) -> list[float]:
         total = [0.0] * len(prompts)
@@ -233,6 +236,7 @@ def multi_reward(weights: dict[str, float], device: str | None = None) -> Callab
             total = [t + w * float(v) for t, v in zip(total, values, strict=True)]
         return total
 
+    score.weighted_parts = parts
     return score
 
 

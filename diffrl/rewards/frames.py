@@ -28,11 +28,20 @@ def as_frames(images: torch.Tensor, prompts: list[str], metadata: list[dict] | N
 def on_frames(score: Callable, count: int | None) -> Callable:
     """`score` shown only `count` evenly spaced frames of each video (first and last included), as published
     video recipes score PickScore on a few frames; images and videos of at most `count` frames pass whole.
-    None: every frame. Works for sync and async scorers alike (it only changes the input)."""
+    None: every frame. Works for sync and async scorers alike (it only changes the input). A reward that reads
+    a whole video (`whole_video`: the temporal rewards compare consecutive frames) keeps every frame, also as a
+    part of a `multi:` sum, whose other parts still see `count` frames."""
     if count is None:
         return score
     if count < 1:
         raise ValueError(f"reward frames: expected a count >= 1, got {count}")
+    if getattr(score, "whole_video", False):
+        return score
+    parts = getattr(score, "weighted_parts", None)
+    if parts is not None:  # a multi: sum: each part decides for itself
+        from diffrl.rewards import weighted_sum
+
+        return weighted_sum([(on_frames(fn, count), w) for fn, w in parts])
 
     @functools.wraps(score)
     def scored(images, prompts, metadata=None):

@@ -39,6 +39,9 @@ def temporal_consistency(images, prompts, metadata=None) -> list[float]:
     return (1.0 - change).tolist()
 
 
+temporal_consistency.whole_video = True  # --reward-frames leaves it every frame (frames.on_frames)
+
+
 def temporal_clip(path: str, device: torch.device, processor: str | None = None):
     from diffrl.rewards.clip_scores import _Clip
 
@@ -54,4 +57,5 @@ def temporal_clip(path: str, device: torch.device, processor: str | None = None)
         return (embeds[:, 1:] * embeds[:, :-1]).sum(-1).mean(-1).tolist()
 
     score.modules = (clip.model,)  # what --reward-colocate moves
+    score.whole_video = True  # --reward-frames leaves it every frame (frames.on_frames)
     return score
