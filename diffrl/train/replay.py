@@ -78,14 +78,25 @@ def existing_records(directory: Path) -> list[int]:
     return sorted(int(m.group(1)) for p in Path(directory).iterdir() if (m := _RECORD.fullmatch(p.name)))
 
 
-def prepare_save_dir(directory: Path, resume: bool) -> None:
+def prepare_save_dir(directory: Path, resume: bool, fingerprint: dict | None = None) -> None:
     """Refuse a folder with another run's records (unless resuming that run: its records are rewritten
-    as the rollouts are done again); clear temp files a crash left behind."""
+    as the rollouts are done again; records of another configuration are refused even then, or the
+    folder would mix two runs); clear temp files a crash left behind."""
     directory = Path(directory)
     found = existing_records(directory)
     if found and not resume:
         raise FileExistsError(f"--save-rollout-data {directory} already holds rollout records "
                               f"({record_path(directory, found[0]).name}, …); choose another folder or pass --resume")
+    for k in found if fingerprint is not None else ():
+        path = record_path(directory, k)
+        try:
+            with safe_open(str(path), framework="pt") as f:
+                recorded = _metadata(path, f.metadata()).get("fingerprint") or {}
+        except (SafetensorError, OSError, RuntimeError, ValueError):
+            continue  # unreadable: a rollout this run does again rewrites it
+        if (mismatch := _fingerprint_mismatch(recorded, fingerprint)) is not None:
+            raise ValueError(f"--save-rollout-data {directory} holds another run's records: {path.name} was "
+                             f"{mismatch}; choose another folder")
     directory.mkdir(parents=True, exist_ok=True)
     for stale in directory.glob(".rollout-*.tmp"):
         stale.unlink(missing_ok=True)
@@ -199,13 +210,19 @@ def _metadata(path: Path, header: dict | None) -> dict:
 
 
 def _check_fingerprint(path: Path, recorded: dict, ours: dict) -> None:
+    if (mismatch := _fingerprint_mismatch(recorded, ours)) is not None:
+        raise ValueError(f"--load-rollout-data: {path} was {mismatch}")
+
+
+def _fingerprint_mismatch(recorded: dict, ours: dict) -> str | None:
+    """"recorded with FLAG X; this run has Y" for the first setting that differs, else None."""
     if "resolution" in recorded:  # records from before --height/--width held the square side
         side = recorded["resolution"]
         recorded = {**recorded, "height": side, "width": side}
     for field, flag in FINGERPRINT_FLAGS.items():
         if recorded.get(field) != ours.get(field):
-            raise ValueError(f"--load-rollout-data: {path} was recorded with {flag} {_shown(recorded.get(field))}; "
-                             f"this run has {_shown(ours.get(field))}")
+            return f"recorded with {flag} {_shown(recorded.get(field))}; this run has {_shown(ours.get(field))}"
+    return None
 
 
 def _shown(value) -> str:

@@ -178,7 +178,7 @@ class Trainer:
                           self.fingerprint)
         if self.parallel.is_main:  # only now: a run refused above leaves no folder behind
             if cfg.replay.save_rollout_data is not None:
-                prepare_save_dir(cfg.replay.save_rollout_data, cfg.checkpoint.resume)
+                prepare_save_dir(cfg.replay.save_rollout_data, cfg.checkpoint.resume, self.fingerprint)
             out.mkdir(parents=True, exist_ok=True)
         self.metrics = None
         if self.parallel.is_main:
