@@ -154,6 +154,22 @@ def test_what_it_cannot_do_is_refused_by_name(cosmos, fields, field):
     assert engine.in_flight == 0 and len(engine.generate(RolloutRequest(**request))) == 1
 
 
+def test_a_served_video_length_is_bounded(cosmos):
+    """Cosmos3 has no positional limit, so without a bound `diffrl serve` denoised num_frames=100001 (minutes on the
+    tiny model, a gigabyte response); the server's --max-num-frames refuses it by name, the default included."""
+    from diffrl.engine.server import ServeConfig
+
+    limit = ServeConfig().max_num_frames
+    assert Engine(cosmos, ServeConfig().engine_config()).config.max_num_frames == limit
+    engine = Engine(cosmos, EngineConfig(max_num_frames=FRAMES))
+    with pytest.raises(RequestError, match="limit of") as err:
+        engine.generate(RolloutRequest(prompt="a cat", height=HEIGHT, width=WIDTH, num_frames=FRAMES + 4,
+                                       num_inference_steps=1))
+    assert err.value.field == "num_frames" and engine.in_flight == 0
+    assert len(engine.generate(RolloutRequest(prompt="a cat", height=HEIGHT, width=WIDTH, num_frames=FRAMES,
+                                              num_inference_steps=1))) == 1
+
+
 def test_other_modes_are_refused_by_the_request_schema():
     """Sound and action generation have no request field; asking for them through extra_sampling_params is refused."""
     from pydantic import ValidationError

@@ -68,6 +68,10 @@ class EngineConfig:
     max_output_steps: int | None = None
     """Upper bound of num_outputs_per_prompt × num_inference_steps (None: no bound, for trusted in-process
     callers; `diffrl serve` sets one)."""
+    max_num_frames: int | None = None
+    """Upper bound of a video request's `num_frames` (None: no bound, for trusted in-process callers;
+    `diffrl serve` sets one): a family with no positional limit (Cosmos3) would otherwise denoise and return
+    any length, 100,001 frames and a gigabyte-sized response alike."""
     request_timeout_s: float | None = None
     """A request not finished this long after it arrived is abandoned (None: never; `diffrl serve` sets one)."""
     max_pending_requests: int = 1024
@@ -190,6 +194,9 @@ class Engine:
         num_frames = None
         if family.generates_video:
             num_frames = family.default_num_frames if req.num_frames is None else req.num_frames
+            if cfg.max_num_frames is not None and num_frames > cfg.max_num_frames:
+                raise RequestError("num_frames", f"num_frames={num_frames} is above this engine's limit of "
+                                                 f"{cfg.max_num_frames}")
         elif req.num_frames not in (None, 1):
             raise RequestError("num_frames", f"the {family.name} family generates images, not video (got {req.num_frames})")
         if req.fps is not None and family.frame_rate is not None and req.fps != family.frame_rate:

@@ -441,6 +441,8 @@ class ServeConfig:
     max_prompt_chars: int = 16384
     max_output_steps: int = 4096
     """Largest num_outputs_per_prompt × num_inference_steps of one request."""
+    max_num_frames: int = 1025
+    """Largest `num_frames` of a video request (every published video setting is below it: Cosmos3 189)."""
     request_timeout_s: float = 600.0
     """A request still unanswered this long after it arrived is abandoned (HTTP 503)."""
     max_guidance_scale: float = 100.0
@@ -469,7 +471,8 @@ class ServeConfig:
         return EngineConfig(max_outputs_per_request=self.max_outputs_per_request,
                             max_batch_outputs=self.max_batch_outputs, max_prompt_chars=self.max_prompt_chars,
                             max_guidance_scale=self.max_guidance_scale, max_noise_level=self.max_noise_level,
-                            max_output_steps=self.max_output_steps, request_timeout_s=self.request_timeout_s,
+                            max_output_steps=self.max_output_steps, max_num_frames=self.max_num_frames,
+                            request_timeout_s=self.request_timeout_s,
                             max_pending_requests=self.max_pending_requests, worker_threads=self.worker_threads,
                             max_lora_rank=self.max_lora_rank, prompt_cache_bytes=self.prompt_cache_bytes)
 
