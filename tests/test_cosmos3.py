@@ -170,6 +170,25 @@ def test_a_served_video_length_is_bounded(cosmos):
                                               num_inference_steps=1))) == 1
 
 
+def test_the_image_endpoint_serves_a_video_familys_one_frame_video(cosmos):
+    """/v1/images/generations on a video family answers an image (its one-frame video), not a 500 from
+    writing a [C, F, H, W] video as a PNG."""
+    import base64
+    import io
+
+    from fastapi.testclient import TestClient
+    from PIL import Image
+
+    from diffrl.engine.server import create_app
+
+    client = TestClient(create_app(Engine(cosmos)), base_url="http://127.0.0.1")
+    response = client.post("/v1/images/generations", json={"prompt": "a cat", "size": f"{WIDTH}x{HEIGHT}", "n": 2,
+                                                           "num_inference_steps": 1})
+    assert response.status_code == 200, response.text
+    images = [Image.open(io.BytesIO(base64.b64decode(d["b64_json"]))) for d in response.json()["data"]]
+    assert [im.size for im in images] == [(WIDTH, HEIGHT)] * 2
+
+
 def test_other_modes_are_refused_by_the_request_schema():
     """Sound and action generation have no request field; asking for them through extra_sampling_params is refused."""
     from pydantic import ValidationError

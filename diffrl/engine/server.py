@@ -355,13 +355,15 @@ def create_app(engine: Engine, *, update_token: str | None = None, exposed: bool
     @app.post("/v1/images/generations")
     async def images_generations(req: ImageGenerationRequest, request: Request) -> Response:
         width, height = _parse_size(req.size)
+        video = engine.family.generates_video  # an image of a video family: its one-frame video
         rollout_req = RolloutRequest(
             prompt=req.prompt, negative_prompt=req.negative_prompt, seed=req.seed, num_outputs_per_prompt=req.n,
             width=width, height=height, num_inference_steps=req.num_inference_steps, guidance_scale=req.guidance_scale,
+            num_frames=1 if video else None,
         )
         if (outputs := await generate(request, rollout_req)) is None:
             return Response(status_code=499)
-        images = to_uint8(torch.stack([o.generated_output for o in outputs]))
+        images = to_uint8(torch.stack([o.generated_output[:, 0] if video else o.generated_output for o in outputs]))
         return JSONResponse({"created": int(time.time()), "data": [{"b64_json": _png_b64(img)} for img in images]})
 
     return app
