@@ -263,3 +263,16 @@ def test_the_cosmos3_recipe_runs_a_rollout_at_tiny_size(cosmos_dir, tmp_path):
     assert rewards_for_tests.FRAMES_SEEN and set(rewards_for_tests.FRAMES_SEEN) == {3}  # rollouts and evaluation
     assert len(steps) == 3 and last["train/pairs"] == 4 * 3 and torch.isfinite(torch.tensor(last["train/loss"]))
     assert last["rollout/sde_window_start"] == steps[0] and "eval/reward" in last
+
+
+def test_evaluation_videos_play_at_the_familys_frame_rate(cosmos, tmp_path):
+    """An evaluated video is an animated PNG at the family's 24 fps (it played at 8, three times too slow)."""
+    from PIL import Image
+
+    from diffrl.data.prompts import PromptRecord
+    from diffrl.evaluation.reward_eval import evaluate_with_reward
+
+    evaluate_with_reward(cosmos, [PromptRecord("a cat", {})], "temporal_consistency", num_steps=1, guidance_scale=1.0,
+                         height=HEIGHT, width=WIDTH, num_frames=FRAMES, out_dir=tmp_path)
+    video = Image.open(tmp_path / "images" / "00000.png")
+    assert video.n_frames == FRAMES and video.info["duration"] == round(1000 / 24)

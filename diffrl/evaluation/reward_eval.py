@@ -8,7 +8,7 @@ spec is one component) and by their weighted total. The reward sees each record'
 `{"seed": …}`, as in training.
 
 On disk (`out_dir`): `images/00000.png`, … (a video as an animated PNG, lossless, all its frames at
-`VIDEO_FPS`), `records.jsonl` (one line per image), `grid.png` (the first images, a video's first frame,
+the family's frame rate, else `VIDEO_FPS`), `records.jsonl` (one line per image), `grid.png` (the first images, a video's first frame,
 captioned with prompt and reward), for videos `frames.png` (the first videos one per row, each as
 evenly spaced frames) and `summary.json`. Every file is written under a temporary name and renamed,
 and `summary.json` goes last: a directory without it is an evaluation that did not finish.
@@ -40,7 +40,7 @@ from diffrl.utils.images import save_grid, to_uint8
 from diffrl.utils.size import sample_size
 
 GRID_IMAGES = 32
-VIDEO_FPS = 8
+VIDEO_FPS = 16  # a video's playback rate when its family samples at none (Wan2.2: WanPipeline's export rate)
 
 
 @dataclass(frozen=True)
@@ -226,7 +226,8 @@ def _sample_and_score(family, expanded, seeds, components, *, num_steps, guidanc
             k = start + j
             file = None
             if out_dir is not None:
-                file = _write_sample(images[j], out_dir / "images" / f"{k:05d}.png").relative_to(out_dir).as_posix()
+                file = _write_sample(images[j], out_dir / "images" / f"{k:05d}.png",
+                                     fps=family.frame_rate or VIDEO_FPS).relative_to(out_dir).as_posix()
             rows.append({"index": k, "prompt_index": prompt_index, "prompt": record.prompt,
                          "metadata": record.metadata, "seed": s, "reward": totals[j], "rewards": rewards[j],
                          "file": file})
@@ -264,16 +265,17 @@ def first_frames(images: torch.Tensor) -> torch.Tensor:
     return images[:, :, 0] if images.dim() == 5 else images
 
 
-def _write_sample(sample: torch.Tensor, path: Path) -> Path:
+def _write_sample(sample: torch.Tensor, path: Path, fps: float = VIDEO_FPS) -> Path:
     """One image as PNG, or one video [3, F, H, W] as an animated PNG (lossless, unlike a GIF's 256
-    colours; every frame, `VIDEO_FPS`; viewers without APNG show the first frame)."""
+    colours; every frame, at `fps`, so that it plays as long as the video lasts; viewers without APNG show
+    the first frame)."""
     if sample.dim() == 3:
         with atomic_path(path) as tmp:
             Image.fromarray(to_uint8(sample[None])[0]).save(tmp, format="PNG")
         return path
     frames = [Image.fromarray(f) for f in to_uint8(sample.transpose(0, 1))]
     with atomic_path(path) as tmp:
-        frames[0].save(tmp, format="PNG", save_all=True, append_images=frames[1:], duration=1000 // VIDEO_FPS, loop=0)
+        frames[0].save(tmp, format="PNG", save_all=True, append_images=frames[1:], duration=round(1000 / fps), loop=0)
     return path
 
 
