@@ -2,6 +2,7 @@
 SIGKILL of the whole process group (`timeout -s KILL diffrl train …`) runs no cleanup, so any such
 semaphore stays in /dev/shm for good. tqdm made one in each at its first progress bar."""
 
+import os
 from pathlib import Path
 
 from diffrl.engine.colocated import ColocatedEngineClient, EngineProcessSpec
@@ -41,3 +42,44 @@ def test_a_progress_bar_in_a_reward_worker_makes_no_named_semaphore():
         assert pool._pool.submit(_semaphores_a_bar_adds).result() == []
     finally:
         pool.close()
+
+
+_PARENT = """
+import os, sys, time
+from diffrl.rewards.workers import ProcessRewardPool
+pool = ProcessRewardPool("shapes", 2)
+pool.sleep()  # a message to every worker: both are started
+print(*pool._pool._processes, flush=True)
+time.sleep(600)
+"""
+
+
+def _alive(pid: int) -> bool:
+    try:
+        return Path(f"/proc/{pid}/stat").read_text().split()[2] != "Z"
+    except FileNotFoundError:
+        return False
+
+
+def test_reward_workers_end_when_the_trainer_is_killed():
+    """A SIGKILLed trainer runs no shutdown: its workers must notice on their own (they wait on a queue
+    they hold both ends of, so they never saw it close and lived on as orphans)."""
+    import signal
+    import subprocess
+    import sys
+    import time
+
+    parent = subprocess.Popen([sys.executable, "-c", _PARENT], stdout=subprocess.PIPE, text=True)
+    try:
+        workers = [int(pid) for pid in parent.stdout.readline().split()]
+        assert len(workers) == 2 and all(_alive(pid) for pid in workers)
+    finally:
+        parent.send_signal(signal.SIGKILL)
+        parent.wait()
+    deadline = time.monotonic() + 15
+    while any(_alive(pid) for pid in workers) and time.monotonic() < deadline:
+        time.sleep(0.2)
+    left = [pid for pid in workers if _alive(pid)]
+    for pid in left:  # do not leave them to the next test either
+        os.kill(pid, signal.SIGKILL)
+    assert left == []

@@ -9,7 +9,9 @@ bars need only a thread lock: these processes print from their own threads, neve
 
 from __future__ import annotations
 
+import os
 import threading
+import time
 
 
 def no_named_semaphores() -> None:
@@ -17,3 +19,16 @@ def no_named_semaphores() -> None:
     from tqdm import tqdm
 
     tqdm.set_lock(threading.RLock())
+
+
+def exit_with_parent(parent_pid: int, poll_s: float = 0.5) -> None:
+    """End this process when `parent_pid` is gone. A process-pool worker waits on a queue whose write end it
+    holds itself, so a SIGKILLed trainer never closes it: its reward workers lived on as orphans (and kept
+    the pool's semaphores in /dev/shm). A daemon thread polls the parent's pid (re-parenting changes it)."""
+
+    def watch() -> None:
+        while os.getppid() == parent_pid:
+            time.sleep(poll_s)
+        os._exit(0)  # the parent cannot take a result any more; nothing here needs cleaning up
+
+    threading.Thread(target=watch, name="exit-with-parent", daemon=True).start()
