@@ -34,6 +34,15 @@ def test_report_states_settings_outcome_every_evaluation_and_steady_costs(tmp_pa
     assert not list(tmp_path.glob(".*tmp*"))  # written atomically: no temporary left
 
 
+def test_report_states_a_video_runs_size_and_frames(tmp_path):
+    """A video run (the LTX-2.3 recipe's 57 frames of 512 × 768, PickScore on 3) says what it sampled."""
+    flags = {"recipe": "ltx23-grpo-pickscore", "height": 512, "width": 768, "num_frames": 57, "reward_frames": 3}
+    text = write_report(_run_folder(tmp_path, [{"rollout": 0}], flags)).read_text()
+    for line in ("| height (`--height`) | 512 |", "| width (`--width`) | 768 |",
+                 "| frames per video (`--num-frames`) | 57 |", "| frames the reward sees (`--reward-frames`) | 3 |"):
+        assert line in text
+
+
 def test_report_of_a_run_that_has_not_finished_a_rollout(tmp_path):
     text = write_report(_run_folder(tmp_path, [{"rollout": 0, "eval/strict": 0.5}], {"num_rollout": 3})).read_text()
     assert "0 of 3 rollouts" in text and "no rollout finished yet" in text and "## Cost" not in text

@@ -20,7 +20,8 @@ from diffrl.utils.atomic import write_text_atomic
 _SETTINGS = (
     ("recipe", "recipe"), ("diffusion_model_family", "family"), ("model_path", "model"),
     ("loss_type", "algorithm"), ("reward", "reward"), ("prompt_data", "prompt data"),
-    ("eval_prompt_data", "held-out prompt data"), ("resolution", "resolution"),
+    ("eval_prompt_data", "held-out prompt data"), ("resolution", "resolution"), ("height", "height"),
+    ("width", "width"), ("num_frames", "frames per video"), ("reward_frames", "frames the reward sees"),
     ("diffusion_num_steps", "denoising steps"), ("diffusion_guidance_scale", "CFG scale"),
     ("diffusion_sde_type", "SDE type"), ("diffusion_noise_level", "noise level"),
     ("diffusion_sde_window_range", "SDE window"), ("diffusion_num_sde_steps", "SDE steps per sample"),
