@@ -1,6 +1,7 @@
-"""A resumed run may rewrite its own rollout records, never mix them with another configuration's: with
---resume, a --save-rollout-data folder holding records of other settings was accepted and the resumed run
-wrote its rollouts beside them (a later --load-rollout-data then read two runs as one)."""
+"""Preparing a --save-rollout-data folder. A resumed run may rewrite its own rollout records, never mix them
+with another configuration's: with --resume, a folder holding records of other settings was accepted and the
+resumed run wrote its rollouts beside them (a later --load-rollout-data then read two runs as one). A file in
+the folder's place failed with a bare "[Errno 17] File exists" naming no flag."""
 
 import pytest
 
@@ -28,3 +29,9 @@ def test_resume_keeps_a_save_folder_of_its_own_configuration(tmp_path):
     prepare_save_dir(folder, resume=True, fingerprint=OURS)
     with pytest.raises(FileExistsError, match="pass --resume"):  # without --resume, any records are refused
         prepare_save_dir(folder, resume=False, fingerprint=OURS)
+
+
+def test_a_save_folder_that_is_a_file_is_refused_naming_the_flag(tmp_path):
+    (tmp_path / "records").write_text("not a folder")
+    with pytest.raises(NotADirectoryError, match=r"--save-rollout-data .*records is a file, not a folder"):
+        prepare_save_dir(tmp_path / "records", resume=False)
