@@ -33,5 +33,5 @@ def test_resume_keeps_a_save_folder_of_its_own_configuration(tmp_path):
 
 def test_a_save_folder_that_is_a_file_is_refused_naming_the_flag(tmp_path):
     (tmp_path / "records").write_text("not a folder")
-    with pytest.raises(NotADirectoryError, match=r"--save-rollout-data .*records is a file, not a folder"):
+    with pytest.raises(FileExistsError, match=r"--save-rollout-data .*records is a file, not a folder"):
         prepare_save_dir(tmp_path / "records", resume=False)

@@ -84,7 +84,8 @@ def prepare_save_dir(directory: Path, resume: bool, fingerprint: dict | None = N
     folder would mix two runs); clear temp files a crash left behind."""
     directory = Path(directory)
     if directory.exists() and not directory.is_dir():  # mkdir below would fail with a bare errno line
-        raise NotADirectoryError(f"--save-rollout-data {directory} is a file, not a folder; choose a folder")
+        # FileExistsError: the CLI prints it as one line (an OSError of another kind gets a traceback).
+        raise FileExistsError(f"--save-rollout-data {directory} is a file, not a folder; choose a folder")
     found = existing_records(directory)
     if found and not resume:
         raise FileExistsError(f"--save-rollout-data {directory} already holds rollout records "
