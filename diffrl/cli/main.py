@@ -16,6 +16,7 @@ from diffrl.cli.evaluate import EvaluateConfig, evaluate
 from diffrl.engine.server import ServeConfig, serve
 from diffrl.errors import ModelLoadError
 from diffrl.recipes import recipe_config
+from diffrl.rollout.clients import EngineUnavailable
 from diffrl.train.config import TrainConfig
 from diffrl.train.pretrain import PretrainConfig, pretrain
 
@@ -102,6 +103,11 @@ def main(argv: list[str] | None = None) -> int:
         # Bad configuration or a broken checkpoint: one line, no traceback.
         print(f"error: {err}", file=sys.stderr)
         return 2
+    except EngineUnavailable as err:
+        # An engine that died or cannot be reached (e.g. a --colocate engine process killed): its name and
+        # the reason in one line; the run's last checkpoint is there for --resume.
+        print(f"error: {err}", file=sys.stderr)
+        return 1
     return 0
 
 
