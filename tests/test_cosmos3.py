@@ -276,3 +276,15 @@ def test_evaluation_videos_play_at_the_familys_frame_rate(cosmos, tmp_path):
                          height=HEIGHT, width=WIDTH, num_frames=FRAMES, out_dir=tmp_path)
     video = Image.open(tmp_path / "images" / "00000.png")
     assert video.n_frames == FRAMES and video.info["duration"] == round(1000 / 24)
+
+
+def test_the_shapes_evaluation_refuses_a_video_family_in_one_line(cosmos_dir, tmp_path, capsys):
+    """`diffrl evaluate` / `compare` without --prompt-data score the shapes world's images: a video family is refused
+    before it loads, pointing at --prompt-data (it failed in the image writer with a traceback)."""
+    from diffrl.cli.main import main as cli_main
+
+    for argv in (["evaluate", "--model-path", str(cosmos_dir)],
+                 ["compare", "--base", str(cosmos_dir), "--trained", str(cosmos_dir)]):
+        assert cli_main([*argv, "--device", "cpu", "--num-steps", "1", "--output-dir", str(tmp_path / "out")]) == 2
+        err = capsys.readouterr().err.strip()
+        assert "\n" not in err and "generates video" in err and "--prompt-data" in err

@@ -13,7 +13,7 @@ import json
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
-from diffrl.cli.evaluate import eval_prompts
+from diffrl.cli.evaluate import check_shapes_family, eval_prompts
 from diffrl.data.shapes import test_prompts
 from diffrl.evaluation.compare import (REWARD_COLUMNS, compare_by_reward, compare_models, reward_markdown,
                                        rows_as_dicts, save_reward_side_by_side, save_side_by_side, tally)
@@ -85,6 +85,7 @@ def compare(cfg: CompareConfig) -> dict:
         check_checkpoint(cfg.base_checkpoint)
     if cfg.prompt_data is not None or cfg.reward is not None:
         return compare_by_prompt_data(cfg)
+    check_shapes_family(cfg.diffusion_model_family, cfg.base, "compare")
     device = resolve_device(cfg.device)
     base = load_model(cfg.base, cfg.base_checkpoint, family=cfg.diffusion_model_family, device=device)
     trained = load_model(cfg.base, cfg.trained, family=cfg.diffusion_model_family, device=device)
