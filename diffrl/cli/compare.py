@@ -17,11 +17,12 @@ from diffrl.cli.evaluate import check_shapes_family, eval_prompts
 from diffrl.data.shapes import test_prompts
 from diffrl.evaluation.compare import (REWARD_COLUMNS, compare_by_reward, compare_models, reward_markdown,
                                        rows_as_dicts, save_reward_side_by_side, save_side_by_side, tally)
-from diffrl.evaluation.reward_eval import evaluate_with_reward, reward_components, write_text_atomic
+from diffrl.evaluation.reward_eval import evaluate_with_reward, reward_components
 from diffrl.evaluation.sampling import TEST_SEED
 from diffrl.evaluation.shapes import summarize
 from diffrl.models.checkpoint import check_checkpoint, load_model
 from diffrl.models.demo import SHIPPED_DEMO_MODEL
+from diffrl.utils.atomic import write_text_atomic
 from diffrl.utils.device import resolve_device
 
 

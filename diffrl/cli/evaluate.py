@@ -15,13 +15,14 @@ from typing import Literal
 
 from diffrl.data.prompts import PromptRecord, load_prompts
 from diffrl.data.shapes import prompts_by_category, test_prompts, train_prompts
-from diffrl.evaluation.reward_eval import atomic_path, evaluate_with_reward, reward_components, write_text_atomic
+from diffrl.evaluation.reward_eval import evaluate_with_reward, reward_components
 from diffrl.evaluation.sampling import TEST_SEED
 from diffrl.evaluation.shapes import (IMAGES_DIR, RECORDS_FILE, balanced_eval_set, clear_samples, evaluate_prompts,
                                      format_summary, records_as_dicts, save_records_grid, save_samples, summarize)
 from diffrl.models.checkpoint import load_model
 from diffrl.models.demo import SHIPPED_DEMO_MODEL
 from diffrl.rewards import check_prompts
+from diffrl.utils.atomic import atomic_path, write_text_atomic
 from diffrl.utils.device import resolve_device
 
 SHAPES_GUIDANCE_SCALE = 3.0  # the shapes evaluation's CFG when --guidance-scale is left unset

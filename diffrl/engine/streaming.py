@@ -47,8 +47,8 @@ class SafetensorsFile:
     to 8 bytes, the raw data), produced slice by slice from each tensor's own memory: a device tensor is
     copied to the host one at a time, as its turn comes, so writing the file holds one tensor beyond the
     tensors. Tensors are laid out as `safetensors.torch.save` lays them out (the same bytes), widest element
-    first, which keeps every tensor aligned to its element size. Its length needs only shapes and dtypes (meta tensors
-    will do for sizing)."""
+    first, which keeps every tensor aligned to its element size. Its length needs only shapes and dtypes
+    (meta tensors will do for sizing)."""
 
     __slots__ = ("tensors", "head", "length", "_whole")
 
