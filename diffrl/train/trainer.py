@@ -274,8 +274,7 @@ class Trainer:
                 self.metrics.log(self.rollout_index, record)
             if self.rollout_index % cfg.checkpoint.checkpoint_interval == 0 or last_one:
                 self.save_checkpoint()
-                if main:  # a killed run keeps the report of its last checkpoint
-                    self.metrics.plot_curves()
+                if main:  # a killed run keeps the report of its last checkpoint (the curve is drawn at the end)
                     write_report(self.out)
             started += time.perf_counter() - paused
             bar.update(1)
