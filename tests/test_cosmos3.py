@@ -288,3 +288,13 @@ def test_the_shapes_evaluation_refuses_a_video_family_in_one_line(cosmos_dir, tm
         assert cli_main([*argv, "--device", "cpu", "--num-steps", "1", "--output-dir", str(tmp_path / "out")]) == 2
         err = capsys.readouterr().err.strip()
         assert "\n" not in err and "generates video" in err and "--prompt-data" in err
+
+
+def test_a_served_videos_pixels_count_every_frame(cosmos):
+    """The request-wide pixel bound multiplies in num_frames: a video is num_frames images."""
+    engine = Engine(cosmos, EngineConfig(max_request_pixels=FRAMES * HEIGHT * WIDTH))
+    request = {"prompt": "a cat", "height": HEIGHT, "width": WIDTH, "num_frames": FRAMES, "num_inference_steps": 1}
+    with pytest.raises(RequestError, match="num_frames × width × height") as err:
+        engine.generate(RolloutRequest(**request, num_outputs_per_prompt=2))
+    assert err.value.field == "num_outputs_per_prompt" and engine.in_flight == 0
+    assert len(engine.generate(RolloutRequest(**request))) == 1

@@ -263,3 +263,22 @@ def test_minor_refusals_and_docs_off_by_default(engine):
     assert client.get("/docs").status_code == 404 and client.get("/openapi.json").status_code == 404
     documented = _client(engine, docs=True)
     assert documented.get("/docs").status_code == 200 and documented.get("/openapi.json").status_code == 200
+
+
+def test_pixels_per_output_and_per_request_are_bounded(tiny_family):
+    """Width and height have no bound of their own: 65536 × 65536 (allowed by a multiple-of-16 family) reached the
+    model. The server bounds width × height and num_outputs_per_prompt × num_frames × width × height, defaults too."""
+    defaults = ServeConfig()
+    assert (defaults.max_pixels, defaults.max_request_pixels) == (4096 * 4096, 1 << 30)
+    client = _client(Engine(tiny_family, defaults.engine_config()))
+    before = _sample(client)
+    _refused(client.post("/rollout/generate", json={**SAMPLE, "width": 65536, "height": 65536}), 400, "width")
+    size = tiny_family.config.image_size
+    engine = Engine(tiny_family, EngineConfig(max_pixels=size * size, max_request_pixels=4 * size * size))
+    client = _client(engine)
+    _refused(client.post("/rollout/generate", json={**SAMPLE, "width": size, "height": size + 1}), 400, "width")
+    _refused(client.post("/rollout/generate", json={**SAMPLE, "num_outputs_per_prompt": 5}), 400,
+             "num_outputs_per_prompt")
+    ok = client.post("/rollout/generate", json={**SAMPLE, "num_outputs_per_prompt": 4}, headers=COMPACT)
+    assert ok.status_code == 200 and len(decode_outputs(ok.content)) == 4
+    assert torch.equal(_sample(client), before) and engine.in_flight == 0

@@ -72,6 +72,11 @@ class EngineConfig:
     """Upper bound of a video request's `num_frames` (None: no bound, for trusted in-process callers;
     `diffrl serve` sets one): a family with no positional limit (Cosmos3) would otherwise denoise and return
     any length, 100,001 frames and a gigabyte-sized response alike."""
+    max_pixels: int | None = None
+    max_request_pixels: int | None = None
+    """Upper bounds of width × height (one output, one frame) and of num_outputs_per_prompt × num_frames × width ×
+    height (None: no bound, for trusted in-process callers; `diffrl serve` sets them): width and height have no
+    bound of their own, and families whose size rule is a multiple of 16 accept 65536 × 65536."""
     request_timeout_s: float | None = None
     """A request not finished this long after it arrived is abandoned (None: never; `diffrl serve` sets one)."""
     max_pending_requests: int = 1024
@@ -211,6 +216,15 @@ class Engine:
         default_h, default_w = family.default_size()
         height = default_h if req.height is None else req.height  # 0 is refused by the size check, not "default"
         width = default_w if req.width is None else req.width
+        # Before the family's size check: the bound holds whatever the family accepts.
+        if cfg.max_pixels is not None and height * width > cfg.max_pixels:
+            raise RequestError("width", f"width × height = {width * height} pixels is above this engine's limit of "
+                                        f"{cfg.max_pixels}")
+        pixels = req.num_outputs_per_prompt * (num_frames or 1) * height * width
+        if cfg.max_request_pixels is not None and pixels > cfg.max_request_pixels:
+            raise RequestError("num_outputs_per_prompt", f"num_outputs_per_prompt × num_frames × width × height = "
+                                                         f"{pixels} pixels is above this engine's limit of "
+                                                         f"{cfg.max_request_pixels}")
         family.check_size(height, width, **_frames(num_frames))
         n = req.num_inference_steps
         # A scheduler may have no schedule at some step counts (one step with a terminal stretch divides by 0).

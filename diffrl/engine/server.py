@@ -445,6 +445,11 @@ class ServeConfig:
     """Largest num_outputs_per_prompt × num_inference_steps of one request."""
     max_num_frames: int = 1025
     """Largest `num_frames` of a video request (every published video setting is below it: Cosmos3 189)."""
+    max_pixels: int = 4096 * 4096
+    """Largest width × height of one output (one frame)."""
+    max_request_pixels: int = 1 << 30
+    """Largest num_outputs_per_prompt × num_frames × width × height of one request (12 GiB of float32 RGB output:
+    64 images of 4096 × 4096, 14 Wan videos of 81 frames at 1280 × 720)."""
     request_timeout_s: float = 600.0
     """A request still unanswered this long after it arrived is abandoned (HTTP 503)."""
     max_guidance_scale: float = 100.0
@@ -474,6 +479,7 @@ class ServeConfig:
                             max_batch_outputs=self.max_batch_outputs, max_prompt_chars=self.max_prompt_chars,
                             max_guidance_scale=self.max_guidance_scale, max_noise_level=self.max_noise_level,
                             max_output_steps=self.max_output_steps, max_num_frames=self.max_num_frames,
+                            max_pixels=self.max_pixels, max_request_pixels=self.max_request_pixels,
                             request_timeout_s=self.request_timeout_s,
                             max_pending_requests=self.max_pending_requests, worker_threads=self.worker_threads,
                             max_lora_rank=self.max_lora_rank, prompt_cache_bytes=self.prompt_cache_bytes)
