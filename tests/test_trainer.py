@@ -160,6 +160,17 @@ def test_lora_checkpoint_is_peft_format(tiny_model_dir, tmp_path):
 
     weights = load_file(str(lora / "adapter_model.safetensors"))
     assert weights and all("lora_" in k for k in weights)
+    # PEFT's own loader reads every tensor (its keys carry PEFT's `base_model.model.` prefix); without it
+    # PeftModel.from_pretrained only warned and kept a fresh adapter, B = 0: the base model, silently.
+    from peft import PeftModel
+
+    from diffrl.models.demo import DemoFamily
+
+    loaded = PeftModel.from_pretrained(DemoFamily.load(tiny_model_dir).transformer, str(lora))
+    params = dict(loaded.named_parameters())
+    for key, value in weights.items():
+        assert torch.equal(params[key.replace(".weight", ".default.weight")], value), key
+    assert any(v.abs().max() > 0 for k, v in weights.items() if "lora_B" in k)  # trained, not the zero init
 
 
 def test_unknown_rewards_are_named():

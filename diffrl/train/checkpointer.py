@@ -138,7 +138,9 @@ class Checkpointer:
 
             lora_dir = path / "lora"
             lora_dir.mkdir(exist_ok=True)
-            save_file({k: v.contiguous() for k, v in get_peft_model_state_dict(transformer).items()},
+            # Under PEFT's prefix, as PeftModel.save_pretrained writes it: PeftModel.from_pretrained loads it
+            # (unprefixed, it warned of missing keys and kept a fresh adapter, B = 0: the base model).
+            save_file({f"base_model.model.{k}": v.contiguous() for k, v in get_peft_model_state_dict(transformer).items()},
                       str(lora_dir / "adapter_model.safetensors"))
             transformer.peft_config["default"].save_pretrained(str(lora_dir))
         else:
