@@ -83,3 +83,43 @@ def test_reward_workers_end_when_the_trainer_is_killed():
     for pid in left:  # do not leave them to the next test either
         os.kill(pid, signal.SIGKILL)
     assert left == []
+
+
+_POOL_HOLDER = """
+import time
+from diffrl.rewards.workers import ProcessRewardPool
+pool = ProcessRewardPool("shapes", 2)
+print("ready", flush=True)
+time.sleep(600)
+"""
+
+
+def _pool_semaphores(pid: int) -> set[str]:
+    return {path.name for path in Path("/dev/shm").glob(f"sem.mp-diffrl-*-{pid}-*")}
+
+
+def test_a_killed_runs_semaphores_are_swept_by_the_next_pool_and_a_live_runs_are_kept():
+    """kill -9 of a run's whole group (its resource tracker included) runs no cleanup: the pool's queue and
+    barrier semaphores stayed in /dev/shm for good. They carry the run's pid; the next pool unlinks those of
+    dead pids only."""
+    import signal
+    import subprocess
+    import sys
+
+    runs = [subprocess.Popen([sys.executable, "-c", _POOL_HOLDER], stdout=subprocess.PIPE, text=True,
+                             start_new_session=True) for _ in range(2)]
+    try:
+        assert [run.stdout.readline().strip() for run in runs] == ["ready", "ready"]
+        killed, live = runs
+        os.killpg(killed.pid, signal.SIGKILL)
+        killed.wait()
+        orphans, kept = _pool_semaphores(killed.pid), _pool_semaphores(live.pid)
+        assert orphans and kept  # the killed run's names outlived it
+        ProcessRewardPool("shapes", 1).close()
+        assert _pool_semaphores(killed.pid) == set() and _pool_semaphores(live.pid) == kept
+    finally:
+        for run in runs:
+            if run.poll() is None:
+                os.killpg(run.pid, signal.SIGKILL)
+                run.wait()
+        ProcessRewardPool("shapes", 1).close()  # the live one's names, now orphans too

@@ -27,7 +27,7 @@ import torch
 from diffrl.engine.wire import decode_weights, encode_weights
 from diffrl.rewards import colocate
 from diffrl.utils import determinism
-from diffrl.utils.spawned import exit_with_parent, no_named_semaphores
+from diffrl.utils.spawned import exit_with_parent, no_named_semaphores, pid_tagged_semaphores
 
 
 def encode_batch(images: torch.Tensor, prompts: list[str], metadata: list[dict] | None) -> tuple[bytes, str, str]:
@@ -91,6 +91,7 @@ class ProcessRewardPool:
         self.device = None if device is None else str(device)
         # spawn, not fork: the parent runs threads (the engine) and may hold a CUDA context.
         context = multiprocessing.get_context("spawn")
+        pid_tagged_semaphores()  # its queues' and barrier's: a kill -9 of the run's group leaves them behind
         self._pool = ProcessPoolExecutor(workers, mp_context=context, initializer=_start_worker,
                                          initargs=(context.Barrier(workers), self.device, deterministic, os.getpid()))
 
