@@ -129,9 +129,9 @@ def test_missing_and_damaged_records_are_refused_by_name(live, tiny_model_dir, t
     data = bytearray(record_path(records, 1).read_bytes())
     data[-3] ^= 0xFF  # a flipped byte in the tensor data
     record_path(records, 1).write_bytes(bytes(data))
-    trainer = Trainer(config(tiny_model_dir, tmp_path / "b", loss_type=loss_type, load_rollout_data=records))
     with pytest.raises(ValueError, match=r"rollout-000001\.safetensors is damaged \(its tensors do not match"):
-        trainer.train()
+        Trainer(config(tiny_model_dir, tmp_path / "b", loss_type=loss_type, load_rollout_data=records))
+    assert not (tmp_path / "b").exists()  # at start-up, not when rollout 1 is read
 
     record_path(records, 1).write_bytes(bytes(data[: len(data) // 2]))  # cut short
     with pytest.raises(ValueError, match=r"rollout-000001\.safetensors is damaged"):

@@ -22,6 +22,7 @@ import hashlib
 import json
 import os
 import re
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -114,8 +115,8 @@ def check_load_dir(directory: Path) -> None:
 
 
 def check_records(directory: Path, rollouts: range, fingerprint: dict) -> None:
-    """Before training: every record the run will read is there and of this configuration (headers
-    only; each record's data is checked when it is read)."""
+    """Before training: every record the run will read is there, intact (its sha256: one pass over its data,
+    a tensor at a time) and of this configuration; a damaged one is refused now, not rollouts into the run."""
     for k in rollouts:
         path = record_path(directory, k)
         if not path.is_file():
@@ -126,9 +127,10 @@ def check_records(directory: Path, rollouts: range, fingerprint: dict) -> None:
         try:
             with safe_open(str(path), framework="pt") as f:
                 meta = _metadata(path, f.metadata())
+                _check_fingerprint(path, meta.get("fingerprint") or {}, fingerprint)
+                _check_digest(path, meta, f.keys(), f.get_tensor)
         except (SafetensorError, OSError, RuntimeError) as err:
             raise ValueError(f"--load-rollout-data: {path} is damaged ({_first_line(err)})") from None
-        _check_fingerprint(path, meta.get("fingerprint") or {}, fingerprint)
 
 
 # ---------------------------------------------------------------------- writing
@@ -153,7 +155,8 @@ def save_rollout(directory: Path, record: RolloutRecord) -> Path:
     meta = {"format": RECORD_FORMAT, "rollout_index": record.rollout_index, "weight_version": record.weight_version,
             "fingerprint": record.fingerprint, "request": record.request,
             "prompts": [{"prompt": p.prompt, "metadata": p.metadata} for p in record.prompts],
-            "first_group_index": record.first_group_index, "samples": samples, "sha256": _digest(tensors)}
+            "first_group_index": record.first_group_index, "samples": samples,
+            "sha256": _digest(tensors, tensors.__getitem__)}
     path = record_path(directory, record.rollout_index)
     temp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
     save_file(tensors, str(temp), metadata={METADATA_KEY: json.dumps(meta)})
@@ -168,11 +171,12 @@ def save_rollout(directory: Path, record: RolloutRecord) -> Path:
     return path
 
 
-def _digest(tensors: dict[str, torch.Tensor]) -> str:
-    """sha256 over names, dtypes, shapes and bytes: a flipped bit anywhere in the data is caught."""
+def _digest(names: Iterable[str], get: Callable[[str], torch.Tensor]) -> str:
+    """sha256 over names, dtypes, shapes and bytes: a flipped bit anywhere in the data is caught. Tensors
+    are fetched one at a time (`get`), so a record on disk is hashed without holding it whole."""
     h = hashlib.sha256()
-    for name in sorted(tensors):
-        t = tensors[name].contiguous()
+    for name in sorted(names):
+        t = get(name).contiguous()
         h.update(f"{name}|{t.dtype}|{tuple(t.shape)}|".encode())
         h.update(t.reshape(-1).view(torch.uint8).numpy().tobytes())
     return h.hexdigest()
@@ -191,8 +195,7 @@ def read_rollout(path: Path) -> RolloutRecord:
     except (SafetensorError, OSError, ValueError, RuntimeError) as err:  # truncated or garbled
         raise ValueError(f"--load-rollout-data: {path} is damaged ({_first_line(err)})") from None
     meta = _metadata(path, header)
-    if meta.get("sha256") != _digest(tensors):
-        raise ValueError(f"--load-rollout-data: {path} is damaged (its tensors do not match their sha256)")
+    _check_digest(path, meta, tensors, tensors.__getitem__)
     try:
         return _record(meta, tensors)
     except (KeyError, TypeError, ValueError, IndexError) as err:
@@ -210,6 +213,11 @@ def _metadata(path: Path, header: dict | None) -> dict:
     if fmt != RECORD_FORMAT:
         raise ValueError(f"--load-rollout-data: {path} has format {fmt!r}; this diffrl reads {RECORD_FORMAT!r}")
     return meta
+
+
+def _check_digest(path: Path, meta: dict, names: Iterable[str], get: Callable[[str], torch.Tensor]) -> None:
+    if meta.get("sha256") != _digest(names, get):
+        raise ValueError(f"--load-rollout-data: {path} is damaged (its tensors do not match their sha256)")
 
 
 def _check_fingerprint(path: Path, recorded: dict, ours: dict) -> None:
