@@ -93,3 +93,29 @@ def test_reward_frames_leave_a_temporal_reward_its_consecutive_frames():
     total = on_frames(get_reward("multi:temporal_consistency=1,jpeg_compressibility=0.5"), 3)
     expected = temporal(video, ["a"])[0] + 0.5 * on_frames(jpeg, 3)(video, ["a"])[0]
     assert asyncio.run(total(video, ["a"])) == [pytest.approx(expected)]
+
+
+def test_a_reward_worker_pool_scores_a_video_as_in_process_scoring(tmp_path):
+    """--reward-workers with --reward-frames K: the pool was shown K frames, temporal parts included, so its
+    workers scored temporal rewards on K frames where in-process scoring compares them all. Both now give the
+    same scores; the frame-scoring part still sees K frames."""
+    import asyncio
+
+    from diffrl.rewards.frames import on_frames
+    from diffrl.rewards.workers import ProcessRewardPool
+
+    _save_tiny_clip(tmp_path / "clip")
+    spec = f"multi:temporal_consistency=1,temporal_clip@{tmp_path / 'clip'}=1,rewards_for_tests:frame_count=1"
+    videos = torch.cat([_panning(n_frames=9, step=2), _panning(n_frames=9, step=5)])
+    inline = asyncio.run(on_frames(get_reward(spec, device="cpu"), 3)(videos, ["a", "b"]))
+    whole = asyncio.run(get_reward(spec, device="cpu")(videos, ["a", "b"]))
+    assert [w - 9 for w in whole] == pytest.approx([i - 3 for i in inline])  # temporal parts: every frame
+    pool = ProcessRewardPool(spec, workers=1, device="cpu", frames=3)
+    frame_pool = ProcessRewardPool("rewards_for_tests:frame_count", workers=1, frames=3)
+    try:
+        assert asyncio.run(on_frames(pool, 3)(videos, ["a", "b"])) == pytest.approx(inline, abs=1e-6)
+        assert asyncio.run(on_frames(frame_pool, 3)(videos, ["a", "b"])) == [3.0, 3.0]
+        assert frame_pool._whole_videos is False  # shipped 3 frames, not 9
+    finally:
+        pool.close()
+        frame_pool.close()

@@ -45,14 +45,26 @@ def on_frames(score: Callable, count: int | None) -> Callable:
 
     @functools.wraps(score)
     def scored(images, prompts, metadata=None):
-        if images.dim() == 5 and images.shape[2] > count:
-            picks = torch.linspace(0, images.shape[2] - 1, count).round().long()
-            images = images.index_select(2, picks.to(images.device))
-        return score(images, prompts, metadata)
+        return score(pick_frames(images, count), prompts, metadata)
 
     if hasattr(score, "close"):  # a worker pool: its owner still ends its processes
         scored.close = score.close
     return scored
+
+
+def pick_frames(images: torch.Tensor, count: int | None) -> torch.Tensor:
+    """`count` evenly spaced frames of each video `[B, C, F, H, W]` (first and last included); images, videos
+    of at most `count` frames and None pass whole."""
+    if count is not None and images.dim() == 5 and images.shape[2] > count:
+        picks = torch.linspace(0, images.shape[2] - 1, count).round().long()
+        images = images.index_select(2, picks.to(images.device))
+    return images
+
+
+def reads_whole_videos(score: Callable) -> bool:
+    """Whether `score`, or a part of its `multi:` sum, is a reward `on_frames` leaves every frame."""
+    return getattr(score, "whole_video", False) or any(
+        reads_whole_videos(fn) for fn, _ in getattr(score, "weighted_parts", ()))
 
 
 def mean_over_frames(score: Callable) -> Callable:

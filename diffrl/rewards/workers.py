@@ -26,6 +26,7 @@ import torch
 
 from diffrl.engine.wire import decode_weights, encode_weights
 from diffrl.rewards import colocate
+from diffrl.rewards.frames import on_frames, pick_frames, reads_whole_videos
 from diffrl.utils import determinism
 from diffrl.utils.spawned import exit_with_parent, no_named_semaphores, pid_tagged_semaphores
 
@@ -39,7 +40,7 @@ def decode_batch(images: bytes, prompts_json: str, metadata_json: str) -> tuple[
     return decode_weights(images)["images"], json.loads(prompts_json), json.loads(metadata_json)
 
 
-_SCORERS: dict[tuple[str, str | None], Callable] = {}  # per worker process: each reward is built once
+_SCORERS: dict[tuple[str, str | None, int | None], Callable] = {}  # per worker process: each reward is built once
 _BARRIER = None  # per worker process: the pool's, for messages every worker must take once
 BROADCAST_TIMEOUT_S = 600.0
 
@@ -68,13 +69,22 @@ def _in_every_worker(op: str) -> int:
     return moved
 
 
-def _score_in_worker(reward: str, device: str | None, images: bytes, prompts_json: str,
-                     metadata_json: str) -> list[float]:
+def _scorer(reward: str, device: str | None, frames: int | None) -> Callable:
+    """This worker's reward, shown the frames in-process scoring shows it (`on_frames`, part by part)."""
     from diffrl.rewards import get_reward
 
-    if (reward, device) not in _SCORERS:
-        _SCORERS[reward, device] = get_reward(reward, device=device)
-    rewards = _SCORERS[reward, device](*decode_batch(images, prompts_json, metadata_json))
+    if (reward, device, frames) not in _SCORERS:
+        _SCORERS[reward, device, frames] = on_frames(get_reward(reward, device=device), frames)
+    return _SCORERS[reward, device, frames]
+
+
+def _reads_whole_videos_in_worker(reward: str, device: str | None, frames: int | None) -> bool:
+    return reads_whole_videos(_scorer(reward, device, frames))
+
+
+def _score_in_worker(reward: str, device: str | None, frames: int | None, images: bytes, prompts_json: str,
+                     metadata_json: str) -> list[float]:
+    rewards = _scorer(reward, device, frames)(*decode_batch(images, prompts_json, metadata_json))
     if inspect.isawaitable(rewards):
         rewards = asyncio.run(rewards)
     return [float(r) for r in rewards]
@@ -82,13 +92,19 @@ def _score_in_worker(reward: str, device: str | None, images: bytes, prompts_jso
 
 class ProcessRewardPool:
     """The rollout manager's reward function, scored in `workers` spawned processes; model rewards load on
-    `device` in each worker (None: CUDA when available, else the CPU; see `get_reward`)."""
+    `device` in each worker (None: CUDA when available, else the CPU; see `get_reward`). `frames`
+    (--reward-frames) is applied in the workers, where the reward's parts are known: a temporal one keeps
+    every frame there, as in-process scoring keeps it."""
 
-    def __init__(self, reward: str, workers: int, device: str | None = None, deterministic: bool = False):
+    whole_video = True  # `on_frames` hands the pool every frame: the workers pick them
+
+    def __init__(self, reward: str, workers: int, device: str | None = None, deterministic: bool = False,
+                 frames: int | None = None):
         if workers < 1:
             raise ValueError(f"--reward-workers must be >= 1 for a pool, got {workers}")
-        self.reward, self.workers = reward, workers
+        self.reward, self.workers, self.frames = reward, workers, frames
         self.device = None if device is None else str(device)
+        self._whole_videos: bool | None = None  # whether the reward reads every frame, once a worker has said
         # spawn, not fork: the parent runs threads (the engine) and may hold a CUDA context.
         context = multiprocessing.get_context("spawn")
         pid_tagged_semaphores()  # its queues' and barrier's: a kill -9 of the run's group leaves them behind
@@ -97,7 +113,13 @@ class ProcessRewardPool:
 
     async def __call__(self, images: torch.Tensor, prompts: list[str], metadata: list[dict] | None = None) -> list[float]:
         loop = asyncio.get_running_loop()
-        return await loop.run_in_executor(self._pool, _score_in_worker, self.reward, self.device,
+        if self.frames is not None and images.dim() == 5 and images.shape[2] > self.frames:
+            if self._whole_videos is None:  # asked of a worker: a model reward loads there, never here
+                self._whole_videos = await loop.run_in_executor(self._pool, _reads_whole_videos_in_worker,
+                                                                self.reward, self.device, self.frames)
+            if not self._whole_videos:  # fewer bytes to send; the workers' own pick then keeps them all
+                images = pick_frames(images, self.frames)
+        return await loop.run_in_executor(self._pool, _score_in_worker, self.reward, self.device, self.frames,
                                           *encode_batch(images, prompts, metadata))
 
     def sleep(self) -> int:

@@ -240,7 +240,7 @@ class Trainer:
         t = self.cfg.task
         if t.reward_workers:
             self.reward_pool = ProcessRewardPool(t.reward, t.reward_workers, device=t.reward_device,
-                                                 deterministic=self.cfg.deterministic_mode)
+                                                 deterministic=self.cfg.deterministic_mode, frames=t.reward_frames)
             return self.reward_pool
         return get_reward(t.reward, device=t.reward_device)
 
