@@ -154,3 +154,27 @@ def test_sd3_grpo_recipe_is_flow_grpos_setting_and_flags_override_it(sd3_dir):
     assert m.use_lora and m.lora_rank == 16 and r.diffusion_num_sde_steps == 9
     assert cfg.eval.eval_images_per_category == 0 and m.model_path == sd3_dir
     validate_config(cfg)  # its batch sizes are consistent
+
+
+def test_a_checkpoint_of_another_family_is_refused_naming_both(sd3_dir, tmp_path, capsys):
+    """A recipe's family on another family's checkpoint (sd35-grpo-ocr on a Qwen-Image directory) is one line
+    naming the checkpoint's transformer class and its family, before anything loads: it said "missing file:
+    …/tokenizer_2/tokenizer_config.json", and the Qwen-Image family on an SD3 directory loaded random
+    weights for the transformer (a warning) and failed in the VAE with a diffusers shape error."""
+    from diffrl.cli.main import main as cli_main
+    from diffrl.models.qwen_image import QwenImageFamily
+    from diffrl.models.random_checkpoints.qwen_image import save_random_checkpoint as save_qwen
+
+    with pytest.raises(ModelLoadError, match=r"sd3-tiny/transformer holds SD3Transformer2DModel, .*family sd3\b.*"
+                                             r"Qwen-Image loads QwenImageTransformer2DModel"):
+        QwenImageFamily.load(sd3_dir)
+    qwen_dir = save_qwen(tmp_path / "qwen-tiny")
+    data = tmp_path / "prompts.txt"
+    data.write_text('a sign that says "OPEN"\n')
+    out = tmp_path / "run"
+    capsys.readouterr()
+    assert cli_main(["train", "--recipe", "sd35-grpo-ocr", "--model-path", str(qwen_dir), "--prompt-data", str(data),
+                     "--device", "cpu", "--output-dir", str(out)]) == 2
+    err = capsys.readouterr().err.strip()
+    assert "\n" not in err and "QwenImageTransformer2DModel" in err and "qwen_image" in err, err
+    assert not out.exists()

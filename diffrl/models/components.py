@@ -96,6 +96,8 @@ def load_components(root: Path, table: Iterable[Component], *, label: str, devic
         parts[component.folder] = None
         if not absent and (load_text_encoder or not component.text_encoder):
             wanted.append(component)
+    for component in wanted:  # another family's checkpoint is named before any file it lacks is
+        _refuse_another_familys(root, component, label)
     for component in wanted:
         read_json(root / component.config_path)
     try:
@@ -108,6 +110,29 @@ def load_components(root: Path, table: Iterable[Component], *, label: str, devic
         module.to(device=device).eval().requires_grad_(False)
     require_finite_modules(root, modules)
     return parts
+
+
+def _refuse_another_familys(root: Path, component: Component, label: str) -> None:
+    """A ModelLoadError when `component`'s folder holds a diffusers model of another class that another family
+    loads there (an SD3 recipe on a Qwen-Image checkpoint), naming both classes and that family. A class no
+    family loads is left for `from_pretrained` to judge."""
+    config_file = root / component.config_path
+    if not isinstance(component.loader, str) or component.kind != "model" or not config_file.is_file():
+        return
+    expected = component.loader.partition(":")[2]
+    found = read_json(config_file).get("_class_name")
+    if not found or found == expected:
+        return
+    from diffrl.models.registry import family_names, get_family
+
+    owners = [name for name in family_names() if any(
+        c.folder == component.folder and isinstance(c.loader, str) and c.loader.partition(":")[2] == found
+        for c in get_family(name).components)]
+    if owners:
+        families = " or ".join(owners)
+        raise ModelLoadError(f"{root / component.folder} holds {found}, a checkpoint of the family {families}; "
+                             f"{label} loads {expected}: for this checkpoint pass --diffusion-model-family "
+                             f"{families} (and a recipe of that family)")
 
 
 def read_flow_scheduler(family: str, root: Path, supported: Iterable[str], pipeline: str) -> tuple[str, dict]:
