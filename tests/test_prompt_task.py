@@ -161,3 +161,21 @@ def test_a_reward_that_cannot_score_a_training_prompt_is_refused_before_the_mode
     (tmp_path / "train.txt").write_text('a sign that says "OPEN"\na photo of a dog\n')
     with pytest.raises(ValueError, match=r"train.txt \(training prompts\), prompt 2: .*quotes no text"):
         Trainer(tiny_config(tmp_path / "no-model", tmp_path / "run", prompt_data=tmp_path / "train.txt", reward="ocr"))
+
+
+def test_a_directory_without_a_test_split_trains_with_eval_num_prompts_0(tmp_path):
+    """--eval-num-prompts 0 (documented: no evaluation) reads no test split, so a directory holding only
+    train.txt trains; without it the refusal names the two ways out. It was refused either way."""
+    from diffrl.tasks.base import EvalSettings
+    from diffrl.tasks.prompt_set import PromptSetTask
+
+    (tmp_path / "data").mkdir()
+    (tmp_path / "data" / "train.txt").write_text("a cat\na dog\n")
+    flags = dict(prompt_data=tmp_path / "data", reward="rewards_for_tests:darkness")
+    cfg = tiny_config(tmp_path / "no-model", tmp_path / "run", eval_num_prompts=0, **flags)
+    task = PromptSetTask(cfg.task, cfg.eval, EvalSettings.from_config(cfg))
+    assert not task.evaluates and len(task.train.records) == 2
+    cfg = tiny_config(tmp_path / "no-model", tmp_path / "run", **flags)
+    with pytest.raises(FileNotFoundError, match=r"no test_metadata.jsonl or test.txt in it.*--eval-prompt-data.*"
+                                                r"--eval-num-prompts 0"):
+        PromptSetTask(cfg.task, cfg.eval, EvalSettings.from_config(cfg))

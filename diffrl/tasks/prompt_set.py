@@ -33,10 +33,16 @@ class PromptSetTask:
         self.eval_cfg, self.settings = eval_cfg, settings
         self.reward, self.reward_device = task_cfg.reward, task_cfg.reward_device
         held_out = task_cfg.eval_prompt_data
-        if held_out is None and not path.is_dir():
-            self.eval_records = []  # a single training file has no held-out split
+        if (held_out is None and not path.is_dir()) or eval_cfg.eval_num_prompts == 0:
+            self.eval_records = []  # a single training file has no held-out split; 0 prompts: no evaluation
         else:
-            self.eval_records = load_prompts(held_out or path, "test", task_cfg.input_key)[: eval_cfg.eval_num_prompts]
+            try:
+                self.eval_records = load_prompts(held_out or path, "test", task_cfg.input_key)[: eval_cfg.eval_num_prompts]
+            except FileNotFoundError as err:
+                if held_out is not None:
+                    raise
+                raise FileNotFoundError(f"{err}: pass the held-out prompts as --eval-prompt-data FILE, or "
+                                        "--eval-num-prompts 0 to train without held-out evaluation") from None
         self.evaluates = bool(self.eval_records)
         check_prompts(self.reward, [r.prompt for r in self.train.records], f"prompt data {path} (training prompts)")
         check_prompts(self.reward, [r.prompt for r in self.eval_records],
