@@ -121,3 +121,20 @@ def test_a_custom_reward_is_found_in_the_current_directory(tmp_path, monkeypatch
     assert reward(torch.zeros(2, 3, 8, 8), ["a", "b"], [{"value": 1}, {"value": 2}]) == [1.0, 2.0]
     with pytest.raises(ValueError, match="cannot be imported: No module named 'no_such_reward_module'"):
         get_reward("no_such_reward_module:score")
+
+
+def test_a_custom_reward_that_cannot_take_metadata_is_refused_when_named(tmp_path, monkeypatch):
+    """Rewards are called as fn(images, prompts, metadata): one that takes two arguments (or is no function)
+    is refused by get_reward, before any model loads; it was a TypeError traceback after the first rollout."""
+    (tmp_path / "diffrl_user_reward_two_args.py").write_text(
+        "def two(images, prompts):\n    return [0.0] * len(prompts)\n"
+        "def three(images, prompts, metadata=None):\n    return [0.0] * len(prompts)\n"
+        "def anything(*args):\n    return [0.0] * len(args[1])\n"
+        "LIMIT = 3\n")
+    monkeypatch.syspath_prepend(str(tmp_path))
+    with pytest.raises(ValueError, match=r"custom reward 'diffrl_user_reward_two_args:two' is called as "
+                                         r"fn\(images, prompts, metadata\)"):
+        get_reward("diffrl_user_reward_two_args:two")
+    with pytest.raises(ValueError, match="'diffrl_user_reward_two_args:LIMIT' is not a function"):
+        get_reward("diffrl_user_reward_two_args:LIMIT")
+    assert get_reward("diffrl_user_reward_two_args:three") and get_reward("diffrl_user_reward_two_args:anything")

@@ -68,14 +68,31 @@ def get_reward(name: str, device: str | None = None) -> Callable:
     if ":" in name:
         module_name, _, attr = name.partition(":")
         try:
-            return getattr(_import_custom(module_name), attr)
+            scorer = getattr(_import_custom(module_name), attr)
         except (ImportError, AttributeError) as err:
             raise ValueError(f"custom reward {name!r} cannot be imported: {err}") from None
+        _check_callable(name, scorer)
+        return scorer
     try:
         return _REWARDS[name]
     except KeyError:
         raise ValueError(f"unknown reward {name!r}; known: {', '.join(sorted(_REWARDS))} "
                          "(or a custom one as module:function)") from None
+
+
+def _check_callable(name: str, scorer) -> None:
+    """A custom reward is called as `fn(images, prompts, metadata)`: one that cannot be (two parameters, not a
+    function) is refused when named, before any model loads, not by a TypeError after the first rollout."""
+    import inspect
+
+    if not callable(scorer):
+        raise ValueError(f"custom reward {name!r} is not a function (a {type(scorer).__name__})")
+    try:
+        inspect.signature(scorer).bind(None, None, None)
+    except TypeError as err:
+        raise ValueError(f"custom reward {name!r} is called as fn(images, prompts, metadata): {err}") from None
+    except ValueError:
+        pass  # no signature to read (a builtin): called as it is
 
 
 def _import_custom(module_name: str):
