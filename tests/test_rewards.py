@@ -46,6 +46,9 @@ def test_multi_reward_is_the_weighted_sum_and_bad_specs_are_named():
         get_reward("multi:shapes=heavy")
     with pytest.raises(ValueError, match="unknown reward 'nope'"):
         get_reward("multi:nope=1")
+    # A part named twice kept its last weight only (shapes at 0.5, not 1.5), silently.
+    with pytest.raises(ValueError, match="'shapes' is named twice"):
+        get_reward("multi:shapes=1,shapes_strict=1,shapes=0.5")
 
 
 def test_worker_pool_scores_like_the_inline_reward():

@@ -226,6 +226,8 @@ def _parse_weights(spec: str) -> dict[str, float]:
         # `…,processor=DIR` without a weight: that `=` belongs to the option.
         if not sep or reward.rpartition(",")[2].strip() in _MODEL_OPTIONS:
             reward, sep, weight = part, "", ""
+        if reward.strip() in weights:  # a dict keeps the last weight only
+            raise ValueError(f"reward multi:{spec}: {reward.strip()!r} is named twice; give it one weight")
         try:
             weights[reward.strip()] = float(weight) if sep else 1.0
         except ValueError:
