@@ -12,3 +12,7 @@ class RequestError(ValueError):
 
 class ModelLoadError(RuntimeError):
     """A checkpoint directory is missing a file or holds a corrupt one; the message names the file."""
+
+
+class WeightsMismatch(ModelLoadError):
+    """Weights whose names or shapes are not those of the module they are loaded into (another model's)."""

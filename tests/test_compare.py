@@ -63,6 +63,25 @@ def test_a_lora_for_another_model_is_refused_naming_the_base_flag(tiny_model_dir
         load_model(tiny_model_dir, tmp_path / "ckpt")
 
 
+def test_a_full_finetune_of_another_base_is_refused_naming_the_base_flag(tiny_model_dir, tmp_path):
+    """A transformer-only checkpoint (a full finetune's model/) applied to a base it was not trained from (the
+    default base, the demo model, under another family's run) names the base, the run's own --model-path and the
+    flag to pass, as a LoRA of another base does; it said only "weights do not fit the config … (Error(s) in
+    loading state_dict for …:)"."""
+    from diffrl.models.random_checkpoints import demo as random_demo
+
+    config = random_demo.tiny()
+    config.transformer.update(num_layers=2)
+    other = random_demo.random_family(config, seed=1)
+    run = tmp_path / "run"
+    checkpoint = run / "checkpoints" / "rollout-00002"
+    other.transformer.save_pretrained(checkpoint / "model" / "transformer", safe_serialization=True)
+    (run / "config.json").write_text(json.dumps({"flags": {"model_path": "/m/the-base"}}))
+    with pytest.raises(ModelLoadError, match=r"model/transformer was not trained from the demo model at .*tiny-demo.*"
+                                             r"its run trained /m/the-base.*--model-path, or --base"):
+        load_model(tiny_model_dir, checkpoint)
+
+
 def test_outcome_rules():
     assert outcome(0, 1, 0.9, 0.5) == "win"  # a strict pass beats any partial credit
     assert outcome(1, 0, 0.5, 0.9) == "loss"

@@ -13,11 +13,12 @@ weights are refused (`diffrl.models.weights`); both errors name the file.
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 
 import torch
 
-from diffrl.errors import ModelLoadError
+from diffrl.errors import ModelLoadError, WeightsMismatch
 from diffrl.models.base import FamilyAdapter
 from diffrl.models.registry import resolve_family
 from diffrl.models.weights import read_weights
@@ -48,16 +49,32 @@ def load_model(base_path: Path, checkpoint: Path | None = None, *, family: str |
         except ValueError as err:  # PEFT: "Target modules … not found in the base model" names no model
             if "not found in the base model" not in str(err):
                 raise
-            # Usually the base was left at its default (the demo model) for another family's checkpoint.
-            raise ModelLoadError(f"{lora_dir}: its LoRA targets are not modules of the {model.name} model at "
-                                 f"{base_path}; pass the base model the run trained (--model-path, or --base "
-                                 "for diffrl compare)") from None
+            raise _another_base(f"{lora_dir}: its LoRA targets are not modules of", model, base_path, checkpoint) from None
         return model
     for model_dir in (checkpoint, checkpoint / "model"):
         if _has_transformer(model_dir):
-            model.load_saved_transformer(model_dir)  # the family's own layout (e.g. Wan2.2's two experts)
+            try:
+                model.load_saved_transformer(model_dir)  # the family's own layout (e.g. Wan2.2's two experts)
+            except WeightsMismatch:
+                raise _another_base(f"{model_dir / 'transformer'} was not trained from", model, base_path,
+                                    checkpoint) from None
             return model
     raise AssertionError("check_checkpoint admitted a directory holding no model")  # unreachable
+
+
+def _another_base(problem: str, model: FamilyAdapter, base_path: Path, checkpoint: Path) -> ModelLoadError:
+    """A checkpoint applied to a base it was not trained from: usually the base was left at its default (the demo
+    model) for another family's run. Names the base, the run's own (its config.json, when beside it) and the flag."""
+    trained = None
+    for run_dir in Path(checkpoint).resolve().parents[:3]:  # RUN/checkpoints/rollout-N[/lora]
+        try:
+            trained = json.loads((run_dir / "config.json").read_text())["flags"]["model_path"]
+            break
+        except (OSError, ValueError, KeyError, TypeError):
+            continue
+    run = f" (its run trained {trained})" if trained else ""
+    return ModelLoadError(f"{problem} the {model.name} model at {base_path}{run}; pass the base model the run "
+                          "trained (--model-path, or --base for diffrl compare)")
 
 
 def check_checkpoint(checkpoint: Path) -> Path:

@@ -11,7 +11,7 @@ import torch
 from safetensors import SafetensorError
 from safetensors.torch import load_file
 
-from diffrl.errors import ModelLoadError
+from diffrl.errors import ModelLoadError, WeightsMismatch
 
 # aminmax reads a tensor once with no temporary the tensor's size; other float types (fp8) are upcast.
 _MINMAX_DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
@@ -36,7 +36,7 @@ def load_weights(module: torch.nn.Module, path: Path) -> None:
         module.load_state_dict(read_weights(path, check_finite=False), strict=True)
     except RuntimeError as err:
         first_line = str(err).strip().splitlines()[0]
-        raise ModelLoadError(f"weights do not fit the config: {path} ({first_line})") from None
+        raise WeightsMismatch(f"weights do not fit the config: {path} ({first_line})") from None
     require_finite(module_tensors(module), lambda name: path)
 
 
