@@ -82,6 +82,33 @@ def test_a_full_finetune_of_another_base_is_refused_naming_the_base_flag(tiny_mo
         load_model(tiny_model_dir, checkpoint)
 
 
+@pytest.mark.parametrize("other", ["deeper", "wider"])
+def test_a_lora_of_another_size_is_refused_naming_the_base_flag(tiny_model_dir, tmp_path, other):
+    """A run's LoRA on a base of its family but of other sizes: a deeper base kept no adapter weights for its extra
+    layers (B = 0, silently a partial adapter), a wider one was a torch 'size mismatch' traceback."""
+    from peft import get_peft_model_state_dict
+    from safetensors.torch import save_file
+
+    from diffrl.models.demo import DemoFamily
+    from diffrl.models.lora import LoraSpec, add_lora
+    from diffrl.models.random_checkpoints import demo as random_demo
+
+    family = DemoFamily.load(tiny_model_dir)
+    add_lora(family.transformer, LoraSpec(rank=2, alpha=2, target_modules=list(DemoFamily.lora_target_modules)))
+    lora = tmp_path / "run" / "checkpoints" / "rollout-00001" / "lora"
+    lora.mkdir(parents=True)
+    save_file({f"base_model.model.{k}": v.contiguous() for k, v in get_peft_model_state_dict(family.transformer).items()},
+              str(lora / "adapter_model.safetensors"))
+    family.transformer.peft_config["default"].save_pretrained(str(lora))
+    config = random_demo.tiny()
+    config.transformer.update(num_layers=2) if other == "deeper" else config.transformer.update(attention_head_dim=16)
+    base = tmp_path / "other-demo"
+    random_demo.random_family(config, seed=1).save(base)
+    with pytest.raises(ModelLoadError, match=r"lora: its LoRA \(.*\) does not fit the demo model at .*other-demo; "
+                                             r"pass the base model the run trained"):
+        load_model(base, lora.parent)
+
+
 def test_outcome_rules():
     assert outcome(0, 1, 0.9, 0.5) == "win"  # a strict pass beats any partial credit
     assert outcome(1, 0, 0.5, 0.9) == "loss"

@@ -46,6 +46,8 @@ def load_model(base_path: Path, checkpoint: Path | None = None, *, family: str |
     if (lora_dir / "adapter_config.json").is_file():
         try:
             _apply_lora(model.transformer, lora_dir)
+        except WeightsMismatch as err:
+            raise _another_base(f"{lora_dir}: its LoRA ({err}) does not fit", model, base_path, checkpoint) from None
         except ValueError as err:  # PEFT: "Target modules … not found in the base model" names no model
             if "not found in the base model" not in str(err):
                 raise
@@ -107,6 +109,14 @@ def _apply_lora(transformer: torch.nn.Module, lora_dir: Path) -> None:
     weights = lora_dir / "adapter_model.safetensors"
     state = read_weights(weights)  # names the file when it is missing or corrupt
     transformer.add_adapter(LoraConfig.from_pretrained(str(lora_dir)))
-    result = set_peft_model_state_dict(transformer, state)
+    try:
+        result = set_peft_model_state_dict(transformer, state)
+    except RuntimeError as err:  # torch's "Error(s) in loading state_dict …", a line per tensor of other sizes
+        lines = str(err).strip().splitlines()
+        raise WeightsMismatch(lines[1].strip() if len(lines) > 1 else lines[0]) from None
+    # A module of the base without weights in the file keeps its fresh adapter (B = 0): a base with more layers.
+    missing = [k for k in result.missing_keys if "lora_" in k]
     if result.unexpected_keys:
-        raise ModelLoadError(f"{weights} does not fit this model: unexpected keys {result.unexpected_keys[:3]}…")
+        raise WeightsMismatch(f"unexpected keys {result.unexpected_keys[:3]}")
+    if missing:
+        raise WeightsMismatch(f"{len(missing)} adapter tensors of this base are not in {weights.name}, e.g. {missing[0]}")
