@@ -62,7 +62,9 @@ _QWEN_GRPO = dict(diffusion_model_family="qwen_image", loss_type="flow_grpo", re
 # policy, 8 prompts × 8 samples, LoRA r32/α64, lr 3e-4, gradient checkpointing; the optimizer settings
 # of miles-diffusion's scripts/run-diffusion-nft-sd3-pickscore.sh (AdamW β2 0.999, weight decay 1e-4,
 # grad clip 1, NFT β 1, advantage clip 5, adaptive weighting, timestep fraction 0.99, old-policy EMA
-# ramp 0.001 up to 0.5, per-prompt mean with batch-wide std).
+# ramp 0.001 up to 0.5, per-prompt mean with batch-wide std). The engine denoises one microgroup at a time:
+# FLUX 3 at 1024² is compute-bound from batch 1 (DESIGN §9: 111-113 ms per sample at batch 1-8), so a larger
+# batch buys only memory; the run's peak at batch 8 was measured (BENCHMARKS.md), the default 64 was not.
 _FLUX3_NFT = dict(diffusion_model_family="flux3_image", loss_type="nft", reward="pickscore", resolution=1024,
                   use_lora=True, lora_rank=32, lora_alpha=64.0, diffusion_num_steps=16, diffusion_guidance_scale=1.0,
                   rollout_batch_size=8, n_samples_per_prompt=8, rollout_microgroup_size=8, global_batch_size=64,
@@ -70,19 +72,25 @@ _FLUX3_NFT = dict(diffusion_model_family="flux3_image", loss_type="nft", reward=
                   grad_clip=1.0, diffusion_nft_beta=1.0, diffusion_adv_clip_max=5.0, nft_timestep_fraction=0.99,
                   nft_ema_ramp=0.001, nft_ema_max=0.5, globalize_reward_std=True, mixed_precision="bf16",
                   gradient_checkpointing=True, num_rollout=100, eval_num_steps=50, eval_interval=30,
-                  checkpoint_interval=20, eval_images_per_category=0)
+                  checkpoint_interval=20, eval_images_per_category=0, engine_concurrency=2,
+                  engine_max_batch_outputs=8)
 
 # Flow-GRPO on FLUX 3 Image Klein with HPSv2.1, a full finetune: 1024², fp32 masters with a bf16
 # forward, lr 1e-5, 10 steps, CFG 3.5 in rollout and trainer, noise 0.7, one SDE step per rollout drawn
 # from steps 1-2, clip 1e-4, no KL, 16 prompts × 16 samples, 200 rollouts; two optimizer steps of 128
 # samples per rollout (our choice: the published setting gives the rollout size, not the split).
+# The engine denoises one microgroup (16 outputs, 32 rows with CFG) at a time: on one H200 with the fp32
+# masters and AdamW moments resident, a batch of 16 peaked at 109 GiB and one of 32 at 130 GiB, slower per
+# image (BENCHMARKS.md), so the default batch of 64 outputs would not fit; two in flight let the reward score
+# one microgroup while the next denoises.
 _FLUX3_GRPO = dict(diffusion_model_family="flux3_image", loss_type="flow_grpo", reward="hpsv2", resolution=1024,
                    use_lora=False, lr=1e-5, diffusion_num_steps=10, diffusion_guidance_scale=3.5,
                    diffusion_noise_level=0.7, diffusion_sde_window_range=(1, 3), diffusion_num_sde_steps=1,
                    diffusion_clip_range=1e-4, diffusion_kl_beta=0.0, rollout_batch_size=16, n_samples_per_prompt=16,
                    rollout_microgroup_size=16, global_batch_size=128, num_steps_per_rollout=2, micro_batch_size=2,
                    mixed_precision="bf16", gradient_checkpointing=True, num_rollout=200, eval_interval=20,
-                   checkpoint_interval=20, eval_images_per_category=0)
+                   checkpoint_interval=20, eval_images_per_category=0, engine_concurrency=2,
+                   engine_max_batch_outputs=16)
 
 # Flow-GRPO on Wan2.2-T2V-A14B with PickScore, one frame at 480²: miles-diffusion's
 # scripts/run-diffusion-grpo-wan22-pickscore-4gpu.sh (branch feat/wan): 10 steps, CFG 4.0 for the
