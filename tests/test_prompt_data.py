@@ -70,7 +70,7 @@ def test_stream_visits_every_prompt_once_per_epoch_in_a_new_order():
     first, second = stream.take(7), stream.take(7)
     assert sorted(r.prompt for r in first) == sorted(r.prompt for r in second) == [str(i) for i in range(7)]
     assert first != second  # each epoch has its own permutation
-    assert stream.state_dict() == {"epoch": 1, "position": 7, "size": 7}
+    assert {k: stream.state_dict()[k] for k in ("epoch", "position", "size")} == {"epoch": 1, "position": 7, "size": 7}
 
 
 def test_stream_resumes_exactly_across_an_epoch_boundary():
@@ -85,3 +85,16 @@ def test_stream_resumes_exactly_across_an_epoch_boundary():
     assert got == expected
     with pytest.raises(ValueError, match="prompt set of 5 prompts"):
         PromptStream(records[:4]).load_state_dict(stream.state_dict())
+
+
+def test_stream_refuses_a_dataset_of_the_same_size_with_other_prompts_or_metadata():
+    records = [PromptRecord(str(i), {"tag": "a"}) for i in range(5)]
+    state = PromptStream(records, seed=1).state_dict()
+    PromptStream([PromptRecord(r.prompt, dict(r.metadata)) for r in records], seed=1).load_state_dict(state)
+    for edited in ([PromptRecord("x"), *records[1:]], [PromptRecord("0", {"tag": "b"}), *records[1:]],
+                   records[::-1]):
+        with pytest.raises(ValueError, match=r"^--resume: --prompt-data p.jsonl is not the prompt set"):
+            PromptStream(edited, seed=1, source="--prompt-data p.jsonl").load_state_dict(state)
+    # A checkpoint from before the fingerprint: only the size is checked.
+    old = {k: v for k, v in state.items() if k != "sha256"}
+    PromptStream([PromptRecord("x"), *records[1:]], seed=1).load_state_dict(old)

@@ -9,12 +9,13 @@ Accepted layouts (those of the public Flow-GRPO prompt sets: ocr, pickscore, gen
 
 A run draws its training prompts through `PromptStream`: the dataset shuffled once per epoch by a
 permutation that is a function of (seed, epoch) only, read in order. Its state is two integers
-(epoch, position), saved in every checkpoint, so `--resume` continues with exactly the prompt that
-was next.
+(epoch, position), saved in every checkpoint with the dataset's size and `fingerprint`, so `--resume`
+continues with exactly the prompt that was next, and refuses a prompt file edited since.
 """
 
 from __future__ import annotations
 
+import hashlib
 import json
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -89,14 +90,26 @@ def _read_jsonl(path: Path, input_key: str) -> list[PromptRecord]:
     return records
 
 
+def fingerprint(records: list[PromptRecord]) -> str:
+    """sha256 over the prompts and their metadata, in order: equal for the same loaded dataset, whatever
+    the file's layout, and different for an edit that keeps the number of prompts."""
+    digest = hashlib.sha256()
+    for r in records:
+        digest.update(json.dumps([r.prompt, r.metadata], sort_keys=True, ensure_ascii=False).encode() + b"\n")
+    return digest.hexdigest()
+
+
 class PromptStream:
     """The dataset in a fresh shuffled order each epoch; `take(n)` reads the next n, crossing into the
     next epoch's order when one runs out. Every rank of a data-parallel run holds the same stream."""
 
-    def __init__(self, records: list[PromptRecord], seed: int = 0, shuffle: bool = True):
+    def __init__(self, records: list[PromptRecord], seed: int = 0, shuffle: bool = True,
+                 source: str = "--prompt-data"):
+        """`source`: the flag and file the records came from, as a refused resume names them."""
         if not records:
             raise ValueError("a prompt stream needs at least one prompt")
-        self.records, self.seed, self.shuffle = list(records), seed, shuffle
+        self.records, self.seed, self.shuffle, self.source = list(records), seed, shuffle, source
+        self.fingerprint = fingerprint(self.records)
         self.epoch, self.position = 0, 0
 
     def _order(self, epoch: int) -> np.ndarray:
@@ -115,10 +128,16 @@ class PromptStream:
         return out
 
     def state_dict(self) -> dict:
-        return {"epoch": self.epoch, "position": self.position, "size": len(self.records)}
+        return {"epoch": self.epoch, "position": self.position, "size": len(self.records),
+                "sha256": self.fingerprint}
 
     def load_state_dict(self, state: dict) -> None:
         if state.get("size", len(self.records)) != len(self.records):
             raise ValueError(f"--resume: the checkpoint walked a prompt set of {state['size']} prompts; "
-                             f"--prompt-data now holds {len(self.records)}")
+                             f"{self.source} now holds {len(self.records)}")
+        # Checkpoints written before the fingerprint have only the size to check.
+        if state.get("sha256", self.fingerprint) != self.fingerprint:
+            raise ValueError(f"--resume: {self.source} is not the prompt set the checkpoint was trained on "
+                             f"(same {len(self.records)} prompts in number, other text, metadata or order); "
+                             "resume with the original file, or start a new run in another --output-dir")
         self.epoch, self.position = int(state.get("epoch", 0)), int(state.get("position", 0))

@@ -14,7 +14,7 @@ from collections.abc import Sequence
 
 import numpy as np
 
-from diffrl.data.prompts import PromptRecord, PromptStream, load_prompts
+from diffrl.data.prompts import PromptRecord, PromptStream, fingerprint, load_prompts
 from diffrl.evaluation.sampling import TEST_SEED
 from diffrl.rewards import check_prompts
 from diffrl.tasks.base import EvalOutcome, EvalSettings
@@ -29,20 +29,25 @@ class PromptSetTask:
 
     def __init__(self, task_cfg, eval_cfg, settings: EvalSettings, seed: int = 0):
         path = task_cfg.prompt_data
-        self.train = PromptStream(load_prompts(path, "train", task_cfg.input_key), seed=seed)
+        self.train = PromptStream(load_prompts(path, "train", task_cfg.input_key), seed=seed,
+                                  source=f"--prompt-data {path}")
         self.eval_cfg, self.settings = eval_cfg, settings
         self.reward, self.reward_device = task_cfg.reward, task_cfg.reward_device
         held_out = task_cfg.eval_prompt_data
+        self.eval_source = f"--eval-prompt-data {held_out}" if held_out else f"--prompt-data {path} (its test split)"
+        self.eval_fingerprint = None  # of the whole held-out split: an edit to it is refused by --resume
         if (held_out is None and not path.is_dir()) or eval_cfg.eval_num_prompts == 0:
             self.eval_records = []  # a single training file has no held-out split; 0 prompts: no evaluation
         else:
             try:
-                self.eval_records = load_prompts(held_out or path, "test", task_cfg.input_key)[: eval_cfg.eval_num_prompts]
+                records = load_prompts(held_out or path, "test", task_cfg.input_key)
             except FileNotFoundError as err:
                 if held_out is not None:
                     raise
                 raise FileNotFoundError(f"{err}: pass the held-out prompts as --eval-prompt-data FILE, or "
                                         "--eval-num-prompts 0 to train without held-out evaluation") from None
+            self.eval_records = records[: eval_cfg.eval_num_prompts]
+            self.eval_fingerprint = fingerprint(records)
         self.evaluates = bool(self.eval_records)
         check_prompts(self.reward, [r.prompt for r in self.train.records], f"prompt data {path} (training prompts)")
         check_prompts(self.reward, [r.prompt for r in self.eval_records],
@@ -76,8 +81,14 @@ class PromptSetTask:
                            captions=[f"{row['reward']:.3f} {row['prompt']}" for row in result.rows[:shown]])
 
     def state_dict(self) -> dict:
-        return {"prompt_stream": self.train.state_dict()}
+        return {"prompt_stream": self.train.state_dict(), "eval_prompts_sha256": self.eval_fingerprint}
 
     def load_state_dict(self, state: dict) -> None:
         if "prompt_stream" in state:
             self.train.load_state_dict(state["prompt_stream"])
+        # Checked only when both runs evaluate: a run that stopped or started evaluating has nothing to compare.
+        saved = state.get("eval_prompts_sha256")
+        if saved is not None and self.eval_fingerprint is not None and saved != self.eval_fingerprint:
+            raise ValueError(f"--resume: {self.eval_source} is not the held-out prompt set the checkpoint was "
+                             "evaluated on (other text, metadata or order); resume with the original file, or "
+                             "start a new run in another --output-dir")
