@@ -30,6 +30,10 @@ def test_bench_reports_every_part_for_a_family_with_a_reference_pipeline(tmp_pat
             2 * step[2]["ms_per_sample_step"] / 1000 / engine["s_per_image"])
     assert results["pipeline"]["class"] == "StableDiffusion3Pipeline"
     assert results["pipeline"][2]["s_per_image"] > 0 and "pipeline_batch2_over_engine" in results
+    # The like-for-like row: the engine making images only, as the pipeline does.
+    assert results["engine_plain"]["s_per_image"] > 0
+    assert results["pipeline_over_engine_plain"] == pytest.approx(
+        results["pipeline"][2]["s_per_image"] / results["engine_plain"]["s_per_image"])
 
 
 def test_bench_refuses_bad_flags(capsys):
