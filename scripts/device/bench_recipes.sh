@@ -2,7 +2,9 @@
 # The published recipes end to end on the lent H200 with real-size random weights (benchmarks/recipe_runs.py):
 # rollouts with the recipe's reward model, advantages, pairs, optimizer steps. Carry `.whl`.
 # JOBS: RECIPE:GROUPS items run in order (GROUPS: prompt groups per rollout, cut to fit the call's time;
-# everything else is the recipe's), ROLLOUTS (default 3). Checkpoints stay in runs/ (git-ignored) between calls
+# everything else is the recipe's), ROLLOUTS (default 3). FLAGS: more recipe_runs.py flags for every job, e.g.
+# FLAGS='--flags {"gradient_checkpointing":false}' (no spaces in the JSON; a lever measured against the
+# recipe's own row) with TAG=-nogc naming its JSON apart. Checkpoints stay in runs/ (git-ignored) between calls
 # on a warm machine; a family's checkpoint is removed when a job of another family needs the disk (KEEP=1 keeps).
 # An OCR recipe (sd35-grpo-ocr) scores with RapidOCR: carry [".whl", ".whl-ocr"], with results/ moved out of the
 # checkout for that call (both wheel sets and results/ together pass the 64 MiB a call may carry).
@@ -21,7 +23,7 @@ for job in ${JOBS:?JOBS=recipe:groups ...}; do
   fi
   echo "== $recipe ($groups groups) $(date +%T)"
   (cd benchmarks && python3 recipe_runs.py --recipe "$recipe" --checkpoint "$ckpt" --rollout-batch-size "$groups" \
-    --num-rollout "${ROLLOUTS:-3}" --work-dir "$PWD/../runs/recipe-bench" --out "$OUT/recipe_${recipe}.json") 2>&1 | quiet \
+    --num-rollout "${ROLLOUTS:-3}" ${FLAGS:-} --work-dir "$PWD/../runs/recipe-bench" --out "$OUT/recipe_${recipe}${TAG:-}.json") 2>&1 | quiet \
     | grep -v '^    \|^[{}]' | tee -a "$OUT/log.txt"
   nvidia-smi --query-gpu=memory.used --format=csv,noheader
 done
