@@ -137,6 +137,42 @@ def test_registry_resolution_order(tmp_path, monkeypatch):
     assert resolve_family("demo", tmp_path / "x") is get_family("demo")
 
 
+def test_a_checkpoint_whose_name_says_nothing_is_found_by_its_transformer_class(tmp_path, monkeypatch):
+    """Last, after the name patterns: `transformer/config.json`'s `_class_name`, else the `transformer` entry of
+    `model_index.json`. A class two families load (demo and flux3_image) is not guessed."""
+    import json
+
+    monkeypatch.delenv("DIFFRL_MODEL_FAMILY", raising=False)
+
+    def checkpoint(name, config=None, index=None):
+        root = tmp_path / name
+        (root / "transformer").mkdir(parents=True)
+        if config:
+            (root / "transformer" / "config.json").write_text(json.dumps({"_class_name": config}))
+        if index:
+            (root / "model_index.json").write_text(json.dumps({"_class_name": "QwenImagePipeline",
+                                                               "transformer": ["diffusers", index]}))
+        return root
+
+    qwen = checkpoint("qwen-tiny", config="QwenImageTransformer2DModel")
+    assert resolve_family(None, qwen) is get_family("qwen_image")
+    assert resolve_family(None, checkpoint("my-ckpt", index="QwenImageTransformer2DModel")) is get_family("qwen_image")
+    assert resolve_family(None, checkpoint("sd", config="SD3Transformer2DModel",
+                                           index="QwenImageTransformer2DModel")) is get_family("sd3")
+    # The flag, the environment and the name patterns still come first.
+    assert resolve_family("demo", qwen) is get_family("demo")
+    assert resolve_family(None, checkpoint("a-demo", config="QwenImageTransformer2DModel")) is get_family("demo")
+    monkeypatch.setenv("DIFFRL_MODEL_FAMILY", "sd3")
+    assert resolve_family(None, qwen) is get_family("sd3")
+    monkeypatch.delenv("DIFFRL_MODEL_FAMILY")
+    with pytest.raises(ValueError, match=r"holds Flux3Transformer2DModel, which several families load "
+                                         r"\(demo, flux3_image\); pass --diffusion-model-family$"):
+        resolve_family(None, checkpoint("klein", config="Flux3Transformer2DModel"))
+    for name, config in (("unknown", "SomeOtherTransformer"), ("bare", None)):
+        with pytest.raises(ValueError, match="cannot tell the model family"):
+            resolve_family(None, checkpoint(name, config=config))
+
+
 def test_cfg_compares_position_ids_once_per_pair_of_conditionings(tiny_family, monkeypatch):
     """Comparing position ids waits for the device on a GPU; a denoising loop passes the same pair every step."""
     cond, uncond = tiny_family.encode_prompts(["a red circle"]), tiny_family.encode_prompts([""])

@@ -45,10 +45,16 @@ class Component:
     text_encoder: bool = False  # left out (None) when the family is loaded without its text encoders
     optional: bool = False  # None when the checkpoint lacks it (its config file is absent)
     config_file: str | None = None  # read before loading; None: the kind's usual file
+    class_name: str | None = None  # the class a custom `loader` builds (a "package:Class" loader names its own)
 
     @property
     def config_path(self) -> str:
         return f"{self.folder}/{self.config_file or CONFIG_FILES[self.kind]}"
+
+    @property
+    def loads_class(self) -> str | None:
+        """The diffusers/transformers class this folder holds, as a checkpoint's `_class_name` spells it."""
+        return self.loader.partition(":")[2] if isinstance(self.loader, str) else self.class_name
 
     def load(self, root: Path, dtype: torch.dtype) -> Any:
         folder = root / self.folder
@@ -117,22 +123,41 @@ def _refuse_another_familys(root: Path, component: Component, label: str) -> Non
     loads there (an SD3 recipe on a Qwen-Image checkpoint), naming both classes and that family. A class no
     family loads is left for `from_pretrained` to judge."""
     config_file = root / component.config_path
-    if not isinstance(component.loader, str) or component.kind != "model" or not config_file.is_file():
+    expected = component.loads_class
+    if expected is None or component.kind != "model" or not config_file.is_file():
         return
-    expected = component.loader.partition(":")[2]
     found = read_json(config_file).get("_class_name")
     if not found or found == expected:
         return
-    from diffrl.models.registry import family_names, get_family
-
-    owners = [name for name in family_names() if any(
-        c.folder == component.folder and isinstance(c.loader, str) and c.loader.partition(":")[2] == found
-        for c in get_family(name).components)]
+    owners = families_loading(component.folder, found)
     if owners:
         families = " or ".join(owners)
         raise ModelLoadError(f"{root / component.folder} holds {found}, a checkpoint of the family {families}; "
                              f"{label} loads {expected}: for this checkpoint pass --diffusion-model-family "
                              f"{families} (and a recipe of that family)")
+
+
+def families_loading(folder: str, class_name: str) -> list[str]:
+    """The families whose checkpoints hold a model of `class_name` in `folder`, by name (several when
+    families share a class: the demo model is a small FLUX 3 transformer)."""
+    from diffrl.models.registry import family_names, get_family
+
+    return [name for name in family_names() if any(
+        c.folder == folder and c.kind == "model" and c.loads_class == class_name for c in get_family(name).components)]
+
+
+def checkpoint_class(root: Path, folder: str) -> str | None:
+    """The class of a checkpoint's `folder`: its config's `_class_name`, else the `[library, class]` entry
+    `model_index.json` has for it; None when neither says (or is readable)."""
+    for file, read in ((root / folder / CONFIG_FILES["model"], lambda d: d.get("_class_name")),
+                       (root / "model_index.json", lambda d: (d.get(folder) or [None, None])[-1])):
+        try:
+            name = read(json.loads(file.read_text()))
+        except (OSError, ValueError, AttributeError, TypeError, IndexError):
+            continue
+        if isinstance(name, str) and name:
+            return name
+    return None
 
 
 def read_flow_scheduler(family: str, root: Path, supported: Iterable[str], pipeline: str) -> tuple[str, dict]:

@@ -115,7 +115,7 @@ class DemoFamily(FamilyAdapter):
     lora_target_modules = ("to_q", "to_k", "to_v", "to_out.0", "linear_in", "linear_out")
     block_lists = ("mode_blocks", "txt_mode_blocks", "single_transformer_blocks")
     components = (
-        Component("transformer", _load_transformer),
+        Component("transformer", _load_transformer, class_name="Flux3Transformer2DModel"),
         Component("tokenizer", _load_tokenizer, kind="tokenizer", config_file="tokenizer.json"),
         Component("text_encoder", _load_text_encoder, text_encoder=True),
     )

@@ -2,7 +2,9 @@
 
 Resolution order (DESIGN §5): an explicit `--diffusion-model-family`, then the environment
 variable `DIFFRL_MODEL_FAMILY`, then the checkpoint directory's name matched against each
-family's `name_patterns`. Family modules register themselves with `register_family` (from `base`, so that
+family's `name_patterns`, then the checkpoint's transformer class (`transformer/config.json`'s
+`_class_name`, else `model_index.json`'s entry for `transformer`) when exactly one family loads it.
+Family modules register themselves with `register_family` (from `base`, so that
 they need not import this module, which imports them).
 """
 
@@ -12,6 +14,7 @@ import os
 from pathlib import Path
 
 from diffrl.models.base import FamilyAdapter, registered_families
+from diffrl.models.components import checkpoint_class, families_loading
 
 FAMILY_ENV_VAR = "DIFFRL_MODEL_FAMILY"
 _FAMILIES = registered_families()
@@ -31,7 +34,8 @@ def get_family(name: str) -> type[FamilyAdapter]:
 
 
 def resolve_family(explicit: str | None = None, model_path: str | Path | None = None) -> type[FamilyAdapter]:
-    """Pick the family for a run: flag, then environment, then the checkpoint's directory name."""
+    """Pick the family for a run: flag, then environment, then the checkpoint's directory name, then its
+    transformer class."""
     if explicit:
         return get_family(explicit)
     from_env = os.environ.get(FAMILY_ENV_VAR)
@@ -47,6 +51,13 @@ def resolve_family(explicit: str | None = None, model_path: str | Path | None = 
             names = ", ".join(sorted(cls.name for cls in matches))
             raise ValueError(f"checkpoint name {dir_name!r} matches several families ({names}); "
                              "pass --diffusion-model-family")
+        found = checkpoint_class(Path(model_path), "transformer")
+        owners = families_loading("transformer", found) if found else []
+        if len(owners) == 1:
+            return get_family(owners[0])
+        if owners:  # a shared class says nothing about which family: never guess
+            raise ValueError(f"{Path(model_path) / 'transformer'} holds {found}, which several families load "
+                             f"({', '.join(owners)}); pass --diffusion-model-family")
     raise ValueError(f"cannot tell the model family of {str(model_path)!r}; pass --diffusion-model-family "
                      f"or set {FAMILY_ENV_VAR} (known: {', '.join(family_names())})")
 
