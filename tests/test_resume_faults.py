@@ -51,6 +51,23 @@ def _same_run(a: Path, b: Path, last: int) -> None:
     assert all(torch.equal(x, y) for x, y in zip(_params(a / final), _params(b / final), strict=True))
 
 
+def test_resume_at_or_past_num_rollout_says_so_and_leaves_the_run_as_it_was(tiny_model_dir, tmp_path, capsys):
+    """A run done to rollout 2 resumed with --num-rollout 1 (or 2) trains nothing, says so in one line and
+    rewrites no file: the report said "2 of 1 rollouts" from the rewritten config.json."""
+    out = tmp_path / "run"
+    Trainer(tiny_config(tiny_model_dir, out, num_rollout=2, **FAST)).train()
+    files = ("config.json", "metrics.jsonl", "report.md")
+    before = {name: (out / name).read_bytes() for name in files}
+    assert "2 of 2 rollouts" in before["report.md"].decode()
+    for num_rollout in (1, 2):
+        capsys.readouterr()
+        assert Trainer(tiny_config(tiny_model_dir, out, num_rollout=num_rollout, resume=True, **FAST)).train() == {}
+        lines = [line for line in capsys.readouterr().out.splitlines() if line.startswith("--resume")]
+        assert lines == [f"--resume: {out} is at rollout 2 already, --num-rollout is {num_rollout}: nothing to "
+                         "train (pass a larger --num-rollout to continue it)"]
+        assert {name: (out / name).read_bytes() for name in files} == before
+
+
 def test_a_crash_inside_a_checkpoint_write_leaves_the_previous_one_to_resume(tiny_model_dir, tmp_path, monkeypatch,
                                                                             capsys):
     straight = tmp_path / "straight"

@@ -173,6 +173,12 @@ class Trainer:
         self.best_selection = -math.inf  # the best task selection metric so far (checkpoints/best)
         if cfg.checkpoint.resume:
             self._resume()
+        self.metrics = None
+        # Resumed at or past --num-rollout: train() says so and returns, and the folder stays as its run left
+        # it (config.json rewritten with this --num-rollout would make the report read "4 of 3 rollouts").
+        self.finished = self.rollout_index >= cfg.rollout.num_rollout
+        if self.finished:
+            return
         if self.replaying:  # every record this run will read is there and of this configuration
             check_records(cfg.replay.load_rollout_data, range(self.rollout_index, cfg.rollout.num_rollout),
                           self.fingerprint)
@@ -180,7 +186,6 @@ class Trainer:
             if cfg.replay.save_rollout_data is not None:
                 prepare_save_dir(cfg.replay.save_rollout_data, cfg.checkpoint.resume, self.fingerprint)
             out.mkdir(parents=True, exist_ok=True)
-        self.metrics = None
         if self.parallel.is_main:
             config = {"tree": dataclasses.asdict(cfg), "flags": cfg.as_flat_dict(), "determinism": self.determinism}
             (out / "config.json").write_text(json.dumps(config, default=str, indent=2) + "\n")
@@ -248,6 +253,12 @@ class Trainer:
     def train(self) -> dict:
         cfg = self.cfg
         main = self.parallel.is_main
+        if self.finished:
+            if main:
+                print(f"--resume: {self.out} is at rollout {self.rollout_index} already, --num-rollout is "
+                      f"{cfg.rollout.num_rollout}: nothing to train (pass a larger --num-rollout to continue it)")
+            self._close_workers()
+            return {}
         bar = tqdm(total=cfg.rollout.num_rollout, initial=self.rollout_index, desc=f"train {cfg.algorithm.loss_type}",
                    dynamic_ncols=True, disable=not main)
         last = {}
@@ -283,11 +294,7 @@ class Trainer:
             if last_one:
                 break
         bar.close()
-        reward_fn = self.manager.reward_fn if self.manager is not None else None
-        if hasattr(reward_fn, "close"):  # a worker pool: its processes end with the run
-            reward_fn.close()
-        if self.colocated is not None:
-            self.colocated.close()
+        self._close_workers()
         if main:
             curve = self.metrics.plot_curves()
             report = write_report(self.out)
@@ -295,6 +302,14 @@ class Trainer:
             print(f"run folder: {self.out}  ({report.name}, metrics.jsonl, tensorboard/, eval/, checkpoints/, {curve.name})")
             self.metrics.close()
         return last
+
+    def _close_workers(self) -> None:
+        """End the processes the run started: a reward worker pool, a --colocate engine."""
+        reward_fn = self.manager.reward_fn if self.manager is not None else None
+        if hasattr(reward_fn, "close"):  # a worker pool: its processes end with the run
+            reward_fn.close()
+        if self.colocated is not None:
+            self.colocated.close()
 
     def rollout_and_update(self, k: int) -> dict:
         cfg, objective, policy = self.cfg, self.objective, self.policy
