@@ -35,6 +35,9 @@ def test_directory_splits_prefer_jsonl(tmp_path):
     ('{"prompt": "x"}\nnot json\n', "p.jsonl:2: not JSON"),
     ('{"caption": "x"}\n', "no text under --input-key 'prompt' (keys: caption)"),
     ('["x"]\n', "expected a JSON object"),
+    # Keys diffrl sets per sample in the reward's metadata: the file's value would be overwritten unseen.
+    ('{"prompt": "x"}\n{"prompt": "y", "tag": "a", "seed": 7}\n', "p.jsonl:2: metadata key 'seed' is set by diffrl"),
+    ('{"prompt": "x", "sample_index": 0}\n', "p.jsonl:1: metadata key 'sample_index' is set by diffrl"),
 ])
 def test_bad_jsonl_names_the_line(tmp_path, content, message):
     path = tmp_path / "p.jsonl"

@@ -3,7 +3,8 @@
 Accepted layouts (those of the public Flow-GRPO prompt sets: ocr, pickscore, geneval):
 - a `.txt` file, one prompt per line (blank lines skipped);
 - a `.jsonl` file, one JSON object per line: `--input-key` (default `prompt`) is the prompt, every
-  other key is that prompt's metadata and reaches the reward (e.g. GenEval's `tag`, `include`);
+  other key is that prompt's metadata and reaches the reward (e.g. GenEval's `tag`, `include`) beside
+  the keys diffrl sets for each sample (`SAMPLE_KEYS`), which a file may therefore not use;
 - a directory with `train.txt` / `test.txt` or `train_metadata.jsonl` / `test_metadata.jsonl`
   (the jsonl file wins when both exist: it carries the metadata).
 
@@ -24,6 +25,11 @@ from typing import Literal
 import numpy as np
 
 Split = Literal["train", "test"]
+
+# What the reward's metadata also holds for each image: its seed (training and evaluation), and in training its
+# group and index in the group (rollout/manager.py). A prompt's own key of one of these names would be
+# overwritten before the reward sees it, so a file using one is refused.
+SAMPLE_KEYS = ("seed", "group_index", "sample_index")
 
 
 @dataclass(frozen=True)
@@ -86,6 +92,9 @@ def _read_jsonl(path: Path, input_key: str) -> list[PromptRecord]:
         if not isinstance(prompt, str) or not prompt.strip():
             raise ValueError(f"prompt data {path}:{number}: no text under --input-key {input_key!r} "
                              f"(keys: {', '.join(sorted(row)) or 'none'})")
+        if taken := [k for k in SAMPLE_KEYS if k in row]:
+            raise ValueError(f"prompt data {path}:{number}: metadata key {taken[0]!r} is set by diffrl for each "
+                             "sample (keys it sets: " + ", ".join(SAMPLE_KEYS) + "); rename it in the file")
         records.append(PromptRecord(prompt, row))
     return records
 

@@ -190,6 +190,7 @@ class _Scorer:
     async def _score(self, indices: list[int]) -> None:
         outputs = [self.outputs[i] for i in indices]
         images = torch.stack([o.generated_output for o in outputs])
+        # The keys data/prompts.py's SAMPLE_KEYS lists (a prompt file may not use them).
         meta = [{**self.prompt_meta, "seed": o.seed, "group_index": self.group_index,
                  "sample_index": self.first_index + i} for i, o in zip(indices, outputs)]
         rewards = self.reward_fn(images, [self.prompt] * len(indices), meta)
