@@ -347,3 +347,29 @@ def test_non_square_size_and_reward_frames_reach_rollouts_and_evaluation(wan_dir
     summary = json.loads((out / "eval" / "rollout-00001" / "summary.json").read_text())
     assert (summary["config"]["height"], summary["config"]["width"], summary["config"]["reward_frames"]) == (
         HEIGHT, WIDTH, 2)
+
+
+def test_held_out_evaluation_samples_with_the_runs_second_expert_scale(wan, tmp_path):
+    """The trainer's held-out evaluation samples at the rollouts' CFG, the low-noise expert's scale
+    (--diffusion-guidance-scale-2) included: it sampled that expert at --diffusion-guidance-scale."""
+    from diffrl.evaluation.sampling import TEST_SEED
+    from diffrl.tasks import build_task
+    from diffrl.train.config import TrainConfig
+
+    (tmp_path / "prompts").mkdir()
+    (tmp_path / "prompts" / "train.txt").write_text("a dog\n")
+    (tmp_path / "prompts" / "test.txt").write_text("a red cat\n")
+    cfg = TrainConfig.flat(prompt_data=tmp_path / "prompts", reward="temporal_consistency", eval_num_prompts=1,
+                           diffusion_num_steps=3, diffusion_guidance_scale=4.5, diffusion_guidance_scale_2=2.0,
+                           height=HEIGHT, width=WIDTH, num_frames=FRAMES)
+    evaluated = build_task(cfg).evaluate(wan, 0, tmp_path / "eval").images[0]
+
+    def sampled(guidance_2):
+        return Engine(wan).generate(RolloutRequest(
+            prompt="a red cat", seed=TEST_SEED, num_inference_steps=3, guidance_scale=4.5, guidance_scale_2=guidance_2,
+            height=HEIGHT, width=WIDTH, num_frames=FRAMES, generator_device="cpu"))[0].generated_output
+
+    assert torch.equal(evaluated, sampled(2.0))
+    assert (sampled(4.5) - evaluated).abs().max() > 100 * TOLERANCE  # the comparison can fail
+    summary = json.loads((tmp_path / "eval" / "rollout-00000" / "summary.json").read_text())
+    assert summary["config"]["guidance_scale_2"] == 2.0

@@ -145,6 +145,7 @@ def evaluate_with_reward(
     seed: int = TEST_SEED,
     num_steps: int,
     guidance_scale: float,
+    guidance_scale_2: float | None = None,
     resolution: int | None = None,
     num_frames: int | None = None,
     negative_prompt: str = "",
@@ -184,7 +185,7 @@ def evaluate_with_reward(
     family.transformer.eval()  # the trainer hands over its live model: sample it in eval mode, then restore
     try:
         rows, images = _sample_and_score(family, expanded, seeds, components, num_steps=num_steps,
-                                         guidance_scale=guidance_scale,
+                                         guidance_scale=guidance_scale, guidance_scale_2=guidance_scale_2,
                                          size={"resolution": resolution, "height": height, "width": width},
                                          num_frames=num_frames, negative_prompt=negative_prompt,
                                          batch_size=batch_size, out_dir=out_dir, progress=progress)
@@ -200,7 +201,8 @@ def evaluate_with_reward(
         write_text_atomic(out_dir / "records.jsonl", "".join(json.dumps(r) + "\n" for r in rows))
         info = {**summary, "n_images": len(rows), "n_prompts": len(records),
                 "config": {"seeds_per_prompt": seeds_per_prompt, "seed": seed, "num_steps": num_steps,
-                           "guidance_scale": guidance_scale, "resolution": resolution, "height": height,
+                           "guidance_scale": guidance_scale, "guidance_scale_2": guidance_scale_2,
+                           "resolution": resolution, "height": height,
                            "width": width, "num_frames": num_frames, "reward_frames": reward_frames,
                            "negative_prompt": negative_prompt, "sampler": "ode"},
                 "components": {c.name: {"spec": c.spec, "weight": c.weight} for c in components}}
@@ -208,8 +210,8 @@ def evaluate_with_reward(
     return result
 
 
-def _sample_and_score(family, expanded, seeds, components, *, num_steps, guidance_scale, size, num_frames,
-                      negative_prompt, batch_size, out_dir, progress) -> tuple[list[dict], torch.Tensor]:
+def _sample_and_score(family, expanded, seeds, components, *, num_steps, guidance_scale, guidance_scale_2, size,
+                      num_frames, negative_prompt, batch_size, out_dir, progress) -> tuple[list[dict], torch.Tensor]:
     """Batch by batch: sample, score, write each image; the rows and all images in order."""
     rows, chunks = [], []
     for start in tqdm(range(0, len(expanded), batch_size), desc="evaluating", disable=not progress,
@@ -218,7 +220,7 @@ def _sample_and_score(family, expanded, seeds, components, *, num_steps, guidanc
         part_seeds = seeds[start : start + batch_size]
         prompts = [r.prompt for _, r in part]
         images = generate(family, prompts, part_seeds, num_steps=num_steps, guidance_scale=guidance_scale,
-                          batch_size=batch_size, **size, num_frames=num_frames,
+                          guidance_scale_2=guidance_scale_2, batch_size=batch_size, **size, num_frames=num_frames,
                           negative_prompt=negative_prompt)
         metadata = [{**r.metadata, "seed": s} for (_, r), s in zip(part, part_seeds, strict=True)]
         totals, rewards = score_components(components, images, prompts, metadata)

@@ -75,11 +75,13 @@ def generate(
     negative_prompt: str = "",
     height: int | None = None,
     width: int | None = None,
+    guidance_scale_2: float | None = None,
 ) -> torch.Tensor:
     """ODE samples, image k from (prompts[k], seeds[k]); images [N, 3, H, W] (a video family:
     [N, 3, F, H, W]) in [0, 1] on CPU, `height` × `width` pixels or square `resolution` pixels a side
     (None: the family's default size). `negative_prompt` is the unconditional side of CFG (used only
-    when guidance_scale > 1)."""
+    when guidance_scale > 1); `guidance_scale_2` the second expert's CFG scale (families with one; None:
+    guidance_scale)."""
     if len(prompts) != len(seeds):
         raise ValueError(f"{len(prompts)} prompts but {len(seeds)} seeds")
     height, width = sample_size(resolution, height, width) or family.default_size()
@@ -89,7 +91,7 @@ def generate(
     # numbers), so a checkpoint scored on a GPU and on a CPU sees the same images up to numerics. ODE
     # sampling draws nothing after the initial noise, so this costs one copy.
     sampling = dict(negative_prompt=negative_prompt, num_inference_steps=num_steps, guidance_scale=guidance_scale,
-                    height=height, width=width, generator_device="cpu", **frames)
+                    guidance_scale_2=guidance_scale_2, height=height, width=width, generator_device="cpu", **frames)
     longest_text = max(map(len, [*prompts, negative_prompt]))
     images = []
     starts = range(0, len(prompts), batch_size)
@@ -102,6 +104,6 @@ def generate(
         engine = Engine(family, EngineConfig(
             max_outputs_per_request=end - start, max_batch_outputs=end - start, batch_wait_s=GATHER_WAIT_S,
             max_pending_requests=len(requests), max_prompt_chars=longest_text,
-            max_guidance_scale=max(guidance_scale, EngineConfig.max_guidance_scale)))
+            max_guidance_scale=max(guidance_scale, guidance_scale_2 or 0, EngineConfig.max_guidance_scale)))
         images += [output.generated_output for outputs in _denoise_together(engine, requests) for output in outputs]
     return torch.stack(images)

@@ -17,6 +17,8 @@ class EvalSettings:
 
     num_steps: int
     guidance_scale: float
+    guidance_scale_2: float | None = None
+    """The second (low-noise) expert's CFG scale (Wan2.2); None: guidance_scale."""
     resolution: int | None = None
     """The square shorthand of height × width (as --resolution); None: height/width, else the family's."""
     height: int | None = None
@@ -29,9 +31,10 @@ class EvalSettings:
     @classmethod
     def from_config(cls, cfg) -> EvalSettings:
         e, r = cfg.eval, cfg.rollout
+        rollout_cfg = e.eval_guidance_scale is None  # the rollouts' CFG, both experts' scales; else the override's
         return cls(num_steps=e.eval_num_steps or r.diffusion_num_steps,
-                   guidance_scale=e.eval_guidance_scale if e.eval_guidance_scale is not None
-                   else r.diffusion_guidance_scale,
+                   guidance_scale=r.diffusion_guidance_scale if rollout_cfg else e.eval_guidance_scale,
+                   guidance_scale_2=r.diffusion_guidance_scale_2 if rollout_cfg else None,
                    resolution=cfg.model.resolution, height=cfg.model.height, width=cfg.model.width,
                    num_frames=cfg.model.num_frames, negative_prompt=r.negative_prompt,
                    reward_frames=cfg.task.reward_frames)

@@ -73,7 +73,8 @@ class PromptSetTask:
         s = self.settings
         result = evaluate_with_reward(
             family, self.eval_records, self.reward, seeds_per_prompt=self.eval_cfg.n_samples_per_eval_prompt,
-            seed=TEST_SEED, num_steps=s.num_steps, guidance_scale=s.guidance_scale, **s.size(),
+            seed=TEST_SEED, num_steps=s.num_steps, guidance_scale=s.guidance_scale,
+            guidance_scale_2=s.guidance_scale_2, **s.size(),
             num_frames=s.num_frames, negative_prompt=s.negative_prompt, out_dir=out_dir / f"rollout-{k:05d}",
             reward_device=self.reward_device, reward_frames=s.reward_frames)
         shown = min(self.eval_cfg.eval_log_images, len(result.rows))
