@@ -72,3 +72,56 @@ def test_ray_placement_flags_are_checked(tiny_model_dir, tmp_path):
     with pytest.raises(ValueError, match="--ray-trainer-ranks"):
         validate_config(tiny_config(tiny_model_dir, tmp_path / "run", ray_trainer_ranks=0))
     validate_config(tiny_config(tiny_model_dir, tmp_path / "run", ray_trainer_ranks=2, ray_reward_workers=1))
+
+
+class _Handle:
+    """A Ray actor handle's calling convention (`await handle.method.remote(...)`) over the plain object."""
+
+    def __init__(self, obj):
+        self.obj = obj
+
+    def __getattr__(self, name):
+        import inspect
+        import types
+
+        async def call(*args):
+            out = getattr(self.obj, name)(*args)
+            return await out if inspect.isawaitable(out) else out
+
+        return types.SimpleNamespace(remote=call)
+
+
+@pytest.mark.parametrize("placed", ["in_process", pytest.param("ray", marks=pytest.mark.slow)])
+def test_ray_reward_actors_score_a_video_as_in_process_scoring(placed):
+    """--ray-reward-workers with --reward-frames K: the actors were shown K frames, temporal parts included, so a
+    temporal reward compared K frames where in-process scoring and --reward-workers compare them all. The
+    actors now apply K as the pool's workers do: the same scores; a frame-scoring reward alone gets K frames sent.
+    `in_process`: the actor and pool code through a stand-in handle; `ray`: real actors."""
+    import asyncio
+
+    import torch
+
+    from diffrl.launch.ray_placement import RayRewardPool, RewardActor
+    from diffrl.rewards import get_reward
+    from diffrl.rewards.frames import on_frames
+    from test_temporal_reward import _panning
+
+    spec = "multi:temporal_consistency=1,jpeg_compressibility=0.5"
+    videos = torch.cat([_panning(n_frames=9, step=2), _panning(n_frames=9, step=5)])
+    inline = asyncio.run(on_frames(get_reward(spec, device="cpu"), 3)(videos, ["a", "b"]))
+    jpeg = on_frames(get_reward("jpeg_compressibility"), 3)(videos, ["a", "b"])
+    if placed == "ray":
+        ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False)
+        actor = ray.remote(RewardActor).remote
+    else:
+        def actor(*args):
+            return _Handle(RewardActor(*args))
+    try:
+        pool = RayRewardPool([actor(spec, "cpu", 3)], frames=3)
+        frame_pool = RayRewardPool([actor("jpeg_compressibility", "cpu", 3)], frames=3)
+        assert asyncio.run(on_frames(pool, 3)(videos, ["a", "b"])) == pytest.approx(inline, abs=1e-6)
+        assert asyncio.run(on_frames(frame_pool, 3)(videos, ["a", "b"])) == pytest.approx(jpeg, abs=1e-6)
+        assert pool._whole_videos is True and frame_pool._whole_videos is False  # 9 frames sent, then 3
+    finally:
+        if placed == "ray":
+            ray.shutdown()

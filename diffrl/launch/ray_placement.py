@@ -28,7 +28,8 @@ from diffrl.engine.protocol import RolloutOutput, RolloutRequest
 from diffrl.engine.wire import decode_outputs, decode_weights, encode_outputs, encode_weights
 from diffrl.errors import RequestError
 from diffrl.models.lora import LoraSpec
-from diffrl.rewards.workers import decode_batch, encode_batch
+from diffrl.rewards.frames import reads_whole_videos
+from diffrl.rewards.workers import FramesInWorkers, decode_batch, encode_batch, worker_scorer
 from diffrl.rollout.clients import EngineUnavailable
 from diffrl.train.config import TrainConfig
 
@@ -94,12 +95,14 @@ class RayEngineClient:
 
 
 class RewardActor:
-    """A reward scorer in its own process: images arrive as safetensors bytes, prompts and metadata as JSON."""
+    """A reward scorer in its own process: images arrive as safetensors bytes, prompts and metadata as JSON.
+    `frames` (--reward-frames) is applied here, as in a `--reward-workers` process (`FramesInWorkers`)."""
 
-    def __init__(self, reward: str, device: str | None = None):
-        from diffrl.rewards import get_reward
+    def __init__(self, reward: str, device: str | None = None, frames: int | None = None):
+        self.score_fn, self.batches = worker_scorer(reward, device, frames), 0
 
-        self.score_fn, self.batches = get_reward(reward, device=device), 0
+    def reads_whole_videos(self) -> bool:
+        return reads_whole_videos(self.score_fn)
 
     async def score(self, images: bytes, prompts_json: str, metadata_json: str) -> list[float]:
         rewards = self.score_fn(*decode_batch(images, prompts_json, metadata_json))
@@ -112,16 +115,18 @@ class RewardActor:
         return self.batches
 
 
-class RayRewardPool:
+class RayRewardPool(FramesInWorkers):
     """The rollout manager's reward function, scored by reward actors in turn (async: microgroups are
-    scored in parallel while others are still being generated)."""
+    scored in parallel while others are still being generated). `frames`: the actors' --reward-frames."""
 
-    def __init__(self, actors: Sequence):
+    def __init__(self, actors: Sequence, frames: int | None = None):
+        super().__init__(frames)
         self.actors, self._next = list(actors), 0
 
     async def __call__(self, images: torch.Tensor, prompts: list[str], metadata: list[dict] | None = None) -> list[float]:
         actor = self.actors[self._next % len(self.actors)]
         self._next += 1
+        images = await self._frames_to_send(images, actor.reads_whole_videos.remote)
         return await actor.score.remote(*encode_batch(images, prompts, metadata))
 
 
@@ -132,7 +137,8 @@ class TrainerActor:
         from diffrl.train.trainer import Trainer
 
         self.trainer = Trainer(cfg, extra_engines=[RayEngineClient(a, n) for a, n in zip(engines, names, strict=True)],
-                               reward_fn=RayRewardPool(reward_actors) if reward_actors else None)
+                               reward_fn=RayRewardPool(reward_actors, cfg.task.reward_frames)
+                               if reward_actors else None)
 
     def train(self) -> dict:
         return self.trainer.train()
@@ -161,7 +167,8 @@ class TrainerRankActor:
         # Ray shows each actor only its own GPUs, so the rank's device is local index 0.
         os.environ.update(RANK=str(rank), WORLD_SIZE=str(world_size), LOCAL_RANK="0", MASTER_ADDR=address,
                           MASTER_PORT=str(port))
-        self.trainer = Trainer(cfg, reward_fn=RayRewardPool(reward_actors) if reward_actors else None)
+        self.trainer = Trainer(cfg, reward_fn=RayRewardPool(reward_actors, cfg.task.reward_frames)
+                               if reward_actors else None)
 
     def train(self) -> dict:
         return {**self.trainer.train(), "ray/world_size": self.trainer.parallel.world_size}
@@ -200,7 +207,8 @@ def launch(cfg: TrainConfig) -> dict:
             cfg.engine.engine_max_batch_outputs) for i in range(cfg.placement.ray_engines)]
         names = [f"ray-engine-{i}" for i in range(cfg.placement.ray_engines)]
         rewards = [ray.remote(RewardActor).options(num_cpus=1, max_concurrency=8,
-                                                   scheduling_strategy=in_bundle(cfg.placement.ray_engines + i)).remote(cfg.task.reward, cfg.task.reward_device)
+                                                   scheduling_strategy=in_bundle(cfg.placement.ray_engines + i)).remote(
+            cfg.task.reward, cfg.task.reward_device, cfg.task.reward_frames)
                    for i in range(cfg.placement.ray_reward_workers)]
         # The trainer actors run the plain loop: their own config no longer asks for Ray.
         trainer_cfg = cfg.replace(ray_engines=0, ray_reward_workers=0, ray_trainer_ranks=1)

@@ -19,7 +19,7 @@ import inspect
 import json
 import multiprocessing
 import os
-from collections.abc import Callable
+from collections.abc import Awaitable, Callable
 from concurrent.futures import ProcessPoolExecutor
 
 import torch
@@ -69,8 +69,9 @@ def _in_every_worker(op: str) -> int:
     return moved
 
 
-def _scorer(reward: str, device: str | None, frames: int | None) -> Callable:
-    """This worker's reward, shown the frames in-process scoring shows it (`on_frames`, part by part)."""
+def worker_scorer(reward: str, device: str | None, frames: int | None) -> Callable:
+    """This worker's reward (a pool process's, a Ray reward actor's), shown the frames in-process scoring shows
+    it (`on_frames`, part by part)."""
     from diffrl.rewards import get_reward
 
     if (reward, device, frames) not in _SCORERS:
@@ -79,32 +80,51 @@ def _scorer(reward: str, device: str | None, frames: int | None) -> Callable:
 
 
 def _reads_whole_videos_in_worker(reward: str, device: str | None, frames: int | None) -> bool:
-    return reads_whole_videos(_scorer(reward, device, frames))
+    return reads_whole_videos(worker_scorer(reward, device, frames))
 
 
 def _score_in_worker(reward: str, device: str | None, frames: int | None, images: bytes, prompts_json: str,
                      metadata_json: str) -> list[float]:
-    rewards = _scorer(reward, device, frames)(*decode_batch(images, prompts_json, metadata_json))
+    rewards = worker_scorer(reward, device, frames)(*decode_batch(images, prompts_json, metadata_json))
     if inspect.isawaitable(rewards):
         rewards = asyncio.run(rewards)
     return [float(r) for r in rewards]
 
 
-class ProcessRewardPool:
-    """The rollout manager's reward function, scored in `workers` spawned processes; model rewards load on
-    `device` in each worker (None: CUDA when available, else the CPU; see `get_reward`). `frames`
-    (--reward-frames) is applied in the workers, where the reward's parts are known: a temporal one keeps
-    every frame there, as in-process scoring keeps it."""
+class FramesInWorkers:
+    """--reward-frames for a reward scored by workers (`ProcessRewardPool`, Ray's `RayRewardPool`): the workers
+    apply it (`worker_scorer`), where the reward's parts are known, so a temporal one keeps every frame there,
+    as in-process scoring keeps it."""
 
     whole_video = True  # `on_frames` hands the pool every frame: the workers pick them
+
+    def __init__(self, frames: int | None):
+        self.frames = frames
+        self._whole_videos: bool | None = None  # whether the reward reads every frame, once a worker has said
+
+    async def _frames_to_send(self, images: torch.Tensor, ask_a_worker: Callable[[], Awaitable[bool]]) -> torch.Tensor:
+        """`images`, or only the K frames when no part of the reward reads whole videos; `ask_a_worker()` gives
+        a worker's `reads_whole_videos` (asked there once: a model reward loads there, never here)."""
+        if self.frames is not None and images.dim() == 5 and images.shape[2] > self.frames:
+            if self._whole_videos is None:
+                self._whole_videos = await ask_a_worker()
+            if not self._whole_videos:  # fewer bytes to send; the workers' own pick then keeps them all
+                images = pick_frames(images, self.frames)
+        return images
+
+
+class ProcessRewardPool(FramesInWorkers):
+    """The rollout manager's reward function, scored in `workers` spawned processes; model rewards load on
+    `device` in each worker (None: CUDA when available, else the CPU; see `get_reward`). `frames`
+    (--reward-frames) is applied in the workers (`FramesInWorkers`)."""
 
     def __init__(self, reward: str, workers: int, device: str | None = None, deterministic: bool = False,
                  frames: int | None = None):
         if workers < 1:
             raise ValueError(f"--reward-workers must be >= 1 for a pool, got {workers}")
-        self.reward, self.workers, self.frames = reward, workers, frames
+        super().__init__(frames)
+        self.reward, self.workers = reward, workers
         self.device = None if device is None else str(device)
-        self._whole_videos: bool | None = None  # whether the reward reads every frame, once a worker has said
         # spawn, not fork: the parent runs threads (the engine) and may hold a CUDA context.
         context = multiprocessing.get_context("spawn")
         pid_tagged_semaphores()  # its queues' and barrier's: a kill -9 of the run's group leaves them behind
@@ -113,12 +133,8 @@ class ProcessRewardPool:
 
     async def __call__(self, images: torch.Tensor, prompts: list[str], metadata: list[dict] | None = None) -> list[float]:
         loop = asyncio.get_running_loop()
-        if self.frames is not None and images.dim() == 5 and images.shape[2] > self.frames:
-            if self._whole_videos is None:  # asked of a worker: a model reward loads there, never here
-                self._whole_videos = await loop.run_in_executor(self._pool, _reads_whole_videos_in_worker,
-                                                                self.reward, self.device, self.frames)
-            if not self._whole_videos:  # fewer bytes to send; the workers' own pick then keeps them all
-                images = pick_frames(images, self.frames)
+        images = await self._frames_to_send(images, lambda: loop.run_in_executor(
+            self._pool, _reads_whole_videos_in_worker, self.reward, self.device, self.frames))
         return await loop.run_in_executor(self._pool, _score_in_worker, self.reward, self.device, self.frames,
                                           *encode_batch(images, prompts, metadata))
 
