@@ -171,6 +171,10 @@ def test_a_checkpoint_whose_name_says_nothing_is_found_by_its_transformer_class(
     for name, config in (("unknown", "SomeOtherTransformer"), ("bare", None)):
         with pytest.raises(ValueError, match="cannot tell the model family"):
             resolve_family(None, checkpoint(name, config=config))
+    odd = checkpoint("odd")  # a model index whose transformer entry is not [library, class]
+    (odd / "model_index.json").write_text(json.dumps({"transformer": "QwenImageTransformer2DModel"}))
+    with pytest.raises(ValueError, match="cannot tell the model family"):
+        resolve_family(None, odd)
 
 
 def test_cfg_compares_position_ids_once_per_pair_of_conditionings(tiny_family, monkeypatch):

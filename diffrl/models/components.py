@@ -149,15 +149,18 @@ def families_loading(folder: str, class_name: str) -> list[str]:
 def checkpoint_class(root: Path, folder: str) -> str | None:
     """The class of a checkpoint's `folder`: its config's `_class_name`, else the `[library, class]` entry
     `model_index.json` has for it; None when neither says (or is readable)."""
-    for file, read in ((root / folder / CONFIG_FILES["model"], lambda d: d.get("_class_name")),
-                       (root / "model_index.json", lambda d: (d.get(folder) or [None, None])[-1])):
+    def read(file: Path) -> dict:
         try:
-            name = read(json.loads(file.read_text()))
-        except (OSError, ValueError, AttributeError, TypeError, IndexError):
-            continue
-        if isinstance(name, str) and name:
-            return name
-    return None
+            data = json.loads(file.read_text())
+        except (OSError, ValueError):
+            return {}
+        return data if isinstance(data, dict) else {}
+
+    name = read(root / folder / CONFIG_FILES["model"]).get("_class_name")
+    if not (isinstance(name, str) and name):
+        entry = read(root / "model_index.json").get(folder)
+        name = entry[1] if isinstance(entry, list) and len(entry) == 2 else None
+    return name if isinstance(name, str) and name else None
 
 
 def read_flow_scheduler(family: str, root: Path, supported: Iterable[str], pipeline: str) -> tuple[str, dict]:
