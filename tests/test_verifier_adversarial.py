@@ -101,7 +101,8 @@ def single_shape(kind: str, rng: np.random.Generator) -> tuple[np.ndarray, str, 
     draw = ImageDraw.Draw(canvas)
     fill = COLORS[color]
     s = SUPERSAMPLE
-    x0, y0 = (int(v) * s for v in rng.integers(3, SIZE - side - 3, size=2))
+    margin = 7 if kind == "turned_square" else 3  # its corners reach past its box
+    x0, y0 = (int(v) * s for v in rng.integers(margin, SIZE - side - margin, size=2))
     x1, y1 = x0 + side * s - 1, y0 + side * s - 1
     cx, cy = (x0 + x1) / 2, (y0 + y1) / 2
     if kind == "plus":
@@ -155,6 +156,18 @@ def single_shape(kind: str, rng: np.random.Generator) -> tuple[np.ndarray, str, 
             pa = np.array([cx + ax * offset, cy + ay * offset])
             pb = np.array([cx + bx * offset, cy + by * offset])
             draw.polygon([tuple(pa), tuple(pa + r * n), tuple(pb + r * n), tuple(pb)], fill=fill)
+        like = "circle"
+    elif kind in ("pentagon", "hexagon", "turned_square"):
+        # Regular polygons at any rotation, and a square turned 15-30 degrees (a diamond is one turned
+        # 45): each overlaps the circle template best, and a human sees its corners.
+        corners = {"pentagon": 5, "hexagon": 6, "turned_square": 4}[kind]
+        radius = side * s / (np.sqrt(2) if kind == "turned_square" else 2)
+        if kind == "turned_square":
+            turn = np.radians(45 + rng.uniform(15, 30) * rng.choice([-1, 1]))
+        else:
+            turn = rng.uniform(0, 2 * np.pi)
+        angles = turn + 2 * np.pi * np.arange(corners) / corners
+        draw.polygon(list(zip(cx + radius * np.cos(angles), cy + radius * np.sin(angles))), fill=fill)
         like = "circle"
     else:
         raise ValueError(kind)
@@ -371,13 +384,15 @@ def test_ghost_shapes_fail_as_stray():
     assert rate >= MIN_RATE, wrong[:10]
 
 
-MALFORMED = ["plus", "ring", "L", "star", "inverted_triangle", "rectangle_3_1", "ellipse_2_1", "rounded_diamond"]
+MALFORMED = ["plus", "ring", "L", "star", "inverted_triangle", "rectangle_3_1", "ellipse_2_1", "rounded_diamond",
+             "pentagon", "hexagon", "turned_square"]
 
 
 @pytest.mark.parametrize("kind", MALFORMED)
 def test_malformed_shapes_fail_as_shape(kind):
     """Each drawn alone and checked against the shape it was taken for: a plus is no diamond, a
-    3:1 rectangle no square, a 2:1 ellipse or a diamond with rounded vertices no circle."""
+    3:1 rectangle no square, a 2:1 ellipse, a diamond with rounded vertices, a pentagon, a hexagon or a
+    square turned 15-30 degrees no circle."""
 
     def make(rng, k):
         image, color, like = single_shape(kind, rng)

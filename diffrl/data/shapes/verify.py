@@ -15,8 +15,9 @@ The verifier is also the RL reward, so it is written to reject what an honest ju
 - Shape: from the object's coverage map, its second moments, then soft IoU with each shape's
   template at that size and position. An object that is stretched (`MAX_ASPECT`, `MAX_SKEW`)
   or concave (`MAX_CONCAVITY`), whose best template overlaps less than `MIN_IOU`, or leads the
-  second best by less than `MIN_MARGIN`, is malformed: it counts as an object but matches no
-  shape, and the reason says why.
+  second best by less than `MIN_MARGIN`, or a "circle" whose outline has corners (a k-fold ripple
+  of its radius, `MAX_CIRCLE_TILT`: a polygon, a turned square), is malformed: it counts as an
+  object but matches no shape, and the reason says why.
 - Texture: a flat fill, its blend into white and a fill shaded in two tones change monotonically
   along rows and columns, so for three pixels in a line inside the object (adjacent, or up to 4 px
   apart) the CIELAB distance through the middle one is about that between the outer two. A dither,
@@ -94,6 +95,17 @@ MAX_SKEW = 0.2  # |correlation| of x and y over the object: a tilted, stretched 
 # reach 0.09); a concave blob that best fits a triangle still fails on overlap.
 MAX_CONCAVITY = 0.05
 MAX_TRIANGLE_CONCAVITY = 0.12
+# A circle's outline has no corners. Its radius by direction (from the area in each of
+# `_OUTLINE_BINS` sectors about the centroid), as a Fourier series: a k-fold ripple of relative
+# amplitude a tilts the outline off the circle's tangent by up to a * k radians. Over k = 3..8
+# (k = 2 is the aspect's) and ripples of at least MIN_RIPPLE_PX (the pixel grid's own ripple on
+# renders of 11-15 px circles reaches ~0.22 px at k = 7, tilt 0.25), renders stay under ~0.15 and
+# the DiffusionNFT checkpoint's roundish circles under 0.2; a regular pentagon scores >= 0.29, a
+# hexagon >= 0.23 (but for the smallest), a square turned 15-30 degrees >= 0.5 (each matches the
+# circle template best). Over this a "circle" is cornered: a polygon, a turned square, a squircle,
+# a teardrop.
+MAX_CIRCLE_TILT = 0.2
+MIN_RIPPLE_PX = 0.25
 # ---- texture (over the object's interior: its core, small holes filled, less a 1-pixel edge per 64 px)
 # Mean zig-zag of a fill in ΔE76 per step (see `_zigzag`); a checkerboard of two shades ΔE apart
 # with cells of 1-4 px scores about ΔE. Softened renders and two-tone triangles stay under 2; of
@@ -142,6 +154,10 @@ _VARIANCE_FRACTION = {
 }
 _MIN_VARIANCE = 0.05
 _EIGHT_CONNECTED = np.ones((3, 3), dtype=bool)
+_OUTLINE_BINS = 48
+_OUTLINE_HARMONICS = np.arange(3, 9)
+_OUTLINE_SUBSAMPLE = 4  # samples per pixel side for the sector areas
+_OUTLINE_OFFSETS = ((np.arange(_OUTLINE_SUBSAMPLE) + 0.5) / _OUTLINE_SUBSAMPLE).astype(np.float32)
 _ZIGZAG_STRIDES = (1, 2, 3, 4)  # pixels between the samples of a texture window: cells of 1-4 px
 _ZIGZAG_OFFSETS = tuple(sorted(set(_ZIGZAG_STRIDES) | {2 * k for k in _ZIGZAG_STRIDES}))
 _ZIGZAG_ONCE = [_ZIGZAG_OFFSETS.index(k) for k in _ZIGZAG_STRIDES]  # rows of offsets k and 2k
@@ -463,6 +479,9 @@ class _ShapeFit:
     skew: float  # |correlation| of x and y over the object
     concavity: float
     centroid: tuple[float, float]  # patch coordinates
+    # circle fits only: the outline's largest tilt off a circle (radians, see MAX_CIRCLE_TILT) and its fold k
+    outline_tilt: float = 0.0
+    outline_fold: int = 0
 
     def best(self) -> tuple[int, int]:
         order = np.argsort(-self.ious)
@@ -482,6 +501,8 @@ class _ShapeFit:
         if self.ious[best] - self.ious[second] < MIN_MARGIN:
             return (f"shape between a {SHAPES[best]} and a {SHAPES[second]} "
                     f"(overlap {self.ious[best]:.2f} vs {self.ious[second]:.2f})")
+        if self.outline_tilt > MAX_CIRCLE_TILT:
+            return f"cornered shape ({self.outline_fold}-fold outline, tilt {self.outline_tilt:.2f} rad off a circle)"
         return None
 
 
@@ -513,6 +534,7 @@ def _fit_shape(alpha: np.ndarray) -> _ShapeFit:
     templates = np.minimum(np.maximum(0.5 - np.stack(distances), 0.0), 1.0)  # ~ pixel coverage at that distance
     ious = np.minimum(templates, alpha).sum((1, 2)) / np.maximum(templates, alpha).sum((1, 2))
     width_sq, height_sq = squared_sides[int(ious.argmax())]
+    tilt, fold = _outline_tilt(alpha, float(cx), float(cy)) if SHAPES[int(ious.argmax())] == "circle" else (0.0, 0)
     return _ShapeFit(
         ious=ious,
         aspect=float(np.sqrt(max(width_sq, height_sq) / min(width_sq, height_sq))),
@@ -520,7 +542,29 @@ def _fit_shape(alpha: np.ndarray) -> _ShapeFit:
         # At twice the resolution (bilinear), a small plus's notches keep pixels a step inside its hull.
         concavity=_concavity(_upsample2(alpha) >= 0.5),
         centroid=(float(cx), float(cy)),
+        outline_tilt=tilt,
+        outline_fold=fold,
     )
+
+
+def _outline_tilt(alpha: np.ndarray, cx: float, cy: float) -> tuple[float, int]:
+    """The largest tilt (radians) of a k-fold ripple (k = 3..8) of the outline of a coverage map off
+    a circle about (cx, cy), and its k: the radius by direction is the root of the area in each
+    sector, sampled `_OUTLINE_SUBSAMPLE` times per pixel side; a ripple r = R (1 + a cos k theta)
+    tilts the outline by up to a * k. Ripples under MIN_RIPPLE_PX count as none (0.0, 3)."""
+    rows, cols = np.nonzero(alpha)
+    dy, dx = (v.ravel() for v in np.meshgrid(_OUTLINE_OFFSETS, _OUTLINE_OFFSETS, indexing="ij"))
+    angle = np.arctan2((rows - cy).astype(np.float32)[:, None] + dy, (cols - cx).astype(np.float32)[:, None] + dx)
+    sector = ((angle + np.pi) * (_OUTLINE_BINS / (2 * np.pi))).astype(np.intp) % _OUTLINE_BINS
+    weight = np.repeat(alpha[rows, cols].astype(np.float64), len(dx))
+    radius = np.sqrt(np.bincount(sector.ravel(), weights=weight, minlength=_OUTLINE_BINS))
+    spectrum = np.abs(np.fft.rfft(radius))
+    ripple = 2 * spectrum[_OUTLINE_HARMONICS] / max(spectrum[0], 1e-9)  # relative amplitude per k
+    # Ripples under MIN_RIPPLE_PX (px, about the mean radius) are the pixel grid's, not the shape's.
+    visible = ripple * np.sqrt(alpha.sum() / np.pi) >= MIN_RIPPLE_PX
+    tilt = np.where(visible, ripple * _OUTLINE_HARMONICS, 0.0)
+    k = int(tilt.argmax())
+    return float(tilt[k]), int(_OUTLINE_HARMONICS[k])
 
 
 def _describe_component(image: np.ndarray, chroma: np.ndarray, objects: np.ndarray, labels: np.ndarray,
