@@ -210,6 +210,21 @@ def test_training_run_on_wan(wan_dir, tmp_path, loss_type, lora):
             assert any(n.startswith(expert) and "lora_B" in n and w.abs().max() > 0 for n, w in trained.items())
         else:
             assert any(n.startswith(expert) and not torch.equal(w, base[n]) for n, w in trained.items())
+    if lora:  # each expert's adapter goes into WanPipeline's own module with PEFT, as README says
+        import warnings
+
+        from diffusers import WanPipeline
+        from peft import PeftModel
+
+        pipe = WanPipeline.from_pretrained(wan_dir)
+        for expert in ("transformer", "transformer_2"):
+            with warnings.catch_warnings():
+                warnings.simplefilter("error")  # PEFT only warns of missing keys, keeping B = 0: the base model
+                loaded = PeftModel.from_pretrained(getattr(pipe, expert),
+                                                   str(tmp_path / "run" / "checkpoints" / "rollout-00001" / "lora" / expert))
+            adapter = {n.removeprefix("base_model.model."): w for n, w in loaded.state_dict().items() if "lora_" in n}
+            ours = {n.removeprefix(f"{expert}."): w for n, w in trained.items() if n.startswith(f"{expert}.") and "lora_" in n}
+            assert adapter.keys() == ours.keys() and all(torch.equal(adapter[n], w) for n, w in ours.items())
 
 
 @pytest.mark.slow  # two ranks: tests/test_parallel.py covers them on the demo family

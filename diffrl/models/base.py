@@ -129,6 +129,10 @@ class FamilyAdapter(ABC):
     lora_target_modules: ClassVar[tuple[str, ...]]
     # Attributes of the transformer holding its repeated blocks (each one an FSDP unit).
     block_lists: ClassVar[tuple[str, ...]]
+    # A transformer that wraps several of the pipeline's modules (Wan2.2's experts): its attributes holding them,
+    # named as the pipeline's components. A LoRA checkpoint then holds one PEFT adapter per component, in
+    # `lora/<component>/`; empty: one adapter for the transformer, in `lora/`.
+    lora_components: ClassVar[tuple[str, ...]] = ()
     # Video families: `prepare_latents`, `check_size` and `decode` also take a keyword `num_frames` (None: the
     # family's `default_num_frames`) and `decode` returns `[B, C, F, H, W]`. Image families keep the signatures
     # below; the engine refuses `num_frames` other than 1 for them.

@@ -3,7 +3,8 @@
 A checkpoint is any of
 - a full model directory (diffusers layout with `model_index.json`), or a run checkpoint holding one
   under `model/` (full finetune);
-- a run checkpoint with `lora/` (PEFT adapter), applied on top of the base model;
+- a run checkpoint with `lora/` (PEFT adapter, or one per pipeline component in `lora/<component>/`: Wan2.2's
+  experts), applied on top of the base model;
 - a directory with `transformer/` weights but no text encoder (a full finetune copied without the
   untrained text encoder), loaded into the base model's transformer.
 
@@ -43,9 +44,9 @@ def load_model(base_path: Path, checkpoint: Path | None = None, *, family: str |
             return family_cls.load(full, device=device)
     model = family_cls.load(base_path, device=device)
     lora_dir = checkpoint / "lora" if (checkpoint / "lora").is_dir() else checkpoint
-    if (lora_dir / "adapter_config.json").is_file():
+    if _has_lora(lora_dir):
         try:
-            _apply_lora(model.transformer, lora_dir)
+            _apply_lora(model, lora_dir)
         except WeightsMismatch as err:
             raise _another_base(f"{lora_dir}: its LoRA ({err}) does not fit", model, base_path, checkpoint) from None
         except ValueError as err:  # PEFT: "Target modules … not found in the base model" names no model
@@ -88,7 +89,7 @@ def check_checkpoint(checkpoint: Path) -> Path:
         raise ModelLoadError(f"checkpoint directory not found: {checkpoint}")
     candidates = (checkpoint, checkpoint / "model")
     if (any(_is_full_model(d) or _has_transformer(d) for d in candidates)
-            or (checkpoint / "lora" / "adapter_config.json").is_file() or (checkpoint / "adapter_config.json").is_file()):
+            or _has_lora(checkpoint / "lora") or _has_lora(checkpoint)):
         return checkpoint
     hint = " (a run folder: pass one of its checkpoints/rollout-N)" if (checkpoint / "checkpoints").is_dir() else ""
     raise ModelLoadError(f"{checkpoint} holds no model{hint}: expected model_index.json, model/, "
@@ -103,12 +104,33 @@ def _has_transformer(directory: Path) -> bool:
     return (directory / "transformer" / "diffusion_pytorch_model.safetensors").is_file()
 
 
-def _apply_lora(transformer: torch.nn.Module, lora_dir: Path) -> None:
+def _has_lora(directory: Path) -> bool:
+    """Whether `directory` holds a PEFT adapter, or one per pipeline component (`FamilyAdapter.lora_components`)."""
+    return (directory / "adapter_config.json").is_file() or any(directory.glob("*/adapter_config.json"))
+
+
+def _lora_files(model: FamilyAdapter, lora_dir: Path) -> list[tuple[Path, str]]:
+    """(adapter folder, the prefix its keys take in `model.transformer`) of each adapter in `lora_dir`."""
+    if (lora_dir / "adapter_config.json").is_file():  # one adapter for the whole transformer
+        return [(lora_dir, "")]
+    folders = [(lora_dir / name, f"{name}.") for name in model.lora_components
+               if (lora_dir / name / "adapter_config.json").is_file()]
+    if not folders:
+        raise ModelLoadError(f"{lora_dir} holds no adapter_config.json for the {model.name} model (expected one, or one "
+                             f"in each of {', '.join(model.lora_components) or 'none'})")
+    return folders
+
+
+def _apply_lora(model: FamilyAdapter, lora_dir: Path) -> None:
     from peft import LoraConfig, set_peft_model_state_dict
 
-    weights = lora_dir / "adapter_model.safetensors"
-    state = read_weights(weights)  # names the file when it is missing or corrupt
-    transformer.add_adapter(LoraConfig.from_pretrained(str(lora_dir)))
+    transformer, state = model.transformer, {}
+    files = _lora_files(model, lora_dir)
+    for folder, prefix in files:  # read_weights names the file when it is missing or corrupt
+        state.update({f"base_model.model.{prefix}{k.removeprefix('base_model.model.')}": v
+                      for k, v in read_weights(folder / "adapter_model.safetensors").items()})
+    weights = files[0][0] / "adapter_model.safetensors"
+    transformer.add_adapter(LoraConfig.from_pretrained(str(files[0][0])))
     try:
         result = set_peft_model_state_dict(transformer, state)
     except RuntimeError as err:  # torch's "Error(s) in loading state_dict …", a line per tensor of other sizes

@@ -20,9 +20,10 @@ What this adapter reproduces of `WanPipeline` (`tests/test_wan2_2.py`, ODE sampl
 
 How the two experts are trained: `family.transformer` is `WanExperts`, one module holding both, whose
 forward sends each row to the expert its timestep selects. The trainer passes it to `velocity` like any
-family's transformer, so engine and trainer run one forward; LoRA targets (PEFT adapter saved for the
-wrapper: names start with `transformer.` or `transformer_2.`), `block_lists` (FSDP units, compilation)
-and gradient checkpointing cover both experts; a full finetune saves each expert in diffusers layout.
+family's transformer, so engine and trainer run one forward; LoRA targets, `block_lists` (FSDP units,
+compilation) and gradient checkpointing cover both experts; a LoRA checkpoint holds each expert's PEFT adapter
+(`lora/transformer/`, `lora/transformer_2/`, for WanPipeline's modules of those names) and a full finetune each
+expert in diffusers layout.
 Sharded by FSDP2 (torchrun), every forward runs both experts on every rank (one row for an expert none
 of the rank's rows need), so ranks whose micro-batches route differently issue the same collectives.
 
@@ -159,6 +160,7 @@ class Wan22Family(FamilyAdapter):
     lora_target_modules = ("attn1.to_q", "attn1.to_k", "attn1.to_v", "attn1.to_out.0",
                            "attn2.to_q", "attn2.to_k", "attn2.to_v", "attn2.to_out.0")
     block_lists = ("expert_blocks",)
+    lora_components = ("transformer", "transformer_2")  # a LoRA checkpoint: one PEFT adapter per expert
     components = (
         Component("transformer", "diffusers:WanTransformer3DModel"),
         Component("vae", "diffusers:AutoencoderKLWan"),

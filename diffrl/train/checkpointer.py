@@ -136,13 +136,22 @@ class Checkpointer:
         if self.policy.use_lora:
             from peft import get_peft_model_state_dict
 
-            lora_dir = path / "lora"
-            lora_dir.mkdir(exist_ok=True)
-            # Under PEFT's prefix, as PeftModel.save_pretrained writes it: PeftModel.from_pretrained loads it
-            # (unprefixed, it warned of missing keys and kept a fresh adapter, B = 0: the base model).
-            save_file({f"base_model.model.{k}": v.contiguous() for k, v in get_peft_model_state_dict(transformer).items()},
-                      str(lora_dir / "adapter_model.safetensors"))
-            transformer.peft_config["default"].save_pretrained(str(lora_dir))
+            state = get_peft_model_state_dict(transformer)
+            # One adapter for the transformer in lora/, or one per pipeline component it wraps in lora/<component>/
+            # (Wan2.2's experts, `lora_components`): what PeftModel.from_pretrained(pipe.<component>, …) loads.
+            parts = {"": state} if not family.lora_components else {
+                name: {k.removeprefix(f"{name}."): v for k, v in state.items() if k.startswith(f"{name}.")}
+                for name in family.lora_components}
+            for folder, part in parts.items():
+                if not part:  # a component this checkpoint does not have (a one-expert Wan)
+                    continue
+                lora_dir = path / "lora" / folder
+                lora_dir.mkdir(parents=True, exist_ok=True)
+                # Under PEFT's prefix, as PeftModel.save_pretrained writes it: PeftModel.from_pretrained loads it
+                # (unprefixed, it warned of missing keys and kept a fresh adapter, B = 0: the base model).
+                save_file({f"base_model.model.{k}": v.contiguous() for k, v in part.items()},
+                          str(lora_dir / "adapter_model.safetensors"))
+                transformer.peft_config["default"].save_pretrained(str(lora_dir))
         else:
             family.save(path / "model")
 
