@@ -476,6 +476,37 @@ def test_off_palette_color_counts_but_matches_no_color():
         assert verdict.reason.endswith(("found a red-purple circle", "found a purple-red circle"))
 
 
+def muted_shape(rng: np.random.Generator) -> tuple[np.ndarray, str]:
+    """One shape of a palette hue at 52-70% of its color's chroma, darker (orange -> brown, yellow ->
+    olive, red -> maroon) or paler (red -> pink, salmon; blue -> sky blue), and its prompt."""
+    color = COLOR_NAMES[rng.integers(len(COLOR_NAMES))]
+    shape = SHAPES[rng.integers(len(SHAPES))]
+    base, f = np.array(COLORS[color], np.float64), rng.uniform(0.52, 0.7)
+    fill = base * f if rng.random() < 0.5 else 255 - (255 - base) * f
+    side = int(rng.integers(14, 25))
+    canvas = Image.new("RGB", (SIZE * SUPERSAMPLE,) * 2, WHITE)
+    x, y = (int(v) * SUPERSAMPLE for v in rng.integers(3, SIZE - side - 3, size=2))
+    box = (x, y, x + side * SUPERSAMPLE - 1, y + side * SUPERSAMPLE - 1)
+    draw_shape(ImageDraw.Draw(canvas), shape, box, tuple(int(round(v)) for v in fill))
+    return soften(np.asarray(canvas.resize((SIZE, SIZE), Image.BOX)), rng), f"a {color} {shape}"
+
+
+def test_muted_colors_fail_as_color():
+    """Brown is no orange, olive no yellow, pink no red: a shape whose every pixel is a muted tone of a
+    palette hue has no palette color (a shaded one keeps a part in its color, see the two-tone triangle)."""
+    rate, wrong = _fail_rate(lambda rng, k: muted_shape(rng), "color", seed=60)
+    print(f"muted color: {rate:.3f} fail as color")
+    assert rate >= MIN_RATE, wrong[:10]
+    for rgb, color in [((147, 69, 0), "orange"), ((153, 135, 0), "yellow"), ((255, 150, 160), "red"),
+                       ((250, 128, 114), "red")]:  # brown, olive, pink, salmon
+        canvas = Image.new("RGB", (SIZE * SUPERSAMPLE,) * 2, WHITE)
+        draw_shape(ImageDraw.Draw(canvas), "circle", (80, 80, 159, 159), rgb)
+        image = np.asarray(canvas.resize((SIZE, SIZE), Image.BOX))
+        assert verify(image, "a circle").strict
+        verdict = verify(image, f"a {color} circle")
+        assert verdict.reason.startswith("color:") and verdict.reason.endswith(f"found a muted {color} circle"), rgb
+
+
 def test_stray_ink_fades_the_partial_credit():
     """A stray mark fails strictly and costs partial credit in proportion to its area; a dirty
     background costs all of it."""

@@ -11,7 +11,8 @@ The verifier is also the RL reward, so it is written to reject what an honest ju
   split an object. A core pixel has at least `CORE_CHROMA` of its nearest palette hue's chroma;
   each hue's connected core pixels are one object, or a speck (stray ink) when smaller than
   `MIN_OBJECT_PX`. An object whose mean hue is off its palette color's by more than
-  `HUE_TOLERANCE_DEG` has no palette color (it still counts for colorless prompts).
+  `HUE_TOLERANCE_DEG`, or whose pixels do not reach its color's saturation (`FULL_CHROMA`: brown is
+  no orange, pink no red), has no palette color (it still counts for colorless prompts).
 - Shape: from the object's coverage map, its second moments, then soft IoU with each shape's
   template at that size and position. An object that is stretched (`MAX_ASPECT`, `MAX_SKEW`)
   or concave (`MAX_CONCAVITY`), whose best template overlaps less than `MIN_IOU`, or leads the
@@ -49,6 +50,13 @@ HUE_TOLERANCE_DEG = 20.0
 # A core pixel carries at least this fraction of its palette color's chroma: an edge pixel at
 # half coverage or a fill shaded to half its brightness still counts, a pale tint does not.
 CORE_CHROMA = 0.5
+# The palette's colors are saturated: at least MIN_FULL_FRACTION of an object's core pixels carry
+# FULL_CHROMA of its color's chroma. A muted tone of the same hue is another color to a judge (orange
+# darkened to brown, yellow to olive, red paled to pink or salmon, blue to navy or sky blue): none of
+# its pixels reach it. Softened renders keep >= 0.75 of their core pixels there, a triangle shaded in
+# two tones (a part 0.6-0.85 as bright) >= 0.29, the DiffusionNFT checkpoint's objects >= 0.68 (99%).
+FULL_CHROMA = 0.75
+MIN_FULL_FRACTION = 0.2
 # ---- objects (pixel counts at 64x64, scaled with the image area)
 MIN_OBJECT_PX = 20  # the smallest rendered shape has ~60 px; fewer core pixels are a speck
 # Soft edges: ink within this many pixels of an object's core belongs to it (the shipped model
@@ -136,6 +144,7 @@ _HUE_BINS = 1440
 _BIN_ANGLES = (np.arange(_HUE_BINS) + 0.5) * (2 * np.pi / _HUE_BINS) - np.pi
 _HUE_LUT = np.argmax(np.stack([np.cos(_BIN_ANGLES), np.sin(_BIN_ANGLES)], 1) @ _PALETTE_HUE.T, axis=1)
 _CORE_CHROMA_SQ = (CORE_CHROMA * _PALETTE_CHROMA_NORM) ** 2
+_FULL_CHROMA_SQ = (FULL_CHROMA * _PALETTE_CHROMA_NORM) ** 2
 _COS_TOLERANCE = float(np.cos(np.radians(HUE_TOLERANCE_DEG)))
 # sRGB -> linear light, per 8-bit value; then linear RGB -> CIE XYZ relative to the D65 white.
 _SRGB_LINEAR = np.array(
@@ -362,14 +371,19 @@ def _classify_pixels(image: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
     return np.where(core, index, -1).reshape(image.shape[:2]), chroma.reshape(2, *image.shape[:2])
 
 
-def _color_name(mean_chroma: np.ndarray, color_index: int) -> str:
-    """The palette color of an object whose core pixels have this mean chroma vector, or, when its
-    hue is off the palette's by more than HUE_TOLERANCE_DEG, the two nearest names ("red-purple")."""
+def _color_name(core_chroma: np.ndarray, color_index: int) -> str:
+    """The palette color of an object whose core pixels have these [2, N] chroma vectors; when their
+    mean hue is off the palette's by more than HUE_TOLERANCE_DEG, the two nearest names ("red-purple");
+    when too few of them reach FULL_CHROMA of the color's chroma, "muted red" (brown, olive, pink...)."""
+    mean_chroma = core_chroma.mean(1)
     cosines = _PALETTE_HUE @ mean_chroma / max(float(np.linalg.norm(mean_chroma)), 1e-6)
-    if cosines[color_index] >= _COS_TOLERANCE:
-        return _COLOR_NAMES[color_index]
-    first, second = np.argsort(-cosines)[:2]
-    return f"{_COLOR_NAMES[first]}-{_COLOR_NAMES[second]}"
+    if cosines[color_index] < _COS_TOLERANCE:
+        first, second = np.argsort(-cosines)[:2]
+        return f"{_COLOR_NAMES[first]}-{_COLOR_NAMES[second]}"
+    full = np.einsum("cn,cn->n", core_chroma, core_chroma) >= _FULL_CHROMA_SQ[color_index]
+    if np.count_nonzero(full) < MIN_FULL_FRACTION * full.size:
+        return f"muted {_COLOR_NAMES[color_index]}"
+    return _COLOR_NAMES[color_index]
 
 
 def _coverage(patch: np.ndarray, color: np.ndarray) -> np.ndarray:
@@ -584,7 +598,7 @@ def _describe_component(image: np.ndarray, chroma: np.ndarray, objects: np.ndarr
     cx, cy = fit.centroid
     return DetectedObject(
         shape=SHAPES[best],
-        color=_color_name(chroma[:, box[0], box[1]][:, mask].mean(1), color_index),
+        color=_color_name(chroma[:, box[0], box[1]][:, mask], color_index),
         centroid_xy=(left + cx, top + cy),
         area=int(mask.sum()),
         bbox=(box[1].start, box[0].start, box[1].stop, box[0].stop),
