@@ -388,3 +388,21 @@ def test_held_out_evaluation_samples_with_the_runs_second_expert_scale(wan, tmp_
     assert (sampled(4.5) - evaluated).abs().max() > 100 * TOLERANCE  # the comparison can fail
     summary = json.loads((tmp_path / "eval" / "rollout-00000" / "summary.json").read_text())
     assert summary["config"]["guidance_scale_2"] == 2.0
+
+
+def test_diffrl_evaluate_takes_the_second_experts_scale(wan_dir, tmp_path):
+    """`diffrl evaluate --guidance-scale-2` samples the low-noise expert at its own scale, as a Wan2.2 run's
+    rollouts and held-out evaluation do (without it, a run's evaluation could not be reproduced)."""
+    from diffrl.cli.evaluate import EvaluateConfig, evaluate
+
+    (tmp_path / "prompts.txt").write_text("a red cat\n")
+    common = dict(model_path=wan_dir, prompt_data=tmp_path / "prompts.txt", reward="temporal_consistency", num_steps=3,
+                  guidance_scale=4.5, height=HEIGHT, width=WIDTH, num_frames=FRAMES, device="cpu")
+    scores = {}
+    for scale in (2.0, None):
+        out = tmp_path / f"eval-{scale}"
+        evaluate(EvaluateConfig(**common, guidance_scale_2=scale, output_dir=out))
+        summary = json.loads((out / "summary.json").read_text())
+        assert summary["config"]["guidance_scale_2"] == scale
+        scores[scale] = summary["eval/reward"]
+    assert scores[2.0] != scores[None]

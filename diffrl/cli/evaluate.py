@@ -66,6 +66,9 @@ class EvaluateConfig:
     num_steps: int = 10
     guidance_scale: float | None = None
     """CFG scale (default: 3.0 for the shapes world, the family's default for --prompt-data)."""
+    guidance_scale_2: float | None = None
+    """With --prompt-data: the CFG scale of a second (low-noise) expert (Wan2.2, as a run's
+    --diffusion-guidance-scale-2); default: --guidance-scale."""
     resolution: int | None = None
     """Side in pixels of the square images (default: the family's size)."""
     height: int | None = None
@@ -97,6 +100,8 @@ def evaluate(cfg: EvaluateConfig) -> dict:
     if cfg.prompt_data is not None or cfg.reward is not None:
         return evaluate_prompt_data(cfg)
     check_shapes_family(cfg.diffusion_model_family, cfg.model_path, "evaluate")
+    if cfg.guidance_scale_2 is not None:
+        raise ValueError("--guidance-scale-2: the shapes world's models have one expert; pass --prompt-data for Wan2.2")
     cfg = replace(cfg, seed=0 if cfg.seed is None else cfg.seed,
                   guidance_scale=SHAPES_GUIDANCE_SCALE if cfg.guidance_scale is None else cfg.guidance_scale)
     device = resolve_device(cfg.device)
@@ -168,7 +173,8 @@ def evaluate_prompt_data(cfg: EvaluateConfig) -> dict:
           f"({cfg.num_steps} ODE steps, CFG {cfg.guidance_scale}, {device}), reward {cfg.reward}")
     result = evaluate_with_reward(
         family, records, components, seeds_per_prompt=cfg.n_samples_per_eval_prompt, seed=cfg.seed,
-        num_steps=cfg.num_steps, guidance_scale=cfg.guidance_scale, resolution=cfg.resolution, height=cfg.height,
+        num_steps=cfg.num_steps, guidance_scale=cfg.guidance_scale, guidance_scale_2=cfg.guidance_scale_2,
+        resolution=cfg.resolution, height=cfg.height,
         width=cfg.width, num_frames=cfg.num_frames, reward_frames=cfg.reward_frames,
         negative_prompt=cfg.negative_prompt, batch_size=cfg.batch_size, out_dir=cfg.output_dir, progress=True)
     width = max(len(k) for k in result.summary)
