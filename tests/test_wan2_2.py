@@ -285,6 +285,11 @@ def test_video_training_flags_are_checked(wan_dir, tiny_model_dir, tmp_path):
     with pytest.raises(ValueError, match="--height 16 --width 20: width=20"):
         Trainer(TrainConfig.flat(model_path=wan_dir, output_dir=tmp_path / "e", height=16, width=20,
                                  eval_images_per_category=0, **flags))
+    # Refused at start-up by its flag's name: it failed at the first rollout, after the model load, naming the
+    # request's field.
+    with pytest.raises(ValueError, match="--diffusion-guidance-scale-2 2.0: the demo family has no second expert"):
+        Trainer(TrainConfig.flat(model_path=tiny_model_dir, output_dir=tmp_path / "f", diffusion_guidance_scale=4.0,
+                                 diffusion_guidance_scale_2=2.0, **flags))
 
 
 def test_the_second_experts_scale_reaches_rollout_and_replay(wan_dir, tmp_path, monkeypatch):

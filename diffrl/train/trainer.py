@@ -83,8 +83,12 @@ def validate_config(cfg: TrainConfig) -> None:
 
 def check_family_flags(cfg: TrainConfig, family) -> None:
     """What the loaded family decides: the size it can make (--resolution or --height/--width),
-    --num-frames and --reward-frames only for video."""
+    --num-frames and --reward-frames only for video, --diffusion-guidance-scale-2 only with a second expert."""
     m, size = cfg.model, cfg.model.size()
+    scale_2 = cfg.rollout.diffusion_guidance_scale_2
+    if scale_2 is not None and not family.uses_guidance_scale_2:
+        raise ValueError(f"--diffusion-guidance-scale-2 {scale_2}: the {family.name} family has no second expert "
+                         "(this checkpoint); use --diffusion-guidance-scale")
     if size is not None:
         try:
             family.check_size(*size)
