@@ -88,6 +88,18 @@ def test_flags_after_a_recipe_override_it():
     cfg.check()
 
 
+def test_a_size_flag_replaces_the_recipes_size_of_the_other_kind():
+    """--height/--width after a recipe sized by --resolution (wan22-grpo-pickscore: 480) give the size, and
+    --resolution after one sized by --height/--width (ltx23-grpo-pickscore) does: both were refused as "give one
+    kind, not both", naming a --resolution the user never gave. Both kinds on the command line still are."""
+    cfg = parse(["train", "--recipe", "wan22-grpo-pickscore", "--height", "32", "--width", "48"])
+    assert (cfg.model.resolution, cfg.model.size()) == (None, (32, 48))
+    cfg = parse(["train", "--recipe", "ltx23-grpo-pickscore", "--resolution=64"])
+    assert (cfg.model.height, cfg.model.width, cfg.model.size()) == (None, None, (64, 64))
+    with pytest.raises(ValueError, match="give one kind, not both"):
+        parse(["train", "--recipe", "ltx23-grpo-pickscore", "--resolution", "64", "--height", "32"]).model.size()
+
+
 def test_every_recipe_name_resolves():
     for name in recipe_names():
         recipe_config(name, "cpu").check()

@@ -62,10 +62,23 @@ def published_spellings(args: list[str]) -> list[str]:
     return out
 
 
+def _size_from_flags(default: TrainConfig, args: list[str]) -> TrainConfig:
+    """A size given on the command line in one kind (--resolution, or --height/--width) replaces the recipe's size
+    of the other kind, as any flag after --recipe overrides it (both kinds at once stay a contradiction)."""
+    square = _flag_value(args, "--resolution") is not None
+    sides = _flag_value(args, "--height") is not None or _flag_value(args, "--width") is not None
+    if square and not sides:
+        return default.replace(height=None, width=None)
+    if sides and not square:
+        return default.replace(resolution=None)
+    return default
+
+
 def parse(argv: list[str]):
     if argv[:1] in (["train"], ["bench-train"]):
         args = published_spellings(argv[1:])
-        default = recipe_config(_flag_value(args, "--recipe"), _flag_value(args, "--device") or "auto")
+        default = _size_from_flags(recipe_config(_flag_value(args, "--recipe"), _flag_value(args, "--device") or "auto"),
+                                   args)
         if argv[0] == "bench-train":  # `train`'s flags, its defaults but a short run, and the benchmark's own
             return tyro.cli(BenchTrainConfig, default=BenchTrainConfig(train=default.replace(**BENCH_TRAIN_DEFAULTS)),
                             args=args, prog="diffrl bench-train", config=(tyro.conf.OmitArgPrefixes,))
