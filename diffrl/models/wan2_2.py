@@ -205,6 +205,10 @@ class Wan22Family(FamilyAdapter):
     # ---------------------------------------------------------------- load
     @classmethod
     def read_settings(cls, root: Path, index: dict) -> WanSettings:
+        pipeline = index.get("_class_name", "WanPipeline")
+        if pipeline != "WanPipeline":  # WanImageToVideoPipeline: its transformer also takes the image's latents
+            raise ModelLoadError(f"wan2_2: {root} is a {pipeline} checkpoint (image-to-video or another conditioned "
+                                 "mode), which this adapter does not sample; it samples WanPipeline's text-to-video")
         if index.get("expand_timesteps"):
             raise ModelLoadError(f"wan2_2: {root} is a TI2V checkpoint (expand_timesteps: per-token timesteps), "
                                  "which this adapter does not reproduce")
