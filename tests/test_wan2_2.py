@@ -417,3 +417,18 @@ def test_diffrl_evaluate_takes_the_second_experts_scale(wan_dir, tmp_path):
         assert summary["config"]["guidance_scale_2"] == scale
         scores[scale] = summary["eval/reward"]
     assert scores[2.0] != scores[None]
+
+
+def test_diffrl_compare_takes_the_second_experts_scale(wan_dir, tmp_path):
+    """`diffrl compare --guidance-scale-2`: the CFG columns (base with CFG, trained) sample the low-noise expert at
+    its own scale; the column without CFG has none."""
+    from diffrl.cli.compare import CompareConfig, compare
+
+    (tmp_path / "prompts.txt").write_text("a red cat\n")
+    out = tmp_path / "compare"
+    compare(CompareConfig(base=wan_dir, trained=wan_dir, prompt_data=tmp_path / "prompts.txt",
+                          reward="temporal_consistency", num_steps=3, guidance_scale=4.5, guidance_scale_2=2.0,
+                          height=HEIGHT, width=WIDTH, num_frames=FRAMES, device="cpu", output_dir=out))
+    used = {c: json.loads((out / c / "summary.json").read_text())["config"]["guidance_scale_2"]
+            for c in ("base_cfg", "base_nocfg", "trained")}
+    assert used == {"base_cfg": 2.0, "base_nocfg": None, "trained": 2.0}

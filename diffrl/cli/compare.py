@@ -70,6 +70,9 @@ class CompareConfig:
     guidance_scale: float | None = None
     """Shapes world: CFG for both models (default 1.0). --prompt-data: the base-with-CFG column's scale
     (default: the family's); the base-without-CFG column runs at 1."""
+    guidance_scale_2: float | None = None
+    """With --prompt-data: the CFG scale of a second (low-noise) expert (Wan2.2, as a run's
+    --diffusion-guidance-scale-2) in the columns with CFG; default: their CFG scale."""
     base_guidance_scale: float | None = None
     """Shapes world: the base model's CFG, overriding --guidance-scale."""
     trained_guidance_scale: float | None = None
@@ -87,6 +90,8 @@ def compare(cfg: CompareConfig) -> dict:
     if cfg.prompt_data is not None or cfg.reward is not None:
         return compare_by_prompt_data(cfg)
     check_shapes_family(cfg.diffusion_model_family, cfg.base, "compare")
+    if cfg.guidance_scale_2 is not None:
+        raise ValueError("--guidance-scale-2: the shapes world's models have one expert; pass --prompt-data for Wan2.2")
     device = resolve_device(cfg.device)
     base = load_model(cfg.base, cfg.base_checkpoint, family=cfg.diffusion_model_family, device=device)
     trained = load_model(cfg.base, cfg.trained, family=cfg.diffusion_model_family, device=device)
@@ -139,6 +144,7 @@ def compare_by_prompt_data(cfg: CompareConfig) -> dict:
         raise ValueError(f"--guidance-scale {guidance}: the base-with-CFG column needs a scale above 1")
     trained_guidance = guidance if cfg.trained_guidance_scale is None else cfg.trained_guidance_scale
     scales = {"base_cfg": guidance, "base_nocfg": 1.0, "trained": trained_guidance}
+    scales_2 = {c: cfg.guidance_scale_2 if scale > 1 else None for c, scale in scales.items()}  # CFG columns only
     labels = {"base_cfg": f"base CFG {guidance:g}", "base_nocfg": "base no CFG",
               "trained": f"trained CFG {trained_guidance:g}"}
     common = dict(seeds_per_prompt=cfg.n_samples_per_eval_prompt, seed=seed, num_steps=cfg.num_steps,
@@ -151,17 +157,18 @@ def compare_by_prompt_data(cfg: CompareConfig) -> dict:
     evals = {}
     for column in ("base_cfg", "base_nocfg"):
         evals[column] = evaluate_with_reward(base, records, components, guidance_scale=scales[column],
-                                             out_dir=out / column, **common)
+                                             guidance_scale_2=scales_2[column], out_dir=out / column, **common)
     del base
     gc.collect()
     trained = load_model(cfg.base, cfg.trained, family=cfg.diffusion_model_family, device=device)
     evals["trained"] = evaluate_with_reward(trained, records, components, guidance_scale=scales["trained"],
-                                            out_dir=out / "trained", **common)
+                                            guidance_scale_2=scales_2["trained"], out_dir=out / "trained", **common)
     rows, totals = compare_by_reward({c: evals[c].per_prompt() for c in REWARD_COLUMNS}, cfg.tie_margin)
     grid = save_reward_side_by_side(evals, labels, out / "side_by_side.png")
     report = {
         "config": {k: str(v) for k, v in asdict(cfg).items()},
         "guidance_scales": scales,
+        "guidance_scales_2": scales_2,
         "summaries": {c: evals[c].summary for c in REWARD_COLUMNS},
         "totals": totals,
         "prompts": rows,
