@@ -169,6 +169,18 @@ def single_shape(kind: str, rng: np.random.Generator) -> tuple[np.ndarray, str, 
         angles = turn + 2 * np.pi * np.arange(corners) / corners
         draw.polygon(list(zip(cx + radius * np.cos(angles), cy + radius * np.sin(angles))), fill=fill)
         like = "circle"
+    elif kind in ("trapezoid", "cut_triangle"):
+        # A flat top 30% of the base wide: over the whole height, or a triangle's apex cut off 30% down.
+        top = y0 if kind == "trapezoid" else y0 + 0.3 * (y1 - y0)
+        half_top = 0.15 * (x1 - x0)
+        draw.polygon([(cx - half_top, top), (cx + half_top, top), (x1, y1), (x0, y1)], fill=fill)
+        like = "triangle"
+    elif kind == "two_triangles":
+        # Two triangles of one color side by side, overlapping by 70% of their width: an M-shaped top.
+        width = (x1 - x0) / 1.3
+        for left in (x0, x1 - width):
+            draw.polygon([(left + width / 2, y1 - width), (left + width, y1), (left, y1)], fill=fill)
+        like = "triangle"
     else:
         raise ValueError(kind)
     image = np.asarray(canvas.resize((SIZE, SIZE), Image.BOX))
@@ -385,14 +397,15 @@ def test_ghost_shapes_fail_as_stray():
 
 
 MALFORMED = ["plus", "ring", "L", "star", "inverted_triangle", "rectangle_3_1", "ellipse_2_1", "rounded_diamond",
-             "pentagon", "hexagon", "turned_square"]
+             "pentagon", "hexagon", "turned_square", "trapezoid", "cut_triangle", "two_triangles"]
 
 
 @pytest.mark.parametrize("kind", MALFORMED)
 def test_malformed_shapes_fail_as_shape(kind):
     """Each drawn alone and checked against the shape it was taken for: a plus is no diamond, a
     3:1 rectangle no square, a 2:1 ellipse, a diamond with rounded vertices, a pentagon, a hexagon or a
-    square turned 15-30 degrees no circle."""
+    square turned 15-30 degrees no circle, a trapezoid (a flat top 30% of its base wide), a triangle with
+    its apex cut off 30% down, or two triangles overlapping by 70% (an M-shaped top) no triangle."""
 
     def make(rng, k):
         image, color, like = single_shape(kind, rng)

@@ -17,7 +17,8 @@ The verifier is also the RL reward, so it is written to reject what an honest ju
   template at that size and position. An object that is stretched (`MAX_ASPECT`, `MAX_SKEW`)
   or concave (`MAX_CONCAVITY`), whose best template overlaps less than `MIN_IOU`, or leads the
   second best by less than `MIN_MARGIN`, or a "circle" whose outline has corners (a k-fold ripple
-  of its radius, `MAX_CIRCLE_TILT`: a polygon, a turned square), is malformed: it counts as an
+  of its radius, `MAX_CIRCLE_TILT`: a polygon, a turned square), or a "triangle" whose top is no
+  apex (`MAX_APEX_WIDTH`: a trapezoid, two overlapping triangles), is malformed: it counts as an
   object but matches no shape, and the reason says why.
 - Texture: a flat fill, its blend into white and a fill shaded in two tones change monotonically
   along rows and columns, so for three pixels in a line inside the object (adjacent, or up to 4 px
@@ -114,6 +115,18 @@ MAX_TRIANGLE_CONCAVITY = 0.12
 # a teardrop.
 MAX_CIRCLE_TILT = 0.2
 MIN_RIPPLE_PX = 0.25
+# A triangle's apex is sharp. Its top APEX_MASS of coverage (whole rows from the top, the template's apex
+# end; coverage under APEX_FLOOR left out, so that a faint halo does not widen it) spreads across a
+# triangle's width at that depth, sqrt(APEX_MASS) ~ 0.24 of the base, less the apex's blur (APEX_BLUR_PX2,
+# px^2 at 64x64: a bar about 3.5 px wide counts as a point); as a fraction of the fitted base: renders
+# (crisp and softened, 11-22 px at 64, and at 128) stay under 0.15, two-tone triangles under 0.17, the
+# DiffusionNFT checkpoint's triangles under 0.19; a trapezoid whose flat top is 30% of its base scores
+# >= 0.36, a triangle cut 30% down >= 0.29, two triangles side by side overlapping 70% (an M-shaped top)
+# >= 0.48. Over this a "triangle" is blunt: it has no apex.
+APEX_MASS = 0.06
+APEX_FLOOR = 0.35
+APEX_BLUR_PX2 = 1.0
+MAX_APEX_WIDTH = 0.25
 # ---- texture (over the object's interior: its core, small holes filled, less a 1-pixel edge per 64 px)
 # Mean zig-zag of a fill in ΔE76 per step (see `_zigzag`); a checkerboard of two shades ΔE apart
 # with cells of 1-4 px scores about ΔE. Softened renders and two-tone triangles stay under 2; of
@@ -496,6 +509,8 @@ class _ShapeFit:
     # circle fits only: the outline's largest tilt off a circle (radians, see MAX_CIRCLE_TILT) and its fold k
     outline_tilt: float = 0.0
     outline_fold: int = 0
+    # triangle fits only: the width of its top over its base (see MAX_APEX_WIDTH)
+    apex_width: float = 0.0
 
     def best(self) -> tuple[int, int]:
         order = np.argsort(-self.ious)
@@ -517,16 +532,19 @@ class _ShapeFit:
                     f"(overlap {self.ious[best]:.2f} vs {self.ious[second]:.2f})")
         if self.outline_tilt > MAX_CIRCLE_TILT:
             return f"cornered shape ({self.outline_fold}-fold outline, tilt {self.outline_tilt:.2f} rad off a circle)"
+        if self.apex_width > MAX_APEX_WIDTH:
+            return f"blunt shape (its top {self.apex_width:.2f} of its base wide, not an apex)"
         return None
 
 
-def _fit_shape(alpha: np.ndarray) -> _ShapeFit:
+def _fit_shape(alpha: np.ndarray, scale: float = 1.0) -> _ShapeFit:
     """Template overlaps and form measures of a coverage map.
 
     Templates are sized from alpha's second moments rather than the mask's bounding box: the
     sharp vertices of diamonds and triangles fall below half coverage, so the bounding box of
     the mask is too small for them. Width and height are fitted apart, so that a slightly tall
     square stays nearer the square than the circle; the aspect is then checked on its own.
+    `scale` is the image's side over 64 px (the apex's blur grows with it).
     """
     height, width = alpha.shape
     xs, ys = np.arange(width) + 0.5, np.arange(height) + 0.5
@@ -548,7 +566,9 @@ def _fit_shape(alpha: np.ndarray) -> _ShapeFit:
     templates = np.minimum(np.maximum(0.5 - np.stack(distances), 0.0), 1.0)  # ~ pixel coverage at that distance
     ious = np.minimum(templates, alpha).sum((1, 2)) / np.maximum(templates, alpha).sum((1, 2))
     width_sq, height_sq = squared_sides[int(ious.argmax())]
-    tilt, fold = _outline_tilt(alpha, float(cx), float(cy)) if SHAPES[int(ious.argmax())] == "circle" else (0.0, 0)
+    best = SHAPES[int(ious.argmax())]
+    tilt, fold = _outline_tilt(alpha, float(cx), float(cy)) if best == "circle" else (0.0, 0)
+    apex = _apex_width(alpha, APEX_BLUR_PX2 * scale**2) / np.sqrt(width_sq) if best == "triangle" else 0.0
     return _ShapeFit(
         ious=ious,
         aspect=float(np.sqrt(max(width_sq, height_sq) / min(width_sq, height_sq))),
@@ -558,7 +578,28 @@ def _fit_shape(alpha: np.ndarray) -> _ShapeFit:
         centroid=(float(cx), float(cy)),
         outline_tilt=tilt,
         outline_fold=fold,
+        apex_width=float(apex),
     )
+
+
+def _apex_width(alpha: np.ndarray, blur_var: float) -> float:
+    """The width (px) of the top APEX_MASS of a coverage map's mass (coverage under APEX_FLOOR left out;
+    whole rows from the top, the last one in part), as a triangle's width from its variance across, after
+    taking off `blur_var` (px^2): the width of a triangle's base at that depth, sqrt(APEX_MASS) of it, less
+    the blur; about as wide as its flat top for a trapezoid, as the two tips' distance for two triangles
+    side by side."""
+    kept = np.where(alpha >= APEX_FLOOR, alpha, 0.0)
+    row = kept.sum(1)
+    cumulative = np.cumsum(row)
+    need = APEX_MASS * cumulative[-1]
+    k = int(np.searchsorted(cumulative, need))
+    weights = np.ones(k + 1)
+    weights[k] = (need - (cumulative[k - 1] if k else 0.0)) / row[k]
+    col = weights @ kept[: k + 1]
+    xs = np.arange(alpha.shape[1]) + 0.5
+    mass = col.sum()
+    mean = col @ xs / mass
+    return float(np.sqrt(24 * max(col @ (xs - mean) ** 2 / mass - blur_var, 0.0)))
 
 
 def _outline_tilt(alpha: np.ndarray, cx: float, cy: float) -> tuple[float, int]:
@@ -593,7 +634,7 @@ def _describe_component(image: np.ndarray, chroma: np.ndarray, objects: np.ndarr
     owned = own | ~objects[pad]  # other objects' pixels are not ours
     alpha = _coverage(image[pad].astype(np.float32), _PALETTE[color_index]) * owned
     alpha[own] = 1.0  # shaded core pixels are full coverage whatever their lightness
-    fit = _fit_shape(alpha)
+    fit = _fit_shape(alpha, image.shape[0] / 64)
     best, second = fit.best()
     cx, cy = fit.centroid
     return DetectedObject(
