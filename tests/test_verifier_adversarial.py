@@ -416,6 +416,31 @@ def test_malformed_shapes_fail_as_shape(kind):
     assert rate >= MIN_RATE, wrong[:10]
 
 
+def holed_shape(shape: str, rng: np.random.Generator) -> tuple[np.ndarray, str]:
+    """A shape of 16-26 px with a white hole of 4x4 px near its centroid, and its prompt."""
+    color = COLOR_NAMES[rng.integers(len(COLOR_NAMES))]
+    side = int(rng.integers(16, 27))
+    s = SUPERSAMPLE
+    canvas = Image.new("RGB", (SIZE * s,) * 2, WHITE)
+    draw = ImageDraw.Draw(canvas)
+    x, y = (int(v) for v in rng.integers(3, SIZE - side - 3, size=2))
+    draw_shape(draw, shape, (x * s, y * s, (x + side) * s - 1, (y + side) * s - 1), COLORS[color])
+    hole = 4
+    cx, cy = x + side / 2, y + side * (2 / 3 if shape == "triangle" else 1 / 2)
+    hx, hy = (int(round(c - hole / 2 + rng.uniform(-1, 1))) for c in (cx, cy))
+    draw.rectangle((hx * s, hy * s, (hx + hole) * s - 1, (hy + hole) * s - 1), fill=WHITE)
+    return soften(np.asarray(canvas.resize((SIZE, SIZE), Image.BOX)), rng), f"a {color} {shape}"
+
+
+@pytest.mark.parametrize("shape", SHAPES)
+def test_holed_shapes_fail_as_shape(shape):
+    """No palette shape has a hole: a white hole of 4x4 px inside a shape fails it (often too small for the
+    concavity to see, and too large to be part of the fill's texture; a 3x3 one fails as texture)."""
+    rate, wrong = _fail_rate(lambda rng, k: holed_shape(shape, rng), "shape", seed=SHAPES.index(shape) + 70)
+    print(f"holed {shape}: {rate:.3f} fail as shape")
+    assert rate >= MIN_RATE, wrong[:10]
+
+
 def test_dithered_fills_fail_as_texture():
     """A checkerboard fill of two shades 12-24 ΔE apart, cells of 1, 2 or 4 px, fails as texture."""
     rate, wrong = _fail_rate(lambda rng, k: dithered_shape(rng)[:2], "texture", seed=50)

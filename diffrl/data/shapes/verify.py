@@ -18,8 +18,8 @@ The verifier is also the RL reward, so it is written to reject what an honest ju
   or concave (`MAX_CONCAVITY`), whose best template overlaps less than `MIN_IOU`, or leads the
   second best by less than `MIN_MARGIN`, or a "circle" whose outline has corners (a k-fold ripple
   of its radius, `MAX_CIRCLE_TILT`: a polygon, a turned square), or a "triangle" whose top is no
-  apex (`MAX_APEX_WIDTH`: a trapezoid, two overlapping triangles), is malformed: it counts as an
-  object but matches no shape, and the reason says why.
+  apex (`MAX_APEX_WIDTH`: a trapezoid, two overlapping triangles), or that has a hole of background
+  (`MAX_HOLE_PX`), is malformed: it counts as an object but matches no shape, and the reason says why.
 - Texture: a flat fill, its blend into white and a fill shaded in two tones change monotonically
   along rows and columns, so for three pixels in a line inside the object (adjacent, or up to 4 px
   apart) the CIELAB distance through the middle one is about that between the outer two. A dither,
@@ -127,6 +127,12 @@ APEX_MASS = 0.06
 APEX_FLOOR = 0.35
 APEX_BLUR_PX2 = 1.0
 MAX_APEX_WIDTH = 0.25
+# No palette shape has a hole. A pocket that an object's core pixels enclose, as much coverage as it lacks
+# (px at 64x64, scaled with the image area: a white pixel 1, a pale one less, a dark shade none), is a hole
+# over this: a 2x2 white hole in a fill scores >= 2.7 softened, 3x3 >= 7, 4x4 >= 13 (often under
+# MAX_CONCAVITY: it passed); renders enclose none, DiffusionNFT checkpoints' and the shipped model's objects
+# none over 1.2 (of 2,505 images). Pockets up to TEXTURE_HOLE_PX also count as fill for the texture check.
+MAX_HOLE_PX = 2.0
 # ---- texture (over the object's interior: its core, small holes filled, less a 1-pixel edge per 64 px)
 # Mean zig-zag of a fill in ΔE76 per step (see `_zigzag`); a checkerboard of two shades ΔE apart
 # with cells of 1-4 px scores about ΔE. Softened renders and two-tone triangles stay under 2; of
@@ -511,6 +517,7 @@ class _ShapeFit:
     outline_fold: int = 0
     # triangle fits only: the width of its top over its base (see MAX_APEX_WIDTH)
     apex_width: float = 0.0
+    hole_px: float = 0.0  # the largest hole's missing coverage, at 64x64 (see MAX_HOLE_PX)
 
     def best(self) -> tuple[int, int]:
         order = np.argsort(-self.ious)
@@ -525,6 +532,8 @@ class _ShapeFit:
             return f"slanted shape (x-y correlation {self.skew:.2f})"
         if self.concavity > (MAX_TRIANGLE_CONCAVITY if SHAPES[best] == "triangle" else MAX_CONCAVITY):
             return f"concave shape (concavity {self.concavity:.2f})"
+        if self.hole_px > MAX_HOLE_PX:
+            return f"holed shape (a hole of {self.hole_px:.0f} px)"
         if self.ious[best] < MIN_IOU:
             return f"shape like no template (best {SHAPES[best]}, overlap {self.ious[best]:.2f})"
         if self.ious[best] - self.ious[second] < MIN_MARGIN:
@@ -537,14 +546,15 @@ class _ShapeFit:
         return None
 
 
-def _fit_shape(alpha: np.ndarray, scale: float = 1.0) -> _ShapeFit:
+def _fit_shape(alpha: np.ndarray, scale: float = 1.0, core: np.ndarray | None = None) -> _ShapeFit:
     """Template overlaps and form measures of a coverage map.
 
     Templates are sized from alpha's second moments rather than the mask's bounding box: the
     sharp vertices of diamonds and triangles fall below half coverage, so the bounding box of
     the mask is too small for them. Width and height are fitted apart, so that a slightly tall
     square stays nearer the square than the circle; the aspect is then checked on its own.
-    `scale` is the image's side over 64 px (the apex's blur grows with it).
+    `scale` is the image's side over 64 px (the apex's blur grows with it); `core`, the object's core
+    pixels (one 8-connected component), whose holes are measured.
     """
     height, width = alpha.shape
     xs, ys = np.arange(width) + 0.5, np.arange(height) + 0.5
@@ -579,7 +589,21 @@ def _fit_shape(alpha: np.ndarray, scale: float = 1.0) -> _ShapeFit:
         outline_tilt=tilt,
         outline_fold=fold,
         apex_width=float(apex),
+        hole_px=0.0 if core is None else _hole_px(core, alpha) / scale**2,
     )
+
+
+def _hole_px(core: np.ndarray, alpha: np.ndarray) -> float:
+    """The largest missing coverage (px, the sum of 1 - alpha) of a pocket (4-connected) that `core`, one
+    8-connected component, encloses; 0.0 if it encloses none."""
+    if _euler_number(core) >= 1:  # one component less its holes
+        return 0.0
+    pockets, n = ndimage.label(~core)
+    missing = np.bincount(pockets.ravel(), weights=(1 - alpha).ravel(), minlength=n + 1)
+    for border in (pockets[0], pockets[-1], pockets[:, 0], pockets[:, -1]):
+        missing[border] = 0.0
+    missing[0] = 0.0
+    return float(missing.max())
 
 
 def _apex_width(alpha: np.ndarray, blur_var: float) -> float:
@@ -634,7 +658,7 @@ def _describe_component(image: np.ndarray, chroma: np.ndarray, objects: np.ndarr
     owned = own | ~objects[pad]  # other objects' pixels are not ours
     alpha = _coverage(image[pad].astype(np.float32), _PALETTE[color_index]) * owned
     alpha[own] = 1.0  # shaded core pixels are full coverage whatever their lightness
-    fit = _fit_shape(alpha, image.shape[0] / 64)
+    fit = _fit_shape(alpha, image.shape[0] / 64, own)
     best, second = fit.best()
     cx, cy = fit.centroid
     return DetectedObject(
