@@ -136,6 +136,27 @@ def test_unipc_checkpoints_get_unipc_flow_sigmas(tmp_path):
     assert sigmas[-1] == 0 and len(sigmas) == 7
 
 
+def test_unipc_checkpoints_give_the_transformer_the_schedulers_integer_timesteps(tmp_path):
+    """WanPipeline calls each expert at the scheduler's timestep, an integer for UniPC (Wan's published scheduler):
+    the engine passed σ·1000 (999.999, 978.28, … for 999, 978, …), a model input the pipeline never gives."""
+    from diffusers import UniPCMultistepScheduler
+
+    family = Wan22Family.load(save_random_checkpoint(tmp_path / "wan-unipc", scheduler="unipc", shift=5.0,
+                                                     boundary_ratio=0.9), max_sequence_length=TEXT_TOKENS)
+    seen = []
+    for expert in family.transformer.experts:
+        expert.register_forward_pre_hook(lambda m, args, kwargs: seen.append(args[1][0].item()),
+                                         with_kwargs=True)
+    output = Engine(family).generate(RolloutRequest(
+        prompt="a cat", num_inference_steps=6, guidance_scale=1.0, height=HEIGHT, width=WIDTH, num_frames=FRAMES,
+        rollout=True, rollout_return_dit_trajectory=True, rollout_return_step_indices=list(range(6))))[0]
+    reference = UniPCMultistepScheduler(prediction_type="flow_prediction", use_flow_sigmas=True, flow_shift=5.0)
+    reference.set_timesteps(6)
+    assert seen == reference.timesteps.tolist()
+    assert output.dit_trajectory.timesteps.tolist() == seen  # the trajectory reports the model's timesteps too
+    assert family.transformer.high_noise(torch.tensor(seen)).tolist() == [t >= 900 for t in seen]  # as the pipeline
+
+
 @pytest.mark.parametrize(("fields", "field"), [
     (dict(height=24), "height"), (dict(width=16 * 8 * 33), "width"),
     (dict(num_frames=6), "num_frames"),

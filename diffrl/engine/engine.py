@@ -490,7 +490,7 @@ class Engine:
         peak_mb = _peak_memory_mb(device)
         steps = torch.tensor(plan.return_steps, dtype=torch.int64)
         sigmas_cpu = sigmas.cpu()
-        timesteps = sigmas_cpu[steps] * family.timestep_scale
+        timesteps = family.model_timesteps(sigmas_cpu[steps])
         kept = {s: result.trajectory[s].cpu() for s in plan.return_steps} if req0.rollout_return_dit_trajectory else {}
         log_probs = result.log_probs.cpu()
         outputs, row = [], 0  # `result` holds the rows of the `live` requests only

@@ -121,6 +121,9 @@ class FamilyAdapter(ABC):
     default_guidance_scale: ClassVar[float] = 1.0
     # Model timestep = timestep_scale · σ (1 for families whose transformer takes σ itself).
     timestep_scale: ClassVar[float] = 1.0
+    # Whether the checkpoint's scheduler gives the transformer integer timesteps (UniPC's): `model_timesteps` then
+    # truncates timestep_scale · σ as the scheduler does. Set per checkpoint by the families it concerns.
+    integer_timesteps: bool = False
     # Whether conditionings of different lengths may share a batch zero-padded at the end of the token
     # axis (the family derives its text mask from the conditioning itself and its text ids are all
     # zeros): the trainer then pads a rollout's prompts to the longest instead of refusing the mix.
@@ -267,6 +270,13 @@ class FamilyAdapter(ABC):
                 v_uncond, v_cond = self.run_transformer(transformer, doubled, torch.cat([sigma, sigma]), both).chunk(2)
             return self.combine_guidance(v_uncond, v_cond, guidance_scale, transformer=transformer, sigma=sigma,
                                          **guidance_options)
+
+    def model_timesteps(self, sigma: torch.Tensor) -> torch.Tensor:
+        """The scheduler's timestep for σ: σ·timestep_scale, truncated where the scheduler's are integers."""
+        sigma = torch.as_tensor(sigma, dtype=torch.float32)
+        if self.integer_timesteps:
+            return torch.floor(sigma.double() * self.timestep_scale).float()
+        return sigma * self.timestep_scale
 
     def run_transformer(self, transformer: torch.nn.Module, latents: Latents, sigma: torch.Tensor,
                         cond: PromptEmbeds) -> torch.Tensor:

@@ -311,13 +311,6 @@ class Cosmos3Family(FamilyAdapter):
         # The transformer patchifies and positions the latents itself: no position ids to carry.
         return Latents(randn_per_sample(shape, generators, device=self.device), torch.zeros(0, 1, device=self.device))
 
-    def model_timesteps(self, sigma: torch.Tensor) -> torch.Tensor:
-        """The scheduler's timestep for σ: σ·num_train_timesteps, truncated where the scheduler's are integers."""
-        sigma = torch.as_tensor(sigma, dtype=torch.float32)
-        if self.integer_timesteps:
-            return torch.floor(sigma.double() * self.timestep_scale).float()
-        return sigma * self.timestep_scale
-
     def pair_conditionings(self, uncond: PromptEmbeds, cond: PromptEmbeds) -> GuidancePair:
         """Both halves as one conditioning (zero padding to the longer is harmless), the negative rows marked.
         `run_transformer` still runs one forward per row, as the pipeline's two passes; `combine_guidance`

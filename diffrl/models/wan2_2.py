@@ -10,7 +10,8 @@ What this adapter reproduces of `WanPipeline` (`tests/test_wan2_2.py`, ODE sampl
   the encoder's last hidden state kept over the prompt's own tokens and zero beyond them;
 - latents `[B, C, (F − 1)/4 + 1, H/8, W/8]` (the VAE's temporal and spatial factors), decoded as
   `latents · std + mean` per channel, frames in [0, 1];
-- the schedule is the scheduler's own (`set_timesteps(N)`), the transformer's timestep is σ·1000;
+- the schedule is the scheduler's own (`set_timesteps(N)`), the transformer's timestep the scheduler's: σ·1000
+  (truncated to an integer for UniPC, whose timesteps are integers);
 - the expert switch: a step whose timestep is at or above `boundary_ratio × num_train_timesteps` runs
   `transformer` with `guidance_scale`, a step below it `transformer_2` with `guidance_scale_2` (unset:
   `guidance_scale`); without `boundary_ratio` every step runs `transformer` (a `transformer_2` on disk is
@@ -184,6 +185,7 @@ class Wan22Family(FamilyAdapter):
         self.max_sequence_length = max_sequence_length
         self.uses_guidance_scale_2 = transformer.transformer_2 is not None
         self.timestep_scale = float(scheduler.config.num_train_timesteps)
+        self.integer_timesteps = type(scheduler).__name__ == "UniPCMultistepScheduler"  # as the pipeline's t
         self.vae_scale_temporal = vae.config.scale_factor_temporal
         self.vae_scale_spatial = vae.config.scale_factor_spatial
 
@@ -313,16 +315,17 @@ class Wan22Family(FamilyAdapter):
 
     def run_transformer(self, transformer, latents, sigma, cond) -> torch.Tensor:
         dtype = next(transformer.parameters()).dtype
-        # WanPipeline's timestep: σ·num_train_timesteps in fp32, whatever the weights' dtype.
+        # WanPipeline's timestep: the scheduler's (σ·num_train_timesteps; an integer for UniPC) in fp32, whatever the
+        # weights' dtype.
         with self.forward_precision():
-            return transformer(hidden_states=latents.tokens.to(dtype), timestep=sigma * self.timestep_scale,
+            return transformer(hidden_states=latents.tokens.to(dtype), timestep=self.model_timesteps(sigma),
                                encoder_hidden_states=cond.embeds.to(dtype), return_dict=False)[0].float()
 
     def combine_guidance(self, v_uncond, v_cond, guidance_scale, *, transformer, sigma,
                          guidance_scale_2: float | None = None) -> torch.Tensor:
         """As the pipeline: CFG for both experts (or for neither), each with its own scale."""
         scale_2 = guidance_scale if guidance_scale_2 is None else guidance_scale_2
-        high = transformer.high_noise(sigma * self.timestep_scale)
+        high = transformer.high_noise(self.model_timesteps(sigma))
         if bool(high.all()):
             scale = guidance_scale
         elif not bool(high.any()):
