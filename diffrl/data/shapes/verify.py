@@ -118,15 +118,16 @@ MIN_RIPPLE_PX = 0.25
 # A triangle's apex is sharp. Its top APEX_MASS of coverage (whole rows from the top, the template's apex
 # end; coverage under APEX_FLOOR left out, so that a faint halo does not widen it) spreads across a
 # triangle's width at that depth, sqrt(APEX_MASS) ~ 0.24 of the base, less the apex's blur (APEX_BLUR_PX2,
-# px^2 at 64x64: a bar about 3.5 px wide counts as a point); as a fraction of the fitted base: renders
-# (crisp and softened, 11-22 px at 64, and at 128) stay under 0.15, two-tone triangles under 0.17, the
-# DiffusionNFT checkpoint's triangles under 0.19; a trapezoid whose flat top is 30% of its base scores
-# >= 0.36, a triangle cut 30% down >= 0.29, two triangles side by side overlapping 70% (an M-shaped top)
-# >= 0.48. Over this a "triangle" is blunt: it has no apex.
+# px^2 at 64x64: a bar about 4 px wide counts as a point); as a fraction of the fitted base: renders
+# (crisp and softened, 11-22 px at 64, and at 128) stay under 0.1, two-tone triangles under 0.15, the
+# kept DiffusionNFT checkpoint's triangles under 0.14 (a model's small triangle with a rounded tip, 0.22,
+# still passes); a trapezoid whose flat top is 30% of its base scores >= 0.33, a triangle cut 30% down
+# >= 0.25, two triangles side by side overlapping 70% (an M-shaped top) >= 0.47. Over this a "triangle"
+# is blunt: it has no apex.
 APEX_MASS = 0.06
 APEX_FLOOR = 0.35
-APEX_BLUR_PX2 = 1.0
-MAX_APEX_WIDTH = 0.25
+APEX_BLUR_PX2 = 1.25
+MAX_APEX_WIDTH = 0.24
 # No palette shape has a hole. A pocket that an object's core pixels enclose, as much coverage as it lacks
 # (px at 64x64, scaled with the image area: a white pixel 1, a pale one less, a dark shade none), is a hole
 # over this: a 2x2 white hole in a fill scores >= 2.7 softened, 3x3 >= 7, 4x4 >= 13 (often under
