@@ -317,6 +317,11 @@ def test_video_training_flags_are_checked(wan_dir, tiny_model_dir, tmp_path):
     with pytest.raises(ValueError, match="--diffusion-guidance-scale-2 2.0: the demo family has no second expert"):
         Trainer(TrainConfig.flat(model_path=tiny_model_dir, output_dir=tmp_path / "f", diffusion_guidance_scale=4.0,
                                  diffusion_guidance_scale_2=2.0, **flags))
+    # A second expert's CFG without CFG: GRPO failed at its first rollout, NFT (CFG-free rollouts) at its first
+    # held-out evaluation.
+    with pytest.raises(ValueError, match=r"--diffusion-guidance-scale-2 3.0 needs CFG, .* --diffusion-guidance-scale > 1"):
+        TrainConfig.flat(loss_type="nft", diffusion_guidance_scale=1.0, diffusion_guidance_scale_2=3.0).check()
+    TrainConfig.flat(diffusion_guidance_scale=1.0, diffusion_guidance_scale_2=1.0).check()  # no CFG for either
 
 
 def test_the_second_experts_scale_reaches_rollout_and_replay(wan_dir, tmp_path, monkeypatch):

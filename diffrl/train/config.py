@@ -128,6 +128,9 @@ class RolloutSettings:
     def check(self) -> None:
         for name in ("num_rollout", "rollout_batch_size", "n_samples_per_prompt", "diffusion_num_steps"):
             _require(getattr(self, name) >= 1, f"--{name.replace('_', '-')} must be >= 1")
+        g, g2 = self.diffusion_guidance_scale, self.diffusion_guidance_scale_2
+        _require(g2 is None or g2 <= 1 or g > 1, f"--diffusion-guidance-scale-2 {g2} needs CFG, which runs only when "
+                                                 f"--diffusion-guidance-scale > 1 (got {g})")
 
 
 @dataclass
