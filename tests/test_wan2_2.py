@@ -349,6 +349,11 @@ def test_the_second_experts_scale_reaches_rollout_and_replay(wan_dir, tmp_path, 
     trainer.rollout_and_update(0)
     assert {grad for grad, _ in calls} == {False, True}  # the engine's steps and the trainer's replay
     assert all(scale == 2.0 for _, scale in calls), calls
+    # DiffusionNFT's rollouts with CFG (--nft-rollout-guidance-scale) run the low-noise expert at its own scale too
+    # (they ran it at the rollout's CFG scale); CFG-free ones at none.
+    for rollout_cfg, second in ((4.5, 2.0), (1.0, None)):
+        nft = Trainer(cfg.replace(loss_type="nft", nft_rollout_guidance_scale=rollout_cfg, output_dir=tmp_path / f"nft-{rollout_cfg}"))
+        assert nft.objective.request(0).get("guidance_scale_2") == second
 
 
 def test_a_video_evaluation_writes_every_video_and_a_frame_grid(wan, tmp_path):

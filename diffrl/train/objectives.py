@@ -195,9 +195,11 @@ class DiffusionNft(_Objective):
         return self.policy.ema  # the old policy θ_old samples
 
     def request(self, k: int) -> dict:
-        n_steps = self.cfg.rollout.diffusion_num_steps
-        # Deterministic ODE (CFG-free by default) under the old policy; only the final latent is kept.
-        return self._sized(dict(num_inference_steps=n_steps, guidance_scale=self.cfg.algorithm.nft_rollout_guidance_scale,
+        n_steps, scale = self.cfg.rollout.diffusion_num_steps, self.cfg.algorithm.nft_rollout_guidance_scale
+        # Deterministic ODE (CFG-free by default) under the old policy; only the final latent is kept. With CFG, a
+        # second expert runs at its own scale.
+        return self._sized(dict(num_inference_steps=n_steps, guidance_scale=scale,
+                                **(self._second_expert() if scale > 1 else {}),
                                 rollout=False, rollout_return_dit_trajectory=True,
                                 rollout_return_step_indices=[n_steps], rollout_return_denoising_env=True))
 
