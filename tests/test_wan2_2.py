@@ -136,6 +136,18 @@ def test_unipc_checkpoints_get_unipc_flow_sigmas(tmp_path):
     assert sigmas[-1] == 0 and len(sigmas) == 7
 
 
+def test_bf16_weights_sample_without_autocast(wan_dir, wan):
+    """Loaded in bf16 (`diffrl bench`'s default --dtype), the experts keep their fp32 modules (diffusers'
+    `_keep_in_fp32_modules`: the first parameter is fp32), and the latents go in as the weights' bf16: they went in
+    as fp32 and the patch embedding refused them ("Input type (float) and bias type (BFloat16)")."""
+    bf16 = Wan22Family.load(wan_dir, dtype=torch.bfloat16, max_sequence_length=TEXT_TOKENS)
+    request = RolloutRequest(prompt="a red cat", num_inference_steps=2, guidance_scale=4.5, height=HEIGHT, width=WIDTH,
+                             num_frames=FRAMES)
+    video = Engine(bf16).generate(request)[0].generated_output
+    reference = Engine(wan).generate(request)[0].generated_output
+    assert (video - reference).abs().max() < 0.05  # bf16 rounding only
+
+
 def test_unipc_checkpoints_give_the_transformer_the_schedulers_integer_timesteps(tmp_path):
     """WanPipeline calls each expert at the scheduler's timestep, an integer for UniPC (Wan's published scheduler):
     the engine passed σ·1000 (999.999, 978.28, … for 999, 978, …), a model input the pipeline never gives."""

@@ -91,6 +91,11 @@ class WanExperts(PeftAdapterMixin, torch.nn.Module):
         return [self.transformer] + ([self.transformer_2] if self.transformer_2 is not None else [])
 
     @property
+    def dtype(self) -> torch.dtype:
+        """The experts' weights' dtype, as diffusers reads it (their `_keep_in_fp32_modules` are fp32 in any dtype)."""
+        return self.transformer.dtype
+
+    @property
     def expert_blocks(self) -> torch.nn.ModuleList:
         """Both experts' blocks, in order (the family's `block_lists`); not registered, so names stay the experts'."""
         return torch.nn.ModuleList([block for expert in self.experts for block in expert.blocks])
@@ -314,7 +319,7 @@ class Wan22Family(FamilyAdapter):
         return Latents(randn_per_sample(shape, generators, device=self.device), torch.zeros(0, 1, device=self.device))
 
     def run_transformer(self, transformer, latents, sigma, cond) -> torch.Tensor:
-        dtype = next(transformer.parameters()).dtype
+        dtype = transformer.dtype  # not the first parameter's: Wan keeps some modules in fp32
         # WanPipeline's timestep: the scheduler's (σ·num_train_timesteps; an integer for UniPC) in fp32, whatever the
         # weights' dtype.
         with self.forward_precision():
