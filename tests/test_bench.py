@@ -82,3 +82,15 @@ def test_bench_gives_the_pipeline_the_cfg_scale_in_its_own_terms(tmp_path, famil
         pipeline_s_per_image(pipe, torch.device("cpu"), 1, (32, 32), 2, guidance, 1,
                              inputs=family.reference_pipeline_kwargs())
         assert len(forwards) == 2 * 2 * per_step  # a warm-up call and a timed one, two steps each
+
+
+def test_bench_times_a_pipeline_that_takes_one_sample_per_call(tmp_path):
+    """Cosmos3OmniPipeline makes one sample a call (no count argument): a group of n is n calls of one; it was
+    called with num_images_per_prompt and the bench ended in a TypeError traceback after the engine's timings."""
+    from diffrl.models.random_checkpoints.cosmos3 import save_random_checkpoint
+
+    model = save_random_checkpoint(tmp_path / "cosmos3-tiny")
+    results = bench(BenchConfig(model_path=model, device="cpu", dtype="float32", height=16, width=32, num_frames=5,
+                                n=2, ms=(1, 2), steps=2, repeats=1, guidance_scale=4.0))
+    assert results["pipeline"]["class"] == "Cosmos3OmniPipeline"
+    assert results["pipeline"][1]["s_per_image"] > 0 and results["pipeline"][2]["s_per_image"] > 0

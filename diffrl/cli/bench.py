@@ -160,15 +160,16 @@ async def time_group(client, n: int, m: int, request: dict, repeats: int, prompt
 @torch.no_grad()
 def pipeline_s_per_image(pipe, device, batch: int, size: tuple[int, int], steps: int, guidance: float, repeats: int,
                          num_frames: int | None = None, inputs: dict | None = None) -> float:
-    """Seconds per image (or video) of a diffusers pipeline making `batch` per call (median of `repeats`);
-    `inputs`: the family's `reference_pipeline_kwargs()`."""
+    """Seconds per image (or video) of a diffusers pipeline making `batch` per call (median of `repeats`), or of
+    `batch` calls of one for a pipeline that makes one a call (Cosmos3's); `inputs`: the family's
+    `reference_pipeline_kwargs()`."""
     import inspect
 
     from diffusers.modular_pipelines import ModularPipeline
 
     generator = torch.Generator(device).manual_seed(0)
     accepted = inspect.signature(pipe.__call__).parameters
-    count = "num_videos_per_prompt" if "num_videos_per_prompt" in accepted else "num_images_per_prompt"
+    count = next((k for k in ("num_videos_per_prompt", "num_images_per_prompt") if k in accepted), None)
     extra = {**(inputs or {}), **({"num_frames": num_frames} if num_frames is not None else {})}
     # The CFG scale in the pipeline's own terms: a modular pipeline's guider (FLUX 3); Qwen-Image's
     # `true_cfg_scale`, on only with a negative prompt (its `guidance_scale` is the guidance-distilled
@@ -181,8 +182,9 @@ def pipeline_s_per_image(pipe, device, batch: int, size: tuple[int, int], steps:
         extra["guidance_scale"] = guidance
 
     def run():
-        pipe(prompt=PROMPT, num_inference_steps=steps, height=size[0], width=size[1], generator=generator,
-             output_type="pt", **{count: batch}, **extra)
+        for _ in range(1 if count else batch):
+            pipe(prompt=PROMPT, num_inference_steps=steps, height=size[0], width=size[1], generator=generator,
+                 output_type="pt", **({count: batch} if count else {}), **extra)
 
     run()
     times = []
