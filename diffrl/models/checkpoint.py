@@ -116,8 +116,8 @@ def _lora_files(model: FamilyAdapter, lora_dir: Path) -> list[tuple[Path, str]]:
     folders = [(lora_dir / name, f"{name}.") for name in model.lora_components
                if (lora_dir / name / "adapter_config.json").is_file()]
     if not folders:
-        raise ModelLoadError(f"{lora_dir} holds no adapter_config.json for the {model.name} model (expected one, or one "
-                             f"in each of {', '.join(model.lora_components) or 'none'})")
+        per_part = f", nor one in {' or '.join(f'{c}/' for c in model.lora_components)}" if model.lora_components else ""
+        raise ModelLoadError(f"{lora_dir} holds no adapter_config.json for the {model.name} model{per_part}")
     return folders
 
 
