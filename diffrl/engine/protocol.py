@@ -4,7 +4,7 @@ The request declares every field of sglang-diffusion's `/rollout/generate` reque
 clients (miles-diffusion's among them) are served unchanged; a field neither side knows is refused
 by name, and so are image-conditioning fields on a text-to-image family (see `Engine.plan`). Fields
 sglang declares that change nothing here are accepted and documented (`rollout_debug_mode`,
-`suppress_logs`, `fps`). The response is one `RolloutOutput` per output; `wire.py` and `sglang.py`
+`suppress_logs`, and `fps` where the family's samples do not depend on it). The response is one `RolloutOutput` per output; `wire.py` and `sglang.py`
 put it on the wire (docs/wire-format.md).
 """
 
@@ -86,7 +86,8 @@ class RolloutRequest(BaseModel):
     suppress_logs: bool = False
     """Accepted for sglang clients; the engine logs nothing per request anyway."""
     fps: int | None = Field(None, ge=1)
-    """Accepted for sglang clients (video playback rate); sampling does not depend on it."""
+    """Accepted for sglang clients (video playback rate). Families whose samples depend on the frame rate (LTX-2,
+    Cosmos3: `FamilyAdapter.frame_rate`) refuse any other than theirs; for the others it changes nothing."""
     extra_sampling_params: dict[str, Any] | None = None
     """Further sampling fields, as sglang merges them into its sampling params: each key must be a field
     of this request (it overrides the top-level value; `rollout` and `prompt` cannot be set here)."""
