@@ -43,6 +43,18 @@ def test_report_states_a_video_runs_size_and_frames(tmp_path):
         assert line in text
 
 
+def test_report_states_the_second_experts_cfg_scale(tmp_path):
+    """A Wan2.2 run (wan22-grpo-pickscore: CFG 4.0, the low-noise expert's 3.0) gives both scales; one without a
+    second scale shows no row for it."""
+    (tmp_path / "wan").mkdir(), (tmp_path / "ltx").mkdir()
+    flags = {"recipe": "wan22-grpo-pickscore", "diffusion_guidance_scale": 4.0, "diffusion_guidance_scale_2": 3.0}
+    text = write_report(_run_folder(tmp_path / "wan", [{"rollout": 0}], flags)).read_text()
+    assert "| CFG scale (`--diffusion-guidance-scale`) | 4.0 |" in text
+    assert "| low-noise expert's CFG scale (`--diffusion-guidance-scale-2`) | 3.0 |" in text
+    text = write_report(_run_folder(tmp_path / "ltx", [{"rollout": 0}], {"diffusion_guidance_scale": 1.0})).read_text()
+    assert "--diffusion-guidance-scale-2" not in text
+
+
 def test_report_of_a_run_that_has_not_finished_a_rollout(tmp_path):
     text = write_report(_run_folder(tmp_path, [{"rollout": 0, "eval/strict": 0.5}], {"num_rollout": 3})).read_text()
     assert "0 of 3 rollouts" in text and "no rollout finished yet" in text and "## Cost" not in text

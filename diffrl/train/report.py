@@ -23,6 +23,7 @@ _SETTINGS = (
     ("eval_prompt_data", "held-out prompt data"), ("resolution", "resolution"), ("height", "height"),
     ("width", "width"), ("num_frames", "frames per video"), ("reward_frames", "frames the reward sees"),
     ("diffusion_num_steps", "denoising steps"), ("diffusion_guidance_scale", "CFG scale"),
+    ("diffusion_guidance_scale_2", "low-noise expert's CFG scale"),
     ("diffusion_sde_type", "SDE type"), ("diffusion_noise_level", "noise level"),
     ("diffusion_sde_window_range", "SDE window"), ("diffusion_num_sde_steps", "SDE steps per sample"),
     ("rollout_batch_size", "prompt groups per rollout"), ("n_samples_per_prompt", "samples per prompt"),
