@@ -98,7 +98,7 @@ _FLUX3_GRPO = dict(diffusion_model_family="flux3_image", loss_type="flow_grpo", 
 # high-noise expert's), 8 prompts × 16 samples in 2 optimizer steps, LoRA r64/α128 (Gaussian init) on
 # self-attention, cross-attention and the FFN, lr 1e-4, AdamW β2 0.999, weight decay 1e-4, clip 1e-4,
 # fp32 masters with a bf16 forward, micro-batches of one sample, 28 evaluation steps. Microgroups of 8
-# as the published multi-GPU Wan2.2 runs use (that script's own default is 1).
+# as the published multi-GPU Wan2.2 runs use (the script's default in one version was 1, in a later one 8).
 _WAN_TARGETS = ("attn1.to_q", "attn1.to_k", "attn1.to_v", "attn1.to_out.0", "attn2.to_q", "attn2.to_k",
                 "attn2.to_v", "attn2.to_out.0", "ffn.net.0.proj", "ffn.net.2")
 _WAN22_GRPO = dict(diffusion_model_family="wan2_2", loss_type="flow_grpo", reward="pickscore", resolution=480,
@@ -131,26 +131,25 @@ _LTX23_GRPO = dict(diffusion_model_family="ltx2", loss_type="flow_grpo", reward=
                    diffusion_kl_beta=0.0, mixed_precision="bf16", gradient_checkpointing=True, deterministic_mode=True,
                    num_rollout=200, eval_interval=20, checkpoint_interval=10, eval_images_per_category=0)
 
-# Flow-GRPO on Cosmos3 with PickScore. No RL run is published. The design of this system sets 16 samples per prompt
-# and microgroups of 1 (the family's packed forward takes one sample); published are the pipeline's inference
-# defaults, which the rollouts keep: 35 steps, CFG 6, 189 frames of 720 × 1280 at 24 fps (the family's frame rate).
-# Ours, from the LTX-2.3 recipe above (the published video GRPO run closest to this one): CPS at noise 0.8, 3 SDE
-# steps drawn anywhere in steps 0-9, clip 1e-5, no KL, per-prompt mean with batch-wide std, lr 2e-4, AdamW β2 0.999,
-# weight decay 1e-4, LoRA r64/α128 on the family's targets (the generation pathway's attention), PickScore on 3
-# evenly spaced frames, bf16 with gradient checkpointing, micro-batches of one sample, deterministic mode, 200
-# rollouts; 8 prompts in 2 optimizer steps as the Wan2.2 recipe (the published run with 16 samples per prompt);
-# evaluation and checkpoint intervals. Rollouts at the pipeline's size are costly: --height/--width/--num-frames set
-# a smaller one.
-_COSMOS3_GRPO = dict(diffusion_model_family="cosmos3", loss_type="flow_grpo", reward="pickscore", reward_frames=3,
-                     height=720, width=1280, num_frames=189, use_lora=True, lora_rank=64, lora_alpha=128.0,
-                     diffusion_num_steps=35, diffusion_guidance_scale=6.0, diffusion_sde_type="cps",
-                     diffusion_noise_level=0.8, diffusion_sde_window_range=(0, 10), diffusion_num_sde_steps=3,
-                     diffusion_sde_step_strategy="random", globalize_reward_std=True, rollout_batch_size=8,
-                     n_samples_per_prompt=16, rollout_microgroup_size=1, global_batch_size=64,
-                     num_steps_per_rollout=2, micro_batch_size=1, lr=2e-4, adam_beta2=0.999, weight_decay=1e-4,
-                     diffusion_clip_range=1e-5, diffusion_kl_beta=0.0, mixed_precision="bf16",
-                     gradient_checkpointing=True, deterministic_mode=True, num_rollout=200, eval_interval=20,
-                     checkpoint_interval=10, eval_images_per_category=0)
+# Flow-GRPO on Cosmos3 with PickScore, text-to-image: radixark/miles_diffusion's
+# scripts/run_diffusion_grpo_cosmos3_pickscore_t2i_4gpu.py (Cosmos3-Nano, LoRA on the generation tower): one frame
+# of 480 × 832, 16 steps with CFG 4.0, SDE at noise 0.7 on 2 steps drawn per rollout from steps 8-11 (the
+# checkpoint's sigma grid spends steps 1-7 above σ 0.96, where a step trains nothing), 48 prompts × 16 samples in
+# one optimizer step, microgroups of 1 (the family's packed forward takes one sample), micro-batches of one sample,
+# LoRA r64/α128 (Gaussian init), lr 1e-4, AdamW β2 0.999, weight decay 1e-4, clip 1e-3, no KL, per-prompt mean with
+# batch-wide std, fp32 masters with a bf16 forward, 35 evaluation steps every 30 rollouts, a checkpoint every 10.
+# Ours: gradient checkpointing; 10 000 rollouts is that script's default. A video run sets --num-frames (4k + 1)
+# and --reward-frames.
+_COSMOS3_GRPO = dict(diffusion_model_family="cosmos3", loss_type="flow_grpo", reward="pickscore", height=480,
+                     width=832, num_frames=1, use_lora=True, lora_rank=64, lora_alpha=128.0, diffusion_num_steps=16,
+                     eval_num_steps=35, diffusion_guidance_scale=4.0, diffusion_sde_type="sde",
+                     diffusion_noise_level=0.7, diffusion_sde_window_range=(8, 12), diffusion_num_sde_steps=2,
+                     diffusion_sde_step_strategy="random", globalize_reward_std=True, rollout_batch_size=48,
+                     n_samples_per_prompt=16, rollout_microgroup_size=1, global_batch_size=768,
+                     num_steps_per_rollout=1, micro_batch_size=1, lr=1e-4, adam_beta2=0.999, weight_decay=1e-4,
+                     diffusion_clip_range=1e-3, diffusion_kl_beta=0.0, mixed_precision="bf16",
+                     gradient_checkpointing=True, num_rollout=10000, eval_interval=30, checkpoint_interval=10,
+                     eval_images_per_category=0)
 
 SIZED: dict[str, dict[str, dict]] = {
     "sd3-grpo": {"gpu": _SD3_GRPO, "cpu": _SD3_GRPO},  # a real checkpoint has no CPU size

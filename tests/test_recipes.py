@@ -22,14 +22,14 @@ TABLE = {
                              "pickscore"),
     "ltx23-grpo-pickscore": ("ltx2", "flow_grpo", (64, 128.0), (512, 768), 24, 1.0, ((0, 10), 3), (8, 8), 2, 1,
                              "pickscore"),
-    "cosmos3-grpo": ("cosmos3", "flow_grpo", (64, 128.0), (720, 1280), 35, 6.0, ((0, 10), 3), (8, 16), 2, 1,
+    "cosmos3-grpo": ("cosmos3", "flow_grpo", (64, 128.0), (480, 832), 16, 4.0, ((8, 12), 2), (48, 16), 1, 1,
                      "pickscore"),
 }
 # video recipe → (frames, SDE type, noise level, SDE step strategy, frames the reward sees)
 VIDEO = {
     "wan22-grpo-pickscore": (1, "sde", 0.9, "window", None),
     "ltx23-grpo-pickscore": (57, "cps", 0.8, "random", 3),
-    "cosmos3-grpo": (189, "cps", 0.8, "random", 3),
+    "cosmos3-grpo": (1, "sde", 0.7, "random", None),
 }
 
 
@@ -64,13 +64,17 @@ def test_recipe_details_the_table_names():
     assert wan.rollout.diffusion_guidance_scale_2 == 3.0 and wan.model.num_frames == 1
     assert wan.rollout.diffusion_noise_level == 0.9 and wan.optim.lr == 1e-4 and wan.optim.global_batch_size == 64
     assert {"attn1.to_q", "attn2.to_out.0", "ffn.net.2"} <= set(wan.model.lora_target_modules)
-    for video in ("ltx23-grpo-pickscore", "cosmos3-grpo"):
-        cfg = recipe_config(video)
-        o, a = cfg.optim, cfg.algorithm
-        assert (o.lr, o.adam_beta2, o.weight_decay, o.micro_batch_size) == (2e-4, 0.999, 1e-4, 1)
-        assert (a.diffusion_clip_range, a.diffusion_kl_beta, a.globalize_reward_std) == (1e-5, 0.0, True)
-        assert cfg.model.mixed_precision == "bf16" and cfg.model.gradient_checkpointing and cfg.deterministic_mode
-        assert cfg.rollout.negative_prompt == "" and cfg.rollout.num_rollout == 200
+    ltx = recipe_config("ltx23-grpo-pickscore")
+    o, a = ltx.optim, ltx.algorithm
+    assert (o.lr, o.adam_beta2, o.weight_decay, o.micro_batch_size) == (2e-4, 0.999, 1e-4, 1)
+    assert (a.diffusion_clip_range, a.diffusion_kl_beta, a.globalize_reward_std) == (1e-5, 0.0, True)
+    assert ltx.model.mixed_precision == "bf16" and ltx.model.gradient_checkpointing and ltx.deterministic_mode
+    assert ltx.rollout.negative_prompt == "" and ltx.rollout.num_rollout == 200
+    cosmos = recipe_config("cosmos3-grpo")  # miles-diffusion's Cosmos3 text-to-image script
+    o, a = cosmos.optim, cosmos.algorithm
+    assert (o.lr, o.adam_beta2, o.weight_decay, o.micro_batch_size, o.global_batch_size) == (1e-4, 0.999, 1e-4, 1, 768)
+    assert (a.diffusion_clip_range, a.diffusion_kl_beta, a.globalize_reward_std) == (1e-3, 0.0, True)
+    assert cosmos.eval.eval_num_steps == 35 and cosmos.model.mixed_precision == "bf16"
     for sd35, kl_beta in (("sd35-grpo-ocr", 0.04), ("sd35-grpo-pickscore", 0.01)):  # flow_grpo's SD3.5 configs
         a = recipe_config(sd35).algorithm
         assert (a.diffusion_kl_beta, a.globalize_reward_std, a.globalize_reward_mean) == (kl_beta, True, False)

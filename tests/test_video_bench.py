@@ -9,6 +9,8 @@ from pathlib import Path
 import pytest
 import torch
 
+from diffrl.recipes import recipe_config
+
 BENCHMARKS = Path(__file__).resolve().parent.parent / "benchmarks"
 # Per recipe: a size of its tiny checkpoint, and steps and samples cut to CPU size (the SDE window keeps room for
 # the recipe's SDE steps).
@@ -55,7 +57,8 @@ def test_a_video_recipe_runs_end_to_end_at_tiny_size(recipe_runs, tmp_path, reci
     # What differs from the recipe is on record: size, frames, groups (their optimizer batch follows) and flags.
     cuts = report["cuts"]
     assert cuts["rollout_batch_size"][1] == 1 and cuts["diffusion_num_steps"][1] == 4
-    assert cuts["global_batch_size"][1] == report["samples_per_rollout"] // 2
+    steps_per_rollout = recipe_config(recipe).optim.num_steps_per_rollout  # the recipe's optimizer steps stay
+    assert cuts["global_batch_size"][1] == report["samples_per_rollout"] // steps_per_rollout
     assert report["num_frames"] == int(TINY[recipe][0][5])
     if recipe == "wan22-grpo-pickscore":  # the square --resolution gives way to --height/--width
         assert cuts["resolution"] == [480, None] and cuts["height"] == [None, 32]

@@ -29,11 +29,11 @@
 #     recipe microgroup 1; ~90 TFLOP per forward (audio stream included), ~80-105 s per rollout: 3 rollouts
 #     4-5 min, then microgroup 8 as far as it fits (0-2 rollouts). With a fourth call's time, the sweep at 25
 #     frames (a cut; ~45 TFLOP, ~45 s per rollout): JOBS="ltx23-grpo-pickscore:1:25" MICROGROUPS="8 4 2"
-#   JOBS="cosmos3-grpo:1:9:480x832" MICROGROUPS="4 16" bash scripts/device/bench_video.sh
-#     Cosmos3 (15.2 B), 480 × 832 × 9 frames: a cut from the pipeline's 720 × 1280 × 189 (at 25 frames one
-#     rollout of 16 samples, 35 steps with CFG 6, costs ~3 min, at 17 frames ~2-2.5 min, so 3 would not fit
-#     with the setup), 1 group (of 8) × 16 samples, recipe microgroup 1; ~19 TFLOP per forward, one sample per
-#     forward, 70-90 s per rollout: 3 rollouts ~4 min, sweep ~2 min (microgroup 4).
+#   JOBS="cosmos3-grpo:1" MICROGROUPS="4 16" bash scripts/device/bench_video.sh
+#     Cosmos3 (15.2 B) at the recipe's size, miles-diffusion's text-to-image run: one frame of 480 × 832, 16 steps
+#     with CFG 4, 1 group (of 48) × 16 samples, recipe microgroup 1, one sample per forward; one latent frame, a
+#     third of the 9-frame cut's tokens, so rollouts of well under a minute: 3 rollouts and the sweep fit. A video cut instead:
+#     JOBS="cosmos3-grpo:1:9" (9 frames, ~19 TFLOP per forward, 70-90 s per rollout).
 #
 # http:FAMILY:GROUPS[:FRAMES[:HEIGHTxWIDTH]] items run benchmarks/video_microgroups_http.py instead: the family's
 # real-size random checkpoint behind one engine server (a subprocess, loopback HTTP), a rollout of GROUPS prompts ×
