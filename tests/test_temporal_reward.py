@@ -31,6 +31,16 @@ def test_still_beats_smooth_motion_beats_jumbled_frames(name, tmp_path):
     assert values[0] > values[1] > values[2], values
 
 
+def test_temporal_clip_of_still_videos_is_at_most_one(tmp_path):
+    """A cosine similarity never exceeds 1, even where identical frames' embeddings round above it."""
+    _save_tiny_clip(tmp_path / "clip")
+    score = get_reward(f"temporal_clip@{tmp_path / 'clip'}", device="cpu")
+    g = torch.Generator().manual_seed(0)
+    still = torch.rand(40, 3, 1, 32, 32, generator=g).expand(40, 3, 5, 32, 32).clone()
+    values = score(still, ["a"] * 40)
+    assert max(values) <= 1.0 and min(values) == pytest.approx(1.0, abs=1e-5)
+
+
 def test_flicker_scores_below_smooth_motion():
     score = get_reward("temporal_consistency")
     smooth, flicker = _panning(), _panning().clone()

@@ -54,7 +54,8 @@ def temporal_clip(path: str, device: torch.device, processor: str | None = None)
             return [1.0] * b
         frames = videos.permute(0, 2, 1, 3, 4).reshape(b * f, c, h, w)
         embeds = clip.image_embeds(frames).view(b, f, -1)
-        return (embeds[:, 1:] * embeds[:, :-1]).sum(-1).mean(-1).tolist()
+        # A cosine of unit vectors, kept in [-1, 1] where float rounding of identical frames gives 1 + 2e-7.
+        return (embeds[:, 1:] * embeds[:, :-1]).sum(-1).clamp(-1.0, 1.0).mean(-1).tolist()
 
     score.modules = (clip.model,)  # what --reward-colocate moves
     score.whole_video = True  # --reward-frames leaves it every frame (frames.on_frames)
