@@ -89,9 +89,7 @@ def compare(cfg: CompareConfig) -> dict:
         check_checkpoint(cfg.base_checkpoint)
     if cfg.prompt_data is not None or cfg.reward is not None:
         return compare_by_prompt_data(cfg)
-    check_shapes_family(cfg.diffusion_model_family, cfg.base, "compare")
-    if cfg.guidance_scale_2 is not None:
-        raise ValueError("--guidance-scale-2: the shapes world's models have one expert; pass --prompt-data for Wan2.2")
+    check_shapes_family(cfg.diffusion_model_family, cfg.base, "compare", cfg.guidance_scale_2)
     device = resolve_device(cfg.device)
     base = load_model(cfg.base, cfg.base_checkpoint, family=cfg.diffusion_model_family, device=device)
     trained = load_model(cfg.base, cfg.trained, family=cfg.diffusion_model_family, device=device)

@@ -85,23 +85,24 @@ class EvaluateConfig:
     verdict: strict, score, reason), so the evaluation can be re-scored (--prompt-data always writes them)."""
 
 
-def check_shapes_family(family: str | None, model_path: Path, command: str) -> None:
+def check_shapes_family(family: str | None, model_path: Path, command: str, guidance_scale_2: float | None) -> None:
     """The shapes world verifies images: a video family is refused before it loads (its [C, F, H, W] videos
-    reached the image writer as a traceback), pointing at the prompt-set evaluation, which takes video."""
+    reached the image writer as a traceback), pointing at the prompt-set evaluation, which takes video; and so
+    is a second expert's CFG scale, which its one-expert models have no use for."""
     from diffrl.models.registry import resolve_family
 
     family_cls = resolve_family(family, model_path)
     if family_cls.generates_video:
         raise ValueError(f"diffrl {command}: the shapes world scores images and the {family_cls.name} family "
                          "generates video; pass --prompt-data PATH --reward SPEC (e.g. temporal_consistency)")
+    if guidance_scale_2 is not None:
+        raise ValueError("--guidance-scale-2: the shapes world's models have one expert; pass --prompt-data for Wan2.2")
 
 
 def evaluate(cfg: EvaluateConfig) -> dict:
     if cfg.prompt_data is not None or cfg.reward is not None:
         return evaluate_prompt_data(cfg)
-    check_shapes_family(cfg.diffusion_model_family, cfg.model_path, "evaluate")
-    if cfg.guidance_scale_2 is not None:
-        raise ValueError("--guidance-scale-2: the shapes world's models have one expert; pass --prompt-data for Wan2.2")
+    check_shapes_family(cfg.diffusion_model_family, cfg.model_path, "evaluate", cfg.guidance_scale_2)
     cfg = replace(cfg, seed=0 if cfg.seed is None else cfg.seed,
                   guidance_scale=SHAPES_GUIDANCE_SCALE if cfg.guidance_scale is None else cfg.guidance_scale)
     device = resolve_device(cfg.device)
