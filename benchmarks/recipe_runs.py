@@ -152,9 +152,8 @@ def reward_spec(reward: str, root: Path, tiny: bool = False) -> str:
 
 def forward_flops(trainer: Trainer, prompt: str) -> float:
     """FLOPs of one transformer forward for one sample at the run's size (conditional branch only)."""
-    from torch.utils.flop_counter import FlopCounterMode
-
     from diffrl.sampling import make_generators
+    from diffrl.utils.flops import flop_counter
 
     family, cfg = trainer.policy.family, trainer.cfg
     height, width = cfg.model.size() or family.default_size()
@@ -163,7 +162,7 @@ def forward_flops(trainer: Trainer, prompt: str) -> float:
         cond = family.encode_prompts([prompt])
         latents = family.prepare_latents(make_generators([0], device="cpu"), height, width, **frames)
         sigma = torch.full((1,), 0.5, device=family.device)
-        counter = FlopCounterMode(display=False)
+        counter = flop_counter()
         with counter:
             family.velocity(family.transformer, latents, sigma, cond, None, 1.0)
     return float(counter.get_total_flops())

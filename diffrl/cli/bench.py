@@ -108,10 +108,10 @@ def _step_inputs(family, batch: int, size: tuple[int, int], guidance: float, num
 def transformer_gflop(family, batch: int, size: tuple[int, int], guidance: float, num_frames: int | None = None) -> float:
     """GFLOP per sample of one denoising step's transformer work (cond + uncond when CFG is on), counted
     eagerly (before any compilation: the counter does not see inside compiled graphs)."""
-    from torch.utils.flop_counter import FlopCounterMode
+    from diffrl.utils.flops import flop_counter
 
     latents, sigma, cond, uncond = _step_inputs(family, batch, size, guidance, num_frames)
-    with FlopCounterMode(display=False) as counter:
+    with flop_counter() as counter:
         family.velocity(family.transformer, latents, sigma, cond, uncond, guidance)
     return counter.get_total_flops() / batch / 1e9
 
