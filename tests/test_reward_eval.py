@@ -266,6 +266,25 @@ def test_a_video_is_written_as_an_animated_png_with_every_frame(tmp_path):
             np.testing.assert_array_equal(np.asarray(apng.convert("RGB")), to_uint8(video[:, f][None])[0])
 
 
+@pytest.mark.parametrize("fps", [16, 24, 30])
+def test_a_video_keeps_identical_consecutive_frames_each_lasting_one_over_fps(tmp_path, fps):
+    from diffrl.evaluation.reward_eval import _write_sample
+
+    still = torch.rand(3, 1, 8, 12, generator=torch.Generator().manual_seed(1))
+    moved = torch.rand(3, 1, 8, 12, generator=torch.Generator().manual_seed(2))
+    video = torch.cat([still, still, still, moved, moved, still], dim=1)  # [C, 6, H, W], runs of equal frames
+    path = _write_sample(video, tmp_path / "00000.png", fps=fps)
+    with Image.open(path) as apng:
+        assert apng.n_frames == 6
+        total = 0.0
+        for f in range(6):
+            apng.seek(f)
+            np.testing.assert_array_equal(np.asarray(apng.convert("RGB")), to_uint8(video[:, f][None])[0])
+            assert apng.info["duration"] == pytest.approx(1000 / fps, abs=1e-6)
+            total += apng.info["duration"]
+        assert total == pytest.approx(6 * 1000 / fps, abs=1e-6)
+
+
 def test_a_video_frame_grid_shows_each_video_as_a_row_of_evenly_spaced_frames(tmp_path):
     from diffrl.evaluation.reward_eval import save_frame_grid
 

@@ -26,7 +26,7 @@ from pathlib import Path
 
 import numpy as np
 import torch
-from PIL import Image
+from PIL import Image, PngImagePlugin
 from tqdm import tqdm
 
 from diffrl.data.prompts import PromptRecord
@@ -276,8 +276,14 @@ def _write_sample(sample: torch.Tensor, path: Path, fps: float = VIDEO_FPS) -> P
             Image.fromarray(to_uint8(sample[None])[0]).save(tmp, format="PNG")
         return path
     frames = [Image.fromarray(f) for f in to_uint8(sample.transpose(0, 1))]
+    # Pillow folds a frame equal to the one before into it (one frame, summed delay) whenever the two have
+    # the same blend op, and offers no switch to turn that off: alternating SOURCE and OVER keeps every
+    # frame, and changes no pixel, since an RGB frame has no alpha and OVER of an opaque frame is SOURCE.
+    blend = [PngImagePlugin.Blend.OP_SOURCE if i % 2 == 0 else PngImagePlugin.Blend.OP_OVER for i in range(len(frames))]
     with atomic_path(path) as tmp:
-        frames[0].save(tmp, format="PNG", save_all=True, append_images=frames[1:], duration=round(1000 / fps), loop=0)
+        # the delay in ms as a float: Pillow stores it as an exact fraction of a second (1/16 s, not 62 ms)
+        frames[0].save(tmp, format="PNG", save_all=True, append_images=frames[1:], duration=1000 / fps, loop=0,
+                       disposal=PngImagePlugin.Disposal.OP_NONE, blend=blend)
     return path
 
 
