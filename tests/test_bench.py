@@ -43,7 +43,7 @@ def test_bench_refuses_bad_flags(capsys):
     assert "--dtype must be float32 or bfloat16" in capsys.readouterr().err
 
 
-def test_bench_times_a_video_family_and_refuses_frames_for_an_image_family(tmp_path, tiny_model_dir):
+def test_bench_times_a_video_family_and_refuses_frames_for_an_image_family(tmp_path, tiny_model_dir, capsys):
     from diffrl.models.random_checkpoints.wan2_2 import (
         save_random_checkpoint as save_wan,
     )
@@ -54,6 +54,10 @@ def test_bench_times_a_video_family_and_refuses_frames_for_an_image_family(tmp_p
     assert results["family"] == "wan2_2" and results["num_frames"] == 5
     assert results["engine"][2]["s_per_image"] > 0 and results["decode_ms_per_image"]["family_decode"] > 0
     assert results["pipeline"]["class"] == "WanPipeline" and results["pipeline"][2]["s_per_image"] > 0
+    assert results["pipeline"][2]["samples_per_call"] == 2 and results["pipeline"][2]["calls"] == 1
+    printed = capsys.readouterr().out
+    assert "WanPipeline,  2 videos per call: " in printed and " s per video" in printed
+    assert "transformer batch  2: " in printed  # one forward for the batch
     with pytest.raises(ValueError, match="--num-frames 5: the demo family generates images"):
         bench(BenchConfig(model_path=tiny_model_dir, device="cpu", num_frames=5))
 
@@ -84,7 +88,7 @@ def test_bench_gives_the_pipeline_the_cfg_scale_in_its_own_terms(tmp_path, famil
         assert len(forwards) == 2 * 2 * per_step  # a warm-up call and a timed one, two steps each
 
 
-def test_bench_times_a_pipeline_that_takes_one_sample_per_call(tmp_path):
+def test_bench_times_a_pipeline_that_takes_one_sample_per_call(tmp_path, capsys):
     """Cosmos3OmniPipeline makes one sample a call (no count argument): a group of n is n calls of one; it was
     called with num_images_per_prompt and the bench ended in a TypeError traceback after the engine's timings."""
     from diffrl.models.random_checkpoints.cosmos3 import save_random_checkpoint
@@ -94,3 +98,21 @@ def test_bench_times_a_pipeline_that_takes_one_sample_per_call(tmp_path):
                                 n=2, ms=(1, 2), steps=2, repeats=1, guidance_scale=4.0))
     assert results["pipeline"]["class"] == "Cosmos3OmniPipeline"
     assert results["pipeline"][1]["s_per_image"] > 0 and results["pipeline"][2]["s_per_image"] > 0
+
+
+def test_bench_says_a_cosmos3_group_is_calls_and_forwards_of_one_sample(tmp_path, capsys):
+    """Cosmos3's pipeline makes one video a call and its transformer's forward takes one sample: the bench's lines
+    name n calls (and n forwards) of one, not n "images per call"."""
+    from diffrl.models.random_checkpoints.cosmos3 import save_random_checkpoint
+
+    model = save_random_checkpoint(tmp_path / "cosmos3-tiny")
+    results = bench(BenchConfig(model_path=model, device="cpu", dtype="float32", height=16, width=32, num_frames=5,
+                                n=2, ms=(2,), steps=2, repeats=1, guidance_scale=4.0))
+    printed = capsys.readouterr().out
+    assert "images per call" not in printed and "videos per call" not in printed
+    assert "Cosmos3OmniPipeline,  1 call of one video: " in printed
+    assert "Cosmos3OmniPipeline,  2 calls of one video: " in printed
+    assert "transformer batch  2 (2 forwards of one sample): " in printed
+    assert "engine M=2 : " in printed and " s per video (" in printed
+    assert results["transformer_one_sample_per_forward"] is True
+    assert results["pipeline"][2]["samples_per_call"] == 1 and results["pipeline"][2]["calls"] == 2

@@ -9,7 +9,9 @@ For one model (any family) at the settings given, measured in `--dtype` weights:
   share of it the batch-n transformer alone would take (the rest is the engine's and the decode's);
 - for families whose `reference_pipeline()` is diffusers' own pipeline on the same components (not None):
   that pipeline at 1 and n images per call (ODE, images only), as the baseline in the same run, and the
-  engine on the same work (the group as one plain ODE request returning images only).
+  engine on the same work (the group as one plain ODE request returning images only). A pipeline that makes
+  one sample a call (Cosmos3's) makes the n as n calls of one, and the bench says so; so it does for a family
+  whose transformer forward takes one sample (Cosmos3's), whose batch n is n forwards of one.
 `benchmarks/family_rollout.py` runs this on random weights of a family's real size.
 """
 
@@ -157,6 +159,22 @@ async def time_group(client, n: int, m: int, request: dict, repeats: int, prompt
     return sorted(times)[len(times) // 2], torch.stack([s.output.generated_output for s in group])
 
 
+def pipeline_count_argument(pipe) -> str | None:
+    """The keyword by which a diffusers pipeline makes several samples a call, or None for a pipeline that makes
+    one a call (Cosmos3's)."""
+    import inspect
+
+    accepted = inspect.signature(pipe.__call__).parameters
+    return next((k for k in ("num_videos_per_prompt", "num_images_per_prompt") if k in accepted), None)
+
+
+def pipeline_label(name: str, batch: int, count: str | None, unit: str) -> str:
+    """How the bench names a pipeline timing: `batch` samples in one call, or `batch` calls of one sample."""
+    if count is None:
+        return f"{name}, {batch:>2} call{'s' if batch > 1 else ''} of one {unit}"
+    return f"{name}, {batch:>2} {unit}{'s' if batch > 1 else ''} per call"
+
+
 @torch.no_grad()
 def pipeline_s_per_image(pipe, device, batch: int, size: tuple[int, int], steps: int, guidance: float, repeats: int,
                          num_frames: int | None = None, inputs: dict | None = None) -> float:
@@ -169,7 +187,7 @@ def pipeline_s_per_image(pipe, device, batch: int, size: tuple[int, int], steps:
 
     generator = torch.Generator(device).manual_seed(0)
     accepted = inspect.signature(pipe.__call__).parameters
-    count = next((k for k in ("num_videos_per_prompt", "num_images_per_prompt") if k in accepted), None)
+    count = pipeline_count_argument(pipe)
     extra = {**(inputs or {}), **({"num_frames": num_frames} if num_frames is not None else {})}
     # The CFG scale in the pipeline's own terms: a modular pipeline's guider (FLUX 3); Qwen-Image's
     # `true_cfg_scale`, on only with a negative prompt (its `guidance_scale` is the guidance-distilled
@@ -227,6 +245,8 @@ def bench(cfg: BenchConfig) -> dict:
     family.check_size(*size, **_frames(family, frames))
     guidance = family.default_guidance_scale if cfg.guidance_scale is None else cfg.guidance_scale
     on_gpu = device.type == "cuda"
+    unit = "video" if family.generates_video else "image"
+    one_per_forward = family.one_sample_per_forward
     results = {"family": family.name, "model_path": str(model_path),
                "device": torch.cuda.get_device_name(device) if on_gpu else "cpu", "dtype": cfg.dtype,
                "transformer_params": sum(p.numel() for p in family.transformer.parameters()),
@@ -235,7 +255,8 @@ def bench(cfg: BenchConfig) -> dict:
                "guidance_scale": guidance, "compile": cfg.compile,
                "eager_numerics": cfg.compile and cfg.eager_numerics,
                "compile_mode": cfg.compile_mode if cfg.compile else None, "attention_backend": cfg.attention_backend,
-               "fuse_qkv": cfg.fuse_qkv, "vae_decode_batch": cfg.vae_decode_batch, "transformer": {}, "engine": {}}
+               "fuse_qkv": cfg.fuse_qkv, "vae_decode_batch": cfg.vae_decode_batch,
+               "transformer_one_sample_per_forward": one_per_forward, "transformer": {}, "engine": {}}
     reps = 5 if on_gpu else 1
     batches = sorted({1, cfg.n})
     gflops = {batch: transformer_gflop(family, batch, size, guidance, frames) for batch in batches}
@@ -249,9 +270,11 @@ def bench(cfg: BenchConfig) -> dict:
         ms, gflop = transformer_step_ms(family, batch, size, guidance, reps, frames), gflops[batch]
         results["transformer"][batch] = {"ms_per_sample_step": ms, "gflop_per_sample_step": gflop,
                                          "mfu": gflop / ms / cfg.peak_tflops if on_gpu else None}
-        print(f"transformer batch {batch:>2}: {ms:8.2f} ms per sample-step, {gflop:,.0f} GFLOP", flush=True)
+        # A family whose forward takes one sample runs a batch as that many forwards, one after another.
+        how = f" ({batch} forwards of one sample)" if one_per_forward and batch > 1 else ""
+        print(f"transformer batch {batch:>2}{how}: {ms:8.2f} ms per sample-step, {gflop:,.0f} GFLOP", flush=True)
     results["decode_ms_per_image"] = decode_ms_per_image(family, cfg.n, size, 2 if on_gpu else 1, frames)
-    print("VAE decode, ms per image: " + ", ".join(f"{k} {v:.1f}" for k, v in results["decode_ms_per_image"].items()),
+    print(f"VAE decode, ms per {unit}: " + ", ".join(f"{k} {v:.1f}" for k, v in results["decode_ms_per_image"].items()),
           flush=True)
     floor_ms = results["transformer"][cfg.n]["ms_per_sample_step"] * cfg.steps
     engine = Engine(family, EngineConfig(max_outputs_per_request=cfg.n, max_batch_outputs=cfg.n))
@@ -268,7 +291,7 @@ def bench(cfg: BenchConfig) -> dict:
         results["engine"][m] = {"s_per_image": per_image, "images_per_s": 1 / per_image,
                                 "transformer_share": floor_ms / 1000 / per_image,
                                 "peak_gib": torch.cuda.max_memory_allocated(device) / 2**30 if on_gpu else None}
-        print(f"engine M={m:<2}: {per_image:.3f} s per image ({1 / per_image:.2f} images/s; the batch-{cfg.n} "
+        print(f"engine M={m:<2}: {per_image:.3f} s per {unit} ({1 / per_image:.2f} {unit}s/s; the batch-{cfg.n} "
               f"transformer alone: {floor_ms / 1000:.3f} s)", flush=True)
     pipe = family.reference_pipeline() if cfg.reference_pipeline else None
     if pipe is not None:
@@ -277,16 +300,18 @@ def bench(cfg: BenchConfig) -> dict:
         plain = {k: v for k, v in request.items() if not k.startswith("rollout")}
         seconds, _ = asyncio.run(time_group(client, cfg.n, cfg.n, plain, cfg.repeats))
         results["engine_plain"] = {"s_per_image": seconds / cfg.n, "images_per_s": cfg.n / seconds}
-        print(f"engine, one plain ODE request of {cfg.n} (images only, as the pipeline): {seconds / cfg.n:.3f} s "
-              "per image", flush=True)
+        print(f"engine, one plain ODE request of {cfg.n} ({unit}s only, as the pipeline): {seconds / cfg.n:.3f} s "
+              f"per {unit}", flush=True)
         name = type(pipe).__name__
+        count = pipeline_count_argument(pipe)
         results["pipeline"] = {"class": name}
         for batch in batches:
             per_image = pipeline_s_per_image(pipe, device, batch, size, cfg.steps, guidance, cfg.repeats,
                                              frames if family.generates_video else None,
                                              family.reference_pipeline_kwargs())
-            results["pipeline"][batch] = {"s_per_image": per_image}
-            print(f"{name}, {batch:>2} images per call: {per_image:.3f} s per image", flush=True)
+            results["pipeline"][batch] = {"s_per_image": per_image, "samples_per_call": batch if count else 1,
+                                          "calls": 1 if count else batch}
+            print(f"{pipeline_label(name, batch, count, unit)}: {per_image:.3f} s per {unit}", flush=True)
         best_engine = min(r["s_per_image"] for r in results["engine"].values())
         for batch in batches:
             results[f"pipeline_batch{batch}_over_engine"] = results["pipeline"][batch]["s_per_image"] / best_engine

@@ -150,6 +150,9 @@ class FamilyAdapter(ABC):
     # Whether the family's CFG is what sglang and diffusers call "true CFG" (`true_cfg_scale`): requests may then
     # set the scale as `true_cfg_scale` (it wins over `guidance_scale`); other families refuse the field.
     has_true_cfg: ClassVar[bool] = False
+    # Whether the transformer's forward takes one sample (Cosmos3's packed sequence): `run_transformer` then runs
+    # a batch's rows one after another, and a batch of n costs n forwards (`diffrl bench` says so).
+    one_sample_per_forward: ClassVar[bool] = False
 
     # ---------------------------------------------------------------- what `load` reads
     # The checkpoint's folders, in loading order (see `diffrl.models.components`).

@@ -131,6 +131,7 @@ class Cosmos3Family(FamilyAdapter):
     default_guidance_scale = 6.0
     timestep_scale = 1000.0
     pads_text = True  # conditioning rows are zero-padded bytes
+    one_sample_per_forward = True  # the attention has no batch axis (see the module docstring)
     # The generation pathway's attention projections: the understanding pathway is also the model's reasoner
     # (a VLM), which these leave as it is.
     lora_target_modules = ("self_attn.add_q_proj", "self_attn.add_k_proj", "self_attn.add_v_proj",
