@@ -295,3 +295,41 @@ def test_a_served_videos_pixels_count_every_frame(cosmos):
         engine.generate(RolloutRequest(**request, num_outputs_per_prompt=2))
     assert err.value.field == "num_outputs_per_prompt" and engine.in_flight == 0
     assert len(engine.generate(RolloutRequest(**request))) == 1
+
+
+def test_rollout_forwards_compute_the_text_pathway_once(cosmos_dir):
+    """Without gradients the text tokens' keys and values are computed once per prompt and weights and reused at
+    every step: the velocity is the full forward's to the bit (CFG, a video and an image), and a weight update in
+    place, or an adapter on the text pathway, is never served from the cache."""
+    from peft import LoraConfig
+
+    family = Cosmos3Family.load(cosmos_dir)
+    cond, uncond = family.encode_prompts(["a red cat", "a red cat"]), family.encode_prompts(["blurry", "blurry"])
+
+    def velocities(x, grad):
+        with torch.set_grad_enabled(grad):  # with gradients: the transformer's own forward, whole
+            return [family.velocity(family.transformer, Latents(x, torch.zeros(0, 1)), torch.tensor([s, s]), cond,
+                                    uncond, 4.0).detach() for s in (0.9, 0.5)]
+
+    for frames in (2, 1):  # latent frames: a video, an image
+        x = torch.randn(2, 4, frames, 2, 4)
+        family.text_cache.clear()
+        cached = velocities(x, grad=False)
+        assert len(family.text_cache._entries) == 2  # the prompt and the negative prompt, for both steps and rows
+        for a, b in zip(cached, velocities(x, grad=True), strict=True):
+            assert torch.equal(a, b)
+    layer = family.transformer.layers[0]
+    with torch.no_grad():
+        layer.mlp.up_proj.weight.mul_(1.5)  # the text pathway's own weights, in place (an optimizer step)
+    updated = velocities(x, grad=False)
+    assert not torch.equal(updated[0], cached[0])
+    assert all(torch.equal(a, b) for a, b in zip(updated, velocities(x, grad=True), strict=True))
+    video_lora = Cosmos3Family.load(cosmos_dir)  # the family's LoRA targets: the video pathway only
+    video_lora.transformer.add_adapter(LoraConfig(r=2, lora_alpha=2, target_modules=list(family.lora_target_modules),
+                                                  init_lora_weights=False))
+    assert video_lora.text_cache.key(video_lora.transformer, (b"a", False, (5, 16, 32), "cpu"), "auto") is not None
+    family.transformer.add_adapter(LoraConfig(r=2, lora_alpha=2, target_modules=["self_attn.to_q"],
+                                              init_lora_weights=False))
+    key = family.text_cache.key(family.transformer, (b"a", False, (5, 16, 32), "cpu"), "auto")
+    assert key is None  # an adapter on the text pathway: the transformer's own forward
+    assert all(torch.equal(a, b) for a, b in zip(velocities(x, grad=False), velocities(x, grad=True), strict=True))

@@ -29,6 +29,15 @@ would take any); the frame rate is the pipeline's default, 24.
 The transformer's forward takes one sample (its attention has no batch axis), so `run_transformer` runs the rows
 of a batch one after another: sample k's velocity does not depend on its batch, on any device.
 
+The text pathway is computed once per prompt, not once per forward (`TextPathwayCache`): the text tokens attend
+causally to text only, so their hidden states, and the keys and values the video tokens read from them in every
+layer, depend on neither the latents nor the timestep. A rollout's forwards (no gradients) run the transformer's
+layers on the video tokens alone against those keys and values, the same operations on the same numbers as the
+full forward's video half; a forward with gradients (the trainer) runs the transformer whole. At one frame of
+480 × 832 a forward is ~390 video tokens and ~80 text tokens: launch-bound on a GPU, where the text half is
+about half of the kernels. The cache is keyed by the text and by the identity and version counter of every
+text-pathway parameter, so a weight update in place (an optimizer step, a weight sync) or new tensors miss it.
+
 Not reproduced: the solver. Our steps are the shared Euler ODE / SDE of `diffrl.sampling`; a checkpoint whose
 scheduler is UniPC (as published ones) gets UniPC's flow σ's with our steps. Refused by name: image- and
 video-conditioned requests (the engine refuses their fields), distilled checkpoints (few-step students with CFG
@@ -39,6 +48,7 @@ from __future__ import annotations
 
 import copy
 import threading
+import weakref
 from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -74,6 +84,9 @@ SYSTEM_PROMPTS = {  # the pipeline's system messages (their wording is what the 
 }
 # Packed sequences kept per (prompt, role, latent grid, device): a request's rows share one, steps reuse it.
 SEQUENCE_CACHE_SIZE = 256
+# Text pathways kept (`TextPathwayCache`): each holds a key and a value per layer for the text tokens (at the
+# default size, 36 layers × 2 × 8 heads × 128 × ~80 tokens in bf16: ~12 MB).
+TEXT_CACHE_SIZE = 32
 
 
 @dataclass
@@ -160,6 +173,9 @@ class Cosmos3Family(FamilyAdapter):
         self._special = [text_tokenizer.eos_token_id, text_tokenizer.convert_tokens_to_ids("<|vision_start|>")]
         self._sequences: dict[tuple, dict] = {}
         self._sequences_lock = threading.Lock()
+        self._texts: tuple[torch.Tensor, list[bytes]] | None = None  # the last conditioning decoded, and its rows
+        self._last_pair: tuple[torch.Tensor, torch.Tensor, GuidancePair] | None = None
+        self.text_cache = TextPathwayCache()
 
     def reference_pipeline(self):
         """diffusers' `Cosmos3OmniPipeline` over this family's own components (no copy, no safety checker), for
@@ -316,13 +332,28 @@ class Cosmos3Family(FamilyAdapter):
         """Both halves as one conditioning (zero padding to the longer is harmless), the negative rows marked.
         `run_transformer` still runs one forward per row, as the pipeline's two passes; `combine_guidance`
         (the base class's) combines them as the pipeline does."""
+        last = self._last_pair  # a denoising loop pairs the same two tensors at every step
+        if last is not None and last[0] is uncond.embeds and last[1] is cond.embeds:
+            return last[2]
         length = max(uncond.embeds.shape[1], cond.embeds.shape[1])
 
         def padded(e: torch.Tensor) -> torch.Tensor:
             return torch.nn.functional.pad(e, (0, 0, 0, length - e.shape[1]))
 
-        return GuidancePair(torch.cat([padded(uncond.embeds), padded(cond.embeds)]),
+        pair = GuidancePair(torch.cat([padded(uncond.embeds), padded(cond.embeds)]),
                             cond.ids.new_zeros(length, cond.ids.shape[1]), negative_rows=len(uncond))
+        self._last_pair = (uncond.embeds, cond.embeds, pair)  # holding the tensors keeps their identity
+        return pair
+
+    def _row_texts(self, embeds: torch.Tensor) -> list[bytes]:
+        """Each conditioning row's prompt bytes, remembered for the last tensor decoded: decoding reads the
+        rows back to the host, a sync that would stall a GPU's kernel queue once per forward."""
+        last = self._texts
+        if last is not None and last[0] is embeds:
+            return last[1]
+        texts = [prompt_bytes(row) for row in embeds.detach().cpu()]  # one copy for every row
+        self._texts = (embeds, texts)  # holding the tensor keeps its identity from being reused
+        return texts
 
     def run_transformer(self, transformer, latents, sigma, cond) -> torch.Tensor:
         x = latents.tokens
@@ -331,14 +362,22 @@ class Cosmos3Family(FamilyAdapter):
         _, _, frames, latent_h, latent_w = x.shape
         grid = (frames, latent_h * self.vae_scale_spatial, latent_w * self.vae_scale_spatial)
         dtype = next(transformer.parameters()).dtype
+        texts = self._row_texts(cond.embeds)
         rows = []
         for b in range(x.shape[0]):  # one sample per forward (see the module docstring)
-            packed = self._sequence(prompt_bytes(cond.embeds[b]), b < negative_rows, grid, x.device)
+            negative = b < negative_rows
+            packed = self._sequence(texts[b], negative, grid, x.device)
             timesteps = t[b].expand(packed["vision_sequence_indexes"].shape[0])  # one per video token
             with self.forward_precision():
-                out = transformer(vision_tokens=[x[b : b + 1].to(dtype)], vision_timesteps=timesteps,
-                                  return_dict=False, **packed)
-            rows.append(out[0][0].float())
+                key = None if torch.is_grad_enabled() else self.text_cache.key(
+                    transformer, (texts[b], negative, grid, str(x.device)), self.attention_backend)
+                if key is None:
+                    out = transformer(vision_tokens=[x[b : b + 1].to(dtype)], vision_timesteps=timesteps,
+                                      return_dict=False, **packed)[0][0]
+                else:
+                    text = self.text_cache.get(key, transformer, lambda: text_pathway(transformer, packed))
+                    out = video_pathway(transformer, packed, text, x[b : b + 1].to(dtype), timesteps)
+            rows.append(out.float())
         return torch.cat(rows)
 
     def decode(self, latents: torch.Tensor, height: int, width: int, num_frames: int | None = None) -> torch.Tensor:
@@ -370,3 +409,161 @@ def _refuse_distilled(root: Path, index: dict) -> None:
         if config.get("is_distilled") or config.get("distilled_sigmas"):
             raise ModelLoadError(f"cosmos3: {path} describes a distilled checkpoint (a fixed few-step schedule with "
                                  "CFG in its weights), which this adapter does not sample")
+
+
+# ---------------------------------------------------------------------------------------------- text pathway
+@dataclass
+class TextPathway:
+    """What the video tokens read from the text tokens in every layer (rotary embedding applied to the keys),
+    and the rotary tables of the video tokens."""
+
+    keys: list[torch.Tensor]  # per layer [text tokens, key heads, head dim]
+    values: list[torch.Tensor]
+    cos: torch.Tensor  # [video tokens, head dim]
+    sin: torch.Tensor
+
+
+class TextPathwayCache:
+    """Text pathways by prompt, sequence and weights (see the module docstring). Thread-safe."""
+
+    def __init__(self, size: int = TEXT_CACHE_SIZE):
+        self.size = size
+        self._entries: dict[tuple, tuple[weakref.ref, TextPathway]] = {}
+        self._lock = threading.Lock()
+
+    @staticmethod
+    def key(transformer, sequence: tuple, attention_backend: str) -> tuple | None:
+        """The entry's key, or None where the cache does not apply: a transformer that is not diffusers' own
+        layout (sharded, another attention processor) or whose text pathway has adapters (their scale and
+        switch are not parameters a key can see)."""
+        from diffusers.models.transformers.transformer_cosmos3 import Cosmos3AttnProcessor
+
+        if transformer._cp_shard_fn is not None or transformer._cp_gather_fn is not None:
+            return None
+        state = _weights_state(transformer.embed_tokens)
+        for layer in transformer.layers:
+            attn, mlp = layer.self_attn, layer.mlp
+            if type(attn.processor) is not Cosmos3AttnProcessor:
+                return None
+            linears = [attn.to_q, attn.to_k, attn.to_v, attn.to_out, mlp.up_proj, mlp.down_proj]
+            if mlp.hidden_act == "silu":
+                linears.append(mlp.gate_proj)
+            if any(type(m) is not torch.nn.Linear for m in linears):  # an adapter wraps it
+                return None
+            for module in (*linears, layer.input_layernorm, layer.post_attention_layernorm, attn.norm_q, attn.norm_k,
+                           attn.k_norm_und_for_gen):
+                if module is not None:
+                    state += _weights_state(module)
+        device_type = transformer.embed_tokens.weight.device.type  # (ModelMixin.device walks every module)
+        autocast = (torch.is_autocast_enabled(device_type), torch.get_autocast_dtype(device_type))
+        return (id(transformer), sequence, attention_backend, autocast, tuple(state))
+
+    def get(self, key: tuple, transformer, build) -> TextPathway:
+        """The entry for `key` (made by `key(transformer, ...)`), built by `build()` when missing. An entry also
+        remembers its transformer, weakly: a new transformer at a freed one's address is not served its text."""
+        with self._lock:
+            hit = self._entries.get(key)
+        if hit is not None and hit[0]() is transformer:
+            return hit[1]
+        entry = build()
+        with self._lock:
+            if len(self._entries) >= self.size:
+                self._entries.clear()
+            self._entries[key] = (weakref.ref(transformer), entry)
+        return entry
+
+    def clear(self) -> None:
+        with self._lock:
+            self._entries.clear()
+
+
+def _weights_state(module: torch.nn.Module) -> list:
+    """Identity, version counter (moved by every in-place update) and storage of a module's own parameters."""
+    if module._modules:
+        raise ValueError(f"cosmos3: {type(module).__name__} has submodules; the text cache reads leaf modules")
+    return [(id(p), p._version, p.data_ptr()) for p in module._parameters.values() if p is not None]
+
+
+def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    from diffusers.models.transformers.transformer_cosmos3 import _rotate_half
+
+    return x * cos + _rotate_half(x) * sin
+
+
+@torch.no_grad()
+def text_pathway(transformer, packed: dict) -> TextPathway:
+    """The text half of `Cosmos3OmniTransformer.forward` and of its attention processor, keeping each layer's
+    keys and values for the video tokens (the text tokens fill the sequence's first `und_len` places)."""
+    from diffusers.models.attention_dispatch import dispatch_attention_fn
+
+    und_len = packed["und_len"]  # `_sequence` puts the text tokens first
+    hidden = transformer.embed_tokens(packed["input_ids"])
+    position_ids = packed["position_ids"]
+    cos, sin = transformer.rotary_emb(
+        position_ids=position_ids.unsqueeze(0) if position_ids.ndim == 1 else position_ids.unsqueeze(1),
+        device=hidden.device, dtype=hidden.dtype)
+    cos, sin = cos.squeeze(0), sin.squeeze(0)
+    cos_und, sin_und = cos[:und_len].unsqueeze(1), sin[:und_len].unsqueeze(1)
+    keys, values = [], []
+    last = len(transformer.layers) - 1
+    for i, layer in enumerate(transformer.layers):
+        attn = layer.self_attn
+        normed = layer.input_layernorm(hidden)
+        q = attn.norm_q(attn.to_q(normed).view(-1, attn.num_attention_heads, attn.head_dim))
+        k = attn.norm_k(attn.to_k(normed).view(-1, attn.num_key_value_heads, attn.head_dim))
+        v = attn.to_v(normed).view(-1, attn.num_key_value_heads, attn.head_dim)
+        k_for_video = attn.k_norm_und_for_gen(k) if attn.k_norm_und_for_gen is not None else k
+        keys.append(_rotate(k_for_video, cos_und, sin_und))
+        values.append(v)
+        if i == last:  # the last layer's text outputs feed nothing the video tokens read
+            break
+        q, k = _rotate(q, cos_und, sin_und), _rotate(k, cos_und, sin_und)
+        processor = attn.processor
+        out = dispatch_attention_fn(q.unsqueeze(0), k.unsqueeze(0), v.unsqueeze(0), is_causal=True, enable_gqa=True,
+                                    backend=processor._attention_backend,
+                                    parallel_config=processor._parallel_config)
+        hidden = hidden + attn.to_out(out.squeeze(0).flatten(-2, -1))
+        hidden = hidden + layer.mlp(layer.post_attention_layernorm(hidden))
+    return TextPathway(keys, values, cos[und_len:], sin[und_len:])
+
+
+def video_pathway(transformer, packed: dict, text: TextPathway, latents: torch.Tensor,
+                  timesteps: torch.Tensor) -> torch.Tensor:
+    """`Cosmos3OmniTransformer.forward`'s video velocity `[1, C, T, H, W]` for one sample, its layers run on the video
+    tokens alone against the text's keys and values (`text_pathway`)."""
+    from diffusers.models.attention_dispatch import dispatch_attention_fn
+
+    und_len = packed["und_len"]
+    tokens = packed["vision_sequence_indexes"].shape[0]
+    if packed["sequence_length"] != und_len + tokens:
+        raise ValueError("cosmos3: the video pathway expects the video tokens right after the text")
+    target_dtype = transformer.embed_tokens.weight.dtype
+    packed_tokens, shapes = transformer._patchify_and_pack_latents([latents])
+    packed_tokens = transformer.proj_in(packed_tokens)
+    time_dtype = next(transformer.time_embedder.parameters()).dtype
+    embeds = transformer.time_embedder(transformer.time_proj(timesteps * transformer.config.timestep_scale)
+                                       .to(time_dtype)).to(target_dtype)
+    packed_tokens = transformer._apply_timestep_embeds_to_noisy_tokens(
+        packed_tokens=packed_tokens, packed_timestep_embeds=embeds,
+        noisy_frame_indexes=packed["vision_noisy_frame_indexes"], token_shapes=packed["vision_token_shapes"])
+    hidden = packed_tokens.to(target_dtype)  # the forward writes them into a sequence of this dtype
+    cos, sin = text.cos.unsqueeze(1), text.sin.unsqueeze(1)
+    for layer, key, value in zip(transformer.layers, text.keys, text.values, strict=True):
+        attn = layer.self_attn
+        normed = layer.input_layernorm_moe_gen(hidden)
+        q = attn.norm_added_q(attn.add_q_proj(normed).view(-1, attn.num_attention_heads, attn.head_dim))
+        k = attn.norm_added_k(attn.add_k_proj(normed).view(-1, attn.num_key_value_heads, attn.head_dim))
+        v = attn.add_v_proj(normed).view(-1, attn.num_key_value_heads, attn.head_dim)
+        q, k = _rotate(q, cos, sin), _rotate(k, cos, sin)
+        processor = attn.processor
+        out = dispatch_attention_fn(q.unsqueeze(0), torch.cat([key, k]).unsqueeze(0),
+                                    torch.cat([value, v]).unsqueeze(0), is_causal=False, enable_gqa=True,
+                                    backend=processor._attention_backend,
+                                    parallel_config=processor._parallel_config)
+        hidden = hidden + attn.to_add_out(out.squeeze(0).flatten(-2, -1))
+        hidden = hidden + layer.mlp_moe_gen(layer.post_attention_layernorm_moe_gen(hidden))
+    hidden = transformer.norm_moe_gen(hidden)
+    preds = transformer.proj_out(hidden)
+    return transformer._unpatchify_and_unpack_latents(
+        preds, token_shapes_vision=packed["vision_token_shapes"],
+        noisy_frame_indexes_vision=packed["vision_noisy_frame_indexes"], original_latent_shapes=shapes)[0]
