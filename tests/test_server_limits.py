@@ -252,6 +252,42 @@ def test_state_changing_endpoints_refuse_web_pages_and_foreign_hosts(engine):
         assert loopback.post("/update_weights", content=body, headers=WEIGHTS).status_code == 200
 
 
+@pytest.mark.parametrize(("path", "field", "value"), [
+    ("/rollout/generate", "num_outputs_per_prompt", True), ("/rollout/generate", "num_outputs_per_prompt", False),
+    ("/rollout/generate", "seed", True), ("/rollout/generate", "num_inference_steps", True),
+    ("/rollout/generate", "width", True), ("/rollout/generate", "guidance_scale", True),
+    ("/rollout/generate", "rollout_noise_level", False), ("/rollout/generate", "rollout_sde_step_indices", [True]),
+    ("/rollout/generate", "num_outputs_per_prompt", "2"), ("/rollout/generate", "guidance_scale", "4.5"),
+    ("/v1/images/generations", "n", True), ("/v1/images/generations", "seed", False),
+])
+def test_a_boolean_or_a_string_in_a_number_field_is_a_422_naming_the_field(engine, path, field, value):
+    """Pydantic's lax mode would read true as 1 and "2" as 2; the request is refused instead."""
+    client = _client(engine)
+    response = client.post(path, json={**SAMPLE, field: value})
+    _refused(response, 422, field)
+    assert "must be a number, not a " in response.json()["error"]["message"]
+    assert engine.in_flight == 0
+
+
+def test_a_boolean_in_extra_sampling_params_number_is_refused_naming_it(engine):
+    response = _client(engine).post("/rollout/generate", json={**SAMPLE, "extra_sampling_params": {"seed": True}})
+    _refused(response, 422, "seed")
+
+
+def test_integral_floats_are_integers_and_fractional_ones_are_refused(engine):
+    client = _client(engine)
+    exact = client.post("/rollout/generate", json={**SAMPLE, "num_outputs_per_prompt": 2.0, "seed": 7.0,
+                                                   "rollout": True, "rollout_sde_step_indices": [0.0, 1]})
+    assert exact.status_code == 200, exact.text
+    assert len(exact.json()) == 2 and exact.json()[0]["seed"] == 7
+    _refused(client.post("/rollout/generate", json={**SAMPLE, "num_outputs_per_prompt": 2.5}), 422,
+             "num_outputs_per_prompt")
+    # Floats as floats and integers where a float belongs are numbers as ever; booleans stay booleans.
+    fine = client.post("/rollout/generate", json={**SAMPLE, "guidance_scale": 4, "rollout": True,
+                                                  "rollout_noise_level": 1, "rollout_return_dit_trajectory": False})
+    assert fine.status_code == 200, fine.text
+
+
 def test_minor_refusals_and_docs_off_by_default(engine):
     client = _client(engine)
     _refused(client.post("/rollout/generate", json={**SAMPLE, "width": 0}), 422, "width")

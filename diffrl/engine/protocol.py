@@ -10,11 +10,13 @@ put it on the wire (docs/wire-format.md).
 
 from __future__ import annotations
 
+import functools
+import json
 from dataclasses import dataclass
-from typing import Any, Literal
+from typing import Any, Literal, get_args
 
 import torch
-from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
+from pydantic import BaseModel, ConfigDict, Field, ValidationInfo, field_validator, model_validator
 from pydantic_core import PydanticCustomError
 
 from diffrl.errors import RequestError  # noqa: F401  (re-exported: part of the protocol)
@@ -45,6 +47,30 @@ def utf8_text(value: str | None) -> str | None:
         value.encode("utf-8")
     except UnicodeEncodeError:
         raise ValueError("text is not valid Unicode (a lone surrogate)") from None
+    return value
+
+
+def _holds_numbers(annotation: Any) -> bool:
+    """Whether a field's type is (or contains) int or float: `int | None`, `list[int] | None`."""
+    return annotation is int or annotation is float or any(_holds_numbers(arg) for arg in get_args(annotation))
+
+
+@functools.cache
+def number_fields(model: type[BaseModel]) -> frozenset[str]:
+    """The fields of a request model whose values are numbers, or lists of numbers."""
+    return frozenset(name for name, field in model.model_fields.items() if _holds_numbers(field.annotation))
+
+
+def json_number(value: Any, info: ValidationInfo, model: type[BaseModel]) -> Any:
+    """Refuse a JSON boolean or string where a number belongs (alone or in a list), which pydantic's lax mode
+    would read as one (true as 1, "2" as 2): a client that sends `"num_outputs_per_prompt": true` has a bug that
+    reading it as 1 would hide. An integer field still takes a float with an integral value (2.0 as 2, not 2.5)."""
+    if info.field_name not in number_fields(model):
+        return value
+    for item in value if isinstance(value, list) else (value,):
+        if isinstance(item, (bool, str)):
+            kind = "a boolean" if isinstance(item, bool) else "a string"
+            raise ValueError(f"must be a number, not {kind} ({json.dumps(item)[:40]})")
     return value
 
 
@@ -98,6 +124,11 @@ class RolloutRequest(BaseModel):
     mask_image: str | None = None
 
     _text = field_validator("prompt", "negative_prompt", "generator_device")(utf8_text)
+
+    @field_validator("*", mode="before")
+    @classmethod
+    def _numbers(cls, value: Any, info: ValidationInfo) -> Any:
+        return json_number(value, info, cls)
 
     @model_validator(mode="before")
     @classmethod

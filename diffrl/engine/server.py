@@ -41,7 +41,7 @@ import time
 import uuid
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Literal
+from typing import Any, Literal
 
 import torch
 from fastapi import FastAPI, Request
@@ -50,11 +50,11 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 from PIL import Image
 from starlette.background import BackgroundTask
 from starlette.exceptions import HTTPException as StarletteHTTPException
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, ValidationInfo, field_validator
 
 from diffrl.engine import sglang
 from diffrl.engine.engine import INT64_MAX, Engine, EngineBusy, EngineConfig, RequestCancelled
-from diffrl.engine.protocol import EXTRA_KEY_ERROR, RolloutRequest, utf8_text
+from diffrl.engine.protocol import EXTRA_KEY_ERROR, RolloutRequest, json_number, utf8_text
 from diffrl.engine.streaming import Body, stream
 from diffrl.engine.wire import MEDIA_TYPE, WireFormatError, decode_weights, encode_outputs, output_body
 from diffrl.errors import RequestError
@@ -79,6 +79,11 @@ class ImageGenerationRequest(BaseModel):
     model: str | None = None  # accepted for client compatibility; the server has one model
 
     _text = field_validator("prompt", "negative_prompt")(utf8_text)
+
+    @field_validator("*", mode="before")
+    @classmethod
+    def _numbers(cls, value: Any, info: ValidationInfo) -> Any:
+        return json_number(value, info, cls)
 
 
 def _parse_size(size: str | None) -> tuple[int | None, int | None]:
