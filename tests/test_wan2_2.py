@@ -115,6 +115,25 @@ def test_video_outputs_cross_the_wire(wan):
     assert float(decoded[0].denoising_env["guidance_scale_2"]) == 5.0  # unset: guidance_scale, as the pipeline
 
 
+@pytest.mark.parametrize("guidance_2", [2.0, None], ids=["own-scale-2", "unset"])
+def test_sglang_json_keeps_the_second_experts_guidance_scale_in_the_denoising_env(wan, guidance_2):
+    """Through sglang's JSON (whose denoising_env has no field for it) the decoded conditioning still carries
+    `guidance_scale_2`, as the engine's own: the request's, or guidance_scale when the request leaves it unset."""
+    from diffrl.engine import sglang
+
+    req = RolloutRequest(prompt="a red cat", num_inference_steps=2, height=HEIGHT, width=WIDTH, num_frames=FRAMES,
+                         guidance_scale=4.5, guidance_scale_2=guidance_2, rollout=True,
+                         rollout_return_dit_trajectory=True, rollout_return_denoising_env=True)
+    outputs = Engine(wan).generate(sglang.engine_request(req))
+    expected = outputs[0].denoising_env["guidance_scale_2"]
+    assert float(expected) == (guidance_2 or 4.5)
+    payload = sglang.encode_response(outputs, req, wan, "request")
+    families = [wan] if guidance_2 is None else [wan, Wan22Family]  # a class cannot tell an unset scale's value
+    for family in families:
+        env = sglang.decode_response(payload, req, family)[0].denoising_env
+        assert torch.equal(env["guidance_scale_2"], expected) and torch.equal(env["guidance_scale"], torch.tensor(4.5))
+
+
 def test_defaults_schedule_and_family_name(wan, wan_dir):
     from diffusers import FlowMatchEulerDiscreteScheduler
 

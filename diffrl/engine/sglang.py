@@ -201,7 +201,8 @@ def decode_response(payload: bytes, req: RolloutRequest,
                     family: type[FamilyAdapter] = FamilyAdapter) -> list[RolloutOutput]:
     """An sglang-format response to `req` as the engine's in-process outputs: log-probs of the SDE steps,
     the latents of the steps an in-process engine would return, the conditioning (diffrl's keys) on the
-    first output only, output i's seed `seed + i`. `family` maps the cond kwargs (default: FLUX-style)."""
+    first output only, output i's seed `seed + i`. `family` maps the cond kwargs (default: FLUX-style); a loaded
+    family (not only a class) also says whether an unset `guidance_scale_2` means guidance_scale (a second expert)."""
     try:
         records = json.loads(payload)
     except (ValueError, UnicodeDecodeError) as err:
@@ -330,4 +331,12 @@ def _decode_env(obj: Any, family: type[FamilyAdapter], trajectory: DitTrajectory
     scale = req.true_cfg_scale if req.true_cfg_scale is not None else req.guidance_scale
     if scale is not None:
         env["guidance_scale"] = torch.tensor(scale)
+    # The second expert's CFG scale (Wan2.2), which sglang's denoising_env has no field for: the request's, or,
+    # left unset, the engine's default (guidance_scale) when `family` has a second expert. Whether it does is
+    # per checkpoint: a family instance knows, a class does not (the scale is then kept only when requested).
+    scale_2 = req.guidance_scale_2
+    if scale_2 is None and family.uses_guidance_scale_2:
+        scale_2 = scale
+    if scale_2 is not None:
+        env["guidance_scale_2"] = torch.tensor(scale_2)
     return env
