@@ -152,8 +152,23 @@ class Checkpointer:
                 save_file({f"base_model.model.{k}": v.contiguous() for k, v in part.items()},
                           str(lora_dir / "adapter_model.safetensors"))
                 transformer.peft_config["default"].save_pretrained(str(lora_dir))
+                _save_diffusers_lora(lora_dir, part, transformer.peft_config["default"])
         else:
             family.save(path / "model")
+
+
+# diffusers' LoRA file: what `pipe.load_lora_weights(DIR)` picks in a folder (it finds no key of PEFT's layout under its
+# `transformer.` prefix, warns and keeps the base model), with the adapter's config as diffusers' own
+# `save_lora_weights` stores it, so α/r is the trained scale.
+DIFFUSERS_LORA_FILE = "pytorch_lora_weights.safetensors"
+
+
+def _save_diffusers_lora(lora_dir: Path, state: dict, config) -> None:
+    settings = {k: sorted(v) if isinstance(v, set) else v for k, v in config.to_dict().items()}
+    metadata = {"format": "pt", "lora_adapter_metadata": json.dumps(
+        {f"transformer.{k}": v for k, v in settings.items()}, indent=2, sort_keys=True, default=str)}
+    save_file({f"transformer.{k}": v.contiguous() for k, v in state.items()}, str(lora_dir / DIFFUSERS_LORA_FILE),
+              metadata=metadata)
 
 
 def _barrier(parallel) -> None:

@@ -106,4 +106,17 @@ def save_random_checkpoint(path: str | Path, sizes: SD3Sizes | None = None, *, s
         save(AutoencoderKL(in_channels=3, out_channels=3, scaling_factor=1.5305, shift_factor=0.0609, **sizes.vae),
              "vae")
     FlowMatchEulerDiscreteScheduler(shift=3.0).save_pretrained(path / "scheduler")
+    # What StableDiffusion3Pipeline.from_pretrained reads first. Without T5 the pipeline is opened as diffusers
+    # documents it, passing text_encoder_3=None, tokenizer_3=None.
+    clip_tokenizer = ["transformers", type(tokenizer).__name__]
+    index = {"_class_name": "StableDiffusion3Pipeline",
+             "transformer": ["diffusers", "SD3Transformer2DModel"], "vae": ["diffusers", "AutoencoderKL"],
+             "scheduler": ["diffusers", "FlowMatchEulerDiscreteScheduler"],
+             "text_encoder": ["transformers", "CLIPTextModelWithProjection"], "tokenizer": clip_tokenizer,
+             "text_encoder_2": ["transformers", "CLIPTextModelWithProjection"], "tokenizer_2": clip_tokenizer,
+             "image_encoder": [None, None], "feature_extractor": [None, None]}
+    if with_t5:
+        index.update(text_encoder_3=["transformers", "T5EncoderModel"],
+                     tokenizer_3=["transformers", type(t5_tokenizer).__name__])
+    (path / "model_index.json").write_text(json.dumps(index, indent=2) + "\n")
     return path
