@@ -74,7 +74,7 @@ def render_report(run_dir: Path, flags: dict, records: list[dict]) -> str:
 
     lines += ["", "## Outcome", ""]
     summary = run_summary(records)
-    lines += [f"- {line}" for line in summary.splitlines()] if summary else ["- no rollout finished yet"]
+    lines += ([] if rollouts else ["- no rollout finished yet"]) + [f"- {line}" for line in summary.splitlines()]
     evals = [r for r in records if any(k.startswith("eval/") for k in r)]
     if evals:
         keys = sorted({k for r in evals for k in r if k.startswith("eval/") and isinstance(r[k], int | float)})

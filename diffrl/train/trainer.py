@@ -469,6 +469,9 @@ def run_summary(records: list[dict], window: int = 4) -> str:
     """First vs last rollouts' mean reward (± standard error) and held-out scores before/after."""
     rewards = [r["rollout/reward/raw_mean"] for r in records if "rollout/reward/raw_mean" in r]
     lines = []
+    if len(rewards) == 1:  # too few for first vs last: the one rollout's reward
+        rollout = next(r["rollout"] for r in records if "rollout/reward/raw_mean" in r)
+        lines.append(f"reward: rollout {rollout} {rewards[0]:.3f}")
     if len(rewards) >= 2:
         w = max(1, min(window, len(rewards) // 2))
 
@@ -486,6 +489,8 @@ def run_summary(records: list[dict], window: int = 4) -> str:
         evals = [(r["rollout"], r[key]) for r in records if key in r]
         if len(evals) >= 2:
             lines.append(f"{label}: rollout {evals[0][0]} {evals[0][1]:.3f} → rollout {evals[-1][0]} {evals[-1][1]:.3f}")
+        elif evals:
+            lines.append(f"{label}: rollout {evals[0][0]} {evals[0][1]:.3f}")
     best = best_by_selection(records, "val/strict")
     if best is not None:
         lines.append(f"checkpoints/best (highest validation accuracy on train prompts): rollout {best['rollout']}, "
