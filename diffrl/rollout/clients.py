@@ -240,7 +240,7 @@ class HttpEngineClient:
     async def generate(self, request: RolloutRequest, on_output: OnOutput | None = None) -> list[RolloutOutput]:
         """The request's outputs; with `stream`, `on_output(i, output)` runs on this event loop as output i
         arrives (for every output, before this returns)."""
-        body = json.dumps(request.model_dump(exclude_none=True)).encode()
+        body = json.dumps(request_fields(request)).encode()
         loop = asyncio.get_running_loop()
         deliver = None
         if on_output is not None:
@@ -271,6 +271,18 @@ class HttpEngineClient:
     def close(self) -> None:
         """Stop the worker threads (their connections close with them)."""
         self._threads.shutdown(wait=False)
+
+
+def request_fields(request: RolloutRequest) -> dict:
+    """The JSON body of `request` as both servers read it. sglang-diffusion's request model does not declare
+    `guidance_scale_2` (Wan2.2's second-expert scale) and drops a field it does not declare without a word, but
+    it merges `extra_sampling_params` into its sampling params, which do declare it: the scale goes there, where
+    a diffrl server reads it too."""
+    fields = request.model_dump(exclude_none=True)
+    if "guidance_scale_2" in fields:
+        fields["extra_sampling_params"] = {**fields.get("extra_sampling_params", {}),
+                                           "guidance_scale_2": fields.pop("guidance_scale_2")}
+    return fields
 
 
 def _is_compact(content_type: str) -> bool:
