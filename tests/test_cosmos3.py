@@ -272,7 +272,7 @@ def test_evaluation_videos_play_at_the_familys_frame_rate(cosmos, tmp_path):
     evaluate_with_reward(cosmos, [PromptRecord("a cat", {})], "temporal_consistency", num_steps=1, guidance_scale=1.0,
                          height=HEIGHT, width=WIDTH, num_frames=FRAMES, out_dir=tmp_path)
     video = Image.open(tmp_path / "images" / "00000.png")
-    assert video.n_frames == FRAMES and video.info["duration"] == round(1000 / 24)
+    assert video.n_frames == FRAMES and video.info["duration"] == pytest.approx(1000 / 24)  # exactly 1/24 s a frame
 
 
 def test_the_shapes_evaluation_refuses_a_video_family_in_one_line(cosmos_dir, tmp_path, capsys):
