@@ -370,7 +370,7 @@ def test_qwen_image_grpo_recipe_through_miles_client_and_trainer_reads(qwen, qwe
             v = v * (v_pos.norm(dim=-1, keepdim=True) / v.norm(dim=-1, keepdim=True))
             mean, std = sde_mean_and_std(x, v, t / 1000, t_next / 1000, args.diffusion_noise_level)
             replayed = gaussian_log_prob(x_next, mean, std)
-            assert abs(replayed.item() - sample.rollout_log_probs[i].item()) < 1e-3, (i, replayed, sample)
+            assert abs(replayed.item() - sample.rollout_log_probs[i].item()) < 1e-4, (i, replayed)
 
 
 def test_qwen_image_recipe_records_are_sglangs_response_model(qwen_url):
@@ -602,3 +602,31 @@ def test_http_client_sends_every_sampling_field_where_sglang_reads_it():
     assert sampled["guidance_scale_2"] == 3.0 and sampled["guidance_scale"] == 4.0 and sampled["num_frames"] == 5
     assert not set(body) - SGLANG_REQUEST_FIELDS, "fields an sglang server drops without a word"
     assert RolloutRequest.model_validate(body) == req  # a diffrl server reads the same request
+
+
+def cps_mean_and_std(x, v, sigma, sigma_next, noise_level):
+    """sglang's `cps` transition."""
+    std = sigma_next * math.sin(noise_level * math.pi / 2)
+    x0, noise = x - sigma * v, x + v * (1 - sigma)
+    return x0 * (1 - sigma_next) + noise * math.sqrt(sigma_next**2 - std**2), std
+
+
+@pytest.mark.parametrize("sde_type", ["sde", "cps"])
+def test_log_prob_no_const_is_sglangs_on_replay(qwen, qwen_url, sde_type):
+    """`--diffusion-log-prob-no-const` (and the cps type): each SDE step's log-prob is −mean((x′ − mean)²)."""
+    args = recipe_args(**{**QWEN_OCR_RECIPE, "n_samples_per_prompt": 1, "diffusion_microgroup_size": 1,
+                          "diffusion_num_steps": 4, "diffusion_log_prob_no_const": True,
+                          "diffusion_sde_type": sde_type})
+    [sample] = roll_out_group(qwen_url, args, "a cat", 0, strategy=lambda a, n, s: ([1, 2], None))
+    assert torch.all(sample.rollout_log_probs[[0, 3]] == 0)
+    pos, neg = sample.env["pos"], sample.env["neg"]
+    for i in (1, 2):
+        x, x_next = sample.latents[i], sample.latents[i + 1]
+        t, t_next = sample.timesteps[i].item(), sample.timesteps[i + 1].item()
+        v_pos, v_neg = qwen_velocity(qwen, x, t, pos), qwen_velocity(qwen, x, t, neg)
+        v = v_neg + 4.0 * (v_pos - v_neg)
+        v = v * (v_pos.norm(dim=-1, keepdim=True) / v.norm(dim=-1, keepdim=True))
+        step = sde_mean_and_std if sde_type == "sde" else cps_mean_and_std
+        mean, _ = step(x, v, t / 1000, t_next / 1000, args.diffusion_noise_level)
+        replayed = -((x_next - mean) ** 2).mean()
+        assert abs(replayed.item() - sample.rollout_log_probs[i].item()) < 1e-4 * max(1.0, abs(replayed.item()))
