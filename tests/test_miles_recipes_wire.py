@@ -630,3 +630,15 @@ def test_log_prob_no_const_is_sglangs_on_replay(qwen, qwen_url, sde_type):
         mean, _ = step(x, v, t / 1000, t_next / 1000, args.diffusion_noise_level)
         replayed = -((x_next - mean) ** 2).mean()
         assert abs(replayed.item() - sample.rollout_log_probs[i].item()) < 1e-4 * max(1.0, abs(replayed.item()))
+
+
+@pytest.mark.parametrize("accept", ["application/json, application/msgpack", "application/msgpack, application/json",
+                                    "application/json;q=0.9, application/msgpack;q=0.9"])
+def test_a_client_that_names_json_as_high_as_msgpack_gets_sglangs_json(accept):
+    """sglang-diffusion answers JSON whatever the client accepts; diffrl's msgpack is for a client that
+    ranks it above JSON (or names no JSON at all: a wildcard of the same weight loses to msgpack)."""
+    from diffrl.engine.server import wants_compact
+
+    assert wants_compact(accept) is False
+    assert wants_compact("application/msgpack, */*") is True
+    assert wants_compact("application/msgpack;q=0.8, application/json;q=0.5, */*") is True

@@ -398,8 +398,9 @@ def wants_compact(accept: str | None) -> bool:
                     q = 0.0
         weights[kind.lower()] = max(q, weights.get(kind.lower(), 0.0))
     compact = max(weights.get(MEDIA_TYPE, 0.0), weights.get("application/x-msgpack", 0.0))
-    json_q = weights.get("application/json", weights.get("application/*", weights.get("*/*", 0.0)))
-    return compact > 0 and compact >= json_q
+    if "application/json" in weights:  # named: JSON, sglang-diffusion's own answer, wins a tie
+        return compact > weights["application/json"]
+    return compact > 0 and compact >= weights.get("application/*", weights.get("*/*", 0.0))
 
 
 def _png_b64(array) -> str:
