@@ -49,6 +49,11 @@ class PromptSetTask:
             self.eval_records = records[: eval_cfg.eval_num_prompts]
             self.eval_fingerprint = fingerprint(records)
         self.evaluates = bool(self.eval_records)
+        # Said once at the start of a run: a single file trains without a held-out evaluation, which a user
+        # asking for --eval-interval would otherwise only notice by its absence.
+        self.no_eval_note = None if self.evaluates or eval_cfg.eval_num_prompts == 0 else (
+            f"no held-out evaluation: --prompt-data {path} is a single file, without a test split; pass "
+            "--eval-prompt-data FILE (or a directory with train and test files) to evaluate on held-out prompts")
         check_prompts(self.reward, [r.prompt for r in self.train.records], f"prompt data {path} (training prompts)")
         check_prompts(self.reward, [r.prompt for r in self.eval_records],
                       f"prompt data {held_out or path} (held-out prompts)")

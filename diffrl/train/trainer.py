@@ -266,6 +266,8 @@ class Trainer:
         bar = tqdm(total=cfg.rollout.num_rollout, initial=self.rollout_index, desc=f"train {cfg.algorithm.loss_type}",
                    dynamic_ncols=True, disable=not main)
         last = {}
+        if main and self.engine is not None and getattr(self.task, "no_eval_note", None):
+            print(self.task.no_eval_note)
         if self.rollout_index == 0:
             record = self.evaluate(0)
             if main:
@@ -303,7 +305,8 @@ class Trainer:
             curve = self.metrics.plot_curves()
             report = write_report(self.out)
             print(run_summary(self.metrics.records()))
-            print(f"run folder: {self.out}  ({report.name}, metrics.jsonl, tensorboard/, eval/, checkpoints/, {curve.name})")
+            parts = [report.name, "metrics.jsonl", "tensorboard/", "eval/", "checkpoints/", curve.name]
+            print(f"run folder: {self.out}  ({', '.join(p for p in parts if (self.out / p.rstrip('/')).exists())})")
             self.metrics.close()
         return last
 
