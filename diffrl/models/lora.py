@@ -64,6 +64,43 @@ def add_lora(transformer: torch.nn.Module, spec: LoraSpec) -> None:
     for name, param in transformer.named_parameters():
         if "lora_" in name and param.dtype != torch.float32:
             param.data = param.data.float()
+    keep_autocast_inputs(transformer)
+
+
+def keep_autocast_inputs(transformer: torch.nn.Module) -> None:
+    """Under autocast, let the adapters' matmuls take their input in the autocast dtype.
+
+    peft casts a LoRA layer's input to the adapter's dtype (fp32 here) before `lora_A`, and autocast casts it
+    straight back to bf16 for the matmul: on a bf16 forward that is two full copies of every adapted layer's
+    input (an [tokens, width] tensor written in fp32, then read and written again in bf16) and two kernels,
+    per layer and forward, for the same bf16 numbers (bf16 → fp32 → bf16 is exact) and the same gradients.
+    Layers with dropout before `lora_A` keep peft's cast (dropout on bf16 draws and scales differently)."""
+    from peft.tuners.lora import LoraLayer
+
+    for module in transformer.modules():
+        if isinstance(module, LoraLayer) and not isinstance(module, _KeepAutocastInput) and all(
+                isinstance(d, torch.nn.Identity) for d in module.lora_dropout.values()):
+            module.__class__ = _keep_autocast_input_class(type(module))
+
+
+class _KeepAutocastInput:
+    def _cast_input_dtype(self, x, dtype: torch.dtype):
+        if (isinstance(x, torch.Tensor) and x.is_floating_point() and x.device.type in ("cuda", "cpu")
+                and torch.is_autocast_enabled(x.device.type)
+                and x.dtype == torch.get_autocast_dtype(x.device.type)):
+            return x
+        return super()._cast_input_dtype(x, dtype)
+
+
+_CLASSES: dict[type, type] = {}
+
+
+def _keep_autocast_input_class(cls: type) -> type:
+    """One subclass per peft layer class (a subclass rather than a patched method: deep copies of the model,
+    an old policy or a reference, keep it)."""
+    if cls not in _CLASSES:
+        _CLASSES[cls] = type(cls.__name__, (_KeepAutocastInput, cls), {"__module__": cls.__module__})
+    return _CLASSES[cls]
 
 
 def remove_lora(transformer: torch.nn.Module) -> None:
