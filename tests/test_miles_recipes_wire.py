@@ -642,3 +642,37 @@ def test_a_client_that_names_json_as_high_as_msgpack_gets_sglangs_json(accept):
     assert wants_compact(accept) is False
     assert wants_compact("application/msgpack, */*") is True
     assert wants_compact("application/msgpack;q=0.8, application/json;q=0.5, */*") is True
+
+
+@pytest.mark.parametrize("outputs", [1, 2])
+def test_sglangs_sd3_conditioning_decodes_with_one_or_several_outputs(tmp_path, outputs):
+    """sglang's SD3 config sends `encoder_hidden_states` as the prompt's tensor and `pooled_projections` as its
+    pooled tensor, each with the prompt batch axis (the prompt is encoded once, not per output); its endpoint
+    strips that axis only when it equals the number of outputs. So a request for several outputs brings
+    [1, L, D] and [1, P] on every record, one output [L, D] and [P]."""
+    from diffrl.engine import sglang as wire
+    from diffrl.models.base import PromptEmbeds
+    from diffrl.models.sd3 import SD3Family
+
+    family = load_family("sd3", tmp_path)
+    req = RolloutRequest(prompt="a fox", negative_prompt=" ", seed=1, num_outputs_per_prompt=outputs, width=SIZE,
+                         height=SIZE, num_inference_steps=3, guidance_scale=4.0, rollout=True,
+                         rollout_return_dit_trajectory=True, rollout_return_denoising_env=True)
+    engine = Engine(family, EngineConfig(max_outputs_per_request=4))
+    ran = engine.generate(wire.engine_request(req))
+    env = ran[0].denoising_env
+
+    def sglang_cond(embeds):
+        ours = family.cond_kwargs_to_wire(PromptEmbeds(embeds, env["text_ids"]), env["image_ids"])
+        tokens, pooled = torch.cat(ours["encoder_hidden_states"]), ours["pooled_projections"]
+        if outputs > 1:  # the prompt batch axis of 1 stays: it is not the request's batch of outputs
+            tokens, pooled = tokens[None], pooled[None]
+        return {"encoder_hidden_states": sglang_tensor(tokens), "pooled_projections": sglang_tensor(pooled)}
+
+    records = json.loads(wire.encode_response(ran, req, family, "r"))
+    for record in records:
+        record["denoising_env"]["pos_cond_kwargs"] = sglang_cond(env["prompt_embeds"])
+        record["denoising_env"]["neg_cond_kwargs"] = sglang_cond(env["negative_prompt_embeds"])
+    got = wire.decode_response(json.dumps(records).encode(), req, SD3Family)
+    assert torch.equal(got[0].denoising_env["prompt_embeds"], env["prompt_embeds"])
+    assert torch.equal(got[0].denoising_env["negative_prompt_embeds"], env["negative_prompt_embeds"])

@@ -166,6 +166,8 @@ class SD3Family(FamilyAdapter):
     def cond_kwargs_from_wire(cls, kwargs: dict) -> tuple[PromptEmbeds, torch.Tensor | None]:
         tokens = wire_text_tokens(kwargs)
         pooled = kwargs.get("pooled_projections")
+        if isinstance(pooled, torch.Tensor) and pooled.dim() == 2 and pooled.shape[0] == 1:
+            pooled = pooled[0]  # sglang keeps the prompt's batch axis of 1 when a request has several outputs
         if not isinstance(pooled, torch.Tensor) or pooled.dim() != 1 or pooled.shape[0] > tokens.shape[1]:
             raise ValueError("pooled_projections: expected a [P] tensor no wider than the text tokens")
         row = torch.nn.functional.pad(pooled.float(), (0, tokens.shape[1] - pooled.shape[0]))
