@@ -676,3 +676,17 @@ def test_sglangs_sd3_conditioning_decodes_with_one_or_several_outputs(tmp_path, 
     got = wire.decode_response(json.dumps(records).encode(), req, SD3Family)
     assert torch.equal(got[0].denoising_env["prompt_embeds"], env["prompt_embeds"])
     assert torch.equal(got[0].denoising_env["negative_prompt_embeds"], env["negative_prompt_embeds"])
+
+
+def test_refusals_carry_sglangs_detail(qwen_url):
+    """sglang-diffusion refuses with FastAPI's body, `{"detail": ...}`: a text for its 400 (bad sampling
+    params) and 500, the list of schema errors for 422. diffrl's refusals carry it beside their `error`."""
+    body = {**sampling_params(recipe_args(**QWEN_OCR_RECIPE)), "prompt": "a cat", "seed": 1, "negative_prompt": " ",
+            "num_outputs_per_prompt": 1}
+    refused = httpx.post(f"{qwen_url}/rollout/generate", json={**body, "rollout_sde_step_indices": [10]}, timeout=60)
+    assert refused.status_code == 400
+    answer = refused.json()
+    assert isinstance(answer["detail"], str) and "rollout_sde_step_indices" in answer["detail"]
+    assert answer["error"]["field"] == "rollout_sde_step_indices"
+    schema = httpx.post(f"{qwen_url}/rollout/generate", json={**body, "num_inference_steps": "ten"}, timeout=60)
+    assert schema.status_code == 422 and schema.json()["detail"][0]["loc"] == ["body", "num_inference_steps"]

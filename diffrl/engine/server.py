@@ -120,11 +120,11 @@ STATE_CHANGING = {"/update_weights": "application/octet-stream", "/lora_adapter"
 
 def error_response(status: int, field: str, message: str, detail: list | None = None) -> Response:
     """A one-line error naming the field. Encoded as ASCII JSON, so input that cannot be encoded (lone
-    surrogates, NaN) is never what turns a refusal into a 500."""
+    surrogates, NaN) is never what turns a refusal into a 500. `detail` is FastAPI's, what sglang-diffusion's
+    clients read: the schema errors' list, else the same line as text."""
     message = " ".join(str(message).split())[:400]
-    body = {"error": {"field": field[:200], "message": message}}
-    if detail is not None:
-        body["detail"] = detail
+    body = {"error": {"field": field[:200], "message": message},
+            "detail": detail if detail is not None else f"{field[:200]}: {message}"}
     return Response(json.dumps(body, ensure_ascii=True, allow_nan=False), status_code=status,
                     media_type="application/json")
 
