@@ -690,3 +690,41 @@ def test_refusals_carry_sglangs_detail(qwen_url):
     assert answer["error"]["field"] == "rollout_sde_step_indices"
     schema = httpx.post(f"{qwen_url}/rollout/generate", json={**body, "num_inference_steps": "ten"}, timeout=60)
     assert schema.status_code == 422 and schema.json()["detail"][0]["loc"] == ["body", "num_inference_steps"]
+
+
+def test_http_client_reads_sglangs_wan_video_answer(tmp_path):
+    """Wan2.2 through sglang: video [C, F, H, W], latents [T + 1, C, F, H, W], the prompt's text tensor with its
+    batch axis of 1 in a one-entry list (a two-output request), σ·1000 timesteps and no sigmas (as at the
+    pinned commit): decoded to the in-process outputs."""
+    from diffrl.engine import sglang as wire
+    from diffrl.models.base import PromptEmbeds
+    from diffrl.models.wan2_2 import Wan22Family
+
+    family = load_family("wan2_2", tmp_path)
+    req = RolloutRequest(prompt="a fox", negative_prompt=" ", seed=3, num_outputs_per_prompt=2, width=SIZE,
+                         height=SIZE, num_frames=5, num_inference_steps=4, guidance_scale=4.0, rollout=True,
+                         rollout_sde_step_indices=[1, 2], rollout_return_dit_trajectory=True,
+                         rollout_return_denoising_env=True)
+    engine = Engine(family, EngineConfig(max_outputs_per_request=4))
+    in_process = engine.generate(req)
+    ran = engine.generate(wire.engine_request(req))
+    env = ran[0].denoising_env
+    records = json.loads(wire.encode_response(ran, req, family, "r"))
+    for record in records:
+        for key, embeds in (("pos_cond_kwargs", env["prompt_embeds"]), ("neg_cond_kwargs", env["negative_prompt_embeds"])):
+            ours = family.cond_kwargs_to_wire(PromptEmbeds(embeds, env["text_ids"]), env["image_ids"])
+            record["denoising_env"][key] = {"encoder_hidden_states": [sglang_tensor(ours["encoder_hidden_states"][0][None])]}
+        del record["dit_trajectory"]["sigmas"]
+        assert b64_tensor(record["generated_output"]).shape == (3, 5, SIZE, SIZE)
+    with canned_server(200, records) as url:
+        client = HttpEngineClient(url, family=Wan22Family)
+        try:
+            got = asyncio.run(client.generate(req))
+        finally:
+            client.close()
+    for a, b in zip(got, in_process, strict=True):
+        assert torch.equal(a.generated_output, b.generated_output)
+        assert torch.equal(a.rollout_log_probs, b.rollout_log_probs)
+        assert torch.equal(a.dit_trajectory.latents, b.dit_trajectory.latents)
+        assert torch.allclose(a.dit_trajectory.sigmas, b.dit_trajectory.sigmas, atol=1e-6)
+    assert torch.equal(got[0].denoising_env["prompt_embeds"], in_process[0].denoising_env["prompt_embeds"])
