@@ -333,3 +333,21 @@ def test_rollout_forwards_compute_the_text_pathway_once(cosmos_dir):
     key = family.text_cache.key(family.transformer, (b"a", False, (5, 16, 32), "cpu"), "auto")
     assert key is None  # an adapter on the text pathway: the transformer's own forward
     assert all(torch.equal(a, b) for a, b in zip(velocities(x, grad=False), velocities(x, grad=True), strict=True))
+
+
+def test_rows_of_one_prompt_run_as_one_batch_when_asked(cosmos_dir):
+    """`batch_rows` (a GPU's default): the rows sharing a prompt go through the video pathway as one batch, with the
+    velocities of the rows run one at a time (to rounding: BLAS picks other kernels for other row counts), each
+    row its own timestep and noise."""
+    family = Cosmos3Family.load(cosmos_dir)
+    cond = family.encode_prompts(["a red cat", "a red cat", "a green dog"])
+    uncond = family.encode_prompts(["blurry"] * 3)
+    x = torch.randn(3, 4, 2, 2, 4)
+    with torch.no_grad():
+        args = (family.transformer, Latents(x, torch.zeros(0, 1)), torch.tensor([0.9, 0.4, 0.9]), cond, uncond, 4.0)
+        family.batch_rows = False
+        alone = family.velocity(*args)
+        family.batch_rows = True
+        batched = family.velocity(*args)
+    torch.testing.assert_close(batched, alone, rtol=1e-5, atol=1e-5)
+    assert (alone[0] - alone[1]).abs().max() > 1e-3  # the rows differ, so a mix-up would show

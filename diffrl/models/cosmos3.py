@@ -26,8 +26,13 @@ the negative prompt's rows are marked by `pair_conditionings`). The
 duration is read back from the latent frame count, so a request's `num_frames` must be 4k + 1 (the pipeline
 would take any); the frame rate is the pipeline's default, 24.
 
-The transformer's forward takes one sample (its attention has no batch axis), so `run_transformer` runs the rows
-of a batch one after another: sample k's velocity does not depend on its batch, on any device.
+The transformer's forward takes one sample (its attention has no batch axis), so a forward with gradients (the
+trainer) runs the rows of a batch one after another: sample k's velocity does not depend on its batch. A rollout's
+forwards (no gradients) on a GPU run the rows that share a prompt (the outputs of a request, the requests the
+engine batches together) as one batch through the video pathway below, a batch axis the transformer lacks: one
+forward of B × ~390 tokens instead of B launch-bound ones, with the batch-size-dependent kernel roundings of every
+other family (DESIGN §2); on the CPU they run one after another, so sample k is the same in any microgroup exactly
+(`batch_rows` sets it).
 
 The text pathway is computed once per prompt, not once per forward (`TextPathwayCache`): the text tokens attend
 causally to text only, so their hidden states, and the keys and values the video tokens read from them in every
@@ -157,6 +162,9 @@ class Cosmos3Family(FamilyAdapter):
         Component("text_tokenizer", "transformers:AutoTokenizer", kind="tokenizer"),
     )
     model_index_required = True
+    # Whether rollout forwards run the samples of one prompt as one batch through the video pathway (see the module
+    # docstring); None: on a GPU, not on the CPU.
+    batch_rows: bool | None = None
 
     def __init__(self, transformer, vae, scheduler, text_tokenizer, *, settings: Cosmos3Settings):
         self.transformer = transformer
@@ -363,21 +371,27 @@ class Cosmos3Family(FamilyAdapter):
         grid = (frames, latent_h * self.vae_scale_spatial, latent_w * self.vae_scale_spatial)
         dtype = next(transformer.parameters()).dtype
         texts = self._row_texts(cond.embeds)
-        rows = []
-        for b in range(x.shape[0]):  # one sample per forward (see the module docstring)
-            negative = b < negative_rows
-            packed = self._sequence(texts[b], negative, grid, x.device)
-            timesteps = t[b].expand(packed["vision_sequence_indexes"].shape[0])  # one per video token
+        rows: list[torch.Tensor | None] = [None] * x.shape[0]
+        samples: dict[tuple[bytes, bool], list[int]] = {}  # the rows of each prompt, in order
+        for b in range(x.shape[0]):
+            samples.setdefault((texts[b], b < negative_rows), []).append(b)
+        together = self.batch_rows if self.batch_rows is not None else x.device.type != "cpu"
+        for (text_bytes, negative), indices in samples.items():
+            packed = self._sequence(text_bytes, negative, grid, x.device)
             with self.forward_precision():
                 key = None if torch.is_grad_enabled() else self.text_cache.key(
-                    transformer, (texts[b], negative, grid, str(x.device)), self.attention_backend)
-                if key is None:
-                    out = transformer(vision_tokens=[x[b : b + 1].to(dtype)], vision_timesteps=timesteps,
-                                      return_dict=False, **packed)[0][0]
-                else:
-                    text = self.text_cache.get(key, transformer, lambda: text_pathway(transformer, packed))
-                    out = video_pathway(transformer, packed, text, x[b : b + 1].to(dtype), timesteps)
-            rows.append(out.float())
+                    transformer, (text_bytes, negative, grid, str(x.device)), self.attention_backend)
+                if key is None:  # the transformer's own forward, one sample at a time
+                    for b in indices:
+                        timesteps = t[b].expand(packed["vision_sequence_indexes"].shape[0])  # one per video token
+                        rows[b] = transformer(vision_tokens=[x[b : b + 1].to(dtype)], vision_timesteps=timesteps,
+                                              return_dict=False, **packed)[0][0].float()
+                    continue
+                text = self.text_cache.get(key, transformer, lambda: text_pathway(transformer, packed))
+                for part in [indices] if together else [[b] for b in indices]:
+                    out = video_pathway(transformer, packed, text, x[part].to(dtype), t[part]).float()
+                    for i, b in enumerate(part):
+                        rows[b] = out[i : i + 1]
         return torch.cat(rows)
 
     def decode(self, latents: torch.Tensor, height: int, width: int, num_frames: int | None = None) -> torch.Tensor:
@@ -529,41 +543,45 @@ def text_pathway(transformer, packed: dict) -> TextPathway:
 
 def video_pathway(transformer, packed: dict, text: TextPathway, latents: torch.Tensor,
                   timesteps: torch.Tensor) -> torch.Tensor:
-    """`Cosmos3OmniTransformer.forward`'s video velocity `[1, C, T, H, W]` for one sample, its layers run on the video
-    tokens alone against the text's keys and values (`text_pathway`)."""
+    """`Cosmos3OmniTransformer.forward`'s video velocity `[B, C, T, H, W]` for B samples of one prompt (latents
+    `[B, C, T, H, W]`, timesteps `[B]`), the layers run on the video tokens alone against the text's keys and values
+    (`text_pathway`), with the samples on a batch axis (one sample: the forward's own operations)."""
     from diffusers.models.attention_dispatch import dispatch_attention_fn
 
     und_len = packed["und_len"]
-    tokens = packed["vision_sequence_indexes"].shape[0]
+    batch, tokens = latents.shape[0], packed["vision_sequence_indexes"].shape[0]
     if packed["sequence_length"] != und_len + tokens:
         raise ValueError("cosmos3: the video pathway expects the video tokens right after the text")
+    token_shapes = packed["vision_token_shapes"] * batch
+    noisy_frames = packed["vision_noisy_frame_indexes"] * batch
     target_dtype = transformer.embed_tokens.weight.dtype
-    packed_tokens, shapes = transformer._patchify_and_pack_latents([latents])
+    packed_tokens, shapes = transformer._patchify_and_pack_latents(list(latents.split(1)))
     packed_tokens = transformer.proj_in(packed_tokens)
     time_dtype = next(transformer.time_embedder.parameters()).dtype
-    embeds = transformer.time_embedder(transformer.time_proj(timesteps * transformer.config.timestep_scale)
+    per_token = timesteps.repeat_interleave(tokens)  # one per video token, as the forward takes them
+    embeds = transformer.time_embedder(transformer.time_proj(per_token * transformer.config.timestep_scale)
                                        .to(time_dtype)).to(target_dtype)
     packed_tokens = transformer._apply_timestep_embeds_to_noisy_tokens(
-        packed_tokens=packed_tokens, packed_timestep_embeds=embeds,
-        noisy_frame_indexes=packed["vision_noisy_frame_indexes"], token_shapes=packed["vision_token_shapes"])
-    hidden = packed_tokens.to(target_dtype)  # the forward writes them into a sequence of this dtype
+        packed_tokens=packed_tokens, packed_timestep_embeds=embeds, noisy_frame_indexes=noisy_frames,
+        token_shapes=token_shapes)
+    hidden = packed_tokens.to(target_dtype).view(batch, tokens, -1)  # the forward's sequence has this dtype
     cos, sin = text.cos.unsqueeze(1), text.sin.unsqueeze(1)
     for layer, key, value in zip(transformer.layers, text.keys, text.values, strict=True):
         attn = layer.self_attn
+        heads, kv_heads, head_dim = attn.num_attention_heads, attn.num_key_value_heads, attn.head_dim
         normed = layer.input_layernorm_moe_gen(hidden)
-        q = attn.norm_added_q(attn.add_q_proj(normed).view(-1, attn.num_attention_heads, attn.head_dim))
-        k = attn.norm_added_k(attn.add_k_proj(normed).view(-1, attn.num_key_value_heads, attn.head_dim))
-        v = attn.add_v_proj(normed).view(-1, attn.num_key_value_heads, attn.head_dim)
+        q = attn.norm_added_q(attn.add_q_proj(normed).view(batch, tokens, heads, head_dim))
+        k = attn.norm_added_k(attn.add_k_proj(normed).view(batch, tokens, kv_heads, head_dim))
+        v = attn.add_v_proj(normed).view(batch, tokens, kv_heads, head_dim)
         q, k = _rotate(q, cos, sin), _rotate(k, cos, sin)
+        keys = torch.cat([key.expand(batch, *key.shape), k], dim=1)
+        values = torch.cat([value.expand(batch, *value.shape), v], dim=1)
         processor = attn.processor
-        out = dispatch_attention_fn(q.unsqueeze(0), torch.cat([key, k]).unsqueeze(0),
-                                    torch.cat([value, v]).unsqueeze(0), is_causal=False, enable_gqa=True,
-                                    backend=processor._attention_backend,
-                                    parallel_config=processor._parallel_config)
-        hidden = hidden + attn.to_add_out(out.squeeze(0).flatten(-2, -1))
+        out = dispatch_attention_fn(q, keys, values, is_causal=False, enable_gqa=True,
+                                    backend=processor._attention_backend, parallel_config=processor._parallel_config)
+        hidden = hidden + attn.to_add_out(out.flatten(-2, -1))
         hidden = hidden + layer.mlp_moe_gen(layer.post_attention_layernorm_moe_gen(hidden))
-    hidden = transformer.norm_moe_gen(hidden)
-    preds = transformer.proj_out(hidden)
-    return transformer._unpatchify_and_unpack_latents(
-        preds, token_shapes_vision=packed["vision_token_shapes"],
-        noisy_frame_indexes_vision=packed["vision_noisy_frame_indexes"], original_latent_shapes=shapes)[0]
+    preds = transformer.proj_out(transformer.norm_moe_gen(hidden)).flatten(0, 1)
+    return torch.cat(transformer._unpatchify_and_unpack_latents(
+        preds, token_shapes_vision=token_shapes, noisy_frame_indexes_vision=noisy_frames,
+        original_latent_shapes=shapes))
