@@ -457,6 +457,9 @@ class TrainConfig:
         self.model.speed_options().check(self.deterministic_mode)  # the attention kernels it allows
         r, o, a = self.rollout, self.optim, self.algorithm
         check_batch_invariant(r.rollout_batch_size, r.n_samples_per_prompt, o.global_batch_size, o.num_steps_per_rollout)
+        _require(r.n_samples_per_prompt > 1 or a.globalize_reward_mean or self.replay.debug_rollout_only,
+                 "--n-samples-per-prompt 1: each sample is its prompt's mean reward, so every advantage is 0 and "
+                 "nothing trains; sample 2 or more per prompt, or pass --globalize-reward-mean")
         lo, hi = r.sde_window_range() if a.loss_type == "flow_grpo" else (0, r.diffusion_num_steps)
         _require(0 <= lo < hi <= r.diffusion_num_steps,
                  f"--diffusion-sde-window-range {lo},{hi} must satisfy 0 <= lo < hi <= --diffusion-num-steps "
