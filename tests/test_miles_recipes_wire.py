@@ -277,10 +277,11 @@ def qwen_url(qwen):
 
 
 # ============================================================== the Qwen-Image recipes
-def sde_mean_and_std(x, v, sigma, sigma_next, noise_level):
-    """sglang's `sde` transition (scheduler_rl_mixin.flow_sde_sampling) for σ < 1."""
+def sde_mean_and_std(x, v, sigma, sigma_next, noise_level, sigma_max=None):
+    """sglang's `sde` transition (scheduler_rl_mixin.flow_sde_sampling); at σ = 1 the denominator takes
+    `sigma_max`, the schedule's second σ."""
     dt = sigma_next - sigma
-    std = math.sqrt(sigma / (1 - sigma)) * noise_level
+    std = math.sqrt(sigma / (1 - (sigma_max if sigma == 1 else sigma))) * noise_level
     mean = x * (1 + std**2 / (2 * sigma) * dt) + v * (1 + std**2 * (1 - sigma) / (2 * sigma)) * dt
     return mean, std * math.sqrt(-dt)
 
@@ -728,3 +729,22 @@ def test_http_client_reads_sglangs_wan_video_answer(tmp_path):
         assert torch.equal(a.dit_trajectory.latents, b.dit_trajectory.latents)
         assert torch.allclose(a.dit_trajectory.sigmas, b.dit_trajectory.sigmas, atol=1e-6)
     assert torch.equal(got[0].denoising_env["prompt_embeds"], in_process[0].denoising_env["prompt_embeds"])
+
+
+def test_an_sde_window_at_the_first_step_replays(qwen, qwen_url):
+    """miles' default window range is [0, steps): a window may start at step 0, where σ = 1."""
+    args = recipe_args(**{**QWEN_OCR_RECIPE, "n_samples_per_prompt": 1, "diffusion_microgroup_size": 1,
+                          "diffusion_num_steps": 4})
+    [sample] = roll_out_group(qwen_url, args, "a cat", 0, strategy=lambda a, n, s: ([0, 1], None))
+    assert sample.timesteps[0] == 1000 and torch.all(sample.rollout_log_probs[[2, 3]] == 0)
+    pos, neg = sample.env["pos"], sample.env["neg"]
+    sigma_max = sample.timesteps[1].item() / 1000
+    for i in (0, 1):
+        x, x_next = sample.latents[i], sample.latents[i + 1]
+        t, t_next = sample.timesteps[i].item(), sample.timesteps[i + 1].item()
+        v_pos, v_neg = qwen_velocity(qwen, x, t, pos), qwen_velocity(qwen, x, t, neg)
+        v = v_neg + 4.0 * (v_pos - v_neg)
+        v = v * (v_pos.norm(dim=-1, keepdim=True) / v.norm(dim=-1, keepdim=True))
+        mean, std = sde_mean_and_std(x, v, t / 1000, t_next / 1000, args.diffusion_noise_level, sigma_max)
+        replayed = gaussian_log_prob(x_next, mean, std)
+        assert abs(replayed.item() - sample.rollout_log_probs[i].item()) < 1e-4, (i, replayed, sample.rollout_log_probs)
