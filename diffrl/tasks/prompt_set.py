@@ -21,6 +21,13 @@ from diffrl.tasks.base import EvalOutcome, EvalSettings
 
 # Metadata keys that name a prompt's kind (GenEval's `tag`); rewards are also logged per kind.
 KIND_KEYS = ("tag", "category")
+# The rollout's own statistics beside the per-kind rewards (rollout/reward/<kind>): a kind of one of these
+# names would overwrite them, so a prompt set using one is refused.
+RESERVED_KINDS = ("raw_mean", "std")
+
+
+def kind_of(record: PromptRecord) -> str | None:
+    return next((record.metadata[k] for k in KIND_KEYS if isinstance(record.metadata.get(k), str)), None)
 
 
 class PromptSetTask:
@@ -31,6 +38,9 @@ class PromptSetTask:
         path = task_cfg.prompt_data
         self.train = PromptStream(load_prompts(path, "train", task_cfg.input_key), seed=seed,
                                   source=f"--prompt-data {path}")
+        if clash := next((kind_of(r) for r in self.train.records if kind_of(r) in RESERVED_KINDS), None):
+            raise ValueError(f"prompt data {path}: the prompt kind {clash!r} (metadata {'/'.join(KIND_KEYS)}) would "
+                             f"overwrite the metric rollout/reward/{clash} that diffrl logs; rename it in the file")
         self.eval_cfg, self.settings = eval_cfg, settings
         self.reward, self.reward_device = task_cfg.reward, task_cfg.reward_device
         held_out = task_cfg.eval_prompt_data
@@ -67,7 +77,7 @@ class PromptSetTask:
     def observe(self, prompts: Sequence[PromptRecord], group_rewards) -> dict[str, float]:
         by_kind: dict[str, list[float]] = defaultdict(list)
         for record, rewards in zip(prompts, group_rewards, strict=True):
-            kind = next((record.metadata[k] for k in KIND_KEYS if isinstance(record.metadata.get(k), str)), None)
+            kind = kind_of(record)
             if kind is not None:
                 by_kind[kind].extend(float(r) for r in rewards)
         return {f"rollout/reward/{kind}": float(np.mean(rs)) for kind, rs in by_kind.items()}
