@@ -1,12 +1,15 @@
 """The shapes verifier against what an honest judge fails: a dirty background, stray marks and
-specks, ghost shapes, malformed shapes, dithered fills. The verifier is the RL reward, so each of these is a
-reward hack unless it fails strictly, with its reason named. Clean renders softened like a real
-sample (mild blur and noise), and a triangle shaded in two tones of its color, still pass.
+specks, ghost shapes, malformed shapes (two circles merged into one blob among them), dithered fills. The
+verifier is the RL reward, so each of these is a reward hack unless it fails strictly, with its reason named.
+Clean renders softened like a real sample (mild blur and noise) or saved as JPEG, a triangle shaded in two
+tones of its color and a triangle tilted by up to 10 degrees still pass.
 
 Every kind is drawn at many random positions, sizes and colors from a fixed seed.
 """
 
 from __future__ import annotations
+
+import io
 
 import numpy as np
 import pytest
@@ -187,6 +190,45 @@ def single_shape(kind: str, rng: np.random.Generator) -> tuple[np.ndarray, str, 
     return soften(image, rng), color, like
 
 
+def jpeg(image: np.ndarray, quality: int) -> np.ndarray:
+    """`image` saved as a JPEG of this quality (PIL's defaults: 4:2:0 chroma subsampling) and read back."""
+    buffer = io.BytesIO()
+    Image.fromarray(image).save(buffer, "JPEG", quality=quality)
+    return np.asarray(Image.open(io.BytesIO(buffer.getvalue())).convert("RGB"))
+
+
+def two_circles(rng: np.random.Generator) -> tuple[np.ndarray, str]:
+    """Two disks of one color merged into one blob (a peanut, a snowman), at any turn: radii of 7-11 px and
+    0.7-1 of that, the smaller disk's diameter 40-80% inside the larger one; and the prompt of one circle."""
+    color = COLOR_NAMES[rng.integers(len(COLOR_NAMES))]
+    big = rng.uniform(7, 11)
+    small = big * rng.uniform(0.7, 1.0)
+    apart = big + small - rng.uniform(0.4, 0.8) * 2 * small
+    turn = rng.uniform(0, 2 * np.pi)
+    reach = max(big, apart + small) + 3
+    cx, cy = rng.uniform(reach, SIZE - reach, size=2)
+    s = SUPERSAMPLE
+    canvas = Image.new("RGB", (SIZE * s,) * 2, WHITE)
+    draw = ImageDraw.Draw(canvas)
+    for x, y, r in ((cx, cy, big), (cx + apart * np.cos(turn), cy + apart * np.sin(turn), small)):
+        draw.ellipse(((x - r) * s, (y - r) * s, (x + r) * s - 1, (y + r) * s - 1), fill=COLORS[color])
+    return soften(np.asarray(canvas.resize((SIZE, SIZE), Image.BOX)), rng), f"a {color} circle"
+
+
+def tilted_triangle(rng: np.random.Generator, degrees: tuple[float, float] = (5, 10)) -> tuple[np.ndarray, str]:
+    """An upright triangle of 14-24 px turned about its centroid by +-5-10 degrees, and its prompt."""
+    color = COLOR_NAMES[rng.integers(len(COLOR_NAMES))]
+    side = int(rng.integers(14, 25))
+    turn = np.radians(rng.uniform(*degrees) * rng.choice([-1, 1]))
+    cx, cy = rng.uniform(0.75 * side + 2, SIZE - 0.75 * side - 2, size=2)
+    corners = np.array([(0, -2 * side / 3), (side / 2, side / 3), (-side / 2, side / 3)])
+    rotation = np.array([[np.cos(turn), -np.sin(turn)], [np.sin(turn), np.cos(turn)]])
+    corners = corners @ rotation.T + (cx, cy)
+    canvas = Image.new("RGB", (SIZE * SUPERSAMPLE,) * 2, WHITE)
+    ImageDraw.Draw(canvas).polygon([tuple(p * SUPERSAMPLE) for p in corners], fill=COLORS[color])
+    return soften(np.asarray(canvas.resize((SIZE, SIZE), Image.BOX)), rng), f"a {color} triangle"
+
+
 def two_tone_triangle(rng: np.random.Generator) -> tuple[np.ndarray, str]:
     """A triangle whose one side is a darker shade or lighter tint of its color (shading)."""
     color = COLOR_NAMES[rng.integers(len(COLOR_NAMES))]
@@ -341,6 +383,50 @@ def test_softened_renders_pass(category):
     rate = 1 - len(failures) / CLEAN_PER_CATEGORY
     print(f"{category}: {rate:.3f} of {CLEAN_PER_CATEGORY} softened renders pass")
     assert rate >= MIN_RATE, failures[:10]
+
+
+# Counting's shapes are small (11-15 px): JPEG's half-resolution chroma rounds a yellow or orange diamond's
+# vertices until it lies between a diamond and a circle (lead under 0.03) in ~3% of the images.
+JPEG_MIN_RATE = {"counting": 0.95}
+
+
+@pytest.mark.parametrize("category", CATEGORIES)
+def test_jpeg_compressed_renders_pass(category):
+    """A user's images are often JPEGs: clean renders saved at quality 75-90 pass. JPEG rings near edges
+    (faint ink up to a block away, up to ~ΔE 18) and its half-resolution chroma ripples inside fills."""
+    rng = np.random.default_rng(CATEGORIES.index(category) + 600)
+    failures = []
+    for seed in range(CLEAN_PER_CATEGORY):
+        prompt = random_prompt(rng, (category,))
+        quality = int(rng.integers(75, 91))
+        verdict = verify(jpeg(render_prompt(prompt, seed=seed), quality), prompt)
+        if not verdict.strict:
+            failures.append((prompt, seed, quality, verdict.reason))
+    rate = 1 - len(failures) / CLEAN_PER_CATEGORY
+    print(f"{category}: {rate:.3f} of {CLEAN_PER_CATEGORY} JPEG-compressed renders pass")
+    assert rate >= JPEG_MIN_RATE.get(category, MIN_RATE), failures[:10]
+
+
+def test_tilted_triangles_pass():
+    """A triangle turned by 5-10 degrees is still a triangle to a judge (an inverted one is not: see
+    test_malformed_shapes_fail_as_shape)."""
+    rng = np.random.default_rng(8)
+    failures = []
+    for _ in range(PER_KIND):
+        image, prompt = tilted_triangle(rng)
+        verdict = verify(image, prompt)
+        if not verdict.strict:
+            failures.append((prompt, verdict.reason))
+    rate = 1 - len(failures) / PER_KIND
+    print(f"tilted triangle: {rate:.3f} of {PER_KIND} pass")
+    assert rate >= MIN_RATE, failures[:10]
+
+
+def test_two_merged_circles_fail_as_shape():
+    """Two circles of one color overlapping 40-80% are one blob, a peanut or a snowman: no circle."""
+    rate, wrong = _fail_rate(lambda rng, k: two_circles(rng), "shape", seed=80)
+    print(f"two merged circles: {rate:.3f} fail as shape")
+    assert rate >= MIN_RATE, wrong[:10]
 
 
 def test_two_tone_triangle_is_one_triangle():

@@ -5,7 +5,8 @@ The verifier is also the RL reward, so it is written to reject what an honest ju
 
 - Ink: a pixel is ink when it is more than `BACKGROUND_DELTA_E` (CIELAB ΔE76) from white. Ink
   that belongs to no object (or its soft rim) is stray: a dirty background, specks, marks,
-  ghost shapes. Stray ink fails the image and fades the partial credit.
+  ghost shapes. Stray ink fails the image and fades the partial credit. Faint ink near an object
+  (`HALO_PX`, `HALO_DELTA_E`) is its halo: JPEG rings there.
 - Color: a pixel's hue is the direction of its RGB color around the grey axis. Blending with
   white and shading darker or lighter keep that direction, so shading within one hue does not
   split an object. A core pixel has at least `CORE_CHROMA` of its nearest palette hue's chroma;
@@ -14,7 +15,8 @@ The verifier is also the RL reward, so it is written to reject what an honest ju
   `HUE_TOLERANCE_DEG`, or whose pixels do not reach its color's saturation (`FULL_CHROMA`: brown is
   no orange, pink no red), has no palette color (it still counts for colorless prompts).
 - Shape: from the object's coverage map, its second moments, then soft IoU with each shape's
-  template at that size and position. An object that is stretched (`MAX_ASPECT`, `MAX_SKEW`)
+  template at that size and position (a triangle's also turned by `TRIANGLE_TILTS_DEG`). An object that is
+  stretched (`MAX_ASPECT`, `MAX_SKEW`), a "circle" that is oval (`MAX_CIRCLE_ELONGATION`: two merged disks)
   or concave (`MAX_CONCAVITY`), whose best template overlaps less than `MIN_IOU`, or leads the
   second best by less than `MIN_MARGIN`, or a "circle" whose outline has corners (a k-fold ripple
   of its radius, `MAX_CIRCLE_TILT`: a polygon, a turned square), or a "triangle" whose top is no
@@ -24,7 +26,8 @@ The verifier is also the RL reward, so it is written to reject what an honest ju
   along rows and columns, so for three pixels in a line inside the object (adjacent, or up to 4 px
   apart) the CIELAB distance through the middle one is about that between the outer two. A dither,
   a checkerboard or a mottled fill zig-zags; an object whose mean excess per step is over
-  `TEXTURE_DELTA_E` is dithered: it counts as an object but matches no shape.
+  `TEXTURE_DELTA_E` is dithered: it counts as an object but matches no shape. At strides of 3-4 px chroma
+  weighs less (`WIDE_CHROMA_WEIGHT`), and only objects `MIN_PATTERN_CELLS` strides wide: JPEG's chroma.
 - Every failure is named: the reason starts with background, stray, count, texture, shape, color
   or relation.
 """
@@ -76,6 +79,12 @@ STRAY_LIMIT = 0.015
 # So is stray ink over this fraction, marks or not (a dither merges into image-wide blobs); 25
 # specks of 3x3 px, blurred, cover ~13%.
 BACKGROUND_LIMIT = 0.20
+# JPEG (quality 75-90, chroma at half resolution in 16 px blocks) rings around an object's edges: past its
+# rim, faint ink (median ΔE 6, 99% under 13, at most ~20) up to 15 px out, 60 px an image of four objects.
+# Ink within HALO_PX of an object and at most HALO_DELTA_E from white is its halo, not stray. Grey marks of
+# ΔE >= 19 (200 grey), palette ghosts at 25% opacity (>= 21) and the far parts of pale blobs still are.
+HALO_PX = 12
+HALO_DELTA_E = 18.0
 STRAY_ZERO_CREDIT = 0.10  # partial credit fades from STRAY_LIMIT to 0 here
 # In the crisp score, each mark keeps this share of the credit: a mark fails the image strictly, but one too
 # small to move the stray fraction (a 33 px mark is 0.8% of 64x64) leaves the partial credit whole. The partial
@@ -92,10 +101,19 @@ MIN_MARGIN = 0.03  # ... and its lead over the second-best template
 # from the renders' lead of CRISP_LEAD, CRISP_FLOOR at none, so that RL keeps sharpening shapes that barely pass.
 CRISP_LEAD = 0.08
 CRISP_FLOOR = 0.9
+# A triangle may stand tilted by up to about this much (degrees): its template is also tried turned by these.
+TRIANGLE_TILTS_DEG = (-10.0, -5.0, 5.0, 10.0)
 # Width / height (either way) fitted for the best template: a 4:3 box still passes for a square
-# or a circle (the model's are up to ~1.25), a tall or flat triangle is still a triangle.
+# (the model's are up to ~1.25; a circle must also be round, see MAX_CIRCLE_ELONGATION), a tall or flat
+# triangle is still a triangle.
 MAX_ASPECT = 1.3
 MAX_TRIANGLE_ASPECT = 1.5
+# A circle is round: the root of the ratio of its principal second moments (at any turn, unlike the aspect)
+# stays under this. Softened and JPEG-compressed renders stay under 1.06, the DiffusionNFT checkpoint's
+# passing circles under 1.13 (99%, 1.16 at most); two disks of one color merged into
+# one blob (a peanut, a snowman: the smaller's diameter 40-80% inside the larger, radii 0.7-1 apart) score
+# >= 1.16 even at 80% overlap. Over this a "circle" is an oval.
+MAX_CIRCLE_ELONGATION = 1.15
 MAX_SKEW = 0.2  # |correlation| of x and y over the object: a tilted, stretched blob
 # Missing pixels well inside the object's convex hull over its area, at twice the resolution:
 # softened renders stay under ~0.03 (99%), the shipped model's circles, squares and diamonds
@@ -141,6 +159,13 @@ MAX_HOLE_PX = 2.0
 # and 6 over 7 (small mottled blotches); of 3,143 drawn by two Flow-GRPO checkpoints, whose fills
 # are dithered, half score over 18 and 95% over 8.3 (under 7: small triangles, a few windows each).
 TEXTURE_DELTA_E = 7.0
+# JPEG's half-resolution chroma ripples inside a fill near its edges with a period of ~8 px: ΔE up to 13 at
+# strides 3-4, as chroma alone (lightness stays under 3). At those strides chroma weighs WIDE_CHROMA_WEIGHT,
+# and a stride counts only where the interior spans MIN_PATTERN_CELLS cells of it (a pattern, not shading):
+# JPEG-compressed renders then score under 5.5, checkerboard fills of 12-24 ΔE over 9.
+WIDE_STRIDE = 3
+WIDE_CHROMA_WEIGHT = 0.7
+MIN_PATTERN_CELLS = 4
 # Pockets of non-core pixels inside an object up to this size (at 64x64) are part of its fill:
 # dither pixels too light or off its hue to be core. A ring's hole (>= ~30 px) is no fill.
 TEXTURE_HOLE_PX = 12
@@ -182,6 +207,8 @@ _VARIANCE_FRACTION = {
     "diamond": (1 / 24, 1 / 24),
 }
 _MIN_VARIANCE = 0.05
+_TRIANGLE = SHAPES.index("triangle")
+_TRIANGLE_TURNS = tuple((float(np.cos(np.radians(a))), float(np.sin(np.radians(a)))) for a in TRIANGLE_TILTS_DEG)
 _EIGHT_CONNECTED = np.ones((3, 3), dtype=bool)
 _OUTLINE_BINS = 48
 _OUTLINE_HARMONICS = np.arange(3, 9)
@@ -309,14 +336,22 @@ def _zigzag(patch: np.ndarray, inside: np.ndarray, min_windows: int) -> float:
     diff = np.empty((len(_ZIGZAG_OFFSETS), 3, n), dtype=np.float32)
     for j, offset in enumerate(_ZIGZAG_OFFSETS):
         np.subtract(line[:, offset : offset + n], line[:, :n], out=diff[j])
-    apart = np.sqrt(np.einsum("jcn,jcn->jn", diff, diff))  # ΔE to the pixel `offset` further on
+    squared = diff * diff
+    lightness, chroma = squared[:, 0], squared[:, 1] + squared[:, 2]
+    # ΔE to the pixel `offset` further on; for the wide strides, with chroma weighed by WIDE_CHROMA_WEIGHT
+    apart = np.sqrt(lightness + chroma)
+    apart_wide = np.sqrt(lightness + WIDE_CHROMA_WEIGHT**2 * chroma)
     n -= _ZIGZAG_STRIDES[-1]
     # Per stride k, at each start x: ΔE x -> x + k, x + k -> x + 2k and x -> x + 2k, and whether no
     # outside pixel lies from x to x + 2k.
-    first = apart[_ZIGZAG_ONCE, :n]
-    second = np.stack([apart[i, k : k + n] for i, k in zip(_ZIGZAG_ONCE, _ZIGZAG_STRIDES, strict=True)])
+    apart_of = [apart_wide if k >= WIDE_STRIDE else apart for k in _ZIGZAG_STRIDES]
+    first = np.stack([a[i, :n] for a, i in zip(apart_of, _ZIGZAG_ONCE, strict=True)])
+    second = np.stack([a[i, k : k + n] for a, i, k in zip(apart_of, _ZIGZAG_ONCE, _ZIGZAG_STRIDES, strict=True)])
+    twice = np.stack([a[i, :n] for a, i in zip(apart_of, _ZIGZAG_TWICE, strict=True)])
     valid = np.stack([outside[2 * k + 1 : 2 * k + 1 + n] for k in _ZIGZAG_STRIDES]) == outside[:n]
-    excess = np.einsum("kn,kn->k", first + second - apart[_ZIGZAG_TWICE, :n], valid.astype(np.float32))
+    excess = np.einsum("kn,kn->k", first + second - twice, valid.astype(np.float32))
+    # A stride counts where the interior spans MIN_PATTERN_CELLS cells of it: fewer are shading, not a pattern.
+    excess *= MIN_PATTERN_CELLS * np.array(_ZIGZAG_STRIDES) <= max(height, width)
     return float((excess / (2 * np.maximum(np.count_nonzero(valid, axis=1), min_windows))).max())
 
 
@@ -510,6 +545,7 @@ def _upsample2(alpha: np.ndarray) -> np.ndarray:
 class _ShapeFit:
     ious: np.ndarray  # soft IoU with each shape of SHAPES
     aspect: float  # fitted width / height of the best template, >= 1
+    elongation: float  # the root of the ratio of the principal second moments, >= 1: 1 for a disk at any turn
     skew: float  # |correlation| of x and y over the object
     concavity: float
     centroid: tuple[float, float]  # patch coordinates
@@ -531,6 +567,8 @@ class _ShapeFit:
             return f"stretched shape (aspect {self.aspect:.2f})"
         if self.skew > MAX_SKEW:
             return f"slanted shape (x-y correlation {self.skew:.2f})"
+        if SHAPES[best] == "circle" and self.elongation > MAX_CIRCLE_ELONGATION:
+            return f"oval shape (its axes {self.elongation:.2f}:1, not round)"
         if self.concavity > (MAX_TRIANGLE_CONCAVITY if SHAPES[best] == "triangle" else MAX_CONCAVITY):
             return f"concave shape (concavity {self.concavity:.2f})"
         if self.hole_px > MAX_HOLE_PX:
@@ -545,6 +583,29 @@ class _ShapeFit:
         if self.apex_width > MAX_APEX_WIDTH:
             return f"blunt shape (its top {self.apex_width:.2f} of its base wide, not an apex)"
         return None
+
+
+def _elongation(var_x: float, var_y: float, cov_xy: float) -> float:
+    """sqrt(largest / smallest principal variance) of a covariance [[var_x, cov_xy], [cov_xy, var_y]]."""
+    mean, spread = (var_x + var_y) / 2, float(np.hypot((var_x - var_y) / 2, cov_xy))
+    return float(np.sqrt((mean + spread) / max(mean - spread, 1e-9)))
+
+
+def _tilted_triangle_iou(alpha: np.ndarray, x: np.ndarray, y: np.ndarray, var_x: float, var_y: float,
+                         cov_xy: float) -> float:
+    """The best soft IoU of `alpha` with the triangle template turned by each of TRIANGLE_TILTS_DEG about
+    the centroid (x, y: pixel centers relative to it), sized from the variances in the turned frame."""
+    best = 0.0
+    fraction_x, fraction_y = _VARIANCE_FRACTION["triangle"]
+    for cos, sin in _TRIANGLE_TURNS:
+        turned_x, turned_y = cos * x + sin * y, cos * y - sin * x
+        along_x = max(cos * cos * var_x + 2 * cos * sin * cov_xy + sin * sin * var_y, _MIN_VARIANCE)
+        along_y = max(sin * sin * var_x - 2 * cos * sin * cov_xy + cos * cos * var_y, _MIN_VARIANCE)
+        distance = _signed_distance("triangle", turned_x, turned_y, np.sqrt(along_x / fraction_x),
+                                    np.sqrt(along_y / fraction_y))
+        template = np.minimum(np.maximum(0.5 - distance, 0.0), 1.0)
+        best = max(best, float(np.minimum(template, alpha).sum() / np.maximum(template, alpha).sum()))
+    return best
 
 
 def _fit_shape(alpha: np.ndarray, scale: float = 1.0, core: np.ndarray | None = None) -> _ShapeFit:
@@ -576,6 +637,8 @@ def _fit_shape(alpha: np.ndarray, scale: float = 1.0, core: np.ndarray | None = 
         distances.append(_signed_distance(shape, x, y, np.sqrt(width_sq), np.sqrt(height_sq)))
     templates = np.minimum(np.maximum(0.5 - np.stack(distances), 0.0), 1.0)  # ~ pixel coverage at that distance
     ious = np.minimum(templates, alpha).sum((1, 2)) / np.maximum(templates, alpha).sum((1, 2))
+    if ious.argmax() == _TRIANGLE:  # a triangle, perhaps tilted
+        ious[_TRIANGLE] = max(ious[_TRIANGLE], _tilted_triangle_iou(alpha, x, y, var_x, var_y, cov_xy))
     width_sq, height_sq = squared_sides[int(ious.argmax())]
     best = SHAPES[int(ious.argmax())]
     tilt, fold = _outline_tilt(alpha, float(cx), float(cy)) if best == "circle" else (0.0, 0)
@@ -583,6 +646,7 @@ def _fit_shape(alpha: np.ndarray, scale: float = 1.0, core: np.ndarray | None = 
     return _ShapeFit(
         ious=ious,
         aspect=float(np.sqrt(max(width_sq, height_sq) / min(width_sq, height_sq))),
+        elongation=_elongation(var_x, var_y, cov_xy),
         skew=float(abs(cov_xy) / np.sqrt(var_x * var_y)),
         # At twice the resolution (bilinear), a small plus's notches keep pixels a step inside its hull.
         concavity=_concavity(_upsample2(alpha) >= 0.5),
@@ -700,6 +764,8 @@ def _analyze(image: np.ndarray) -> _Scene:
     delta_e = np.zeros(classes.shape, dtype=np.float32)
     delta_e[candidates] = _delta_e_from_white(image[candidates])
     stray = delta_e > BACKGROUND_DELTA_E
+    if HALO_PX > rim and stray.any():
+        stray &= ~(_dilate(objects, HALO_PX) & (delta_e <= HALO_DELTA_E))
     n_stray = int(stray.sum())
     marks: list[int] = []
     n_dirt = n_stray
