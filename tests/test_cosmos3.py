@@ -332,6 +332,9 @@ def test_rollout_forwards_compute_the_text_pathway_once(cosmos_dir):
                                               init_lora_weights=False))
     key = family.text_cache.key(family.transformer, (b"a", False, (5, 16, 32), "cpu"), "auto")
     assert key is None  # an adapter on the text pathway: the transformer's own forward
+    compiled = Cosmos3Family.load(cosmos_dir)
+    compiled.transformer.layers[1].compile()  # regional compilation acts where a layer is called: run it whole
+    assert compiled.text_cache.key(compiled.transformer, (b"a", False, (5, 16, 32), "cpu"), "auto") is None
     assert all(torch.equal(a, b) for a, b in zip(velocities(x, grad=False), velocities(x, grad=True), strict=True))
 
 
@@ -351,3 +354,41 @@ def test_rows_of_one_prompt_run_as_one_batch_when_asked(cosmos_dir):
         batched = family.velocity(*args)
     torch.testing.assert_close(batched, alone, rtol=1e-5, atol=1e-5)
     assert (alone[0] - alone[1]).abs().max() > 1e-3  # the rows differ, so a mix-up would show
+
+
+def test_lora_training_forwards_reuse_the_text_pathway_with_the_same_gradients(cosmos_dir):
+    """With LoRA on the video pathway (the family's targets, the base frozen) the trainer's forwards also read the
+    cached text pathway: the loss and the adapter's gradients are the transformer's own forward's, to the bit, with
+    gradient checkpointing too; a trained text-pathway weight (a full finetune) runs the transformer whole."""
+    from peft import LoraConfig
+
+    class NoCache(type(Cosmos3Family.load(cosmos_dir).text_cache)):
+        @staticmethod
+        def key(*args):
+            return None
+
+    x = torch.randn(1, 4, 2, 2, 4)
+    results = []
+    for cache in (True, False):
+        family = Cosmos3Family.load(cosmos_dir)
+        torch.manual_seed(0)
+        family.transformer.add_adapter(LoraConfig(r=2, lora_alpha=2, target_modules=list(family.lora_target_modules),
+                                                  init_lora_weights=False))
+        family.transformer.requires_grad_(False)
+        for name, param in family.transformer.named_parameters():
+            param.requires_grad_("lora_" in name)
+        family.transformer.enable_gradient_checkpointing()
+        if not cache:
+            family.text_cache = NoCache()
+        v = family.velocity(family.transformer, Latents(x, torch.zeros(0, 1)), torch.tensor([0.6]),
+                            family.encode_prompts(["a red cat"]), family.encode_prompts(["blurry"]), 4.0)
+        v.square().mean().backward()
+        results.append((v.detach(), {n: p.grad for n, p in family.transformer.named_parameters() if p.requires_grad}))
+        if cache:
+            assert len(family.text_cache._entries) == 2
+            family.transformer.layers[0].mlp.up_proj.weight.requires_grad_(True)
+            assert family.text_cache.key(family.transformer, (b"a", False, (5, 16, 32), "cpu"), "auto") is None
+    (v_cached, g_cached), (v_whole, g_whole) = results
+    assert torch.equal(v_cached, v_whole)
+    assert g_cached.keys() == g_whole.keys() and all(torch.equal(g_cached[n], g_whole[n]) for n in g_cached)
+    assert any(g.abs().sum() > 0 for g in g_cached.values())

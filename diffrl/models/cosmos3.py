@@ -26,21 +26,21 @@ the negative prompt's rows are marked by `pair_conditionings`). The
 duration is read back from the latent frame count, so a request's `num_frames` must be 4k + 1 (the pipeline
 would take any); the frame rate is the pipeline's default, 24.
 
-The transformer's forward takes one sample (its attention has no batch axis), so a forward with gradients (the
-trainer) runs the rows of a batch one after another: sample k's velocity does not depend on its batch. A rollout's
-forwards (no gradients) on a GPU run the rows that share a prompt (the outputs of a request, the requests the
-engine batches together) as one batch through the video pathway below, a batch axis the transformer lacks: one
-forward of B × ~390 tokens instead of B launch-bound ones, with the batch-size-dependent kernel roundings of every
-other family (DESIGN §2); on the CPU they run one after another, so sample k is the same in any microgroup exactly
-(`batch_rows` sets it).
+The transformer's forward takes one sample (its attention has no batch axis), so where it runs whole (a full
+finetune's forwards with gradients) the rows of a batch run one after another. Elsewhere, on a GPU, the rows that
+share a prompt (the outputs of a request, the requests the engine batches together) run as one batch through the
+video pathway below, a batch axis the transformer lacks: one forward of B × ~390 tokens instead of B launch-bound
+ones, with the batch-size-dependent kernel roundings of every other family (DESIGN §2). On the CPU they run one
+after another, so sample k is the same in any microgroup exactly (`batch_rows` sets it).
 
 The text pathway is computed once per prompt, not once per forward (`TextPathwayCache`): the text tokens attend
 causally to text only, so their hidden states, and the keys and values the video tokens read from them in every
-layer, depend on neither the latents nor the timestep. A rollout's forwards (no gradients) run the transformer's
-layers on the video tokens alone against those keys and values, the same operations on the same numbers as the
-full forward's video half; a forward with gradients (the trainer) runs the transformer whole. At one frame of
-480 × 832 a forward is ~390 video tokens and ~80 text tokens: launch-bound on a GPU, where the text half is
-about half of the kernels. The cache is keyed by the text and by the identity and version counter of every
+layer, depend on neither the latents nor the timestep. Forwards run the transformer's layers on the video tokens
+alone against those keys and values, the same operations on the same numbers as the full forward's video half:
+rollouts, and the trainer's forwards while no text-pathway weight is trained (LoRA on the video pathway, the
+default targets; its gradient checkpointing per layer as the transformer's). A full finetune's forwards with
+gradients run the transformer whole. At one frame of 480 × 832 a forward is ~390
+video tokens and ~80 text tokens: launch-bound on a GPU, where the text half is about half of the kernels. The cache is keyed by the text and by the identity and version counter of every
 text-pathway parameter, so a weight update in place (an optimizer step, a weight sync) or new tensors miss it.
 
 Not reproduced: the solver. Our steps are the shared Euler ODE / SDE of `diffrl.sampling`; a checkpoint whose
@@ -52,6 +52,7 @@ baked in) and a scheduler with dynamic shifting. Sound and action generation are
 from __future__ import annotations
 
 import copy
+import functools
 import threading
 import weakref
 from collections.abc import Sequence
@@ -379,8 +380,8 @@ class Cosmos3Family(FamilyAdapter):
         for (text_bytes, negative), indices in samples.items():
             packed = self._sequence(text_bytes, negative, grid, x.device)
             with self.forward_precision():
-                key = None if torch.is_grad_enabled() else self.text_cache.key(
-                    transformer, (text_bytes, negative, grid, str(x.device)), self.attention_backend)
+                key = self.text_cache.key(transformer, (text_bytes, negative, grid, str(x.device)),
+                                          self.attention_backend)
                 if key is None:  # the transformer's own forward, one sample at a time
                     for b in indices:
                         timesteps = t[b].expand(packed["vision_sequence_indexes"].shape[0])  # one per video token
@@ -447,9 +448,10 @@ class TextPathwayCache:
 
     @staticmethod
     def key(transformer, sequence: tuple, attention_backend: str) -> tuple | None:
-        """The entry's key, or None where the cache does not apply: a transformer that is not diffusers' own
-        layout (sharded, another attention processor) or whose text pathway has adapters (their scale and
-        switch are not parameters a key can see)."""
+        """The entry's key, or None where the cache does not apply and the transformer runs whole: a transformer
+        that is not diffusers' own layout (context-parallel, another attention processor), whose layers are
+        FSDP2 units or compiled (both act where a layer is called, which the pathways bypass), or whose text
+        pathway has adapters (their scale and switch are not parameters a key can see)."""
         from diffusers.models.transformers.transformer_cosmos3 import Cosmos3AttnProcessor
 
         if transformer._cp_shard_fn is not None or transformer._cp_gather_fn is not None:
@@ -457,7 +459,8 @@ class TextPathwayCache:
         state = _weights_state(transformer.embed_tokens)
         for layer in transformer.layers:
             attn, mlp = layer.self_attn, layer.mlp
-            if type(attn.processor) is not Cosmos3AttnProcessor:
+            if type(attn.processor) is not Cosmos3AttnProcessor or layer._compiled_call_impl is not None \
+                    or type(layer) is not _decoder_layer_class():
                 return None
             linears = [attn.to_q, attn.to_k, attn.to_v, attn.to_out, mlp.up_proj, mlp.down_proj]
             if mlp.hidden_act == "silu":
@@ -468,6 +471,8 @@ class TextPathwayCache:
                            attn.k_norm_und_for_gen):
                 if module is not None:
                     state += _weights_state(module)
+        if torch.is_grad_enabled() and any(trained for *_, trained in state):
+            return None  # a full finetune: the text pathway's gradients need the forward whole
         device_type = transformer.embed_tokens.weight.device.type  # (ModelMixin.device walks every module)
         autocast = (torch.is_autocast_enabled(device_type), torch.get_autocast_dtype(device_type))
         return (id(transformer), sequence, attention_backend, autocast, tuple(state))
@@ -491,11 +496,19 @@ class TextPathwayCache:
             self._entries.clear()
 
 
+@functools.cache
+def _decoder_layer_class() -> type:
+    """diffusers' decoder layer class (FSDP2 swaps a sharded layer's class for a subclass of it)."""
+    from diffusers.models.transformers.transformer_cosmos3 import Cosmos3VLTextMoTDecoderLayer
+
+    return Cosmos3VLTextMoTDecoderLayer
+
+
 def _weights_state(module: torch.nn.Module) -> list:
     """Identity, version counter (moved by every in-place update) and storage of a module's own parameters."""
     if module._modules:
         raise ValueError(f"cosmos3: {type(module).__name__} has submodules; the text cache reads leaf modules")
-    return [(id(p), p._version, p.data_ptr()) for p in module._parameters.values() if p is not None]
+    return [(id(p), p._version, p.data_ptr(), p.requires_grad) for p in module._parameters.values() if p is not None]
 
 
 def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
@@ -546,8 +559,6 @@ def video_pathway(transformer, packed: dict, text: TextPathway, latents: torch.T
     """`Cosmos3OmniTransformer.forward`'s video velocity `[B, C, T, H, W]` for B samples of one prompt (latents
     `[B, C, T, H, W]`, timesteps `[B]`), the layers run on the video tokens alone against the text's keys and values
     (`text_pathway`), with the samples on a batch axis (one sample: the forward's own operations)."""
-    from diffusers.models.attention_dispatch import dispatch_attention_fn
-
     und_len = packed["und_len"]
     batch, tokens = latents.shape[0], packed["vision_sequence_indexes"].shape[0]
     if packed["sequence_length"] != und_len + tokens:
@@ -566,22 +577,36 @@ def video_pathway(transformer, packed: dict, text: TextPathway, latents: torch.T
         token_shapes=token_shapes)
     hidden = packed_tokens.to(target_dtype).view(batch, tokens, -1)  # the forward's sequence has this dtype
     cos, sin = text.cos.unsqueeze(1), text.sin.unsqueeze(1)
+    checkpointed = torch.is_grad_enabled() and transformer.gradient_checkpointing
     for layer, key, value in zip(transformer.layers, text.keys, text.values, strict=True):
-        attn = layer.self_attn
-        heads, kv_heads, head_dim = attn.num_attention_heads, attn.num_key_value_heads, attn.head_dim
-        normed = layer.input_layernorm_moe_gen(hidden)
-        q = attn.norm_added_q(attn.add_q_proj(normed).view(batch, tokens, heads, head_dim))
-        k = attn.norm_added_k(attn.add_k_proj(normed).view(batch, tokens, kv_heads, head_dim))
-        v = attn.add_v_proj(normed).view(batch, tokens, kv_heads, head_dim)
-        q, k = _rotate(q, cos, sin), _rotate(k, cos, sin)
-        keys = torch.cat([key.expand(batch, *key.shape), k], dim=1)
-        values = torch.cat([value.expand(batch, *value.shape), v], dim=1)
-        processor = attn.processor
-        out = dispatch_attention_fn(q, keys, values, is_causal=False, enable_gqa=True,
-                                    backend=processor._attention_backend, parallel_config=processor._parallel_config)
-        hidden = hidden + attn.to_add_out(out.flatten(-2, -1))
-        hidden = hidden + layer.mlp_moe_gen(layer.post_attention_layernorm_moe_gen(hidden))
+        if checkpointed:  # as the transformer's own forward: each layer's activations recomputed in the backward
+            hidden = transformer._gradient_checkpointing_func(_video_layer, layer, hidden, key, value, cos, sin)
+        else:
+            hidden = _video_layer(layer, hidden, key, value, cos, sin)
     preds = transformer.proj_out(transformer.norm_moe_gen(hidden)).flatten(0, 1)
     return torch.cat(transformer._unpatchify_and_unpack_latents(
         preds, token_shapes_vision=token_shapes, noisy_frame_indexes_vision=noisy_frames,
         original_latent_shapes=shapes))
+
+
+def _video_layer(layer, hidden: torch.Tensor, key: torch.Tensor, value: torch.Tensor, cos: torch.Tensor,
+                 sin: torch.Tensor) -> torch.Tensor:
+    """One decoder layer's video half (its attention processor's and its own), on `[B, tokens, width]`."""
+    from diffusers.models.attention_dispatch import dispatch_attention_fn
+
+    batch, tokens, _ = hidden.shape
+    attn = layer.self_attn
+    heads, kv_heads, head_dim = attn.num_attention_heads, attn.num_key_value_heads, attn.head_dim
+    normed = layer.input_layernorm_moe_gen(hidden)
+    q = attn.norm_added_q(attn.add_q_proj(normed).view(batch, tokens, heads, head_dim))
+    k = attn.norm_added_k(attn.add_k_proj(normed).view(batch, tokens, kv_heads, head_dim))
+    v = attn.add_v_proj(normed).view(batch, tokens, kv_heads, head_dim)
+    q, k = _rotate(q, cos, sin), _rotate(k, cos, sin)
+    keys = torch.cat([key.expand(batch, *key.shape), k], dim=1)
+    values = torch.cat([value.expand(batch, *value.shape), v], dim=1)
+    processor = attn.processor
+    out = dispatch_attention_fn(q, keys, values, is_causal=False, enable_gqa=True,
+                                backend=processor._attention_backend, parallel_config=processor._parallel_config)
+    hidden = hidden + attn.to_add_out(out.flatten(-2, -1))
+    hidden = hidden + layer.mlp_moe_gen(layer.post_attention_layernorm_moe_gen(hidden))
+    return hidden
