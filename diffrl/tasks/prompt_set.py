@@ -9,6 +9,7 @@ the first `--eval-num-prompts` held-out prompts (`--eval-prompt-data`, or the te
 
 from __future__ import annotations
 
+import re
 from collections import defaultdict
 from collections.abc import Sequence
 
@@ -24,6 +25,12 @@ KIND_KEYS = ("tag", "category")
 # The rollout's own statistics beside the per-kind rewards (rollout/reward/<kind>): a kind of one of these
 # names would overwrite them, so a prompt set using one is refused.
 RESERVED_KINDS = ("raw_mean", "std")
+
+
+def reward_identity(spec: str) -> str:
+    """A --reward spec without its checkpoint and processor paths: the same reward moved to another directory
+    (another machine) is the same reward."""
+    return re.sub(r"@[^,=]*", "", re.sub(r",processor=[^,=]*", "", spec))
 
 
 def kind_of(record: PromptRecord) -> str | None:
@@ -97,9 +104,17 @@ class PromptSetTask:
                            captions=[f"{row['reward']:.3f} {row['prompt']}" for row in result.rows[:shown]])
 
     def state_dict(self) -> dict:
-        return {"prompt_stream": self.train.state_dict(), "eval_prompts_sha256": self.eval_fingerprint}
+        return {"prompt_stream": self.train.state_dict(), "eval_prompts_sha256": self.eval_fingerprint,
+                "reward": reward_identity(self.reward)}
 
     def load_state_dict(self, state: dict) -> None:
+        # Another reward would put other numbers into the same training and held-out series (checkpoints written
+        # before the reward was kept have nothing to compare).
+        saved, now = state.get("reward"), reward_identity(self.reward)
+        if saved is not None and saved != now:
+            raise ValueError(f"--resume: the checkpoint was trained with --reward {saved} (paths aside), this run "
+                             f"asks for {now}: their rewards and held-out scores would not compare; resume with the "
+                             "same reward, or start a new run in another --output-dir")
         if "prompt_stream" in state:
             self.train.load_state_dict(state["prompt_stream"])
         # Checked only when both runs evaluate: a run that stopped or started evaluating has nothing to compare.
