@@ -263,11 +263,11 @@ class Trainer:
                       f"{cfg.rollout.num_rollout}: nothing to train (pass a larger --num-rollout to continue it)")
             self._close_workers()
             return {}
+        if main and self.engine is not None and getattr(self.task, "no_eval_note", None):
+            print(self.task.no_eval_note)
         bar = tqdm(total=cfg.rollout.num_rollout, initial=self.rollout_index, desc=f"train {cfg.algorithm.loss_type}",
                    dynamic_ncols=True, disable=not main)
         last = {}
-        if main and self.engine is not None and getattr(self.task, "no_eval_note", None):
-            print(self.task.no_eval_note)
         if self.rollout_index == 0:
             record = self.evaluate(0)
             if main:
