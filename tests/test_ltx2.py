@@ -299,3 +299,28 @@ def test_the_ltx23_recipe_runs_a_rollout_at_tiny_size(ltx_dir, tmp_path):
     assert last["train/pairs"] == 2 * 2 * 3 and torch.isfinite(torch.tensor(last["train/loss"]))
     assert last["train/log_prob_mean_abs_diff"] < 1e-2  # bf16 forwards (measured: 0 on CPU)
     assert last["rollout/sde_window_start"] == steps[0] and "eval/reward" in last
+
+
+def test_a_mask_that_masks_nothing_is_not_passed(ltx_dir):
+    """LTX-2.3's connectors keep every text token (registers fill the padding): the transformer gets no mask, so
+    the text cross-attentions take no bias (fused attention kernels need none), for the same velocity; a
+    conditioning with masked (zeroed) tokens still passes its mask."""
+    family = Ltx2Family.load(ltx_dir)
+    seen = []
+    family.transformer.register_forward_pre_hook(
+        lambda module, args, kwargs: seen.append(kwargs["encoder_attention_mask"]), with_kwargs=True)
+    latents = family.prepare_latents(make_generators([1]), HEIGHT, WIDTH, num_frames=FRAMES)
+    cond = family.encode_prompts(["a red cat"])
+    sigma = torch.tensor([0.6])
+    with torch.no_grad():
+        unmasked = family.velocity(family.transformer, latents, sigma, cond, None, 1.0)
+        assert seen[-1] is None
+        family._mask_is_full = lambda embeds, mask: False  # the mask passed as it is, all ones
+        masked = family.velocity(family.transformer, latents, sigma, cond, None, 1.0)
+        assert seen[-1] is not None and bool(seen[-1].all())
+        torch.testing.assert_close(unmasked, masked, rtol=0, atol=1e-6)
+        del family._mask_is_full
+        holes = cond.embeds.clone()
+        holes[:, :3] = 0  # three masked tokens, as connectors without registers leave them
+        family.velocity(family.transformer, latents, sigma, type(cond)(holes, cond.ids), None, 1.0)
+        assert seen[-1] is not None and not bool(seen[-1][:, :3].any()) and bool(seen[-1][:, 3:].all())

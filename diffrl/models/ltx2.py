@@ -18,7 +18,8 @@ switched off in rollout and training; that variant is not the pipeline's model a
 What this adapter reproduces of `LTX2Pipeline` (`tests/test_ltx2.py`, ODE sampling from the same noise):
 - conditioning: the prompt stripped, left-padded to `max_sequence_length` tokens (1,024), every Gemma layer's
   hidden states stacked, then the connectors: the video and audio text tokens side by side in one tensor; the
-  text mask is the connectors' (they zero the video text tokens they mask; diffusers' mask no token);
+  text mask is the connectors' (they zero the video text tokens they mask; diffusers' mask no token, and a
+  mask that masks nothing is not passed to the transformer);
 - the schedule: `linspace(1, 1/N, N)` through the scheduler with μ from the number of video tokens (the
   pipeline's base/max shift defaults 0.95/2.05 at 1,024/4,096 tokens unless the scheduler sets them), the
   transformer's timestep and σ both σ·1000; positions from the transformer's own rotary helpers at the
@@ -339,6 +340,8 @@ class Ltx2Family(FamilyAdapter):
         batch, video_tokens = x.shape[0], coords.shape[0]
         dtype = next(transformer.parameters()).dtype
         text, audio_text, mask = self.unpack_conditioning(embeds)
+        if self._mask_is_full(embeds, mask):
+            mask = None  # no token masked: the cross-attentions take no bias (see `_mask_is_full`)
         timestep = sigma * self.timestep_scale  # the scheduler's timestep, fp32; LTX-2.3 also takes it as σ
         video_coords = coords.to(torch.float32).reshape(video_tokens, 3, 2).permute(1, 0, 2)
         video_coords = video_coords[None].expand(batch, -1, -1, -1)
@@ -352,6 +355,19 @@ class Ltx2Family(FamilyAdapter):
                 fps=self.settings.frame_rate, video_coords=video_coords, audio_coords=audio_coords,
                 use_cross_timestep=True, return_dict=False)
         return torch.cat([video.float(), audio.float()], dim=1)
+
+    def _mask_is_full(self, embeds: torch.Tensor, mask: torch.Tensor) -> bool:
+        """Whether the text mask masks nothing (LTX-2.3's connectors fill the padding with their registers, so a
+        prompt's 1,024 tokens are all kept). The transformer then gets no mask: an all-zero additive bias changes
+        no score, but a bias in every text cross-attention rules out the flash and cuDNN attention kernels and
+        builds a per-head bias tensor per attention call. Remembered for the last conditioning tensor, as
+        `mask.all()` reads back to the host (a sync per forward otherwise)."""
+        last = getattr(self, "_last_mask", None)
+        if last is not None and last[0] is embeds:
+            return last[1]
+        full = bool(mask.all())
+        self._last_mask = (embeds, full)  # holding the tensor keeps its identity from being reused
+        return full
 
     def combine_guidance(self, v_uncond, v_cond, guidance_scale, *, transformer, sigma, x) -> torch.Tensor:
         x = x.float()
