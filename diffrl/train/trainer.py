@@ -472,10 +472,12 @@ def run_summary(records: list[dict], window: int = 4) -> str:
     """First vs last rollouts' mean reward (± standard error) and held-out scores before/after."""
     rewards = [r["rollout/reward/raw_mean"] for r in records if "rollout/reward/raw_mean" in r]
     lines = []
+    rollouts = [r["rollout"] for r in records if "rollout/reward/raw_mean" in r]
     if len(rewards) == 1:  # too few for first vs last: the one rollout's reward
-        rollout = next(r["rollout"] for r in records if "rollout/reward/raw_mean" in r)
-        lines.append(f"reward: rollout {rollout} {rewards[0]:.3f}")
-    if len(rewards) >= 2:
+        lines.append(f"reward: rollout {rollouts[0]} {rewards[0]:.3f}")
+    if 2 <= len(rewards) < 4:  # windows of one rollout have no standard error
+        lines.append(f"reward: rollout {rollouts[0]} {rewards[0]:.3f} → rollout {rollouts[-1]} {rewards[-1]:.3f}")
+    if len(rewards) >= 4:
         w = max(1, min(window, len(rewards) // 2))
 
         def mean_se(xs):
