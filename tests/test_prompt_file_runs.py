@@ -45,3 +45,11 @@ def test_a_held_out_file_is_evaluated_without_the_note(sd3_dir, tmp_path, capsys
     out = capsys.readouterr().out
     assert "no held-out evaluation" not in out
     assert "eval/" in [line for line in out.splitlines() if line.startswith("run folder:")][-1]
+
+
+def test_lora_targets_that_match_nothing_are_refused_naming_the_flag(sd3_dir, tmp_path):
+    """PEFT's own 'Target modules {...} not found in the base model' named neither the flag nor the family."""
+    prompts = tmp_path / "prompts.txt"
+    prompts.write_text("a red cat\n")
+    with pytest.raises(ValueError, match=r"^--lora-target-modules attn.to_nope: no module of the sd3 transformer"):
+        _run(sd3_dir, tmp_path / "run", prompt_data=prompts, lora_target_modules=("attn.to_nope",))

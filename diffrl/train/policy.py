@@ -59,7 +59,11 @@ class Policy:
         targets = list(m.lora_target_modules or family.lora_target_modules)
         self.lora = LoraSpec(rank=m.lora_rank, alpha=m.lora_alpha, target_modules=targets) if m.use_lora else None
         if self.lora is not None:
-            add_lora(transformer, self.lora)
+            try:
+                add_lora(transformer, self.lora)
+            except ValueError as err:  # PEFT's own refusal when no module matches names neither flag nor family
+                if "not found in the base model" not in str(err):
+                    raise
             if not any("lora_" in n for n, _ in transformer.named_parameters()):
                 raise ValueError(f"--lora-target-modules {', '.join(targets)}: no module of the {family.name} "
                                  "transformer matches")
