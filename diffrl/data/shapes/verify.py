@@ -6,7 +6,7 @@ The verifier is also the RL reward, so it is written to reject what an honest ju
 - Ink: a pixel is ink when it is more than `BACKGROUND_DELTA_E` (CIELAB ΔE76) from white. Ink
   that belongs to no object (or its soft rim) is stray: a dirty background, specks, marks,
   ghost shapes. Stray ink fails the image and fades the partial credit. Faint ink near an object
-  (`HALO_PX`, `HALO_DELTA_E`) is its halo: JPEG rings there.
+  (`HALO_PX`, `HALO_DELTA_E`) is its halo, JPEG rings there, unless it is a solid blot (`BLOT_PX`).
 - Color: a pixel's hue is the direction of its RGB color around the grey axis. Blending with
   white and shading darker or lighter keep that direction, so shading within one hue does not
   split an object. A core pixel has at least `CORE_CHROMA` of its nearest palette hue's chroma;
@@ -83,7 +83,10 @@ BACKGROUND_LIMIT = 0.20
 # rim, faint ink (median ΔE 6, 99% under 13, at most ~20) up to 15 px out, 60 px an image of four objects.
 # Ink within HALO_PX of an object and at most HALO_DELTA_E from white is its halo, not stray. Grey marks of
 # ΔE >= 19 (200 grey), palette ghosts at 25% opacity (>= 21) and the far parts of pale blobs still are.
+# ... unless it is a blot: a faint smudge beside an object (6-10 px of ΔE 12-16, 4-6 px out) is no ringing.
+# Stray ink that fills 3x3 squares over at least BLOT_PX pixels (at 64x64) stays stray.
 HALO_PX = 12
+BLOT_PX = 24
 HALO_DELTA_E = 18.0
 STRAY_ZERO_CREDIT = 0.10  # partial credit fades from STRAY_LIMIT to 0 here
 # In the crisp score, each mark keeps this share of the credit: a mark fails the image strictly, but one too
@@ -792,7 +795,12 @@ def _analyze(image: np.ndarray) -> _Scene:
     delta_e[candidates] = _delta_e_from_white(image[candidates])
     stray = delta_e > BACKGROUND_DELTA_E
     if HALO_PX > rim and stray.any():
-        stray &= ~(_dilate(objects, HALO_PX) & (delta_e <= HALO_DELTA_E))
+        # JPEG's ringing is specks and streaks; a blot (stray ink filling a 3x3 square) stays stray.
+        blot = _dilate(_erode(stray, 1), 1)
+        if blot.any():
+            labels, _ = ndimage.label(blot, structure=_EIGHT_CONNECTED)
+            blot = (np.bincount(labels.ravel()) >= round(BLOT_PX * scale))[labels] & blot
+        stray &= ~(_dilate(objects, HALO_PX) & (delta_e <= HALO_DELTA_E) & ~blot)
     n_stray = int(stray.sum())
     marks: list[int] = []
     n_dirt = n_stray
