@@ -53,3 +53,14 @@ def test_lora_targets_that_match_nothing_are_refused_naming_the_flag(sd3_dir, tm
     prompts.write_text("a red cat\n")
     with pytest.raises(ValueError, match=r"^--lora-target-modules attn.to_nope: no module of the sd3 transformer"):
         _run(sd3_dir, tmp_path / "run", prompt_data=prompts, lora_target_modules=("attn.to_nope",))
+
+
+def test_an_output_dir_that_is_a_file_is_refused_naming_the_flag(sd3_dir, tmp_path):
+    """It failed with a NotADirectoryError traceback."""
+    prompts, taken = tmp_path / "prompts.txt", tmp_path / "run"
+    prompts.write_text("a red cat\n")
+    taken.write_text("notes\n")
+    for resume in (False, True):
+        with pytest.raises(FileExistsError, match=rf"^--output-dir {taken} is a file, not a run folder"):
+            _run(sd3_dir, taken, prompt_data=prompts, resume=resume)
+    assert taken.read_text() == "notes\n"

@@ -140,6 +140,8 @@ class Trainer:
         self.cfg = cfg
         self.out = out = cfg.checkpoint.output_dir
         torch.set_float32_matmul_precision(cfg.model.float32_matmul_precision)
+        if out.exists() and not out.is_dir():
+            raise FileExistsError(f"--output-dir {out} is a file, not a run folder; choose another --output-dir")
         if self.parallel.is_main and out.exists() and any(out.iterdir()) and not cfg.checkpoint.resume:
             raise FileExistsError(f"{out} is not empty; pass --resume to continue it or choose another --output-dir")
 
