@@ -93,10 +93,13 @@ def load_pipeline(checkpoint: Path, device: str, dtype: torch.dtype):
     )
     from transformers import AutoTokenizer, CLIPTextModelWithProjection, T5EncoderModel
 
+    has_t5 = (checkpoint / "text_encoder_3").is_dir()
     if (checkpoint / "model_index.json").is_file():
-        pipe = StableDiffusion3Pipeline.from_pretrained(checkpoint, torch_dtype=torch.float32, local_files_only=True)
+        # diffusers wants a checkpoint without T5 opened with text_encoder_3=None passed explicitly.
+        no_t5 = {} if has_t5 else {"text_encoder_3": None, "tokenizer_3": None}
+        pipe = StableDiffusion3Pipeline.from_pretrained(checkpoint, torch_dtype=torch.float32, local_files_only=True,
+                                                        **no_t5)
     else:
-        has_t5 = (checkpoint / "text_encoder_3").is_dir()
         pipe = StableDiffusion3Pipeline(
             transformer=SD3Transformer2DModel.from_pretrained(checkpoint / "transformer", torch_dtype=torch.float32),
             scheduler=FlowMatchEulerDiscreteScheduler.from_pretrained(checkpoint / "scheduler"),

@@ -250,7 +250,10 @@ def test_reward_worker_processes_give_the_inline_run(tiny_model_dir, tmp_path):
     pooled = Trainer(tiny_config(tiny_model_dir, tmp_path / "pooled", loss_type="nft", diffusion_guidance_scale=1.0,
                                  reward_workers=2))
     a, b = inline.train(), pooled.train()
-    assert b["rollout/reward/raw_mean"] == a["rollout/reward/raw_mean"] and b["train/loss"] == a["train/loss"]
+    # Rewards match exactly; the loss to float rounding, since CPU matmul reductions can split differently when
+    # the reward workers' processes compete for the cores.
+    assert b["rollout/reward/raw_mean"] == a["rollout/reward/raw_mean"]
+    assert b["train/loss"] == pytest.approx(a["train/loss"], rel=1e-5, abs=1e-7)
 
 
 @pytest.mark.parametrize("eval_num_steps, expected", [(None, 3), (5, 5)])

@@ -107,14 +107,15 @@ def save_random_checkpoint(path: str | Path, sizes: SD3Sizes | None = None, *, s
              "vae")
     FlowMatchEulerDiscreteScheduler(shift=3.0).save_pretrained(path / "scheduler")
     # What StableDiffusion3Pipeline.from_pretrained reads first. Without T5 the pipeline is opened as diffusers
-    # documents it, passing text_encoder_3=None, tokenizer_3=None.
+    # documents it: text_encoder_3 and tokenizer_3 are listed as absent ([null, null]).
     clip_tokenizer = ["transformers", type(tokenizer).__name__]
     index = {"_class_name": "StableDiffusion3Pipeline",
              "transformer": ["diffusers", "SD3Transformer2DModel"], "vae": ["diffusers", "AutoencoderKL"],
              "scheduler": ["diffusers", "FlowMatchEulerDiscreteScheduler"],
              "text_encoder": ["transformers", "CLIPTextModelWithProjection"], "tokenizer": clip_tokenizer,
              "text_encoder_2": ["transformers", "CLIPTextModelWithProjection"], "tokenizer_2": clip_tokenizer,
-             "image_encoder": [None, None], "feature_extractor": [None, None]}
+             "image_encoder": [None, None], "feature_extractor": [None, None],
+             "text_encoder_3": [None, None], "tokenizer_3": [None, None]}
     if with_t5:
         index.update(text_encoder_3=["transformers", "T5EncoderModel"],
                      tokenizer_3=["transformers", type(t5_tokenizer).__name__])
