@@ -58,3 +58,19 @@ def test_report_states_the_second_experts_cfg_scale(tmp_path):
 def test_report_of_a_run_that_has_not_finished_a_rollout(tmp_path):
     text = write_report(_run_folder(tmp_path, [{"rollout": 0, "eval/strict": 0.5}], {"num_rollout": 3})).read_text()
     assert "0 of 3 rollouts" in text and "no rollout finished yet" in text and "## Cost" not in text
+
+
+def test_report_cost_wording_fits_every_run_length(tmp_path):
+    """A two-rollout run said 'Medians of rollouts 2–2'; a one-rollout run showed no cost at all."""
+    def text_for(n):
+        records = [{"rollout": k, "rollout/reward/raw_mean": 0.5, "rollout/seconds": 10.0 * k} for k in range(1, n + 1)]
+        (tmp_path / str(n)).mkdir()
+        return write_report(_run_folder(tmp_path / str(n), records, {"num_rollout": n})).read_text()
+
+    one, two, three = text_for(1), text_for(2), text_for(3)
+    assert "Rollout 1, the run's only one (its warm-up included):" in one and "| rollout seconds | 10.00 |" in one
+    assert "Rollout 2 (rollout 1 holds the warm-up and is left out):" in two and "| per rollout | value |" in two
+    assert "| rollout seconds | 20.00 |" in two
+    assert "Medians of rollouts 2–3 (rollout 1 holds the warm-up and is left out):" in three
+    assert "| rollout seconds | 25.00 |" in three
+    assert all("2–2" not in t and "Medians of rollouts" not in t for t in (one, two))

@@ -86,14 +86,8 @@ def render_report(run_dir: Path, flags: dict, records: list[dict]) -> str:
     if best is not None:
         lines += ["", f"`checkpoints/best` holds rollout {best['rollout']} (highest validation accuracy)."]
 
-    if len(rollouts) > 1:  # the first rollout pays warm-up (allocator, kernels, compilation)
-        steady = rollouts[1:]
-        lines += ["", "## Cost", "", f"Medians of rollouts {steady[0]['rollout']}–{steady[-1]['rollout']} "
-                  "(rollout 1 holds the warm-up and is left out):", "", "| per rollout | median |", "|---|---|"]
-        for key, label, fmt in _COSTS:
-            values = [r[key] for r in steady if isinstance(r.get(key), int | float)]
-            if values:
-                lines.append(f"| {label} | {fmt.format(statistics.median(values))} |")
+    if rollouts:
+        lines += ["", "## Cost", ""] + _cost_lines(rollouts)
 
     lines += ["", "## Files", ""]
     if (run_dir / "reward_curve.png").is_file():
@@ -107,6 +101,26 @@ def render_report(run_dir: Path, flags: dict, records: list[dict]) -> str:
     if checkpoints.is_dir() and (saved := sorted(p.name for p in checkpoints.iterdir() if p.is_dir())):
         lines.append(f"- `checkpoints/`: {', '.join(f'`{name}`' for name in saved)}")
     return "\n".join(lines) + "\n"
+
+
+def _cost_lines(rollouts: list[dict]) -> list[str]:
+    """Per-rollout costs: the median of the rollouts after the first, which pays the warm-up (allocator, kernels,
+    compilation); a run of one rollout shows that rollout's, warm-up included."""
+    first = rollouts[0]["rollout"]
+    steady = rollouts[1:]
+    if not steady:
+        head, column = f"Rollout {first}, the run's only one (its warm-up included):", "value"
+    elif len(steady) == 1:
+        head, column = f"Rollout {steady[0]['rollout']} (rollout {first} holds the warm-up and is left out):", "value"
+    else:
+        head, column = (f"Medians of rollouts {steady[0]['rollout']}–{steady[-1]['rollout']} (rollout {first} holds "
+                        "the warm-up and is left out):"), "median"
+    lines = [head, "", f"| per rollout | {column} |", "|---|---|"]
+    for key, label, fmt in _COSTS:
+        values = [r[key] for r in (steady or rollouts) if isinstance(r.get(key), int | float)]
+        if values:
+            lines.append(f"| {label} | {fmt.format(statistics.median(values))} |")
+    return lines
 
 
 def _cell(value) -> str:
