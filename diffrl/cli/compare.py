@@ -24,6 +24,7 @@ from diffrl.models.checkpoint import check_checkpoint, load_model
 from diffrl.models.demo import SHIPPED_DEMO_MODEL
 from diffrl.utils.atomic import write_text_atomic
 from diffrl.utils.device import resolve_device
+from diffrl.utils.folders import check_output_dir
 
 
 @dataclass
@@ -83,6 +84,7 @@ class CompareConfig:
 
 
 def compare(cfg: CompareConfig) -> dict:
+    check_output_dir(cfg.output_dir, kind="folder")  # before the images are made, not after
     # The trained model loads after the base model's images are made: a wrong path must fail before them.
     check_checkpoint(cfg.trained)
     if cfg.base_checkpoint is not None:

@@ -24,6 +24,7 @@ from diffrl.models.demo import SHIPPED_DEMO_MODEL
 from diffrl.rewards import check_prompts
 from diffrl.utils.atomic import atomic_path, write_text_atomic
 from diffrl.utils.device import resolve_device
+from diffrl.utils.folders import check_output_dir
 
 SHAPES_GUIDANCE_SCALE = 3.0  # the shapes evaluation's CFG when --guidance-scale is left unset
 
@@ -100,6 +101,7 @@ def check_shapes_family(family: str | None, model_path: Path, command: str, guid
 
 
 def evaluate(cfg: EvaluateConfig) -> dict:
+    check_output_dir(cfg.output_dir, kind="folder")  # before the images are made, not after
     if cfg.prompt_data is not None or cfg.reward is not None:
         return evaluate_prompt_data(cfg)
     check_shapes_family(cfg.diffusion_model_family, cfg.model_path, "evaluate", cfg.guidance_scale_2)

@@ -30,6 +30,7 @@ from diffrl.models.random_checkpoints.demo import random_family
 from diffrl.sampling import noised
 from diffrl.train.ema import ParameterEMA
 from diffrl.utils.device import autocast, resolve_device
+from diffrl.utils.folders import check_output_dir
 
 
 @dataclass
@@ -121,6 +122,7 @@ def pretrain(cfg: PretrainConfig) -> Path:
 
     device = resolve_device(cfg.device)
     out = cfg.output_dir
+    check_output_dir(out)
     if out.exists() and any(out.iterdir()) and not cfg.resume:
         raise FileExistsError(f"{out} is not empty; pass --resume to continue it or choose another --output-dir")
     out.mkdir(parents=True, exist_ok=True)

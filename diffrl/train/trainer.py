@@ -72,6 +72,7 @@ from diffrl.train.report import write_report
 from diffrl.train.wandb_run import WandbRun, require_wandb
 from diffrl.utils import determinism
 from diffrl.utils.device import resolve_device
+from diffrl.utils.folders import check_output_dir
 
 
 def validate_config(cfg: TrainConfig) -> None:
@@ -140,8 +141,7 @@ class Trainer:
         self.cfg = cfg
         self.out = out = cfg.checkpoint.output_dir
         torch.set_float32_matmul_precision(cfg.model.float32_matmul_precision)
-        if out.exists() and not out.is_dir():
-            raise FileExistsError(f"--output-dir {out} is a file, not a run folder; choose another --output-dir")
+        check_output_dir(out)
         if self.parallel.is_main and out.exists() and any(out.iterdir()) and not cfg.checkpoint.resume:
             raise FileExistsError(f"{out} is not empty; pass --resume to continue it or choose another --output-dir")
 
