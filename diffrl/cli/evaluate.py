@@ -13,7 +13,7 @@ from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 from typing import Literal
 
-from diffrl.data.prompts import PromptRecord, load_prompts
+from diffrl.data.prompts import PromptRecord, check_input_key, load_prompts, prompt_file
 from diffrl.data.shapes import prompts_by_category, test_prompts, train_prompts
 from diffrl.evaluation.reward_eval import evaluate_with_reward, reward_components
 from diffrl.evaluation.sampling import TEST_SEED
@@ -159,6 +159,7 @@ def eval_prompts(prompt_data: Path | None, reward: str | None, input_key: str, n
     if n_samples_per_eval_prompt < 1:
         raise ValueError(f"--n-samples-per-eval-prompt must be >= 1, got {n_samples_per_eval_prompt}")
     records = load_prompts(prompt_data, split="test", input_key=input_key)
+    check_input_key(input_key, {f"--prompt-data {prompt_data}": prompt_file(prompt_data, "test")})
     records = records[:num_prompts] if num_prompts is not None else records
     check_prompts(reward, [r.prompt for r in records], f"prompt data {prompt_data}")
     return records

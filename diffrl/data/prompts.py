@@ -25,6 +25,7 @@ from typing import Literal
 import numpy as np
 
 Split = Literal["train", "test"]
+DEFAULT_INPUT_KEY = "prompt"
 
 # What the reward's metadata also holds for each image: its seed (training and evaluation), and in training its
 # group and index in the group (rollout/manager.py). A prompt's own key of one of these names would be
@@ -38,13 +39,9 @@ class PromptRecord:
     metadata: dict = field(default_factory=dict)
 
 
-def load_prompts(path: str | Path, split: Split = "train", input_key: str = "prompt") -> list[PromptRecord]:
+def load_prompts(path: str | Path, split: Split = "train", input_key: str = DEFAULT_INPUT_KEY) -> list[PromptRecord]:
     """The prompts of a file, or of a directory's `split`; refused with one line naming the problem."""
-    path = Path(path)
-    if path.is_dir():
-        path = split_file(path, split)
-    elif not path.is_file():
-        raise FileNotFoundError(f"prompt data {path}: no such file or directory")
+    path = prompt_file(path, split)
     if path.suffix == ".jsonl":
         records = _read_jsonl(path, input_key)
     elif path.suffix == ".txt":
@@ -55,6 +52,26 @@ def load_prompts(path: str | Path, split: Split = "train", input_key: str = "pro
     if not records:
         raise ValueError(f"prompt data {path}: no prompts")
     return records
+
+
+def prompt_file(path: str | Path, split: Split) -> Path:
+    """The file `load_prompts` reads for `split`: `path` itself, or a directory's split file."""
+    path = Path(path)
+    if path.is_dir():
+        return split_file(path, split)
+    if not path.is_file():
+        raise FileNotFoundError(f"prompt data {path}: no such file or directory")
+    return path
+
+
+def check_input_key(input_key: str, files: dict[str, Path]) -> None:
+    """A ValueError naming --input-key when it is set but no file read has keys: `.txt` prompt files hold one prompt
+    per line, so the flag would be ignored. `files`: the flag (with its path) each file was read for → the file."""
+    if input_key == DEFAULT_INPUT_KEY or not files or any(f.suffix == ".jsonl" for f in files.values()):
+        return
+    read = "; ".join(f"{flag} reads {file}" for flag, file in files.items())
+    raise ValueError(f"--input-key {input_key}: {read}, one prompt per line with no keys to pick from; drop "
+                     "--input-key, or pass a .jsonl file whose prompts are under that key")
 
 
 def split_file(directory: Path, split: Split) -> Path:

@@ -15,7 +15,7 @@ from collections.abc import Sequence
 
 import numpy as np
 
-from diffrl.data.prompts import PromptRecord, PromptStream, fingerprint, load_prompts
+from diffrl.data.prompts import PromptRecord, PromptStream, check_input_key, fingerprint, load_prompts, prompt_file
 from diffrl.evaluation.sampling import TEST_SEED
 from diffrl.rewards import check_prompts
 from diffrl.tasks.base import EvalOutcome, EvalSettings
@@ -65,6 +65,10 @@ class PromptSetTask:
                                         "--eval-num-prompts 0 to train without held-out evaluation") from None
             self.eval_records = records[: eval_cfg.eval_num_prompts]
             self.eval_fingerprint = fingerprint(records)
+        files = {f"--prompt-data {path}": prompt_file(path, "train")}
+        if self.eval_records:
+            files[self.eval_source] = prompt_file(held_out or path, "test")
+        check_input_key(task_cfg.input_key, files)
         self.evaluates = bool(self.eval_records)
         # Said once at the start of a run: a single file trains without a held-out evaluation, which a user
         # asking for --eval-interval would otherwise only notice by its absence.

@@ -244,6 +244,7 @@ class TaskConfig:
     eval_prompt_data: Path | None = None
     """Held-out prompts (same formats); None: the test split of a --prompt-data directory."""
     input_key: str = "prompt"
+    """The key of a .jsonl file's prompt (refused when every prompt file read is a .txt: it has no keys)."""
     reward: str = "shapes"
     reward_frames: int | None = None
     """Video: the reward (rollouts and held-out evaluation alike) sees only this many evenly spaced frames
