@@ -1,0 +1,63 @@
+#!/usr/bin/env bash
+# Data-parallel scaling of FLUX 3 Klein NFT, and the published recipes at their published layout, on one node of
+# N GPUs (kind nvidia-h200-x8; carry `.whl`). Everything goes through benchmarks/scaling.py (its docstring says
+# what is timed); results land in $OUT. One 600 s call:
+#
+#   bash scripts/device/scaling.sh; bash scripts/device/pack_out.sh
+#
+# MODE=scaling (default): `--recipe flux3-klein-nft-pickscore` on random real-size weights (FLUX 3 Klein class
+#   5.5 B, a random PickScore ViT-H-14, as benchmarks/recipe_runs.py builds them) at GPUS (default "1 2 4 8", those
+#   present), largest world first, NGROUPS prompt groups per rollout for every world (default 8: the recipe's, one
+#   per rank at 8), ROLLOUTS per world (default 2; the first untimed), the rollout alone (TRAIN=1: with the update).
+#   The whole is planned to end BUDGET seconds after the script starts (default 540): rollouts, then groups are cut
+#   to fit and a world that would not fit is skipped; every cut is printed and kept in the JSON. Writes
+#   scaling.json (per world: seconds per rollout, samples/s, speed-up, parallel efficiency, and whether every
+#   sample has the seed, image bits and reward of the smallest world) and scaling.md (the table).
+# MODE=layouts: each recipe of LAYOUTS (default "flux3-klein-grpo-hps flux3-klein-nft-pickscore") once at its
+#   published layout (benchmarks/scaling.py PUBLISHED_LAYOUTS: FLUX 3 GRPO + HPSv2.1 full finetune and NFT +
+#   PickScore LoRA on 8 colocated ranks; Qwen-Image GRPO + PickScore and Wan2.2 on 4 ranks plus a PickScore GPU),
+#   training included, one group per rank, ROLLOUTS (default 2): layout_<recipe>.json. Qwen-Image's random
+#   checkpoint (41 GB) takes a call of its own: LAYOUTS=qwen-image-grpo-pickscore.
+# MODE=print: the launch command of every published layout on real checkpoints (nothing runs; no GPU needed).
+set -uo pipefail
+start=$(date +%s)
+mode=${MODE:-scaling}
+if [[ $mode == print ]]; then
+  python3 benchmarks/scaling.py --print-layouts --checkpoint MODEL_DIR
+  exit 0
+fi
+bash scripts/device/install_wheels.sh || exit 1
+export PYTHONPATH=/tmp/site:$PWD PYTHONUNBUFFERED=1 OMP_NUM_THREADS=8 PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True
+export TORCH_NCCL_ASYNC_ERROR_HANDLING=1 NCCL_NVLS_ENABLE=0  # NVLink multicast stays off on lent machines
+nvidia-smi --query-gpu=index,name,memory.total --format=csv,noheader | tee "$OUT/gpus.txt"
+df -h . | tail -1
+quiet() { tr '\r' '\n' | grep -v "Loading\|torchvision\|^ *$\|Writing model\|^train " ; }
+checkpoint_for() {  # RECIPE -> runs/<family>-random (kept on a warm machine; runs/ is git-ignored)
+  local family
+  family=$(python3 -c "from diffrl.recipes import recipe_overrides; print(recipe_overrides('$1', 'cuda')['diffusion_model_family'])")
+  echo "$PWD/runs/$family-random"
+}
+case $mode in
+  scaling)
+    recipe=${RECIPE:-flux3-klein-nft-pickscore}
+    left=$(( ${BUDGET:-540} - ($(date +%s) - start) ))
+    echo "== scaling $recipe, ${left} s left $(date +%T)"
+    python3 benchmarks/scaling.py --recipe "$recipe" --checkpoint "$(checkpoint_for "$recipe")" \
+      --gpus ${GPUS:-1 2 4 8} --groups "${NGROUPS:-8}" --rollouts "${ROLLOUTS:-2}" ${TRAIN:+--train} \
+      --budget-s "$left" --work-dir runs/scaling --out "$OUT/scaling.json" --md "$OUT/scaling.md" 2>&1 \
+      | quiet | tee "$OUT/log.txt"
+    ;;
+  layouts)
+    for recipe in ${LAYOUTS:-flux3-klein-grpo-hps flux3-klein-nft-pickscore}; do
+      left=$(( ${BUDGET:-540} - ($(date +%s) - start) ))
+      echo "== layout $recipe, ${left} s left $(date +%T)" | tee -a "$OUT/log.txt"
+      (( left > 120 )) || { echo "skipped: under 120 s left" | tee -a "$OUT/log.txt"; continue; }
+      timeout "$left" python3 benchmarks/scaling.py --layout "$recipe" --checkpoint "$(checkpoint_for "$recipe")" \
+        --rollouts "${ROLLOUTS:-2}" --budget-s "$left" --work-dir runs/layouts \
+        --out "$OUT/layout_$recipe.json" 2>&1 | quiet | tee -a "$OUT/log.txt"
+      nvidia-smi --query-gpu=memory.used --format=csv,noheader | tr '\n' ' '; echo
+    done
+    ;;
+  *) echo "MODE=$mode: scaling, layouts or print" >&2; exit 2 ;;
+esac
+echo "== done $(date +%T), $(( $(date +%s) - start )) s"

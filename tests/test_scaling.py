@@ -1,0 +1,136 @@
+"""The rollout's samples do not depend on the number of ranks, and benchmarks/scaling.py's table, plan and
+world handling: gloo ranks on CPU with the tiny demo model."""
+
+import importlib.util
+import json
+import sys
+from pathlib import Path
+
+import pytest
+
+from diffrl.cli.main import parse
+from diffrl.train.parallel import Parallel
+from diffrl.train.trainer import validate_config, validate_parallel
+
+BENCHMARKS = Path(__file__).resolve().parent.parent / "benchmarks"
+TESTS = Path(__file__).resolve().parent
+
+# Flow-GRPO with CFG and an SDE window: images, trajectories and log-probs all come back to compare.
+TINY_GRPO = ["--loss-type", "flow_grpo", "--n-samples-per-prompt", "3", "--rollout-microgroup-size", "2",
+             "--num-steps-per-rollout", "1", "--micro-batch-size", "64", "--diffusion-num-steps", "3",
+             "--diffusion-sde-window-range", "0", "3", "--diffusion-num-sde-steps", "2",
+             "--diffusion-guidance-scale", "2.0", "--no-use-lora", "--eval-images-per-category", "1"]
+
+
+@pytest.fixture
+def scaling(monkeypatch):
+    monkeypatch.syspath_prepend(str(BENCHMARKS))
+    spec = importlib.util.spec_from_file_location("scaling", BENCHMARKS / "scaling.py")
+    module = importlib.util.module_from_spec(spec)
+    monkeypatch.setitem(sys.modules, "scaling", module)  # its dataclasses look their module up
+    spec.loader.exec_module(module)
+    return module
+
+
+def _world(n, seconds, samples=64):
+    return {"world_size": n, "seconds_per_rollout": seconds, "samples_per_rollout": samples}
+
+
+def test_efficiency_is_samples_per_s_over_n_times_one_gpus(scaling):
+    rows = scaling.efficiency_rows([_world(8, 20.0), _world(1, 128.0), _world(2, 70.0), {"world_size": 4}])
+    assert [r["world_size"] for r in rows] == [1, 2, 8]  # the unmeasured world is left out, ascending
+    assert rows[0]["samples_per_s"] == pytest.approx(0.5) and rows[0]["efficiency"] == pytest.approx(1.0)
+    assert rows[1]["speedup"] == pytest.approx(128 / 70) and rows[1]["efficiency"] == pytest.approx(128 / 70 / 2)
+    assert rows[2]["samples_per_s"] == pytest.approx(3.2) and rows[2]["efficiency"] == pytest.approx(0.8)
+    # Without one GPU, against the smallest world measured.
+    rows = scaling.efficiency_rows([_world(2, 64.0), _world(4, 40.0)])
+    assert rows[1]["efficiency"] == pytest.approx(64 / 40 / 2)
+    report = {"recipe": "r", "groups": 8, "samples_per_group": 8, "step": "rollout only", "device": "cuda",
+              "worlds": [_world(1, 128.0), _world(8, 20.0), {"world_size": 4, "skipped": "budget"}],
+              "cuts": ["rollouts per world 2 → 1"]}
+    table = scaling.markdown(report)
+    assert "| 8 | 20.00 | 3.200 | 6.40× | 80% |" in table
+    assert "| 4 | not measured: budget" in table and "rollouts per world 2 → 1" in table
+
+
+def test_the_plan_cuts_rollouts_then_groups_to_fit_the_budget(scaling):
+    gpus = [8, 4, 2, 1]
+    # 8 groups × 8 samples at 2 s per sample: 128 s per rollout on one GPU, 240 s for one of each world.
+    assert scaling.plan(gpus, 8, 2, 8, 10_000, 0, 10, 2.0) == (8, 2, [])
+    groups, rollouts, cuts = scaling.plan(gpus, 16, 2, 8, 40 + 240 + 5, 0, 10, 2.0)
+    assert (groups, rollouts) == (8, 1) and cuts == ["rollouts per world 2 → 1", "groups per rollout 16 → 8"]
+    groups, rollouts, cuts = scaling.plan(gpus, 8, 1, 8, 100, 0, 10, 2.0)
+    assert (groups, rollouts) == (8, 1) and "still exceeds --budget-s" in cuts[-1]  # groups stay a multiple of 8
+
+
+def test_published_layouts_fit_one_node_and_their_batches_split(scaling):
+    for recipe, layout in scaling.PUBLISHED_LAYOUTS.items():
+        assert scaling.layout_gpus(layout) <= 8, recipe
+        cfg = parse(["train", "--recipe", recipe, "--device", "cuda", "--output-dir", "/tmp/x",
+                     *scaling.layout_flags(layout)])
+        validate_parallel(cfg, Parallel(rank=0, world_size=layout.ranks))  # the recipe's own batch splits
+        assert cfg.task.reward_device == (f"cuda:{layout.ranks}" if layout.reward == "own" else None)
+    cmd = scaling.launch_command(4, ["--recipe", "qwen-image-grpo-pickscore"], python="python")
+    assert cmd[:6] == ["python", "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "4"]
+
+
+@pytest.mark.parametrize("world_size", [2, 4])
+def test_batch_arithmetic_per_world_size_is_kept_or_refused_naming_the_flag(world_size):
+    flags = ["train", *TINY_GRPO, "--device", "cpu", "--output-dir", "/tmp/x", "--num-steps-per-rollout", "2"]
+    ok = parse([*flags, "--rollout-batch-size", "4", "--global-batch-size", "6"])
+    validate_config(ok)  # 4 × 3 = 6 × 2
+    if world_size == 2:
+        validate_parallel(ok, Parallel(rank=0, world_size=2))  # 2 groups and 3 samples per optimizer step per rank
+    else:
+        with pytest.raises(ValueError, match=r"--global-batch-size = 6 must be divisible by the number of ranks \(4\)"):
+            validate_parallel(ok, Parallel(rank=0, world_size=4))
+    uneven = parse([*flags, "--rollout-batch-size", "2", "--global-batch-size", "3"])
+    validate_config(uneven)
+    with pytest.raises(ValueError, match=rf"--rollout-batch-size = 2 must be divisible by the number of ranks "
+                                         rf"\({world_size}\)" if world_size == 4 else "--global-batch-size = 3"):
+        validate_parallel(uneven, Parallel(rank=0, world_size=world_size))
+    with pytest.raises(ValueError, match="--rollout-batch-size × --n-samples-per-prompt"):
+        validate_config(parse([*flags, "--rollout-batch-size", "4", "--global-batch-size", "4"]))
+
+
+def _scaling_run(scaling, tmp_path, monkeypatch, gpus, *extra):
+    monkeypatch.setenv("OMP_NUM_THREADS", "1")
+    monkeypatch.setenv("PYTHONPATH", f"{TESTS}:{BENCHMARKS.parent}")
+    out = tmp_path / "scaling.json"
+    report = scaling.main(["--checkpoint", str(tmp_path / "tiny-demo"), "--device", "cpu", "--gpus", *gpus,
+                           "--groups", "4", "--work-dir", str(tmp_path / "work"), "--reward",
+                           "rewards_for_tests:darkness", "--out", str(out), "--md", str(tmp_path / "scaling.md"),
+                           *extra, "--", *TINY_GRPO])
+    assert json.loads(out.read_text())["table"] == json.loads(json.dumps(report["table"]))
+    return report
+
+
+def test_the_same_samples_at_one_two_and_four_ranks(scaling, tiny_model_dir, tmp_path, monkeypatch):
+    """Two rollouts of 4 groups × 3 samples at 1, 2 and 4 gloo ranks (the trainer's own sharding of the groups):
+    every (rollout, group, sample) has the same seed (DESIGN §2's formula with the run-global group index),
+    the same bits of image, trajectory latents and log-probs, and the same reward."""
+    report = _scaling_run(scaling, tmp_path, monkeypatch, ["1", "2", "4"], "--rollouts", "2")
+    worlds = {w["world_size"]: w for w in report["worlds"]}
+    assert sorted(worlds) == [1, 2, 4] and all(w.get("seconds_per_rollout") for w in worlds.values()), worlds
+    samples = {int(n): s for n, s in report["samples"].items()}
+    keys = [(s["rollout"], s["group"], s["index"]) for s in samples[1]]
+    assert keys == [(k, g, i) for k in (0, 1) for g in range(4 * k, 4 * k + 4) for i in range(3)]
+    assert [s["seed"] for s in samples[1]] == [g * 3 + i for _, g, i in keys]  # rollout_seed 0
+    assert {s["rank"] for s in samples[4] if s["rollout"] == 1} == {0, 1, 2, 3}  # each rank had its groups
+    assert {s["rank"] for s in samples[4] if s["group"] == 5} == {1}
+    for n in (2, 4):
+        same = worlds[n]["same_samples"]
+        assert same == {"total": 24, "missing": 0, "seeds": 24, "images": 24, "latents": 24, "log_probs": 24,
+                        "rewards": 24}, (n, same)
+        assert [s["image"] for s in samples[n]] == [s["image"] for s in samples[1]]
+    assert samples[1][0]["latents"] is not None and samples[1][0]["log_probs"] is not None
+    table = (tmp_path / "scaling.md").read_text()
+    assert "| 4 |" in table and "seeds 24/24, image bits 24" in table
+
+
+def test_a_world_the_batch_does_not_split_over_is_refused_not_run(scaling, tiny_model_dir, tmp_path, monkeypatch):
+    report = _scaling_run(scaling, tmp_path, monkeypatch, ["3"], "--rollouts", "1")
+    (world,) = report["worlds"]
+    assert world["world_size"] == 3 and "--rollout-batch-size = 4 must be divisible by the number of ranks (3)" in \
+        world["skipped"]
+    assert report["table"] == []
