@@ -165,8 +165,9 @@ def test_a_checkpoint_of_another_family_is_refused_naming_both(sd3_dir, tmp_path
     from diffrl.models.qwen_image import QwenImageFamily
     from diffrl.models.random_checkpoints.qwen_image import save_random_checkpoint as save_qwen
 
-    with pytest.raises(ModelLoadError, match=r"sd3-tiny/transformer holds SD3Transformer2DModel, .*family sd3\b.*"
-                                             r"Qwen-Image loads QwenImageTransformer2DModel"):
+    with pytest.raises(ModelLoadError, match=r"sd3-tiny is a checkpoint of the sd3 family \(transformer/ holds "
+                                             r"SD3Transformer2DModel\), not of Qwen-Image \(which loads "
+                                             r"QwenImageTransformer2DModel\): pass a recipe of the sd3 family"):
         QwenImageFamily.load(sd3_dir)
     qwen_dir = save_qwen(tmp_path / "qwen-tiny")
     data = tmp_path / "prompts.txt"

@@ -67,6 +67,7 @@ from diffrl.models.components import (
     read_json,
     read_model_index,
     read_settings,
+    refuse_another_familys,
 )
 from diffrl.models.weights import load_weights
 
@@ -196,6 +197,7 @@ class FamilyAdapter(ABC):
         """Load a local diffusers-format directory (never a hub id): the settings, then every component of
         the family's table. `options` (a family's own load keywords) go to `from_components`."""
         root = checkpoint_root(model_path)
+        refuse_another_familys(root, cls.name, cls.display_name or cls.name, cls.components)
         settings = cls.read_settings(root, read_model_index(root, required=cls.model_index_required))
         parts = load_components(root, cls.checkpoint_components(settings), label=cls.display_name or cls.name,
                                 device=device, dtype=dtype, load_text_encoder=load_text_encoder)

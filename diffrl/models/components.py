@@ -103,7 +103,7 @@ def load_components(root: Path, table: Iterable[Component], *, label: str, devic
         if not absent and (load_text_encoder or not component.text_encoder):
             wanted.append(component)
     for component in wanted:  # another family's checkpoint is named before any file it lacks is
-        _refuse_another_familys(root, component, label)
+        _refuse_another_familys(root, component, label)  # (FamilyAdapter.load checks before that, for every family)
     for component in wanted:
         read_json(root / component.config_path)
     try:
@@ -118,23 +118,83 @@ def load_components(root: Path, table: Iterable[Component], *, label: str, devic
     return parts
 
 
+def refuse_another_familys(root: Path, family: str, label: str, table: Iterable[Component]) -> None:
+    """A ModelLoadError when the checkpoint at `root` is another family's (an SD3 recipe on a Qwen-Image checkpoint):
+    its model index names another family (`diffrl.family`, what diffrl writes), or a folder of `table` holds a
+    model of another class that another family loads there. Run before the family reads anything else of the
+    checkpoint, whose settings and scheduler another family's checkpoint would fail on with a misleading message."""
+    for component in table:
+        _refuse_another_familys(root, component, label)
+    claimed = _index_family(root)
+    if claimed is not None and claimed != family:
+        _another_familys(root, [claimed], "its model_index.json names it", label, None)
+
+
+def _index_family(root: Path) -> str | None:
+    """The family a diffrl-written `model_index.json` names (`diffrl.family`), when it is a known family."""
+    from diffrl.models.registry import family_names
+
+    try:
+        index = json.loads((root / "model_index.json").read_text())
+    except (OSError, ValueError):
+        return None
+    block = index.get("diffrl") if isinstance(index, dict) else None
+    name = block.get("family") if isinstance(block, dict) else None
+    return name if isinstance(name, str) and name in family_names() else None
+
+
+def _another_familys(root: Path, owners: list[str], evidence: str, label: str, loads: str | None) -> None:
+    """The one-line refusal, in the order a reader acts on it: what the checkpoint is (and how we know), what the
+    run's family is, what to pass instead."""
+    names = " or ".join(owners)
+    recipes = [r for name in owners for r in family_recipes(name)]
+    fix = (f"pass a recipe of the {names} family ({', '.join(recipes)}) or --diffusion-model-family {names}"
+           if recipes else f"pass --diffusion-model-family {names} (no recipe of that family yet)")
+    raise ModelLoadError(f"{root} is a checkpoint of the {names} family ({evidence}), not of {label}"
+                         + (f" ({loads})" if loads else "") + f": {fix}")
+
+
 def _refuse_another_familys(root: Path, component: Component, label: str) -> None:
     """A ModelLoadError when `component`'s folder holds a diffusers model of another class that another family
-    loads there (an SD3 recipe on a Qwen-Image checkpoint), naming both classes and that family. A class no
-    family loads is left for `from_pretrained` to judge."""
-    config_file = root / component.config_path
+    loads there. A class no family loads is left for `from_pretrained` to judge."""
     expected = component.loads_class
-    if expected is None or component.kind != "model" or not config_file.is_file():
+    if expected is None or component.kind != "model" or not (root / component.config_path).is_file():
         return
-    found = read_json(config_file).get("_class_name")
+    found = read_json(root / component.config_path).get("_class_name")
     if not found or found == expected:
         return
-    owners = families_loading(component.folder, found)
-    if owners:
-        families = " or ".join(owners)
-        raise ModelLoadError(f"{root / component.folder} holds {found}, a checkpoint of the family {families}; "
-                             f"{label} loads {expected}: for this checkpoint pass --diffusion-model-family "
-                             f"{families} (and a recipe of that family)")
+    if owners := checkpoint_families(root, component.folder, found):
+        _another_familys(root, owners, f"{component.folder}/ holds {found}", label, f"which loads {expected}")
+
+
+def checkpoint_families(root: Path, folder: str, class_name: str) -> list[str]:
+    """The families that load `class_name` in `folder` (`families_loading`), narrowed to those that fit the rest of
+    the checkpoint at `root` best: every folder they need present, the most of their model classes matching (a
+    FLUX 3 checkpoint's Qwen3-VL text encoder and VAE are FLUX 3's, not the demo model's, which shares its
+    transformer class)."""
+    from diffrl.models.registry import get_family
+
+    owners = families_loading(folder, class_name)
+    if (claimed := _index_family(root)) in owners:
+        return [claimed]
+    fits = {}
+    for name in owners:
+        components = get_family(name).components
+        if any(not c.optional and not (root / c.config_path).is_file() for c in components):
+            continue
+        fits[name] = sum(c.kind == "model" and c.loads_class is not None and (root / c.config_path).is_file()
+                         and checkpoint_class(root, c.folder) == c.loads_class for c in components)
+    if not fits:
+        return owners
+    best = max(fits.values())
+    return [name for name in owners if fits.get(name) == best]
+
+
+def family_recipes(family: str) -> list[str]:
+    """The published recipes (`diffrl/recipes.py`) that train `family`; the shapes recipes train the demo model."""
+    from diffrl.recipes import SIZED
+
+    return [name for name, sizes in SIZED.items() if sizes["gpu"].get("diffusion_model_family", "demo") == family]
 
 
 def families_loading(folder: str, class_name: str) -> list[str]:

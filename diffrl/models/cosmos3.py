@@ -77,6 +77,7 @@ from diffrl.models.components import (
     load_components,
     read_flow_scheduler,
     read_model_index,
+    refuse_another_familys,
     scheduler_sigmas,
 )
 from diffrl.models.wan2_2 import decode_wan_latents
@@ -207,6 +208,7 @@ class Cosmos3Family(FamilyAdapter):
         """The base class's load, less the VAE with `load_vae=False` (training needs the transformer, tokenizer
         and scheduler only). `load_text_encoder` changes nothing: the transformer reads the tokens itself."""
         root = checkpoint_root(model_path)
+        refuse_another_familys(root, cls.name, cls.display_name, cls.components)
         settings = cls.read_settings(root, read_model_index(root, required=True))
         table = [c for c in cls.checkpoint_components(settings) if load_vae or c.folder != "vae"]
         parts = load_components(root, table, label=cls.display_name, device=device, dtype=dtype,

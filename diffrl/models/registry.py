@@ -3,7 +3,8 @@
 Resolution order (DESIGN §5): an explicit `--diffusion-model-family`, then the environment
 variable `DIFFRL_MODEL_FAMILY`, then the checkpoint directory's name matched against each
 family's `name_patterns`, then the checkpoint's transformer class (`transformer/config.json`'s
-`_class_name`, else `model_index.json`'s entry for `transformer`) when exactly one family loads it.
+`_class_name`, else `model_index.json`'s entry for `transformer`) when exactly one family loads it (of those that
+share the class, the one whose other folders and classes the checkpoint has: FLUX 3 beside the demo model).
 Family modules register themselves with `register_family` (from `base`, so that
 they need not import this module, which imports them).
 """
@@ -14,7 +15,7 @@ import os
 from pathlib import Path
 
 from diffrl.models.base import FamilyAdapter, registered_families
-from diffrl.models.components import checkpoint_class, families_loading
+from diffrl.models.components import checkpoint_class, checkpoint_families
 
 FAMILY_ENV_VAR = "DIFFRL_MODEL_FAMILY"
 _FAMILIES = registered_families()
@@ -52,7 +53,7 @@ def resolve_family(explicit: str | None = None, model_path: str | Path | None = 
             raise ValueError(f"checkpoint name {dir_name!r} matches several families ({names}); "
                              "pass --diffusion-model-family")
         found = checkpoint_class(Path(model_path), "transformer")
-        owners = families_loading("transformer", found) if found else []
+        owners = checkpoint_families(Path(model_path), "transformer", found) if found else []
         if len(owners) == 1:
             return get_family(owners[0])
         if owners:  # a shared class says nothing about which family: never guess

@@ -1,0 +1,54 @@
+"""A checkpoint of another family is refused in one line that reads in order: what the checkpoint is, what the run's
+family loads, what to pass instead (a recipe of the checkpoint's family, or the flag). It read "…/transformer holds
+Flux3Transformer2DModel, a checkpoint of the family demo or flux3_image; SD3 loads SD3Transformer2DModel: for this
+checkpoint pass --diffusion-model-family demo or flux3_image (and a recipe of that family)"."""
+
+import shutil
+
+import pytest
+
+from diffrl.cli.main import main
+from diffrl.errors import ModelLoadError
+from diffrl.models import get_family, resolve_family
+from diffrl.models.demo import SHIPPED_DEMO_MODEL
+from diffrl.models.random_checkpoints.flux3_image import save_random_checkpoint
+
+
+@pytest.fixture(scope="module")
+def flux3_dir(tmp_path_factory):
+    return save_random_checkpoint(tmp_path_factory.mktemp("models") / "my-model")
+
+
+def test_another_familys_checkpoint_is_named_first_then_the_fix(flux3_dir, tmp_path, capsys):
+    (tmp_path / "prompts.txt").write_text('a sign that says "OPEN"\n')
+    assert main(["train", "--recipe", "sd35-grpo-ocr", "--model-path", str(flux3_dir), "--prompt-data",
+                 str(tmp_path / "prompts.txt"), "--device", "cpu", "--output-dir", str(tmp_path / "run")]) == 2
+    err = capsys.readouterr().err.strip()
+    assert err == (f"error: {flux3_dir} is a checkpoint of the flux3_image family (transformer/ holds "
+                   "Flux3Transformer2DModel), not of SD3 (which loads SD3Transformer2DModel): pass a recipe of the "
+                   "flux3_image family (flux3-klein-nft-pickscore, flux3-klein-grpo-hps) or --diffusion-model-family "
+                   "flux3_image")
+
+
+def test_a_shared_transformer_class_is_told_apart_by_the_rest_of_the_checkpoint(flux3_dir, tmp_path, monkeypatch):
+    """The demo model and FLUX 3 share Flux3Transformer2DModel: a FLUX 3 checkpoint (VAE, Qwen3-VL) under a name that
+    says nothing is FLUX 3's, the shipped demo model under such a name the demo family's."""
+    monkeypatch.delenv("DIFFRL_MODEL_FAMILY", raising=False)
+    assert resolve_family(None, flux3_dir) is get_family("flux3_image")
+    shapes = shutil.copytree(SHIPPED_DEMO_MODEL, tmp_path / "my-shapes")
+    assert resolve_family(None, shapes) is get_family("demo")
+    with pytest.raises(ModelLoadError, match=rf"^{shapes} is a checkpoint of the demo family \(its model_index.json "
+                                             r"names it\), not of FLUX 3: pass a recipe of the demo family "
+                                             r"\(shapes-nft, shapes-grpo\) or --diffusion-model-family demo$"):
+        get_family("flux3_image").load(shapes)
+
+
+@pytest.mark.parametrize("family", ["demo", "qwen_image", "ltx2", "krea2", "wan2_2", "cosmos3"])
+def test_every_family_names_a_flux3_checkpoint_before_reading_its_settings(flux3_dir, family):
+    """Families read their settings (model index, scheduler) first: on a FLUX 3 checkpoint they said "corrupt file:
+    …/model_index.json (bad 'diffrl' block …)", "the scheduler uses dynamic shifting" or "a Flux3ModularPipeline
+    checkpoint (image-to-video or another conditioned mode)"."""
+    with pytest.raises(ModelLoadError, match=rf"^{flux3_dir} is a checkpoint of the flux3_image family \(.*\), not of "
+                                             r".*: pass a recipe of the flux3_image family \(flux3-klein-nft-pickscore, "
+                                             r"flux3-klein-grpo-hps\) or --diffusion-model-family flux3_image$"):
+        get_family(family).load(flux3_dir)
