@@ -17,7 +17,6 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
-import gc
 import itertools
 import json
 import threading
@@ -41,7 +40,6 @@ from diffrl.errors import RequestError
 from diffrl.models.lora import LoraSpec
 from diffrl.rollout.clients import EngineUnavailable
 from diffrl.utils import determinism
-from diffrl.utils.offload import ModuleOffload, family_modules
 from diffrl.utils.spawned import no_named_semaphores
 
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
@@ -147,8 +145,6 @@ class _EngineServer:
         self.engine = Engine(family, EngineConfig(max_outputs_per_request=spec.max_outputs_per_request,
                                                   max_batch_outputs=spec.max_batch_outputs))
         self.device = family.device
-        self.weights = ModuleOffload(family_modules(family), self.device)
-        self.asleep = 0  # the level it sleeps at; 0: awake
         self.bucket_buffer: torch.Tensor | None = None  # the trainer's weight buffer during a sync
         # Rollout requests wait in the engine's queue on this loop (no thread each) while its workers denoise.
         self.loop = asyncio.new_event_loop()
@@ -176,7 +172,7 @@ class _EngineServer:
 
     async def _generate(self, channel: Channel, request_id, payload: bytes | None) -> None:
         try:
-            if self.asleep:
+            if self.engine.asleep:
                 raise RuntimeError("the engine is asleep (wake it first)")
             outputs = await self.engine.agenerate(RolloutRequest.model_validate_json(payload or b""))
             body = await asyncio.to_thread(encode_outputs, outputs)
@@ -201,7 +197,7 @@ class _EngineServer:
             return self._memory(reset_peak=bool(header.get("reset_peak")))
         if op == "health":
             return {"weight_version": self.engine.weight_version, "in_flight": self.engine.in_flight,
-                    "asleep": self.asleep}
+                    "asleep": self.engine.asleep}
         raise RequestError("op", f"unknown operation {str(op)[:50]!r}")
 
     def _update_weights(self, header: dict, payload: bytes | None) -> dict:
@@ -221,27 +217,17 @@ class _EngineServer:
                 self.bucket_buffer = None
 
     def _require_awake(self, field: str) -> None:
-        if self.asleep:
+        if self.engine.asleep:
             raise RequestError(field, "the engine is asleep (wake it first)")
 
     def _sleep(self, level) -> dict:
-        if level not in (1, 2):
-            raise RequestError("level", f"must be 1 (caches) or 2 (caches and weights), got {level!r}")
-        if self.engine.in_flight:
-            raise RequestError("level", f"{self.engine.in_flight} requests are in flight")
         before = self._memory()
-        moved = self.weights.offload() if level == 2 else 0
-        self.engine.clear_prompt_cache()  # encoded prompts are device memory too
-        gc.collect()  # the last batch's tensors, before the allocator's cache is emptied
-        if self.device.type == "cuda":
-            torch.cuda.empty_cache()
-        self.asleep = max(self.asleep, level)
-        return {"level": self.asleep, "moved_bytes": moved, "before": before, "after": self._memory()}
+        moved = self.engine.sleep(level)  # refused while requests are in flight
+        return {"level": self.engine.asleep, "moved_bytes": moved, "before": before, "after": self._memory()}
 
     def _wake(self) -> dict:
         before = self._memory()
-        moved = self.weights.restore()
-        self.asleep = 0
+        moved = self.engine.wake()
         return {"moved_bytes": moved, "before": before, "after": self._memory()}
 
     def _memory(self, reset_peak: bool = False) -> dict:

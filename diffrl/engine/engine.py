@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
+import gc
 import resource
 import threading
 import time
@@ -35,6 +36,7 @@ from dataclasses import dataclass, field, replace
 
 import torch
 
+from diffrl.engine.checksums import compare_tensor_checksums, module_checksum
 from diffrl.engine.denoise import DenoiseStopped, denoise
 from diffrl.engine.protocol import (
     IMAGE_CONDITIONING_FIELDS,
@@ -46,6 +48,7 @@ from diffrl.errors import RequestError
 from diffrl.models.base import FamilyAdapter, PromptEmbeds
 from diffrl.models.lora import LoraSpec, add_lora, check_lora, current_lora
 from diffrl.sampling import make_generators
+from diffrl.utils.offload import ModuleOffload, family_modules
 
 
 @dataclass
@@ -103,6 +106,14 @@ class RequestCancelled(Exception):
 
 class EngineBusy(Exception):
     """More requests wait than `max_pending_requests`: come back later (HTTP 429)."""
+
+
+class EngineAsleep(RequestError):
+    """The engine sleeps (`Engine.sleep`): no generation and no weight change until it is woken (HTTP 503)."""
+
+
+class EngineConflict(RequestError):
+    """What was asked cannot happen in the engine's present state (put to sleep with requests in flight: HTTP 409)."""
 
 
 @dataclass(frozen=True)
@@ -164,6 +175,13 @@ class Engine:
         self._prompts = _PromptCache(self.config.prompt_cache_bytes)  # used under _model_lock
         # Bounded: waiting requests sit in `_waiting`, not in threads (each thread can grow its own malloc arena).
         self._threads = ThreadPoolExecutor(max_workers=max(1, self.config.worker_threads), thread_name_prefix="engine")
+        self._asleep = 0  # the level it sleeps at (`sleep`); 0: awake
+        self._offload: ModuleOffload | None = None  # the family's weights while asleep at level 2
+
+    @property
+    def asleep(self) -> int:
+        """The level the engine sleeps at (1: caches released; 2: weights in host memory too); 0: awake."""
+        return self._asleep
 
     @property
     def in_flight(self) -> int:
@@ -286,6 +304,8 @@ class Engine:
         if self.config.request_timeout_s is not None:
             ticket.deadline = time.monotonic() + self.config.request_timeout_s
         with self._count_lock:
+            if self._asleep:
+                raise EngineAsleep("request", "the engine is asleep: wake it first (POST /resume_memory_occupation)")
             if self._in_flight >= self.config.max_pending_requests:
                 raise EngineBusy(f"{self._in_flight} requests in flight, the limit is {self.config.max_pending_requests}")
             self._in_flight += 1
@@ -366,6 +386,7 @@ class Engine:
         tensors. True when added; False when the same adapter is already there; a different one is
         refused, since its weights could not be told apart."""
         with self._model_lock:
+            self._require_awake("lora")
             existing = current_lora(self.family.transformer)
             if existing is not None:
                 if existing != spec:
@@ -384,6 +405,7 @@ class Engine:
         if version is not None and not 0 <= version <= INT64_MAX:
             raise RequestError("x-weight-version", f"must be an integer between 0 and {INT64_MAX}, got {version}")
         with self._model_lock, torch.no_grad():
+            self._require_awake("weights")
             state = self.family.transformer.state_dict()
             if version is None and self.weight_version >= INT64_MAX:
                 raise RequestError("x-weight-version", "the weight version would pass 2**63 - 1; send one explicitly")
@@ -404,6 +426,83 @@ class Engine:
                 state[name].copy_(value)
             self.weight_version = self.weight_version + 1 if version is None else version
         return self.weight_version
+
+    def _require_awake(self, field: str) -> None:
+        if self._asleep:
+            raise EngineAsleep(field, "the engine is asleep: wake it first (POST /resume_memory_occupation)")
+
+    # ------------------------------------------------------------------ sleep and wake
+    def sleep(self, level: int = 2) -> int:
+        """Release device memory while the engine is idle (a trainer trains on the same device): level 1 frees
+        the encoded prompts and the allocator's cache, level 2 also moves every module's weights to host memory
+        (pinned when they come from a GPU). Asleep, the engine refuses requests and weight changes. Refused
+        while requests are in flight. A deeper level than the present one goes deeper; a shallower one changes
+        nothing. Returns the bytes moved to the host."""
+        if level not in (1, 2):
+            raise RequestError("level", f"must be 1 (caches) or 2 (caches and weights), got {level!r}")
+        with self._count_lock:
+            if self._in_flight:
+                raise EngineConflict("request", f"{self._in_flight} requests are in flight; the engine sleeps "
+                                                "only when idle")
+            self._asleep = max(self._asleep, level)  # requests are refused from here on
+        moved = 0
+        with self._model_lock:
+            if level == 2 and self._offload is None:
+                offload = ModuleOffload(family_modules(self.family), self.family.device)
+                moved = offload.offload()
+                self._offload = offload
+            self._prompts.clear()  # encoded prompts are device memory too
+        gc.collect()  # the last batch's tensors, before the allocator's cache is emptied
+        if self.family.device.type == "cuda":
+            torch.cuda.empty_cache()
+        return moved
+
+    def wake(self) -> int:
+        """Bring the weights back to the device, bit for bit, and accept requests again (awake: nothing to do).
+        Returns the bytes moved back."""
+        with self._model_lock:
+            offload, self._offload = self._offload, None
+            moved = offload.restore() if offload is not None else 0
+            with self._count_lock:
+                self._asleep = 0
+        return moved
+
+    # ------------------------------------------------------------------ checksums
+    def pipeline_modules(self) -> dict[str, torch.nn.Module]:
+        """The family's modules under the names of the pipeline's components (model_index.json, as sglang-diffusion
+        names them): `transformer` (Wan2.2: `transformer` and `transformer_2`, the experts), and `vae` and
+        `text_encoder` where the family holds one under that name."""
+        family, found = self.family, {}
+        if family.lora_components:  # a transformer that wraps several of the pipeline's components
+            for name in family.lora_components:
+                module = getattr(family.transformer, name, None)
+                if isinstance(module, torch.nn.Module):
+                    found[name] = module
+        else:
+            found["transformer"] = family.transformer
+        for name in ("vae", "text_encoder"):
+            module = getattr(family, name, None)
+            if isinstance(module, torch.nn.Module):
+                found[name] = module
+        return found
+
+    def weights_checksums(self, module_names: list[str] | None = None) -> dict[str, str]:
+        """SHA-256 of each named module's parameters as sglang-diffusion computes it (`checksums.module_checksum`);
+        None: every module of `pipeline_modules`; a name it does not hold: "not_found". Taken between batches and
+        weight updates, so a checksum never mixes two versions."""
+        with self._model_lock, torch.no_grad():
+            modules = self.pipeline_modules()
+            names = list(modules) if module_names is None else module_names
+            return {name: module_checksum(modules[name]) if name in modules else "not_found" for name in names}
+
+    def check_tensor_checksums(self, module_name: str, expected: dict[str, str]) -> tuple[bool, str]:
+        """Compare a module's tensors (parameters, then buffers) with expected per-tensor SHA-256 values
+        (`checksums.tensor_sha256`): (True, what was verified) or (False, which tensors are missing or differ)."""
+        with self._model_lock, torch.no_grad():
+            module = self.pipeline_modules().get(module_name)
+            if module is None:
+                return False, f"this engine holds no module {module_name[:100]!r}"
+            return compare_tensor_checksums(module_name, module, expected)
 
     def _encode(self, prompts: list[str]) -> list[PromptEmbeds]:
         """Each prompt's conditioning; a prompt seen in this batch, or earlier under the same weights, is not

@@ -15,9 +15,14 @@
 - `POST /update_weights`: named transformer tensors as a safetensors body (a trainer's update;
   `X-Weight-Version` header, 0 ≤ v < 2**63), all or nothing, checked in the model's dtypes.
 - `POST /lora_adapter`: host the trainer's LoRA adapter (checked against the transformer first).
-  Both change the model: they need `Authorization: Bearer <token>` when the server has a token (a
-  server bound beyond loopback refuses them unless it has one), a loopback Host (DNS rebinding), no
-  foreign `Origin` (web pages) and their own content type (`application/octet-stream`, `application/json`).
+- sglang-diffusion's post-training endpoints (`post_training.py`), as miles-diffusion's trainer calls them:
+  `/update_weights_from_disk` (from `--weights-roots` only), `/get_weights_checksum`,
+  `/update_weights_from_tensor_checker`, `/release_memory_occupation` and `/resume_memory_occupation` (the
+  engine's sleep and wake); `/update_weights_from_tensor` is refused (501: its payloads are pickles).
+  Those that change the model or the engine's state (`STATE_CHANGING`) need `Authorization: Bearer <token>`
+  when the server has a token (a server bound beyond loopback refuses them unless it has one), a loopback Host
+  (DNS rebinding), no foreign `Origin` (web pages) and their own content type (`application/octet-stream` for
+  `/update_weights`, `application/json` for the others).
 
 A bad request gets a 4xx naming the field or header (`{"error": {"field", "message"}}`; schema errors
 also carry FastAPI's `detail` list, without the input echo) and changes nothing. Bodies, prompts,
@@ -53,7 +58,15 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, ValidationInfo, field_validator
 
 from diffrl.engine import sglang
-from diffrl.engine.engine import INT64_MAX, Engine, EngineBusy, EngineConfig, RequestCancelled
+from diffrl.engine.engine import (
+    INT64_MAX,
+    Engine,
+    EngineAsleep,
+    EngineBusy,
+    EngineConfig,
+    EngineConflict,
+    RequestCancelled,
+)
 from diffrl.engine.protocol import EXTRA_KEY_ERROR, RolloutRequest, json_number, utf8_text
 from diffrl.engine.streaming import Body, stream
 from diffrl.engine.wire import MEDIA_TYPE, WireFormatError, decode_weights, encode_outputs, output_body
@@ -110,26 +123,36 @@ class ServerLimits:
     those: DNS rebinding); an exposed server checks Host only when this is set."""
     allowed_origins: tuple[str, ...] = ()
     """`Origin`s state-changing endpoints accept; a request with any other Origin (a web page) is refused."""
+    weights_roots: tuple[Path, ...] = ()
+    """Directories `/update_weights_from_disk` may read checkpoints from (and what lies under them); empty: none."""
 
 
 LOOPBACK_HOSTS = ("127.0.0.1", "localhost", "::1")
 # Endpoints that change the model, with the only body type each takes (a web page can send text/plain
 # cross-origin without a preflight; it cannot send these).
-STATE_CHANGING = {"/update_weights": "application/octet-stream", "/lora_adapter": "application/json"}
+STATE_CHANGING = {"/update_weights": "application/octet-stream", "/lora_adapter": "application/json",
+                  # sglang-diffusion's post-training endpoints (`post_training.py`)
+                  "/update_weights_from_tensor": "application/json", "/update_weights_from_disk": "application/json",
+                  "/release_memory_occupation": "application/json", "/resume_memory_occupation": "application/json"}
 
 
-def error_response(status: int, field: str, message: str, detail: list | None = None) -> Response:
+def error_response(status: int, field: str, message: str, detail: list | None = None, *,
+                   success_shape: bool = False) -> Response:
     """A one-line error naming the field. Encoded as ASCII JSON, so input that cannot be encoded (lone
     surrogates, NaN) is never what turns a refusal into a 500. `detail` is FastAPI's, what sglang-diffusion's
-    clients read: the schema errors' list, else the same line as text."""
+    clients read: the schema errors' list, else the same line as text. `success_shape`: also sglang-diffusion's
+    post-training answer keys, `"success": false` and `message` (the same line)."""
     message = " ".join(str(message).split())[:400]
     body = {"error": {"field": field[:200], "message": message},
             "detail": detail if detail is not None else f"{field[:200]}: {message}"}
+    if success_shape:
+        line = message if message.startswith(f"{field[:200]}: ") else f"{field[:200]}: {message}"
+        body = {"success": False, "message": line, **body}
     return Response(json.dumps(body, ensure_ascii=True, allow_nan=False), status_code=status,
                     media_type="application/json")
 
 
-def _validation_response(errors: list[dict]) -> Response:
+def _validation_response(errors: list[dict], *, success_shape: bool = False) -> Response:
     """422 for a schema error, in FastAPI's `detail` shape (loc, msg, type) plus `error`, but without the
     `input`/`ctx` echo (which may hold what JSON cannot encode)."""
     detail = []
@@ -142,7 +165,7 @@ def _validation_response(errors: list[dict]) -> Response:
     first = detail[0] if detail else {"loc": [], "msg": "invalid request"}
     field = ".".join(str(p) for p in first["loc"] if p != "body") or "body"
     message = first["msg"] if first["msg"].startswith(f"{field}: ") else f"{field}: {first['msg']}"
-    return error_response(422, field, message, detail)
+    return error_response(422, field, message, detail, success_shape=success_shape)
 
 
 def _host_name(host: str) -> str:
@@ -273,6 +296,14 @@ def create_app(engine: Engine, *, update_token: str | None = None, exposed: bool
         response.headers.update(err.headers or {})
         return response
 
+    @app.exception_handler(EngineAsleep)
+    async def _asleep(_: Request, err: EngineAsleep) -> Response:
+        return error_response(503, err.field, err.message)
+
+    @app.exception_handler(EngineConflict)
+    async def _conflict(_: Request, err: EngineConflict) -> Response:
+        return error_response(409, err.field, err.message)
+
     @app.exception_handler(EngineBusy)
     async def _busy(_: Request, err: EngineBusy) -> Response:
         return error_response(429, "request", f"the engine is busy: {err}")
@@ -304,7 +335,7 @@ def create_app(engine: Engine, *, update_token: str | None = None, exposed: bool
     @app.get("/health")
     async def health() -> dict:
         return {"status": "ok", "family": engine.family.name, "in_flight": engine.in_flight,
-                "weight_version": engine.weight_version,
+                "weight_version": engine.weight_version, "asleep": engine.asleep,
                 "max_outputs_per_request": engine.config.max_outputs_per_request}
 
     @app.get("/health_generate")
@@ -371,6 +402,9 @@ def create_app(engine: Engine, *, update_token: str | None = None, exposed: bool
         images = to_uint8(torch.stack([o.generated_output[:, 0] if video else o.generated_output for o in outputs]))
         return JSONResponse({"created": int(time.time()), "data": [{"b64_json": _png_b64(img)} for img in images]})
 
+    from diffrl.engine import post_training  # its routes use this module's error shapes
+
+    post_training.add_routes(app, engine, limits)
     return app
 
 
@@ -425,8 +459,9 @@ class ServeConfig:
     """Write each rollout response while it is sent, output by output (the same bytes as a body built
     first, never held whole in memory); False: build the body, then send it."""
     update_token: str | None = None
-    """Bearer token for POST /update_weights and /lora_adapter (default: env DIFFRL_ENGINE_TOKEN). Without
-    one, only a loopback server accepts them."""
+    """Bearer token for the state-changing endpoints (/update_weights, /lora_adapter, /update_weights_from_disk,
+    /release_memory_occupation, …; default: env DIFFRL_ENGINE_TOKEN). Without one, only a loopback server accepts
+    them."""
     compile: bool = False
     """torch.compile the transformer's repeated blocks (as `diffrl train --compile`, with eager's bf16
     roundings kept); a LoRA adapter hosted later recompiles them once."""
@@ -468,9 +503,12 @@ class ServeConfig:
     prompt_cache_bytes: int = 256 << 20
     """Encoded prompts kept for later requests under the same weights (bytes of device memory; 0: none)."""
     allowed_hosts: tuple[str, ...] = ()
-    """Host names accepted on /update_weights and /lora_adapter besides loopback ones."""
+    """Host names accepted on the state-changing endpoints besides loopback ones."""
     allowed_origins: tuple[str, ...] = ()
-    """Origin headers accepted on /update_weights and /lora_adapter (default: none; web pages are refused)."""
+    """Origin headers accepted on the state-changing endpoints (default: none; web pages are refused)."""
+    weights_roots: tuple[Path, ...] = ()
+    """Directories POST /update_weights_from_disk may load checkpoints from, with everything under them (symlinks
+    resolved first); default: none, the endpoint refuses every path."""
     docs: bool = False
     """Serve /docs and /openapi.json."""
     malloc_arena_max: int = 2
@@ -492,7 +530,8 @@ class ServeConfig:
 
     def server_limits(self) -> ServerLimits:
         return ServerLimits(max_body_bytes=self.max_body_bytes, max_weights_bytes=self.max_weights_bytes,
-                            allowed_hosts=tuple(self.allowed_hosts), allowed_origins=tuple(self.allowed_origins))
+                            allowed_hosts=tuple(self.allowed_hosts), allowed_origins=tuple(self.allowed_origins),
+                            weights_roots=tuple(Path(root) for root in self.weights_roots))
 
 
 def build_engine(cfg: ServeConfig) -> Engine:

@@ -1,0 +1,271 @@
+"""sglang-diffusion's weight-sync and memory endpoints on `diffrl serve`, called as miles-diffusion's trainer calls
+them on its engines.
+
+miles-diffusion (radixark/miles_diffusion, `miles/backends/sglang_diffusion_utils/sglang_diffusion_engine.py`)
+posts JSON with `requests.post(url, json=payload or {})`: `/update_weights_from_tensor` with
+`{"serialized_named_tensors": [base64 pickle], "load_format": "flattened_bucket", "target_modules":
+["transformer"], "weight_version": "N"}` (`miles/backends/fsdp_utils/diffusion_update_weight_utils.py`),
+`/get_weights_checksum` with `{"module_names": ["transformer"]}` (or `{}`), and `/release_memory_occupation`
+and `/resume_memory_occupation` with `{}`. The answers follow sglang-diffusion as miles pins it (Rockdu/sglang
+0372158dd, `entrypoints/post_training/weights_api.py`, `loader/weight_utils.py:compute_weights_checksum`,
+`post_training/tensor_update_checker.py`). The bodies and algorithms are re-written here from those facts.
+"""
+
+from __future__ import annotations
+
+import base64
+import hashlib
+import os
+import pickle
+
+import pytest
+import torch
+from fastapi.testclient import TestClient
+from safetensors.torch import save
+
+from diffrl.engine.engine import Engine
+from diffrl.engine.server import ServerLimits, create_app
+from diffrl.models.random_checkpoints import demo as random_demo
+
+BASE_URL = "http://127.0.0.1:30000"  # what requests sends as Host for a loopback engine
+SAMPLE = {"prompt": "a red circle", "negative_prompt": " ", "seed": 11, "num_outputs_per_prompt": 2, "width": 64,
+          "height": 64, "num_inference_steps": 3, "guidance_scale": 3.0, "rollout": True, "rollout_sde_type": "sde",
+          "rollout_noise_level": 0.7, "rollout_log_prob_no_const": False, "rollout_debug_mode": False,
+          "rollout_return_denoising_env": True, "rollout_return_dit_trajectory": True, "generator_device": "cuda"}
+
+
+def client_for(engine: Engine, **kwargs) -> TestClient:
+    return TestClient(create_app(engine, **kwargs), base_url=BASE_URL)
+
+
+def miles_post(client: TestClient, endpoint: str, payload: dict | None = None, **headers):
+    """`SGLangDiffusionEngine._make_request`: a JSON POST of the payload, `{}` when there is none."""
+    return client.post(f"/{endpoint}", json=payload or {}, headers=headers)
+
+
+def sample_bits(client: TestClient) -> list[tuple[str, str]]:
+    """A fixed-seed rollout's outputs and log-probs as the bytes on the wire (base64 safetensors)."""
+    response = client.post("/rollout/generate", json=SAMPLE)
+    assert response.status_code == 200, response.text
+    return [(r["generated_output"]["data"], r["rollout_log_probs"]["data"]) for r in response.json()]
+
+
+def sglang_checksum(named) -> str:
+    """sglang-diffusion's `compute_weights_checksum`, as miles re-computes it on the trainer's side."""
+    hasher = hashlib.sha256()
+    for name, tensor in sorted(named, key=lambda item: item[0]):
+        hasher.update(name.encode())
+        hasher.update(tensor.detach().cpu().contiguous().reshape(-1).view(torch.uint8).numpy().data)
+    return hasher.hexdigest()
+
+
+def sglang_tensor_sha256(tensor: torch.Tensor) -> str:
+    """sglang-diffusion's per-tensor manifest entry (`compute_tensor_sha256`)."""
+    tensor = tensor.detach().cpu().contiguous()
+    hasher = hashlib.sha256()
+    hasher.update(str(tensor.dtype).encode())
+    hasher.update(repr(tuple(tensor.shape)).encode())
+    hasher.update(tensor.view(torch.uint8).numpy().tobytes())
+    return hasher.hexdigest()
+
+
+class _LeavesAMark:
+    """A pickle that, if anything unpickled it, would create a file: the server must never run it."""
+
+    def __init__(self, path: str):
+        self.path = path
+
+    def __reduce__(self):
+        return (open, (self.path, "w"))
+
+
+def miles_tensor_payload(tensor_name: str, tensor: torch.Tensor, mark: str) -> dict:
+    """The body of miles' `update_bucket_weights` (flattened bucket under the target module, pickled and
+    base64-encoded as `MultiprocessingSerializer.serialize(..., output_str=True)` does)."""
+    bucket = {"transformer": {"flattened_tensor": tensor.reshape(-1),
+                              "metadata": [{"name": tensor_name, "shape": list(tensor.shape), "dtype": str(tensor.dtype),
+                                            "start_idx": 0, "end_idx": tensor.numel(), "numel": tensor.numel()}],
+                              "trap": _LeavesAMark(mark)}}
+    serialized = base64.b64encode(pickle.dumps(bucket)).decode()
+    return {"serialized_named_tensors": [serialized], "load_format": "flattened_bucket",
+            "target_modules": ["transformer"], "weight_version": "1"}
+
+
+def test_a_pickled_tensor_update_is_refused_and_changes_nothing(tiny_family, tmp_path):
+    engine = Engine(tiny_family)
+    client = client_for(engine)
+    before = sample_bits(client)
+    checksum = miles_post(client, "get_weights_checksum", {"module_names": ["transformer"]}).json()
+    name, param = next(iter(tiny_family.transformer.named_parameters()))
+    mark = str(tmp_path / "unpickled")
+
+    response = miles_post(client, "update_weights_from_tensor", miles_tensor_payload(name, param + 1, mark))
+
+    assert response.status_code == 501
+    body = response.json()
+    assert body["success"] is False and body["error"]["field"] == "serialized_named_tensors"
+    assert "pickle" in body["message"] and "/update_weights" in body["message"] and body["detail"]
+    assert not os.path.exists(mark)  # nothing was unpickled
+    assert engine.weight_version == 0 and sample_bits(client) == before
+    assert miles_post(client, "get_weights_checksum", {"module_names": ["transformer"]}).json() == checksum
+
+
+def test_weights_checksum_is_sglangs_and_follows_a_weight_push(tiny_family):
+    engine = Engine(tiny_family)
+    client = client_for(engine)
+    transformer = tiny_family.transformer
+    expected = sglang_checksum(transformer.named_parameters())
+
+    asked = miles_post(client, "get_weights_checksum", {"module_names": ["transformer", "vae"]})
+    everything = miles_post(client, "get_weights_checksum")  # miles sends {} when it names no module
+
+    assert asked.status_code == 200 and asked.json() == {"transformer": expected, "vae": "not_found"}
+    assert everything.json()["transformer"] == expected
+    assert everything.json()["text_encoder"] == sglang_checksum(tiny_family.text_encoder.named_parameters())
+    # miles' weight-sync check: the trainer's tensors, hashed on its side, against the engine's answer
+    pushed = {name: t.detach() * 0.5 for name, t in transformer.state_dict().items()}
+    update = client.post("/update_weights", content=save(pushed), headers={"content-type": "application/octet-stream"})
+    assert update.status_code == 200
+    after = miles_post(client, "get_weights_checksum", {"module_names": ["transformer"]}).json()["transformer"]
+    assert after != expected and after == sglang_checksum(list(pushed.items()))
+    bad = miles_post(client, "get_weights_checksum", {"module_names": "transformer"})
+    assert bad.status_code == 422 and bad.json()["error"]["field"] == "module_names"
+
+
+def test_release_then_resume_gives_the_same_bits(tiny_family):
+    engine = Engine(tiny_family)
+    client = client_for(engine)
+    params = {name: p.detach().clone() for name, p in tiny_family.transformer.named_parameters()}
+    before = sample_bits(client)
+
+    released = miles_post(client, "release_memory_occupation")
+    assert released.status_code == 200, released.text
+    assert released.json()["success"] is True and released.json()["sleeping"] is True
+    assert released.json()["moved_bytes"] > 0 and engine.asleep == 2
+    assert miles_post(client, "release_memory_occupation").json()["moved_bytes"] == 0  # already asleep: a no-op
+    asleep = client.post("/rollout/generate", json=SAMPLE)
+    assert asleep.status_code == 503 and "asleep" in asleep.json()["error"]["message"]
+    push = client.post("/update_weights", content=save({n: p + 1 for n, p in params.items()}),
+                       headers={"content-type": "application/octet-stream"})
+    assert push.status_code == 503 and engine.weight_version == 0
+
+    resumed = miles_post(client, "resume_memory_occupation")
+    assert resumed.status_code == 200 and resumed.json()["success"] is True and resumed.json()["sleeping"] is False
+    assert resumed.json()["moved_bytes"] == released.json()["moved_bytes"] and engine.asleep == 0
+    assert miles_post(client, "resume_memory_occupation").json()["message"] == "already awake"
+    assert all(torch.equal(p, params[name]) for name, p in tiny_family.transformer.named_parameters())
+    assert sample_bits(client) == before
+
+
+def test_release_levels_and_bad_bodies(tiny_family):
+    engine = Engine(tiny_family)
+    client = client_for(engine)
+    light = miles_post(client, "release_memory_occupation", {"level": 1, "tags": ["kv_cache"]})
+    assert light.status_code == 200 and light.json()["level"] == 1 and light.json()["moved_bytes"] == 0
+    bad_level = miles_post(client, "release_memory_occupation", {"level": 3})
+    unknown = miles_post(client, "resume_memory_occupation", {"tag": ["weights"]})
+    for response, field in ((bad_level, "level"), (unknown, "tag")):
+        assert response.status_code == 422 and response.json()["error"]["field"] == field
+        assert response.json()["success"] is False
+    assert engine.asleep == 1  # the refused calls changed nothing
+    assert miles_post(client, "resume_memory_occupation", {"tags": ["weights"]}).status_code == 200
+    assert engine.asleep == 0
+
+
+def test_update_weights_from_disk_reads_only_allowed_roots(tiny_family, tmp_path):
+    root = tmp_path / "checkpoints"
+    other = random_demo.random_family(random_demo.tiny(), seed=1)
+    other.save(root / "step-1")
+    other.save(tmp_path / "outside")
+    (root / "escape").mkdir()
+    os.symlink(tmp_path / "outside" / "transformer", root / "escape" / "transformer")
+    engine = Engine(tiny_family)
+    client = client_for(engine, limits=ServerLimits(weights_roots=(root,)))
+    before = sample_bits(client)
+    checksum = miles_post(client, "get_weights_checksum", {"module_names": ["transformer"]}).json()["transformer"]
+
+    refusals = {
+        "outside the roots": {"model_path": str(tmp_path / "outside")},
+        "dot-dot": {"model_path": str(root / ".." / "outside")},
+        "a link out": {"model_path": str(root / "escape")},
+        "relative": {"model_path": "checkpoints/step-1"},
+        "no such dir": {"model_path": str(root / "missing")},
+    }
+    for what, body in refusals.items():
+        response = miles_post(client, "update_weights_from_disk", body)
+        assert response.status_code == 400, what
+        assert response.json()["success"] is False and response.json()["error"]["field"] == "model_path", what
+    wrong_module = miles_post(client, "update_weights_from_disk",
+                              {"model_path": str(root / "step-1"), "target_modules": ["text_encoder"]})
+    assert wrong_module.status_code == 400 and wrong_module.json()["error"]["field"] == "target_modules"
+    assert engine.weight_version == 0 and sample_bits(client) == before
+
+    loaded = miles_post(client, "update_weights_from_disk",  # sglang's body: model_path, flush_cache, target_modules
+                        {"model_path": str(root / "step-1"), "flush_cache": True, "target_modules": ["transformer"]})
+    assert loaded.status_code == 200, loaded.text
+    assert loaded.json()["success"] is True and loaded.json()["weight_version"] == 1
+    after = miles_post(client, "get_weights_checksum", {"module_names": ["transformer"]}).json()["transformer"]
+    assert after != checksum and after == sglang_checksum(other.transformer.named_parameters())
+    assert sample_bits(client) != before
+
+    closed = client_for(Engine(random_demo.random_family(random_demo.tiny(), seed=0)))  # no --weights-roots
+    response = miles_post(closed, "update_weights_from_disk", {"model_path": str(root / "step-1")})
+    assert response.status_code == 400 and "--weights-roots" in response.json()["message"]
+
+
+def test_a_corrupt_checkpoint_changes_nothing(tiny_family, tmp_path):
+    root = tmp_path / "checkpoints"
+    random_demo.random_family(random_demo.tiny(), seed=1).save(root / "step-1")
+    (root / "step-1" / "transformer" / "extra.safetensors").write_bytes(b"\x08\x00\x00\x00\x00\x00\x00\x00{}garbage")
+    engine = Engine(tiny_family)
+    client = client_for(engine, limits=ServerLimits(weights_roots=(root,)))
+    before = sample_bits(client)
+    response = miles_post(client, "update_weights_from_disk", {"model_path": str(root / "step-1")})
+    assert response.status_code == 400 and response.json()["error"]["field"] == "model_path"
+    assert "extra.safetensors" in response.json()["message"]
+    assert engine.weight_version == 0 and sample_bits(client) == before
+
+
+def test_tensor_checker_compares_sglangs_manifest(tiny_family):
+    client = client_for(Engine(tiny_family))
+    named = dict(tiny_family.transformer.named_parameters())
+    manifest = {name: sglang_tensor_sha256(t) for name, t in list(named.items())[:4]}
+    ok = client.post("/update_weights_from_tensor_checker",
+                     json={"target_module": "transformer", "expected_named_tensors_sha256": [manifest]})
+    assert ok.status_code == 200 and ok.json()["success"] is True
+    first = next(iter(manifest))
+    wrong = client.post("/update_weights_from_tensor_checker",
+                        json={"target_module": "transformer",
+                              "expected_named_tensors_sha256": [{**manifest, first: "0" * 64, "no.such": "0" * 64}]})
+    assert wrong.status_code == 400 and wrong.json()["success"] is False
+    assert first in wrong.json()["message"] and "no.such" in wrong.json()["message"]
+
+
+@pytest.mark.parametrize("endpoint", ["update_weights_from_tensor", "update_weights_from_disk",
+                                      "release_memory_occupation", "resume_memory_occupation"])
+def test_state_changing_endpoints_are_guarded(tiny_family, endpoint):
+    engine = Engine(tiny_family)
+    guarded = client_for(engine, update_token="s3cret")
+    assert miles_post(guarded, endpoint).status_code == 401
+    assert miles_post(guarded, endpoint, authorization="Bearer nope").status_code == 401
+    as_text = guarded.post(f"/{endpoint}", content=b"{}", headers={"authorization": "Bearer s3cret",
+                                                                   "content-type": "text/plain"})
+    assert as_text.status_code == 415 and as_text.json()["error"]["field"] == "content-type"
+    from_page = miles_post(guarded, endpoint, authorization="Bearer s3cret", origin="http://evil.example")
+    assert from_page.status_code == 403 and from_page.json()["error"]["field"] == "origin"
+    exposed = TestClient(create_app(engine, exposed=True))  # beyond loopback without a token
+    assert miles_post(exposed, endpoint).status_code == 403
+    assert engine.asleep == 0 and engine.weight_version == 0
+    # Reading a checksum changes nothing: no token needed.
+    assert miles_post(guarded, "get_weights_checksum").status_code == 200
+
+
+def test_release_is_refused_while_requests_are_in_flight(tiny_family):
+    engine = Engine(tiny_family)
+    client = client_for(engine)
+    engine._in_flight = 1  # a request between its arrival and its answer
+    busy = miles_post(client, "release_memory_occupation")
+    assert busy.status_code == 409 and busy.json()["success"] is False
+    assert busy.json()["error"]["field"] == "request" and engine.asleep == 0
+    engine._in_flight = 0
+    assert miles_post(client, "release_memory_occupation").status_code == 200 and engine.asleep == 2
