@@ -269,3 +269,30 @@ def test_release_is_refused_while_requests_are_in_flight(tiny_family):
     assert busy.json()["error"]["field"] == "request" and engine.asleep == 0
     engine._in_flight = 0
     assert miles_post(client, "release_memory_occupation").status_code == 200 and engine.asleep == 2
+
+
+# ------------------------------------------------------------------ request defaults as sglang-diffusion resolves them
+@pytest.mark.parametrize("steps", [None, "absent"])
+def test_null_num_inference_steps_is_the_models_default(tiny_family, steps):
+    """sglang drops null fields and takes its model's SamplingParams default (Qwen-Image 50, Wan2.2 A14B 40, ...)."""
+    tiny_family.default_num_inference_steps = 4  # the demo's default is 10; any other shows where it came from
+    client = client_for(Engine(tiny_family))
+    body = {k: v for k, v in SAMPLE.items() if k != "num_inference_steps"}
+    if steps is None:
+        body["num_inference_steps"] = None
+    response = client.post("/rollout/generate", json={**body, "rollout_return_dit_trajectory": True})
+    assert response.status_code == 200, response.text
+    record = response.json()[0]
+    assert record["rollout_log_probs"]["shape"] == [4] and record["dit_trajectory"]["timesteps"]["shape"] == [4]
+    explicit = client.post("/rollout/generate", json={**body, "num_inference_steps": 2}).json()[0]
+    assert explicit["rollout_log_probs"]["shape"] == [2]
+
+
+def test_negative_prompt_whitespace_is_stripped_as_sglang_does():
+    from diffrl.engine.protocol import RolloutRequest
+
+    assert RolloutRequest(prompt="p", negative_prompt="  blurry, low quality \n").negative_prompt == "blurry, low quality"
+    assert RolloutRequest(prompt="p", negative_prompt=" ").negative_prompt == " "  # all whitespace: kept as sent
+    assert RolloutRequest(prompt="p", negative_prompt="").negative_prompt == ""
+    merged = RolloutRequest.model_validate({"prompt": "p", "extra_sampling_params": {"negative_prompt": " x "}})
+    assert merged.negative_prompt == "x"

@@ -125,6 +125,13 @@ class RolloutRequest(BaseModel):
 
     _text = field_validator("prompt", "negative_prompt", "generator_device")(utf8_text)
 
+    @field_validator("negative_prompt")
+    @classmethod
+    def _negative_prompt_whitespace(cls, value: str) -> str:
+        """Whitespace around a negative prompt is dropped, as sglang-diffusion drops it, unless the prompt is nothing
+        but whitespace (Qwen-Image's and Flow-GRPO's " " stays " ": it encodes differently from "")."""
+        return value if value.isspace() else value.strip()
+
     @field_validator("*", mode="before")
     @classmethod
     def _numbers(cls, value: Any, info: ValidationInfo) -> Any:

@@ -344,6 +344,8 @@ def create_app(engine: Engine, *, update_token: str | None = None, exposed: bool
 
     @app.post("/rollout/generate")
     async def rollout_generate(req: RolloutRequest, request: Request) -> Response:
+        if "num_inference_steps" not in req.model_fields_set:  # null or left out: the model's default, as sglang's
+            req = req.model_copy(update={"num_inference_steps": engine.family.default_num_inference_steps})
         if wants_compact(request.headers.get("accept")):
             if (outputs := await generate(request, req)) is None:
                 return Response(status_code=499)

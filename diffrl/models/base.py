@@ -120,6 +120,10 @@ class FamilyAdapter(ABC):
     accepts_image_conditioning: ClassVar[bool] = False
     # Guidance scale used when a request leaves it unset.
     default_guidance_scale: ClassVar[float] = 1.0
+    # Denoising steps when a request over HTTP leaves `num_inference_steps` null or out, as sglang-diffusion takes
+    # its model's default then: sglang's default for the model where it serves it, else diffusers' pipeline's.
+    # A family may set it per checkpoint.
+    default_num_inference_steps: int = 10
     # Model timestep = timestep_scale · σ (1 for families whose transformer takes σ itself).
     timestep_scale: ClassVar[float] = 1.0
     # Whether the checkpoint's scheduler gives the transformer integer timesteps (UniPC's): `model_timesteps` then

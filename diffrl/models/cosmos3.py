@@ -149,6 +149,7 @@ class Cosmos3Family(FamilyAdapter):
     default_num_frames = 189  # the pipeline's defaults: 189 frames (7.9 s at 24 FPS) of 720 × 1280, CFG 6
     frame_rate = FPS
     default_guidance_scale = 6.0
+    default_num_inference_steps = 35  # diffusers' Cosmos3 pipeline default (sglang-diffusion has no Cosmos3)
     timestep_scale = 1000.0
     pads_text = True  # conditioning rows are zero-padded bytes
     one_sample_per_forward = True  # the attention has no batch axis (see the module docstring)

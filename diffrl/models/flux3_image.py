@@ -124,6 +124,7 @@ class Flux3ImageFamily(FamilyAdapter):
     name_patterns = ("flux3", "flux.3", "flux-3")
     display_name = "FLUX 3"
     default_guidance_scale = 3.5  # diffusers' FLUX 3 pipeline default
+    default_num_inference_steps = 50  # diffusers' FLUX 3 pipeline default (sglang-diffusion has no FLUX 3)
     timestep_scale = 1000.0  # reported timesteps are the scheduler's (σ·1000); the transformer takes σ
     lora_target_modules = ("to_q", "to_k", "to_v", "to_out.0", "linear_in", "linear_out")
     block_lists = ("mode_blocks", "txt_mode_blocks", "single_transformer_blocks")

@@ -135,6 +135,7 @@ class Krea2Family(FamilyAdapter):
     name_patterns = ("krea2", "krea-2", "krea_2")
     display_name = "Krea 2"
     default_guidance_scale = 5.5  # the pipeline's default g = 4.5 in Krea's form (s = 1 + g)
+    default_num_inference_steps = 28  # diffusers' Krea 2 default (sglang-diffusion has no Krea 2)
     timestep_scale = 1000.0  # reported timesteps are the scheduler's (σ·1000); the transformer takes them / 1000
     # The gated attention's projections: the 28 single-stream blocks' and the text fusion's (peft matches by suffix).
     lora_target_modules = ("attn.to_q", "attn.to_k", "attn.to_v", "attn.to_gate", "attn.to_out.0")
@@ -183,6 +184,7 @@ class Krea2Family(FamilyAdapter):
         self.settings = settings
         if settings.is_distilled:
             self.default_guidance_scale = 1.0  # the few-step checkpoint samples without CFG (g = 0)
+            self.default_num_inference_steps = 8  # diffusers' advice for the few-step checkpoint
         self.vae_scale = 2 ** len(vae.config.temperal_downsample)
         self.pixels_per_token = self.vae_scale * patch
 

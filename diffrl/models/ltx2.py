@@ -119,6 +119,7 @@ class Ltx2Family(FamilyAdapter):
     display_name = "LTX-2"
     generates_video = True
     default_guidance_scale = 3.0  # the pipeline's video guidance_scale
+    default_num_inference_steps = 30  # diffusers' LTX2Pipeline and sglang-diffusion's LTX-2.3 default
     timestep_scale = 1000.0
     # Every attention's projections and every feed-forward (video and audio streams; peft matches by suffix).
     lora_target_modules = ("to_q", "to_k", "to_v", "to_out.0", "net.0.proj", "net.2")

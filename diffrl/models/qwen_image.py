@@ -159,6 +159,7 @@ class QwenImageFamily(FamilyAdapter):
     name_patterns = ("qwen-image", "qwen_image", "qwenimage")
     display_name = "Qwen-Image"
     default_guidance_scale = 4.0  # the pipeline's default true_cfg_scale
+    default_num_inference_steps = 50  # sglang-diffusion's and diffusers' default
     timestep_scale = 1000.0  # reported timesteps are the scheduler's (σ·1000); the transformer takes them / 1000
     pads_text = True  # conditionings of different lengths share a batch, zero-padded (see the module docstring)
     has_true_cfg = True

@@ -62,6 +62,7 @@ class SD3Family(FamilyAdapter):
     name_patterns = ("stable-diffusion-3", "sd3", "sd-3")
     display_name = "SD3"
     default_guidance_scale = 4.5  # the Flow-GRPO recipes' CFG for SD3.5 (diffusers' pipeline default is 7)
+    default_num_inference_steps = 50  # sglang-diffusion's default (diffusers' pipeline: 28)
     timestep_scale = 1000.0
     # Flow-GRPO's SD3 LoRA targets: the joint attention's projections of both streams.
     lora_target_modules = ("attn.to_q", "attn.to_k", "attn.to_v", "attn.to_out.0",

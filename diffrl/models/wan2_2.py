@@ -189,6 +189,8 @@ class Wan22Family(FamilyAdapter):
         self.boundary_ratio = boundary_ratio
         self.max_sequence_length = max_sequence_length
         self.uses_guidance_scale_2 = transformer.transformer_2 is not None
+        # sglang-diffusion's defaults: Wan2.2 A14B (two experts) 40 steps; one expert (TI2V 5B, Wan2.1) 50.
+        self.default_num_inference_steps = 40 if self.uses_guidance_scale_2 else 50
         self.timestep_scale = float(scheduler.config.num_train_timesteps)
         self.integer_timesteps = type(scheduler).__name__ == "UniPCMultistepScheduler"  # as the pipeline's t
         self.vae_scale_temporal = vae.config.scale_factor_temporal
