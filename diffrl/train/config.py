@@ -156,6 +156,12 @@ class EnginePoolConfig:
     engine_sleep_level: Literal[0, 1, 2] = 1
     """What a --colocate engine releases while the trainer trains: 0 nothing, 1 its cached memory
     (activations, the allocator's cache), 2 also its weights (to pinned host memory until the next rollout)."""
+    engine_copy_dtype: Literal["auto", "float32", "bfloat16"] = "auto"
+    """Under torchrun, each rank's engine samples from a full copy of the transformer. A full finetune's copy:
+    float32 (the fp32 masters' values: the engine computes what the trainer's forward does), bfloat16 (half the
+    memory; the engine's norm and modulation weights are then bf16-rounded, a drift of bf16 rounding from the
+    trainer's forward; needs a bf16 forward), auto: float32 unless it would take over 40% of the GPU, then bfloat16.
+    A LoRA's copy is the base as loaded (bf16 with a bf16 forward) and the adapters in fp32."""
 
     def check(self) -> None:
         _require(self.engine_concurrency >= 1, f"--engine-concurrency must be >= 1, got {self.engine_concurrency}")
@@ -477,6 +483,12 @@ class TrainConfig:
         _require(not (self.engine.colocate and self.uses_ray()),
                  "--colocate starts its engine beside a one-process trainer; not with --ray-engines or "
                  "--ray-trainer-ranks")
+        copy_dtype = self.engine.engine_copy_dtype
+        _require(copy_dtype == "auto" or not self.model.use_lora,
+                 f"--engine-copy-dtype {copy_dtype} sets a full finetune's engine copy; with --use-lora the copy is the "
+                 "base as loaded and the adapters (drop one of them)")
+        _require(copy_dtype != "bfloat16" or self.model.mixed_precision != "no",
+                 "--engine-copy-dtype bfloat16 needs a bf16 forward (--mixed-precision bf16, or auto on a GPU)")
         _require(not (self.task.reward_colocate and self.placement.ray_reward_workers),
                  "--reward-colocate moves the rewards of the trainer's process and of --reward-workers; Ray reward "
                  "actors (--ray-reward-workers) keep theirs")

@@ -79,10 +79,41 @@ def rank_device(device: torch.device) -> torch.device:
     return device
 
 
-def shard_transformer(transformer: torch.nn.Module, block_lists: tuple[str, ...], mesh: DeviceMesh) -> None:
+def rank_reward_device(reward_device: str | None, device: torch.device, gpus: int | None = None) -> str | None:
+    """Where this process's model rewards load. On a GPU that names its index (each torchrun rank's): unset or a
+    bare `cuda` is that GPU, so reward workers (spawned processes, whose bare `cuda` is GPU 0) score on their rank's
+    GPU and not all on one; `cuda:N` as given (a reward GPU of its own, e.g. the one after the ranks': every rank's
+    reward model then sits there), refused naming the flag when this machine has no GPU N (`gpus`)."""
+    if device.type != "cuda":
+        return reward_device
+    if reward_device in (None, "cuda"):
+        return str(device) if device.index is not None else reward_device
+    try:
+        wanted = torch.device(reward_device)
+    except RuntimeError:
+        return reward_device  # the reward's own loader names the bad value
+    if wanted.type == "cuda" and wanted.index is not None and gpus is not None and wanted.index >= gpus:
+        raise ValueError(f"--reward-device {reward_device}: this machine has {gpus} GPU(s), cuda:0 to cuda:{gpus - 1}")
+    return reward_device
+
+
+def shard_transformer(transformer: torch.nn.Module, block_lists: tuple[str, ...], mesh: DeviceMesh,
+                      dtype: torch.dtype | None = None) -> None:
     """FSDP2 over each block of the named block lists, then the root. Weights, gradient reduction and
-    the optimizer stay fp32; a bf16 forward comes from the family's autocast (`autocast_dtype`)."""
-    for block in repeated_blocks(transformer, block_lists):
+    the optimizer stay fp32; a bf16 forward comes from the family's autocast (`autocast_dtype`).
+
+    `dtype`: the masters' dtype for a transformer loaded in another one (a full finetune's fp32 masters of a bf16
+    checkpoint): the parameters outside the blocks are cast first, then each block just before it is sharded, so a
+    rank never holds more than one block unsharded in `dtype` (a whole 20.9 B transformer in fp32 is 84 GB per GPU)."""
+    blocks = repeated_blocks(transformer, block_lists)
+    if dtype is not None:  # what transformer.to(dtype) would cast, block by block
+        inside = {id(t) for block in blocks for t in (*block.parameters(), *block.buffers())}
+        for t in (*transformer.parameters(), *transformer.buffers()):
+            if id(t) not in inside and t.is_floating_point():
+                t.data = t.data.to(dtype)
+    for block in blocks:
+        if dtype is not None:
+            block.to(dtype)
         fully_shard(block, mesh=mesh)
     # The root too reshards after every forward (FSDP2 keeps a root's gathered weights by default):
     # NFT's old-policy forward swaps the EMA into the shards between forwards, and a root still

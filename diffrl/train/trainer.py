@@ -57,6 +57,7 @@ from diffrl.train.parallel import (
     init_parallel,
     mean_over_ranks,
     rank_device,
+    rank_reward_device,
 )
 from diffrl.train.policy import Policy, bf16_forward
 from diffrl.train.replay import (
@@ -135,6 +136,9 @@ class Trainer:
         self.parallel = init_parallel(self.device)
         if self.parallel.enabled:
             validate_parallel(cfg, self.parallel)
+        elif cfg.engine.engine_copy_dtype != "auto":
+            raise ValueError(f"--engine-copy-dtype {cfg.engine.engine_copy_dtype} sets each torchrun rank's engine copy; "
+                             "one process's engine shares the trained module (drop the flag)")
         if cfg.checkpoint.output_dir is None:
             stamp = time.strftime("%Y%m%d-%H%M%S")
             cfg = cfg.replace(output_dir=Path("runs") / f"{cfg.recipe or cfg.algorithm.loss_type}-{stamp}")
@@ -249,11 +253,13 @@ class Trainer:
 
     def _reward_fn(self):
         t = self.cfg.task
+        gpus = torch.cuda.device_count() if self.device.type == "cuda" else None
+        device = rank_reward_device(t.reward_device, self.device, gpus)  # a rank's own GPU unless one is named
         if t.reward_workers:
-            self.reward_pool = ProcessRewardPool(t.reward, t.reward_workers, device=t.reward_device,
+            self.reward_pool = ProcessRewardPool(t.reward, t.reward_workers, device=device,
                                                  deterministic=self.cfg.deterministic_mode, frames=t.reward_frames)
             return self.reward_pool
-        return get_reward(t.reward, device=t.reward_device)
+        return get_reward(t.reward, device=device)
 
     # ------------------------------------------------------------------ the loop
     def train(self) -> dict:
