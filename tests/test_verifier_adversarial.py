@@ -385,10 +385,9 @@ def test_softened_renders_pass(category):
     assert rate >= MIN_RATE, failures[:10]
 
 
-# Counting's shapes are small (11-15 px): JPEG's half-resolution chroma blurs a yellow, orange or green one
-# until it lies between a circle and a diamond (a lead under 0.03) or fits no template, in ~3% of the images
-# (and its ringing leaves a stray mark in ~1%).
-JPEG_MIN_RATE = {"counting": 0.95}
+# Counting's shapes are small (11-15 px), where JPEG's half-resolution chroma blurs a yellow or orange one most
+# (its faint fringe once put it between a circle and a square in ~2% of the images): more cases, to measure 0.99.
+JPEG_CASES = {"counting": 480}
 
 
 @pytest.mark.parametrize("category", CATEGORIES)
@@ -396,16 +395,17 @@ def test_jpeg_compressed_renders_pass(category):
     """A user's images are often JPEGs: clean renders saved at quality 75-90 pass. JPEG rings near edges
     (faint ink up to a block away, up to ~ΔE 18) and its half-resolution chroma ripples inside fills."""
     rng = np.random.default_rng(CATEGORIES.index(category) + 600)
+    cases = JPEG_CASES.get(category, CLEAN_PER_CATEGORY)
     failures = []
-    for seed in range(CLEAN_PER_CATEGORY):
+    for seed in range(cases):
         prompt = random_prompt(rng, (category,))
         quality = int(rng.integers(75, 91))
         verdict = verify(jpeg(render_prompt(prompt, seed=seed), quality), prompt)
         if not verdict.strict:
             failures.append((prompt, seed, quality, verdict.reason))
-    rate = 1 - len(failures) / CLEAN_PER_CATEGORY
-    print(f"{category}: {rate:.3f} of {CLEAN_PER_CATEGORY} JPEG-compressed renders pass")
-    assert rate >= JPEG_MIN_RATE.get(category, MIN_RATE), failures[:10]
+    rate = 1 - len(failures) / cases
+    print(f"{category}: {rate:.3f} of {cases} JPEG-compressed renders pass")
+    assert rate >= MIN_RATE, failures[:10]
 
 
 def test_tilted_triangles_pass():
