@@ -296,3 +296,42 @@ def test_negative_prompt_whitespace_is_stripped_as_sglang_does():
     assert RolloutRequest(prompt="p", negative_prompt="").negative_prompt == ""
     merged = RolloutRequest.model_validate({"prompt": "p", "extra_sampling_params": {"negative_prompt": " x "}})
     assert merged.negative_prompt == "x"
+
+
+def test_fuzzed_bodies_get_a_4xx_naming_the_field_and_change_nothing(tiny_family, tmp_path):
+    from hypothesis import HealthCheck, given, settings
+    from hypothesis import strategies as st
+
+    root = tmp_path / "checkpoints"
+    random_demo.random_family(random_demo.tiny(), seed=1).save(root / "step-1")
+    engine = Engine(tiny_family)
+    client = TestClient(create_app(engine, limits=ServerLimits(weights_roots=(root,))), base_url=BASE_URL,
+                        raise_server_exceptions=False)
+    checksum = miles_post(client, "get_weights_checksum").json()
+    texts = st.one_of(st.text(max_size=12), st.sampled_from([str(root), str(root / "step-1" / ".."), "/", "\udc00"]))
+    values = st.recursive(st.one_of(st.none(), st.booleans(), st.integers(-3, 2**64), st.floats(), texts),
+                          lambda inner: st.one_of(st.lists(inner, max_size=3), st.dictionaries(texts, inner, max_size=3)),
+                          max_leaves=6)
+    keys = st.sampled_from(["module_names", "model_path", "target_modules", "flush_cache", "weight_version", "level",
+                            "tags", "target_module", "expected_named_tensors_sha256", "serialized_named_tensors", "x"])
+    endpoints = st.sampled_from(["get_weights_checksum", "update_weights_from_disk", "update_weights_from_tensor",
+                                 "update_weights_from_tensor_checker", "release_memory_occupation"])
+
+    @settings(max_examples=150, deadline=None, derandomize=True, database=None,
+              suppress_health_check=list(HealthCheck))
+    @given(endpoint=endpoints, body=st.one_of(st.dictionaries(keys, values, max_size=3), values))
+    def case(endpoint, body):
+        import json
+
+        response = client.post(f"/{endpoint}", content=json.dumps(body, allow_nan=True).encode(),
+                               headers={"content-type": "application/json"})
+        if endpoint == "update_weights_from_tensor":
+            assert response.status_code == 501
+        elif response.status_code >= 400:
+            assert response.status_code < 500, (endpoint, response.text[:300])
+            assert response.json()["error"]["field"] and response.json()["success"] is False
+        if engine.asleep:
+            miles_post(client, "resume_memory_occupation")
+
+    case()
+    assert engine.weight_version == 0 and miles_post(client, "get_weights_checksum").json() == checksum
