@@ -335,3 +335,17 @@ def test_fuzzed_bodies_get_a_4xx_naming_the_field_and_change_nothing(tiny_family
 
     case()
     assert engine.weight_version == 0 and miles_post(client, "get_weights_checksum").json() == checksum
+
+
+def test_model_and_server_info_answer_sglangs_keys(tiny_family):
+    client = TestClient(create_app(Engine(tiny_family), model_path="/models/demo"), base_url=BASE_URL)
+    model = client.get("/model_info")
+    server = client.get("/server_info")
+    assert model.status_code == 200 and set(model.json()) == {
+        "model_path", "is_generation", "model_type", "architectures", "has_image_understanding",
+        "has_audio_understanding", "task_type", "is_image_gen"}
+    assert model.json()["task_type"] == "T2I" and model.json()["is_image_gen"] is True
+    assert model.json()["model_type"] == "diffusion" and model.json()["model_path"] == "/models/demo"
+    assert server.status_code == 200 and set(server.json()) == {"model_path", "served_model_name", "tp_size",
+                                                               "dp_size", "version"}
+    assert server.json()["tp_size"] == 1 and server.json()["served_model_name"] == "/models/demo"

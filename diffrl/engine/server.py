@@ -9,7 +9,8 @@
   memory, with its `Content-Length` known up front: the bytes are those of the body built in one piece,
   but the server never holds that piece (a video response is gigabytes), the client can decode output 0
   while the rest is on the wire, and a client that goes away mid-body stops the writing.
-- `GET /health_generate`: sglang-diffusion's liveness probe (200 while the server is up).
+- `GET /health_generate`: sglang-diffusion's liveness probe (200 while the server is up); `GET /model_info` and
+  `GET /server_info`: sglang-diffusion's worker description (task type, model path, parallelism, version).
 - `POST /v1/images/generations`: OpenAI-style plain generation (PNG as base64), for eval and serving.
 - `GET /health`: status, family, weight version and the in-flight count used for routing.
 - `POST /update_weights`: named transformer tensors as a safetensors body (a trainer's update;
@@ -255,12 +256,12 @@ class _Guard:
 
 def create_app(engine: Engine, *, update_token: str | None = None, exposed: bool = False,
                limits: ServerLimits | None = None, docs: bool = False, trim_heap: bool = False,
-               stream_responses: bool = True) -> FastAPI:
+               stream_responses: bool = True, model_path: str | None = None) -> FastAPI:
     """`exposed`: bound to a non-loopback address (weight updates then require `update_token`).
     `docs`: serve /docs and /openapi.json (off by default: they describe every endpoint to anyone).
     `trim_heap`: when the engine falls idle, hand freed heap pages back to the OS (`malloc_trim`).
     `stream_responses`: write rollout responses as they are sent (False: build each body first, then send
-    it; the same bytes)."""
+    it; the same bytes). `model_path`: what /model_info and /server_info report as the served model."""
     limits = limits or ServerLimits()
     trimming = {"pending": False}
 
@@ -341,6 +342,21 @@ def create_app(engine: Engine, *, update_token: str | None = None, exposed: bool
     @app.get("/health_generate")
     async def health_generate() -> dict:
         return {"status": "ok"}
+
+    @app.get("/model_info")
+    async def model_info() -> dict:
+        # The keys sglang-diffusion answers with (what sglang's model gateway reads to discover a worker).
+        video = engine.family.generates_video
+        return {"model_path": model_path, "is_generation": True, "model_type": "diffusion", "architectures": None,
+                "has_image_understanding": engine.family.accepts_image_conditioning, "has_audio_understanding": False,
+                "task_type": "T2V" if video else "T2I", "is_image_gen": not video}
+
+    @app.get("/server_info")
+    async def server_info() -> dict:
+        from diffrl import __version__
+
+        return {"model_path": model_path, "served_model_name": model_path or engine.family.name, "tp_size": 1,
+                "dp_size": 1, "version": __version__}
 
     @app.post("/rollout/generate")
     async def rollout_generate(req: RolloutRequest, request: Request) -> Response:
@@ -478,6 +494,9 @@ class ServeConfig:
     a hosted LoRA adapter wraps run them one by one."""
     vae_decode_batch: int | None = None
     """Images per VAE decode call; 0: all at once; None: the default (see `diffrl train --vae-decode-batch`)."""
+    float8: bool = False
+    """The blocks' linear layers as FP8 matmuls (as `diffrl train --float8`: a trainer pushing to this engine
+    should use the same, or its first-pass log-probs drift by FP8's rounding)."""
     # Limits (docs/wire-format.md, "Limits"): a refusal is a 4xx naming the field and changes nothing.
     max_body_bytes: int = 1 << 20
     """Largest JSON request body (bytes)."""
@@ -608,5 +627,6 @@ def serve(cfg: ServeConfig) -> None:
     token = cfg.update_token or os.environ.get("DIFFRL_ENGINE_TOKEN")
     exposed = cfg.host not in LOOPBACK_HOSTS
     app = create_app(engine, update_token=token, exposed=exposed, limits=cfg.server_limits(), docs=cfg.docs,
-                     trim_heap=cfg.malloc_arena_max > 0, stream_responses=cfg.stream_responses)
+                     trim_heap=cfg.malloc_arena_max > 0, stream_responses=cfg.stream_responses,
+                     model_path=str(cfg.model_path) if cfg.model_path else None)
     uvicorn.run(app, host=cfg.host, port=cfg.port, log_level="info")
