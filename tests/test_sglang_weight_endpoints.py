@@ -349,3 +349,33 @@ def test_model_and_server_info_answer_sglangs_keys(tiny_family):
     assert server.status_code == 200 and set(server.json()) == {"model_path", "served_model_name", "tp_size",
                                                                "dp_size", "version"}
     assert server.json()["tp_size"] == 1 and server.json()["served_model_name"] == "/models/demo"
+
+
+def test_miles_engine_calls_over_a_real_socket(tiny_family, tmp_path):
+    """miles' `SGLangDiffusionEngine` calls, with `requests` as it makes them, against a served engine."""
+    import requests
+
+    from diffrl.engine.server import serving_in_thread
+
+    engine = Engine(tiny_family)
+
+    def make_request(url: str, endpoint: str, payload: dict | None = None):
+        response = requests.post(f"{url}/{endpoint}", json=payload or {}, timeout=30)
+        try:
+            response.raise_for_status()
+        except requests.exceptions.HTTPError as err:
+            err.add_note(f"{response.text=}")
+            raise
+        return response.json()
+
+    with serving_in_thread(create_app(engine)) as url:
+        assert requests.get(f"{url}/health_generate", timeout=5).status_code == 200
+        assert make_request(url, "release_memory_occupation")["success"] is True and engine.asleep == 2
+        assert make_request(url, "resume_memory_occupation")["success"] is True and engine.asleep == 0
+        sums = make_request(url, "get_weights_checksum", {"module_names": ["transformer"]})
+        assert sums == {"transformer": sglang_checksum(tiny_family.transformer.named_parameters())}
+        name, param = next(iter(tiny_family.transformer.named_parameters()))
+        with pytest.raises(requests.exceptions.HTTPError) as refused:
+            make_request(url, "update_weights_from_tensor", miles_tensor_payload(name, param, str(tmp_path / "mark")))
+        assert refused.value.response.status_code == 501 and "/update_weights" in "".join(refused.value.__notes__)
+    assert engine.weight_version == 0
