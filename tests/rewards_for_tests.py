@@ -40,3 +40,13 @@ def darkness_noting_frames(images, prompts, metadata=None):
     """`darkness`, noting in FRAMES_SEEN how many frames each call was shown (an inline reward's caller reads it)."""
     FRAMES_SEEN.append(images.shape[2] if images.dim() == 5 else 1)
     return darkness(images, prompts, metadata)
+
+
+def not_a_number(images, prompts, metadata=None):
+    """NaN for every image (a reward broken on these images)."""
+    return [float("nan")] * len(images)
+
+
+def one_value(images, prompts, metadata=None):
+    """One value whatever the number of images."""
+    return [0.5]

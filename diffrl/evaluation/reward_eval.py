@@ -32,7 +32,7 @@ from tqdm import tqdm
 from diffrl.data.prompts import PromptRecord
 from diffrl.evaluation.sampling import TEST_SEED, generate
 from diffrl.models.base import FamilyAdapter
-from diffrl.rewards import get_reward
+from diffrl.rewards import checked_rewards, get_reward
 from diffrl.rewards.frames import on_frames
 from diffrl.utils.atomic import atomic_path, write_text_atomic
 from diffrl.utils.blocking import run_blocking
@@ -126,10 +126,8 @@ def score_components(components: Sequence[RewardComponent], images: torch.Tensor
     """(total per image, {component: value} per image); total = Σ weight · component."""
     per_component = {}
     for c in components:
-        values = [float(v) for v in _resolve(c.score(images, prompts, metadata))]
-        if len(values) != len(prompts):
-            raise ValueError(f"reward {c.spec!r} returned {len(values)} values for {len(prompts)} images")
-        per_component[c.name] = values
+        per_component[c.name] = checked_rewards(_resolve(c.score(images, prompts, metadata)), len(prompts),
+                                                f"reward {c.spec!r}", prompts)
     rewards = [{c.name: per_component[c.name][i] for c in components} for i in range(len(prompts))]
     totals = [sum(c.weight * r[c.name] for c in components) for r in rewards]
     return totals, rewards

@@ -113,6 +113,32 @@ def _import_custom(module_name: str):
     return importlib.import_module(module_name)
 
 
+def checked_rewards(values, count: int, reward: str, prompts: Sequence[str]) -> list[float]:
+    """A scorer's values for `count` images as floats, or a ValueError naming `reward` and what is wrong: another
+    number of values, a value that is not a number, or one that is NaN or infinite (whose advantages would skip
+    every optimizer step of the run without a word). `prompts`: the images' prompts, to name the one scored."""
+    import math
+
+    try:
+        values = list(values)
+    except TypeError:
+        raise ValueError(f"{reward} returned {type(values).__name__}, not one number per image") from None
+    if len(values) != count:
+        raise ValueError(f"{reward} returned {len(values)} values for {count} images; a reward returns one number "
+                         "per image")
+    out = []
+    for i, value in enumerate(values):
+        try:
+            number = float(value)
+        except (TypeError, ValueError):
+            number = None
+        if number is None or not math.isfinite(number):
+            raise ValueError(f"{reward} returned {value!r} for image {i} (prompt {prompts[i]!r}); a reward must be a "
+                             "finite number")
+        out.append(number)
+    return out
+
+
 def check_prompts(spec: str, prompts: Sequence[str], source: str) -> None:
     """Refuse, before any model loads or samples, a prompt that a reward of `spec` cannot score, naming
     `source` and the prompt's number; otherwise the run fails when that prompt is first scored, after a

@@ -22,6 +22,7 @@ import torch
 
 from diffrl.engine.protocol import RolloutOutput, RolloutRequest
 from diffrl.errors import RequestError
+from diffrl.rewards import checked_rewards
 from diffrl.rollout.clients import EngineClient, EngineUnavailable
 from diffrl.rollout.layout import group_seed_base, microgroups
 
@@ -37,6 +38,8 @@ class RolloutConfig:
     """In-flight requests per engine; the manager's global cap is this × number of engines."""
     rollout_seed: int = 0
     max_retries: int = 2
+    reward_name: str = "the reward"
+    """How an error about the reward's values names it (the trainer: `--reward SPEC`)."""
     stream_scoring: bool = True
     """Videos arriving one by one from a client that streams them are each scored alone as soon as they
     arrive (the reward batch is then always 1 video, whatever the timing). Images, other clients and False:
@@ -108,7 +111,8 @@ class RolloutManager:
 
     async def _microgroup(self, prompt, prompt_meta, fields, group_index, idx, size, seed, stats) -> list[Sample]:
         request = RolloutRequest(prompt=prompt, seed=seed, num_outputs_per_prompt=size, **fields)
-        scorer = None if self.reward_fn is None else _Scorer(self.reward_fn, prompt, prompt_meta, group_index, idx)
+        scorer = None if self.reward_fn is None else _Scorer(self.reward_fn, prompt, prompt_meta, group_index, idx,
+                                                             self.config.reward_name)
         try:
             outputs, engine = await self._dispatch(
                 request, stats, scorer.arrived if scorer is not None and self.config.stream_scoring else None)
@@ -164,8 +168,9 @@ class _Scorer:
     returns the outputs scored (for an index that arrived twice, e.g. from a retry after a broken response:
     the first) with their rewards."""
 
-    def __init__(self, reward_fn: RewardFn, prompt: str, prompt_meta: dict, group_index: int, first_index: int):
-        self.reward_fn, self.prompt, self.prompt_meta = reward_fn, prompt, prompt_meta
+    def __init__(self, reward_fn: RewardFn, prompt: str, prompt_meta: dict, group_index: int, first_index: int,
+                 reward_name: str = "the reward"):
+        self.reward_fn, self.prompt, self.prompt_meta, self.reward_name = reward_fn, prompt, prompt_meta, reward_name
         self.group_index, self.first_index = group_index, first_index
         self.outputs: dict[int, RolloutOutput] = {}
         self.rewards: dict[int, float] = {}
@@ -196,8 +201,8 @@ class _Scorer:
         rewards = self.reward_fn(images, [self.prompt] * len(indices), meta)
         if inspect.isawaitable(rewards):
             rewards = await rewards
-        for i, reward in zip(indices, rewards, strict=True):
-            self.rewards[i] = float(reward)
+        values = checked_rewards(rewards, len(indices), self.reward_name, [self.prompt] * len(indices))
+        self.rewards.update(zip(indices, values))
 
     def cancel(self) -> None:
         for task in self.tasks:

@@ -157,6 +157,7 @@ class Trainer:
         if self.replaying:
             check_load_dir(cfg.replay.load_rollout_data)
         else:  # published video recipes score a few evenly spaced frames of each video (--reward-frames)
+            self.reward_name = "the reward" if reward_fn else f"--reward {cfg.task.reward}"  # as errors name it
             reward_fn = on_frames(reward_fn or self._reward_fn(), cfg.task.reward_frames)
         torch.manual_seed(cfg.seed)
         # bf16 forwards: load every component in bf16 (Policy upcasts what is trained to fp32 masters).
@@ -229,7 +230,8 @@ class Trainer:
         manager = RolloutManager(
             ([InProcessEngineClient(engine)] if e.local_engine and not e.colocate else []) + remote,
             RolloutConfig(n_samples_per_prompt=r.n_samples_per_prompt, rollout_microgroup_size=r.rollout_microgroup_size,
-                          engine_concurrency=e.engine_concurrency, rollout_seed=r.rollout_seed),
+                          engine_concurrency=e.engine_concurrency, rollout_seed=r.rollout_seed,
+                          reward_name=self.reward_name),
             reward_fn=reward_fn,
         )
         return engine, manager
