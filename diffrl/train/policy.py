@@ -199,8 +199,10 @@ class Policy:
         if self.local_engine is not None:
             self.local_engine.weight_version = self.weight_version
         if self.parallel.enabled:  # the rank's engine copy: full tensors gathered from the shards
+            # Only what trains: a LoRA's frozen base is the copy's since it was made (gathering it would move the
+            # whole transformer over the network before every rollout).
             engine_params = dict(self.engine_family.transformer.named_parameters())
-            for name, p in self.transformer.named_parameters():
+            for name, p in zip(self.trainable_names, self.params, strict=True):
                 engine_params[name].copy_(full_tensor(p.detach()))
         if self.remote_engines:
             tensors = {name: p.detach() for name, p in zip(self.trainable_names, self.params, strict=True)}
