@@ -204,7 +204,6 @@ def _digest(t) -> str | None:
 def worker(argv: list[str]) -> None:
     """One rank (torchrun) or the one process: the Trainer of `diffrl train`, `--rollouts` timed rollouts (and
     updates with `--train`), every rank's samples gathered; rank 0 writes the JSON."""
-
     import torch
     import torch.distributed as dist
 
@@ -272,7 +271,8 @@ def worker(argv: list[str]) -> None:
         mine = [{"rollout": k, "group": s.group_index, "index": s.sample_index, "seed": s.seed,
                  "image": _digest(s.output.generated_output),
                  "latents": _digest(s.output.dit_trajectory.latents if s.output.dit_trajectory is not None else None),
-                 "log_probs": _digest(s.output.rollout_log_probs), "reward": s.reward, "rank": parallel.rank}
+                 "log_probs": _digest(s.output.rollout_log_probs),
+                 "reward": None if s.reward is None else float(s.reward), "rank": parallel.rank}
                 for g in captured.pop() for s in g]
         times = {"rollout_s": record["rollout/seconds"], "train_s": record.get("train/seconds", 0.0)}
         if parallel.enabled:
@@ -358,7 +358,8 @@ def parse_args(argv: list[str] | None):
     p.add_argument("--budget-s", type=float, default=None, help="wall clock the whole may take")
     p.add_argument("--prior-s-per-sample", type=float, default=2.1,
                    help="planning prior: seconds per sample on one GPU (FLUX 3 NFT rollout, BENCHMARKS.md: 16.6 s / 8)")
-    p.add_argument("--prior-startup-s", type=float, default=60.0, help="planning prior: seconds per launch")
+    p.add_argument("--prior-startup-s", type=float, default=30.0,
+                   help="planning prior: seconds per launch (imports, NCCL, loading a checkpoint in the page cache)")
     p.add_argument("--work-dir", type=Path, default=Path("runs/scaling"))
     p.add_argument("--master-port", type=int, default=None, help="fixed rendezvous port (default: --standalone)")
     p.add_argument("--out", type=Path, default=None)
@@ -462,10 +463,12 @@ def main(argv: list[str] | None = None) -> dict:
             cuts.append(f"world sizes {dropped}: {have} GPUs here")
         groups = args.groups or cfg.rollout.rollout_batch_size
         train, rollouts = args.train, args.rollouts
-        if args.budget_s:
-            groups, rollouts, planned = plan(gpus, groups, rollouts, n_per_group, args.budget_s - setup_s, 0.0,
-                                             args.prior_startup_s, args.prior_s_per_sample * (5 if train else 1))
-            cuts += planned
+    # With the update, NFT's training costs ~4× its rollout (BENCHMARKS.md: 66.7 s against 16.6 s).
+    s_per_sample = args.prior_s_per_sample * (5 if train else 1)
+    if args.budget_s and not args.layout:
+        groups, rollouts, planned = plan(gpus, groups, rollouts, n_per_group, args.budget_s - setup_s, 0.0,
+                                         args.prior_startup_s, s_per_sample)
+        cuts += planned
     report = {"recipe": args.recipe, "layout": args.layout, "device": args.device, "groups": groups,
               "samples_per_group": n_per_group, "rollouts_per_world": rollouts,
               "step": "rollout + update" if train else "rollout only (--debug-rollout-only)",
@@ -494,22 +497,21 @@ def main(argv: list[str] | None = None) -> dict:
             continue
         result_json = out_dir / "result.json"
         out_dir.mkdir(parents=True, exist_ok=True)
+        worker_args = ["--json", str(result_json), "--rollouts", str(rollouts)]
         timeout = None
-        if stop_at is not None:
+        if stop_at is not None:  # every world gets its first rollout; later ones only where time is left
             startup = max([w["load_s"] for w in per_world.values()] + [args.prior_startup_s])
-            prior = estimate_1 if estimate_1 is not None else groups * n_per_group * args.prior_s_per_sample
-            need = startup + rollouts * prior / n
-            later = sum(startup + rollouts * prior / m for m in gpus[i + 1:])
+            prior = estimate_1 if estimate_1 is not None else groups * n_per_group * s_per_sample
+            need = startup + prior / n
+            later = sum(startup + prior / m for m in gpus[i + 1:])
             left = stop_at - time.time()
             if need > left:
                 report["worlds"].append({"world_size": n, "skipped": f"budget: needs ~{need:.0f} s, {left:.0f} s left"})
                 print(f"world {n}: skipped, needs ~{need:.0f} s and {left:.0f} s are left", flush=True)
                 save()
                 continue
-            timeout = max(need, left - later) + 30  # the run stops itself first (--stop-by); this is a backstop
-        worker_args = ["--json", str(result_json), "--rollouts", str(rollouts)]
-        if stop_at is not None:
-            worker_args += ["--stop-by", str(stop_at - sum(30 for _ in gpus[i + 1:]))]
+            worker_args += ["--stop-by", str(max(stop_at - later, time.time() + need))]
+            timeout = max(need, left - later) + 60  # a backstop: the worker stops itself first (--stop-by)
         cmd = world_command(n, worker_args, world_flags, args.master_port)
         report["commands"][str(n)] = " ".join(cmd)
         print(f"== world {n} ({groups} groups × {n_per_group}, {rollouts} rollouts) {time.strftime('%T')}", flush=True)

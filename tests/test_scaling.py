@@ -109,7 +109,8 @@ def test_the_same_samples_at_one_two_and_four_ranks(scaling, tiny_model_dir, tmp
     """Two rollouts of 4 groups × 3 samples at 1, 2 and 4 gloo ranks (the trainer's own sharding of the groups):
     every (rollout, group, sample) has the same seed (DESIGN §2's formula with the run-global group index),
     the same bits of image, trajectory latents and log-probs, and the same reward."""
-    report = _scaling_run(scaling, tmp_path, monkeypatch, ["1", "2", "4"], "--rollouts", "2")
+    report = _scaling_run(scaling, tmp_path, monkeypatch, ["1", "2", "4"], "--rollouts", "2", "--budget-s", "900")
+    assert report["cuts"] == [] and report["rollouts_per_world"] == 2
     worlds = {w["world_size"]: w for w in report["worlds"]}
     assert sorted(worlds) == [1, 2, 4] and all(w.get("seconds_per_rollout") for w in worlds.values()), worlds
     samples = {int(n): s for n, s in report["samples"].items()}
@@ -128,9 +129,15 @@ def test_the_same_samples_at_one_two_and_four_ranks(scaling, tiny_model_dir, tmp
     assert "| 4 |" in table and "seeds 24/24, image bits 24" in table
 
 
-def test_a_world_the_batch_does_not_split_over_is_refused_not_run(scaling, tiny_model_dir, tmp_path, monkeypatch):
+def test_worlds_refused_or_out_of_budget_are_not_run(scaling, tiny_model_dir, tmp_path, monkeypatch):
     report = _scaling_run(scaling, tmp_path, monkeypatch, ["3"], "--rollouts", "1")
     (world,) = report["worlds"]
     assert world["world_size"] == 3 and "--rollout-batch-size = 4 must be divisible by the number of ranks (3)" in \
         world["skipped"]
     assert report["table"] == []
+    # A world that the budget cannot hold is skipped before it starts, and said.
+    report = _scaling_run(scaling, tmp_path, monkeypatch, ["2"], "--rollouts", "2", "--budget-s", "5")
+    assert "rollouts per world 2 → 1" in report["cuts"] and "still exceeds --budget-s" in report["cuts"][-1]
+    (world,) = report["worlds"]
+    assert world["skipped"].startswith("budget: needs ~")
+    assert "not measured: budget" in (tmp_path / "scaling.md").read_text()
