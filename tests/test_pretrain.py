@@ -5,7 +5,7 @@ import json
 import torch
 
 from diffrl.cli.main import main as cli_main
-from diffrl.models.demo import DemoFamily
+from diffrl.models.demo import SHIPPED_DEMO_MODEL, DemoFamily
 from diffrl.train.pretrain import PretrainConfig, flow_matching_loss, pretrain
 
 TINY = ["--num-attention-heads", "2", "--attention-head-dim", "8", "--num-layers", "1",
@@ -96,3 +96,26 @@ def test_time_boxed_pretraining_has_no_step_budget_unless_given():
     assert step_budget(PretrainConfig()) == 2000
     assert step_budget(PretrainConfig(max_minutes=7)) is None  # runs until the time is up
     assert step_budget(PretrainConfig(max_minutes=7, steps=500)) == 500
+
+
+def test_size_flags_that_the_loaded_model_overrides_are_refused(tmp_path, capsys):
+    """--init-from and --resume take the size of the model they load: a size flag that says otherwise was silently
+    ignored (--init-from) or failed with a load_state_dict traceback (--resume)."""
+    tiny = ["--batch-size", "2", "--num-workers", "0", "--sample-steps", "1", "--device", "cpu"]
+    out = tmp_path / "init"
+    assert cli_main(["pretrain", "--output-dir", str(out), "--steps", "1", "--init-from", str(SHIPPED_DEMO_MODEL),
+                     "--num-layers", "3", *tiny]) == 2
+    assert capsys.readouterr().err.strip().splitlines()[-1] == (
+        f"error: --num-layers 3: --init-from {SHIPPED_DEMO_MODEL} has 2, and its size is the model's; drop --num-layers")
+    assert not out.exists()  # nothing written: the same command without the flag runs in that folder
+    run = tmp_path / "run"
+    assert cli_main(["pretrain", "--output-dir", str(run), "--steps", "1", *TINY, *tiny]) == 0
+    config = (run / "config.json").read_text()
+    assert cli_main(["pretrain", "--output-dir", str(run), "--steps", "2", "--resume", "--num-single-layers", "4",
+                     *tiny]) == 2
+    assert capsys.readouterr().err.strip().splitlines()[-1].startswith(
+        f"error: --num-single-layers 4: --resume ({run / 'checkpoints' / 'step-0000001'}) has 1")
+    assert (run / "config.json").read_text() == config
+    # Resumed without the size flags, the run keeps its checkpoint's size.
+    assert cli_main(["pretrain", "--output-dir", str(run), "--steps", "2", "--resume", *tiny]) == 0
+    assert DemoFamily.load(run / "final").config.transformer["num_single_layers"] == 1

@@ -109,6 +109,24 @@ def _latest_checkpoint(output_dir: Path) -> Path | None:
     return ckpts[-1] if ckpts else None
 
 
+# Size flags and where a DemoConfig keeps each: (flag, field, config part, key).
+_SIZE_FLAGS = (("--num-attention-heads", "num_attention_heads", "transformer", "num_attention_heads"),
+               ("--attention-head-dim", "attention_head_dim", "transformer", "attention_head_dim"),
+               ("--num-layers", "num_layers", "transformer", "num_layers"),
+               ("--num-single-layers", "num_single_layers", "transformer", "num_single_layers"),
+               ("--text-d-model", "text_d_model", "text_encoder", "d_model"))
+
+
+def refuse_other_size(cfg: PretrainConfig, config: DemoConfig, source: str) -> None:
+    """A ValueError naming the first size flag set (away from its default) to another value than the model that
+    `source` loads has: the flag would be ignored."""
+    defaults = PretrainConfig()
+    for flag, name, part, key in _SIZE_FLAGS:
+        value, has = getattr(cfg, name), getattr(config, part).get(key)
+        if value != getattr(defaults, name) and value != has:
+            raise ValueError(f"{flag} {value}: {source} has {has}, and its size is the model's; drop {flag}")
+
+
 def step_budget(cfg: PretrainConfig) -> int | None:
     """--steps, else 2,000, except that a time-boxed run (--max-minutes) without --steps has none."""
     if cfg.steps is not None:
@@ -125,14 +143,19 @@ def pretrain(cfg: PretrainConfig) -> Path:
     check_output_dir(out)
     if out.exists() and any(out.iterdir()) and not cfg.resume:
         raise FileExistsError(f"{out} is not empty; pass --resume to continue it or choose another --output-dir")
-    out.mkdir(parents=True, exist_ok=True)
-    (out / "config.json").write_text(json.dumps(dataclasses.asdict(cfg), default=str, indent=2) + "\n")
 
-    if cfg.init_from is not None:
-        family = DemoFamily.load(cfg.init_from, batch_invariant=False)
-        print(f"initialized from {cfg.init_from}")
+    ckpt = _latest_checkpoint(out) if cfg.resume else None
+    # A resumed run keeps its checkpoint's size, --init-from its model's: size flags that say otherwise are refused.
+    source, flag = (ckpt / "model", f"--resume ({ckpt})") if ckpt else (cfg.init_from, f"--init-from {cfg.init_from}")
+    if source is not None:
+        family = DemoFamily.load(source, batch_invariant=False)
+        refuse_other_size(cfg, family.config, flag)
+        if ckpt is None:
+            print(f"initialized from {cfg.init_from}")
     else:
         family = random_family(cfg.demo_config(), seed=cfg.seed, batch_invariant=False)
+    out.mkdir(parents=True, exist_ok=True)  # after every refusal: a refused command leaves no folder behind
+    (out / "config.json").write_text(json.dumps(dataclasses.asdict(cfg), default=str, indent=2) + "\n")
     family.transformer.to(device).train().requires_grad_(True)
     family.text_encoder.to(device).train().requires_grad_(True)
     modules = [family.transformer, family.text_encoder]
@@ -140,7 +163,6 @@ def pretrain(cfg: PretrainConfig) -> Path:
     optimizer = torch.optim.AdamW(params, lr=cfg.lr, weight_decay=cfg.weight_decay, betas=(0.9, 0.99))
     ema = ParameterEMA(params)
     step = 0
-    ckpt = _latest_checkpoint(out) if cfg.resume else None
     if ckpt is not None:
         state = torch.load(ckpt / "train_state.pt", map_location=device, weights_only=True)
         family.transformer.load_state_dict(state["transformer"])
