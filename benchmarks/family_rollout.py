@@ -104,6 +104,7 @@ def main() -> None:
     parser.add_argument("--attention-backend", default="auto", choices=["auto", "flash", "cudnn", "efficient", "math"])
     parser.add_argument("--fuse-qkv", action="store_true", help="SD3: q/k/v projections as one matmul per stream")
     parser.add_argument("--vae-decode-batch", type=int, default=None, help="images per VAE decode call; 0: all")
+    parser.add_argument("--float8", action="store_true", help="the blocks' linear layers as FP8 matmuls")
     parser.add_argument("--no-pipeline", action="store_true", help="skip diffusers' pipeline (the baseline)")
     parser.add_argument("--out", default=None)
     args = parser.parse_args()
@@ -114,7 +115,7 @@ def main() -> None:
         resolution=args.resolution, height=args.height, width=args.width, num_frames=args.num_frames, n=args.n,
         ms=tuple(args.ms), steps=args.steps, guidance_scale=args.guidance_scale, repeats=args.repeats, peak_tflops=args.peak_tflops, compile=args.compile, eager_numerics=args.eager_numerics,
         compile_mode=args.compile_mode, attention_backend=args.attention_backend, fuse_qkv=args.fuse_qkv,
-        vae_decode_batch=args.vae_decode_batch, reference_pipeline=not args.no_pipeline))
+        vae_decode_batch=args.vae_decode_batch, float8=args.float8, reference_pipeline=not args.no_pipeline))
     emit(results, args.out)
 
 

@@ -68,6 +68,9 @@ class BenchConfig:
     """SD3: q/k/v projections as one matmul per stream (as `diffrl train --fuse-qkv`)."""
     vae_decode_batch: int | None = None
     """Images per VAE decode call in the family's decode; 0: all at once (as `diffrl train --vae-decode-batch`)."""
+    float8: bool = False
+    """The blocks' linear layers as FP8 matmuls, in the engine and the pipeline alike (as `diffrl train
+    --float8`)."""
     reference_pipeline: bool = True
     """Also time diffusers' pipeline on the same weights, when the family has one."""
     out: Path | None = None
@@ -230,7 +233,7 @@ def bench(cfg: BenchConfig) -> dict:
         raise ValueError(f"--ms must lie in 1..--n ({cfg.n}) and --repeats be >= 1; got --ms {list(cfg.ms)}, "
                          f"--repeats {cfg.repeats}")
     speed = SpeedOptions(attention_backend=cfg.attention_backend, fuse_qkv=cfg.fuse_qkv,
-                         vae_decode_batch=cfg.vae_decode_batch, compile=cfg.compile, compile_mode=cfg.compile_mode,
+                         vae_decode_batch=cfg.vae_decode_batch, float8=cfg.float8, compile=cfg.compile, compile_mode=cfg.compile_mode,
                          compile_eager_numerics=cfg.eager_numerics)
     speed.check()
     device = resolve_device(cfg.device)
@@ -255,7 +258,7 @@ def bench(cfg: BenchConfig) -> dict:
                "guidance_scale": guidance, "compile": cfg.compile,
                "eager_numerics": cfg.compile and cfg.eager_numerics,
                "compile_mode": cfg.compile_mode if cfg.compile else None, "attention_backend": cfg.attention_backend,
-               "fuse_qkv": cfg.fuse_qkv, "vae_decode_batch": cfg.vae_decode_batch,
+               "fuse_qkv": cfg.fuse_qkv, "vae_decode_batch": cfg.vae_decode_batch, "float8": cfg.float8,
                "transformer_one_sample_per_forward": one_per_forward, "transformer": {}, "engine": {}}
     reps = 5 if on_gpu else 1
     batches = sorted({1, cfg.n})

@@ -21,6 +21,7 @@ from diffrl.evaluation.shapes import (IMAGES_DIR, RECORDS_FILE, balanced_eval_se
                                      format_summary, records_as_dicts, save_records_grid, save_samples, summarize)
 from diffrl.models.checkpoint import load_model
 from diffrl.models.demo import SHIPPED_DEMO_MODEL
+from diffrl.models.speed import SpeedOptions
 from diffrl.rewards import check_prompts
 from diffrl.utils.atomic import atomic_path, write_text_atomic
 from diffrl.utils.device import resolve_device
@@ -80,6 +81,9 @@ class EvaluateConfig:
     run's --reward-frames); default every frame."""
     batch_size: int = 64
     device: str = "auto"
+    float8: bool = False
+    """The transformer blocks' linear layers as FP8 matmuls (as `diffrl train --float8`): evaluates what a run
+    trained with it samples, or how far FP8 moves a model trained without it."""
     output_dir: Path = Path("runs/eval")
     save_images: bool = False
     """Shapes world: also write every image (images/00000.png, ...) and records.jsonl (its prompt, seed and
@@ -109,6 +113,7 @@ def evaluate(cfg: EvaluateConfig) -> dict:
                   guidance_scale=SHAPES_GUIDANCE_SCALE if cfg.guidance_scale is None else cfg.guidance_scale)
     device = resolve_device(cfg.device)
     family = load_model(cfg.model_path, cfg.checkpoint, family=cfg.diffusion_model_family, device=device)
+    SpeedOptions(float8=cfg.float8).apply(family)
     if cfg.max_prompts_per_category is None:
         prompts = test_prompts() if cfg.split == "test" else train_prompts()
     else:
@@ -170,6 +175,7 @@ def evaluate_prompt_data(cfg: EvaluateConfig) -> dict:
     components = reward_components(cfg.reward, device=cfg.reward_device)  # a bad spec fails before any model loads
     device = resolve_device(cfg.device)
     family = load_model(cfg.model_path, cfg.checkpoint, family=cfg.diffusion_model_family, device=device)
+    SpeedOptions(float8=cfg.float8).apply(family)
     cfg = replace(cfg, seed=TEST_SEED if cfg.seed is None else cfg.seed,
                   guidance_scale=family.default_guidance_scale if cfg.guidance_scale is None else cfg.guidance_scale)
     total = len(records) * cfg.n_samples_per_eval_prompt

@@ -66,6 +66,7 @@ class EngineProcessSpec:
     attention_backend: str = "auto"
     fuse_qkv: bool = False
     vae_decode_batch: int | None = None
+    float8: bool = False
     """The trainer's speed options (`diffrl.models.speed.SpeedOptions`): the same forward on both sides."""
     max_outputs_per_request: int = 64
     max_batch_outputs: int = 64

@@ -5,10 +5,11 @@ the trainer always run one forward:
 - `attention_backend` (`--attention-backend`): the SDPA kernel of every transformer call (`models/attention.py`);
 - `fuse_qkv` (`--fuse-qkv`): SD3's q/k/v projections as one matmul per stream (`models/attention.py`);
 - `vae_decode_batch` (`--vae-decode-batch`): images per VAE decode call (`batch_invariance.decode_rows`);
+- `float8` (`--float8`): the repeated blocks' linear layers as FP8 matmuls (`models/float8.py`);
 - `compile`, `compile_mode`, `compile_eager_numerics` (`--compile`, `--compile-mode`,
   `--compile-eager-numerics`): regional compilation of the repeated blocks (`models/compile.py`).
 
-`apply` sets the first three on a family (after a LoRA adapter is added, before compilation); `compile`
+`apply` sets the first four on a family (after a LoRA adapter is added, before compilation); `compile`
 compiles its blocks.
 """
 
@@ -18,6 +19,7 @@ from dataclasses import dataclass, fields
 
 from diffrl.models.attention import check_attention_backend, fuse_qkv_projections, fused_qkv_streams
 from diffrl.models.compile import check_compile_mode, compile_blocks
+from diffrl.models.float8 import check_float8_device, convert_blocks_to_float8
 
 
 @dataclass(frozen=True)
@@ -25,6 +27,7 @@ class SpeedOptions:
     attention_backend: str = "auto"
     fuse_qkv: bool = False
     vae_decode_batch: int | None = None
+    float8: bool = False
     compile: bool = False
     compile_mode: str = "default"
     compile_eager_numerics: bool = True
@@ -41,6 +44,8 @@ class SpeedOptions:
         check_compile_mode(self.compile_mode)
         if self.compile_mode != "default" and not self.compile:
             raise ValueError(f"--compile-mode {self.compile_mode} needs --compile")
+        if self.float8 and self.fuse_qkv:
+            raise ValueError("--float8 with --fuse-qkv: the fused q/k/v matmul would bypass the FP8 layers; pass one")
         if self.vae_decode_batch is not None and self.vae_decode_batch < 0:
             raise ValueError(f"--vae-decode-batch must be >= 0 (0: all at once), got {self.vae_decode_batch}")
 
@@ -54,6 +59,11 @@ class SpeedOptions:
         check_attention_backend(self.attention_backend, family.device, deterministic)
         family.attention_backend = self.attention_backend
         family.vae_decode_batch = self.vae_decode_batch
+        if self.float8:
+            check_float8_device(family.device)
+            if not convert_blocks_to_float8(family.transformer, family.block_lists):
+                raise ValueError(f"--float8: no linear layer of the {family.name} transformer's blocks qualifies "
+                                 "(sizes divisible by 16, outside LoRA and norms)")
         if not self.fuse_qkv:
             return {}
         fuse_qkv_projections(family.transformer)

@@ -69,6 +69,11 @@ class ModelConfig:
     full finetunes and weight updates stay exact). Streams whose projections carry LoRA stay unfused: with
     SD3's default targets only the image-only attention of SD3.5's dual-attention blocks fuses. Refused when
     LoRA leaves nothing to fuse."""
+    float8: bool = False
+    """The transformer blocks' linear layers as FP8 matmuls with rowwise scales (a row's scale is its own, so
+    samples stay independent of their batchmates), in rollout and training alike (models/float8.py); needs FP8
+    tensor cores (compute capability 8.9+) or the CPU. Changes the model's numerics against the bf16 forward
+    (benchmarks/float8_drift.py, `diffrl evaluate --float8` measure by how much), not the on-policy ratio."""
     vae_decode_batch: int | None = None
     """Images per VAE decode call in rollouts and evaluation; 0: all at once. None: one per call on CPU (sample
     k's image then does not depend on its batch), 8 at 512² (a pixel budget) on a GPU."""
