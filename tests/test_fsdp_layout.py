@@ -39,8 +39,10 @@ def test_engine_copy_dtype_choices():
     assert engine_copy_dtype("auto", full_finetune=False, bf16=True, transformer=t, device=cpu) is None  # LoRA
     assert engine_copy_dtype("auto", True, True, t, cpu) == torch.float32
     assert engine_copy_dtype("auto", True, False, t, cpu) == torch.float32
-    assert engine_copy_dtype("bfloat16", True, True, t, cpu) == torch.bfloat16
+    assert engine_copy_dtype("bfloat16", True, True, t, cpu) is None  # as loaded for a bf16 forward
     assert engine_copy_dtype("float32", True, True, t, cpu) == torch.float32
+    with pytest.raises(ValueError, match="--engine-copy-dtype bfloat16 needs a bf16 forward"):
+        engine_copy_dtype("bfloat16", True, False, t, cpu)
 
 
 def test_engine_copy_dtype_flag_refusals(tiny_model_dir, tmp_path):
@@ -112,3 +114,48 @@ def test_two_rank_full_finetune_of_a_bf16_checkpoint_matches_one_process(tiny_mo
     for name, w in w_single.items():
         assert w_ranks[name].dtype == torch.float32
         torch.testing.assert_close(w_ranks[name], w, rtol=0, atol=3e-3, msg=name)  # lr 1e-3: a few Adam steps apart
+
+
+# Per family: a size its tiny random checkpoint makes.
+TINY_SIZES = {"flux3_image": ["--resolution", "32"], "qwen_image": ["--resolution", "32"],
+              "wan2_2": ["--height", "32", "--width", "32", "--num-frames", "1"]}
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("recipe", ["flux3-klein-grpo-hps", "flux3-klein-nft-pickscore", "qwen-image-grpo-pickscore",
+                                    "wan22-grpo-pickscore"])
+def test_a_published_recipe_trains_under_torchrun_at_tiny_size(recipe, tmp_path, monkeypatch):
+    """The recipe's own settings (LoRA or the full finetune, bf16 forward, gradient checkpointing, microgroups)
+    on the family's tiny random checkpoint, two gloo ranks: FSDP2, an engine per rank, one rollout and update.
+    Cut: the size, 4 steps, 2 groups; HPSv2.1 (a 1 B model) is replaced by a test reward."""
+    benchmarks = Path(__file__).resolve().parent.parent / "benchmarks"
+    monkeypatch.syspath_prepend(str(benchmarks))
+    from family_rollout import make_checkpoint
+    from recipe_runs import PROMPTS, reward_spec
+
+    from diffrl.recipes import recipe_overrides
+
+    o = recipe_overrides(recipe, "cuda")
+    family = o["diffusion_model_family"]
+    make_checkpoint(family, tmp_path / family, torch.device("cpu"), tiny=True)
+    (tmp_path / "prompts.txt").write_text("\n".join(PROMPTS) + "\n")
+    reward = reward_spec("pickscore", tmp_path, tiny=True) if o["reward"] == "pickscore" else "rewards_for_tests:darkness"
+    flags = ["train", "--recipe", recipe, "--model-path", str(tmp_path / family), "--prompt-data",
+             str(tmp_path / "prompts.txt"), "--reward", reward, "--device", "cpu", "--rollout-batch-size", "2",
+             "--global-batch-size", str(2 * o["n_samples_per_prompt"] // o["num_steps_per_rollout"]),
+             "--num-rollout", "1", "--eval-num-prompts", "0", "--diffusion-num-steps", "4", "--eval-num-steps", "4",
+             "--output-dir", str(tmp_path / "run"), *TINY_SIZES[family]]
+    if o["loss_type"] == "flow_grpo":
+        lo, hi = o["diffusion_sde_window_range"]
+        flags += ["--diffusion-sde-window-range", str(min(lo, 1)), str(min(hi, 3))]
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(Path(__file__).parent)}
+    env.pop("WORLD_SIZE", None)
+    done = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", "--master-port",
+                           str(_free_port()), "-m", "diffrl.cli.main", *flags], capture_output=True, text=True,
+                          timeout=300, env=env)
+    assert done.returncode == 0, done.stderr[-3000:]
+    records = [json.loads(line) for line in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
+    (record,) = [r for r in records if "train/pairs" in r]
+    assert record["train/pairs"] > 0 and record["train/grad_norm"] > 0
+    if o["loss_type"] == "flow_grpo":
+        assert record["train/log_prob_mean_abs_diff"] == 0.0  # each rank's engine copy computes what it trains

@@ -42,8 +42,10 @@ def twin_with_own_transformer(family, dtype: torch.dtype | None = None):
     `dtype`: the copy's floating-point dtype (None: the family's as it is)."""
     twin = copy.copy(family)
     twin.transformer = copy.deepcopy(family.transformer)
-    if dtype is not None:
-        twin.transformer.to(dtype)
+    if dtype is not None:  # tensor by tensor: what .to(dtype) casts, without diffusers' keep-in-fp32 warning
+        for t in (*twin.transformer.parameters(), *twin.transformer.buffers()):
+            if t.is_floating_point():
+                t.data = t.data.to(dtype)
     return twin
 
 
@@ -60,15 +62,17 @@ def engine_copy_dtype(choice: str, full_finetune: bool, bf16: bool, transformer:
     copy would take more than 40% of the GPU's memory (a 20.9 B transformer: 84 GB of 141), then bf16."""
     if not full_finetune:
         return None
+    if choice == "bfloat16" and not bf16:
+        raise ValueError("--engine-copy-dtype bfloat16 needs a bf16 forward (--mixed-precision bf16, or auto on a GPU)")
     if choice == "float32" or (choice == "auto" and not bf16):
         return torch.float32
-    if choice == "bfloat16":
-        return torch.bfloat16
-    if device.type != "cuda":
+    if choice == "auto" and device.type == "cuda":
+        fp32_bytes = 4 * sum(p.numel() for p in transformer.parameters())
+        if fp32_bytes <= ENGINE_COPY_SHARE * torch.cuda.get_device_properties(device).total_memory:
+            return torch.float32
+    elif choice == "auto":
         return torch.float32
-    fp32_bytes = 4 * sum(p.numel() for p in transformer.parameters())
-    total = torch.cuda.get_device_properties(device).total_memory
-    return torch.bfloat16 if fp32_bytes > ENGINE_COPY_SHARE * total else torch.float32
+    return None  # bf16: the weights as loaded for a bf16 forward (modules a checkpoint keeps in fp32 stay so)
 
 
 class Policy:
@@ -109,9 +113,10 @@ class Policy:
         if parallel.enabled:
             dtype = engine_copy_dtype(cfg.engine.engine_copy_dtype, not m.use_lora, bf16, transformer, device)
             self.engine_family = twin_with_own_transformer(family, dtype)
-            if parallel.is_main and dtype is not None:
-                print(f"engine copy of the transformer on each rank: {str(dtype).removeprefix('torch.')} "
-                      f"(--engine-copy-dtype {cfg.engine.engine_copy_dtype})")
+            if parallel.is_main and not m.use_lora:
+                kind = "float32" if dtype == torch.float32 else "bfloat16, as loaded"
+                print(f"engine copy of the transformer on each rank: {kind} (--engine-copy-dtype "
+                      f"{cfg.engine.engine_copy_dtype})")
         # Compiled after LoRA (it replaces layers inside the blocks), before FSDP2 shards them.
         for f in {id(f): f for f in (family, self.engine_family)}.values():
             speed.compile_family(f)
