@@ -13,7 +13,7 @@ import json
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
-from diffrl.cli.evaluate import check_shapes_family, eval_prompts
+from diffrl.cli.evaluate import check_shapes_family, eval_prompts, refuse_other_mode
 from diffrl.data.shapes import test_prompts
 from diffrl.evaluation.compare import (REWARD_COLUMNS, compare_by_reward, compare_models, reward_markdown,
                                        rows_as_dicts, save_reward_side_by_side, save_side_by_side, tally)
@@ -90,7 +90,13 @@ def compare(cfg: CompareConfig) -> dict:
     if cfg.base_checkpoint is not None:
         check_checkpoint(cfg.base_checkpoint)
     if cfg.prompt_data is not None or cfg.reward is not None:
+        refuse_other_mode(cfg, {"num_seeds": "--n-samples-per-eval-prompt",
+                                "base_guidance_scale": "--guidance-scale (the base with CFG; without CFG it runs at 1)"},
+                          prompt_data=True)
         return compare_by_prompt_data(cfg)
+    refuse_other_mode(cfg, {"input_key": None, "tie_margin": None, "n_samples_per_eval_prompt": "--num-seeds",
+                            "reward_device": None, "negative_prompt": None, "resolution": None, "height": None,
+                            "width": None, "reward_frames": None, "num_frames": None}, prompt_data=False)
     check_shapes_family(cfg.diffusion_model_family, cfg.base, "compare", cfg.guidance_scale_2)
     device = resolve_device(cfg.device)
     base = load_model(cfg.base, cfg.base_checkpoint, family=cfg.diffusion_model_family, device=device)
@@ -130,9 +136,6 @@ def compare(cfg: CompareConfig) -> dict:
 
 def compare_by_prompt_data(cfg: CompareConfig) -> dict:
     records = eval_prompts(cfg.prompt_data, cfg.reward, cfg.input_key, cfg.num_prompts, cfg.n_samples_per_eval_prompt)
-    if cfg.base_guidance_scale is not None:
-        raise ValueError("--base-guidance-scale is for the shapes comparison; with --prompt-data the base runs at "
-                         "--guidance-scale (with CFG) and at 1 (without)")
     components = reward_components(cfg.reward, device=cfg.reward_device)  # a bad spec fails before any model loads
     device = resolve_device(cfg.device)
     seed = TEST_SEED if cfg.seed is None else cfg.seed

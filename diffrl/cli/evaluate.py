@@ -58,8 +58,8 @@ class EvaluateConfig:
     """Shapes world: which split's prompts."""
     max_prompts_per_category: int | None = None
     """Shapes world: at most this many prompts of each category."""
-    num_seeds: int = 4
-    """Shapes world: images per prompt; image k of the expanded prompt list uses seed `seed + k`."""
+    num_seeds: int | None = None
+    """Shapes world: images per prompt (default 4); image k of the expanded prompt list uses seed `seed + k`."""
     images_per_category: int | None = None
     """Shapes world, instead of --num-seeds: at least this many images per category, shared out over its prompts
     (the trainer's held-out protocol, --eval-images-per-category; with --seed 10000 the same images)."""
@@ -90,6 +90,29 @@ class EvaluateConfig:
     verdict: strict, score, reason), so the evaluation can be re-scored (--prompt-data always writes them)."""
 
 
+# Flags of one kind of evaluation and what the other kind takes instead (None: nothing).
+_SHAPES_ONLY = {"split": None, "max_prompts_per_category": "--num-prompts", "num_seeds": "--n-samples-per-eval-prompt",
+                "images_per_category": "--n-samples-per-eval-prompt"}
+_PROMPT_DATA_ONLY = {"input_key": None, "num_prompts": "--max-prompts-per-category",
+                     "n_samples_per_eval_prompt": "--num-seeds", "reward_device": None, "negative_prompt": None,
+                     "reward_frames": None}
+
+
+def refuse_other_mode(cfg, flags: dict[str, str | None], prompt_data: bool) -> None:
+    """A ValueError naming the first flag of `flags` set away from its default: a flag of the shapes evaluation given
+    with --prompt-data, or the reverse, which the command would ignore. Names the flag this mode takes instead."""
+    from dataclasses import MISSING, fields
+
+    for f in fields(cfg):
+        if f.name in flags and f.default is not MISSING and getattr(cfg, f.name) != f.default:
+            flag, instead = "--" + f.name.replace("_", "-"), flags[f.name]
+            if prompt_data:
+                raise ValueError(f"{flag} is for the shapes world, not --prompt-data"
+                                 + (f": with --prompt-data use {instead}" if instead else ""))
+            raise ValueError(f"{flag} goes with --prompt-data and --reward (without them the shapes world is used)"
+                             + (f"; the shapes world's is {instead}" if instead else ""))
+
+
 def check_shapes_family(family: str | None, model_path: Path, command: str, guidance_scale_2: float | None) -> None:
     """The shapes world verifies images: a video family is refused before it loads (its [C, F, H, W] videos
     reached the image writer as a traceback), pointing at the prompt-set evaluation, which takes video; and so
@@ -107,7 +130,11 @@ def check_shapes_family(family: str | None, model_path: Path, command: str, guid
 def evaluate(cfg: EvaluateConfig) -> dict:
     check_output_dir(cfg.output_dir, kind="folder")  # before the images are made, not after
     if cfg.prompt_data is not None or cfg.reward is not None:
+        refuse_other_mode(cfg, _SHAPES_ONLY, prompt_data=True)
         return evaluate_prompt_data(cfg)
+    refuse_other_mode(cfg, _PROMPT_DATA_ONLY, prompt_data=False)
+    if cfg.images_per_category is not None and cfg.num_seeds is not None:
+        raise ValueError("--images-per-category sets the seeds per prompt itself: pass it or --num-seeds, not both")
     check_shapes_family(cfg.diffusion_model_family, cfg.model_path, "evaluate", cfg.guidance_scale_2)
     cfg = replace(cfg, seed=0 if cfg.seed is None else cfg.seed,
                   guidance_scale=SHAPES_GUIDANCE_SCALE if cfg.guidance_scale is None else cfg.guidance_scale)
@@ -119,7 +146,7 @@ def evaluate(cfg: EvaluateConfig) -> dict:
     else:
         groups = prompts_by_category(cfg.split).values()
         prompts = [p for group in groups for p in group[: cfg.max_prompts_per_category]]
-    seeds: int | list[int] = cfg.num_seeds
+    seeds: int | list[int] = 4 if cfg.num_seeds is None else cfg.num_seeds
     if cfg.images_per_category is not None:
         prompts, seeds = balanced_eval_set(prompts, cfg.images_per_category)
     images_total = seeds * len(prompts) if isinstance(seeds, int) else sum(seeds)

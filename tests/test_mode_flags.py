@@ -1,0 +1,36 @@
+"""diffrl evaluate and diffrl compare judge either the shapes world or a prompt set (--prompt-data with --reward): a
+flag of the other kind was silently ignored (`--num-seeds 4` with --prompt-data evaluated one image per prompt); it is
+refused in one line naming the flag and what this kind takes instead, before any model loads."""
+
+import pytest
+
+from diffrl.cli.main import main
+
+
+@pytest.mark.parametrize("argv, message", [
+    (["evaluate", "--prompt-data", "P", "--reward", "jpeg_compressibility", "--num-seeds", "4"],
+     "--num-seeds is for the shapes world, not --prompt-data: with --prompt-data use --n-samples-per-eval-prompt"),
+    (["evaluate", "--prompt-data", "P", "--reward", "jpeg_compressibility", "--split", "train"],
+     "--split is for the shapes world, not --prompt-data"),
+    (["evaluate", "--n-samples-per-eval-prompt", "4"],
+     "--n-samples-per-eval-prompt goes with --prompt-data and --reward (without them the shapes world is used); "
+     "the shapes world's is --num-seeds"),
+    (["evaluate", "--negative-prompt", "blurry"],
+     "--negative-prompt goes with --prompt-data and --reward (without them the shapes world is used)"),
+    (["evaluate", "--num-seeds", "2", "--images-per-category", "8"],
+     "--images-per-category sets the seeds per prompt itself: pass it or --num-seeds, not both"),
+    (["compare", "--trained", "T", "--prompt-data", "P", "--reward", "jpeg_compressibility", "--num-seeds", "4"],
+     "--num-seeds is for the shapes world, not --prompt-data: with --prompt-data use --n-samples-per-eval-prompt"),
+    (["compare", "--trained", "T", "--prompt-data", "P", "--reward", "jpeg_compressibility",
+      "--base-guidance-scale", "2"], "--base-guidance-scale is for the shapes world, not --prompt-data: with "
+     "--prompt-data use --guidance-scale (the base with CFG; without CFG it runs at 1)"),
+    (["compare", "--trained", "T", "--resolution", "128"],
+     "--resolution goes with --prompt-data and --reward (without them the shapes world is used)"),
+])
+def test_a_flag_of_the_other_kind_of_evaluation_is_refused(tmp_path, capsys, argv, message):
+    (tmp_path / "prompts.txt").write_text("a red cat\n")
+    subs = {"P": str(tmp_path / "prompts.txt"), "T": "diffrl/assets/demo-shapes"}
+    out = tmp_path / "out"
+    assert main([subs.get(a, a) for a in argv] + ["--output-dir", str(out)]) == 2
+    assert capsys.readouterr().err.strip() == f"error: {message}"
+    assert not out.exists()
