@@ -55,6 +55,7 @@ TRAIN = {
     "mb32-gc": Lever(("--micro-batch-size", "32", "--gradient-checkpointing"), "batch",
                      "32 pairs per forward/backward, activations recomputed"),
     "no-eager-numerics": Lever(("--no-compile-eager-numerics",), "numerics", "inductor's own bf16 roundings"),
+    "float8": Lever(("--float8",), "precision", "the blocks' linear layers in FP8 (rowwise), rollout and training"),
 }
 ENGINE = {
     "base": Lever((), "base", "--compile; diffusers' pipeline in the same run"),
@@ -64,6 +65,7 @@ ENGINE = {
     "fuse-qkv": Lever(("--fuse-qkv",), "fuse", "q/k/v as one matmul (no LoRA here: every stream)"),
     "vae-all": Lever(("--vae-decode-batch", "0"), "decode", "16 images in one VAE call, as the pipeline"),
     "vae-4": Lever(("--vae-decode-batch", "4"), "decode", "4 images per VAE call"),
+    "float8": Lever(("--float8",), "precision", "the blocks' linear layers in FP8 (rowwise)"),
 }
 LEVERS = {"train": TRAIN, "engine": ENGINE}
 # The engine levers' runs leave the pipeline out: it would run on the changed transformer.

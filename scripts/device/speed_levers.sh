@@ -17,7 +17,7 @@
 #                the pipeline shares), into runs/speed-levers/engine-NAME.json
 #   NAME: base (--compile alone), autotune (max-autotune-no-cudagraphs: long compile), flash,
 #         cudnn, efficient, fuse-qkv, vae-all (--vae-decode-batch 0), mb16, mb32-gc, no-eager-numerics (train),
-#         vae-4 (engine), and combo: the levers measured so far under runs/speed-levers that beat base by 2%
+#         vae-4 (engine), float8 (--float8: FP8 matmuls; its drift: benchmarks/float8_drift.py), and combo: the levers measured so far under runs/speed-levers that beat base by 2%
 #         (train: without doubling the first pass's |Δ log p|), the best of each exclusive group
 #   sdpa         which SDPA kernel torch picks here for SD3.5-M's attention, and which ones can run it
 #   table        the tables from everything under runs/speed-levers (also printed at the end of every call)
@@ -25,6 +25,7 @@
 #   train2 = "train:flash train:fuse-qkv train:mb16 train:combo"
 #   (vae-all is left to the engine job: a training rollout of 16 images decodes in 2 calls either way)
 #   engine = "engine:base engine:cudnn engine:fuse-qkv engine:vae-all engine:combo"
+#   fp8 = "train:base train:float8" (the engine alone, plain against FP8 in one run: benchmarks/float8_drift.py)
 # BUDGET_S (570): a run is given only the time left until this many seconds after the script began (then it
 # is stopped and shows "timed out"), so that a call ends within its 600 s with the table printed.
 # TRAIN_FLAGS / ENGINE_FLAGS: more flags for every run of that kind (they come last, so they win).
@@ -65,6 +66,7 @@ for job in ${JOBS:-train1}; do
     train1) jobs+=(sdpa train:base train:cudnn) ;;
     train2) jobs+=(train:flash train:fuse-qkv train:mb16 train:combo) ;;
     engine) jobs+=(engine:base engine:cudnn engine:fuse-qkv engine:vae-all engine:combo) ;;
+    fp8) jobs+=(train:base train:float8) ;;
     *) jobs+=("$job") ;;
   esac
 done
