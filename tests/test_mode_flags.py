@@ -34,3 +34,21 @@ def test_a_flag_of_the_other_kind_of_evaluation_is_refused(tmp_path, capsys, arg
     assert main([subs.get(a, a) for a in argv] + ["--output-dir", str(out)]) == 2
     assert capsys.readouterr().err.strip() == f"error: {message}"
     assert not out.exists()
+
+
+@pytest.mark.parametrize("flags, message", [
+    (["--prompt-data", "P", "--category-sampling", "adaptive"],
+     "--category-sampling adaptive draws shapes categories; a --prompt-data set has none"),
+    (["--prompt-data", "P", "--val-images-per-category", "4"],
+     "--val-images-per-category scores shapes train prompts to keep checkpoints/best"),
+    (["--input-key", "caption"], "--input-key caption picks the prompt of a --prompt-data .jsonl file"),
+    (["--n-samples-per-eval-prompt", "4"], "--n-samples-per-eval-prompt 4 is for --prompt-data; the shapes world's"),
+])
+def test_train_refuses_a_flag_that_its_task_would_ignore(tmp_path, capsys, flags, message):
+    """Shapes-world flags with --prompt-data, and prompt-set flags without it, were silently ignored by diffrl train."""
+    (tmp_path / "prompts.txt").write_text("a red cat\n")
+    argv = ["train", "--recipe", "shapes-nft", "--device", "cpu", "--reward", "jpeg_compressibility",
+            "--output-dir", str(tmp_path / "run"), *[str(tmp_path / "prompts.txt") if f == "P" else f for f in flags]]
+    assert main(argv) == 2
+    assert capsys.readouterr().err.strip().startswith(f"error: {message}")
+    assert not (tmp_path / "run").exists()

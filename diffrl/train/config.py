@@ -494,6 +494,18 @@ class TrainConfig:
                  "base as loaded and the adapters (drop one of them)")
         _require(copy_dtype != "bfloat16" or self.model.mixed_precision != "no",
                  "--engine-copy-dtype bfloat16 needs a bf16 forward (--mixed-precision bf16, or auto on a GPU)")
+        t, e = self.task, self.eval
+        if t.prompt_data is not None:  # what only the shapes world reads would be ignored
+            _require(t.category_sampling == "uniform", f"--category-sampling {t.category_sampling} draws shapes "
+                     "categories; a --prompt-data set has none (set by the flag or the recipe: pass "
+                     "--category-sampling uniform)")
+            _require(e.val_images_per_category == 0, "--val-images-per-category scores shapes train prompts to keep "
+                     "checkpoints/best; with --prompt-data there is no validation set (pass --val-images-per-category 0)")
+        else:  # what only a prompt set reads would be ignored
+            _require(t.input_key == "prompt", f"--input-key {t.input_key} picks the prompt of a --prompt-data .jsonl "
+                     "file; the shapes world has no prompt file")
+            _require(e.n_samples_per_eval_prompt == 1, f"--n-samples-per-eval-prompt {e.n_samples_per_eval_prompt} is "
+                     "for --prompt-data; the shapes world's held-out images are --eval-images-per-category")
         _require(not (self.task.reward_colocate and self.placement.ray_reward_workers),
                  "--reward-colocate moves the rewards of the trainer's process and of --reward-workers; Ray reward "
                  "actors (--ray-reward-workers) keep theirs")
