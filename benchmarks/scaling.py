@@ -124,8 +124,13 @@ def markdown(report: dict) -> str:
              "|---|---|---|---|---|---|"]
     for r in rows:
         same = r["same_samples"]
-        same_text = "—" if same is None else (f"seeds {same['seeds']}/{same['total']}, image bits {same['images']}, "
-                                              f"rewards {same['rewards']}")
+        if same is None:
+            same_text = "—"
+        else:  # with updates, the bits after the first rollout follow the weights' rounding
+            bits = same["first_rollout"] if "update" in report["step"] else same
+            which = "first rollout: " if bits is not same else ""
+            same_text = (f"seeds {same['seeds']}/{same['total']}; {which}image bits {bits['images']}/{bits['total']}, "
+                         f"rewards {bits['rewards']}/{bits['total']}")
         lines.append(f"| {r['world_size']} | {r['seconds_per_rollout']:.2f} | {r['samples_per_s']:.3f} | "
                      f"{r['speedup']:.2f}× | {100 * r['efficiency']:.0f}% | {same_text} |")
     for w in report["worlds"]:
@@ -140,20 +145,26 @@ def markdown(report: dict) -> str:
 def compare_samples(reference: list[dict], other: list[dict]) -> dict:
     """How many samples of `other` (rows: rollout, group, index, seed, image, latents, log_probs, reward) match
     the reference's at the same (rollout, group, index): seed, the bits of the image, of the returned latents and
-    of the log-probs, and the reward, each exactly."""
+    of the log-probs, and the reward, each exactly; over every rollout and, under `first_rollout`, over the first
+    alone (after an update the weights of two world sizes differ by rounding, and so may every later sample)."""
     ref = {(s["rollout"], s["group"], s["index"]): s for s in reference}
-    same = {"total": len(other), "missing": 0, "seeds": 0, "images": 0, "latents": 0, "log_probs": 0, "rewards": 0}
-    for s in other:
-        r = ref.get((s["rollout"], s["group"], s["index"]))
-        if r is None:
-            same["missing"] += 1
-            continue
-        same["seeds"] += r["seed"] == s["seed"]
-        same["images"] += r["image"] == s["image"]
-        same["latents"] += r.get("latents") == s.get("latents")
-        same["log_probs"] += r.get("log_probs") == s.get("log_probs")
-        same["rewards"] += r["reward"] == s["reward"]
-    return same
+    first = min((s["rollout"] for s in other), default=0)
+
+    def count(rows: list[dict]) -> dict:
+        same = {"total": len(rows), "missing": 0, "seeds": 0, "images": 0, "latents": 0, "log_probs": 0, "rewards": 0}
+        for s in rows:
+            r = ref.get((s["rollout"], s["group"], s["index"]))
+            if r is None:
+                same["missing"] += 1
+                continue
+            same["seeds"] += r["seed"] == s["seed"]
+            same["images"] += r["image"] == s["image"]
+            same["latents"] += r.get("latents") == s.get("latents")
+            same["log_probs"] += r.get("log_probs") == s.get("log_probs")
+            same["rewards"] += r["reward"] == s["reward"]
+        return same
+
+    return {**count(other), "first_rollout": count([s for s in other if s["rollout"] == first])}
 
 
 # ----------------------------------------------------------------------------------------------- the plan
@@ -527,7 +538,10 @@ def main(argv: list[str] | None = None) -> dict:
             rc, log = "timeout", out.decode(errors="replace") if isinstance(out, bytes) else out
             (out_dir / "log.txt").write_text(log)
         if rc != 0 or not result_json.exists():
-            tail = "\n".join(line for line in log.splitlines() if line.strip())[-2000:]
+            lines = [line for line in log.splitlines() if line.strip()]
+            # The ranks' own errors first (torchrun's summary that ends the log names none).
+            errors = [line for line in lines if "Error" in line and "ChildFailedError" not in line][:8]
+            tail = "\n".join([*errors, "…", *lines[-12:]])
             report["worlds"].append({"world_size": n, "error": f"exit {rc}", "log_tail": tail})
             print(f"world {n}: exit {rc}\n{tail}", flush=True)
             save()

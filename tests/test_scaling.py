@@ -121,12 +121,13 @@ def test_the_same_samples_at_one_two_and_four_ranks(scaling, tiny_model_dir, tmp
     assert {s["rank"] for s in samples[4] if s["group"] == 5} == {1}
     for n in (2, 4):
         same = worlds[n]["same_samples"]
-        assert same == {"total": 24, "missing": 0, "seeds": 24, "images": 24, "latents": 24, "log_probs": 24,
-                        "rewards": 24}, (n, same)
+        assert {k: v for k, v in same.items() if k != "first_rollout"} == {
+            "total": 24, "missing": 0, "seeds": 24, "images": 24, "latents": 24, "log_probs": 24, "rewards": 24}, (n, same)
+        assert same["first_rollout"]["images"] == same["first_rollout"]["total"] == 12
         assert [s["image"] for s in samples[n]] == [s["image"] for s in samples[1]]
     assert samples[1][0]["latents"] is not None and samples[1][0]["log_probs"] is not None
     table = (tmp_path / "scaling.md").read_text()
-    assert "| 4 |" in table and "seeds 24/24, image bits 24" in table
+    assert "| 4 |" in table and "seeds 24/24; image bits 24/24, rewards 24/24" in table
 
 
 def test_worlds_refused_or_out_of_budget_are_not_run(scaling, tiny_model_dir, tmp_path, monkeypatch):
@@ -141,3 +142,20 @@ def test_worlds_refused_or_out_of_budget_are_not_run(scaling, tiny_model_dir, tm
     (world,) = report["worlds"]
     assert world["skipped"].startswith("budget: needs ~")
     assert "not measured: budget" in (tmp_path / "scaling.md").read_text()
+
+
+def test_sample_comparison_counts_every_rollout_and_the_first_apart(scaling):
+    def row(k, g, i, image, reward=0.5):
+        return {"rollout": k, "group": g, "index": i, "seed": 3 * g + i, "image": image, "reward": reward}
+
+    ref = [row(0, 0, 0, "a"), row(0, 0, 1, "b"), row(1, 1, 0, "c"), row(1, 1, 1, "d")]
+    other = [row(0, 0, 0, "a"), row(0, 0, 1, "b"), row(1, 1, 0, "x", 0.4), row(1, 1, 1, "d"), row(2, 2, 0, "e")]
+    same = scaling.compare_samples(ref, other)
+    assert (same["total"], same["missing"], same["seeds"], same["images"], same["rewards"]) == (5, 1, 4, 3, 3)
+    assert same["first_rollout"]["images"] == same["first_rollout"]["total"] == 2
+    world = {"world_size": 2, "seconds_per_rollout": 1.0, "samples_per_rollout": 4, "same_samples": same}
+    report = {"recipe": "r", "groups": 2, "samples_per_group": 2, "device": "cpu", "cuts": [],
+              "worlds": [world], "step": "rollout + update"}
+    assert "seeds 4/5; first rollout: image bits 2/2, rewards 2/2" in scaling.markdown(report)
+    report["step"] = "rollout only"
+    assert "seeds 4/5; image bits 3/5, rewards 3/5" in scaling.markdown(report)
