@@ -22,13 +22,14 @@
 set -uo pipefail
 start=$(date +%s)
 mode=${MODE:-scaling}
+export PYTHONPATH=/tmp/site:$PWD PYTHONUNBUFFERED=1 OMP_NUM_THREADS=8 PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True
 if [[ $mode == print ]]; then
-  python3 benchmarks/scaling.py --print-layouts --checkpoint MODEL_DIR
+  ${PYTHON:-python3} benchmarks/scaling.py --print-layouts --checkpoint MODEL_DIR
   exit 0
 fi
 bash scripts/device/install_wheels.sh || exit 1
-export PYTHONPATH=/tmp/site:$PWD PYTHONUNBUFFERED=1 OMP_NUM_THREADS=8 PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True
-export TORCH_NCCL_ASYNC_ERROR_HANDLING=1 NCCL_NVLS_ENABLE=0  # NVLink multicast stays off on lent machines
+# NVLink multicast stays off (the lent machines set these; kept set for every process this starts).
+export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
 nvidia-smi --query-gpu=index,name,memory.total --format=csv,noheader | tee "$OUT/gpus.txt"
 df -h . | tail -1
 quiet() { tr '\r' '\n' | grep -v "Loading\|torchvision\|^ *$\|Writing model\|^train " ; }
