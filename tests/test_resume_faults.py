@@ -346,3 +346,14 @@ def test_a_from_pretrained_family_refuses_nan_weights_naming_file_and_tensor(tmp
     save_file(state, str(weights), metadata={"format": "pt"})
     with pytest.raises(ModelLoadError, match=rf"{weights} holds NaN or inf in tensor '{name}'"):
         SD3Family.load(root)
+
+
+def test_resume_with_another_loss_type_is_refused_naming_both(tiny_model_dir, tmp_path):
+    """A Flow-GRPO run resumed with --loss-type nft went on as DiffusionNFT in the same metrics series and report."""
+    out = tmp_path / "run"
+    Trainer(tiny_config(tiny_model_dir, out, num_rollout=1, **FAST)).train()
+    config = (out / "config.json").read_bytes()
+    with pytest.raises(ValueError, match=r"^--resume: the checkpoint was trained with --loss-type flow_grpo, this run "
+                                         r"asks for nft; resume with the same --loss-type"):
+        Trainer(tiny_config(tiny_model_dir, out, num_rollout=2, resume=True, loss_type="nft", **FAST))
+    assert (out / "config.json").read_bytes() == config

@@ -459,13 +459,21 @@ class Trainer:
     def save_checkpoint(self) -> Path:
         meta = {"rollout_index": self.rollout_index, "next_group_index": self.next_group_index,
                 "weight_version": self.policy.weight_version, "elapsed_s": self.elapsed_s,
-                "task": self.task.state_dict(), "best_selection": self.best_selection}
+                "task": self.task.state_dict(), "best_selection": self.best_selection,
+                "loss_type": self.cfg.algorithm.loss_type}
         if self.metrics is not None:  # the records up to this rollout are on disk before its checkpoint is
             self.metrics.sync()
         return self.checkpointer.save(self.rollout_index, meta)
 
     def _resume(self) -> None:
         path, meta = self.checkpointer.load_latest()
+        # Another objective would continue the weights under other losses and optimizer moments, in one metrics series
+        # (checkpoints written before the loss type was kept have nothing to compare).
+        saved, now = meta.get("loss_type"), self.cfg.algorithm.loss_type
+        if saved is not None and saved != now:
+            raise ValueError(f"--resume: the checkpoint was trained with --loss-type {saved}, this run asks for {now}; "
+                             "resume with the same --loss-type, or start a new run from its weights in another "
+                             "--output-dir")
         self.rollout_index = meta["rollout_index"]
         self.next_group_index = meta["next_group_index"]
         self.policy.weight_version = meta["weight_version"]
