@@ -41,3 +41,14 @@ def test_evaluate_with_a_nan_reward_is_one_line(tiny_model_dir, tmp_path, capsys
                  "--output-dir", str(tmp_path / "eval")]) == 2
     err = capsys.readouterr().err.strip().splitlines()[-1]
     assert err.startswith("error: reward 'rewards_for_tests:not_a_number' returned nan for image 0 (prompt 'a red circle')")
+
+
+def test_the_error_line_of_a_failed_run_is_not_glued_to_the_progress_bar(tiny_model_dir, tmp_path, capsys):
+    """The bar was left open, so 'error: …' followed 'train nft: 0%|…' on one line."""
+    assert main(["train", "--model-path", str(tiny_model_dir), "--reward", "rewards_for_tests:not_a_number",
+                 "--device", "cpu", "--num-rollout", "1", "--rollout-batch-size", "1", "--n-samples-per-prompt", "2",
+                 "--rollout-microgroup-size", "2", "--global-batch-size", "2", "--num-steps-per-rollout", "1",
+                 "--diffusion-num-steps", "2", "--eval-images-per-category", "0",
+                 "--output-dir", str(tmp_path / "run")]) == 2
+    lines = capsys.readouterr().err.split("\n")
+    assert any(line.startswith("error: --reward rewards_for_tests:not_a_number returned nan") for line in lines), lines

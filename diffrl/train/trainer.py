@@ -277,39 +277,41 @@ class Trainer:
             print(self.task.no_eval_note)
         bar = tqdm(total=cfg.rollout.num_rollout, initial=self.rollout_index, desc=f"train {cfg.algorithm.loss_type}",
                    dynamic_ncols=True, disable=not main)
-        last = {}
-        if self.rollout_index == 0:
-            record = self.evaluate(0)
-            if main:
-                self.metrics.log(0, record)
-            self._keep_if_best(record)  # the starting weights are a candidate too
-        started = time.perf_counter() - self.elapsed_s  # wall clock carries over a resume
-        budget = cfg.checkpoint.time_budget_minutes
-        while self.rollout_index < cfg.rollout.num_rollout:
-            k = self.rollout_index
-            record = self.rollout_and_update(k)
-            self.rollout_index = k + 1
-            self.elapsed_s = time.perf_counter() - started
-            last_one = any_rank(self.rollout_index == cfg.rollout.num_rollout or (
-                budget is not None and self.elapsed_s >= 60 * budget), self.parallel)
-            record["time/elapsed_s"] = self.elapsed_s  # rollouts + training; evals and checkpoints excluded
-            paused = time.perf_counter()
-            if self.rollout_index % cfg.eval.eval_interval == 0 or last_one:
-                record.update(self.evaluate(self.rollout_index))
-                self._keep_if_best(record)
-            if main:
-                self.metrics.log(self.rollout_index, record)
-            if self.rollout_index % cfg.checkpoint.checkpoint_interval == 0 or last_one:
-                self.save_checkpoint()
-                if main:  # a killed run keeps the report of its last checkpoint (the curve is drawn at the end)
-                    write_report(self.out)
-            started += time.perf_counter() - paused
-            bar.update(1)
-            bar.set_postfix(reward=f"{record['rollout/reward/raw_mean']:.3f}", loss=f"{record.get('train/loss', float('nan')):.4f}")
-            last = record
-            if last_one:
-                break
-        bar.close()
+        try:  # closed on an error too: the error line then starts a line of its own, not the bar's
+            last = {}
+            if self.rollout_index == 0:
+                record = self.evaluate(0)
+                if main:
+                    self.metrics.log(0, record)
+                self._keep_if_best(record)  # the starting weights are a candidate too
+            started = time.perf_counter() - self.elapsed_s  # wall clock carries over a resume
+            budget = cfg.checkpoint.time_budget_minutes
+            while self.rollout_index < cfg.rollout.num_rollout:
+                k = self.rollout_index
+                record = self.rollout_and_update(k)
+                self.rollout_index = k + 1
+                self.elapsed_s = time.perf_counter() - started
+                last_one = any_rank(self.rollout_index == cfg.rollout.num_rollout or (
+                    budget is not None and self.elapsed_s >= 60 * budget), self.parallel)
+                record["time/elapsed_s"] = self.elapsed_s  # rollouts + training; evals and checkpoints excluded
+                paused = time.perf_counter()
+                if self.rollout_index % cfg.eval.eval_interval == 0 or last_one:
+                    record.update(self.evaluate(self.rollout_index))
+                    self._keep_if_best(record)
+                if main:
+                    self.metrics.log(self.rollout_index, record)
+                if self.rollout_index % cfg.checkpoint.checkpoint_interval == 0 or last_one:
+                    self.save_checkpoint()
+                    if main:  # a killed run keeps the report of its last checkpoint (the curve is drawn at the end)
+                        write_report(self.out)
+                started += time.perf_counter() - paused
+                bar.update(1)
+                bar.set_postfix(reward=f"{record['rollout/reward/raw_mean']:.3f}", loss=f"{record.get('train/loss', float('nan')):.4f}")
+                last = record
+                if last_one:
+                    break
+        finally:
+            bar.close()
         self._close_workers()
         if main:
             curve = self.metrics.plot_curves()
