@@ -340,6 +340,23 @@ def world_command(n: int, worker_args: list[str], train_flags: list[str], port: 
             *worker_args, "--", *train_flags]
 
 
+def run_world(cmd: list[str], env: dict, timeout: float | None, log_path: Path) -> tuple[int | str, str]:
+    """Run one world in a session of its own; past `timeout` the whole session is killed (torchrun's ranks with
+    it: killing torchrun alone would leave them holding their GPUs for the next world). Returns (exit code or
+    "timeout", the log, also written to `log_path`)."""
+    import signal
+
+    with open(log_path, "w") as log:
+        proc = subprocess.Popen(cmd, env=env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
+        try:
+            rc: int | str = proc.wait(timeout=timeout)
+        except subprocess.TimeoutExpired:
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait()
+            rc = "timeout"
+    return rc, log_path.read_text(errors="replace")
+
+
 def available_gpus(device: str) -> int | None:
     if device != "cuda":
         return None  # CPU ranks: as many as asked
@@ -474,6 +491,8 @@ def main(argv: list[str] | None = None) -> dict:
             cuts.append(f"world sizes {dropped}: {have} GPUs here")
         groups = args.groups or cfg.rollout.rollout_batch_size
         train, rollouts = args.train, args.rollouts
+    if args.recipe and groups != cfg.rollout.rollout_batch_size:
+        cuts.append(f"groups per rollout: the recipe's {cfg.rollout.rollout_batch_size} → {groups}")
     # With the update, NFT's training costs ~4× its rollout (BENCHMARKS.md: 66.7 s against 16.6 s).
     s_per_sample = args.prior_s_per_sample * (5 if train else 1)
     if args.budget_s and not args.layout:
@@ -528,15 +547,7 @@ def main(argv: list[str] | None = None) -> dict:
         print(f"== world {n} ({groups} groups × {n_per_group}, {rollouts} rollouts) {time.strftime('%T')}", flush=True)
         env = {**os.environ}
         env.pop("WORLD_SIZE", None)
-        try:
-            done = subprocess.run(cmd, env=env, timeout=timeout, capture_output=True, text=True)
-            log = done.stdout + done.stderr
-            (out_dir / "log.txt").write_text(log)
-            rc = done.returncode
-        except subprocess.TimeoutExpired as err:
-            out = err.stdout or ""
-            rc, log = "timeout", out.decode(errors="replace") if isinstance(out, bytes) else out
-            (out_dir / "log.txt").write_text(log)
+        rc, log = run_world(cmd, env, timeout, out_dir / "log.txt")
         if rc != 0 or not result_json.exists():
             lines = [line for line in log.splitlines() if line.strip()]
             # The ranks' own errors first (torchrun's summary that ends the log names none).

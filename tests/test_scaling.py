@@ -3,6 +3,7 @@ world handling: gloo ranks on CPU with the tiny demo model."""
 
 import importlib.util
 import json
+import os
 import sys
 from pathlib import Path
 
@@ -159,3 +160,15 @@ def test_sample_comparison_counts_every_rollout_and_the_first_apart(scaling):
     assert "seeds 4/5; first rollout: image bits 2/2, rewards 2/2" in scaling.markdown(report)
     report["step"] = "rollout only"
     assert "seeds 4/5; image bits 3/5, rewards 3/5" in scaling.markdown(report)
+
+
+def test_a_world_past_its_time_is_killed_with_its_children(scaling, tmp_path):
+    """torchrun's ranks are children of torchrun: killing torchrun alone would leave them holding their GPUs."""
+    pid_file = tmp_path / "child.pid"
+    rc, log = scaling.run_world(["bash", "-c", f"echo started; sleep 60 & echo $! > {pid_file}; wait"],
+                                dict(os.environ), 2.0, tmp_path / "log.txt")
+    assert rc == "timeout" and "started" in log
+    status = Path(f"/proc/{pid_file.read_text().strip()}/status")
+    assert not status.exists() or "\tZ" in status.read_text()  # gone, or a zombie awaiting its reaper
+    rc, log = scaling.run_world([sys.executable, "-c", "print('done')"], dict(os.environ), 30.0, tmp_path / "log2.txt")
+    assert rc == 0 and log.strip() == "done"

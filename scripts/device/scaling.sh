@@ -16,7 +16,7 @@
 # MODE=layouts: each recipe of LAYOUTS (default "flux3-klein-grpo-hps flux3-klein-nft-pickscore") once at its
 #   published layout (benchmarks/scaling.py PUBLISHED_LAYOUTS: FLUX 3 GRPO + HPSv2.1 full finetune and NFT +
 #   PickScore LoRA on 8 colocated ranks; Qwen-Image GRPO + PickScore and Wan2.2 on 4 ranks plus a PickScore GPU),
-#   training included, one group per rank, ROLLOUTS (default 2): layout_<recipe>.json. Qwen-Image's random
+#   training included, one group per rank, ROLLOUTS (default 1): layout_<recipe>.json. Qwen-Image's random
 #   checkpoint (41 GB) takes a call of its own: LAYOUTS=qwen-image-grpo-pickscore.
 # MODE=print: the launch command of every published layout on real checkpoints (nothing runs; no GPU needed).
 set -uo pipefail
@@ -54,7 +54,7 @@ case $mode in
       echo "== layout $recipe, ${left} s left $(date +%T)" | tee -a "$OUT/log.txt"
       (( left > 120 )) || { echo "skipped: under 120 s left" | tee -a "$OUT/log.txt"; continue; }
       timeout "$left" python3 benchmarks/scaling.py --layout "$recipe" --checkpoint "$(checkpoint_for "$recipe")" \
-        --rollouts "${ROLLOUTS:-2}" --budget-s "$left" --work-dir runs/layouts \
+        --rollouts "${ROLLOUTS:-1}" --budget-s "$left" --work-dir runs/layouts \
         --out "$OUT/layout_$recipe.json" 2>&1 | quiet | tee -a "$OUT/log.txt"
       nvidia-smi --query-gpu=memory.used --format=csv,noheader | tr '\n' ' '; echo
     done
