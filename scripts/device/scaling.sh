@@ -33,7 +33,9 @@ export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVL
 nvidia-smi --query-gpu=index,name,memory.total --format=csv,noheader | tee "$OUT/gpus.txt"
 df -h . | tail -1
 quiet() { tr '\r' '\n' | grep -v "Loading\|torchvision\|^ *$\|Writing model\|^train " ; }
-checkpoint_for() {  # RECIPE -> runs/<family>-random (kept on a warm machine; runs/ is git-ignored)
+# Random checkpoints: runs/<family>-random and the reward models' under runs/recipe-bench/, as bench_recipes.sh
+# keeps them (runs/ is git-ignored: they stay on a warm machine between calls).
+checkpoint_for() {  # RECIPE -> its family's random checkpoint
   local family
   family=$(python3 -c "from diffrl.recipes import recipe_overrides; print(recipe_overrides('$1', 'cuda')['diffusion_model_family'])")
   echo "$PWD/runs/$family-random"
@@ -45,7 +47,7 @@ case $mode in
     echo "== scaling $recipe, ${left} s left $(date +%T)"
     python3 benchmarks/scaling.py --recipe "$recipe" --checkpoint "$(checkpoint_for "$recipe")" \
       --gpus ${GPUS:-1 2 4 8} --groups "${NGROUPS:-8}" --rollouts "${ROLLOUTS:-2}" ${TRAIN:+--train} \
-      --budget-s "$left" --work-dir runs/scaling --out "$OUT/scaling.json" --md "$OUT/scaling.md" 2>&1 \
+      --budget-s "$left" --work-dir runs/recipe-bench --out "$OUT/scaling.json" --md "$OUT/scaling.md" 2>&1 \
       | quiet | tee "$OUT/log.txt"
     ;;
   layouts)
@@ -53,8 +55,9 @@ case $mode in
       left=$(( ${BUDGET:-540} - ($(date +%s) - start) ))
       echo "== layout $recipe, ${left} s left $(date +%T)" | tee -a "$OUT/log.txt"
       (( left > 120 )) || { echo "skipped: under 120 s left" | tee -a "$OUT/log.txt"; continue; }
-      timeout "$left" python3 benchmarks/scaling.py --layout "$recipe" --checkpoint "$(checkpoint_for "$recipe")" \
-        --rollouts "${ROLLOUTS:-1}" --budget-s "$left" --work-dir runs/layouts \
+      # No outer timeout: scaling.py keeps the budget and kills a late world's whole session (ranks included).
+      python3 benchmarks/scaling.py --layout "$recipe" --checkpoint "$(checkpoint_for "$recipe")" \
+        --rollouts "${ROLLOUTS:-1}" --budget-s "$left" --work-dir runs/recipe-bench \
         --out "$OUT/layout_$recipe.json" 2>&1 | quiet | tee -a "$OUT/log.txt"
       nvidia-smi --query-gpu=memory.used --format=csv,noheader | tr '\n' ' '; echo
     done
