@@ -2,7 +2,7 @@
 specks, ghost shapes, malformed shapes (two circles merged into one blob among them), dithered fills. The
 verifier is the RL reward, so each of these is a reward hack unless it fails strictly, with its reason named.
 Clean renders softened like a real sample (mild blur and noise) or saved as JPEG, a triangle shaded in two
-tones of its color and a triangle tilted by up to 10 degrees still pass.
+tones of its color and a triangle tilted by up to 30 degrees still pass.
 
 Every kind is drawn at many random positions, sizes and colors from a fixed seed.
 """
@@ -215,8 +215,8 @@ def two_circles(rng: np.random.Generator) -> tuple[np.ndarray, str]:
     return soften(np.asarray(canvas.resize((SIZE, SIZE), Image.BOX)), rng), f"a {color} circle"
 
 
-def tilted_triangle(rng: np.random.Generator, degrees: tuple[float, float] = (5, 10)) -> tuple[np.ndarray, str]:
-    """An upright triangle of 14-24 px turned about its centroid by +-5-10 degrees, and its prompt."""
+def tilted_triangle(rng: np.random.Generator, degrees: tuple[float, float] = (5, 30)) -> tuple[np.ndarray, str]:
+    """An upright triangle of 14-24 px turned about its centroid by +-5-30 degrees, and its prompt."""
     color = COLOR_NAMES[rng.integers(len(COLOR_NAMES))]
     side = int(rng.integers(14, 25))
     turn = np.radians(rng.uniform(*degrees) * rng.choice([-1, 1]))
@@ -409,8 +409,8 @@ def test_jpeg_compressed_renders_pass(category):
 
 
 def test_tilted_triangles_pass():
-    """A triangle turned by 5-10 degrees is still a triangle to a judge (an inverted one is not: see
-    test_malformed_shapes_fail_as_shape)."""
+    """A triangle turned by 5-30 degrees is still a triangle to a judge (an inverted one is not, nor a turned
+    trapezoid: see test_malformed_shapes_fail_as_shape and test_turned_blunt_or_inverted_triangles_fail_as_shape)."""
     rng = np.random.default_rng(8)
     failures = []
     for _ in range(PER_KIND):
@@ -421,6 +421,37 @@ def test_tilted_triangles_pass():
     rate = 1 - len(failures) / PER_KIND
     print(f"tilted triangle: {rate:.3f} of {PER_KIND} pass")
     assert rate >= MIN_RATE, failures[:10]
+
+
+def turned_polygon(kind: str, rng: np.random.Generator, degrees: tuple[float, float]) -> tuple[np.ndarray, str]:
+    """A trapezoid (flat top 30% of its base), a triangle cut 30% down or an inverted triangle, 16-26 px, turned
+    about its centroid by +-`degrees`; and the prompt of a triangle."""
+    color = COLOR_NAMES[rng.integers(len(COLOR_NAMES))]
+    side = int(rng.integers(16, 27))
+    corners = {
+        "trapezoid": [(-0.15, 0.0), (0.15, 0.0), (0.5, 1.0), (-0.5, 1.0)],
+        "cut_triangle": [(-0.15, 0.3), (0.15, 0.3), (0.5, 1.0), (-0.5, 1.0)],
+        "inverted_triangle": [(-0.5, 0.0), (0.5, 0.0), (0.0, 1.0)],
+    }[kind]
+    points = np.array(corners) * side
+    points -= points.mean(0) if kind == "inverted_triangle" else (0, 2 * side / 3)
+    turn = np.radians(rng.uniform(*degrees) * rng.choice([-1, 1]))
+    points = points @ np.array([[np.cos(turn), np.sin(turn)], [-np.sin(turn), np.cos(turn)]])
+    points += rng.uniform(0.75 * side + 3, SIZE - 0.75 * side - 3, size=2)
+    canvas = Image.new("RGB", (SIZE * SUPERSAMPLE,) * 2, WHITE)
+    ImageDraw.Draw(canvas).polygon([tuple(p * SUPERSAMPLE) for p in points], fill=COLORS[color])
+    return soften(np.asarray(canvas.resize((SIZE, SIZE), Image.BOX)), rng), f"a {color} triangle"
+
+
+@pytest.mark.parametrize("kind, degrees", [("trapezoid", (5, 30)), ("cut_triangle", (5, 30)),
+                                           ("inverted_triangle", (0, 20))])
+def test_turned_blunt_or_inverted_triangles_fail_as_shape(kind, degrees):
+    """A triangle's template is also tried turned (up to 25 degrees), so a turned trapezoid or cut triangle must
+    still have no apex in that frame, and an inverted triangle turned by up to 20 degrees stays no triangle (turned
+    by 27 or more, it stands on a vertex under 30 degrees off the vertical: a tilted triangle)."""
+    rate, wrong = _fail_rate(lambda rng, k: turned_polygon(kind, rng, degrees), "shape", seed=90 + len(kind))
+    print(f"{kind} turned {degrees[0]}-{degrees[1]} degrees: {rate:.3f} fail as shape")
+    assert rate >= MIN_RATE, wrong[:10]
 
 
 def test_two_merged_circles_fail_as_shape():

@@ -15,7 +15,7 @@ The verifier is also the RL reward, so it is written to reject what an honest ju
   `HUE_TOLERANCE_DEG`, or whose pixels do not reach its color's saturation (`FULL_CHROMA`: brown is
   no orange, pink no red), has no palette color (it still counts for colorless prompts).
 - Shape: from the object's coverage map, its second moments, then soft IoU with each shape's
-  template at that size and position (a triangle's also turned by `TRIANGLE_TILTS_DEG`). An object that is
+  template at that size and position (a triangle's also turned, up to `MAX_TRIANGLE_TILT_DEG`). An object that is
   stretched (`MAX_ASPECT`, `MAX_SKEW`), a "circle" that is oval (`MAX_CIRCLE_ELONGATION`: two merged disks)
   or concave (`MAX_CONCAVITY`), whose best template overlaps less than `MIN_IOU`, or leads the
   second best by less than `MIN_MARGIN`, or a "circle" whose outline has corners (a k-fold ripple
@@ -113,8 +113,12 @@ MIN_MARGIN = 0.03  # ... and its lead over the second-best template
 # from the renders' lead of CRISP_LEAD, CRISP_FLOOR at none, so that RL keeps sharpening shapes that barely pass.
 CRISP_LEAD = 0.08
 CRISP_FLOOR = 0.9
-# A triangle may stand tilted by up to about this much (degrees): its template is also tried turned by these.
-TRIANGLE_TILTS_DEG = (-10.0, -5.0, 5.0, 10.0)
+# A triangle may stand tilted: its template is also tried turned about the centroid, in steps of TILT_STEP_DEG
+# either way while the overlap grows, up to MAX_TRIANGLE_TILT_DEG; so softened renders tilted by up to 32 degrees
+# pass (35: 0.29). An inverted triangle (180 degrees) fails, and so does one turned by up to 22 degrees; turned 27
+# or more (w = h), it stands on a vertex under 30 degrees off the vertical, as a triangle tilted that far does.
+TILT_STEP_DEG = 5.0
+MAX_TRIANGLE_TILT_DEG = 25.0
 # Width / height (either way) fitted for the best template: a 4:3 box still passes for a square
 # (the model's are up to ~1.25; a circle must also be round, see MAX_CIRCLE_ELONGATION), a tall or flat
 # triangle is still a triangle.
@@ -153,7 +157,9 @@ MIN_RIPPLE_PX = 0.25
 # kept DiffusionNFT checkpoint's triangles under 0.14 (a model's small triangle with a rounded tip, 0.22,
 # still passes); a trapezoid whose flat top is 30% of its base scores >= 0.33, a triangle cut 30% down
 # >= 0.25, two triangles side by side overlapping 70% (an M-shaped top) >= 0.47. Over this a "triangle"
-# is blunt: it has no apex.
+# is blunt: it has no apex. A triangle fitted turned is measured in rows of its template's turned frame, and a
+# step (TILT_STEP_DEG) either way, the widest: softened renders tilted 0-33 degrees stay under 0.19, trapezoids
+# and cut triangles turned 0-30 degrees score >= 0.30 (99%), fitted a step off their own turn or not.
 APEX_MASS = 0.06
 APEX_FLOOR = 0.35
 APEX_BLUR_PX2 = 1.25
@@ -220,7 +226,6 @@ _VARIANCE_FRACTION = {
 }
 _MIN_VARIANCE = 0.05
 _TRIANGLE = SHAPES.index("triangle")
-_TRIANGLE_TURNS = tuple((float(np.cos(np.radians(a))), float(np.sin(np.radians(a)))) for a in TRIANGLE_TILTS_DEG)
 _EIGHT_CONNECTED = np.ones((3, 3), dtype=bool)
 _OUTLINE_BINS = 48
 _OUTLINE_HARMONICS = np.arange(3, 9)
@@ -607,20 +612,35 @@ def _elongation(var_x: float, var_y: float, cov_xy: float) -> float:
     return float(np.sqrt((mean + spread) / max(mean - spread, 1e-9)))
 
 
-def _tilted_triangle_iou(alpha: np.ndarray, x: np.ndarray, y: np.ndarray, var_x: float, var_y: float,
-                         cov_xy: float) -> float:
-    """The best soft IoU of `alpha` with the triangle template turned by each of TRIANGLE_TILTS_DEG about
-    the centroid (x, y: pixel centers relative to it), sized from the variances in the turned frame."""
-    best = 0.0
+def _triangle_fit(alpha: np.ndarray, x: np.ndarray, y: np.ndarray, var_x: float, var_y: float, cov_xy: float,
+                  degrees: float) -> tuple[float, float, float]:
+    """The soft IoU of `alpha` with the triangle template turned by `degrees` about the centroid (x, y: pixel
+    centers relative to it), sized from the variances in the turned frame; and its squared width and height."""
+    cos, sin = float(np.cos(np.radians(degrees))), float(np.sin(np.radians(degrees)))
     fraction_x, fraction_y = _VARIANCE_FRACTION["triangle"]
-    for cos, sin in _TRIANGLE_TURNS:
-        turned_x, turned_y = cos * x + sin * y, cos * y - sin * x
-        along_x = max(cos * cos * var_x + 2 * cos * sin * cov_xy + sin * sin * var_y, _MIN_VARIANCE)
-        along_y = max(sin * sin * var_x - 2 * cos * sin * cov_xy + cos * cos * var_y, _MIN_VARIANCE)
-        distance = _signed_distance("triangle", turned_x, turned_y, np.sqrt(along_x / fraction_x),
-                                    np.sqrt(along_y / fraction_y))
-        template = np.minimum(np.maximum(0.5 - distance, 0.0), 1.0)
-        best = max(best, float(np.minimum(template, alpha).sum() / np.maximum(template, alpha).sum()))
+    width_sq = max(cos * cos * var_x + 2 * cos * sin * cov_xy + sin * sin * var_y, _MIN_VARIANCE) / fraction_x
+    height_sq = max(sin * sin * var_x - 2 * cos * sin * cov_xy + cos * cos * var_y, _MIN_VARIANCE) / fraction_y
+    distance = _signed_distance("triangle", cos * x + sin * y, cos * y - sin * x, np.sqrt(width_sq), np.sqrt(height_sq))
+    template = np.minimum(np.maximum(0.5 - distance, 0.0), 1.0)
+    return float(np.minimum(template, alpha).sum() / np.maximum(template, alpha).sum()), width_sq, height_sq
+
+
+def _tilted_triangle_fit(alpha: np.ndarray, x: np.ndarray, y: np.ndarray, var_x: float, var_y: float,
+                         cov_xy: float, upright: float) -> tuple[float, float, float, float]:
+    """The triangle template's best turn by a hill climb from upright (whose IoU is `upright`): TILT_STEP_DEG
+    either way, then on in the better direction while the IoU grows, up to MAX_TRIANGLE_TILT_DEG. Returns
+    (IoU, degrees, squared width, squared height); degrees 0.0 (and no sides) if no turn beats upright."""
+    best = (upright, 0.0, 0.0, 0.0)
+    for direction in (1.0, -1.0):
+        degrees = direction * TILT_STEP_DEG
+        while abs(degrees) <= MAX_TRIANGLE_TILT_DEG:
+            iou, width_sq, height_sq = _triangle_fit(alpha, x, y, var_x, var_y, cov_xy, degrees)
+            if iou <= best[0]:
+                break
+            best = (iou, degrees, width_sq, height_sq)
+            degrees += direction * TILT_STEP_DEG
+        if best[1] != 0.0:  # the overlap grew this way, so it falls the other way
+            break
     return best
 
 
@@ -655,15 +675,25 @@ def _fit_shape(alpha: np.ndarray, scale: float = 1.0, core: np.ndarray | None = 
         distances.append(_signed_distance(shape, x, y, np.sqrt(width_sq), np.sqrt(height_sq)))
     templates = np.minimum(np.maximum(0.5 - np.stack(distances), 0.0), 1.0)  # ~ pixel coverage at that distance
     ious = np.minimum(templates, solid).sum((1, 2)) / np.maximum(templates, solid).sum((1, 2))
-    if ious.argmax() == _TRIANGLE:  # a triangle, perhaps tilted
-        ious[_TRIANGLE] = max(ious[_TRIANGLE], _tilted_triangle_iou(solid, x, y, var_x, var_y, cov_xy))
+    turn = 0.0  # the triangle template's, degrees
+    if ious.argmax() == _TRIANGLE or ious.max() < MIN_IOU:  # a triangle, perhaps tilted
+        tilted, turn, width_sq, height_sq = _tilted_triangle_fit(solid, x, y, var_x, var_y, cov_xy, ious[_TRIANGLE])
+        if turn:
+            ious[_TRIANGLE], squared_sides[_TRIANGLE] = tilted, (width_sq, height_sq)
     width_sq, height_sq = squared_sides[int(ious.argmax())]
     best = SHAPES[int(ious.argmax())]
     tilt, fold = _outline_tilt(alpha, float(cx), float(cy)) if best == "circle" else (0.0, 0)
     order = np.argsort(-ious)
     cornered = (best == "diamond" and SHAPES[int(order[1])] == "circle" and ious[order[0]] - ious[order[1]] < MIN_MARGIN
                 and _diamond_corners(alpha, float(cx), float(cy)))
-    apex = _apex_width(alpha, APEX_BLUR_PX2 * scale**2) / np.sqrt(width_sq) if best == "triangle" else 0.0
+    apex = 0.0
+    if best == "triangle":
+        if not turn:
+            apex = _apex_width(alpha, APEX_BLUR_PX2 * scale**2) / np.sqrt(width_sq)
+        else:  # in the template's frame, and a step either way, the widest: a flat top a step off still shows
+            apex = max(_turned_apex_width(alpha, np.cos(a) * x + np.sin(a) * y, np.cos(a) * y - np.sin(a) * x,
+                                          APEX_BLUR_PX2 * scale**2)
+                       for a in np.radians(turn + TILT_STEP_DEG * np.array([-1.0, 0.0, 1.0]))) / np.sqrt(width_sq)
     return _ShapeFit(
         ious=ious,
         aspect=float(np.sqrt(max(width_sq, height_sq) / min(width_sq, height_sq))),
@@ -711,6 +741,25 @@ def _apex_width(alpha: np.ndarray, blur_var: float) -> float:
     mass = col.sum()
     mean = col @ xs / mass
     return float(np.sqrt(24 * max(col @ (xs - mean) ** 2 / mass - blur_var, 0.0)))
+
+
+def _turned_apex_width(alpha: np.ndarray, across: np.ndarray, depth: np.ndarray, blur_var: float) -> float:
+    """As `_apex_width` in a turned frame (`across` and `depth`: each pixel's coordinates in it, depth growing
+    away from the apex): whole rows of that frame (bands of depth 1 px wide) from the top, the last one in part."""
+    kept = np.where(alpha >= APEX_FLOOR, alpha, 0.0).ravel()
+    inside = kept > 0
+    mass = kept[inside]
+    depth = np.broadcast_to(depth, alpha.shape).ravel()[inside]
+    across = np.broadcast_to(across, alpha.shape).ravel()[inside]
+    band = (depth - depth.min()).astype(np.intp)
+    row = np.bincount(band, weights=mass)
+    cumulative = np.cumsum(row)
+    need = APEX_MASS * cumulative[-1]
+    k = int(np.searchsorted(cumulative, need))
+    weights = np.where(band <= k, mass, 0.0)
+    weights[band == k] *= (need - (cumulative[k - 1] if k else 0.0)) / row[k]
+    mean = weights @ across / need
+    return float(np.sqrt(24 * max(weights @ (across - mean) ** 2 / need - blur_var, 0.0)))
 
 
 def _outline_radius(alpha: np.ndarray, cx: float, cy: float) -> np.ndarray:
