@@ -22,6 +22,7 @@ from diffrl.evaluation.sampling import TEST_SEED
 from diffrl.evaluation.shapes import summarize
 from diffrl.models.checkpoint import check_checkpoint, load_model
 from diffrl.models.demo import SHIPPED_DEMO_MODEL
+from diffrl.rewards import default_device
 from diffrl.utils.atomic import write_text_atomic
 from diffrl.utils.device import resolve_device
 from diffrl.utils.folders import check_output_dir
@@ -136,6 +137,8 @@ def compare(cfg: CompareConfig) -> dict:
 
 def compare_by_prompt_data(cfg: CompareConfig) -> dict:
     records = eval_prompts(cfg.prompt_data, cfg.reward, cfg.input_key, cfg.num_prompts, cfg.n_samples_per_eval_prompt)
+    if cfg.reward_device != "auto":
+        default_device(cfg.reward_device)  # a GPU this machine lacks, whichever reward
     components = reward_components(cfg.reward, device=cfg.reward_device)  # a bad spec fails before any model loads
     device = resolve_device(cfg.device)
     seed = TEST_SEED if cfg.seed is None else cfg.seed

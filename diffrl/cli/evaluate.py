@@ -22,7 +22,7 @@ from diffrl.evaluation.shapes import (IMAGES_DIR, RECORDS_FILE, balanced_eval_se
 from diffrl.models.checkpoint import load_model
 from diffrl.models.demo import SHIPPED_DEMO_MODEL
 from diffrl.models.speed import SpeedOptions
-from diffrl.rewards import check_prompts
+from diffrl.rewards import check_prompts, default_device
 from diffrl.utils.atomic import atomic_path, write_text_atomic
 from diffrl.utils.device import resolve_device
 from diffrl.utils.folders import check_output_dir
@@ -199,6 +199,8 @@ def eval_prompts(prompt_data: Path | None, reward: str | None, input_key: str, n
 
 def evaluate_prompt_data(cfg: EvaluateConfig) -> dict:
     records = eval_prompts(cfg.prompt_data, cfg.reward, cfg.input_key, cfg.num_prompts, cfg.n_samples_per_eval_prompt)
+    if cfg.reward_device != "auto":
+        default_device(cfg.reward_device)  # a GPU this machine lacks, whichever reward
     components = reward_components(cfg.reward, device=cfg.reward_device)  # a bad spec fails before any model loads
     device = resolve_device(cfg.device)
     family = load_model(cfg.model_path, cfg.checkpoint, family=cfg.diffusion_model_family, device=device)

@@ -164,10 +164,14 @@ def default_device(device: str | None = None):
 
     if device is None:
         return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    from diffrl.utils.device import check_device
+
     try:
-        return torch.device(device)
+        resolved = torch.device(device)
     except RuntimeError:
         raise ValueError(f"reward device {device!r}: expected cpu, cuda or cuda:N") from None
+    check_device(resolved, f"reward device {device!r} (--reward-device)")
+    return resolved
 
 
 @functools.cache

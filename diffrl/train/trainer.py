@@ -34,7 +34,7 @@ from diffrl.engine.engine import Engine, EngineConfig
 from diffrl.engine.wire import dtype_name
 from diffrl.errors import RequestError
 from diffrl.models import resolve_family
-from diffrl.rewards import get_reward
+from diffrl.rewards import default_device, get_reward
 from diffrl.rewards.colocate import InProcessRewards
 from diffrl.rewards.frames import on_frames
 from diffrl.rewards.workers import ProcessRewardPool
@@ -257,6 +257,8 @@ class Trainer:
         t = self.cfg.task
         gpus = torch.cuda.device_count() if self.device.type == "cuda" else None
         device = rank_reward_device(t.reward_device, self.device, gpus)  # a rank's own GPU unless one is named
+        if device is not None:
+            default_device(device)  # one this machine lacks is refused here, not first in a reward worker
         if t.reward_workers:
             self.reward_pool = ProcessRewardPool(t.reward, t.reward_workers, device=device,
                                                  deterministic=self.cfg.deterministic_mode, frames=t.reward_frames)
