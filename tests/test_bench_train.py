@@ -126,3 +126,15 @@ def test_model_flops_per_pair_count_what_the_model_needs_not_the_recompute():
     assert forwards("--recipe", "flux3-klein-nft-pickscore") == 3  # LoRA + NFT's old policy
     assert (forwards("--recipe", "flux3-klein-nft-pickscore", "--no-gradient-checkpointing")
             == forwards("--recipe", "flux3-klein-nft-pickscore"))
+
+
+def test_table_says_one_trained_step_in_the_singular():
+    """A recipe training one step per sample (--diffusion-num-sde-steps 1) read 'its 1 trained steps'."""
+    from diffrl.cli.bench_train import format_table
+
+    row = {"trained_steps_per_sample": 1, "samples": 2, "sample_s": 0.5}
+    text = format_table({"first": row, "steady": dict(row), "steady_rollouts": [2]}, on_gpu=False)
+    assert "| sample (its rollout + its 1 trained step) |" in text
+    row["trained_steps_per_sample"] = 9
+    text = format_table({"first": row, "steady": None, "steady_rollouts": []}, on_gpu=False)
+    assert "| sample (its rollout + its 9 trained steps) |" in text

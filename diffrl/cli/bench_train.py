@@ -159,7 +159,8 @@ def format_table(table: dict, loss_type: str = "flow_grpo", on_gpu: bool = True,
     no_ratio = f"n/a ({loss_type} has no ratio)" if loss_type != "flow_grpo" else "n/a"
     steps = steady["trained_steps_per_sample"] if steady else first["trained_steps_per_sample"]
     clip = f" (clip range {clip_range:g})" if clip_range is not None and loss_type == "flow_grpo" else ""
-    rows = [(f"sample (its rollout + its {_fmt(steps, '')} trained steps)", "sample_s", "s", "n/a"),
+    rows = [(f"sample (its rollout + its {_fmt(steps, '')} trained step{'' if steps == 1 else 's'})", "sample_s", "s",
+             "n/a"),
             ("rollout image, in the training loop (reward included)", "rollout_image_s", "s", "n/a"),
             ("train pair", "train_pair_ms", "ms", "n/a"),
             ("peak GPU memory", "peak_gib", "gib", "n/a" if on_gpu else "n/a (CPU)"),
