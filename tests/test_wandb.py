@@ -55,8 +55,15 @@ def test_records_and_images_reach_wandb_and_resume_continues_its_run(tiny_model_
     assert fake.inits[1]["resume"] == "allow" and fake.logged[-1][0] == 3
 
 
-def test_use_wandb_without_the_package_is_refused_before_loading(tiny_model_dir, tmp_path, monkeypatch):
+def test_use_wandb_without_the_package_is_refused_before_loading(tiny_model_dir, tmp_path, monkeypatch, capsys):
+    """Refused as every bad setting is: 'error: …' and exit status 2 (it was a bare SystemExit message, status 1)."""
+    from diffrl.cli.main import main
+
     monkeypatch.setitem(sys.modules, "wandb", None)  # import wandb raises ImportError
-    with pytest.raises(SystemExit, match="wandb package is not installed"):
+    with pytest.raises(ValueError, match="wandb package is not installed"):
         Trainer(tiny_config(tiny_model_dir, tmp_path / "run", use_wandb=True))
     assert not (tmp_path / "run").exists()
+    capsys.readouterr()
+    assert main(["train", "--model-path", str(tiny_model_dir), "--device", "cpu", "--use-wandb",
+                 "--output-dir", str(tmp_path / "run")]) == 2
+    assert capsys.readouterr().err.strip() == "error: --use-wandb: the wandb package is not installed (pip install wandb)"

@@ -21,7 +21,7 @@ def require_wandb():
     try:
         return importlib.import_module("wandb")
     except ImportError:
-        raise SystemExit("--use-wandb: the wandb package is not installed (pip install wandb)") from None
+        raise ValueError("--use-wandb: the wandb package is not installed (pip install wandb)") from None
 
 
 class WandbRun:
