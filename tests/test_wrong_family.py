@@ -52,3 +52,15 @@ def test_every_family_names_a_flux3_checkpoint_before_reading_its_settings(flux3
                                              r".*: pass a recipe of the flux3_image family \(flux3-klein-nft-pickscore, "
                                              r"flux3-klein-grpo-hps\) or --diffusion-model-family flux3_image$"):
         get_family(family).load(flux3_dir)
+
+
+def test_a_recipe_of_another_family_without_model_path_asks_for_it(tmp_path, capsys):
+    """Without --model-path a run loads the shipped demo model, so a forgotten flag read as a wrong-family error
+    about the demo model."""
+    (tmp_path / "prompts.txt").write_text('a sign that says "OPEN"\n')
+    assert main(["train", "--recipe", "sd35-grpo-ocr", "--prompt-data", str(tmp_path / "prompts.txt"), "--device",
+                 "cpu", "--output-dir", str(tmp_path / "run")]) == 2
+    assert capsys.readouterr().err.strip() == (
+        "error: --model-path: --recipe sd35-grpo-ocr trains a checkpoint of the sd3 family; pass its directory as "
+        "--model-path DIR (without it the run would load the shipped demo model)")
+    assert not (tmp_path / "run").exists()

@@ -34,6 +34,7 @@ from diffrl.engine.engine import Engine, EngineConfig
 from diffrl.engine.wire import dtype_name
 from diffrl.errors import RequestError
 from diffrl.models import resolve_family
+from diffrl.models.demo import SHIPPED_DEMO_MODEL
 from diffrl.rewards import default_device, get_reward
 from diffrl.rewards.colocate import InProcessRewards
 from diffrl.rewards.frames import on_frames
@@ -149,6 +150,11 @@ class Trainer:
         if self.parallel.is_main and out.exists() and any(out.iterdir()) and not cfg.checkpoint.resume:
             raise FileExistsError(f"{out} is not empty; pass --resume to continue it or choose another --output-dir")
 
+        family_name = cfg.model.diffusion_model_family
+        if family_name not in (None, "demo") and cfg.model.model_path == SHIPPED_DEMO_MODEL:
+            by = f"--recipe {cfg.recipe}" if cfg.recipe else f"--diffusion-model-family {family_name}"
+            raise ValueError(f"--model-path: {by} trains a checkpoint of the {family_name} family; pass its directory "
+                             "as --model-path DIR (without it the run would load the shipped demo model)")
         # Before the model: a bad prompt file or reward spec fails in a second, not after a load.
         self.task = build_task(cfg)
         self.reward_pool = None  # --reward-workers: the worker processes
