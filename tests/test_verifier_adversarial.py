@@ -533,6 +533,34 @@ def test_faint_blots_beside_objects_fail_as_stray():
     assert rate >= MIN_RATE, wrong[:10]
 
 
+def speck_beside_an_object(prompt: str, seed: int, rng: np.random.Generator) -> np.ndarray | None:
+    """A softened render of `prompt` with a grey speck of 2x2 px (grey 190-200, ΔE 20-24: a mark anywhere else)
+    5-12 px from an object (past its rim), where JPEG's ringing is forgiven."""
+    image = render_prompt(prompt, seed=seed)
+    out = ndimage.distance_transform_cdt(~(image < 250).any(2), metric="chessboard")
+    near = (out >= 5) & (out <= 12)
+    near[:2], near[-3:], near[:, :2], near[:, -3:] = False, False, False, False
+    ys, xs = np.nonzero(near)
+    if not len(ys):
+        return None
+    k = rng.integers(len(ys))
+    image[ys[k] : ys[k] + 2, xs[k] : xs[k] + 2] = int(rng.integers(190, 201))
+    return soften(image, rng)
+
+
+def test_grey_specks_beside_objects_fail_as_stray():
+    """JPEG rings in chroma: the halo forgives no ink darker than HALO_LIGHTNESS, so a grey speck beside an
+    object is a mark as it is anywhere else."""
+    def make(rng, k):
+        prompt = random_prompt(rng)
+        image = speck_beside_an_object(prompt, k, rng)
+        return None if image is None else (image, prompt)
+
+    rate, wrong = _fail_rate(make, "stray", seed=22)
+    print(f"grey speck beside an object: {rate:.3f} fail as stray")
+    assert rate >= MIN_RATE, wrong[:10]
+
+
 def test_ghost_shapes_fail_as_stray():
     def make(rng, k):
         prompt = random_prompt(rng)

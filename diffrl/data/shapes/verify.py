@@ -6,7 +6,8 @@ The verifier is also the RL reward, so it is written to reject what an honest ju
 - Ink: a pixel is ink when it is more than `BACKGROUND_DELTA_E` (CIELAB ΔE76) from white. Ink
   that belongs to no object (or its soft rim) is stray: a dirty background, specks, marks,
   ghost shapes. Stray ink fails the image and fades the partial credit. Faint ink near an object
-  (`HALO_PX`, `HALO_DELTA_E`) is its halo, JPEG rings there, unless it is a solid blot (`BLOT_PX`).
+  (`HALO_PX`, `HALO_DELTA_E`) is its halo, JPEG rings there, unless it is a solid blot (`BLOT_PX`) or darker
+  than JPEG's ringing gets (`HALO_LIGHTNESS`: a grey speck).
 - Color: a pixel's hue is the direction of its RGB color around the grey axis. Blending with
   white and shading darker or lighter keep that direction, so shading within one hue does not
   split an object. A core pixel has at least `CORE_CHROMA` of its nearest palette hue's chroma;
@@ -85,9 +86,13 @@ BACKGROUND_LIMIT = 0.20
 # ΔE >= 19 (200 grey), palette ghosts at 25% opacity (>= 21) and the far parts of pale blobs still are.
 # ... unless it is a blot: a faint smudge beside an object (6-10 px of ΔE 12-16, 4-6 px out) is no ringing.
 # Stray ink that fills 3x3 squares over at least BLOT_PX pixels (at 64x64) stays stray.
+# ... nor is ink darker than white by over HALO_LIGHTNESS (L*): JPEG rings in chroma, its lightness stays within
+# 11 of white (600 images, quality 75-90), while a grey speck of 2x2 px at ΔE 14-18 beside an object, a mark
+# anywhere else, passed there 97% of the time.
 HALO_PX = 12
 BLOT_PX = 24
 HALO_DELTA_E = 18.0
+HALO_LIGHTNESS = 12.0
 STRAY_ZERO_CREDIT = 0.10  # partial credit fades from STRAY_LIMIT to 0 here
 # In the crisp score, each mark keeps this share of the credit: a mark fails the image strictly, but one too
 # small to move the stray fraction (a 33 px mark is 0.8% of 64x64) leaves the partial credit whole. The partial
@@ -318,6 +323,11 @@ def _delta_e_from_white(image: np.ndarray) -> np.ndarray:
     fx, fy, fz = np.moveaxis(_lab_f(xyz), -1, 0)
     # White has L* = 100, a* = b* = 0, i.e. f = 1 on every axis.
     return np.sqrt((116 * (fy - 1)) ** 2 + (500 * (fx - fy)) ** 2 + (200 * (fy - fz)) ** 2)
+
+
+def _lightness_below_white(image: np.ndarray) -> np.ndarray:
+    """100 - L* (CIELAB) of each pixel of a uint8 [..., 3] array."""
+    return 116 * (1 - _lab_f(_SRGB_LINEAR[image] @ _RGB_TO_XYZ_WHITE[:, 1]))
 
 
 def _lab(image: np.ndarray) -> np.ndarray:
@@ -856,7 +866,10 @@ def _analyze(image: np.ndarray) -> _Scene:
         if blot.any():
             labels, _ = ndimage.label(blot, structure=_EIGHT_CONNECTED)
             blot = (np.bincount(labels.ravel()) >= round(BLOT_PX * scale))[labels] & blot
-        stray &= ~(_dilate(objects, HALO_PX) & (delta_e <= HALO_DELTA_E) & ~blot)
+        halo = _dilate(objects, HALO_PX) & (delta_e <= HALO_DELTA_E) & ~blot & stray
+        if HALO_LIGHTNESS and halo.any():
+            halo[halo] = _lightness_below_white(image[halo]) <= HALO_LIGHTNESS
+        stray &= ~halo
     n_stray = int(stray.sum())
     marks: list[int] = []
     n_dirt = n_stray
