@@ -52,3 +52,29 @@ def test_train_refuses_a_flag_that_its_task_would_ignore(tmp_path, capsys, flags
     assert main(argv) == 2
     assert capsys.readouterr().err.strip().startswith(f"error: {message}")
     assert not (tmp_path / "run").exists()
+
+
+@pytest.mark.parametrize("argv, message", [
+    (["train", "--recipe", "shapes-nft", "--diffusion-sde-window-range", "0,2"],
+     "--diffusion-sde-window-range sets Flow-GRPO's SDE steps and clipped ratio; --loss-type nft does not read it "
+     "(drop it, or use --loss-type flow_grpo)"),
+    (["train", "--recipe", "shapes-grpo", "--loss-type", "sft", "--diffusion-clip-range=1e-3"],
+     "--diffusion-clip-range sets Flow-GRPO's SDE steps and clipped ratio; --loss-type sft does not read it "
+     "(drop it, or use --loss-type flow_grpo)"),
+    (["bench-train", "--recipe", "shapes-grpo", "--nft-ema-max", "0.3"],
+     "--nft-ema-max sets DiffusionNFT's loss and old policy; --loss-type flow_grpo does not read it "
+     "(drop it, or use --loss-type nft)"),
+])
+def test_a_flag_only_another_objective_reads_is_refused(tmp_path, capsys, argv, message):
+    """An NFT run given Flow-GRPO's SDE window (as README's dry run passes it to a GRPO recipe) ignored it."""
+    assert main([*argv, "--device", "cpu", "--output-dir", str(tmp_path / "run")]) == 2
+    assert capsys.readouterr().err.strip() == f"error: {message}"
+    assert not (tmp_path / "run").exists()
+
+
+def test_a_recipes_own_values_for_another_objective_are_kept_when_switching_loss_type():
+    """sd35-grpo-ocr sets an SDE window; --loss-type nft on it is accepted (nothing on the command line is ignored)."""
+    from diffrl.cli.main import parse
+
+    cfg = parse(["train", "--recipe", "sd35-grpo-ocr", "--loss-type", "nft", "--device", "cpu"])
+    assert cfg.algorithm.loss_type == "nft" and cfg.rollout.diffusion_sde_window_range == (0, 9)

@@ -74,16 +74,40 @@ def _size_from_flags(default: TrainConfig, args: list[str]) -> TrainConfig:
     return default
 
 
+# Flags one objective reads and the others never do: given on the command line to another, they would be ignored.
+# (A recipe's own values for them are left alone: switching a recipe's --loss-type keeps its other settings.)
+_ONLY_FOR = {
+    "flow_grpo": ("Flow-GRPO's SDE steps and clipped ratio", ("--diffusion-sde-window-range", "--diffusion-num-sde-steps",
+                  "--diffusion-sde-type", "--diffusion-noise-level", "--diffusion-sde-step-strategy",
+                  "--diffusion-clip-range")),
+    "nft": ("DiffusionNFT's loss and old policy", ("--diffusion-nft-beta", "--nft-adaptive-weighting",
+            "--no-nft-adaptive-weighting", "--nft-ema-ramp", "--nft-ema-max", "--nft-ema-flat")),
+}
+
+
+def refuse_other_objectives_flags(args: list[str], loss_type: str) -> None:
+    """A ValueError naming the first flag on the command line that only another --loss-type reads."""
+    given = [a.partition("=")[0] for a in args if a.startswith("--")]
+    for owner, (what, flags) in _ONLY_FOR.items():
+        if owner != loss_type and (flag := next((f for f in given if f in flags), None)):
+            raise ValueError(f"{flag} sets {what}; --loss-type {loss_type} does not read it (drop it, or use "
+                             f"--loss-type {owner})")
+
+
 def parse(argv: list[str]):
     if argv[:1] in (["train"], ["bench-train"]):
         args = published_spellings(argv[1:])
         default = _size_from_flags(recipe_config(_flag_value(args, "--recipe"), _flag_value(args, "--device") or "auto"),
                                    args)
         if argv[0] == "bench-train":  # `train`'s flags, its defaults but a short run, and the benchmark's own
-            return tyro.cli(BenchTrainConfig, default=BenchTrainConfig(train=default.replace(**BENCH_TRAIN_DEFAULTS)),
-                            args=args, prog="diffrl bench-train", config=(tyro.conf.OmitArgPrefixes,))
-        return tyro.cli(TrainConfig, default=default, args=args, prog="diffrl train",
-                        config=(tyro.conf.OmitArgPrefixes,))
+            config = tyro.cli(BenchTrainConfig, default=BenchTrainConfig(train=default.replace(**BENCH_TRAIN_DEFAULTS)),
+                              args=args, prog="diffrl bench-train", config=(tyro.conf.OmitArgPrefixes,))
+            refuse_other_objectives_flags(args, config.train.algorithm.loss_type)
+            return config
+        config = tyro.cli(TrainConfig, default=default, args=args, prog="diffrl train",
+                          config=(tyro.conf.OmitArgPrefixes,))
+        refuse_other_objectives_flags(args, config.algorithm.loss_type)
+        return config
     return tyro.extras.subcommand_cli_from_dict(
         SUBCOMMANDS, args=argv, description="diffrl: RL post-training for flow-matching diffusion models")
 
