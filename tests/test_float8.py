@@ -1,7 +1,5 @@
 """--float8: the blocks' linear layers as FP8 matmuls with rowwise scales, the same in rollout and training."""
 
-import asyncio
-
 import pytest
 import torch
 
@@ -9,9 +7,8 @@ from diffrl.engine.engine import Engine, EngineConfig
 from diffrl.models.float8 import Float8Linear, convert_blocks_to_float8, convertible
 from diffrl.models.lora import LoraSpec, add_lora
 from diffrl.models.speed import SpeedOptions
-from diffrl.rollout import InProcessEngineClient, RolloutConfig, RolloutManager
 from diffrl.train.trainer import Trainer
-from test_engine import ROLLOUT
+from test_engine import _group_through_manager
 from test_trainer import tiny_config
 
 
@@ -63,11 +60,8 @@ def test_only_qualifying_block_layers_convert(tiny_family):
                    for n in converted)
 
 
-def _group(engine, microgroup_size, n=8):
-    config = RolloutConfig(n_samples_per_prompt=n, rollout_microgroup_size=microgroup_size, engine_concurrency=2,
-                           rollout_seed=5)
-    manager = RolloutManager([InProcessEngineClient(engine)], config)
-    return asyncio.run(manager.rollout(["a red circle"], ROLLOUT, first_group_index=0))[0]
+def _group(engine, microgroup_size):
+    return _group_through_manager(engine, microgroup_size, n=8)
 
 
 def test_sample_k_is_the_same_in_any_microgroup_and_differs_from_bf16_by_rounding(tiny_family):
