@@ -144,3 +144,48 @@ def test_a_wrong_trained_path_fails_before_the_base_model_samples(tiny_model_dir
                          "--num-steps", "1", "--device", "cpu", "--output-dir", str(out)])
         assert code == 2 and message in capsys.readouterr().err
         assert not out.exists()  # nothing sampled
+
+
+@pytest.mark.parametrize("other", ["deeper", "wider"])
+def test_check_fits_finds_another_base_without_reading_weights(tiny_model_dir, tmp_path, other):
+    """What load_model refuses, check_fits refuses from the adapter's names and shapes alone: diffrl compare calls it
+    before sampling the base, which it did in full before finding out."""
+    from peft import get_peft_model_state_dict
+    from safetensors.torch import save_file
+
+    from diffrl.models.checkpoint import check_fits
+    from diffrl.models.demo import DemoFamily
+    from diffrl.models.lora import LoraSpec, add_lora
+    from diffrl.models.random_checkpoints import demo as random_demo
+
+    family = DemoFamily.load(tiny_model_dir)
+    add_lora(family.transformer, LoraSpec(rank=2, alpha=2, target_modules=list(DemoFamily.lora_target_modules)))
+    lora = tmp_path / "run" / "checkpoints" / "rollout-00001" / "lora"
+    lora.mkdir(parents=True)
+    save_file({f"base_model.model.{k}": v.contiguous() for k, v in get_peft_model_state_dict(family.transformer).items()},
+              str(lora / "adapter_model.safetensors"))
+    family.transformer.peft_config["default"].save_pretrained(str(lora))
+    check_fits(DemoFamily.load(tiny_model_dir), tiny_model_dir, lora.parent)  # its own base: fits
+    config = random_demo.tiny()
+    config.transformer.update(num_layers=2) if other == "deeper" else config.transformer.update(attention_head_dim=16)
+    base = tmp_path / "other-demo"
+    random_demo.random_family(config, seed=1).save(base)
+    with pytest.raises(ModelLoadError, match=r"lora: its LoRA \((no weights for|other sizes).*\) does not fit the demo "
+                                             r"model at .*other-demo; pass the base model the run trained"):
+        check_fits(DemoFamily.load(base), base, lora.parent)
+
+
+def test_compare_refuses_another_familys_run_before_sampling_the_base(tiny_model_dir, tmp_path, capsys):
+    run = tmp_path / "run"
+    checkpoint = run / "checkpoints" / "rollout-00001"
+    (checkpoint / "lora").mkdir(parents=True)
+    (checkpoint / "lora" / "adapter_config.json").write_text("{}")
+    (run / "config.json").write_text(json.dumps({"flags": {"model_path": "/m/sd3", "diffusion_model_family": "sd3"}}))
+    (tmp_path / "prompts.txt").write_text("a red circle\n")
+    out = tmp_path / "compare"
+    assert cli_main(["compare", "--base", str(tiny_model_dir), "--trained", str(checkpoint), "--prompt-data",
+                     str(tmp_path / "prompts.txt"), "--reward", "rewards_for_tests:darkness", "--num-steps", "2",
+                     "--device", "cpu", "--output-dir", str(out)]) == 2
+    err = capsys.readouterr().err.strip().splitlines()[-1]
+    assert err.startswith(f"error: {checkpoint} (from a run of the sd3 family) does not fit the demo model at")
+    assert "its run trained /m/sd3" in err and not (out / "base_cfg").exists()

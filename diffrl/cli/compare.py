@@ -20,7 +20,7 @@ from diffrl.evaluation.compare import (REWARD_COLUMNS, compare_by_reward, compar
 from diffrl.evaluation.reward_eval import evaluate_with_reward, reward_components
 from diffrl.evaluation.sampling import TEST_SEED
 from diffrl.evaluation.shapes import summarize
-from diffrl.models.checkpoint import check_checkpoint, load_model
+from diffrl.models.checkpoint import check_checkpoint, check_fits, load_model
 from diffrl.models.demo import SHIPPED_DEMO_MODEL
 from diffrl.rewards import default_device
 from diffrl.utils.atomic import write_text_atomic
@@ -145,6 +145,8 @@ def compare_by_prompt_data(cfg: CompareConfig) -> dict:
     out = cfg.output_dir
     # The models one at a time: a large family's base and trained copies need not fit together.
     base = load_model(cfg.base, cfg.base_checkpoint, family=cfg.diffusion_model_family, device=device)
+    if cfg.base_checkpoint is None:
+        check_fits(base, cfg.base, cfg.trained)  # before the base's images, not after
     guidance = base.default_guidance_scale if cfg.guidance_scale is None else cfg.guidance_scale
     if guidance <= 1.0:
         raise ValueError(f"--guidance-scale {guidance}: the base-with-CFG column needs a scale above 1")

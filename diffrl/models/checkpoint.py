@@ -65,16 +65,60 @@ def load_model(base_path: Path, checkpoint: Path | None = None, *, family: str |
     raise AssertionError("check_checkpoint admitted a directory holding no model")  # unreachable
 
 
+def check_fits(model: FamilyAdapter, base_path: Path, checkpoint: Path) -> None:
+    """Without reading any weights, the ModelLoadError `load_model(base_path, checkpoint)` would raise because the
+    checkpoint was trained from another base: its run's family is not `model`'s, or a LoRA's tensors name modules
+    `model` lacks or have other sizes. `diffrl compare` samples the base model before it loads the trained one: a
+    mismatch found only then cost the whole base evaluation."""
+    from safetensors import safe_open
+
+    checkpoint = Path(checkpoint)
+    if any(_is_full_model(d) for d in (checkpoint, checkpoint / "model")):
+        return  # a whole model: no base involved
+    family = _run_flags(checkpoint).get("diffusion_model_family")
+    if isinstance(family, str) and family != model.name:
+        raise _another_base(f"{checkpoint} (from a run of the {family} family) does not fit", model, base_path, checkpoint)
+    lora_dir = checkpoint / "lora" if (checkpoint / "lora").is_dir() else checkpoint
+    if not _has_lora(lora_dir):
+        return
+    modules = dict(model.transformer.named_modules())
+    for folder, prefix in _lora_files(model, lora_dir):
+        with safe_open(str(folder / "adapter_model.safetensors"), "pt") as f:
+            adapted = {prefix + k.removeprefix("base_model.model.").partition(".lora_")[0] for k in f.keys()}
+            targets = json.loads((folder / "adapter_config.json").read_text()).get("target_modules")
+            if isinstance(targets, list):  # a base with more layers: modules it targets that the file leaves out
+                left = next((n for n, m in modules.items() if n.startswith(prefix) and isinstance(m, torch.nn.Linear)
+                             and any(n == t or n.endswith("." + t) for t in targets) and n not in adapted), None)
+                if left is not None:
+                    raise _another_base(f"{lora_dir}: its LoRA (no weights for {left}) does not fit", model,
+                                        base_path, checkpoint)
+            for key in f.keys():
+                name, _, rest = key.removeprefix("base_model.model.").partition(".lora_")
+                target, shape = modules.get(prefix + name), f.get_slice(key).get_shape()
+                want = (getattr(target, "in_features", None) if rest.startswith("A") else
+                        getattr(target, "out_features", None) if rest.startswith("B") else None)
+                if target is None or (want is not None and len(shape) == 2 and shape[rest.startswith("A")] != want):
+                    problem = "a module it lacks" if target is None else f"other sizes ({key}: {list(shape)})"
+                    raise _another_base(f"{lora_dir}: its LoRA ({problem}: {prefix}{name}) does not fit", model,
+                                        base_path, checkpoint)
+
+
+def _run_flags(checkpoint: Path) -> dict:
+    """The flat settings of the run a checkpoint belongs to (its config.json), or {} when it is not beside one."""
+    for run_dir in Path(checkpoint).resolve().parents[:3]:  # RUN/checkpoints/rollout-N[/lora]
+        try:
+            flags = json.loads((run_dir / "config.json").read_text())["flags"]
+        except (OSError, ValueError, KeyError, TypeError):
+            continue
+        if isinstance(flags, dict):
+            return flags
+    return {}
+
+
 def _another_base(problem: str, model: FamilyAdapter, base_path: Path, checkpoint: Path) -> ModelLoadError:
     """A checkpoint applied to a base it was not trained from: usually the base was left at its default (the demo
     model) for another family's run. Names the base, the run's own (its config.json, when beside it) and the flag."""
-    trained = None
-    for run_dir in Path(checkpoint).resolve().parents[:3]:  # RUN/checkpoints/rollout-N[/lora]
-        try:
-            trained = json.loads((run_dir / "config.json").read_text())["flags"]["model_path"]
-            break
-        except (OSError, ValueError, KeyError, TypeError):
-            continue
+    trained = _run_flags(checkpoint).get("model_path")
     run = f" (its run trained {trained})" if trained else ""
     return ModelLoadError(f"{problem} the {model.name} model at {base_path}{run}; pass the base model the run "
                           "trained (--model-path, or --base for diffrl compare)")
