@@ -357,3 +357,12 @@ def test_resume_with_another_loss_type_is_refused_naming_both(tiny_model_dir, tm
                                          r"asks for nft; resume with the same --loss-type"):
         Trainer(tiny_config(tiny_model_dir, out, num_rollout=2, resume=True, loss_type="nft", **FAST))
     assert (out / "config.json").read_bytes() == config
+
+
+def test_resume_without_a_checkpoint_says_how_to_start(tiny_model_dir, tmp_path):
+    """A run killed before its first checkpoint left a folder that --resume refused ('no checkpoint under …') and
+    a plain run refused as not empty, without saying what to do."""
+    out = tmp_path / "run"
+    with pytest.raises(FileNotFoundError, match=r"^--resume: no checkpoint under .*checkpoints to resume \(a run "
+                                                r"stopped before its first checkpoint starts again without --resume"):
+        Trainer(tiny_config(tiny_model_dir, out, resume=True, **FAST))

@@ -78,7 +78,8 @@ class Checkpointer:
         for stale in self.dir.glob(f".*{PARTIAL_SUFFIX}"):  # writes a crash or kill cut short
             shutil.rmtree(stale, ignore_errors=True)
         if not found:
-            return "missing", f"--resume: no checkpoint under {self.dir}"
+            return "missing", (f"--resume: no checkpoint under {self.dir} to resume (a run stopped before its first "
+                               f"checkpoint starts again without --resume, in an empty or new --output-dir)")
         legacy = not any((c / MANIFEST).is_file() for _, c in found)
         if legacy:
             print(f"--resume: the checkpoints under {self.dir} have no {MANIFEST} (an older diffrl wrote them); "
