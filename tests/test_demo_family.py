@@ -126,6 +126,9 @@ def test_registry_resolution_order(tmp_path, monkeypatch):
     monkeypatch.delenv("DIFFRL_MODEL_FAMILY", raising=False)
     assert resolve_family(None, tmp_path / "my-demo-model") is get_family("demo")
     assert resolve_family("demo", tmp_path / "unrelated") is get_family("demo")
+    with pytest.raises(ModelLoadError, match="model directory not found: .*unrelated"):  # a typo: said so first
+        resolve_family(None, tmp_path / "unrelated")
+    (tmp_path / "unrelated").mkdir()
     with pytest.raises(ValueError, match="cannot tell the model family"):
         resolve_family(None, tmp_path / "unrelated")
     monkeypatch.setenv("DIFFRL_MODEL_FAMILY", "demo")

@@ -15,7 +15,7 @@ import os
 from pathlib import Path
 
 from diffrl.models.base import FamilyAdapter, registered_families
-from diffrl.models.components import checkpoint_class, checkpoint_families
+from diffrl.models.components import checkpoint_class, checkpoint_families, checkpoint_root
 
 FAMILY_ENV_VAR = "DIFFRL_MODEL_FAMILY"
 _FAMILIES = registered_families()
@@ -59,6 +59,8 @@ def resolve_family(explicit: str | None = None, model_path: str | Path | None = 
         if owners:  # a shared class says nothing about which family: never guess
             raise ValueError(f"{Path(model_path) / 'transformer'} holds {found}, which several families load "
                              f"({', '.join(owners)}); pass --diffusion-model-family")
+    if model_path is not None and not Path(model_path).is_dir():  # a typo says so, not that its family is unknown
+        checkpoint_root(model_path)
     raise ValueError(f"cannot tell the model family of {str(model_path)!r}; pass --diffusion-model-family "
                      f"or set {FAMILY_ENV_VAR} (known: {', '.join(family_names())})")
 
