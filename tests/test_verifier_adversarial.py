@@ -561,6 +561,43 @@ def test_grey_specks_beside_objects_fail_as_stray():
     assert rate >= MIN_RATE, wrong[:10]
 
 
+def tint_speck_beside_an_object(prompt: str, seed: int, rng: np.random.Generator) -> np.ndarray | None:
+    """A softened render of `prompt` with a speck of 2x2 px, a pale tint of a palette color (ΔE 20-24 from white:
+    a mark anywhere else), 5-12 px from an object but in a 16x16 tile (JPEG's chroma block) that holds none of
+    the objects' ink."""
+    image = render_prompt(prompt, seed=seed)
+    ink = (image < 250).any(2)
+    out = ndimage.distance_transform_cdt(~ink, metric="chessboard")
+    tiles = ndimage.binary_dilation(ink, iterations=4).reshape(SIZE // 16, 16, SIZE // 16, 16).any((1, 3))
+    clear = ~np.repeat(np.repeat(tiles, 16, 0), 16, 1)
+    ok = (out >= 5) & (out <= 12) & clear & np.roll(clear, -1, 0) & np.roll(clear, -1, 1) & np.roll(clear, -1, (0, 1))
+    ok[:2], ok[-3:], ok[:, :2], ok[:, -3:] = False, False, False, False
+    ys, xs = np.nonzero(ok)
+    if not len(ys):
+        return None
+    k = rng.integers(len(ys))
+    color, target = np.array(_palette(rng), np.float64), rng.uniform(20, 24)
+    lo, hi = 0.0, 1.0  # the blend with white that is `target` from it
+    for _ in range(20):
+        mid = (lo + hi) / 2
+        lo, hi = (mid, hi) if np.linalg.norm(cielab(255 - mid * (255 - color)) - cielab(WHITE)) < target else (lo, mid)
+    image[ys[k] : ys[k] + 2, xs[k] : xs[k] + 2] = np.round(255 - lo * (255 - color)).astype(np.uint8)
+    return soften(image, rng)
+
+
+def test_tint_specks_beside_objects_fail_as_stray():
+    """JPEG rings only inside the 16x16 blocks that an object's edge crosses: a pale speck beside an object but
+    in another block is a mark as it is anywhere else."""
+    def make(rng, k):
+        prompt = random_prompt(rng)
+        image = tint_speck_beside_an_object(prompt, k, rng)
+        return None if image is None else (image, prompt)
+
+    rate, wrong = _fail_rate(make, "stray", seed=23)
+    print(f"pale speck beside an object, in another block: {rate:.3f} fail as stray")
+    assert rate >= MIN_RATE, wrong[:10]
+
+
 def test_ghost_shapes_fail_as_stray():
     def make(rng, k):
         prompt = random_prompt(rng)
