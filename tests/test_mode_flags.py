@@ -78,3 +78,14 @@ def test_a_recipes_own_values_for_another_objective_are_kept_when_switching_loss
 
     cfg = parse(["train", "--recipe", "sd35-grpo-ocr", "--loss-type", "nft", "--device", "cpu"])
     assert cfg.algorithm.loss_type == "nft" and cfg.rollout.diffusion_sde_window_range == (0, 9)
+
+
+@pytest.mark.parametrize("flag, value", [("--diffusion-guidance-scale", "-1"), ("--diffusion-noise-level", "-0.5"),
+                                         ("--eval-guidance-scale", "-2"), ("--lr", "-1")])
+def test_a_negative_scale_or_rate_is_refused_naming_the_flag(tmp_path, capsys, flag, value):
+    """A negative CFG scale reached the engine's request schema after the model loaded and the run folder was made
+    (a pydantic ValidationError of four lines); a negative --lr reached torch ('Invalid learning rate: -1.0')."""
+    assert main(["train", "--recipe", "shapes-grpo", "--device", "cpu", flag, value,
+                 "--output-dir", str(tmp_path / "run")]) == 2
+    assert capsys.readouterr().err.strip() == f"error: {flag} must be >= 0, got {float(value)}"
+    assert not (tmp_path / "run").exists()

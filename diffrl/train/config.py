@@ -134,6 +134,9 @@ class RolloutSettings:
         for name in ("num_rollout", "rollout_batch_size", "n_samples_per_prompt", "diffusion_num_steps"):
             _require(getattr(self, name) >= 1, f"--{name.replace('_', '-')} must be >= 1")
         g, g2 = self.diffusion_guidance_scale, self.diffusion_guidance_scale_2
+        for flag, value in (("--diffusion-guidance-scale", g), ("--diffusion-guidance-scale-2", g2),
+                            ("--diffusion-noise-level", self.diffusion_noise_level)):
+            _require(value is None or value >= 0, f"{flag} must be >= 0, got {value}")
         _require(g2 is None or g2 <= 1 or g > 1, f"--diffusion-guidance-scale-2 {g2} needs CFG, which runs only when "
                                                  f"--diffusion-guidance-scale > 1 (got {g})")
 
@@ -240,6 +243,7 @@ class OptimConfig:
     for the update: the same steps, less device memory during rollouts (a copy each way per rollout)."""
 
     def check(self) -> None:
+        _require(self.lr >= 0, f"--lr must be >= 0, got {self.lr}")
         for name in ("global_batch_size", "num_steps_per_rollout", "micro_batch_size"):
             _require(getattr(self, name) >= 1, f"--{name.replace('_', '-')} must be >= 1")
         _require(0 <= self.adam_beta1 < 1 and 0 <= self.adam_beta2 < 1,
@@ -325,6 +329,8 @@ class EvalConfig:
 
     def check(self) -> None:
         _require(self.eval_interval >= 1, "--eval-interval must be >= 1")
+        _require(self.eval_guidance_scale is None or self.eval_guidance_scale >= 0,
+                 f"--eval-guidance-scale must be >= 0, got {self.eval_guidance_scale}")
         _require(self.eval_images_per_category >= 0, f"--eval-images-per-category must be >= 0 (0: no held-out "
                                                      f"evaluation), got {self.eval_images_per_category}")
         _require(self.val_images_per_category >= 0 and self.val_prompts_per_category >= 1,
