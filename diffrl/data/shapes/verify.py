@@ -67,6 +67,9 @@ MIN_OBJECT_PX = 20  # the smallest rendered shape has ~60 px; fewer core pixels 
 # Soft edges: ink within this many pixels of an object's core belongs to it (the shipped model
 # leaves faint echo lines of an edge 3 px out).
 RIM_PX = 3
+# ... unless it lies within OTHER_EDGE_PX of another object's core: the neighbour's soft edge. Two shapes 2 px
+# apart saved as JPEG (quality 75-90) read as concave in a third of the images with it counted.
+OTHER_EDGE_PX = 1
 MAX_MATCHED = 8  # only the largest detections take part in the assignment search
 # ---- stray ink (outside every object's rim)
 # A mark is a stray connected blob with MARK_PX pixels above MARK_DELTA_E, or FAINT_MARK_PX pixels
@@ -831,6 +834,11 @@ def _describe_component(image: np.ndarray, chroma: np.ndarray, objects: np.ndarr
     pad = (slice(top, box[0].stop + rim), slice(left, box[1].stop + rim))
     own = labels[pad] == label
     owned = own | ~objects[pad]  # other objects' pixels are not ours
+    if OTHER_EDGE_PX:  # nor their soft edges (a neighbour's edge within our rim reads as a sliver of ours)
+        top1, left1 = max(top - OTHER_EDGE_PX, 0), max(left - OTHER_EDGE_PX, 0)
+        grown = (slice(top1, pad[0].stop + OTHER_EDGE_PX), slice(left1, pad[1].stop + OTHER_EDGE_PX))
+        near_other = _dilate(objects[grown] & (labels[grown] != label), OTHER_EDGE_PX)
+        owned &= own | ~near_other[top - top1 : top - top1 + own.shape[0], left - left1 : left - left1 + own.shape[1]]
     alpha = _coverage(image[pad].astype(np.float32), _PALETTE[color_index]) * owned
     alpha[own] = 1.0  # shaded core pixels are full coverage whatever their lightness
     fit = _fit_shape(alpha, image.shape[0] / 64, own)
