@@ -63,7 +63,8 @@ def denoise(
         bad = [i for i in indices if not 0 <= i <= limit]
         if bad:
             raise ValueError(f"{name} {bad} out of range 0..{limit} for {num_steps} steps")
-    sigma_max = float(sigmas[1])  # stands in for σ = 1 in the SDE's std (see sampling.steps.sde_step)
+    # Stands in for σ = 1 in the SDE's std (see sampling.steps.sde_step); a view, not read back to the host.
+    sigma_max = sigmas[1]
     x = latents.tokens.float()
     batch = x.shape[0]
     log_probs = []

@@ -177,6 +177,7 @@ class Engine:
         self._threads = ThreadPoolExecutor(max_workers=max(1, self.config.worker_threads), thread_name_prefix="engine")
         self._asleep = 0  # the level it sleeps at (`sleep`); 0: awake
         self._offload: ModuleOffload | None = None  # the family's weights while asleep at level 2
+        self._finite_schedules: dict[tuple, bool] = {}  # (steps, height, width, frames) → the schedule is finite
 
     @property
     def asleep(self) -> int:
@@ -189,6 +190,18 @@ class Engine:
         return self._in_flight
 
     # ------------------------------------------------------------------ validation
+    def _finite_schedule(self, n: int, height: int, width: int, num_frames: int | None) -> bool:
+        """Whether the family's schedule of `n` steps at this size is finite, checked once per setting: the check
+        reads the schedule back from the device, which waits for the batch denoising there."""
+        key = (n, height, width, num_frames)
+        finite = self._finite_schedules.get(key)
+        if finite is None:
+            finite = bool(torch.isfinite(self.family.sigmas(n, height, width, **_frames(num_frames))).all())
+            if len(self._finite_schedules) >= 1024:  # a server's clients may send any number of settings
+                self._finite_schedules.clear()
+            self._finite_schedules[key] = finite
+        return finite
+
     def plan(self, req: RolloutRequest) -> _Plan:
         """Resolve defaults and refuse what this engine cannot serve, naming the field."""
         family, cfg = self.family, self.config
@@ -246,7 +259,7 @@ class Engine:
         family.check_size(height, width, **_frames(num_frames))
         n = req.num_inference_steps
         # A scheduler may have no schedule at some step counts (one step with a terminal stretch divides by 0).
-        if not torch.isfinite(family.sigmas(n, height, width, **_frames(num_frames))).all():
+        if not self._finite_schedule(n, height, width, num_frames):
             raise RequestError("num_inference_steps", f"the {family.name} family's scheduler has no finite schedule "
                                                       f"of {n} steps at this size")
         sde_type = req.rollout_sde_type if req.rollout else "ode"
@@ -583,8 +596,10 @@ class Engine:
             log_prob_no_const=req0.rollout_log_prob_no_const, guidance_scale_2=plan.guidance_scale_2,
             keep_rows=keep_rows,
         )
-        finite = torch.isfinite(result.latents).flatten(1).all(1).cpu()
+        # Both queued before either is read back: the decode starts without waiting for the host.
+        finite = torch.isfinite(result.latents).flatten(1).all(1)
         images = family.decode(result.latents, plan.height, plan.width, **_frames(plan.num_frames)).cpu()
+        finite = finite.cpu()
         elapsed = time.perf_counter() - start
         peak_mb = _peak_memory_mb(device)
         steps = torch.tensor(plan.return_steps, dtype=torch.int64)
@@ -681,7 +696,8 @@ def _nbytes(encoded: PromptEmbeds) -> int:
 
 
 def _same_ids(parts: list[PromptEmbeds]) -> bool:
-    return all(torch.equal(p.ids, parts[0].ids) for p in parts)
+    # The same tensor needs no comparison (a batch of one request; a prompt cache hit): comparing reads the device.
+    return all(p.ids is parts[0].ids or torch.equal(p.ids, parts[0].ids) for p in parts)
 
 
 def _concat(parts: list[PromptEmbeds]) -> PromptEmbeds:

@@ -81,7 +81,7 @@ def sde_step(
     sigma_next,
     noise_level: float,
     *,
-    sigma_max: float,
+    sigma_max: float | torch.Tensor,
     generators: Sequence[torch.Generator] | None = None,
     next_latents: torch.Tensor | None = None,
     log_prob_no_const: bool = False,
@@ -89,7 +89,8 @@ def sde_step(
     """Flow-GRPO SDE step.
 
     `std_t = a·sqrt(σ / (1 − σ̃))` with σ̃ = σ except at σ = 1, where the schedule's next-largest
-    sigma `sigma_max` stands in (the formula is singular at 1).
+    sigma `sigma_max` stands in (the formula is singular at 1): a number, or the schedule's element as a
+    0-dim tensor, which spares the denoising loop a read of a device tensor.
     `mean = x·(1 + std_t²·dt/(2σ)) + v·(1 + std_t²·(1 − σ)/(2σ))·dt`, `x' = mean + std_t·sqrt(−dt)·ε`.
     With `noise_level = 0` this is exactly the Euler step. log p is the Gaussian log-density, averaged over
     a sample's elements; `log_prob_no_const` gives `−mean((x' − mean)²)` instead (no variance, no constants).
@@ -97,7 +98,11 @@ def sde_step(
     x, v = x.float(), v.float()
     sig = _per_sample(sigma, x)
     dt = _per_sample(sigma_next, x) - sig
-    sig_tilde = torch.where(sig >= 1.0, torch.full_like(sig, sigma_max), sig)
+    if isinstance(sigma_max, torch.Tensor):  # the schedule's own element: no read back to the host
+        sigma_max = sigma_max.to(dtype=sig.dtype)
+    else:
+        sigma_max = torch.full_like(sig, sigma_max)
+    sig_tilde = torch.where(sig >= 1.0, sigma_max, sig)
     std_t = noise_level * torch.sqrt(sig / (1 - sig_tilde))
     mean = x * (1 + std_t**2 / (2 * sig) * dt) + v * (1 + std_t**2 * (1 - sig) / (2 * sig)) * dt
     std = std_t * torch.sqrt(-dt)
@@ -146,7 +151,7 @@ def transition(
     sigma_next,
     noise_level: float,
     *,
-    sigma_max: float,
+    sigma_max: float | torch.Tensor,
     generators: Sequence[torch.Generator] | None = None,
     next_latents: torch.Tensor | None = None,
     log_prob_no_const: bool = False,
