@@ -21,6 +21,17 @@ class PairBatch:
     def select(self, idx: torch.Tensor):
         return type(self)(**{f.name: getattr(self, f.name)[idx] for f in fields(self)})
 
+    def rows(self, start: int, stop: int):
+        """Pairs `start` to `stop` (views)."""
+        return type(self)(**{f.name: getattr(self, f.name)[start:stop] for f in fields(self)})
+
+    def pin_memory(self):
+        """A copy in page-locked host memory, from which copies to a GPU need not wait for it."""
+        return type(self)(**{f.name: getattr(self, f.name).pin_memory() for f in fields(self)})
+
+    def to(self, device: torch.device, *, non_blocking: bool = False):
+        return type(self)(**{f.name: getattr(self, f.name).to(device, non_blocking=non_blocking) for f in fields(self)})
+
     def __len__(self) -> int:
         return len(getattr(self, fields(self)[0].name))
 

@@ -68,12 +68,26 @@ def conditioning_rows(tensors: Sequence[torch.Tensor], device: torch.device | st
     return torch.stack(rows).to(device), index
 
 
+def _detached(stats: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    return {key: value.detach() for key, value in stats.items()}
+
+
 class _Objective:
-    """What both objectives share: the policy they train and the family's velocity."""
+    """What both objectives share: the policy they train and the family's velocity.
+
+    `loss(batch, env, step)` gives the micro-batch's loss and its statistics as 0-dim tensors, left on the
+    device: reading them there would make the host wait for the device at every micro-batch."""
 
     def __init__(self, cfg, policy):
         self.cfg, self.policy = cfg, policy
         self.device = policy.device
+
+    def _ids_to_device(self, env: dict) -> None:
+        """The position ids on the device once per rollout, in place. Copied per micro-batch, each copy would be a
+        new tensor, and the family's CFG check compares them on the device again (`FamilyAdapter._same_ids`
+        remembers the last pair by identity): a wait for the device at every micro-batch."""
+        for key in ("text_ids", "negative_text_ids", "image_ids"):
+            env[key] = env[key].to(self.device)
 
     def _velocity(self, x, sigma, cond, uncond, guidance_scale, env):
         family = self.policy.family
@@ -103,8 +117,9 @@ class _Objective:
     def start_update(self) -> None:
         """Before a rollout's optimizer steps."""
 
-    def update_stats(self) -> dict[str, float]:
-        """After them: statistics gathered across the micro-batches."""
+    def update_stats(self) -> dict[str, float | torch.Tensor]:
+        """After them: statistics gathered across the micro-batches (0-dim float64 tensors are read back by the
+        trainer, with the others)."""
         return {}
 
     def after_update(self, k: int) -> None:
@@ -139,6 +154,7 @@ class FlowGrpo(_Objective):
         trajectories = [s.output.dit_trajectory for s in samples]
         self.sigma_max = float(trajectories[0].sigmas[1])  # the SDE's σ̃ where σ = 1
         env["cond_rows"], cond = conditioning_rows(env["cond"], self.device)
+        self._ids_to_device(env)
         uncond = [torch.tensor(0)] * len(samples)  # unused without CFG
         if self.cfg.rollout.diffusion_guidance_scale > 1.0:
             env["uncond_rows"], uncond = conditioning_rows(env["uncond"], self.device)
@@ -149,7 +165,7 @@ class FlowGrpo(_Objective):
     def start_update(self) -> None:
         self._first_pass_diff, self._first_pass_clipped, self._first_pass_n = 0.0, 0.0, 0
 
-    def loss(self, batch: GrpoPairs, env: dict, step: int) -> tuple[torch.Tensor, dict[str, float]]:
+    def loss(self, batch: GrpoPairs, env: dict, step: int) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
         r, a, dev = self.cfg.rollout, self.cfg.algorithm, self.device
         guidance = r.diffusion_guidance_scale
         x, x_next = batch.x.to(dev), batch.x_next.to(dev)
@@ -172,16 +188,16 @@ class FlowGrpo(_Objective):
         terms = flow_grpo_loss(out.log_prob, old_log_prob, batch.advantages.to(dev),
                                clip_range=a.diffusion_clip_range, adv_clip_max=a.diffusion_adv_clip_max,
                                kl_beta=a.diffusion_kl_beta, mean=out.mean, ref_mean=ref_mean, std=out.std)
-        if step == 0:  # weights untouched yet: the rollout-vs-trainer log-prob agreement
-            self._first_pass_diff += (out.log_prob.detach() - old_log_prob).abs().mean().item() * len(batch)
-            self._first_pass_clipped += terms.clipfrac.item() * len(batch)
+        if step == 0:  # weights untouched yet: the rollout-vs-trainer log-prob agreement (float64, on the device)
+            self._first_pass_diff += (out.log_prob.detach() - old_log_prob).abs().mean().double() * len(batch)
+            self._first_pass_clipped += terms.clipfrac.double() * len(batch)
             self._first_pass_n += len(batch)
-        stats = {"train/loss": terms.loss.item(), "train/policy_loss": terms.policy_loss.item(),
-                 "train/kl_loss": terms.kl_loss.item(), "train/approx_kl": terms.approx_kl.item(),
-                 "train/clipfrac": terms.clipfrac.item(), "train/ratio_mean": terms.ratio.mean().item()}
-        return terms.loss, stats
+        stats = {"train/loss": terms.loss, "train/policy_loss": terms.policy_loss, "train/kl_loss": terms.kl_loss,
+                 "train/approx_kl": terms.approx_kl, "train/clipfrac": terms.clipfrac,
+                 "train/ratio_mean": terms.ratio.mean()}
+        return terms.loss, _detached(stats)
 
-    def update_stats(self) -> dict[str, float]:
+    def update_stats(self) -> dict[str, float | torch.Tensor]:
         if not self._first_pass_n:
             return {}
         # train/clipfrac averages every optimizer step; the first pass alone measures on-policy exactness.
@@ -207,10 +223,11 @@ class DiffusionNft(_Objective):
         """Pairs whose `cond` are rows of `env["cond_rows"]` (on the device)."""
         x0 = torch.stack([s.output.dit_trajectory.latents[0] for s in samples])
         env["cond_rows"], cond = conditioning_rows(env["cond"], self.device)
+        self._ids_to_device(env)
         return nft_pairs(x0, [s.seed for s in samples], samples[0].output.dit_trajectory.sigmas, advantages,
                          cond, timestep_fraction=self.cfg.algorithm.nft_timestep_fraction)
 
-    def loss(self, batch: NftPairs, env: dict, step: int) -> tuple[torch.Tensor, dict[str, float]]:
+    def loss(self, batch: NftPairs, env: dict, step: int) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
         a, dev = self.cfg.algorithm, self.device
         x0, noise, t = batch.x0.to(dev), batch.noise.to(dev), batch.t.to(dev)
         cond = env["cond_rows"][batch.cond.to(dev)]
@@ -226,9 +243,9 @@ class DiffusionNft(_Objective):
         terms = nft_loss(v_theta.float(), v_old, x_t, x0, t, batch.advantages.to(dev), beta=a.diffusion_nft_beta,
                          adv_clip_max=a.diffusion_adv_clip_max, adaptive_weighting=a.nft_adaptive_weighting,
                          kl_beta=a.diffusion_kl_beta, v_ref=v_ref)
-        stats = {"train/loss": terms.loss.item(), "train/nft_positive_loss": terms.positive_loss.item(),
-                 "train/nft_negative_loss": terms.negative_loss.item(), "train/kl_loss": terms.kl_loss.item()}
-        return terms.loss, stats
+        stats = {"train/loss": terms.loss, "train/nft_positive_loss": terms.positive_loss,
+                 "train/nft_negative_loss": terms.negative_loss, "train/kl_loss": terms.kl_loss}
+        return terms.loss, _detached(stats)
 
     def after_update(self, k: int) -> None:
         a = self.cfg.algorithm
@@ -253,15 +270,16 @@ class RewardFilteredSft(_Objective):
         if x0 is None:
             return NftPairs(*(torch.empty(0) for _ in range(5)))
         env["cond_rows"], cond = conditioning_rows([env["cond"][i] for i in better], self.device)
+        self._ids_to_device(env)
         return nft_pairs(x0, [samples[i].seed for i in better], samples[0].output.dit_trajectory.sigmas,
                          advantages[better], cond, timestep_fraction=self.cfg.algorithm.nft_timestep_fraction)
 
-    def loss(self, batch: NftPairs, env: dict, step: int) -> tuple[torch.Tensor, dict[str, float]]:
+    def loss(self, batch: NftPairs, env: dict, step: int) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
         dev = self.device
         x0, noise, t = batch.x0.to(dev), batch.noise.to(dev), batch.t.to(dev)
         x_t = noised(x0, noise, t)
         loss = sft_loss(self._velocity(x_t, t, env["cond_rows"][batch.cond.to(dev)], None, 1.0, env), x0, noise)
-        return loss, {"train/loss": loss.item()}
+        return loss, {"train/loss": loss.detach()}
 
 
 OBJECTIVES = {"flow_grpo": FlowGrpo, "nft": DiffusionNft, "sft": RewardFilteredSft}

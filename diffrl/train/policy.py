@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import contextlib
 import copy
+import math
 import os
 from collections.abc import Sequence
 
@@ -219,17 +220,23 @@ class Policy:
         for group in self.optimizer.param_groups:
             group["lr"] = lr
 
-    def step(self, grad_clip: float, ema_decay: float) -> float | None:
-        """Clip, step and bump the weight version; None (and no step) when the gradient is not finite
-        (the caller clears it)."""
+    def step(self, grad_clip: float, ema_decay: float, nonfinite_loss: torch.Tensor | None = None) -> float | None:
+        """Clip, step and bump the weight version; None (and no step) when the gradient is not finite, or when
+        `nonfinite_loss` (a device flag: a loss of the accumulated micro-batches was not finite) is set; the
+        caller clears the gradient. The norm and the flag come back to the host together: the one wait for
+        the device of an optimizer step."""
         grad_norm = full_tensor(torch.nn.utils.clip_grad_norm_(self.params, grad_clip))
-        if not torch.isfinite(grad_norm):
+        if nonfinite_loss is None:
+            norm, bad = grad_norm.item(), False
+        else:
+            norm, bad = torch.stack([grad_norm.double(), nonfinite_loss.double()]).tolist()
+        if bad or not math.isfinite(norm):
             return None
         self.optimizer.step()
         self.weight_version += 1
         if self.eval_ema is not None:
             self.eval_ema.update(ema_decay)
-        return float(grad_norm)
+        return norm
 
     @contextlib.contextmanager
     def reference(self):

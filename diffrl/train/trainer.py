@@ -402,32 +402,42 @@ class Trainer:
 
     def update(self, pairs, env: dict) -> dict:
         """--num-steps-per-rollout optimizer steps over a random split of the pairs, each accumulated
-        over micro-batches of --micro-batch-size; a non-finite loss or gradient skips its step."""
+        over micro-batches of --micro-batch-size; a non-finite loss or gradient skips its step.
+
+        Nothing here waits for the device per micro-batch: the pairs go to it without waiting (page-locked),
+        the losses' statistics (float64 on the device, summed in the order a float sum would take) and whether
+        a loss was finite stay there, the optimizer step reads its gradient norm and that flag together
+        (`Policy.step`: one wait per step), and the statistics come back to the host once, at the end."""
         cfg, policy = self.cfg, self.policy
         lr = learning_rate(cfg, self.rollout_index)  # a function of the rollout: a resumed run agrees
         policy.set_lr(lr)
         gen = torch.Generator().manual_seed(cfg.seed * 1_000_003 + self.rollout_index)
         order = torch.randperm(len(pairs), generator=gen)
         chunks = [c for c in order.chunk(cfg.optim.num_steps_per_rollout) if len(c)]
-        totals: dict[str, float] = {}
+        totals: dict[str, float | torch.Tensor] = {}
         self.objective.start_update()
+        size = cfg.optim.micro_batch_size
         for step, chunk in enumerate(chunks):
             policy.optimizer.zero_grad(set_to_none=True)
-            step_stats: dict[str, float] = {}
-            for mb in chunk.split(cfg.optim.micro_batch_size):
-                weight = len(mb) / len(chunk)
-                loss, stats = self.objective.loss(pairs.select(mb), env, step)
-                if not torch.isfinite(loss):
-                    step_stats["train/nonfinite_loss"] = 1.0
-                    if not self.parallel.enabled:
-                        continue
-                    # Every rank must run the same backward passes (FSDP's collectives); the global
-                    # gradient norm is then non-finite on all of them and the step is skipped below.
+            step_stats: dict[str, float | torch.Tensor] = {}
+            nonfinite_loss = None  # on the device: whether a micro-batch's loss was not finite
+            # The step's pairs in its order, page-locked on a GPU run: a micro-batch's copy to the device then does
+            # not wait for the device (a copy from pageable memory waits for every kernel queued before it).
+            part = pairs.select(chunk)
+            if self.device.type == "cuda":
+                part = part.pin_memory()
+            for start in range(0, len(chunk), size):
+                batch = part.rows(start, start + size).to(self.device, non_blocking=True)
+                weight = len(batch) / len(chunk)
+                loss, stats = self.objective.loss(batch, env, step)
+                bad = ~torch.isfinite(loss.detach())
+                nonfinite_loss = bad if nonfinite_loss is None else nonfinite_loss | bad
+                # A non-finite loss's gradients are dropped with its step (every rank runs the same backward
+                # passes, as FSDP's collectives need).
                 (loss * weight).backward()
                 for key, value in stats.items():
-                    step_stats[key] = step_stats.get(key, 0.0) + value * weight
-            grad_norm = None if step_stats.get("train/nonfinite_loss") else policy.step(cfg.optim.grad_clip,
-                                                                                       cfg.algorithm.ema_decay)
+                    step_stats[key] = step_stats.get(key, 0.0) + value.double() * weight
+            grad_norm = policy.step(cfg.optim.grad_clip, cfg.algorithm.ema_decay, nonfinite_loss=nonfinite_loss)
             if grad_norm is None:
                 policy.optimizer.zero_grad(set_to_none=True)
                 totals["train/skipped_steps"] = totals.get("train/skipped_steps", 0.0) + 1
@@ -437,7 +447,7 @@ class Trainer:
                 totals[key] = totals.get(key, 0.0) + value / len(chunks)
         totals.update(self.objective.update_stats())
         totals["train/lr"] = lr
-        return mean_over_ranks(totals, self.parallel)
+        return mean_over_ranks(to_host(totals), self.parallel)
 
     # ------------------------------------------------------------------ evaluation
     def evaluate(self, k: int) -> dict:
@@ -529,6 +539,14 @@ def run_summary(records: list[dict], window: int = 4) -> str:
         lines.append(f"checkpoints/best (highest validation accuracy on train prompts): rollout {best['rollout']}, "
                      f"validation {best['val/strict']:.3f}, held-out {best.get('eval/strict', float('nan')):.3f}")
     return "\n".join(lines)
+
+
+def to_host(stats: dict[str, float | torch.Tensor]) -> dict[str, float]:
+    """The statistics with their tensors (0-dim, one dtype) read back to the host in one transfer, in place."""
+    keys = [k for k, v in stats.items() if isinstance(v, torch.Tensor)]
+    if keys:
+        stats.update(zip(keys, torch.stack([stats[k] for k in keys]).tolist(), strict=True))
+    return stats
 
 
 def learning_rate(cfg: TrainConfig, rollout: int) -> float:
