@@ -13,7 +13,7 @@ import json
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
-from diffrl.cli.evaluate import check_shapes_family, eval_prompts, refuse_other_mode
+from diffrl.cli.evaluate import check_family_values, check_shapes_family, check_values, eval_prompts, refuse_other_mode
 from diffrl.data.shapes import test_prompts
 from diffrl.evaluation.compare import (REWARD_COLUMNS, compare_by_reward, compare_models, reward_markdown,
                                        rows_as_dicts, save_reward_side_by_side, save_side_by_side, tally)
@@ -86,6 +86,7 @@ class CompareConfig:
 
 def compare(cfg: CompareConfig) -> dict:
     check_output_dir(cfg.output_dir, kind="folder")  # before the images are made, not after
+    check_values(cfg)
     # The trained model loads after the base model's images are made: a wrong path must fail before them.
     check_checkpoint(cfg.trained)
     if cfg.base_checkpoint is not None:
@@ -145,6 +146,7 @@ def compare_by_prompt_data(cfg: CompareConfig) -> dict:
     out = cfg.output_dir
     # The models one at a time: a large family's base and trained copies need not fit together.
     base = load_model(cfg.base, cfg.base_checkpoint, family=cfg.diffusion_model_family, device=device)
+    check_family_values(cfg, base)
     if cfg.base_checkpoint is None:
         check_fits(base, cfg.base, cfg.trained)  # before the base's images, not after
     guidance = base.default_guidance_scale if cfg.guidance_scale is None else cfg.guidance_scale

@@ -19,6 +19,7 @@ from diffrl.evaluation.reward_eval import evaluate_with_reward, reward_component
 from diffrl.evaluation.sampling import TEST_SEED
 from diffrl.evaluation.shapes import (IMAGES_DIR, RECORDS_FILE, balanced_eval_set, clear_samples, evaluate_prompts,
                                      format_summary, records_as_dicts, save_records_grid, save_samples, summarize)
+from diffrl.errors import RequestError
 from diffrl.models.checkpoint import load_model
 from diffrl.models.demo import SHIPPED_DEMO_MODEL
 from diffrl.models.speed import SpeedOptions
@@ -26,6 +27,7 @@ from diffrl.rewards import check_prompts, default_device
 from diffrl.utils.atomic import atomic_path, write_text_atomic
 from diffrl.utils.device import resolve_device
 from diffrl.utils.folders import check_output_dir
+from diffrl.utils.size import sample_size, size_flags
 
 SHAPES_GUIDANCE_SCALE = 3.0  # the shapes evaluation's CFG when --guidance-scale is left unset
 
@@ -113,6 +115,38 @@ def refuse_other_mode(cfg, flags: dict[str, str | None], prompt_data: bool) -> N
                              + (f"; the shapes world's is {instead}" if instead else ""))
 
 
+_AT_LEAST_ONE = ("num_steps", "batch_size", "num_seeds", "images_per_category", "max_prompts_per_category",
+                 "num_frames", "reward_frames")
+_NOT_NEGATIVE = ("guidance_scale", "guidance_scale_2", "base_guidance_scale", "trained_guidance_scale", "tie_margin")
+
+
+def check_values(cfg) -> None:
+    """The numbers of an evaluate or compare config that no model could take, refused naming the flag before any
+    model loads (a step count of 0 or a negative CFG scale reached the engine's request schema as a pydantic error
+    of four lines after the model loaded; --num-seeds 0 failed with a torch traceback). Also the size flags."""
+    for name in _AT_LEAST_ONE + _NOT_NEGATIVE:
+        value, least = getattr(cfg, name, None), 1 if name in _AT_LEAST_ONE else 0
+        if value is not None and value < least:
+            raise ValueError(f"--{name.replace('_', '-')} must be >= {least}, got {value}")
+    sample_size(getattr(cfg, "resolution", None), getattr(cfg, "height", None), getattr(cfg, "width", None))
+
+
+def check_family_values(cfg, family) -> None:
+    """What the loaded family decides, named by flag: the size it can make, and a second expert's CFG scale."""
+    size = sample_size(cfg.resolution, cfg.height, cfg.width)
+    if size is not None:
+        try:
+            if family.generates_video:
+                family.check_size(*size, num_frames=cfg.num_frames or family.default_num_frames)
+            else:
+                family.check_size(*size)
+        except RequestError as err:
+            raise ValueError(f"{size_flags(cfg.resolution, cfg.height, cfg.width)}: {err.message}") from None
+    if cfg.guidance_scale_2 is not None and not family.uses_guidance_scale_2:
+        raise ValueError(f"--guidance-scale-2 {cfg.guidance_scale_2}: the {family.name} family has no second expert "
+                         "(this checkpoint); use --guidance-scale")
+
+
 def check_shapes_family(family: str | None, model_path: Path, command: str, guidance_scale_2: float | None) -> None:
     """The shapes world verifies images: a video family is refused before it loads (its [C, F, H, W] videos
     reached the image writer as a traceback), pointing at the prompt-set evaluation, which takes video; and so
@@ -129,6 +163,7 @@ def check_shapes_family(family: str | None, model_path: Path, command: str, guid
 
 def evaluate(cfg: EvaluateConfig) -> dict:
     check_output_dir(cfg.output_dir, kind="folder")  # before the images are made, not after
+    check_values(cfg)
     if cfg.prompt_data is not None or cfg.reward is not None:
         refuse_other_mode(cfg, _SHAPES_ONLY, prompt_data=True)
         return evaluate_prompt_data(cfg)
@@ -140,6 +175,7 @@ def evaluate(cfg: EvaluateConfig) -> dict:
                   guidance_scale=SHAPES_GUIDANCE_SCALE if cfg.guidance_scale is None else cfg.guidance_scale)
     device = resolve_device(cfg.device)
     family = load_model(cfg.model_path, cfg.checkpoint, family=cfg.diffusion_model_family, device=device)
+    check_family_values(cfg, family)
     SpeedOptions(float8=cfg.float8).apply(family)
     if cfg.max_prompts_per_category is None:
         prompts = test_prompts() if cfg.split == "test" else train_prompts()
@@ -204,6 +240,7 @@ def evaluate_prompt_data(cfg: EvaluateConfig) -> dict:
     components = reward_components(cfg.reward, device=cfg.reward_device)  # a bad spec fails before any model loads
     device = resolve_device(cfg.device)
     family = load_model(cfg.model_path, cfg.checkpoint, family=cfg.diffusion_model_family, device=device)
+    check_family_values(cfg, family)
     SpeedOptions(float8=cfg.float8).apply(family)
     cfg = replace(cfg, seed=TEST_SEED if cfg.seed is None else cfg.seed,
                   guidance_scale=family.default_guidance_scale if cfg.guidance_scale is None else cfg.guidance_scale)
