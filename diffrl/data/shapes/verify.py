@@ -837,8 +837,10 @@ def _describe_component(image: np.ndarray, chroma: np.ndarray, objects: np.ndarr
     if OTHER_EDGE_PX:  # nor their soft edges (a neighbour's edge within our rim reads as a sliver of ours)
         top1, left1 = max(top - OTHER_EDGE_PX, 0), max(left - OTHER_EDGE_PX, 0)
         grown = (slice(top1, pad[0].stop + OTHER_EDGE_PX), slice(left1, pad[1].stop + OTHER_EDGE_PX))
-        near_other = _dilate(objects[grown] & (labels[grown] != label), OTHER_EDGE_PX)
-        owned &= own | ~near_other[top - top1 : top - top1 + own.shape[0], left - left1 : left - left1 + own.shape[1]]
+        other = objects[grown] & (labels[grown] != label)
+        if other.any():
+            near_other = _dilate(other, OTHER_EDGE_PX)[top - top1 :, left - left1 :][: own.shape[0], : own.shape[1]]
+            owned &= own | ~near_other
     alpha = _coverage(image[pad].astype(np.float32), _PALETTE[color_index]) * owned
     alpha[own] = 1.0  # shaded core pixels are full coverage whatever their lightness
     fit = _fit_shape(alpha, image.shape[0] / 64, own)
