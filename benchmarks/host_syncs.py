@@ -10,9 +10,10 @@ prints, per phase, the count per unit and the diffrl source lines they come from
   tiny demo family and on a tiny random SD3 checkpoint (on a CPU without its CPU-only row-by-row layers, as a
   GPU runs it), at two step counts: the difference is per denoising step, the rest per request (prompt
   encoding, decode, the response's bookkeeping);
-- trainer: `Trainer.update` of one rollout of a tiny run (tests/test_trainer.py's sizes) for `flow_grpo` and
-  `nft`: per micro-batch (`objective.loss`, backward, the statistics) and per optimizer step (`policy.step`:
-  clipping, the finite check, AdamW, the EMA), and the rollout's own bookkeeping outside both.
+- trainer: `Trainer.update` of one rollout of a tiny run (tests/test_trainer.py's sizes): `flow_grpo` and `nft`
+  on the demo family, `flow_grpo` with LoRA and CFG 4.5 on the tiny SD3 (as a GPU runs it): per micro-batch
+  (`objective.loss`, backward, the statistics) and per optimizer step (`policy.step`: clipping, the finite
+  check, AdamW, the EMA), and the rollout's own bookkeeping outside both.
 """
 
 from __future__ import annotations
@@ -57,14 +58,22 @@ def engine_syncs(family, steps: tuple[int, int] = (4, 8)) -> dict:
             "steps": steps}
 
 
-def load_as_on_a_gpu(path: Path, device: torch.device):
-    """The SD3 family without the row-by-row layers it runs on a CPU only (batch invariance, `models/sd3.py`)."""
+@contextlib.contextmanager
+def as_on_a_gpu():
+    """SD3 families loaded inside leave out the row-by-row layers they run on a CPU only (batch invariance,
+    `models/sd3.py`): the forward a GPU runs."""
     from unittest import mock
 
     import diffrl.models.sd3 as sd3
-    from diffrl.models.registry import resolve_family
 
     with mock.patch.object(sd3, "_run_per_sample_layers_row_by_row", lambda transformer: None):
+        yield
+
+
+def load_as_on_a_gpu(path: Path, device: torch.device):
+    from diffrl.models.registry import resolve_family
+
+    with as_on_a_gpu():
         return resolve_family("sd3", path).load(path, device=device, dtype=torch.float32)
 
 
@@ -143,10 +152,14 @@ def main(argv: list[str] | None = None) -> dict:
         print(f"engine, {name} family, Flow-GRPO request: {r['per_step']:g} per denoising step, "
               f"{r['per_request']:g} per request")
         print(r["long"].report(label=f"  {r['steps'][1]} steps: "))
-    for loss_type in ("flow_grpo", "nft"):
-        r = results[f"train/{loss_type}"] = trainer_syncs(demo_dir, work / f"run-{loss_type}", loss_type=loss_type,
-                                                          device=args.device)
-        print(f"trainer, {loss_type}: {r['per_micro_batch']:g} per micro-batch ({r['per_loss']:g} in the loss), "
+    runs = {"demo flow_grpo": (demo_dir, dict(loss_type="flow_grpo")), "demo nft": (demo_dir, dict(loss_type="nft")),
+            # SD3's published Flow-GRPO settings in small: LoRA, CFG 4.5
+            "sd3 flow_grpo": (sd3_dir, dict(loss_type="flow_grpo", use_lora=True, diffusion_guidance_scale=4.5))}
+    for name, (model_dir, flags) in runs.items():
+        with as_on_a_gpu():
+            r = results[f"train/{name}"] = trainer_syncs(model_dir, work / f"run-{name.replace(' ', '-')}",
+                                                         device=args.device, **flags)
+        print(f"trainer, {name}: {r['per_micro_batch']:g} per micro-batch ({r['per_loss']:g} in the loss), "
               f"{r['per_optimizer_step']:g} per optimizer step, {r['rollout_bookkeeping']} in the rollout's "
               f"bookkeeping ({r['micro_batches']} micro-batches, {r['optimizer_steps']} optimizer steps)")
         print(r["counter"].report(label="  all: "))

@@ -112,3 +112,18 @@ def test_a_nonfinite_loss_still_skips_its_optimizer_step(script, tiny_model_dir,
     assert calls.count(0) > 1  # the step's other micro-batches ran too
     assert record["train/skipped_steps"] == 1 and trainer.policy.weight_version == 1
     assert math.isfinite(record["train/grad_norm"]) and math.isfinite(record["train/loss"])
+
+
+def test_sd3_flow_grpo_micro_batches_do_not_sync(script, tmp_path):
+    """SD3's Flow-GRPO settings in small (LoRA, CFG 4.5), as a GPU runs the forward: nothing per micro-batch but
+    the CFG check of the position ids, once per update (remembered after), and the update's one read."""
+    from diffrl.models.random_checkpoints.sd3 import save_random_checkpoint
+
+    path = save_random_checkpoint(tmp_path / "sd3", with_t5=False)
+    with script.as_on_a_gpu():
+        result = script.trainer_syncs(path, tmp_path / "run", loss_type="flow_grpo", use_lora=True,
+                                      diffusion_guidance_scale=4.5)
+    report = result["counter"].report()
+    assert round(result["per_loss"] * result["micro_batches"]) <= 1, report
+    assert round(result["per_micro_batch"] * result["micro_batches"]) <= 2, report
+    assert result["per_optimizer_step"] <= 1, report
