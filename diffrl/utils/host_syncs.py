@@ -11,14 +11,18 @@ so a loop's synchronizations can be counted, located and kept from coming back, 
 - `shape`: ops whose output size depends on the data (`nonzero`, `masked_select`, indexing or assigning
   with a boolean mask, `unique`, `repeat_interleave` without `output_size`, `bincount`);
 - `read`: a tensor read into host memory (`.tolist()`, `.cpu()`, `.numpy()`, `.to("cpu")`);
-- `copy_to_host` / `copy_to_device`: an aten copy between the host and an accelerator (blocking copies to the
-  device wait for the stream too), seen only when an accelerator is in use.
+- `copy_to_host` / `copy_to_device`: a blocking aten copy between the host and an accelerator (a copy to the
+  device from pageable memory waits for the stream too; a `non_blocking` one does not), seen only when an
+  accelerator is in use.
 
 On a CPU run every tensor is in host memory, so the counter cannot see where a tensor would live on a GPU.
 It then counts the operations above on CPU tensors as they would be counted on the device (a denoising or
 training step keeps everything it computes on the device), except those torch itself keeps on the host:
-a non-fused optimizer's step counters (`torch/optim/`). With an accelerator it counts only operations that
-touch one of its tensors, which is exact.
+a non-fused optimizer's step counters (`torch/optim/`); reads into host memory are counted where diffrl (or
+the caller's own code) asks for them, not inside installed libraries. Host-side bookkeeping on tensors that
+live on the host on any device (rewards, a response's tensors) is counted too: tell it apart by its line.
+Copies to the device (`.to(device)` from the host) are not seen on a CPU run. With an accelerator it counts
+only operations that touch one of its tensors, which is exact.
 """
 
 from __future__ import annotations
@@ -139,6 +143,8 @@ def _called_from_library() -> bool:
     for path, _, _ in _frames():
         if path.startswith(_TORCH_DIR + os.sep) and "overrides" in path:
             continue
+        if _in_package(path):  # diffrl itself, wherever it is installed
+            return False
         return any(part in path for part in (f"{os.sep}site-packages{os.sep}", f"{os.sep}dist-packages{os.sep}"))
     return False
 
