@@ -2,6 +2,7 @@
 
 import json
 
+import pytest
 import torch
 
 from diffrl.cli.main import main as cli_main
@@ -119,3 +120,18 @@ def test_size_flags_that_the_loaded_model_overrides_are_refused(tmp_path, capsys
     # Resumed without the size flags, the run keeps its checkpoint's size.
     assert cli_main(["pretrain", "--output-dir", str(run), "--steps", "2", "--resume", *tiny]) == 0
     assert DemoFamily.load(run / "final").config.transformer["num_single_layers"] == 1
+
+
+@pytest.mark.parametrize("flag, value, message", [
+    ("--steps", "0", "--steps must be >= 1, got 0"), ("--batch-size", "0", "--batch-size must be >= 1, got 0"),
+    ("--checkpoint-every", "0", "--checkpoint-every must be >= 1, got 0"), ("--lr", "-1", "--lr must be >= 0, got -1.0"),
+    ("--cfg-dropout", "2", "--cfg-dropout must be in [0, 1], got 2.0"), ("--max-minutes", "0", "--max-minutes must be > 0"),
+    ("--attention-head-dim", "6", "--attention-head-dim must be a multiple of 4"),
+])
+def test_values_that_fail_late_or_never_end_are_refused(tmp_path, capsys, flag, value, message):
+    """--steps 0 trained without end; --checkpoint-every 0 divided by zero; --batch-size 0 and --lr -1 stopped in
+    torch without naming the flag."""
+    out = tmp_path / "run"
+    assert cli_main(["pretrain", "--output-dir", str(out), flag, value, "--device", "cpu"]) == 2
+    assert capsys.readouterr().err.strip().startswith(f"error: {message}")
+    assert not out.exists()

@@ -73,6 +73,27 @@ class PretrainConfig:
     sample_steps: int = 10
     sample_guidance_scale: float = 3.0
 
+    def check(self) -> None:
+        """Values that would fail later or loop forever, refused naming the flag (--steps 0 trained without end,
+        --checkpoint-every 0 divided by zero, --batch-size 0 and --lr -1 stopped in torch with messages naming
+        neither flag)."""
+        for name in ("steps", "batch_size", "checkpoint_every", "log_every", "sample_steps", "num_attention_heads",
+                     "attention_head_dim", "num_single_layers", "text_d_model"):
+            value = getattr(self, name)
+            if value is not None and value < 1:
+                raise ValueError(f"--{name.replace('_', '-')} must be >= 1, got {value}")
+        for name, lo, hi in (("lr", 0, None), ("weight_decay", 0, None), ("warmup_steps", 0, None),
+                             ("num_layers", 0, None), ("cfg_dropout", 0, 1), ("ema_decay", 0, 1)):
+            value = getattr(self, name)
+            if value < lo or (hi is not None and value > hi):
+                bounds = f">= {lo}" if hi is None else f"in [{lo}, {hi}]"
+                raise ValueError(f"--{name.replace('_', '-')} must be {bounds}, got {value}")
+        if self.max_minutes is not None and self.max_minutes <= 0:
+            raise ValueError(f"--max-minutes must be > 0, got {self.max_minutes}")
+        if self.attention_head_dim % 4:
+            raise ValueError(f"--attention-head-dim must be a multiple of 4 (its 4 RoPE axes share it), got "
+                             f"{self.attention_head_dim}")
+
     def demo_config(self) -> DemoConfig:
         config = DemoConfig()
         config.transformer.update(
@@ -138,6 +159,7 @@ def pretrain(cfg: PretrainConfig) -> Path:
     """Train; returns the path of the final EMA model."""
     from diffrl.evaluation.shapes import sample_grid  # late import: evaluation imports the engine
 
+    cfg.check()
     device = resolve_device(cfg.device)
     out = cfg.output_dir
     check_output_dir(out)
