@@ -89,3 +89,26 @@ def test_a_negative_scale_or_rate_is_refused_naming_the_flag(tmp_path, capsys, f
                  "--output-dir", str(tmp_path / "run")]) == 2
     assert capsys.readouterr().err.strip() == f"error: {flag} must be >= 0, got {float(value)}"
     assert not (tmp_path / "run").exists()
+
+
+@pytest.mark.parametrize("flags, message", [
+    (["--grad-clip", "-1"], "--grad-clip must be > 0 (inf: no clipping), got -1.0"),
+    (["--diffusion-kl-beta", "-0.1"], "--diffusion-kl-beta must be >= 0, got -0.1"),
+    (["--diffusion-clip-range", "0"], "--diffusion-clip-range must be > 0, got 0.0"),
+    (["--diffusion-adv-clip-max", "-1"], "--diffusion-adv-clip-max must be > 0, got -1.0"),
+    (["--use-ema", "--ema-decay", "2"], "--ema-decay must be in [0, 1], got 2.0"),
+    (["--lr-schedule", "cosine", "--lr-min-ratio", "2"], "--lr-min-ratio must be in [0, 1], got 2.0"),
+    (["--weight-decay", "-1"], "--weight-decay must be >= 0, got -1.0"),
+    (["--time-budget-minutes", "-1"], "--time-budget-minutes must be > 0, got -1.0"),
+    (["--rollout-microgroup-size", "0"], "--rollout-microgroup-size must be >= 1"),
+    (["--engine-max-batch-outputs", "0"], "--engine-max-batch-outputs must be >= 1, got 0"),
+    (["--eval-log-images", "-1"], "--eval-log-images must be >= 0, got -1"),
+])
+def test_values_that_would_train_silently_wrong_are_refused(tmp_path, capsys, flags, message):
+    """Accepted before: a negative --grad-clip flipped the gradient (torch clamps the clip coefficient only from
+    above), a negative KL pushed away from the reference, --lr-min-ratio 2 made the cosine schedule rise, a negative
+    --time-budget-minutes stopped after one rollout, --eval-log-images -1 logged all but one image."""
+    assert main(["train", "--recipe", "shapes-grpo", "--device", "cpu", *flags,
+                 "--output-dir", str(tmp_path / "run")]) == 2
+    assert capsys.readouterr().err.strip() == f"error: {message}"
+    assert not (tmp_path / "run").exists()

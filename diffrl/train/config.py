@@ -131,7 +131,8 @@ class RolloutSettings:
         return self.diffusion_sde_window_range or (0, self.diffusion_num_steps)
 
     def check(self) -> None:
-        for name in ("num_rollout", "rollout_batch_size", "n_samples_per_prompt", "diffusion_num_steps"):
+        for name in ("num_rollout", "rollout_batch_size", "n_samples_per_prompt", "diffusion_num_steps",
+                     "rollout_microgroup_size"):
             _require(getattr(self, name) >= 1, f"--{name.replace('_', '-')} must be >= 1")
         g, g2 = self.diffusion_guidance_scale, self.diffusion_guidance_scale_2
         for flag, value in (("--diffusion-guidance-scale", g), ("--diffusion-guidance-scale-2", g2),
@@ -173,6 +174,8 @@ class EnginePoolConfig:
 
     def check(self) -> None:
         _require(self.engine_concurrency >= 1, f"--engine-concurrency must be >= 1, got {self.engine_concurrency}")
+        _require(self.engine_max_batch_outputs >= 1,
+                 f"--engine-max-batch-outputs must be >= 1, got {self.engine_max_batch_outputs}")
         _require(self.update_weight_buffer_size >= 1,
                  f"--update-weight-buffer-size must be >= 1 byte, got {self.update_weight_buffer_size}")
         # Only a --colocate engine sleeps and takes bucketed syncs: without it these would do nothing, silently.
@@ -215,6 +218,13 @@ class AlgorithmConfig:
     samples are the data; the loss still trains the conditional velocity alone."""
 
     def check(self) -> None:
+        # Values that would train silently wrong: a negative KL pushes away from the reference, a clip range or
+        # advantage clip of 0 or below zeroes or flips the update, an EMA decay above 1 diverges.
+        _require(self.diffusion_clip_range > 0, f"--diffusion-clip-range must be > 0, got {self.diffusion_clip_range}")
+        _require(self.diffusion_adv_clip_max > 0,
+                 f"--diffusion-adv-clip-max must be > 0, got {self.diffusion_adv_clip_max}")
+        _require(self.diffusion_kl_beta >= 0, f"--diffusion-kl-beta must be >= 0, got {self.diffusion_kl_beta}")
+        _require(0 <= self.ema_decay <= 1, f"--ema-decay must be in [0, 1], got {self.ema_decay}")
         _require(self.nft_rollout_guidance_scale >= 1 and (self.nft_rollout_guidance_scale == 1 or self.loss_type == "nft"),
                  f"--nft-rollout-guidance-scale must be >= 1 and applies to --loss-type nft only "
                  f"(got {self.nft_rollout_guidance_scale} with --loss-type {self.loss_type})")
@@ -244,6 +254,9 @@ class OptimConfig:
 
     def check(self) -> None:
         _require(self.lr >= 0, f"--lr must be >= 0, got {self.lr}")
+        _require(0 <= self.lr_min_ratio <= 1, f"--lr-min-ratio must be in [0, 1], got {self.lr_min_ratio}")
+        _require(self.weight_decay >= 0, f"--weight-decay must be >= 0, got {self.weight_decay}")
+        _require(self.grad_clip > 0, f"--grad-clip must be > 0 (inf: no clipping), got {self.grad_clip}")
         for name in ("global_batch_size", "num_steps_per_rollout", "micro_batch_size"):
             _require(getattr(self, name) >= 1, f"--{name.replace('_', '-')} must be >= 1")
         _require(0 <= self.adam_beta1 < 1 and 0 <= self.adam_beta2 < 1,
@@ -329,6 +342,7 @@ class EvalConfig:
 
     def check(self) -> None:
         _require(self.eval_interval >= 1, "--eval-interval must be >= 1")
+        _require(self.eval_log_images >= 0, f"--eval-log-images must be >= 0, got {self.eval_log_images}")
         _require(self.eval_guidance_scale is None or self.eval_guidance_scale >= 0,
                  f"--eval-guidance-scale must be >= 0, got {self.eval_guidance_scale}")
         _require(self.eval_images_per_category >= 0, f"--eval-images-per-category must be >= 0 (0: no held-out "
@@ -364,6 +378,8 @@ class CheckpointConfig:
 
     def check(self) -> None:
         _require(self.checkpoint_interval >= 1, "--checkpoint-interval must be >= 1")
+        _require(self.time_budget_minutes is None or self.time_budget_minutes > 0,
+                 f"--time-budget-minutes must be > 0, got {self.time_budget_minutes}")
         _require(not self.resume or self.output_dir is not None, "--resume needs the --output-dir of the run to continue")
         _require(self.wandb_mode in ("online", "offline"), f"--wandb-mode must be online or offline, got {self.wandb_mode!r}")
 
