@@ -12,6 +12,8 @@ from diffrl.cli.main import main
 @pytest.mark.parametrize("argv, message", [
     (["evaluate", "--num-steps", "0"], "--num-steps must be >= 1, got 0"),
     (["evaluate", "--num-seeds", "0"], "--num-seeds must be >= 1, got 0"),
+    (["compare", "--trained", "M", "--num-prompts", "0"], "--num-prompts must be >= 1, got 0"),  # a traceback
+    (["compare", "--trained", "M", "--num-prompts", "-3"], "--num-prompts must be >= 1, got -3"),  # 39 of 42 prompts
     (["evaluate", "--prompt-data", "P", "--reward", "R", "--guidance-scale", "-1"], "--guidance-scale must be >= 0, got -1.0"),
     (["compare", "--trained", "M", "--base", "M", "--prompt-data", "P", "--reward", "R", "--tie-margin", "-0.1"],
      "--tie-margin must be >= 0, got -0.1"),

@@ -115,7 +115,7 @@ def refuse_other_mode(cfg, flags: dict[str, str | None], prompt_data: bool) -> N
                              + (f"; the shapes world's is {instead}" if instead else ""))
 
 
-_AT_LEAST_ONE = ("num_steps", "batch_size", "num_seeds", "images_per_category", "max_prompts_per_category",
+_AT_LEAST_ONE = ("num_steps", "batch_size", "num_seeds", "num_prompts", "images_per_category", "max_prompts_per_category",
                  "num_frames", "reward_frames")
 _NOT_NEGATIVE = ("guidance_scale", "guidance_scale_2", "base_guidance_scale", "trained_guidance_scale", "tie_margin")
 
