@@ -35,3 +35,11 @@ def test_a_save_folder_that_is_a_file_is_refused_naming_the_flag(tmp_path):
     (tmp_path / "records").write_text("not a folder")
     with pytest.raises(FileExistsError, match=r"--save-rollout-data .*records is a file, not a folder"):
         prepare_save_dir(tmp_path / "records", resume=False)
+
+
+def test_a_save_folder_under_a_file_is_refused_naming_the_flag(tmp_path):
+    """It failed with a NotADirectoryError traceback when the folder was made."""
+    (tmp_path / "notes.txt").write_text("not a folder")
+    with pytest.raises(FileExistsError, match=r"^--save-rollout-data .*notes.txt/records: .*notes.txt is a file, not a "
+                                              r"folder; choose another --save-rollout-data$"):
+        prepare_save_dir(tmp_path / "notes.txt" / "records", resume=False)

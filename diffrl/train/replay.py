@@ -33,6 +33,7 @@ from safetensors.torch import save_file
 from diffrl.data.prompts import PromptRecord
 from diffrl.engine.protocol import DitTrajectory, RolloutOutput
 from diffrl.rollout.manager import Sample
+from diffrl.utils.folders import check_output_dir
 
 RECORD_FORMAT = "diffrl-rollout/1"
 METADATA_KEY = "diffrl_rollout"
@@ -84,9 +85,8 @@ def prepare_save_dir(directory: Path, resume: bool, fingerprint: dict | None = N
     as the rollouts are done again; records of another configuration are refused even then, or the
     folder would mix two runs); clear temp files a crash left behind."""
     directory = Path(directory)
-    if directory.exists() and not directory.is_dir():  # mkdir below would fail with a bare errno line
-        # FileExistsError: the CLI prints it as one line (an OSError of another kind gets a traceback).
-        raise FileExistsError(f"--save-rollout-data {directory} is a file, not a folder; choose a folder")
+    # The folder or a parent a file: mkdir below would fail with a NotADirectoryError traceback.
+    check_output_dir(directory, "--save-rollout-data", kind="folder")
     found = existing_records(directory)
     if found and not resume:
         raise FileExistsError(f"--save-rollout-data {directory} already holds rollout records "
