@@ -52,3 +52,16 @@ def test_the_error_line_of_a_failed_run_is_not_glued_to_the_progress_bar(tiny_mo
                  "--output-dir", str(tmp_path / "run")]) == 2
     lines = capsys.readouterr().err.split("\n")
     assert any(line.startswith("error: --reward rewards_for_tests:not_a_number returned nan") for line in lines), lines
+
+
+def test_a_prompt_set_the_shapes_reward_cannot_score_is_refused_up_front(tmp_path, capsys):
+    """`shapes` is the reward a run gets without --reward: on another prompt set it failed at the first scoring
+    ('cannot parse prompt …'), after the model loaded and a rollout was sampled."""
+    (tmp_path / "prompts.txt").write_text("a red circle\na cat on a mat\n")
+    assert main(["train", "--recipe", "shapes-grpo", "--device", "cpu", "--prompt-data", str(tmp_path / "prompts.txt"),
+                 "--output-dir", str(tmp_path / "run")]) == 2
+    assert capsys.readouterr().err.strip() == (
+        f"error: prompt data {tmp_path / 'prompts.txt'} (training prompts), prompt 2: cannot parse prompt 'a cat on a "
+        "mat': unknown shape 'cat'; the shapes rewards score only the shapes world's prompts (pass --reward for this "
+        "prompt set)")
+    assert not (tmp_path / "run").exists()

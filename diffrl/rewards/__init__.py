@@ -238,6 +238,24 @@ def shapes_strict_reward(images, prompts, metadata=None) -> list[float]:
     return [float(verdict.strict) for verdict in _shapes_verdicts(images, prompts)]
 
 
+def _shapes_prompt(prompt: str) -> None:
+    """A prompt set is checked up front (`check_prompts`): the shapes verifier scores only the shapes world's
+    prompts. It is the reward a run gets without --reward, so another prompt set failed at its first scoring,
+    after the model loaded and a rollout was sampled."""
+    from diffrl.data.shapes.grammar import parse_prompt
+
+    try:
+        parse_prompt(prompt)
+    except ValueError as err:
+        raise ValueError(f"{err}; the shapes rewards score only the shapes world's prompts (pass --reward for this "
+                         "prompt set)") from None
+
+
+for _shapes in (shapes_reward, shapes_balanced_reward, shapes_exact_count_reward, shapes_crisp_reward,
+                shapes_strict_reward):
+    _shapes.check_prompt = _shapes_prompt
+
+
 def _split_multi(spec: str) -> list[str]:
     """The entries of a `multi:` spec: commas separate entries, except before a model reward's option."""
     entries: list[str] = []
