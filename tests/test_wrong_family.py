@@ -64,3 +64,18 @@ def test_a_recipe_of_another_family_without_model_path_asks_for_it(tmp_path, cap
         "error: --model-path: --recipe sd35-grpo-ocr trains a checkpoint of the sd3 family; pass its directory as "
         "--model-path DIR (without it the run would load the shipped demo model)")
     assert not (tmp_path / "run").exists()
+
+
+def test_a_hub_id_as_model_path_says_that_only_local_directories_are_read(tmp_path, capsys, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "prompts.txt").write_text('a sign that says "OPEN"\n')
+    assert main(["train", "--recipe", "sd35-grpo-ocr", "--model-path", "stabilityai/stable-diffusion-3.5-medium",
+                 "--prompt-data", "prompts.txt", "--device", "cpu", "--output-dir", "run"]) == 2
+    assert capsys.readouterr().err.strip() == (
+        "error: model directory not found: stabilityai/stable-diffusion-3.5-medium (a hub id? diffrl reads local "
+        "directories only: download it first, e.g. `huggingface-cli download stabilityai/stable-diffusion-3.5-medium "
+        "--local-dir DIR`, and pass DIR)")
+    (tmp_path / "models").mkdir()
+    assert main(["evaluate", "--model-path", "models/missing", "--output-dir", "out"]) == 2  # a local folder's: no hint
+    assert capsys.readouterr().err.strip() == "error: model directory not found: models/missing"
+    assert not (tmp_path / "run").exists()

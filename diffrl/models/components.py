@@ -72,7 +72,11 @@ class Component:
 def checkpoint_root(model_path: str | Path) -> Path:
     root = Path(model_path)
     if not root.is_dir():
-        raise ModelLoadError(f"model directory not found: {root}")
+        text = str(model_path)
+        hub_id = not root.exists() and text.count("/") == 1 and not text.startswith((".", "/", "~"))
+        hint = (" (a hub id? diffrl reads local directories only: download it first, e.g. `huggingface-cli download "
+                f"{text} --local-dir DIR`, and pass DIR)") if hub_id and not root.parent.exists() else ""
+        raise ModelLoadError(f"model directory not found: {root}{hint}")
     return root
 
 
