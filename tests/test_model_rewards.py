@@ -183,3 +183,11 @@ def test_model_rewards_load_on_the_device_asked_for(tiny_clip, monkeypatch):
     assert on_cpu(IMAGES, PROMPTS) == pytest.approx(default(IMAGES, PROMPTS), rel=1e-5)
     with pytest.raises(ValueError, match="reward device 'nowhere'"):
         get_reward(f"clipscore@{path}", device="nowhere")
+
+
+def test_a_hub_id_as_reward_path_says_that_only_local_directories_are_read(tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    for spec, name in (("pickscore@yuvalkirstain/PickScore_v1", "no CLIP checkpoint at"),
+                       ("hpsv2@xswu/HPSv2", "hpsv2: no checkpoint at")):
+        with pytest.raises(ModelLoadError, match=rf"^{name} .*a hub id\? diffrl reads local directories only"):
+            get_reward(spec, device="cpu")

@@ -72,12 +72,18 @@ class Component:
 def checkpoint_root(model_path: str | Path) -> Path:
     root = Path(model_path)
     if not root.is_dir():
-        text = str(model_path)
-        hub_id = not root.exists() and text.count("/") == 1 and not text.startswith((".", "/", "~"))
-        hint = (" (a hub id? diffrl reads local directories only: download it first, e.g. `huggingface-cli download "
-                f"{text} --local-dir DIR`, and pass DIR)") if hub_id and not root.parent.exists() else ""
-        raise ModelLoadError(f"model directory not found: {root}{hint}")
+        raise ModelLoadError(f"model directory not found: {root}{hub_id_hint(model_path)}")
     return root
+
+
+def hub_id_hint(path: str | Path) -> str:
+    """For a missing path that reads as a hub id (org/name, its folder absent too): a note that diffrl reads local
+    directories only, and how to download one; else ''."""
+    text, local = str(path), Path(path)
+    if local.exists() or text.count("/") != 1 or text.startswith((".", "/", "~")) or local.parent.exists():
+        return ""
+    return (" (a hub id? diffrl reads local directories only: download it first, e.g. `huggingface-cli download "
+            f"{text} --local-dir DIR`, and pass DIR)")
 
 
 def read_model_index(root: Path, *, required: bool) -> dict:

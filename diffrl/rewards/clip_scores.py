@@ -21,6 +21,7 @@ from pathlib import Path
 import torch
 
 from diffrl.errors import ModelLoadError
+from diffrl.models.components import hub_id_hint
 
 
 def _first_line(err: BaseException) -> str:
@@ -48,7 +49,7 @@ class _Clip:
 
         path = Path(path)
         if not (path / "config.json").is_file():
-            raise ModelLoadError(f"no CLIP checkpoint at {path} (config.json missing)")
+            raise ModelLoadError(f"no CLIP checkpoint at {path} (config.json missing){hub_id_hint(path)}")
         self.processor = load_processor(path if processor is None else processor)
         try:
             self.model = CLIPModel.from_pretrained(str(path), local_files_only=True)

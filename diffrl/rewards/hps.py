@@ -32,6 +32,7 @@ from pathlib import Path
 import torch
 
 from diffrl.errors import ModelLoadError
+from diffrl.models.components import hub_id_hint
 from diffrl.rewards.clip_scores import _first_line, load_processor
 
 OPENAI_CLIP_MEAN = (0.48145466, 0.4578275, 0.40821073)
@@ -54,7 +55,7 @@ def _weights_file(path: Path) -> Path:
     if path.is_file():
         return path
     if not path.is_dir():
-        raise ModelLoadError(f"hpsv2: no checkpoint at {path}")
+        raise ModelLoadError(f"hpsv2: no checkpoint at {path}{hub_id_hint(path)}")
     found = sorted(p for p in path.iterdir() if p.suffix in _WEIGHT_SUFFIXES and p.is_file())
     if len(found) != 1:
         which = ", ".join(p.name for p in found) if found else "none"
