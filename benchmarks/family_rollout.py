@@ -80,13 +80,19 @@ def make_checkpoint(family: str, path: Path, device: torch.device, tiny: bool = 
     print(f"wrote a random {family} checkpoint to {path} in {time.perf_counter() - start:.0f} s", flush=True)
 
 
-def main() -> None:
-    parser = argparse.ArgumentParser()
+def add_checkpoint_arguments(parser: argparse.ArgumentParser) -> None:
+    """The family, its checkpoint (random real-size weights when missing: `make_checkpoint`), where and in which
+    dtype it runs, and its square size: the arguments of every benchmark of one family's engine."""
     parser.add_argument("--family", choices=sorted(REAL_SIZES), required=True)
     parser.add_argument("--checkpoint", type=Path, required=True)
     parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     parser.add_argument("--dtype", default="bfloat16", choices=["float32", "bfloat16"])
     parser.add_argument("--resolution", type=int, default=None, help="default: the family's")
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser()
+    add_checkpoint_arguments(parser)
     parser.add_argument("--height", type=int, default=None, help="with --width, instead of --resolution")
     parser.add_argument("--width", type=int, default=None)
     parser.add_argument("--num-frames", type=int, default=None, help="video families (default: the family's)")

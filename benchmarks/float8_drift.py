@@ -18,10 +18,9 @@ from __future__ import annotations
 import argparse
 import statistics
 import time
-from pathlib import Path
 
 import torch
-from family_rollout import REAL_SIZES, make_checkpoint
+from family_rollout import add_checkpoint_arguments, make_checkpoint
 from report import emit
 
 from diffrl.engine.engine import Engine, EngineConfig
@@ -64,11 +63,7 @@ def drift(plain, fp8) -> dict:
 
 def main(argv: list[str] | None = None) -> dict:
     parser = argparse.ArgumentParser()
-    parser.add_argument("--family", choices=sorted(REAL_SIZES), required=True)
-    parser.add_argument("--checkpoint", type=Path, required=True)
-    parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
-    parser.add_argument("--dtype", default="bfloat16", choices=["float32", "bfloat16"])
-    parser.add_argument("--resolution", type=int, default=None, help="default: the family's")
+    add_checkpoint_arguments(parser)
     parser.add_argument("--n", type=int, default=8)
     parser.add_argument("--steps", type=int, default=10)
     parser.add_argument("--sde-steps", type=int, nargs="+", default=[1, 2])
