@@ -352,6 +352,16 @@ def dithered_shape(rng: np.random.Generator) -> tuple[np.ndarray, str, float]:
     return np.clip(np.round(image), 0, 255).astype(np.uint8), f"a {color} {shape}", float(target)
 
 
+def _on_random_prompts(adversary):
+    """A `_fail_rate` case maker: `adversary(prompt, seed, rng)`'s image (None: no room for it) on a random prompt."""
+    def make(rng, k):
+        prompt = random_prompt(rng)
+        image = adversary(prompt, k, rng)
+        return None if image is None else (image, prompt)
+
+    return make
+
+
 def _fail_rate(make, reason: str, n: int = PER_KIND, seed: int = 0) -> tuple[float, list]:
     """Share of n generated (image, prompt) cases (None: skipped) that fail with `reason` first."""
     rng = np.random.default_rng(seed)
@@ -556,12 +566,7 @@ def blot_beside_an_object(prompt: str, seed: int, rng: np.random.Generator) -> n
 
 
 def test_faint_blots_beside_objects_fail_as_stray():
-    def make(rng, k):
-        prompt = random_prompt(rng)
-        image = blot_beside_an_object(prompt, k, rng)
-        return None if image is None else (image, prompt)
-
-    rate, wrong = _fail_rate(make, "stray", seed=21)
+    rate, wrong = _fail_rate(_on_random_prompts(blot_beside_an_object), "stray", seed=21)
     print(f"faint blot beside an object: {rate:.3f} fail as stray")
     assert rate >= MIN_RATE, wrong[:10]
 
@@ -584,12 +589,7 @@ def speck_beside_an_object(prompt: str, seed: int, rng: np.random.Generator) -> 
 def test_grey_specks_beside_objects_fail_as_stray():
     """JPEG rings in chroma: the halo forgives no ink darker than HALO_LIGHTNESS, so a grey speck beside an
     object is a mark as it is anywhere else."""
-    def make(rng, k):
-        prompt = random_prompt(rng)
-        image = speck_beside_an_object(prompt, k, rng)
-        return None if image is None else (image, prompt)
-
-    rate, wrong = _fail_rate(make, "stray", seed=22)
+    rate, wrong = _fail_rate(_on_random_prompts(speck_beside_an_object), "stray", seed=22)
     print(f"grey speck beside an object: {rate:.3f} fail as stray")
     assert rate >= MIN_RATE, wrong[:10]
 
@@ -621,23 +621,13 @@ def tint_speck_beside_an_object(prompt: str, seed: int, rng: np.random.Generator
 def test_tint_specks_beside_objects_fail_as_stray():
     """JPEG rings only inside the 16x16 blocks that an object's edge crosses: a pale speck beside an object but
     in another block is a mark as it is anywhere else."""
-    def make(rng, k):
-        prompt = random_prompt(rng)
-        image = tint_speck_beside_an_object(prompt, k, rng)
-        return None if image is None else (image, prompt)
-
-    rate, wrong = _fail_rate(make, "stray", seed=23)
+    rate, wrong = _fail_rate(_on_random_prompts(tint_speck_beside_an_object), "stray", seed=23)
     print(f"pale speck beside an object, in another block: {rate:.3f} fail as stray")
     assert rate >= MIN_RATE, wrong[:10]
 
 
 def test_ghost_shapes_fail_as_stray():
-    def make(rng, k):
-        prompt = random_prompt(rng)
-        image = ghost_shape(prompt, k, rng)
-        return None if image is None else (image, prompt)
-
-    rate, wrong = _fail_rate(make, "stray", seed=20)
+    rate, wrong = _fail_rate(_on_random_prompts(ghost_shape), "stray", seed=20)
     print(f"ghost shape: {rate:.3f} fail as stray")
     assert rate >= MIN_RATE, wrong[:10]
 
