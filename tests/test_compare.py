@@ -82,10 +82,9 @@ def test_a_full_finetune_of_another_base_is_refused_naming_the_base_flag(tiny_mo
         load_model(tiny_model_dir, checkpoint)
 
 
-@pytest.mark.parametrize("other", ["deeper", "wider"])
-def test_a_lora_of_another_size_is_refused_naming_the_base_flag(tiny_model_dir, tmp_path, other):
-    """A run's LoRA on a base of its family but of other sizes: a deeper base kept no adapter weights for its extra
-    layers (B = 0, silently a partial adapter), a wider one was a torch 'size mismatch' traceback."""
+def _lora_run_and_a_base_of_other_sizes(model_dir, tmp_path, other: str):
+    """A LoRA checkpoint (…/rollout-00001) trained on `model_dir`'s demo model, and a demo model one layer deeper or
+    with wider heads (`other`) to apply it to."""
     from peft import get_peft_model_state_dict
     from safetensors.torch import save_file
 
@@ -93,7 +92,7 @@ def test_a_lora_of_another_size_is_refused_naming_the_base_flag(tiny_model_dir, 
     from diffrl.models.lora import LoraSpec, add_lora
     from diffrl.models.random_checkpoints import demo as random_demo
 
-    family = DemoFamily.load(tiny_model_dir)
+    family = DemoFamily.load(model_dir)
     add_lora(family.transformer, LoraSpec(rank=2, alpha=2, target_modules=list(DemoFamily.lora_target_modules)))
     lora = tmp_path / "run" / "checkpoints" / "rollout-00001" / "lora"
     lora.mkdir(parents=True)
@@ -104,9 +103,17 @@ def test_a_lora_of_another_size_is_refused_naming_the_base_flag(tiny_model_dir, 
     config.transformer.update(num_layers=2) if other == "deeper" else config.transformer.update(attention_head_dim=16)
     base = tmp_path / "other-demo"
     random_demo.random_family(config, seed=1).save(base)
+    return lora.parent, base
+
+
+@pytest.mark.parametrize("other", ["deeper", "wider"])
+def test_a_lora_of_another_size_is_refused_naming_the_base_flag(tiny_model_dir, tmp_path, other):
+    """A run's LoRA on a base of its family but of other sizes: a deeper base kept no adapter weights for its extra
+    layers (B = 0, silently a partial adapter), a wider one was a torch 'size mismatch' traceback."""
+    checkpoint, base = _lora_run_and_a_base_of_other_sizes(tiny_model_dir, tmp_path, other)
     with pytest.raises(ModelLoadError, match=r"lora: its LoRA \(.*\) does not fit the demo model at .*other-demo; "
                                              r"pass the base model the run trained"):
-        load_model(base, lora.parent)
+        load_model(base, checkpoint)
 
 
 def test_outcome_rules():
@@ -150,29 +157,14 @@ def test_a_wrong_trained_path_fails_before_the_base_model_samples(tiny_model_dir
 def test_check_fits_finds_another_base_without_reading_weights(tiny_model_dir, tmp_path, other):
     """What load_model refuses, check_fits refuses from the adapter's names and shapes alone: diffrl compare calls it
     before sampling the base, which it did in full before finding out."""
-    from peft import get_peft_model_state_dict
-    from safetensors.torch import save_file
-
     from diffrl.models.checkpoint import check_fits
     from diffrl.models.demo import DemoFamily
-    from diffrl.models.lora import LoraSpec, add_lora
-    from diffrl.models.random_checkpoints import demo as random_demo
 
-    family = DemoFamily.load(tiny_model_dir)
-    add_lora(family.transformer, LoraSpec(rank=2, alpha=2, target_modules=list(DemoFamily.lora_target_modules)))
-    lora = tmp_path / "run" / "checkpoints" / "rollout-00001" / "lora"
-    lora.mkdir(parents=True)
-    save_file({f"base_model.model.{k}": v.contiguous() for k, v in get_peft_model_state_dict(family.transformer).items()},
-              str(lora / "adapter_model.safetensors"))
-    family.transformer.peft_config["default"].save_pretrained(str(lora))
-    check_fits(DemoFamily.load(tiny_model_dir), tiny_model_dir, lora.parent)  # its own base: fits
-    config = random_demo.tiny()
-    config.transformer.update(num_layers=2) if other == "deeper" else config.transformer.update(attention_head_dim=16)
-    base = tmp_path / "other-demo"
-    random_demo.random_family(config, seed=1).save(base)
+    checkpoint, base = _lora_run_and_a_base_of_other_sizes(tiny_model_dir, tmp_path, other)
+    check_fits(DemoFamily.load(tiny_model_dir), tiny_model_dir, checkpoint)  # its own base: fits
     with pytest.raises(ModelLoadError, match=r"lora: its LoRA \((no weights for|other sizes).*\) does not fit the demo "
                                              r"model at .*other-demo; pass the base model the run trained"):
-        check_fits(DemoFamily.load(base), base, lora.parent)
+        check_fits(DemoFamily.load(base), base, checkpoint)
 
 
 def test_compare_refuses_another_familys_run_before_sampling_the_base(tiny_model_dir, tmp_path, capsys):
