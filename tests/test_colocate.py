@@ -4,16 +4,15 @@ against the embedded default."""
 
 import asyncio
 import copy
-import importlib.util
 import itertools
 import json
 import math
 import os
 import pickle
-from pathlib import Path
 
 import pytest
 import torch
+from benchmark_scripts import load_benchmark
 
 from diffrl.engine.colocated import ColocatedEngineClient, EngineProcessSpec
 from diffrl.engine.engine import Engine
@@ -269,11 +268,7 @@ def test_train_colocate_equals_the_embedded_default(tiny_model_dir, tmp_path, us
 def test_weight_sync_benchmark_runs_on_a_cpu(tmp_path, monkeypatch):
     """benchmarks/weight_sync.py's CPU fallback on the shipped demo model: both paths sync both modes, the
     engine samples the same after waking, and the report is written."""
-    benchmarks = Path(__file__).resolve().parent.parent / "benchmarks"
-    monkeypatch.syspath_prepend(str(benchmarks))
-    spec = importlib.util.spec_from_file_location("weight_sync_benchmark", benchmarks / "weight_sync.py")
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
+    module = load_benchmark("weight_sync", monkeypatch)
     results = module.main(["--device", "cpu", "--lora-rank", "2", "--buffer-mib", "1", "--repeats", "1", "--n", "1",
                            "--steps", "2", "--out", str(tmp_path / "weight_sync.json")])
     for mode in ("lora", "full"):

@@ -1,20 +1,16 @@
 """benchmarks/float8_drift.py on a tiny random SD3 checkpoint on CPU: both forwards run on the same seeds and the
 drift they report is real (non-zero, and small for FP8's rounding)."""
 
-import importlib.util
 import json
-from pathlib import Path
+
+from benchmark_scripts import load_benchmark
 
 from diffrl.models.random_checkpoints.sd3 import save_random_checkpoint
 
-BENCHMARKS = Path(__file__).resolve().parent.parent / "benchmarks"
 
 
 def test_drift_of_float8_against_the_plain_forward(tmp_path, monkeypatch):
-    monkeypatch.syspath_prepend(str(BENCHMARKS))
-    spec = importlib.util.spec_from_file_location("float8_drift", BENCHMARKS / "float8_drift.py")
-    script = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(script)
+    script = load_benchmark("float8_drift", monkeypatch)
     checkpoint = save_random_checkpoint(tmp_path / "sd3-tiny", with_t5=False)
     out = tmp_path / "drift.json"
     results = script.main(["--family", "sd3", "--checkpoint", str(checkpoint), "--device", "cpu", "--dtype", "float32",

@@ -2,12 +2,12 @@
 SD3 checkpoint on CPU in fp32: its SDE step is diffrl's, its first recomputation of the log-probs is the
 rollout's, its optimizer steps move the LoRA, and its report holds what BENCHMARKS.md quotes."""
 
-import importlib.util
 import json
 from pathlib import Path
 
 import pytest
 import torch
+from benchmark_scripts import load_benchmark
 
 from diffrl.sampling import sde_step
 
@@ -16,15 +16,11 @@ try:  # where the random-checkpoint builders live now; before, each family modul
 except ImportError:
     from diffrl.models.sd3 import save_random_checkpoint
 
-SCRIPT = Path(__file__).resolve().parent.parent / "benchmarks" / "flow_grpo_baseline.py"
 
 
 @pytest.fixture(scope="module")
 def baseline():
-    spec = importlib.util.spec_from_file_location("flow_grpo_baseline", SCRIPT)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+    return load_benchmark("flow_grpo_baseline")
 
 
 @pytest.fixture(scope="module")

@@ -2,24 +2,19 @@
 were brought down to: a regression (an `.item()` per step or per micro-batch, a boolean mask, a read of a device
 tensor) fails here, naming its source line. The counter itself must see a deliberate sync."""
 
-import importlib.util
 import math
-from pathlib import Path
 
 import pytest
 import torch
+from benchmark_scripts import load_benchmark
 
 from diffrl.utils.host_syncs import HostSyncCounter
 
-BENCHMARKS = Path(__file__).resolve().parent.parent / "benchmarks"
 
 
 @pytest.fixture(scope="module")
 def script():
-    spec = importlib.util.spec_from_file_location("host_syncs_bench", BENCHMARKS / "host_syncs.py")
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+    return load_benchmark("host_syncs")
 
 
 def test_counter_sees_each_kind_of_sync_and_where_it_comes_from():

@@ -2,15 +2,14 @@
 whose report names every phase of the rollout and the training, with host times that fit in the step's wall."""
 
 import gzip
-import importlib.util
 import json
 from pathlib import Path
 
 import pytest
+from benchmark_scripts import load_benchmark
 
 from diffrl.models.random_checkpoints.sd3 import save_random_checkpoint
 
-BENCHMARKS = Path(__file__).resolve().parent.parent / "benchmarks"
 # sd3-grpo cut to CPU size: 2 groups × 2 samples, 2 steps, both SDE and trained (2 pairs per sample), 32².
 TINY = ["--rollout-batch-size", "2", "--n-samples-per-prompt", "2", "--rollout-microgroup-size", "2",
         "--diffusion-num-steps", "2", "--diffusion-sde-window-range", "0", "2", "--diffusion-num-sde-steps", "2",
@@ -23,11 +22,7 @@ PHASES = {"rollout": {"encode", "transformer", "denoise", "decode", "engine batc
 
 
 def _load_script(monkeypatch):
-    monkeypatch.syspath_prepend(str(BENCHMARKS))  # the script's own imports (family_rollout, report)
-    spec = importlib.util.spec_from_file_location("profile_training", BENCHMARKS / "profile_training.py")
-    script = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(script)
-    return script
+    return load_benchmark("profile_training", monkeypatch)
 
 
 def test_cpu_profile_accounts_for_the_step(tmp_path, monkeypatch):

@@ -1,19 +1,18 @@
 """The rollout's samples do not depend on the number of ranks, and benchmarks/scaling.py's table, plan and
 world handling: gloo ranks on CPU with the tiny demo model."""
 
-import importlib.util
 import json
 import os
 import sys
 from pathlib import Path
 
 import pytest
+from benchmark_scripts import BENCHMARKS, load_benchmark
 
 from diffrl.cli.main import parse
 from diffrl.train.parallel import Parallel
 from diffrl.train.trainer import validate_config, validate_parallel
 
-BENCHMARKS = Path(__file__).resolve().parent.parent / "benchmarks"
 TESTS = Path(__file__).resolve().parent
 
 # Flow-GRPO with CFG and an SDE window: images, trajectories and log-probs all come back to compare.
@@ -25,12 +24,7 @@ TINY_GRPO = ["--loss-type", "flow_grpo", "--n-samples-per-prompt", "3", "--rollo
 
 @pytest.fixture
 def scaling(monkeypatch):
-    monkeypatch.syspath_prepend(str(BENCHMARKS))
-    spec = importlib.util.spec_from_file_location("scaling", BENCHMARKS / "scaling.py")
-    module = importlib.util.module_from_spec(spec)
-    monkeypatch.setitem(sys.modules, "scaling", module)  # its dataclasses look their module up
-    spec.loader.exec_module(module)
-    return module
+    return load_benchmark("scaling", monkeypatch)
 
 
 def _world(n, seconds, samples=64):

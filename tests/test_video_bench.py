@@ -2,16 +2,14 @@
 a tiny PickScore): three rollouts and their updates through the recipe's own settings, the JSON with positive
 seconds per sample and MFU fields; the microgroup sweep; the cuts it records."""
 
-import importlib.util
 import json
-from pathlib import Path
 
 import pytest
 import torch
+from benchmark_scripts import load_benchmark
 
 from diffrl.recipes import recipe_config
 
-BENCHMARKS = Path(__file__).resolve().parent.parent / "benchmarks"
 # Per recipe: a size of its tiny checkpoint, and steps and samples cut to CPU size (the SDE window keeps room for
 # the recipe's SDE steps).
 TINY = {
@@ -26,12 +24,8 @@ TINY = {
 
 @pytest.fixture
 def recipe_runs(monkeypatch):
-    monkeypatch.syspath_prepend(str(BENCHMARKS))  # the script's own imports (family_rollout, report)
     monkeypatch.delenv("CUBLAS_WORKSPACE_CONFIG", raising=False)  # the script sets it: restored afterwards
-    spec = importlib.util.spec_from_file_location("recipe_runs", BENCHMARKS / "recipe_runs.py")
-    script = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(script)
-    yield script
+    yield load_benchmark("recipe_runs", monkeypatch)
     torch.use_deterministic_algorithms(False)  # the video recipes run in deterministic mode
 
 

@@ -3,10 +3,8 @@ thread), microgroups 1 and 2 with streaming on and off; every configuration make
 scoring takes one video at a time; the response-size formula behind its real-size table matches what the
 engine's outputs encode to."""
 
-import importlib.util
-from pathlib import Path
-
 import pytest
+from benchmark_scripts import load_benchmark
 
 from diffrl.engine import sglang
 from diffrl.engine.engine import Engine
@@ -14,15 +12,11 @@ from diffrl.engine.protocol import RolloutRequest
 from diffrl.engine.wire import encode_outputs
 from diffrl.models.ltx2 import Ltx2Family
 
-BENCHMARKS = Path(__file__).resolve().parent.parent / "benchmarks"
 
 
 @pytest.fixture(scope="module")
 def bench():
-    spec = importlib.util.spec_from_file_location("video_microgroups_http", BENCHMARKS / "video_microgroups_http.py")
-    script = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(script)
-    return script
+    return load_benchmark("video_microgroups_http")
 
 
 @pytest.fixture(scope="module")
