@@ -338,6 +338,39 @@ def test_rollout_forwards_compute_the_text_pathway_once(cosmos_dir):
     assert all(torch.equal(a, b) for a, b in zip(velocities(x, grad=False), velocities(x, grad=True), strict=True))
 
 
+def test_training_micro_batches_hold_one_prompts_rows(cosmos_dir, tmp_path, monkeypatch):
+    """The transformer batches only one prompt's rows, so the trainer fills each micro-batch with one prompt's pairs:
+    2 prompts × 4 samples × 2 SDE steps in micro-batches of 8 make 2 micro-batches, each one video-pathway call of 8
+    rows per CFG half, where a shuffled step would split every micro-batch by prompt."""
+    import diffrl.models.cosmos3 as cosmos3_module
+    from diffrl.cli.main import parse
+    from diffrl.train.trainer import Trainer
+
+    rows_per_training_call = []
+    pathway = cosmos3_module.video_pathway
+
+    def counting_pathway(transformer, packed, text, latents, timesteps):
+        if torch.is_grad_enabled():
+            rows_per_training_call.append(latents.shape[0])
+        return pathway(transformer, packed, text, latents, timesteps)
+
+    monkeypatch.setattr(cosmos3_module, "video_pathway", counting_pathway)
+    monkeypatch.setattr(Cosmos3Family, "batch_rows", True)  # a GPU's default
+    data = tmp_path / "prompts"
+    data.mkdir()
+    (data / "train.txt").write_text("a red cat\na blue dog\n")
+    (data / "test.txt").write_text("a green cat\n")
+    cfg = parse(["train", "--diffusion-model-family", "cosmos3", "--model-path", str(cosmos_dir), "--device", "cpu",
+                 "--height", str(HEIGHT), "--width", str(WIDTH), "--num-frames", str(FRAMES), "--use-lora",
+                 "--diffusion-num-steps", "4", "--diffusion-guidance-scale", "4.0", "--diffusion-sde-window-range",
+                 "0,2", "--diffusion-num-sde-steps", "2", "--rollout-batch-size", "2", "--n-samples-per-prompt", "4",
+                 "--rollout-microgroup-size", "1", "--global-batch-size", "8", "--micro-batch-size", "8",
+                 "--num-rollout", "1", "--prompt-data", str(data), "--eval-num-prompts", "0", "--reward",
+                 "jpeg_compressibility", "--output-dir", str(tmp_path / "run")])
+    Trainer(cfg).train()
+    assert rows_per_training_call == [8, 8, 8, 8]  # per micro-batch: the negative prompt's rows, then the prompt's
+
+
 def test_rows_of_one_prompt_run_as_one_batch_when_asked(cosmos_dir):
     """`batch_rows` (a GPU's default): the rows sharing a prompt go through the video pathway as one batch, with the
     velocities of the rows run one at a time (to rounding: BLAS picks other kernels for other row counts), each

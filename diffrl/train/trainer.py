@@ -414,6 +414,11 @@ class Trainer:
         gen = torch.Generator().manual_seed(cfg.seed * 1_000_003 + self.rollout_index)
         order = torch.randperm(len(pairs), generator=gen)
         chunks = [c for c in order.chunk(cfg.optim.num_steps_per_rollout) if len(c)]
+        if policy.family.one_sample_per_forward:
+            # Such a family batches only the rows of one prompt (models/cosmos3.py): a step's pairs in rollout order,
+            # where each prompt's samples sit together, fill a micro-batch with one prompt's rows instead of a mix
+            # that runs one forward per row. The step's gradient is the same sum in any order.
+            chunks = [c.sort().values for c in chunks]
         totals: dict[str, float | torch.Tensor] = {}
         self.objective.start_update()
         size = cfg.optim.micro_batch_size
