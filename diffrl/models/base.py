@@ -156,7 +156,8 @@ class FamilyAdapter(ABC):
     # set the scale as `true_cfg_scale` (it wins over `guidance_scale`); other families refuse the field.
     has_true_cfg: ClassVar[bool] = False
     # Whether the transformer's forward takes one sample (Cosmos3's packed sequence): `run_transformer` then runs
-    # a batch's rows one after another, and a batch of n costs n forwards (`diffrl bench` says so).
+    # a batch's rows one after another, or at best one prompt's rows as one batch, so a batch of n prompts costs n
+    # forwards (`diffrl bench` says so) and the trainer keeps one prompt's pairs together in its micro-batches.
     one_sample_per_forward: ClassVar[bool] = False
 
     # ---------------------------------------------------------------- what `load` reads
