@@ -337,6 +337,35 @@ def test_noisy_background_fails_strictly_and_loses_partial_credit():
     assert verify(light, "a red circle").strict and verify(light, "a red circle").score == 1.0
 
 
+def test_a_background_tint_too_faint_to_be_ink_is_measured_and_charged_only_by_its_reward():
+    """DiffusionNFT drifted backgrounds to ~ΔE 2 from white while every verdict passed: the verdict measures the
+    tint (0 on a render, the tint's own ΔE when the whole background carries it), no shapes score charges it, the
+    `white_background` reward does, and an evaluation's summary reports its mean."""
+    import importlib
+
+    import torch
+    from diffrl.evaluation.shapes import SampleRecord, summarize
+    from diffrl.rewards import get_reward
+
+    verify_module = importlib.import_module("diffrl.data.shapes.verify")  # the package's `verify` is the function
+    clean = render_prompt("a red circle", seed=3)
+    background = (clean == 255).all(axis=2)
+    tinted = clean.copy()
+    tinted[background] = (250, 252, 252)
+    expected = float(verify_module._delta_e_from_white(np.array([[250, 252, 252]], dtype=np.uint8))[0])
+    assert 1.0 < expected < verify_module.BACKGROUND_DELTA_E  # visible side by side, not ink
+    plain, tint = verify(clean, "a red circle"), verify(tinted, "a red circle")
+    assert plain.background_delta_e == pytest.approx(0.0, abs=1e-6)
+    assert tint.background_delta_e == pytest.approx(expected, rel=1e-4)
+    assert tint.strict and (tint.score, tint.crisp_score, tint.balanced_score) == (1.0, 1.0, 1.0)
+    as_tensors = [torch.from_numpy(image).permute(2, 0, 1).float() / 255 for image in (clean, tinted)]
+    white = get_reward("white_background")(torch.stack(as_tensors), ["a red circle"] * 2)
+    assert white[0] == pytest.approx(1.0) and white[1] == pytest.approx(1 - expected / 5.0, rel=1e-4)
+    records = [SampleRecord("a red circle", "colors", k, True, 1.0, "ok", v.background_delta_e)
+               for k, v in enumerate((plain, tint))]
+    assert summarize(records)["background_delta_e"] == pytest.approx(expected / 2, rel=1e-4)
+
+
 def test_validation_prompts_are_a_fixed_subset_of_the_train_split():
     from diffrl.evaluation.shapes import validation_prompts
 
@@ -366,7 +395,8 @@ def test_evaluate_save_images_writes_every_scored_image_and_its_verdict(tiny_mod
     samples = [json.loads(line) for line in (out / "samples.jsonl").read_text().splitlines()]
     assert len(rows) == 12 and [r["index"] for r in rows] == list(range(12))
     assert [r["seed"] for r in rows] == list(range(12))
-    assert [{k: r[k] for k in ("prompt", "category", "seed", "strict", "score", "reason")} for r in rows] == samples
+    keys = ("prompt", "category", "seed", "strict", "score", "reason", "background_delta_e")
+    assert [{k: r[k] for k in keys} for r in rows] == samples
     assert sorted(p.name for p in (out / "images").iterdir()) == [f"{k:05d}.png" for k in range(12)]
     assert [r["file"] for r in rows] == [f"images/{k:05d}.png" for k in range(12)]
     again = rescore(out)

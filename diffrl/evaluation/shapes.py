@@ -36,6 +36,7 @@ class SampleRecord:
     strict: bool
     score: float
     reason: str
+    background_delta_e: float = 0.0  # the verdict's background tint (records written before it have none)
 
 
 def balanced_eval_set(prompts: Sequence[str], images_per_category: int) -> tuple[list[str], list[int]]:
@@ -89,7 +90,8 @@ def evaluate_prompts(
     records = []
     for prompt, s, image in zip(expanded, seeds, to_uint8(images)):
         verdict = verify(image, prompt)
-        records.append(SampleRecord(prompt, category_of(prompt), s, verdict.strict, verdict.score, verdict.reason))
+        records.append(SampleRecord(prompt, category_of(prompt), s, verdict.strict, verdict.score, verdict.reason,
+                                    verdict.background_delta_e))
     return records, images
 
 
@@ -109,6 +111,8 @@ def summarize(records: Sequence[SampleRecord]) -> dict:
         "overall_score": sum(c["score"] for c in categories.values()) / len(categories),
         "per_sample_strict": sum(r.strict for r in records) / len(records),
         "n": len(records),
+        # A drift no score charges (RL can tint the background while every verdict passes): mean over images.
+        "background_delta_e": sum(r.background_delta_e for r in records) / len(records),
     }
 
 
@@ -117,6 +121,8 @@ def format_summary(summary: dict) -> str:
     for cat, c in summary["categories"].items():
         lines.append(f"{cat:<14} {c['strict']:>7.3f} {c['score']:>7.3f} {c['n']:>5}")
     lines.append(f"{'overall':<14} {summary['overall_strict']:>7.3f} {summary['overall_score']:>7.3f} {summary['n']:>5}")
+    if "background_delta_e" in summary:
+        lines.append(f"background ΔE76 from white, mean: {summary['background_delta_e']:.2f}")
     return "\n".join(lines)
 
 
@@ -164,7 +170,8 @@ def saved_samples(out_dir: str | Path) -> list[tuple[dict, np.ndarray]]:
 def judge(row: dict, image: np.ndarray) -> SampleRecord:
     """A saved sample's record with the current verifier's verdict."""
     verdict = verify(image, row["prompt"])
-    return SampleRecord(row["prompt"], row["category"], row["seed"], verdict.strict, verdict.score, verdict.reason)
+    return SampleRecord(row["prompt"], row["category"], row["seed"], verdict.strict, verdict.score, verdict.reason,
+                        verdict.background_delta_e)
 
 
 def rescore(out_dir: str | Path) -> list[SampleRecord]:

@@ -238,6 +238,17 @@ def shapes_strict_reward(images, prompts, metadata=None) -> list[float]:
     return [float(verdict.strict) for verdict in _shapes_verdicts(images, prompts)]
 
 
+@register_reward("white_background")
+def white_background_reward(images, prompts, metadata=None) -> list[float]:
+    """1 for a pure white background, falling linearly to 0 at a mean tint of the verifier's ink threshold
+    (`Verdict.background_delta_e` / BACKGROUND_DELTA_E): a term to weigh into a `multi:` sum with a shapes reward,
+    none of which charges a tint too faint to be ink (DiffusionNFT drifts there: docs/results.md). Alone it is
+    maximal for a blank image."""
+    from diffrl.data.shapes.verify import BACKGROUND_DELTA_E
+
+    return [max(0.0, 1.0 - verdict.background_delta_e / BACKGROUND_DELTA_E) for verdict in _shapes_verdicts(images, prompts)]
+
+
 def _shapes_prompt(prompt: str) -> None:
     """A prompt set is checked up front (`check_prompts`): the shapes verifier scores only the shapes world's
     prompts. It is the reward a run gets without --reward, so another prompt set failed at its first scoring,
@@ -252,7 +263,7 @@ def _shapes_prompt(prompt: str) -> None:
 
 
 for _shapes in (shapes_reward, shapes_balanced_reward, shapes_exact_count_reward, shapes_crisp_reward,
-                shapes_strict_reward):
+                shapes_strict_reward, white_background_reward):
     _shapes.check_prompt = _shapes_prompt
 
 

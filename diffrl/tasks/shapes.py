@@ -77,6 +77,7 @@ class ShapesTask:
             summary = summarize(records)
             outcome.metrics[f"{prefix}/strict"] = summary["overall_strict"]
             outcome.metrics[f"{prefix}/score"] = summary["overall_score"]
+            outcome.metrics[f"{prefix}/background_delta_e"] = summary["background_delta_e"]
             for cat, c in summary["categories"].items():
                 outcome.metrics[f"{prefix}/strict/{cat}"] = c["strict"]
             if prefix == "eval":

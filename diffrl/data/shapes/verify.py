@@ -291,6 +291,9 @@ class Verdict:
     # As `score`, with each passing shape graded by how clearly it leads the second-best template (CRISP_LEAD),
     # and each stray mark charged (MARK_CREDIT)
     crisp_score: float
+    # Mean ΔE76 from white of the background (outside every object's rim, not ink): a tint too faint to be ink
+    # (renders 0; a faint grey or tint ~2, the least a person sees side by side) that no score charges.
+    background_delta_e: float = 0.0
 
 
 @dataclass(frozen=True)
@@ -299,6 +302,7 @@ class _Scene:
     stray_fraction: float  # stray ink pixels over all pixels
     dirt_fraction: float  # stray ink outside marks over all pixels
     marks: list[int]  # areas of the marks (stray blobs, see MARK_PX), largest first
+    background_delta_e: float  # mean ΔE76 from white of the background pixels that are not ink
 
 
 # --------------------------------------------------------------------------- detection
@@ -405,6 +409,11 @@ def _surely_white() -> int:
 
 
 _SURELY_WHITE = _surely_white()
+# ΔE76 from white of every color with all channels >= _SURELY_WHITE, indexed by (channel - _SURELY_WHITE):
+# the background's tint without a Lab conversion per pixel.
+_NEAR_WHITE = np.arange(_SURELY_WHITE, 256, dtype=np.uint8)
+_NEAR_WHITE_DELTA_E = _delta_e_from_white(
+    np.stack(np.meshgrid(_NEAR_WHITE, _NEAR_WHITE, _NEAR_WHITE, indexing="ij"), -1)).astype(np.float32)
 
 
 def _square_window(mask: np.ndarray, radius: int, fold) -> np.ndarray:
@@ -897,6 +906,13 @@ def _analyze(image: np.ndarray) -> _Scene:
         if HALO_LIGHTNESS and halo.any():
             halo[halo] = _lightness_below_white(image[halo]) <= HALO_LIGHTNESS
         stray &= ~halo
+    # The surely-white pixels skipped above are within BACKGROUND_DELTA_E of white, not at 0: the tint counts them.
+    near_white = ~owned & ~candidates
+    white = image[near_white].astype(np.intp) - _SURELY_WHITE
+    tint = delta_e[candidates & (delta_e <= BACKGROUND_DELTA_E)]
+    n_plain = len(white) + len(tint)
+    background_delta_e = (float(_NEAR_WHITE_DELTA_E[white[:, 0], white[:, 1], white[:, 2]].sum() + tint.sum()) / n_plain
+                          if n_plain else 0.0)
     n_stray = int(stray.sum())
     marks: list[int] = []
     n_dirt = n_stray
@@ -909,7 +925,8 @@ def _analyze(image: np.ndarray) -> _Scene:
         is_mark[0] = False
         marks = sorted((int(a) for a in areas[is_mark]), reverse=True)
         n_dirt = n_stray - sum(marks)
-    return _Scene(sorted(found, key=lambda obj: -obj.area), n_stray / stray.size, n_dirt / stray.size, marks)
+    return _Scene(sorted(found, key=lambda obj: -obj.area), n_stray / stray.size, n_dirt / stray.size, marks,
+                  background_delta_e)
 
 
 def detect_objects(image) -> list[DetectedObject]:
@@ -1034,4 +1051,5 @@ def verify(image, prompt_or_spec: str | SceneSpec) -> Verdict:
         balanced_score=float(np.mean([np.mean(values) for values in components.values()])) * clean,
         exact_count_score=(0.5 * (n_found == n_required) + 0.5 * float(np.mean(not_count))) * clean,
         crisp_score=float(np.mean(crisp_components)) * clean * MARK_CREDIT ** len(scene.marks),
+        background_delta_e=scene.background_delta_e,
     )
