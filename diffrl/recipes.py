@@ -185,7 +185,7 @@ SIZED: dict[str, dict[str, dict]] = {
         # Flow-GRPO with CFG 3 and 2 SDE steps per rollout inside the first 4 of 10 steps, clip 1e-3,
         # cosine decay over 250 rollouts and adaptive categories (docs/journal.md). lr 1e-5: on the hardened
         # verifier 1e-4 and 3e-5 drift into dithered fills and collapse, 1e-5 climbs with clean images
-        # (0.876 -> 0.923 held-out in 334 s on an H200 shared by three runs: docs/results.md).
+        # (0.876 -> 0.921 held-out in 334 s on an H200 shared by three runs: docs/results.md).
         # One optimizer step's 512 pairs in one micro-batch.
         "gpu": dict(loss_type="flow_grpo", use_lora=False, lr=1e-5, diffusion_guidance_scale=3.0,
                     **{**_GPU_BATCH, "num_rollout": 250, "micro_batch_size": 512},
