@@ -38,6 +38,11 @@ class SampleRecord:
     reason: str
     background_delta_e: float = 0.0  # the verdict's background tint (records written before it have none)
 
+    @classmethod
+    def judged(cls, prompt: str, category: str, seed: int, verdict) -> SampleRecord:
+        """The record of one image and the verifier's verdict on it."""
+        return cls(prompt, category, seed, verdict.strict, verdict.score, verdict.reason, verdict.background_delta_e)
+
 
 def balanced_eval_set(prompts: Sequence[str], images_per_category: int) -> tuple[list[str], list[int]]:
     """Prompts repeated so each category gets at least `images_per_category` images, and how many
@@ -89,9 +94,7 @@ def evaluate_prompts(
                       negative_prompt=negative_prompt)
     records = []
     for prompt, s, image in zip(expanded, seeds, to_uint8(images)):
-        verdict = verify(image, prompt)
-        records.append(SampleRecord(prompt, category_of(prompt), s, verdict.strict, verdict.score, verdict.reason,
-                                    verdict.background_delta_e))
+        records.append(SampleRecord.judged(prompt, category_of(prompt), s, verify(image, prompt)))
     return records, images
 
 
@@ -169,9 +172,7 @@ def saved_samples(out_dir: str | Path) -> list[tuple[dict, np.ndarray]]:
 
 def judge(row: dict, image: np.ndarray) -> SampleRecord:
     """A saved sample's record with the current verifier's verdict."""
-    verdict = verify(image, row["prompt"])
-    return SampleRecord(row["prompt"], row["category"], row["seed"], verdict.strict, verdict.score, verdict.reason,
-                        verdict.background_delta_e)
+    return SampleRecord.judged(row["prompt"], row["category"], row["seed"], verify(image, row["prompt"]))
 
 
 def rescore(out_dir: str | Path) -> list[SampleRecord]:

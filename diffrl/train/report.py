@@ -44,6 +44,7 @@ _COSTS = (
 # Held-out columns shown first in the report's table, in this order; the rest follow by name.
 _HEADLINE_EVAL_KEYS = ("eval/strict", "eval/score", "eval/reward")
 
+
 def write_report(run_dir: Path) -> Path:
     """(Re)write `run_dir/report.md` from the run's config.json and metrics.jsonl; returns its path."""
     run_dir = Path(run_dir)
@@ -80,9 +81,9 @@ def render_report(run_dir: Path, flags: dict, records: list[dict]) -> str:
     lines += ([] if rollouts else ["- no rollout finished yet"]) + [f"- {line}" for line in summary.splitlines()]
     evals = [r for r in records if any(k.startswith("eval/") for k in r)]
     if evals:
-        keys = sorted({k for r in evals for k in r if k.startswith("eval/") and isinstance(r[k], int | float)},
-                      key=lambda k: (k not in _HEADLINE_EVAL_KEYS, _HEADLINE_EVAL_KEYS.index(k)
-                                     if k in _HEADLINE_EVAL_KEYS else 0, k))  # the headline columns first
+        found = {k for r in evals for k in r if k.startswith("eval/") and isinstance(r[k], int | float)}
+        headline = [k for k in _HEADLINE_EVAL_KEYS if k in found]
+        keys = headline + sorted(found.difference(headline))
         lines += ["", "Held-out evaluations (ODE, fixed seeds):", "",
                   "| rollout | " + " | ".join(f"`{k}`" for k in keys) + " |", "|---" * (len(keys) + 1) + "|"]
         for r in evals:
