@@ -45,6 +45,9 @@ def test_a_video_recipe_runs_end_to_end_at_tiny_size(recipe_runs, tmp_path, reci
     assert [row["rollout"] for row in rows] == [0, 1, 2] and {row["kind"] for row in rows} == {"main"}
     assert all(row["seconds_per_sample"] > 0 and row["train_pairs"] > 0 for row in rows)
     assert all(row["rollout_mfu"] > 0 and row["train_mfu"] > 0 for row in rows)
+    for row in rows:  # end to end: both phases' work over both phases' seconds
+        both = row["rollout_mfu"] * row["rollout_s"] + row["train_mfu"] * row["train_s"]
+        assert row["end_to_end_mfu"] == pytest.approx(both / (row["rollout_s"] + row["train_s"]))
     assert report["seconds_per_sample"] > 0 and report["gflop_per_forward"] > 0
     assert report["rollout_mfu"] > 0 and report["train_mfu"] > 0 and report["stopped"] is None
     assert "max_memory_gib" in report and "microgroups" not in report

@@ -1,0 +1,16 @@
+"""benchmarks/flop_split.py: the FLOP split of a real-size transformer, counted on meta tensors."""
+
+import pytest
+from benchmark_scripts import load_benchmark
+
+
+def test_sd35m_attention_flops_are_the_attention_formula(monkeypatch):
+    report = load_benchmark("flop_split", monkeypatch).split("sd3", 512)
+    # Attention is 4·L²·width per layer and sample (QKᵀ and the weighted sum, 2 FLOPs per multiply-add): 24 joint
+    # layers over 1,024 image + 333 text tokens and 13 image-only second attentions, at width 1,536.
+    width, joint, image = 1536, 1024 + 333, 1024
+    attention = 24 * 4 * joint**2 * width + 13 * 4 * image**2 * width
+    assert report["gflop_by_op"]["bmm"] * 1e9 == pytest.approx(attention, rel=1e-9)
+    assert report["gflop_per_forward"] == pytest.approx(2442.6, abs=0.1)  # DESIGN §9: 2,440
+    assert sum(report["share"].values()) == pytest.approx(1.0)
+    assert report["share"]["linear"] == pytest.approx(0.854, abs=1e-3)
