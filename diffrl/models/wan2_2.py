@@ -106,9 +106,9 @@ class WanExperts(PeftAdapterMixin, torch.nn.Module):
             return torch.ones(timestep.shape, dtype=torch.bool, device=timestep.device)
         return timestep >= self.boundary_timestep
 
-    def enable_gradient_checkpointing(self) -> None:
+    def enable_gradient_checkpointing(self, gradient_checkpointing_func=None) -> None:
         for expert in self.experts:
-            expert.enable_gradient_checkpointing()
+            expert.enable_gradient_checkpointing(gradient_checkpointing_func=gradient_checkpointing_func)
 
     def forward(self, hidden_states, timestep, encoder_hidden_states, return_dict: bool = False, **kwargs):
         out = self._route(hidden_states, timestep, encoder_hidden_states, **kwargs)

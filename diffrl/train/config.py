@@ -50,6 +50,9 @@ class ModelConfig:
     for rollouts and training; costs a copy each way per encode)."""
     gradient_checkpointing: bool = False
     """Recompute each block's activations in the backward pass (less memory, ~1/3 more compute)."""
+    gradient_checkpointing_interval: int = 1
+    """With --gradient-checkpointing: recompute one block in every N (1: every block). A larger N keeps more
+    activations and recomputes fewer blocks, trading memory for speed (models/checkpointing.py)."""
     compile: bool = False
     """torch.compile the transformer's repeated blocks (regional; engine and trainer share them). The
     first rollout and the first training step pay the compilation; samples change by kernel rounding."""
@@ -86,6 +89,8 @@ class ModelConfig:
                  f"--lora-rank must be >= 1 and --lora-alpha > 0 (got {self.lora_rank}, {self.lora_alpha})")
         self.size()  # refuses --resolution with --height/--width, one side alone, or a side below 1
         self.speed_options().check()
+        _require(self.gradient_checkpointing_interval >= 1,
+                 f"--gradient-checkpointing-interval must be >= 1 (got {self.gradient_checkpointing_interval})")
 
     def speed_options(self):
         """The forward's speed settings, as the engine processes and the policy apply them."""

@@ -25,6 +25,7 @@ from collections.abc import Sequence
 import torch
 
 from diffrl.engine.colocated import ColocatedEngineClient
+from diffrl.models.checkpointing import enable_gradient_checkpointing
 from diffrl.models.lora import LoraSpec, add_lora
 from diffrl.train.ema import ParameterEMA
 from diffrl.train.parallel import Parallel, full_tensor, shard_transformer
@@ -86,8 +87,8 @@ class Policy:
         family.autocast_dtype = torch.bfloat16 if bf16 else None  # the engine shares the family
         if not m.use_lora and not parallel.enabled:
             transformer.float()  # a full finetune trains fp32 masters (the family may load in bf16)
-        if m.gradient_checkpointing:
-            transformer.enable_gradient_checkpointing()  # active only when gradients are (training)
+        if m.gradient_checkpointing:  # active only when gradients are (training)
+            enable_gradient_checkpointing(transformer, family.block_lists, m.gradient_checkpointing_interval)
         targets = list(m.lora_target_modules or family.lora_target_modules)
         self.lora = LoraSpec(rank=m.lora_rank, alpha=m.lora_alpha, target_modules=targets) if m.use_lora else None
         if self.lora is not None:

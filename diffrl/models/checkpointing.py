@@ -1,0 +1,56 @@
+"""Activation checkpointing of a family's repeated blocks: every block, or one in every N (`--gradient-checkpointing
+-interval N`, torchtitan's selective per-layer checkpointing).
+
+A checkpointed block keeps only its inputs and recomputes its activations in the backward pass: less memory for
+one more forward of that block. Checkpointing every block costs a whole extra forward per training step (a LoRA
+step goes from about 2 forward-equivalents to 3); checkpointing one block in N keeps N−1 of every N blocks'
+activations and recomputes the rest, so memory and recompute fall between the two ends, and a run can take as
+much of the speed as its GPU's memory allows (BENCHMARKS.md: FLUX 3 NFT at 1024², 24.6 GiB checkpointed and
+1.33× slower training than at 103.8 GiB without).
+
+Built on diffusers' hook: a model's forward calls `_gradient_checkpointing_func(block, *args)` for each block
+when checkpointing is on (some pass the block's bound `__call__`, some a function with the block as its first
+argument); the function given here checkpoints the chosen blocks and calls the others directly. Gradients are the same either way.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import torch
+
+from diffrl.models.base import repeated_blocks
+
+
+def checkpointed_blocks(blocks: Sequence[torch.nn.Module], interval: int) -> list[torch.nn.Module]:
+    """The blocks to checkpoint: the first and then one in every `interval`, across the family's block lists in
+    order (so a family whose lists differ in width still spreads them)."""
+    if interval < 1:
+        raise ValueError(f"--gradient-checkpointing-interval must be >= 1, got {interval}")
+    return [block for i, block in enumerate(blocks) if i % interval == 0]
+
+
+def block_of(fn, args: tuple) -> object:
+    """The block a checkpointing hook was handed: `fn` itself, the block a bound method (`block.__call__`) belongs
+    to, or else the first argument (a function of the block first)."""
+    owner = fn
+    while not isinstance(owner, torch.nn.Module) and hasattr(owner, "__self__"):
+        owner = owner.__self__
+    return owner if isinstance(owner, torch.nn.Module) else (args[0] if args else None)
+
+
+def enable_gradient_checkpointing(transformer: torch.nn.Module, block_lists: Sequence[str], interval: int = 1) -> int:
+    """Turn checkpointing on for one block in every `interval` of `block_lists`; returns how many blocks."""
+    blocks = repeated_blocks(transformer, block_lists)
+    chosen = {id(block) for block in checkpointed_blocks(blocks, interval)}
+    if len(chosen) == len(blocks):
+        transformer.enable_gradient_checkpointing()  # the model's own: every block
+        return len(blocks)
+
+    def checkpoint_chosen(fn, *args):
+        if id(block_of(fn, args)) not in chosen:
+            return fn(*args)
+        return torch.utils.checkpoint.checkpoint(fn, *args, use_reentrant=False)
+
+    transformer.enable_gradient_checkpointing(gradient_checkpointing_func=checkpoint_chosen)
+    return len(chosen)

@@ -1,0 +1,115 @@
+"""Selective activation checkpointing (`--gradient-checkpointing-interval N`): one block in every N recomputes its
+activations in the backward pass, the gradients stay those of the plain forward, and the memory kept falls between
+no checkpointing and every block's."""
+
+import importlib
+
+import pytest
+import torch
+
+from diffrl.models.base import repeated_blocks
+from diffrl.models.checkpointing import block_of, checkpointed_blocks, enable_gradient_checkpointing
+from diffrl.models.registry import resolve_family
+from diffrl.sampling import make_generators
+from diffrl.train.config import TrainConfig
+
+# Families whose forward reaches the checkpointing hook differently: diffusers' blocks called as `(block, *args)`
+# (sd3, flux3_image's three block lists), a function of the block first (cosmos3), two experts behind one
+# wrapper (wan2_2).
+FAMILIES = ["sd3", "flux3_image", "cosmos3", "wan2_2"]
+
+
+@pytest.fixture(scope="module")
+def checkpoints(tmp_path_factory):
+    root = tmp_path_factory.mktemp("models")
+    return {name: importlib.import_module(f"diffrl.models.random_checkpoints.{name}").save_random_checkpoint(
+        root / f"{name}-tiny") for name in FAMILIES}
+
+
+def _gradients_and_saved_bytes(name: str, model_dir, interval: int | None) -> tuple[dict, int, list]:
+    """One CFG velocity and its backward on a freshly loaded model, with checkpointing off (None) or one block in
+    `interval`: the transformer's parameter gradients, the bytes autograd kept for the backward, and the model's
+    repeated blocks."""
+    family = resolve_family(name, model_dir).load(model_dir)
+    transformer = family.transformer
+    if interval is not None:
+        enable_gradient_checkpointing(transformer, family.block_lists, interval)
+    transformer.train().requires_grad_(True)
+    if family.generates_video:  # two latent frames of a few tokens (the video families' test size)
+        latents = family.prepare_latents(make_generators([1, 2]), 16, 32, num_frames=5)
+    else:
+        latents = family.prepare_latents(make_generators([1, 2]), *family.default_size())
+    cond, uncond = family.encode_prompts(["a red circle", "a blue square"]), family.encode_prompts(["", ""])
+    saved = []
+
+    def keep(t):
+        saved.append(t.numel() * t.element_size())
+        return t
+
+    with torch.autograd.graph.saved_tensors_hooks(keep, lambda t: t):
+        v = family.velocity(transformer, latents, torch.tensor(0.6), cond, uncond, 2.0)
+    v.square().mean().backward()
+    grads = {n: p.grad.clone() for n, p in transformer.named_parameters() if p.grad is not None}
+    return grads, sum(saved), repeated_blocks(transformer, family.block_lists)
+
+
+@pytest.mark.parametrize("name", FAMILIES)
+def test_every_other_block_checkpointed_gives_the_same_gradients_in_less_memory(checkpoints, name, monkeypatch):
+    calls = []
+    real_checkpoint = torch.utils.checkpoint.checkpoint
+
+    def counting(fn, *args, **kwargs):
+        calls.append(block_of(fn, args))
+        return real_checkpoint(fn, *args, **kwargs)
+
+    def checkpointed(blocks) -> set[int]:  # the positions of the blocks checkpointed since the last call
+        ids = [id(b) for b in blocks]
+        positions = {ids.index(id(b)) for b in calls}
+        calls.clear()
+        return positions
+
+    monkeypatch.setattr(torch.utils.checkpoint, "checkpoint", counting)
+    plain, plain_bytes, _ = _gradients_and_saved_bytes(name, checkpoints[name], None)
+    assert not calls
+    every, every_bytes, blocks = _gradients_and_saved_bytes(name, checkpoints[name], 1)
+    ran = checkpointed(blocks)
+    half, half_bytes, blocks = _gradients_and_saved_bytes(name, checkpoints[name], 2)
+    assert plain and plain.keys() == every.keys() == half.keys()
+    for n in plain:
+        torch.testing.assert_close(every[n], plain[n], rtol=1e-5, atol=1e-7)
+        torch.testing.assert_close(half[n], plain[n], rtol=1e-5, atol=1e-7)
+    # With interval 1 every block the forward runs is checkpointed; with 2 those of them at even positions (a
+    # family's lists may hold blocks a text-to-image forward never runs, e.g. FLUX 3's image-conditioning ones).
+    assert checkpointed(blocks) == {i for i in ran if i % 2 == 0}
+    assert 0 < len({i for i in ran if i % 2 == 0}) < len(ran)
+    assert every_bytes < half_bytes < plain_bytes
+
+
+def test_the_chosen_blocks_are_the_first_and_then_one_in_n():
+    blocks = [torch.nn.Linear(1, 1) for _ in range(7)]
+    assert checkpointed_blocks(blocks, 1) == blocks
+    assert checkpointed_blocks(blocks, 3) == [blocks[0], blocks[3], blocks[6]]
+    with pytest.raises(ValueError, match="--gradient-checkpointing-interval must be >= 1"):
+        checkpointed_blocks(blocks, 0)
+
+
+def test_an_interval_below_one_is_refused_by_the_config(tmp_path):
+    with pytest.raises(ValueError, match="--gradient-checkpointing-interval must be >= 1"):
+        TrainConfig.flat(gradient_checkpointing=True, gradient_checkpointing_interval=0, output_dir=tmp_path).check()
+
+
+def test_a_training_run_with_every_other_block_checkpointed_updates_as_without(tiny_model_dir, tmp_path):
+    """`--gradient-checkpointing --gradient-checkpointing-interval 2` through the trainer: the hook is installed
+    on the demo model's blocks and one rollout and update lands on the weights a run without checkpointing gets."""
+    from diffrl.train.trainer import Trainer
+    from test_trainer import tiny_config
+
+    params = {}
+    for flags in ({}, {"gradient_checkpointing": True, "gradient_checkpointing_interval": 2}):
+        trainer = Trainer(tiny_config(tiny_model_dir, tmp_path / str(len(params)), eval_interval=10, **flags))
+        hook = trainer.policy.family.transformer._gradient_checkpointing_func
+        assert (hook is not None and hook.__name__ == "checkpoint_chosen") is bool(flags)
+        trainer.rollout_and_update(0)
+        params[bool(flags)] = [p.detach().clone() for p in trainer.policy.params]
+    for a, b in zip(params[False], params[True], strict=True):
+        torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-7)
