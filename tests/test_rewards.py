@@ -51,6 +51,36 @@ def test_multi_reward_is_the_weighted_sum_and_bad_specs_are_named():
         get_reward("multi:shapes=1,shapes_strict=1,shapes=0.5")
 
 
+def test_a_multi_sum_of_shapes_rewards_verifies_each_image_once(monkeypatch):
+    """`multi:shapes=…,white_background=…` reads two fields of one verdict: the verifier runs once per image, and
+    again for other images, other prompts or images changed in place."""
+    import asyncio
+
+    import pytest
+
+    import diffrl.data.shapes as shapes
+
+    calls = []
+    real_verify = shapes.verify  # the package's `verify` is the function the rewards import
+
+    def counting(image, prompt):
+        calls.append(prompt)
+        return real_verify(image, prompt)
+
+    monkeypatch.setattr(shapes, "verify", counting)
+    images = _as_batch(render_prompt("three squares", seed=1), render_prompt("two squares", seed=1))
+    prompts = ["three squares"] * 2
+    mixed = asyncio.run(get_reward("multi:shapes=0.8,white_background=0.2")(images, prompts))
+    assert len(calls) == 2
+    partial, white = get_reward("shapes")(images.clone(), prompts), get_reward("white_background")(images.clone(), prompts)
+    assert mixed == pytest.approx([0.8 * p + 0.2 * w for p, w in zip(partial, white)])
+    calls.clear()
+    get_reward("shapes")(images, ["two squares"] * 2)  # other prompts
+    images[0].fill_(1.0)  # the same tensor changed in place: a blank image
+    assert get_reward("shapes")(images, ["two squares"] * 2)[0] == 0.0
+    assert len(calls) == 4
+
+
 def test_worker_pool_scores_like_the_inline_reward():
     """`--reward-workers`: spawned processes, images as safetensors bytes, the same rewards."""
     import asyncio

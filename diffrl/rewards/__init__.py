@@ -14,6 +14,7 @@ last: `multi:pickscore@/m/PickScore_v1,processor=/m/CLIP-ViT-H-14=1,hpsv2@/m/HPS
 from __future__ import annotations
 
 import functools
+import threading
 from collections.abc import Callable, Sequence
 
 _REWARDS: dict[str, Callable] = {}
@@ -195,12 +196,32 @@ def model_rewards_in(spec: str) -> list[str]:
     return [name for name in (entry.partition("@")[0].strip() for entry in entries) if name in _MODEL_REWARDS]
 
 
+# The last batch the verifier judged, with its prompts and verdicts: the terms of a `multi:` sum (e.g. `shapes` and
+# `white_background`) are called one after another on the same images tensor and verify each image once. The key
+# holds the tensor (its identity cannot pass to another batch while the entry lives) and its version counter (an
+# in-place change of the images misses the entry).
+_last_verdicts: tuple | None = None
+_verdicts_lock = threading.Lock()
+
+
 def _shapes_verdicts(images, prompts) -> list:
     """The shapes verifier's verdict on each image; the shapes rewards read one field of it."""
+    global _last_verdicts
+    import torch
+
     from diffrl.data.shapes import verify
     from diffrl.utils.images import to_uint8
 
-    return [verify(image, prompt) for image, prompt in zip(to_uint8(images), prompts, strict=True)]
+    key = (images, images._version, tuple(prompts)) if isinstance(images, torch.Tensor) else None
+    with _verdicts_lock:
+        last = _last_verdicts
+    if key is not None and last is not None and last[0][0] is images and last[0][1:] == key[1:]:
+        return last[1]
+    verdicts = [verify(image, prompt) for image, prompt in zip(to_uint8(images), prompts, strict=True)]
+    if key is not None:
+        with _verdicts_lock:
+            _last_verdicts = (key, verdicts)
+    return verdicts
 
 
 @register_reward("shapes")
