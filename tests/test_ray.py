@@ -39,6 +39,10 @@ def test_ray_places_two_engines_and_a_trainer_and_completes_a_step(tiny_model_di
             assert b["train/loss"] == pytest.approx(a["train/loss"], rel=1e-5, abs=1e-7)
 
 
+# Covered in the default run by test_ray_places_two_engines_and_a_trainer_and_completes_a_step[lora] (a run placed
+# through Ray) and test_parallel.py::test_two_rank_training_run_matches_one_process[grpo] (two FSDP2 ranks equal one
+# process); this is their costlier combination: two Ray actors each importing diffrl.
+@pytest.mark.slow
 def test_ray_places_two_data_parallel_trainer_ranks(tiny_model_dir, tmp_path):
     """Two trainer rank actors form a gloo process group and train with FSDP2, each rolling out its
     share on its own engine: the same samples, losses and gradient norms as one process."""

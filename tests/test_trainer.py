@@ -123,12 +123,15 @@ def test_recipe_then_flags(tmp_path):
                          ids=["uniform", "adaptive"])
 def test_resume_continues_the_run_exactly(tiny_model_dir, tmp_path, sampling):
     """Adaptive category sampling depends on past rewards: its state travels in the checkpoint."""
+    # One held-out image per category (not 8): the evaluation at every rollout was most of the test's time, and
+    # the resumed run's eval/strict must still equal the uninterrupted run's.
+    flags = {**sampling, "eval_images_per_category": 1}
     straight = tmp_path / "straight"
-    Trainer(tiny_config(tiny_model_dir, straight, num_rollout=3, **sampling)).train()
+    Trainer(tiny_config(tiny_model_dir, straight, num_rollout=3, **flags)).train()
 
     split = tmp_path / "split"
-    Trainer(tiny_config(tiny_model_dir, split, num_rollout=2, **sampling)).train()  # "killed" after rollout 2
-    resumed = Trainer(tiny_config(tiny_model_dir, split, num_rollout=3, resume=True, **sampling))
+    Trainer(tiny_config(tiny_model_dir, split, num_rollout=2, **flags)).train()  # "killed" after rollout 2
+    resumed = Trainer(tiny_config(tiny_model_dir, split, num_rollout=3, resume=True, **flags))
     assert resumed.rollout_index == 2 and resumed.next_group_index == 4
     assert resumed.policy.optimizer.state_dict()["state"]  # Adam moments restored
     resumed.train()
@@ -152,7 +155,8 @@ def test_resume_continues_the_run_exactly(tiny_model_dir, tmp_path, sampling):
 
 def test_lora_checkpoint_is_peft_format(tiny_model_dir, tmp_path):
     out = tmp_path / "run"
-    Trainer(tiny_config(tiny_model_dir, out, use_lora=True)).train()
+    # No held-out evaluation: the test reads the saved adapter (evaluating 48 images twice was most of its time).
+    Trainer(tiny_config(tiny_model_dir, out, use_lora=True, eval_images_per_category=0)).train()
     lora = out / "checkpoints" / "rollout-00001" / "lora"
     config = json.loads((lora / "adapter_config.json").read_text())
     assert config["r"] == 8 and config["peft_type"] == "LORA"
@@ -245,10 +249,15 @@ def test_cosine_learning_rate_schedule(tiny_model_dir, tmp_path):
     assert record["train/lr"] == pytest.approx(1e-4) and trainer.policy.optimizer.param_groups[0]["lr"] == pytest.approx(1e-4)
 
 
+# Covered in the default run by test_rewards.py::test_worker_pool_scores_like_the_inline_reward (worker processes
+# score as the inline reward) and test_determinism.py (a training run scored by 2 reward worker processes).
+@pytest.mark.slow
 def test_reward_worker_processes_give_the_inline_run(tiny_model_dir, tmp_path):
-    inline = Trainer(tiny_config(tiny_model_dir, tmp_path / "inline", loss_type="nft", diffusion_guidance_scale=1.0))
+    # No held-out evaluation: the rollout's rewards and the loss are compared, not the evaluation's.
+    inline = Trainer(tiny_config(tiny_model_dir, tmp_path / "inline", loss_type="nft", diffusion_guidance_scale=1.0,
+                                 eval_images_per_category=0))
     pooled = Trainer(tiny_config(tiny_model_dir, tmp_path / "pooled", loss_type="nft", diffusion_guidance_scale=1.0,
-                                 reward_workers=2))
+                                 reward_workers=2, eval_images_per_category=0))
     a, b = inline.train(), pooled.train()
     # Rewards match exactly; the loss to float rounding, since CPU matmul reductions can split differently when
     # the reward workers' processes compete for the cores.
@@ -343,14 +352,15 @@ def test_nft_use_ema_evaluates_and_saves_a_second_ema_and_resumes_both(tiny_mode
 def test_a_checkpoint_from_before_named_emas_resumes_its_ema(tiny_model_dir, tmp_path):
     """train_state.pt files written before this format held one EMA under "ema" (NFT's old policy)."""
     out = tmp_path / "run"
-    trainer = Trainer(tiny_config(tiny_model_dir, out, loss_type="nft"))
+    trainer = Trainer(tiny_config(tiny_model_dir, out, loss_type="nft", eval_images_per_category=0))  # EMAs, not eval
     trainer.train()
     path = out / "checkpoints" / "rollout-00001" / "train_state.pt"
     state = torch.load(path, weights_only=True)
     state["ema"] = state.pop("emas")["ema"]  # the old layout
     torch.save(state, path)
     (path.parent / "manifest.json").unlink()  # checkpoints of that time had no manifest
-    resumed = Trainer(tiny_config(tiny_model_dir, out, loss_type="nft", num_rollout=2, resume=True))
+    resumed = Trainer(tiny_config(tiny_model_dir, out, loss_type="nft", num_rollout=2, resume=True,
+                                  eval_images_per_category=0))
     assert all(torch.equal(a, b) for a, b in zip(resumed.policy.ema.shadow, trainer.policy.ema.shadow))
     fresh = Trainer(tiny_config(tiny_model_dir, tmp_path / "fresh", loss_type="nft"))
     assert any(not torch.equal(a, b) for a, b in zip(resumed.policy.ema.shadow, fresh.policy.ema.shadow))  # not merely the start

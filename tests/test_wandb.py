@@ -39,7 +39,8 @@ def test_records_and_images_reach_wandb_and_resume_continues_its_run(tiny_model_
     fake = FakeWandb()
     monkeypatch.setitem(sys.modules, "wandb", fake)
     out = tmp_path / "run"
-    flags = dict(use_wandb=True, wandb_project="p", wandb_group="g", wandb_mode="offline")
+    # One held-out image per category (not 8) is enough for evaluation records and images to reach wandb.
+    flags = dict(use_wandb=True, wandb_project="p", wandb_group="g", wandb_mode="offline", eval_images_per_category=1)
     Trainer(tiny_config(tiny_model_dir, out, num_rollout=2, **flags)).train()
     records = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
     scalars = [(step, data) for step, data in fake.logged if "rollout/reward/raw_mean" in data or "eval/strict" in data]
