@@ -36,11 +36,33 @@ def test_bench_reports_every_part_for_a_family_with_a_reference_pipeline(tmp_pat
         results["pipeline"][2]["s_per_image"] / results["engine_plain"]["s_per_image"])
 
 
+def test_bench_times_the_engine_as_a_lora_training_loop_holds_it(tmp_path, monkeypatch):
+    """--lora-rank and --autocast: the engine runs with the adapter on its blocks and its forwards under bf16
+    autocast, as a LoRA training run's rollout does; the results say so."""
+    from diffrl.models import base
+
+    model = save_random_checkpoint(tmp_path / "sd3-tiny")
+    seen = []
+    real = base.FamilyAdapter.forward_precision
+
+    def spy(self):
+        seen.append((self.autocast_dtype, any("lora_A" in n for n, _ in self.transformer.named_parameters())))
+        return real(self)
+
+    monkeypatch.setattr(base.FamilyAdapter, "forward_precision", spy)
+    results = bench(BenchConfig(model_path=model, device="cpu", dtype="float32", resolution=32, n=2, ms=(2,), steps=2,
+                                repeats=1, guidance_scale=4.5, lora_rank=4, autocast=True, reference_pipeline=False))
+    assert results["lora_rank"] == 4 and results["autocast"] is True and results["engine"][2]["s_per_image"] > 0
+    assert seen and set(seen) == {(torch.bfloat16, True)}
+
+
 def test_bench_refuses_bad_flags(capsys):
     assert cli_main(["bench", "--device", "cpu", "--n", "2", "--ms", "3"]) == 2
     assert "--ms must lie in 1..--n (2)" in capsys.readouterr().err
     assert cli_main(["bench", "--device", "cpu", "--dtype", "float16"]) == 2
     assert "--dtype must be float32 or bfloat16" in capsys.readouterr().err
+    assert cli_main(["bench", "--device", "cpu", "--lora-rank", "-1"]) == 2
+    assert "--lora-rank must be >= 0" in capsys.readouterr().err
 
 
 def test_bench_times_a_video_family_and_refuses_frames_for_an_image_family(tmp_path, tiny_model_dir, capsys):

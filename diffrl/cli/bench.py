@@ -71,6 +71,12 @@ class BenchConfig:
     float8: bool = False
     """The blocks' linear layers as FP8 matmuls, in the engine and the pipeline alike (as `diffrl train
     --float8`)."""
+    lora_rank: int = 0
+    """Time the model as a LoRA training run's engine holds it: an adapter of this rank (α = 2·rank, fp32 factors, the
+    family's LoRA targets) on the weights; 0: none. With --autocast, the LoRA loop's rollout forward."""
+    autocast: bool = False
+    """Run the forwards under bf16 autocast, as the training loop does on a GPU (`--mixed-precision`); with
+    `--dtype float32` that is a full finetune's rollout forward over fp32 masters."""
     reference_pipeline: bool = True
     """Also time diffusers' pipeline on the same weights, when the family has one."""
     out: Path | None = None
@@ -229,6 +235,8 @@ def bench(cfg: BenchConfig) -> dict:
 
     if cfg.dtype not in ("float32", "bfloat16"):
         raise ValueError(f"--dtype must be float32 or bfloat16, got {cfg.dtype!r}")
+    if cfg.lora_rank < 0:
+        raise ValueError(f"--lora-rank must be >= 0, got {cfg.lora_rank}")
     if cfg.n < 1 or not cfg.ms or any(not 1 <= m <= cfg.n for m in cfg.ms) or cfg.repeats < 1:
         raise ValueError(f"--ms must lie in 1..--n ({cfg.n}) and --repeats be >= 1; got --ms {list(cfg.ms)}, "
                          f"--repeats {cfg.repeats}")
@@ -240,6 +248,13 @@ def bench(cfg: BenchConfig) -> dict:
     model_path = cfg.model_path or SHIPPED_DEMO_MODEL
     family = resolve_family(cfg.diffusion_model_family, model_path).load(
         model_path, device=device, dtype=getattr(torch, cfg.dtype))
+    if cfg.lora_rank:  # before the speed options, as the policy adds it (FP8 and compilation see the adapter)
+        from diffrl.models.lora import LoraSpec, add_lora
+
+        add_lora(family.transformer, LoraSpec(rank=cfg.lora_rank, alpha=2.0 * cfg.lora_rank,
+                                              target_modules=list(family.lora_target_modules)))
+    if cfg.autocast:
+        family.autocast_dtype = torch.bfloat16
     speed.apply(family)  # the engine's and the pipeline's transformer alike (the pipeline skips the SDPA choice)
     size = sample_size(cfg.resolution, cfg.height, cfg.width) or family.default_size()
     if cfg.num_frames is not None and not family.generates_video:
@@ -259,6 +274,7 @@ def bench(cfg: BenchConfig) -> dict:
                "eager_numerics": cfg.compile and cfg.eager_numerics,
                "compile_mode": cfg.compile_mode if cfg.compile else None, "attention_backend": cfg.attention_backend,
                "fuse_qkv": cfg.fuse_qkv, "vae_decode_batch": cfg.vae_decode_batch, "float8": cfg.float8,
+               "lora_rank": cfg.lora_rank, "autocast": cfg.autocast,
                "transformer_one_sample_per_forward": one_per_forward, "transformer": {}, "engine": {}}
     reps = 5 if on_gpu else 1
     batches = sorted({1, cfg.n})
