@@ -2,6 +2,7 @@
 FlopCounterMode on meta tensors (no weights are made, so it runs on any CPU in seconds).
 
     python benchmarks/flop_split.py --family sd3 --resolution 512
+    python benchmarks/flop_split.py --family flux3_image --resolution 1024
 
 Set beside a profile's GPU time per kernel category (benchmarks/profile_training.py), the split says how fast each
 kind of kernel runs against the peak (BENCHMARKS.md, "Where the compiled loop's time goes"). One sample, the
@@ -33,7 +34,23 @@ def sd3_forward(resolution: int):
     return model, inputs
 
 
-FORWARDS = {"sd3": sd3_forward}
+def flux3_image_forward(resolution: int):
+    """FLUX 3 Klein's transformer at the class defaults (the family's real size) and one sample's inputs: 2×2
+    patches of the 1/8-size latent, and one 80-token text window (the family pads text to multiples of 80)."""
+    from diffusers import Flux3Transformer2DModel
+
+    from diffrl.models.random_checkpoints.flux3_image import real
+
+    with torch.device("meta"):
+        model = Flux3Transformer2DModel(**real().transformer).to(torch.bfloat16)
+        tokens, text = (resolution // 16) ** 2, 80
+        inputs = dict(hidden_states=torch.empty(1, tokens, model.config.in_channels, dtype=torch.bfloat16),
+                      encoder_hidden_states=torch.empty(1, text, model.config.joint_attention_dim, dtype=torch.bfloat16),
+                      timestep=torch.ones(1), img_ids=torch.zeros(tokens, 4), txt_ids=torch.zeros(text, 4))
+    return model, inputs
+
+
+FORWARDS = {"sd3": sd3_forward, "flux3_image": flux3_image_forward}
 # Linear layers count as addmm/mm; attention on meta tensors runs as batched matmuls (bmm) or as SDPA's own op.
 KINDS = {"linear": ("addmm", "mm", "linear"), "attention": ("bmm", "scaled_dot_product", "attention")}
 

@@ -14,3 +14,11 @@ def test_sd35m_attention_flops_are_the_attention_formula(monkeypatch):
     assert report["gflop_per_forward"] == pytest.approx(2442.6, abs=0.1)  # DESIGN §9: 2,440
     assert sum(report["share"].values()) == pytest.approx(1.0)
     assert report["share"]["linear"] == pytest.approx(0.854, abs=1e-3)
+
+
+def test_flux3_klein_at_1024_counts_what_the_recipe_run_counted_on_the_gpu(monkeypatch):
+    report = load_benchmark("flop_split", monkeypatch).split("flux3_image", 1024)
+    # recipe_runs.py counted the family's own forward (text window of 80 tokens) at 41,488.9 GFLOP on the H200
+    # (benchmarks/results/recipe_flux3-klein-grpo-hps_h200_2026-12-02.json).
+    assert report["gflop_per_forward"] == pytest.approx(41488.9, abs=0.1)
+    assert report["share"]["attention"] == pytest.approx(0.169, abs=1e-3)
