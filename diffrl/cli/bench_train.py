@@ -109,8 +109,7 @@ def estimate_flops(cfg: TrainConfig, family) -> dict:
     frames = (m.num_frames or family.default_num_frames) if family.generates_video else None
     rollout_cfg = a.nft_rollout_guidance_scale if a.loss_type == "nft" else r.diffusion_guidance_scale
     train_cfg = r.diffusion_guidance_scale if a.loss_type == "flow_grpo" else 1.0  # NFT and SFT train without CFG
-    with torch.compiler.set_stance("force_eager"):
-        gflop = {g: transformer_gflop(family, 1, size, g, frames) for g in {rollout_cfg, train_cfg}}
+    gflop = {g: transformer_gflop(family, 1, size, g, frames) for g in {rollout_cfg, train_cfg}}  # counted eager
     backward, no_grad = backward_factor(cfg), no_grad_forwards_per_pair(cfg)
     train_pair = gflop[train_cfg] * train_forward_equivalents(cfg)
     step = "CFG step (cond + uncond)" if rollout_cfg > 1 else "step"

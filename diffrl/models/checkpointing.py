@@ -6,7 +6,7 @@ one more forward of that block. Checkpointing every block costs a whole extra fo
 step goes from about 2 forward-equivalents to 3); checkpointing one block in N keeps N−1 of every N blocks'
 activations and recomputes the rest, so memory and recompute fall between the two ends, and a run can take as
 much of the speed as its GPU's memory allows (BENCHMARKS.md: FLUX 3 NFT at 1024² peaked at 24.6 GiB with every
-block checkpointed and at 103.8 GiB with none, training 66.7 against 50.2 s per rollout, the latter compiled too).
+block checkpointed and at 103.8 GiB with none, training 66.7 against 50.2 s per rollout, both eager).
 
 Built on diffusers' hook: a model's forward calls `_gradient_checkpointing_func(block, *args)` for each block
 when checkpointing is on (some pass the block's bound `__call__`, some a function with the block as its first

@@ -1,14 +1,15 @@
 #!/usr/bin/env bash
-# Why FLUX 3 Klein's rollout inside the training loop runs at 42-49% MFU, compiled or not, when the compiled engine
-# alone reaches ~69% at 1024² (BENCHMARKS.md, "The published recipes end to end"): the engine alone under each
-# condition the loop adds, one at a time, on the same real-size random weights. Carry `.whl`.
+# What each condition the training loop adds costs FLUX 3 Klein's compiled engine at 1024² (alone it reaches ~69% MFU;
+# BENCHMARKS.md, "The published recipes end to end"), one at a time, on the same real-size random weights: what a
+# compiled recipe's rollout can reach at best. Carry `.whl`.
 # JOBS (default all, in order; ~2 minutes each):
 #   plain     bf16 weights, no autocast (the 69% row)
 #   autocast  + bf16 autocast (the loop's --mixed-precision)
 #   lora      + a LoRA r32 adapter with fp32 factors (the NFT recipe's rollout)
 #   masters   fp32 weights under bf16 autocast (the GRPO full finetune's rollout)
-# COMPILE=0 times them eager. Then, for the loop itself:
-#   RECIPE=flux3-klein-nft-pickscore COMPILE=1 FLAGS=--no-gradient-checkpointing bash scripts/device/profile_recipe.sh
+# COMPILE=0 times them eager. The loop itself, compiled:
+#   JOBS="flux3-klein-grpo-hps:1 flux3-klein-nft-pickscore:1" FLAGS='--flags {"compile":true}' TAG=-compile \
+#     bash scripts/device/bench_recipes.sh
 set -uo pipefail
 bash scripts/device/install_wheels.sh || exit 1
 export PYTHONPATH=/tmp/site:$PWD PYTHONUNBUFFERED=1 OMP_NUM_THREADS=8
