@@ -14,7 +14,6 @@ last: `multi:pickscore@/m/PickScore_v1,processor=/m/CLIP-ViT-H-14=1,hpsv2@/m/HPS
 from __future__ import annotations
 
 import functools
-import threading
 from collections.abc import Callable, Sequence
 
 _REWARDS: dict[str, Callable] = {}
@@ -196,12 +195,11 @@ def model_rewards_in(spec: str) -> list[str]:
     return [name for name in (entry.partition("@")[0].strip() for entry in entries) if name in _MODEL_REWARDS]
 
 
-# The last batch the verifier judged, with its prompts and verdicts: the terms of a `multi:` sum (e.g. `shapes` and
-# `white_background`) are called one after another on the same images tensor and verify each image once. The key
-# holds the tensor (its identity cannot pass to another batch while the entry lives) and its version counter (an
-# in-place change of the images misses the entry).
+# The last batch the verifier judged: (images, their version counter, prompts, verdicts). The terms of a `multi:` sum
+# (e.g. `shapes` and `white_background`) are called one after another on the same images tensor and verify each
+# image once. Holding the tensor keeps its identity from passing to another batch while the entry lives; its version
+# counter makes an in-place change of the images miss. One assignment replaces the entry, so threads need no lock.
 _last_verdicts: tuple | None = None
-_verdicts_lock = threading.Lock()
 
 
 def _shapes_verdicts(images, prompts) -> list:
@@ -212,15 +210,12 @@ def _shapes_verdicts(images, prompts) -> list:
     from diffrl.data.shapes import verify
     from diffrl.utils.images import to_uint8
 
-    key = (images, images._version, tuple(prompts)) if isinstance(images, torch.Tensor) else None
-    with _verdicts_lock:
-        last = _last_verdicts
-    if key is not None and last is not None and last[0][0] is images and last[0][1:] == key[1:]:
-        return last[1]
+    last, cacheable = _last_verdicts, isinstance(images, torch.Tensor)
+    if cacheable and last is not None and last[0] is images and last[1:3] == (images._version, tuple(prompts)):
+        return last[3]
     verdicts = [verify(image, prompt) for image, prompt in zip(to_uint8(images), prompts, strict=True)]
-    if key is not None:
-        with _verdicts_lock:
-            _last_verdicts = (key, verdicts)
+    if cacheable:
+        _last_verdicts = (images, images._version, tuple(prompts), verdicts)
     return verdicts
 
 

@@ -7,6 +7,7 @@ from __future__ import annotations
 from typing import Any
 
 import torch
+from torch.utils.flop_counter import FlopCounterMode
 
 aten = torch.ops.aten
 
@@ -25,26 +26,25 @@ _FUSED_ATTENTION = (aten._scaled_dot_product_efficient_attention, aten._scaled_d
                     aten._scaled_dot_product_cudnn_attention)
 
 
-def flop_counter() -> torch.utils.flop_counter.FlopCounterMode:
+class _EagerFlopCounter(FlopCounterMode):
+    """FlopCounterMode that counts with compilation off (torch.compiler's "force_eager" stance): a compiled module
+    (`--compile`'s blocks) first called under a dispatch mode such as this counter is skipped by dynamo for good,
+    every later call of it running eager, silently. Counted eager, it is not compiled yet when the counter sees its
+    ops, and compiles at its first call afterwards."""
+
+    def __enter__(self):
+        self._stance = torch.compiler.set_stance("force_eager")
+        self._stance.__enter__()
+        return super().__enter__()
+
+    def __exit__(self, *exc):
+        try:
+            return super().__exit__(*exc)
+        finally:
+            self._stance.__exit__(*exc)
+
+
+def flop_counter() -> FlopCounterMode:
     """A quiet FlopCounterMode whose fused-attention forward formula accepts grouped-query attention, and which
-    counts with compilation off.
-
-    Off, because a compiled module (`--compile`'s blocks) first called under a dispatch mode such as this counter
-    is skipped by dynamo for good: every later call of it runs eager, silently. Counted under torch.compiler's
-    "force_eager" stance, the module is not compiled yet when the counter sees its ops, and compiles at its first
-    call afterwards."""
-    from torch.utils.flop_counter import FlopCounterMode
-
-    class EagerFlopCounter(FlopCounterMode):
-        def __enter__(self):
-            self._stance = torch.compiler.set_stance("force_eager")
-            self._stance.__enter__()
-            return super().__enter__()
-
-        def __exit__(self, *exc):
-            try:
-                return super().__exit__(*exc)
-            finally:
-                self._stance.__exit__(*exc)
-
-    return EagerFlopCounter(display=False, custom_mapping={op: _attention_flops for op in _FUSED_ATTENTION})
+    counts with compilation off (`_EagerFlopCounter`)."""
+    return _EagerFlopCounter(display=False, custom_mapping={op: _attention_flops for op in _FUSED_ATTENTION})
