@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from diffrl.models.base import repeated_blocks
-from diffrl.models.compile import compile_blocks
+from diffrl.models.compile import compile_blocks, uncompiled_block_kinds
 from diffrl.train.trainer import Trainer
 from test_trainer import tiny_config
 
@@ -26,6 +26,8 @@ def test_compiled_rollout_and_update_match_eager(tiny_model_dir, tmp_path):
         assert blocks and all((b._compiled_call_impl is not None) is flag for b in blocks)
         assert trainer.engine.family is trainer.policy.family  # one compiled module serves both
         record = trainer.rollout_and_update(0)
+        # Checked once every block has run: compiled, none of them ran eager; without --compile, not checked.
+        assert record.get("compile/uncompiled_block_kinds") == (0.0 if flag else None)
         results.append((record, [p.detach().clone() for p in trainer.policy.params]))
     (eager, params_eager), (compiled, params_compiled) = results
     # The rollout used the compiled blocks and the trainer replayed it through them: the first pass agrees.
@@ -34,6 +36,38 @@ def test_compiled_rollout_and_update_match_eager(tiny_model_dir, tmp_path):
     assert compiled["train/loss"] == pytest.approx(eager["train/loss"], abs=1e-4)
     for a, b in zip(params_eager, params_compiled, strict=True):
         torch.testing.assert_close(a, b, rtol=1e-3, atol=1e-5)
+
+
+def test_blocks_that_dynamo_skipped_are_named():
+    """A compiled block first called under a dispatch mode (here torch's FLOP counter) is skipped by dynamo for
+    good and runs eager: `uncompiled_block_kinds` names its class once the blocks have run; a kind that compiled,
+    and blocks never compiled, are not named."""
+    from torch.utils.flop_counter import FlopCounterMode
+
+    class Skipped(torch.nn.Linear):
+        def forward(self, x):
+            return super().forward(x) * 2
+
+    class Compiled(torch.nn.Linear):
+        def forward(self, x):
+            return super().forward(x) + 1
+
+    class Plain(torch.nn.Linear):
+        def forward(self, x):
+            return super().forward(x) - 1
+
+    torch._dynamo.reset()
+    model = torch.nn.Module()
+    model.a = torch.nn.ModuleList([Skipped(4, 4), Skipped(4, 4)])
+    model.b = torch.nn.ModuleList([Compiled(4, 4), Plain(4, 4)])
+    for block in [*model.a, model.b[0]]:
+        block.compile(backend="eager")  # dynamo's bookkeeping is what is checked: no inductor needed
+    x = torch.randn(2, 4)
+    with FlopCounterMode(display=False):
+        model.a[0](x)
+    for block in [*model.a, *model.b]:
+        block(x)
+    assert uncompiled_block_kinds(model, ["a", "b"]) == ["Skipped"]
 
 
 def test_nothing_to_compile_is_an_error():

@@ -285,6 +285,12 @@ def bench(cfg: BenchConfig) -> dict:
         transformer_step_ms(family, cfg.n, size, guidance, 1, frames)
         results["compile_s"] = time.perf_counter() - start
         print(f"compiled the blocks and ran batch {cfg.n}: {results['compile_s']:.0f} s", flush=True)
+        from diffrl.models.compile import uncompiled_block_kinds
+
+        results["uncompiled_block_kinds"] = uncompiled_block_kinds(family.transformer, family.block_lists)
+        if results["uncompiled_block_kinds"]:
+            print(f"warning: --compile: {', '.join(results['uncompiled_block_kinds'])} ran eager (torch.compile "
+                  "skipped them): the figures below are eager", flush=True)
     for batch in batches:
         ms, gflop = transformer_step_ms(family, batch, size, guidance, reps, frames), gflops[batch]
         results["transformer"][batch] = {"ms_per_sample_step": ms, "gflop_per_sample_step": gflop,

@@ -67,3 +67,15 @@ def compile_blocks(transformer: torch.nn.Module, block_lists: Sequence[str], *, 
     for block in blocks:
         block.compile(mode=None if mode == "default" else mode)
     return len(blocks)
+
+
+def uncompiled_block_kinds(transformer: torch.nn.Module, block_lists: Sequence[str]) -> list[str]:
+    """The classes of compiled blocks for which dynamo holds no graph, once every block has run at least once:
+    those run eager, silently. Dynamo skips a compiled module for good when its first call comes under a
+    dispatch mode (a FLOP counter, a profiler's mode), which once left benchmark runs that asked for --compile
+    eager (BENCHMARKS.md, FLUX 3). Graphs are cached on the class's `forward` code, shared by its instances."""
+    from torch._C._dynamo.eval_frame import _debug_get_cache_entry_list
+
+    kinds = {type(b).forward.__code__: type(b).__name__
+             for b in repeated_blocks(transformer, block_lists) if getattr(b, "_compiled_call_impl", None) is not None}
+    return sorted(name for code, name in kinds.items() if not _debug_get_cache_entry_list(code))

@@ -26,6 +26,7 @@ import torch
 
 from diffrl.engine.colocated import ColocatedEngineClient
 from diffrl.models.checkpointing import enable_gradient_checkpointing
+from diffrl.models.compile import uncompiled_block_kinds
 from diffrl.models.lora import LoraSpec, add_lora
 from diffrl.train.ema import ParameterEMA
 from diffrl.train.parallel import Parallel, full_tensor, shard_transformer
@@ -154,6 +155,12 @@ class Policy:
     @property
     def transformer(self) -> torch.nn.Module:
         return self.family.transformer
+
+    def uncompiled_block_kinds(self) -> list[str]:
+        """With --compile, after every block has run: the kinds of block that run eager anyway
+        (`models.compile.uncompiled_block_kinds`), in the trained transformer and this process's engine copy."""
+        families = {id(f): f for f in (self.family, self.engine_family)}.values()
+        return sorted({k for f in families for k in uncompiled_block_kinds(f.transformer, f.block_lists)})
 
     # ------------------------------------------------------------------ engines
     def attach_remote_engines(self, clients: Sequence) -> None:

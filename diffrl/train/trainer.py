@@ -186,6 +186,7 @@ class Trainer:
 
         self.rollout_index = 0
         self.next_group_index = 0  # monotonic across the run: a group's index fixes its seeds
+        self._compile_checked = False  # --compile: whether the blocks were checked for graphs after their first run
         self.elapsed_s = 0.0  # rollout + train wall clock of the run so far
         self.best_selection = -math.inf  # the best task selection metric so far (checkpoints/best)
         if cfg.checkpoint.resume:
@@ -395,6 +396,14 @@ class Trainer:
         objective.after_update(k)
         train_s = time.perf_counter() - start
         record.update({"train/seconds": train_s, "train/pairs_per_s": len(pairs) / train_s, "train/pairs": len(pairs)})
+        if cfg.model.compile and not self._compile_checked:  # every block has run forward and backward by now
+            self._compile_checked = True
+            eager = self.policy.uncompiled_block_kinds()
+            record["compile/uncompiled_block_kinds"] = float(len(eager))
+            if eager and self.parallel.is_main:
+                print(f"warning: --compile: {', '.join(eager)} ran eager through the first rollout and update: "
+                      "torch.compile skipped them (first called under a dispatch mode such as a FLOP counter or "
+                      "profiler?); the run goes on at eager speed")
         if self.device.type == "cuda":  # since the engine's last batch: that batch, training, weights, optimizer
             record["memory/peak_gib"] = torch.cuda.max_memory_allocated(self.device) / 2**30
             torch.cuda.reset_peak_memory_stats(self.device)
