@@ -16,8 +16,10 @@
 # MODE=layouts: each recipe of LAYOUTS (default "flux3-klein-grpo-hps flux3-klein-nft-pickscore") once at its
 #   published layout (benchmarks/scaling.py PUBLISHED_LAYOUTS: FLUX 3 GRPO + HPSv2.1 full finetune and NFT +
 #   PickScore LoRA on 8 colocated ranks; Qwen-Image GRPO + PickScore and Wan2.2 on 4 ranks plus a PickScore GPU),
-#   training included, one group per rank, ROLLOUTS (default 1): layout_<recipe>.json. Qwen-Image's random
-#   checkpoint (41 GB) takes a call of its own: LAYOUTS=qwen-image-grpo-pickscore.
+#   training included, one group per rank (NGROUPS: that many; the recipe's own, e.g. 16 for FLUX 3 GRPO, is its
+#   published batch shape), ROLLOUTS (default 1), TRAIN_FLAGS (more `diffrl train` flags, e.g. "--compile
+#   --no-gradient-checkpointing"): layout_<recipe>.json. Qwen-Image's random checkpoint (41 GB) takes a call of its
+#   own: LAYOUTS=qwen-image-grpo-pickscore.
 # MODE=print: the launch command of every published layout on real checkpoints (nothing runs; no GPU needed).
 set -uo pipefail
 start=$(date +%s)
@@ -57,8 +59,8 @@ case $mode in
       (( left > 120 )) || { echo "skipped: under 120 s left" | tee -a "$OUT/log.txt"; continue; }
       # No outer timeout: scaling.py keeps the budget and kills a late world's whole session (ranks included).
       python3 benchmarks/scaling.py --layout "$recipe" --checkpoint "$(checkpoint_for "$recipe")" \
-        --rollouts "${ROLLOUTS:-1}" --budget-s "$left" --work-dir runs/recipe-bench \
-        --out "$OUT/layout_$recipe.json" 2>&1 | quiet | tee -a "$OUT/log.txt"
+        --rollouts "${ROLLOUTS:-1}" --budget-s "$left" --work-dir runs/recipe-bench ${NGROUPS:+--groups "$NGROUPS"} \
+        --out "$OUT/layout_$recipe.json" ${TRAIN_FLAGS:+-- $TRAIN_FLAGS} 2>&1 | quiet | tee -a "$OUT/log.txt"
       nvidia-smi --query-gpu=memory.used --format=csv,noheader | tr '\n' ' '; echo
     done
     ;;
