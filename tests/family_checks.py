@@ -24,10 +24,11 @@ def assert_sample_k_is_the_same_in_any_microgroup(family, **request) -> None:
 
 
 def run_training(model_dir: Path, out: Path, loss_type: str, lora: bool, guidance: float,
-                 video: dict | None = None) -> None:
+                 video: dict | None = None, extra_flags: tuple[str, ...] = ()) -> list[dict]:
     """`diffrl train` on a tiny checkpoint of any family: one rollout, one update, a checkpoint that
     loads back with the update in it (LoRA adapters trained, or full weights moved). `video`: a video
-    family's `resolution` and `num_frames` (its held-out shapes evaluation, which scores images, is off)."""
+    family's `resolution` and `num_frames` (its held-out shapes evaluation, which scores images, is off).
+    Returns the run's metric records."""
     flags = ["train", "--model-path", str(model_dir), "--loss-type", loss_type, "--num-rollout", "1",
              "--rollout-batch-size", "2", "--n-samples-per-prompt", "2", "--rollout-microgroup-size", "2",
              "--global-batch-size", "4", "--num-steps-per-rollout", "1", "--micro-batch-size", "4",
@@ -38,7 +39,7 @@ def run_training(model_dir: Path, out: Path, loss_type: str, lora: bool, guidanc
              "--eval-images-per-category", "0" if video else "1", "--checkpoint-interval", "1", "--device", "cpu",
              "--reward", "rewards_for_tests:darkness", "--output-dir", str(out),
              *(["--use-lora", "--lora-rank", "2"] if lora else ["--no-use-lora"]),
-             *([f"--{k.replace('_', '-')}={v}" for k, v in video.items()] if video else [])]
+             *([f"--{k.replace('_', '-')}={v}" for k, v in video.items()] if video else []), *extra_flags]
     # In this process (as test_resume_faults and test_determinism call it): a `python -m diffrl.cli.main` child
     # spent ~15 s of the test importing torch and diffusers again. The module entry point and a run in its own
     # process stay covered by test_parallel.py and test_resume_faults.py's kill -9 test.
@@ -55,3 +56,4 @@ def run_training(model_dir: Path, out: Path, loss_type: str, lora: bool, guidanc
     else:
         base = load_model(model_dir).transformer.state_dict()
         assert any(not torch.equal(w, base[name]) for name, w in weights.items())
+    return records

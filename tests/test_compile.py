@@ -1,6 +1,7 @@
 """Regional compilation (`--compile`): the blocks the engine and the trainer share are compiled, and a
 rollout and update through them matches the eager ones to rounding."""
 
+import importlib
 import shutil
 
 import pytest
@@ -9,6 +10,7 @@ import torch
 from diffrl.models.base import repeated_blocks
 from diffrl.models.compile import compile_blocks, uncompiled_block_kinds
 from diffrl.train.trainer import Trainer
+from family_checks import run_training
 from test_trainer import tiny_config
 
 needs_compiler = pytest.mark.skipif(not (shutil.which("cc") or shutil.which("gcc")),
@@ -105,3 +107,27 @@ def test_served_engine_compiles_and_hosts_a_lora_adapter_afterwards(tiny_model_d
     adapted = images(engines[0])
     assert not torch.allclose(adapted, images(build_engine(ServeConfig(model_path=tiny_model_dir, device="cpu"))))
     torch.testing.assert_close(images(engines[1]), adapted, rtol=0, atol=1e-4)
+
+
+# Each family's Flow-GRPO settings as its own training test runs them: CFG scale, video size, rollout step kind.
+FAMILY_RUNS = {
+    "sd3": (4.5, None, ()), "flux3_image": (2.0, None, ()), "qwen_image": (4.0, None, ()), "krea2": (2.0, None, ()),
+    "wan2_2": (4.5, dict(resolution=16, num_frames=5, diffusion_guidance_scale_2=2.0), ()),
+    "cosmos3": (4.0, dict(resolution=16, num_frames=5), ()),
+    "ltx2": (1.0, dict(height=64, width=96, num_frames=9),
+             ("--diffusion-sde-type", "cps", "--diffusion-noise-level", "0.8")),
+}
+
+
+@pytest.mark.slow  # ~1 minute of inductor per family on 2 cores; the demo family's compiled run is in the default run
+@needs_compiler
+@pytest.mark.parametrize("family", sorted(FAMILY_RUNS))
+def test_every_family_trains_compiled(family, tmp_path):
+    """`diffrl train --compile` (LoRA Flow-GRPO) on each family's tiny checkpoint: every kind of block compiled,
+    the trainer's compiled replay matches the engine's log-probs, and the checkpoint loads back (run_training)."""
+    torch._dynamo.reset()
+    save = importlib.import_module(f"diffrl.models.random_checkpoints.{family}").save_random_checkpoint
+    guidance, video, flags = FAMILY_RUNS[family]
+    records = run_training(save(tmp_path / f"{family}-tiny"), tmp_path / "run", "flow_grpo", True, guidance,
+                           video=video, extra_flags=("--compile", *flags))
+    assert [r["compile/uncompiled_block_kinds"] for r in records if "train/loss" in r] == [0.0]
