@@ -137,6 +137,13 @@ def markdown(report: dict) -> str:
         if not w.get("seconds_per_rollout"):
             lines.append(f"| {w['world_size']} | not measured: {w.get('skipped') or w.get('error') or 'no rollout'} "
                          f"| | | | |")
+    agreement = report.get("curves_agreement")
+    if agreement:
+        a, b = agreement["worlds"]
+        late_a, late_b = agreement["second_half_mean"]
+        lines += ["", f"Reward curves, {a} against {b} GPUs: {agreement['within_2_se']} of {agreement['rollouts']} rollouts' "
+                  f"mean rewards within 2 standard errors of each other (largest |z| {agreement['max_abs_z']:.2f}); "
+                  f"mean reward over the second half {late_a:.4f} and {late_b:.4f}."]
     if report.get("cuts"):
         lines += ["", "Cut to fit the budget: " + "; ".join(report["cuts"])]
     return "\n".join(lines) + "\n"
@@ -165,6 +172,46 @@ def compare_samples(reference: list[dict], other: list[dict]) -> dict:
         return same
 
     return {**count(other), "first_rollout": count([s for s in other if s["rollout"] == first])}
+
+
+def reward_curves(samples_by_world: dict[str, list[dict]]) -> dict[str, list[dict]]:
+    """Per world, per rollout: the mean reward of its samples and the standard error of that mean."""
+    curves = {}
+    for world, samples in samples_by_world.items():
+        by_rollout: dict[int, list[float]] = {}
+        for s in samples:
+            if s.get("reward") is not None:
+                by_rollout.setdefault(s["rollout"], []).append(s["reward"])
+        rows = []
+        for k, rewards in sorted(by_rollout.items()):
+            n = len(rewards)
+            mean = sum(rewards) / n
+            var = sum((r - mean) ** 2 for r in rewards) / (n - 1) if n > 1 else 0.0
+            rows.append({"rollout": k, "mean": mean, "se": (var / n) ** 0.5, "n": n})
+        curves[world] = rows
+    return curves
+
+
+def curves_agreement(curves: dict[str, list[dict]], a: str, b: str) -> dict:
+    """Worlds a and b rollout by rollout: the difference of their mean rewards in units of its standard error,
+    sqrt(se_a² + se_b²) (the two as independent runs; about 95% of rollouts lie within 2 when they differ by
+    noise alone), how many rollouts lie within 2, and each world's mean reward over the second half."""
+    left = {r["rollout"]: r for r in curves[a]}
+    right = {r["rollout"]: r for r in curves[b]}
+    common = sorted(set(left) & set(right))
+    z = []
+    for k in common:
+        se = (left[k]["se"] ** 2 + right[k]["se"] ** 2) ** 0.5
+        diff = left[k]["mean"] - right[k]["mean"]
+        z.append(0.0 if diff == 0 else (diff / se if se > 0 else float("inf")))
+    half = common[len(common) // 2:]
+
+    def late(side: dict) -> float | None:
+        return sum(side[k]["mean"] for k in half) / len(half) if half else None
+
+    return {"worlds": [a, b], "rollouts": len(common), "within_2_se": sum(abs(v) <= 2 for v in z),
+            "max_abs_z": max((abs(v) for v in z), default=None), "z": z,
+            "second_half_mean": [late(left), late(right)]}
 
 
 # ----------------------------------------------------------------------------------------------- the plan
@@ -574,6 +621,9 @@ def main(argv: list[str] | None = None) -> dict:
                 w["same_samples"] = compare_samples(per_world[smallest]["samples"], per_world[w["world_size"]]["samples"])
         report["reference_world"] = smallest
         report["samples"] = {str(n): r["samples"] for n, r in per_world.items()}
+        report["reward_curves"] = reward_curves(report["samples"])
+        if train and len(per_world) > 1:  # with updates: do the curves of the largest and smallest agree
+            report["curves_agreement"] = curves_agreement(report["reward_curves"], str(max(per_world)), str(smallest))
     report["elapsed_s"] = time.time() - began
     save()
     print(markdown(report), flush=True)

@@ -127,6 +127,9 @@ def test_the_same_samples_at_one_two_and_four_ranks(scaling, tiny_model_dir, tmp
         assert same["first_rollout"]["images"] == same["first_rollout"]["total"] == 12
         assert [s["image"] for s in samples[n]] == [s["image"] for s in samples[1]]
     assert samples[1][0]["latents"] is not None and samples[1][0]["log_probs"] is not None
+    # The same rewards give the same curve; curves are compared only for runs that train (--train).
+    assert report["reward_curves"][str(largest)] == report["reward_curves"]["1"] and len(report["reward_curves"]["1"]) == 2
+    assert "curves_agreement" not in report
     table = (tmp_path / "scaling.md").read_text()
     assert f"| {largest} |" in table and "seeds 24/24; image bits 24/24, rewards 24/24" in table
 
@@ -160,6 +163,26 @@ def test_sample_comparison_counts_every_rollout_and_the_first_apart(scaling):
     assert "seeds 4/5; first rollout: image bits 2/2, rewards 2/2" in scaling.markdown(report)
     report["step"] = "rollout only"
     assert "seeds 4/5; image bits 3/5, rewards 3/5" in scaling.markdown(report)
+
+
+def test_reward_curves_are_compared_rollout_by_rollout_in_standard_errors(scaling):
+    def samples(means):  # four samples per rollout, at its mean ± 0.1
+        return [{"rollout": k, "reward": m + d} for k, m in enumerate(means) for d in (-0.1, 0.1, -0.1, 0.1)]
+
+    curves = scaling.reward_curves({"8": samples([0.5, 0.52, 0.9]), "2": samples([0.5, 0.5, 0.5])})
+    assert [round(r["mean"], 6) for r in curves["8"]] == [0.5, 0.52, 0.9]
+    se = (4 * 0.01 / 3 / 4) ** 0.5  # the sample variance over n, square-rooted
+    assert curves["2"][0]["se"] == pytest.approx(se)
+    agreement = scaling.curves_agreement(curves, "8", "2")
+    # Rollout 0: equal; rollout 1: 0.02 apart, 0.24 standard errors; rollout 2: 0.4 apart, far outside.
+    assert agreement["z"][0] == 0 and agreement["z"][1] == pytest.approx(0.02 / (2 ** 0.5 * se))
+    assert (agreement["rollouts"], agreement["within_2_se"]) == (3, 2)
+    assert agreement["max_abs_z"] == pytest.approx(0.4 / (2 ** 0.5 * se))
+    assert agreement["second_half_mean"] == pytest.approx([0.71, 0.5])  # rollouts 1 and 2
+    report = {"recipe": "r", "groups": 1, "samples_per_group": 4, "device": "cpu", "cuts": [], "worlds": [],
+              "step": "rollout + update", "curves_agreement": agreement}
+    assert "Reward curves, 8 against 2 GPUs: 2 of 3 rollouts' mean rewards within 2 standard errors" in \
+        scaling.markdown(report)
 
 
 def test_a_world_past_its_time_is_killed_with_its_children(scaling, tmp_path):

@@ -20,6 +20,10 @@
 #   published batch shape), ROLLOUTS (default 1), TRAIN_FLAGS (more `diffrl train` flags, e.g. "--compile
 #   --no-gradient-checkpointing"): layout_<recipe>.json. Qwen-Image's random checkpoint (41 GB) takes a call of its
 #   own: LAYOUTS=qwen-image-grpo-pickscore.
+# MODE=demo: the shipped demo model's DiffusionNFT recipe (shapes-nft-gpu) trained data-parallel at GPUS (default
+#   "8 2"), ROLLOUTS (default 30) rollouts each of the recipe's 32 groups: whether the first rollout's samples are the
+#   same at both sizes and whether the reward curves agree rollout by rollout within their standard errors
+#   (demo_scaling.json / demo_scaling.md).
 # MODE=print: the launch command of every published layout on real checkpoints (nothing runs; no GPU needed).
 set -uo pipefail
 start=$(date +%s)
@@ -64,6 +68,14 @@ case $mode in
       nvidia-smi --query-gpu=memory.used --format=csv,noheader | tr '\n' ' '; echo
     done
     ;;
-  *) echo "MODE=$mode: scaling, layouts or print" >&2; exit 2 ;;
+  demo)
+    left=$(( ${BUDGET:-540} - ($(date +%s) - start) ))
+    echo "== demo model, shapes-nft-gpu at ${GPUS:-8 2} GPUs, ${left} s left $(date +%T)"
+    python3 benchmarks/scaling.py --checkpoint diffrl/assets/demo-shapes --gpus ${GPUS:-8 2} --train \
+      --rollouts "${ROLLOUTS:-30}" --prior-s-per-sample 0.01 --prior-startup-s 40 --budget-s "$left" \
+      --work-dir runs/demo-scaling --out "$OUT/demo_scaling.json" --md "$OUT/demo_scaling.md" \
+      -- --recipe shapes-nft-gpu 2>&1 | quiet | tee "$OUT/log.txt"
+    ;;
+  *) echo "MODE=$mode: scaling, layouts, demo or print" >&2; exit 2 ;;
 esac
 echo "== done $(date +%T), $(( $(date +%s) - start )) s"
