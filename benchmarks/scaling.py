@@ -343,6 +343,8 @@ def worker(argv: list[str]) -> None:
                      "rollout_s": max(t["rollout_s"] for _, t in everyone),
                      "train_s": max(t["train_s"] for _, t in everyone),
                      "reward_mean": record["rollout/reward/raw_mean"]})
+        if "compile/uncompiled_block_kinds" in record:  # --compile: blocks that ran eager anyway (0: all compiled)
+            rows[-1]["uncompiled_block_kinds"] = record["compile/uncompiled_block_kinds"]
         if parallel.is_main:
             print(json.dumps({"world_size": parallel.world_size, **rows[-1]}), flush=True)
     trainer._close_workers()
