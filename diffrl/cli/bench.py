@@ -287,7 +287,7 @@ def bench(cfg: BenchConfig) -> dict:
         print(f"compiled the blocks and ran batch {cfg.n}: {results['compile_s']:.0f} s", flush=True)
         from diffrl.models.compile import uncompiled_block_kinds
 
-        results["uncompiled_block_kinds"] = uncompiled_block_kinds(family.transformer, family.block_lists)
+        results["uncompiled_block_kinds"] = uncompiled_block_kinds(family)
         if results["uncompiled_block_kinds"]:
             print(f"warning: --compile: {', '.join(results['uncompiled_block_kinds'])} ran eager (torch.compile "
                   "skipped them): the figures below are eager", flush=True)

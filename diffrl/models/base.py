@@ -385,6 +385,22 @@ class FamilyAdapter(ABC):
             for module in modules:
                 module.to("cpu")
 
+    def compile(self, *, mode: str | None = None, eager_numerics: bool = True) -> int:
+        """`--compile`: compile what the family's forward runs, regionally (`models/compile.py`): by default its
+        repeated blocks; returns how many. A family whose forward bypasses its blocks' calls compiles that too."""
+        from diffrl.models.compile import compile_blocks
+
+        return compile_blocks(self.transformer, self.block_lists, mode=mode, eager_numerics=eager_numerics)
+
+    def compiled_units(self) -> dict[str, list]:
+        """Per kind of compiled block, the code objects that dynamo's graphs for it are cached on (any one with
+        a graph means the kind ran compiled): by default the block class's `forward`."""
+        units: dict[str, list] = {}
+        for block in repeated_blocks(self.transformer, self.block_lists):
+            if getattr(block, "_compiled_call_impl", None) is not None:
+                units.setdefault(type(block).__name__, [type(block).forward.__code__])
+        return units
+
     def save(self, path: str | Path) -> None:
         """The transformer in diffusers layout (one file): what a full finetune changes. The text encoder
         and VAE stay in the base checkpoint; `diffrl.models.checkpoint.load_model` puts the two together."""

@@ -69,13 +69,12 @@ def compile_blocks(transformer: torch.nn.Module, block_lists: Sequence[str], *, 
     return len(blocks)
 
 
-def uncompiled_block_kinds(transformer: torch.nn.Module, block_lists: Sequence[str]) -> list[str]:
-    """The classes of compiled blocks for which dynamo holds no graph, once every block has run at least once:
-    those run eager, silently. Dynamo skips a compiled module for good when its first call comes under a
-    dispatch mode (a FLOP counter, a profiler's mode), which once left benchmark runs that asked for --compile
-    eager (BENCHMARKS.md, FLUX 3). Graphs are cached on the class's `forward` code, shared by its instances."""
+def uncompiled_block_kinds(family) -> list[str]:
+    """The kinds of compiled block (`family.compiled_units()`) for which dynamo holds no graph, once every block has
+    run at least once: those run eager, silently. Dynamo skips a compiled module for good when its first call comes
+    under a dispatch mode (a FLOP counter, a profiler's mode), which once left benchmark runs that asked for
+    --compile eager (BENCHMARKS.md, FLUX 3). Graphs are cached on code objects, shared by a class's instances."""
     from torch._C._dynamo.eval_frame import _debug_get_cache_entry_list
 
-    kinds = {type(b).forward.__code__: type(b).__name__
-             for b in repeated_blocks(transformer, block_lists) if getattr(b, "_compiled_call_impl", None) is not None}
-    return sorted(name for code, name in kinds.items() if not _debug_get_cache_entry_list(code))
+    return sorted(name for name, codes in family.compiled_units().items()
+                  if not any(_debug_get_cache_entry_list(code) for code in codes))

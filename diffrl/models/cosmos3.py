@@ -187,6 +187,24 @@ class Cosmos3Family(FamilyAdapter):
         self._texts: tuple[torch.Tensor, list[bytes]] | None = None  # the last conditioning decoded, and its rows
         self._last_pair: tuple[torch.Tensor, torch.Tensor, GuidancePair] | None = None
         self.text_cache = TextPathwayCache()
+        self.video_layer = _video_layer  # the video pathway's per-layer step; compiled by `compile`
+
+    def compile(self, *, mode: str | None = None, eager_numerics: bool = True) -> int:
+        """The layers (the transformer's whole forward: under FSDP2, a full finetune, adapters on the text pathway)
+        and the video pathway's per-layer step, which bypasses the layers' calls: one graph serves every layer, as
+        one compiled block does (their parameters are graph inputs). The text pathway runs once per prompt and
+        weights, eager."""
+        count = super().compile(mode=mode, eager_numerics=eager_numerics)
+        self.video_layer = torch.compile(_video_layer, mode=None if mode == "default" else mode)
+        return count
+
+    def compiled_units(self) -> dict[str, list]:
+        """A layer kind ran compiled through its own forward or through the compiled video pathway step."""
+        units = super().compiled_units()
+        if self.video_layer is not _video_layer:
+            for codes in units.values():
+                codes.append(_video_layer.__code__)
+        return units
 
     def reference_pipeline(self):
         """diffusers' `Cosmos3OmniPipeline` over this family's own components (no copy, no safety checker), for
@@ -393,7 +411,8 @@ class Cosmos3Family(FamilyAdapter):
                     continue
                 text = self.text_cache.get(key, transformer, lambda: text_pathway(transformer, packed))
                 for part in [indices] if together else [[b] for b in indices]:
-                    out = video_pathway(transformer, packed, text, x[part].to(dtype), t[part]).float()
+                    out = video_pathway(transformer, packed, text, x[part].to(dtype), t[part],
+                                        layer_step=self.video_layer).float()
                     for i, b in enumerate(part):
                         rows[b] = out[i : i + 1]
         return torch.cat(rows)
@@ -453,8 +472,9 @@ class TextPathwayCache:
     def key(transformer, sequence: tuple, attention_backend: str) -> tuple | None:
         """The entry's key, or None where the cache does not apply and the transformer runs whole: a transformer
         that is not diffusers' own layout (context-parallel, another attention processor), whose layers are
-        FSDP2 units or compiled (both act where a layer is called, which the pathways bypass), or whose text
-        pathway has adapters (their scale and switch are not parameters a key can see)."""
+        FSDP2 units (which act where a layer is called, which the pathways bypass), or whose text pathway has
+        adapters (their scale and switch are not parameters a key can see). Compiled layers keep the cache: with
+        --compile the video pathway runs a compiled step of its own (`Cosmos3Family.compile`)."""
         from diffusers.models.transformers.transformer_cosmos3 import Cosmos3AttnProcessor
 
         if transformer._cp_shard_fn is not None or transformer._cp_gather_fn is not None:
@@ -462,8 +482,7 @@ class TextPathwayCache:
         state = _weights_state(transformer.embed_tokens)
         for layer in transformer.layers:
             attn, mlp = layer.self_attn, layer.mlp
-            if type(attn.processor) is not Cosmos3AttnProcessor or layer._compiled_call_impl is not None \
-                    or type(layer) is not _decoder_layer_class():
+            if type(attn.processor) is not Cosmos3AttnProcessor or type(layer) is not _decoder_layer_class():
                 return None
             linears = [attn.to_q, attn.to_k, attn.to_v, attn.to_out, mlp.up_proj, mlp.down_proj]
             if mlp.hidden_act == "silu":
@@ -558,10 +577,12 @@ def text_pathway(transformer, packed: dict) -> TextPathway:
 
 
 def video_pathway(transformer, packed: dict, text: TextPathway, latents: torch.Tensor,
-                  timesteps: torch.Tensor) -> torch.Tensor:
+                  timesteps: torch.Tensor, layer_step=None) -> torch.Tensor:
     """`Cosmos3OmniTransformer.forward`'s video velocity `[B, C, T, H, W]` for B samples of one prompt (latents
     `[B, C, T, H, W]`, timesteps `[B]`), the layers run on the video tokens alone against the text's keys and values
-    (`text_pathway`), with the samples on a batch axis (one sample: the forward's own operations)."""
+    (`text_pathway`), with the samples on a batch axis (one sample: the forward's own operations). `layer_step`:
+    `_video_layer` (the default) or its compiled form."""
+    layer_step = layer_step or _video_layer
     und_len = packed["und_len"]
     batch, tokens = latents.shape[0], packed["vision_sequence_indexes"].shape[0]
     if packed["sequence_length"] != und_len + tokens:
@@ -583,9 +604,9 @@ def video_pathway(transformer, packed: dict, text: TextPathway, latents: torch.T
     checkpointed = torch.is_grad_enabled() and transformer.gradient_checkpointing
     for layer, key, value in zip(transformer.layers, text.keys, text.values, strict=True):
         if checkpointed:  # as the transformer's own forward: each layer's activations recomputed in the backward
-            hidden = transformer._gradient_checkpointing_func(_video_layer, layer, hidden, key, value, cos, sin)
+            hidden = transformer._gradient_checkpointing_func(layer_step, layer, hidden, key, value, cos, sin)
         else:
-            hidden = _video_layer(layer, hidden, key, value, cos, sin)
+            hidden = layer_step(layer, hidden, key, value, cos, sin)
     preds = transformer.proj_out(transformer.norm_moe_gen(hidden)).flatten(0, 1)
     return torch.cat(transformer._unpatchify_and_unpack_latents(
         preds, token_shapes_vision=token_shapes, noisy_frame_indexes_vision=noisy_frames,

@@ -18,7 +18,7 @@ from __future__ import annotations
 from dataclasses import dataclass, fields
 
 from diffrl.models.attention import check_attention_backend, fuse_qkv_projections, fused_qkv_streams
-from diffrl.models.compile import check_compile_mode, compile_blocks
+from diffrl.models.compile import check_compile_mode
 from diffrl.models.float8 import check_float8_device, convert_blocks_to_float8
 
 
@@ -78,5 +78,4 @@ class SpeedOptions:
         """Compile the family's repeated blocks when `compile` is set; returns how many (0 when not)."""
         if not self.compile:
             return 0
-        return compile_blocks(family.transformer, family.block_lists, mode=self.compile_mode,
-                              eager_numerics=self.compile_eager_numerics)
+        return family.compile(mode=self.compile_mode, eager_numerics=self.compile_eager_numerics)

@@ -160,7 +160,7 @@ class Policy:
         """With --compile, after every block has run: the kinds of block that run eager anyway
         (`models.compile.uncompiled_block_kinds`), in the trained transformer and this process's engine copy."""
         families = {id(f): f for f in (self.family, self.engine_family)}.values()
-        return sorted({k for f in families for k in uncompiled_block_kinds(f.transformer, f.block_lists)})
+        return sorted({k for f in families for k in uncompiled_block_kinds(f)})
 
     # ------------------------------------------------------------------ engines
     def attach_remote_engines(self, clients: Sequence) -> None:
