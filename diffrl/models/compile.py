@@ -9,6 +9,8 @@ Blocks rather than the whole transformer because
 - the engine and the trainer share the compiled modules, so rollout and training still run one
   implementation of the forward.
 Apply it after LoRA is added (peft replaces layers inside the blocks) and before FSDP2 shards them.
+A family whose forward bypasses its blocks' calls compiles that path as well (`FamilyAdapter.compile`; Cosmos3's
+video pathway), and names where its graphs live (`FamilyAdapter.compiled_units`) for `uncompiled_block_kinds`.
 
 Modes (`--compile-mode`, torch.compile's `mode`):
 - `default`: inductor's fused kernels, no CUDA graphs.

@@ -7,7 +7,8 @@ the trainer always run one forward:
 - `vae_decode_batch` (`--vae-decode-batch`): images per VAE decode call (`batch_invariance.decode_rows`);
 - `float8` (`--float8`): the repeated blocks' linear layers as FP8 matmuls (`models/float8.py`);
 - `compile`, `compile_mode`, `compile_eager_numerics` (`--compile`, `--compile-mode`,
-  `--compile-eager-numerics`): regional compilation of the repeated blocks (`models/compile.py`).
+  `--compile-eager-numerics`): regional compilation of the repeated blocks (`models/compile.py`, through the
+  family's `compile`).
 
 `apply` sets the first four on a family (after a LoRA adapter is added, before compilation); `compile`
 compiles its blocks.
@@ -75,7 +76,8 @@ class SpeedOptions:
         return streams
 
     def compile_family(self, family) -> int:
-        """Compile the family's repeated blocks when `compile` is set; returns how many (0 when not)."""
+        """Compile what the family's forward runs (`FamilyAdapter.compile`: its repeated blocks, and a pathway that
+        bypasses them) when `compile` is set; returns how many blocks (0 when not)."""
         if not self.compile:
             return 0
         return family.compile(mode=self.compile_mode, eager_numerics=self.compile_eager_numerics)
