@@ -229,11 +229,17 @@ def bench_train(cfg: BenchTrainConfig) -> dict | None:
             a = trainer.cfg.algorithm
             print("\ntraining loop cost (diffrl bench-train)")
             print(format_table(table, a.loss_type, on_gpu, a.diffusion_clip_range, peak, flops))
+            # --compile: the kinds of compiled block that ran eager anyway (the trainer checks after its first update)
+            eager = next((r["compile/uncompiled_block_kinds"] for r in records if "compile/uncompiled_block_kinds" in r),
+                         None)
+            if eager:
+                print(f"warning: {eager:g} kind(s) of compiled block ran eager (named in the run's log): these are "
+                      "eager figures")
             if temporary:
                 print("(the run folder was temporary; --output-dir keeps it)")
             device = torch.cuda.get_device_name(trainer.device) if on_gpu else "cpu"
             results = {"device": device, "loss_type": a.loss_type, "family": trainer.policy.family.name,
-                       "peak_tflops": peak, "flops": flops, **table,
+                       "peak_tflops": peak, "flops": flops, "uncompiled_block_kinds": eager, **table,
                        "config": json.loads(json.dumps(trainer.cfg.as_flat_dict(), default=str))}
             if cfg.out:
                 cfg.out.write_text(json.dumps(results, indent=2) + "\n")
