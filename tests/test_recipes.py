@@ -52,6 +52,13 @@ def test_recipe_has_the_published_settings(name):
                     cfg.task.reward_frames) == VIDEO[name]
 
 
+def test_flux3_recipes_compile_on_a_gpu_only():
+    """Compiled where it was measured faster (an H200; BENCHMARKS.md); a CPU run of the recipe stays eager."""
+    for name in ("flux3-klein-nft-pickscore", "flux3-klein-grpo-hps"):
+        assert recipe_config(name, "cuda").model.compile and not recipe_config(name, "cpu").model.compile
+        assert not parse(["train", "--recipe", name, "--device", "cuda", "--no-compile"]).model.compile
+
+
 def test_recipe_details_the_table_names():
     qwen = recipe_config("qwen-image-grpo-pickscore")
     assert qwen.algorithm.globalize_reward_std and not qwen.algorithm.globalize_reward_mean  # per-prompt mean, batch std
