@@ -8,7 +8,8 @@
 # MODE=scaling (default): `--recipe flux3-klein-nft-pickscore` on random real-size weights (FLUX 3 Klein class
 #   5.5 B, a random PickScore ViT-H-14, as benchmarks/recipe_runs.py builds them) at GPUS (default "1 2 4 8", those
 #   present), largest world first, NGROUPS prompt groups per rollout for every world (default 8: the recipe's, one
-#   per rank at 8), ROLLOUTS per world (default 2; the first untimed), the rollout alone (TRAIN=1: with the update).
+#   per rank at 8), ROLLOUTS per world (default 2; the first untimed), the rollout alone (TRAIN=1: with the update),
+#   eager (TRAIN_FLAGS, default --no-compile: the plan's priors are eager's; the recipe compiles on a GPU otherwise).
 #   The whole is planned to end BUDGET seconds after the script starts (default 540): rollouts, then groups are cut
 #   to fit and a world that would not fit is skipped; every cut is printed and kept in the JSON. Writes
 #   scaling.json (per world: seconds per rollout, samples/s, speed-up, parallel efficiency, and whether every
@@ -53,8 +54,8 @@ case $mode in
     echo "== scaling $recipe, ${left} s left $(date +%T)"
     python3 benchmarks/scaling.py --recipe "$recipe" --checkpoint "$(checkpoint_for "$recipe")" \
       --gpus ${GPUS:-1 2 4 8} --groups "${NGROUPS:-8}" --rollouts "${ROLLOUTS:-2}" ${TRAIN:+--train} \
-      --budget-s "$left" --work-dir runs/recipe-bench --out "$OUT/scaling.json" --md "$OUT/scaling.md" 2>&1 \
-      | quiet | tee "$OUT/log.txt"
+      --budget-s "$left" --work-dir runs/recipe-bench --out "$OUT/scaling.json" --md "$OUT/scaling.md" \
+      -- ${TRAIN_FLAGS:---no-compile} 2>&1 | quiet | tee "$OUT/log.txt"
     ;;
   layouts)
     for recipe in ${LAYOUTS:-flux3-klein-grpo-hps flux3-klein-nft-pickscore}; do
