@@ -10,8 +10,8 @@ the trainer always run one forward:
   `--compile-eager-numerics`): regional compilation of the repeated blocks (`models/compile.py`, through the
   family's `compile`).
 
-`apply` sets the first four on a family (after a LoRA adapter is added, before compilation); `compile`
-compiles its blocks.
+`apply` sets the first four on a family (after a LoRA adapter is added, before compilation); `compile_family`
+compiles what the family's forward runs.
 """
 
 from __future__ import annotations

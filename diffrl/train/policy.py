@@ -121,7 +121,7 @@ class Policy:
                 print(f"engine copy of the transformer on each rank: {kind} (--engine-copy-dtype "
                       f"{cfg.engine.engine_copy_dtype})")
         # Compiled after LoRA (it replaces layers inside the blocks), before FSDP2 shards them.
-        for f in {id(f): f for f in (family, self.engine_family)}.values():
+        for f in self.families():
             speed.compile_family(f)
         if parallel.enabled:
             shard_transformer(transformer, family.block_lists, parallel.mesh,
@@ -156,11 +156,14 @@ class Policy:
     def transformer(self) -> torch.nn.Module:
         return self.family.transformer
 
+    def families(self) -> list:
+        """The trained family and this process's engine family when it is a copy (under FSDP2), each once."""
+        return list({id(f): f for f in (self.family, self.engine_family)}.values())
+
     def uncompiled_block_kinds(self) -> list[str]:
         """With --compile, after every block has run: the kinds of block that run eager anyway
         (`models.compile.uncompiled_block_kinds`), in the trained transformer and this process's engine copy."""
-        families = {id(f): f for f in (self.family, self.engine_family)}.values()
-        return sorted({k for f in families for k in uncompiled_block_kinds(f)})
+        return sorted({k for f in self.families() for k in uncompiled_block_kinds(f)})
 
     # ------------------------------------------------------------------ engines
     def attach_remote_engines(self, clients: Sequence) -> None:
