@@ -156,15 +156,24 @@ SIZED: dict[str, dict[str, dict]] = {
     "sd35-grpo-ocr": {"gpu": (_ocr := dict(_SD35_GRPO, reward="ocr", diffusion_kl_beta=0.04)), "cpu": _ocr},
     "sd35-grpo-pickscore": {"gpu": (_pick := dict(_SD35_GRPO, reward="pickscore", diffusion_kl_beta=0.01)),
                             "cpu": _pick},
-    "qwen-image-grpo-pickscore": {"gpu": _QWEN_GRPO, "cpu": _QWEN_GRPO},
+    # Compiled on a GPU: 1.19 s per sample against 1.79 eager on one H200, first-pass |Δ log p| 1.5e-6 (eager 1e-6 to
+    # 1.4e-5); the first two rollouts pay the compilation, the second for the prompts' new text length
+    # (BENCHMARKS.md, "Qwen-Image, LTX-2.3 and Cosmos3: compiled and larger micro-batches").
+    "qwen-image-grpo-pickscore": {"gpu": dict(_QWEN_GRPO, compile=True), "cpu": _QWEN_GRPO},
     # Compiled on a GPU (--no-compile turns it off): on one H200 the GRPO full finetune 2.17 s per sample against
     # 2.95 eager, first-pass |Δ log p| 3.7e-7; NFT 6.93 s against 10.4 (BENCHMARKS.md, "FLUX 3 Klein at 1024²,
     # compiled"). The first rollout pays the compilation (about a minute).
     "flux3-klein-nft-pickscore": {"gpu": dict(_FLUX3_NFT, compile=True), "cpu": _FLUX3_NFT},
     "flux3-klein-grpo-hps": {"gpu": dict(_FLUX3_GRPO, compile=True), "cpu": _FLUX3_GRPO},
     "wan22-grpo-pickscore": {"gpu": _WAN22_GRPO, "cpu": _WAN22_GRPO},
-    "ltx23-grpo-pickscore": {"gpu": _LTX23_GRPO, "cpu": _LTX23_GRPO},
-    "cosmos3-grpo": {"gpu": _COSMOS3_GRPO, "cpu": _COSMOS3_GRPO},
+    # On a GPU: one request per prompt's 8 videos (denoised as one batch), training micro-batches of 4 pairs and
+    # compiled blocks: 8.25 s per sample on one H200 against 29.2 s with the published microgroup 1 and micro-batch
+    # 1, eager. The same samples (seeds fix them) and the same gradient (micro-batches are weighted by their
+    # share of the step) up to batch-dependent rounding; first-pass |Δ log p| 6.7e-7 (BENCHMARKS.md, as above).
+    "ltx23-grpo-pickscore": {"gpu": dict(_LTX23_GRPO, rollout_microgroup_size=8, micro_batch_size=4, compile=True),
+                             "cpu": _LTX23_GRPO},
+    # On a GPU micro-batches of 16 pairs (one prompt's rows batched): 0.78 s per sample against 2.32 at micro-batch 1.
+    "cosmos3-grpo": {"gpu": dict(_COSMOS3_GRPO, micro_batch_size=16), "cpu": _COSMOS3_GRPO},
     "shapes-nft": {
         # DiffusionNFT: CFG-free ODE rollouts under the EMA old policy, full finetune.
         # Cosine decay over 60 rollouts: at a constant rate, or over more rollouts, the held-out
