@@ -75,6 +75,22 @@ _FLUX3_NFT = dict(diffusion_model_family="flux3_image", loss_type="nft", reward=
                   checkpoint_interval=20, eval_images_per_category=0, engine_concurrency=2,
                   engine_max_batch_outputs=8)
 
+# DiffusionNFT on Krea-2 (Raw): radixark/miles_diffusion's scripts/run_diffusion_nft_krea2.py, OCR by default and
+# PickScore as its alternative: 1024², a 10-step ODE without CFG under the EMA old policy (ramp 0.001 up to 0.5, no
+# flat steps), 8 prompts × 8 samples in one optimizer step, microgroups of 1, NFT β 1, timestep fraction 0.99,
+# per-prompt mean with batch-wide std, LoRA r32/α64 (Gaussian init), lr 3e-4, AdamW β2 0.999, weight decay 1e-4,
+# grad clip 1, bf16 forward, gradient checkpointing, micro-batches of 2, deterministic mode, 100 rollouts, 52
+# evaluation steps every 30 rollouts, a checkpoint every 20. The LoRA targets are the family's defaults (the script
+# names none), the advantage clip ours (5, as the other NFT recipes).
+_KREA2_NFT = dict(diffusion_model_family="krea2", loss_type="nft", reward="ocr", resolution=1024, use_lora=True,
+                  lora_rank=32, lora_alpha=64.0, diffusion_num_steps=10, diffusion_guidance_scale=1.0,
+                  rollout_batch_size=8, n_samples_per_prompt=8, rollout_microgroup_size=1, global_batch_size=64,
+                  num_steps_per_rollout=1, micro_batch_size=2, lr=3e-4, adam_beta2=0.999, weight_decay=1e-4,
+                  grad_clip=1.0, diffusion_nft_beta=1.0, nft_timestep_fraction=0.99, nft_ema_ramp=0.001,
+                  nft_ema_max=0.5, nft_ema_flat=0, globalize_reward_std=True, mixed_precision="bf16",
+                  gradient_checkpointing=True, deterministic_mode=True, num_rollout=100, eval_num_steps=52,
+                  eval_interval=30, checkpoint_interval=20, eval_images_per_category=0)
+
 # Flow-GRPO on FLUX 3 Image Klein with HPSv2.1, a full finetune: 1024², fp32 masters with a bf16
 # forward, lr 1e-5, 10 steps, CFG 3.5 in rollout and trainer, noise 0.7, one SDE step per rollout drawn
 # from steps 1-2, clip 1e-4, no KL, 16 prompts × 16 samples, 200 rollouts; two optimizer steps of 128
@@ -165,6 +181,8 @@ SIZED: dict[str, dict[str, dict]] = {
     # compiled"). The first rollout pays the compilation (about a minute).
     "flux3-klein-nft-pickscore": {"gpu": dict(_FLUX3_NFT, compile=True), "cpu": _FLUX3_NFT},
     "flux3-klein-grpo-hps": {"gpu": dict(_FLUX3_GRPO, compile=True), "cpu": _FLUX3_GRPO},
+    "krea2-nft-ocr": {"gpu": _KREA2_NFT, "cpu": _KREA2_NFT},
+    "krea2-nft-pickscore": {"gpu": (_krea_pick := dict(_KREA2_NFT, reward="pickscore")), "cpu": _krea_pick},
     "wan22-grpo-pickscore": {"gpu": _WAN22_GRPO, "cpu": _WAN22_GRPO},
     # On a GPU: one request per prompt's 8 videos (denoised as one batch), training micro-batches of 4 pairs and
     # compiled blocks: 8.25 s per sample on one H200 against 29.2 s with the published microgroup 1 and micro-batch

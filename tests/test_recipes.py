@@ -18,6 +18,8 @@ TABLE = {
     "sd35-grpo-ocr": ("sd3", "flow_grpo", (32, 64.0), (512, 512), 10, 4.5, ((0, 9), 9), (4, 16), 1, 8, "ocr"),
     "sd35-grpo-pickscore": ("sd3", "flow_grpo", (32, 64.0), (512, 512), 10, 4.5, ((0, 9), 9), (4, 16), 1, 8,
                             "pickscore"),
+    "krea2-nft-ocr": ("krea2", "nft", (32, 64.0), (1024, 1024), 10, 1.0, None, (8, 8), 1, 1, "ocr"),
+    "krea2-nft-pickscore": ("krea2", "nft", (32, 64.0), (1024, 1024), 10, 1.0, None, (8, 8), 1, 1, "pickscore"),
     "wan22-grpo-pickscore": ("wan2_2", "flow_grpo", (64, 128.0), (480, 480), 10, 4.0, ((1, 4), 1), (8, 16), 2, 8,
                              "pickscore"),
     "ltx23-grpo-pickscore": ("ltx2", "flow_grpo", (64, 128.0), (512, 768), 24, 1.0, ((0, 10), 3), (8, 8), 2, 1,
@@ -105,6 +107,11 @@ def test_recipe_details_the_table_names():
         a = recipe_config(sd35).algorithm
         assert (a.diffusion_kl_beta, a.globalize_reward_std, a.globalize_reward_mean) == (kl_beta, True, False)
     assert recipe_config("sd3-grpo").algorithm.diffusion_kl_beta == 0  # the benchmark setting stays KL-free
+    krea = recipe_config("krea2-nft-ocr")  # miles-diffusion's run_diffusion_nft_krea2.py
+    o, a = krea.optim, krea.algorithm
+    assert (o.lr, o.adam_beta2, o.weight_decay, o.grad_clip, o.micro_batch_size) == (3e-4, 0.999, 1e-4, 1.0, 2)
+    assert (a.diffusion_nft_beta, a.nft_timestep_fraction, a.nft_ema_ramp, a.nft_ema_max) == (1.0, 0.99, 0.001, 0.5)
+    assert krea.deterministic_mode and krea.model.gradient_checkpointing and krea.eval.eval_num_steps == 52
     nft = recipe_config("flux3-klein-nft-pickscore")
     assert nft.optim.lr == 3e-4 and nft.model.gradient_checkpointing and nft.algorithm.nft_rollout_guidance_scale == 1.0
 
