@@ -15,10 +15,14 @@ from diffrl.utils import determinism
 def restore_determinism(monkeypatch):
     """Deterministic mode is process-wide: the other tests get torch's defaults back."""
     monkeypatch.delenv("CUBLAS_WORKSPACE_CONFIG", raising=False)
+    import torch._inductor.config as inductor
+
     cudnn = torch.backends.cudnn.deterministic, torch.backends.cudnn.benchmark
+    compiled = inductor.deterministic
     yield
     torch.use_deterministic_algorithms(False)
     torch.backends.cudnn.deterministic, torch.backends.cudnn.benchmark = cudnn
+    inductor.deterministic = compiled
 
 
 def test_two_deterministic_runs_are_bit_identical(tiny_model_dir, tmp_path, restore_determinism):
@@ -43,7 +47,7 @@ def test_two_deterministic_runs_are_bit_identical(tiny_model_dir, tmp_path, rest
     assert timed == determinism.WALL_CLOCK_KEYS  # every excluded key is one the trainer writes
     settings = json.loads((runs[0] / "config.json").read_text())["determinism"]
     assert settings == {"cublas_workspace_config": ":4096:8", "cpu_threads": torch.get_num_threads(),
-                        "sdpa_backends": "any"}
+                        "sdpa_backends": "any", "inductor_deterministic": True}
     assert torch.are_deterministic_algorithms_enabled() and not torch.backends.cudnn.benchmark
 
 
@@ -86,3 +90,16 @@ def test_cublas_workspace_is_set_or_refused(monkeypatch, restore_determinism):
     with pytest.raises(ValueError, match="CUDA was initialized before"):
         determinism.enable("cpu")
     assert determinism.engine_batch_outputs(64, True) == 1 and determinism.engine_batch_outputs(64, False) == 64
+
+
+def test_compiled_blocks_are_deterministic_too(restore_determinism):
+    """Inductor's deterministic mode (no timing-picked kernel configurations) comes with --deterministic-mode, and
+    the compile mode that times GEMM candidates is refused with it, naming both flags."""
+    import torch._inductor.config as inductor
+
+    assert determinism.enable("cpu")["inductor_deterministic"] and inductor.deterministic
+    from diffrl.cli.main import parse
+
+    with pytest.raises(ValueError, match="--compile-mode max-autotune-no-cudagraphs with --deterministic-mode"):
+        parse(["train", "--deterministic-mode", "--compile", "--compile-mode", "max-autotune-no-cudagraphs"]).check()
+    parse(["train", "--compile", "--compile-mode", "max-autotune-no-cudagraphs"]).check()

@@ -45,6 +45,9 @@ class SpeedOptions:
         check_compile_mode(self.compile_mode)
         if self.compile_mode != "default" and not self.compile:
             raise ValueError(f"--compile-mode {self.compile_mode} needs --compile")
+        if deterministic and self.compile_mode.startswith("max-autotune"):
+            raise ValueError(f"--compile-mode {self.compile_mode} with --deterministic-mode: it times kernel candidates "
+                             "and keeps the fastest, which may differ between runs; use --compile-mode default")
         if self.float8 and self.fuse_qkv:
             raise ValueError("--float8 with --fuse-qkv: the fused q/k/v matmul would bypass the FP8 layers; pass one")
         if self.vae_decode_batch is not None and self.vae_decode_batch < 0:

@@ -15,6 +15,10 @@ process that computes (the trainer, a colocated engine, reward workers):
   attention out (it has no deterministic backward) and passes FA2's `deterministic` flag to flash
   attention's backward; we keep flash off too, so that determinism rests on the one kernel whose
   deterministic path torch checks, whatever its version. Forward passes are deterministic in every kernel.
+- Compiled blocks (`--compile`): Inductor's own deterministic mode (`torch._inductor.config.deterministic`), which
+  skips the on-device timing that picks among kernel configurations where the choice changes the numerics (a
+  reduction's block size and warps): two processes could otherwise time their way to different kernels. The
+  max-autotune compile mode, which times GEMM candidates, is refused with deterministic mode (`speed.py`).
 - Engines denoise each request alone (`engine_batch_outputs`): merging requests that wait together depends
   on when they arrive, and on a GPU a sample's bits depend on the batch it sits in.
 - CPU reductions split by the intra-op thread count: it is fixed for a process (torch's default, the cores,
@@ -48,6 +52,9 @@ def enable(device: torch.device | str) -> dict:
     torch.use_deterministic_algorithms(True, warn_only=False)
     torch.backends.cudnn.deterministic = True
     torch.backends.cudnn.benchmark = False
+    from torch._inductor import config as inductor_config  # noqa: PLC0415  (compiling imports the rest)
+
+    inductor_config.deterministic = True
     attention = "any"
     if device.type == "cuda":  # on a CPU these switches would change which CPU kernel runs, for nothing
         torch.backends.cuda.enable_flash_sdp(False)
@@ -56,7 +63,7 @@ def enable(device: torch.device | str) -> dict:
         torch.backends.cuda.enable_math_sdp(True)
         attention = "efficient, math"
     return {"cublas_workspace_config": os.environ["CUBLAS_WORKSPACE_CONFIG"], "cpu_threads": torch.get_num_threads(),
-            "sdpa_backends": attention}
+            "sdpa_backends": attention, "inductor_deterministic": inductor_config.deterministic}
 
 
 def _fix_cublas_workspace() -> None:
