@@ -304,6 +304,8 @@ def main(argv: list[str] | None = None) -> dict:
             "loss": record.get("train/loss"), "log_prob_mean_abs_diff": record.get("train/log_prob_mean_abs_diff")}
         if "compile/uncompiled_block_kinds" in record:  # --compile: blocks that ran eager anyway (0: all compiled)
             row["uncompiled_block_kinds"] = record["compile/uncompiled_block_kinds"]
+        if "compile/block_kinds_at_recompile_limit" in record:  # --compile: kinds past dynamo's cache (then eager)
+            row["block_kinds_at_recompile_limit"] = record["compile/block_kinds_at_recompile_limit"]
         results["rollouts"].append(row)
         print(json.dumps(row), flush=True)
         save()

@@ -345,6 +345,8 @@ def worker(argv: list[str]) -> None:
                      "reward_mean": record["rollout/reward/raw_mean"]})
         if "compile/uncompiled_block_kinds" in record:  # --compile: blocks that ran eager anyway (0: all compiled)
             rows[-1]["uncompiled_block_kinds"] = record["compile/uncompiled_block_kinds"]
+        if "compile/block_kinds_at_recompile_limit" in record:  # --compile: kinds past dynamo's cache (then eager)
+            rows[-1]["block_kinds_at_recompile_limit"] = record["compile/block_kinds_at_recompile_limit"]
         if parallel.is_main:
             print(json.dumps({"world_size": parallel.world_size, **rows[-1]}), flush=True)
     trainer._close_workers()

@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from diffrl.models.base import FamilyAdapter, repeated_blocks
-from diffrl.models.compile import compile_blocks, uncompiled_block_kinds
+from diffrl.models.compile import block_kinds_at_recompile_limit, compile_blocks, uncompiled_block_kinds
 from diffrl.train.trainer import Trainer
 from family_checks import run_training
 from test_trainer import tiny_config
@@ -31,6 +31,7 @@ def test_compiled_rollout_and_update_match_eager(tiny_model_dir, tmp_path):
         record = trainer.rollout_and_update(0)
         # Checked once every block has run: compiled, none of them ran eager; without --compile, not checked.
         assert record.get("compile/uncompiled_block_kinds") == (0.0 if flag else None)
+        assert record.get("compile/block_kinds_at_recompile_limit") == (0.0 if flag else None)
         results.append((record, [p.detach().clone() for p in trainer.policy.params]))
     (eager, params_eager), (compiled, params_compiled) = results
     # The rollout used the compiled blocks and the trainer replayed it through them: the first pass agrees.
@@ -73,6 +74,42 @@ def test_blocks_that_dynamo_skipped_are_named():
     family = SimpleNamespace(transformer=model, block_lists=("a", "b"))
     family.compiled_units = lambda: FamilyAdapter.compiled_units(family)
     assert uncompiled_block_kinds(family) == ["Skipped"]
+
+
+@pytest.fixture
+def recompile_limit_of_two():
+    """dynamo's recompile limit at 2 for one test, restored by hand (monkeypatch's undo deletes a config entry)."""
+    torch._dynamo.reset()
+    limit = torch._dynamo.config.recompile_limit
+    torch._dynamo.config.recompile_limit = 2
+    yield
+    torch._dynamo.config.recompile_limit = limit
+    torch._dynamo.reset()
+
+
+def test_block_kinds_with_a_full_dynamo_cache_are_named(recompile_limit_of_two):
+    """Past dynamo's recompile limit a block runs eager for any call no cached graph accepts: the kind whose cache
+    is full is named, a kind with room is not."""
+    class Recompiling(torch.nn.Linear):
+        def forward(self, x):
+            return super().forward(x) * 2
+
+    class Steady(torch.nn.Linear):
+        def forward(self, x):
+            return super().forward(x) + 1
+
+    model = torch.nn.Module()
+    model.blocks = torch.nn.ModuleList([Recompiling(4, 4), Steady(4, 4)])
+    for block in model.blocks:
+        block.compile(backend="eager", dynamic=False)  # a graph per shape: dynamo's bookkeeping is what is checked
+    family = SimpleNamespace(transformer=model, block_lists=("blocks",))
+    family.compiled_units = lambda: FamilyAdapter.compiled_units(family)
+    model.blocks[1](torch.randn(2, 4))
+    model.blocks[0](torch.randn(2, 4))
+    assert block_kinds_at_recompile_limit(family) == []
+    for rows in (3, 5):  # a second graph fills the cache; the third shape runs eager
+        model.blocks[0](torch.randn(rows, 4))
+    assert block_kinds_at_recompile_limit(family) == ["Recompiling"]
 
 
 def test_nothing_to_compile_is_an_error():

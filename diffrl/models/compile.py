@@ -10,7 +10,8 @@ Blocks rather than the whole transformer because
   implementation of the forward.
 Apply it after LoRA is added (peft replaces layers inside the blocks) and before FSDP2 shards them.
 A family whose forward bypasses its blocks' calls compiles that path as well (`FamilyAdapter.compile`; Cosmos3's
-video pathway), and names where its graphs live (`FamilyAdapter.compiled_units`) for `uncompiled_block_kinds`.
+video pathway), and names where its graphs live (`FamilyAdapter.compiled_units`) for `uncompiled_block_kinds` and
+`block_kinds_at_recompile_limit`.
 
 Modes (`--compile-mode`, torch.compile's `mode`):
 - `default`: inductor's fused kernels, no CUDA graphs.
@@ -69,6 +70,17 @@ def compile_blocks(transformer: torch.nn.Module, block_lists: Sequence[str], *, 
     for block in blocks:
         block.compile(mode=None if mode == "default" else mode)
     return len(blocks)
+
+
+def block_kinds_at_recompile_limit(family) -> list[str]:
+    """The kinds of compiled block (`family.compiled_units()`) whose dynamo cache is full: a call whose shapes or
+    state no cached graph accepts then runs eager, silently, for the rest of the process. Checked after each update,
+    because a run meets new shapes late (a prompt's text length, a smaller last microgroup)."""
+    from torch._C._dynamo.eval_frame import _debug_get_cache_entry_list
+
+    limit = torch._dynamo.config.recompile_limit
+    return sorted(name for name, codes in family.compiled_units().items()
+                  if any(len(_debug_get_cache_entry_list(code)) >= limit for code in codes))
 
 
 def uncompiled_block_kinds(family) -> list[str]:

@@ -26,7 +26,7 @@ import torch
 
 from diffrl.engine.colocated import ColocatedEngineClient
 from diffrl.models.checkpointing import enable_gradient_checkpointing
-from diffrl.models.compile import uncompiled_block_kinds
+from diffrl.models.compile import block_kinds_at_recompile_limit, uncompiled_block_kinds
 from diffrl.models.lora import LoraSpec, add_lora
 from diffrl.train.ema import ParameterEMA
 from diffrl.train.parallel import Parallel, full_tensor, shard_transformer
@@ -164,6 +164,11 @@ class Policy:
         """With --compile, after every block has run: the kinds of block that run eager anyway
         (`models.compile.uncompiled_block_kinds`), in the trained transformer and this process's engine copy."""
         return sorted({k for f in self.families() for k in uncompiled_block_kinds(f)})
+
+    def block_kinds_at_recompile_limit(self) -> list[str]:
+        """The kinds of compiled block whose dynamo cache is full (`models.compile.block_kinds_at_recompile_limit`),
+        in the trained transformer and this process's engine copy."""
+        return sorted({k for f in self.families() for k in block_kinds_at_recompile_limit(f)})
 
     # ------------------------------------------------------------------ engines
     def attach_remote_engines(self, clients: Sequence) -> None:

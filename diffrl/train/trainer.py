@@ -187,6 +187,7 @@ class Trainer:
         self.rollout_index = 0
         self.next_group_index = 0  # monotonic across the run: a group's index fixes its seeds
         self._compile_checked = False  # --compile: whether the blocks were checked for graphs after their first run
+        self._recompile_limit_named: set[str] = set()  # --compile: block kinds already warned of a full dynamo cache
         self.elapsed_s = 0.0  # rollout + train wall clock of the run so far
         self.best_selection = -math.inf  # the best task selection metric so far (checkpoints/best)
         if cfg.checkpoint.resume:
@@ -404,6 +405,14 @@ class Trainer:
                 print(f"warning: --compile: {', '.join(eager)} ran eager through the first rollout and update: "
                       "torch.compile skipped them (first called under a dispatch mode such as a FLOP counter or "
                       "profiler?); the run goes on at eager speed")
+        if cfg.model.compile:
+            full = self.policy.block_kinds_at_recompile_limit()
+            record["compile/block_kinds_at_recompile_limit"] = float(len(full))
+            if (new := sorted(set(full) - self._recompile_limit_named)) and self.parallel.is_main:
+                print(f"warning: --compile: {', '.join(new)} compiled {torch._dynamo.config.recompile_limit} graphs, "
+                      "dynamo's limit (torch._dynamo.config.recompile_limit): calls that need another graph run eager "
+                      "from now on; shapes that keep changing are the usual cause")
+            self._recompile_limit_named.update(full)
         if self.device.type == "cuda":  # since the engine's last batch: that batch, training, weights, optimizer
             record["memory/peak_gib"] = torch.cuda.max_memory_allocated(self.device) / 2**30
             torch.cuda.reset_peak_memory_stats(self.device)
