@@ -10,6 +10,7 @@ import torch
 
 from diffrl.models.base import FamilyAdapter, repeated_blocks
 from diffrl.models.compile import block_kinds_at_recompile_limit, compile_blocks, uncompiled_block_kinds
+from diffrl.models.compile_settings import compile_settings
 from diffrl.train.trainer import Trainer
 from family_checks import run_training
 from test_trainer import tiny_config
@@ -77,13 +78,15 @@ def test_blocks_that_dynamo_skipped_are_named():
 
 
 @pytest.fixture
-def recompile_limit_of_two():
-    """dynamo's recompile limit at 2 for one test, restored by hand (monkeypatch's undo deletes a config entry)."""
+def recompile_limit_of_two(monkeypatch):
+    """dynamo's recompile limit at 2 where compiled blocks run (`compile_settings`), for one test."""
+    from diffrl.models import compile_settings
+
+    settings = {k: dict(v) for k, v in compile_settings._SETTINGS.items()}
+    settings["dynamo"]["recompile_limit"] = 2
+    monkeypatch.setattr(compile_settings, "_SETTINGS", settings)
     torch._dynamo.reset()
-    limit = torch._dynamo.config.recompile_limit
-    torch._dynamo.config.recompile_limit = 2
     yield
-    torch._dynamo.config.recompile_limit = limit
     torch._dynamo.reset()
 
 
@@ -104,11 +107,12 @@ def test_block_kinds_with_a_full_dynamo_cache_are_named(recompile_limit_of_two):
         block.compile(backend="eager", dynamic=False)  # a graph per shape: dynamo's bookkeeping is what is checked
     family = SimpleNamespace(transformer=model, block_lists=("blocks",))
     family.compiled_units = lambda: FamilyAdapter.compiled_units(family)
-    model.blocks[1](torch.randn(2, 4))
-    model.blocks[0](torch.randn(2, 4))
-    assert block_kinds_at_recompile_limit(family) == []
-    for rows in (3, 5):  # a second graph fills the cache; the third shape runs eager
-        model.blocks[0](torch.randn(rows, 4))
+    with compile_settings():  # where blocks run: inside every transformer call
+        model.blocks[1](torch.randn(2, 4))
+        model.blocks[0](torch.randn(2, 4))
+        assert block_kinds_at_recompile_limit(family) == []
+        for rows in (3, 5):  # a second graph fills the cache; the third shape runs eager
+            model.blocks[0](torch.randn(rows, 4))
     assert block_kinds_at_recompile_limit(family) == ["Recompiling"]
 
 
@@ -171,3 +175,46 @@ def test_every_family_trains_compiled(family, tmp_path):
     records = run_training(save(tmp_path / f"{family}-tiny"), tmp_path / "run", "flow_grpo", True, guidance,
                            video=video, extra_flags=("--compile", *flags))
     assert [r["compile/uncompiled_block_kinds"] for r in records if "train/loss" in r] == [0.0]
+
+
+def test_compile_settings_reach_the_threads_that_run_compiled_blocks(monkeypatch):
+    """torch keeps compiler settings per thread; engines run forwards in worker threads. What `compile_blocks`
+    needs (eager's bf16 roundings, a larger recompile limit) holds in any thread inside `compile_settings`, the
+    context of every transformer call, and is absent outside it there."""
+    import threading
+
+    import torch._inductor.config as inductor
+
+    from diffrl.models import compile_settings as settings_module
+
+    monkeypatch.setattr(settings_module, "_SETTINGS", {"dynamo": {}, "inductor": {}})
+    model = torch.nn.Module()
+    model.blocks = torch.nn.ModuleList([torch.nn.Linear(4, 4)])
+    compile_blocks(model, ["blocks"], eager_numerics=True)
+    seen = {}
+
+    def engine_thread():
+        seen["outside"] = inductor.emulate_precision_casts
+        with compile_settings():
+            seen["inside"] = (inductor.emulate_precision_casts, torch._dynamo.config.recompile_limit)
+
+    worker = threading.Thread(target=engine_thread)
+    worker.start()
+    worker.join()
+    assert seen == {"outside": False, "inside": (True, 64)}
+
+
+@pytest.mark.slow  # two compiled runs' worth of inductor on 2 cores (~1 minute)
+@needs_compiler
+def test_compiled_bf16_replay_matches_the_engine_exactly(tmp_path):
+    """SD3 at bf16 autocast, compiled: the engine (a worker thread) and the trainer (the main thread) compile their
+    graphs with the same settings, so the first pass replays the rollout's log-probs exactly. Before the settings
+    reached the engine's thread this run drifted by 5.8e-5 and clipped 14% of its pairs."""
+    from diffrl.models.random_checkpoints.sd3 import save_random_checkpoint
+
+    torch._dynamo.reset()
+    records = run_training(save_random_checkpoint(tmp_path / "sd3-tiny"), tmp_path / "run", "flow_grpo", True, 4.5,
+                           extra_flags=("--compile", "--mixed-precision", "bf16"))
+    first = next(r for r in records if "train/loss" in r)
+    assert first["compile/uncompiled_block_kinds"] == 0.0
+    assert first["train/log_prob_mean_abs_diff"] == 0.0 and first["train/clipfrac"] == 0.0

@@ -15,14 +15,13 @@ from diffrl.utils import determinism
 def restore_determinism(monkeypatch):
     """Deterministic mode is process-wide: the other tests get torch's defaults back."""
     monkeypatch.delenv("CUBLAS_WORKSPACE_CONFIG", raising=False)
-    import torch._inductor.config as inductor
+    from diffrl.models import compile_settings
 
+    monkeypatch.setattr(compile_settings, "_SETTINGS", {k: dict(v) for k, v in compile_settings._SETTINGS.items()})
     cudnn = torch.backends.cudnn.deterministic, torch.backends.cudnn.benchmark
-    compiled = inductor.deterministic
     yield
     torch.use_deterministic_algorithms(False)
     torch.backends.cudnn.deterministic, torch.backends.cudnn.benchmark = cudnn
-    inductor.deterministic = compiled
 
 
 def test_two_deterministic_runs_are_bit_identical(tiny_model_dir, tmp_path, restore_determinism):
@@ -93,11 +92,27 @@ def test_cublas_workspace_is_set_or_refused(monkeypatch, restore_determinism):
 
 
 def test_compiled_blocks_are_deterministic_too(restore_determinism):
-    """Inductor's deterministic mode (no timing-picked kernel configurations) comes with --deterministic-mode, and
-    the compile mode that times GEMM candidates is refused with it, naming both flags."""
+    """Inductor's deterministic mode (no timing-picked kernel configurations) comes with --deterministic-mode, in
+    every thread that runs compiled blocks, and the compile mode that times GEMM candidates is refused with it,
+    naming both flags."""
+    import threading
+
     import torch._inductor.config as inductor
 
-    assert determinism.enable("cpu")["inductor_deterministic"] and inductor.deterministic
+    from diffrl.models.compile_settings import compile_settings
+
+    assert determinism.enable("cpu")["inductor_deterministic"]
+    seen = []
+
+    def forward_thread():
+        with compile_settings():  # what every transformer call enters (FamilyAdapter.forward_precision)
+            seen.append(inductor.deterministic)
+        seen.append(inductor.deterministic)
+
+    worker = threading.Thread(target=forward_thread)
+    worker.start()
+    worker.join()
+    assert seen == [True, False]  # set inside, and the thread's own setting restored after
     from diffrl.cli.main import parse
 
     with pytest.raises(ValueError, match="--compile-mode max-autotune-no-cudagraphs with --deterministic-mode"):

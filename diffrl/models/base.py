@@ -60,6 +60,7 @@ from diffrl.models.batch_invariance import (
     one_value_for_all_rows,
     rows_share_one_timestep,
 )
+from diffrl.models.compile_settings import compile_settings
 from diffrl.models.components import (
     Component,
     checkpoint_root,
@@ -185,7 +186,8 @@ class FamilyAdapter(ABC):
         """The context every transformer call of `velocity` runs in: `autocast_dtype` and `attention_backend`."""
         device_type = next(self.transformer.parameters()).device.type
         with torch.autocast(device_type, dtype=self.autocast_dtype or torch.float32,
-                            enabled=self.autocast_dtype is not None), attention_context(self.attention_backend):
+                            enabled=self.autocast_dtype is not None), attention_context(self.attention_backend), \
+                compile_settings():
             yield
 
     # ---------------------------------------------------------------- loading

@@ -30,6 +30,7 @@ from collections.abc import Sequence
 import torch
 
 from diffrl.models.base import repeated_blocks
+from diffrl.models.compile_settings import compile_setting, require_compile_settings
 
 # Each kind of block compiles once per grad mode, autocast state and shape regime (static, then dynamic
 # batch): a family with three kinds of block (SD3.5's dual-attention, plain and last blocks) needs more
@@ -58,12 +59,12 @@ def compile_blocks(transformer: torch.nn.Module, block_lists: Sequence[str], *, 
     `emulate_precision_casts`). The engine's graph (no gradients) and the trainer's (with them) fuse
     differently, so without it the trainer's replay of a rollout step drifts from the engine's log-prob:
     on SD3.5-M at 512² the first pass's mean |Δlogp| was 2.2e-4 (36% of pairs clipped at Flow-GRPO's clip
-    range 1e-4) and 4.5e-5 with it (14%), for 7% of the training speed (BENCHMARKS.md). Eager: 1.6e-8."""
+    range 1e-4) and 4.5e-5 with it (14%), for 7% of the training speed (BENCHMARKS.md). Eager: 1.6e-8. Those
+    figures predate `compile_settings`: the setting then held only in the thread that compiled the blocks, not
+    in the engine's worker threads, and on a CPU the remaining drift (5.8e-5) went to exactly 0 once it did."""
     check_compile_mode(mode)
-    torch._dynamo.config.recompile_limit = max(torch._dynamo.config.recompile_limit, RECOMPILE_LIMIT)
-    import torch._inductor.config as inductor_config
-
-    inductor_config.emulate_precision_casts = eager_numerics
+    require_compile_settings(dynamo={"recompile_limit": max(compile_setting("dynamo", "recompile_limit"), RECOMPILE_LIMIT)},
+                             inductor={"emulate_precision_casts": eager_numerics})
     blocks = repeated_blocks(transformer, block_lists)
     if not blocks:
         raise ValueError(f"no blocks to compile under {list(block_lists)}")
@@ -78,7 +79,7 @@ def block_kinds_at_recompile_limit(family) -> list[str]:
     because a run meets new shapes late (a prompt's text length, a smaller last microgroup)."""
     from torch._C._dynamo.eval_frame import _debug_get_cache_entry_list
 
-    limit = torch._dynamo.config.recompile_limit
+    limit = compile_setting("dynamo", "recompile_limit")
     return sorted(name for name, codes in family.compiled_units().items()
                   if any(len(_debug_get_cache_entry_list(code)) >= limit for code in codes))
 

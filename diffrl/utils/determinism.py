@@ -38,6 +38,8 @@ from pathlib import Path
 
 import torch
 
+from diffrl.models.compile_settings import compile_setting, require_compile_settings
+
 CUBLAS_WORKSPACE = ":4096:8"
 _DETERMINISTIC_WORKSPACES = (":4096:8", ":16:8")  # the two cuBLAS documents as reproducible
 # metrics.jsonl fields that measure wall-clock time: the only ones allowed to differ between two runs.
@@ -52,9 +54,7 @@ def enable(device: torch.device | str) -> dict:
     torch.use_deterministic_algorithms(True, warn_only=False)
     torch.backends.cudnn.deterministic = True
     torch.backends.cudnn.benchmark = False
-    from torch._inductor import config as inductor_config  # noqa: PLC0415  (compiling imports the rest)
-
-    inductor_config.deterministic = True
+    require_compile_settings(inductor={"deterministic": True})  # in every thread that runs compiled blocks
     attention = "any"
     if device.type == "cuda":  # on a CPU these switches would change which CPU kernel runs, for nothing
         torch.backends.cuda.enable_flash_sdp(False)
@@ -63,7 +63,7 @@ def enable(device: torch.device | str) -> dict:
         torch.backends.cuda.enable_math_sdp(True)
         attention = "efficient, math"
     return {"cublas_workspace_config": os.environ["CUBLAS_WORKSPACE_CONFIG"], "cpu_threads": torch.get_num_threads(),
-            "sdpa_backends": attention, "inductor_deterministic": inductor_config.deterministic}
+            "sdpa_backends": attention, "inductor_deterministic": compile_setting("inductor", "deterministic")}
 
 
 def _fix_cublas_workspace() -> None:
