@@ -183,7 +183,8 @@ class FamilyAdapter(ABC):
 
     @contextlib.contextmanager
     def forward_precision(self):
-        """The context every transformer call of `velocity` runs in: `autocast_dtype` and `attention_backend`."""
+        """The context every transformer call of `velocity` runs in: `autocast_dtype`, `attention_backend` and the
+        compiler settings of compiled blocks (`compile_settings`: torch keeps those per thread)."""
         device_type = next(self.transformer.parameters()).device.type
         with torch.autocast(device_type, dtype=self.autocast_dtype or torch.float32,
                             enabled=self.autocast_dtype is not None), attention_context(self.attention_backend), \
