@@ -34,6 +34,7 @@ from diffrl.engine.engine import Engine, EngineConfig
 from diffrl.engine.wire import dtype_name
 from diffrl.errors import RequestError
 from diffrl.models import resolve_family
+from diffrl.models.compile_settings import compile_setting
 from diffrl.models.demo import SHIPPED_DEMO_MODEL
 from diffrl.rewards import default_device, get_reward
 from diffrl.rewards.colocate import InProcessRewards
@@ -409,7 +410,8 @@ class Trainer:
             full = self.policy.block_kinds_at_recompile_limit()
             record["compile/block_kinds_at_recompile_limit"] = float(len(full))
             if (new := sorted(set(full) - self._recompile_limit_named)) and self.parallel.is_main:
-                print(f"warning: --compile: {', '.join(new)} compiled {torch._dynamo.config.recompile_limit} graphs, "
+                limit = compile_setting("dynamo", "recompile_limit")  # the one compiled blocks run under
+                print(f"warning: --compile: {', '.join(new)} compiled {limit} graphs, "
                       "dynamo's limit (torch._dynamo.config.recompile_limit): calls that need another graph run eager "
                       "from now on; shapes that keep changing are the usual cause")
             self._recompile_limit_named.update(full)
