@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from diffrl.algorithms.advantages import compute_advantages
-from diffrl.algorithms.losses import ema_decay, flow_grpo_loss, nft_loss, nft_reward_weight
+from diffrl.algorithms.losses import ema_decay, flow_grpo_loss, nft_loss, nft_reward_weight, x_kl
 from diffrl.train.ema import ParameterEMA
 
 
@@ -71,10 +71,10 @@ def test_flow_grpo_loss_matches_hand_computation():
     ref = torch.tensor([[0.0, 2.0], [0.0, 0.0], [1.0, 3.0], [2.0, 1.0]], dtype=torch.float64)
     std = torch.tensor([0.5, 1.0, 2.0, 0.1], dtype=torch.float64)
     kl = [((m - r) ** 2).mean().item() / (2 * s**2) for m, r, s in zip(mean, ref, std.tolist())]
-    with_kl = flow_grpo_loss(logp, old, adv, clip_range=eps, adv_clip_max=cmax, kl_beta=0.04, mean=mean, ref_mean=ref, std=std)
+    with_kl = flow_grpo_loss(logp, old, adv, clip_range=eps, adv_clip_max=cmax, kl_beta=0.04, kl=x_kl(mean, ref, std))
     assert with_kl.kl_loss.item() == pytest.approx(sum(kl) / 4, abs=1e-12)
     assert with_kl.loss.item() == pytest.approx(sum(expected) / 4 + 0.04 * sum(kl) / 4, abs=1e-12)
-    with pytest.raises(ValueError, match="reference mean"):
+    with pytest.raises(ValueError, match="per-sample KL"):
         flow_grpo_loss(logp, old, adv, clip_range=eps, adv_clip_max=cmax, kl_beta=0.1)
 
 

@@ -56,11 +56,14 @@ def test_train_refuses_a_flag_that_its_task_would_ignore(tmp_path, capsys, flags
 
 @pytest.mark.parametrize("argv, message", [
     (["train", "--recipe", "shapes-nft", "--diffusion-sde-window-range", "0,2"],
-     "--diffusion-sde-window-range sets Flow-GRPO's SDE steps and clipped ratio; --loss-type nft does not read it "
-     "(drop it, or use --loss-type flow_grpo)"),
+     "--diffusion-sde-window-range sets the SDE steps of Flow-GRPO and its relatives; --loss-type nft does not read "
+     "it (drop it, or use --loss-type flow_grpo or grpo_guard)"),
     (["train", "--recipe", "shapes-grpo", "--loss-type", "sft", "--diffusion-clip-range=1e-3"],
-     "--diffusion-clip-range sets Flow-GRPO's SDE steps and clipped ratio; --loss-type sft does not read it "
-     "(drop it, or use --loss-type flow_grpo)"),
+     "--diffusion-clip-range sets the clipped policy ratio; --loss-type sft does not read it "
+     "(drop it, or use --loss-type flow_grpo or grpo_guard or awm)"),
+    (["train", "--recipe", "shapes-nft", "--dpo-beta", "500"],
+     "--dpo-beta sets --loss-type dpo's own settings; --loss-type nft does not read it (drop it, or use --loss-type "
+     "dpo)"),
     (["bench-train", "--recipe", "shapes-grpo", "--nft-ema-max", "0.3"],
      "--nft-ema-max sets DiffusionNFT's loss and old policy; --loss-type flow_grpo does not read it "
      "(drop it, or use --loss-type nft)"),

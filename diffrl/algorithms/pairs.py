@@ -1,9 +1,14 @@
 """Train pairs: what one optimizer step consumes, built from scored rollout samples.
 
 - Flow-GRPO: one pair per (sample, trained SDE step i): (x_i, x_{i+1}, σ_i, σ_{i+1}, logp_old, A).
-- DiffusionNFT: one pair per (sample, timestep t): (x0, t, ε, A) with x_t = (1 − t)·x0 + t·ε; the
-  timesteps are the rollout schedule's σ's without the terminal 0, the first int(0.99·K) of a
-  per-sample shuffle; ε comes from a generator seeded by the sample's seed, so pairs are reproducible.
+- The forward-process methods (DiffusionNFT, AWM, SFT): one pair per (sample, timestep t): (x0, t, ε, A) with
+  x_t = (1 − t)·x0 + t·ε; the timesteps are the rollout schedule's σ's without the terminal 0, the first
+  int(0.99·K) of a per-sample shuffle; ε comes from a generator seeded by the sample's seed, so pairs are
+  reproducible.
+- Diffusion-DPO: one pair per (prompt group, timestep): its best and worst sample (by advantage), one t and one ε
+  for both.
+- DGPO and CRD: one pair per (prompt group, timestep): every sample of the group, one t and one ε for all.
+  Groups' timesteps and noise come from a generator seeded by the group's first sample's seed.
 """
 
 from __future__ import annotations
@@ -57,6 +62,24 @@ class NftPairs(PairBatch):
     cond: torch.Tensor
 
 
+@dataclass
+class PreferencePairs(PairBatch):
+    chosen: torch.Tensor  # [P, …] the group's best sample's clean latent
+    rejected: torch.Tensor  # [P, …] its worst
+    t: torch.Tensor
+    noise: torch.Tensor  # one ε for both
+    cond: torch.Tensor
+
+
+@dataclass
+class GroupPairs(PairBatch):
+    x0: torch.Tensor  # [P, n, …] every sample of one prompt group
+    advantages: torch.Tensor  # [P, n]
+    t: torch.Tensor  # [P]
+    noise: torch.Tensor  # [P, …] one ε for the whole group
+    cond: torch.Tensor
+
+
 def grpo_pairs(
     trajectories: Sequence[torch.Tensor],
     step_indices: Sequence[int],
@@ -96,9 +119,7 @@ def nft_pairs(
     timestep_fraction: float = 0.99,
 ) -> NftPairs:
     schedule = sigmas[:-1]  # without the terminal 0
-    per_sample = int(len(schedule) * timestep_fraction)
-    if per_sample < 1:
-        raise ValueError(f"timestep fraction {timestep_fraction} keeps no timestep of a {len(schedule)}-step schedule")
+    per_sample = _schedule_order(schedule, timestep_fraction)
     rows = {name: [] for name in ("x0", "t", "noise", "advantages", "cond")}
     for s, seed in enumerate(seeds):
         g = torch.Generator().manual_seed(int(seed))
@@ -110,3 +131,69 @@ def nft_pairs(
             rows["advantages"].append(advantages[s])
             rows["cond"].append(conds[s])
     return NftPairs(**{k: torch.stack([torch.as_tensor(v) for v in vs]) for k, vs in rows.items()})
+
+
+def _schedule_order(schedule: torch.Tensor, timestep_fraction: float) -> int:
+    per_sample = int(len(schedule) * timestep_fraction)
+    if per_sample < 1:
+        raise ValueError(f"timestep fraction {timestep_fraction} keeps no timestep of a {len(schedule)}-step schedule")
+    return per_sample
+
+
+def preference_pairs(
+    x0: torch.Tensor,
+    seeds: Sequence[int],
+    sigmas: torch.Tensor,
+    advantages: torch.Tensor,
+    conds: Sequence[torch.Tensor],
+    group_size: int,
+    timestep_fraction: float = 0.99,
+) -> PreferencePairs:
+    """Samples come in groups of `group_size` (one prompt each, in order). A group whose advantages are all equal
+    has no preference and makes no pair."""
+    schedule = sigmas[:-1]
+    per_group = _schedule_order(schedule, timestep_fraction)
+    rows = {name: [] for name in ("chosen", "rejected", "t", "noise", "cond")}
+    for start in range(0, len(seeds), group_size):
+        adv = advantages[start:start + group_size]
+        best, worst = start + int(adv.argmax()), start + int(adv.argmin())
+        if adv[best - start] == adv[worst - start]:
+            continue
+        g = torch.Generator().manual_seed(int(seeds[start]))
+        order = torch.randperm(len(schedule), generator=g)[:per_group]
+        for k in order.tolist():
+            rows["chosen"].append(x0[best])
+            rows["rejected"].append(x0[worst])
+            rows["t"].append(schedule[k])
+            rows["noise"].append(torch.randn(x0[best].shape, generator=g))
+            rows["cond"].append(conds[best])
+    if not rows["t"]:
+        return PreferencePairs(*(torch.empty(0) for _ in rows))
+    return PreferencePairs(**{k: torch.stack([torch.as_tensor(v) for v in vs]) for k, vs in rows.items()})
+
+
+def group_pairs(
+    x0: torch.Tensor,
+    seeds: Sequence[int],
+    sigmas: torch.Tensor,
+    advantages: torch.Tensor,
+    conds: Sequence[torch.Tensor],
+    group_size: int,
+    timestep_fraction: float = 0.99,
+) -> GroupPairs:
+    """Samples come in groups of `group_size` (one prompt each, in order); each group makes int(K·fraction) pairs."""
+    if len(seeds) % group_size:
+        raise ValueError(f"{len(seeds)} samples do not make whole groups of {group_size}")
+    schedule = sigmas[:-1]
+    per_group = _schedule_order(schedule, timestep_fraction)
+    rows = {name: [] for name in ("x0", "advantages", "t", "noise", "cond")}
+    for start in range(0, len(seeds), group_size):
+        g = torch.Generator().manual_seed(int(seeds[start]))
+        order = torch.randperm(len(schedule), generator=g)[:per_group]
+        for k in order.tolist():
+            rows["x0"].append(x0[start:start + group_size])
+            rows["advantages"].append(advantages[start:start + group_size])
+            rows["t"].append(schedule[k])
+            rows["noise"].append(torch.randn(x0[start].shape, generator=g))
+            rows["cond"].append(conds[start])
+    return GroupPairs(**{k: torch.stack([torch.as_tensor(v) for v in vs]) for k, vs in rows.items()})

@@ -5,6 +5,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import sys
 
 import tyro
@@ -17,7 +18,7 @@ from diffrl.engine.server import ServeConfig, serve
 from diffrl.errors import ModelLoadError
 from diffrl.recipes import recipe_config
 from diffrl.rollout.clients import EngineUnavailable
-from diffrl.train.config import TrainConfig
+from diffrl.train.config import AwmConfig, CrdConfig, DgpoConfig, DpoConfig, GrpoGuardConfig, TrainConfig
 from diffrl.train.pretrain import PretrainConfig, pretrain
 
 SUBCOMMANDS = {"train": TrainConfig, "pretrain": PretrainConfig, "evaluate": EvaluateConfig, "compare": CompareConfig,
@@ -74,24 +75,32 @@ def _size_from_flags(default: TrainConfig, args: list[str]) -> TrainConfig:
     return default
 
 
-# Flags one objective reads and the others never do: given on the command line to another, they would be ignored.
+# Flags only some objectives read: given on the command line to another, they would be ignored.
 # (A recipe's own values for them are left alone: switching a recipe's --loss-type keeps its other settings.)
-_ONLY_FOR = {
-    "flow_grpo": ("Flow-GRPO's SDE steps and clipped ratio", ("--diffusion-sde-window-range", "--diffusion-num-sde-steps",
-                  "--diffusion-sde-type", "--diffusion-noise-level", "--diffusion-sde-step-strategy",
-                  "--diffusion-clip-range")),
-    "nft": ("DiffusionNFT's loss and old policy", ("--diffusion-nft-beta", "--nft-adaptive-weighting",
-            "--no-nft-adaptive-weighting", "--nft-ema-ramp", "--nft-ema-max", "--nft-ema-flat")),
-}
+_SDE = ("flow_grpo", "grpo_guard")
+_ONLY_FOR = (
+    (_SDE, "the SDE steps of Flow-GRPO and its relatives",
+     ("--diffusion-sde-window-range", "--diffusion-num-sde-steps", "--diffusion-sde-type", "--diffusion-noise-level",
+      "--diffusion-sde-step-strategy", "--diffusion-sde-window-shift-interval", "--diffusion-sde-window-stride")),
+    ((*_SDE, "awm"), "the clipped policy ratio", ("--diffusion-clip-range",)),
+    (("nft",), "DiffusionNFT's loss and old policy", ("--diffusion-nft-beta", "--nft-adaptive-weighting",
+                                                      "--no-nft-adaptive-weighting", "--nft-ema-ramp", "--nft-ema-max",
+                                                      "--nft-ema-flat")),
+    *(((name,), f"--loss-type {name}'s own settings", tuple(
+        f"--{prefix}{f.name.replace('_', '-')}" for f in dataclasses.fields(section) for prefix in
+        ("", "no-") if prefix == "" or f.type in (bool, "bool")))
+      for name, section in (("grpo_guard", GrpoGuardConfig), ("awm", AwmConfig), ("dpo", DpoConfig),
+                            ("dgpo", DgpoConfig), ("crd", CrdConfig))),
+)
 
 
 def refuse_other_objectives_flags(args: list[str], loss_type: str) -> None:
-    """A ValueError naming the first flag on the command line that only another --loss-type reads."""
+    """A ValueError naming the first flag on the command line that only other --loss-type values read."""
     given = [a.partition("=")[0] for a in args if a.startswith("--")]
-    for owner, (what, flags) in _ONLY_FOR.items():
-        if owner != loss_type and (flag := next((f for f in given if f in flags), None)):
+    for owners, what, flags in _ONLY_FOR:
+        if loss_type not in owners and (flag := next((f for f in given if f in flags), None)):
             raise ValueError(f"{flag} sets {what}; --loss-type {loss_type} does not read it (drop it, or use "
-                             f"--loss-type {owner})")
+                             f"--loss-type {' or '.join(owners)})")
 
 
 def parse(argv: list[str]):

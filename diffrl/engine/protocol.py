@@ -95,7 +95,9 @@ class RolloutRequest(BaseModel):
     true_cfg_scale: float | None = Field(None, ge=0)
     rollout: bool = False
     """True: the SDE steps inject noise and return log-probs; False: plain ODE sampling."""
-    rollout_sde_type: Literal["sde", "cps", "ode"] = "sde"
+    rollout_sde_type: Literal["sde", "cps", "dance", "ode"] = "sde"
+    """sde: Flow-GRPO's; cps: coefficient-preserving; dance: DanceGRPO's constant-noise SDE (a diffrl extension of
+    sglang-diffusion's values); ode: no noise."""
     rollout_noise_level: float = Field(0.7, ge=0)
     rollout_sde_step_indices: list[int] | None = Field(None, max_length=MAX_STEPS + 1)
     """Steps that inject noise and return log-probs (default: every step); the rest run ODE."""

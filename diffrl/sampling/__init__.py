@@ -2,7 +2,7 @@
 
 - `schedule`: sigma schedules (static shift, resolution-dependent dynamic shift).
 - `noise`: per-sample generators, so sample k's noise never depends on its batch.
-- `steps`: the SDE (Flow-GRPO), CPS and ODE transitions with their log-probs.
+- `steps`: the SDE (Flow-GRPO), CPS, DanceGRPO and ODE transitions with their log-probs.
 """
 
 from diffrl.sampling.noise import make_generators, randn_per_sample
@@ -14,13 +14,23 @@ from diffrl.sampling.schedule import (
     resolution_mu,
     shift_sigmas,
 )
-from diffrl.sampling.steps import SDE_TYPES, StepOutput, cps_step, noised, ode_step, sde_step, transition
+from diffrl.sampling.steps import (
+    SDE_TYPES,
+    StepOutput,
+    cps_step,
+    dance_step,
+    noised,
+    ode_step,
+    sde_step,
+    transition,
+)
 
 __all__ = [
     "SDE_TYPES",
     "StepOutput",
     "base_sigmas",
     "cps_step",
+    "dance_step",
     "dynamic_shift_sigmas",
     "flux2_empirical_mu",
     "make_generators",

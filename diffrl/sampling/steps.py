@@ -9,6 +9,7 @@ given `next_latents`, only scores it — the trainer's use: same mean, same std,
 
 - `sde`: Flow-GRPO's SDE with the marginal-preserving drift correction; noise level `a`.
 - `cps`: the coefficient-preserving sampler (LTX-2 recipes); log-prob without constants.
+- `dance`: DanceGRPO's SDE, a constant noise level `a` (std `a·sqrt(−dt)`) with its score correction.
 - `ode`: Euler; deterministic, no log-prob.
 """
 
@@ -22,7 +23,7 @@ import torch
 
 from diffrl.sampling.noise import randn_per_sample
 
-SDE_TYPES = ("sde", "cps", "ode")
+SDE_TYPES = ("sde", "cps", "dance", "ode")
 
 
 @dataclass
@@ -143,6 +144,40 @@ def cps_step(
     return StepOutput(x_next, mean, std.flatten(), log_prob)
 
 
+def dance_step(
+    x: torch.Tensor,
+    v: torch.Tensor,
+    sigma,
+    sigma_next,
+    noise_level: float,
+    *,
+    generators: Sequence[torch.Generator] | None = None,
+    next_latents: torch.Tensor | None = None,
+    log_prob_no_const: bool = False,
+) -> StepOutput:
+    """DanceGRPO's step (arXiv 2505.07818): Euler plus the score term of a constant-diffusion SDE.
+
+    `x0̂ = x − σ·v`, score `s = −(x − (1 − σ)·x0̂)/σ²`, `mean = x + (v − ½a²·s)·dt`,
+    `x' = mean + a·sqrt(−dt)·ε`; log p is the Gaussian log-density, averaged over a sample's elements
+    (`log_prob_no_const`: `−mean((x' − mean)²)`). With `a = 0` this is the Euler step.
+    """
+    x, v = x.float(), v.float()
+    sig = _per_sample(sigma, x)
+    dt = _per_sample(sigma_next, x) - sig
+    x0_hat = x - sig * v
+    score = -(x - (1 - sig) * x0_hat) / sig**2
+    mean = x + (v - 0.5 * noise_level**2 * score) * dt
+    std = noise_level * torch.sqrt(-dt)
+    if noise_level == 0:
+        return StepOutput(mean, mean, std.flatten(), None)
+    x_next = _draw_or_take(mean, std, generators, next_latents)
+    squared_error = (x_next.detach() - mean) ** 2
+    if log_prob_no_const:
+        return StepOutput(x_next, mean, std.flatten(), -_mean_over_sample(squared_error))
+    log_density = -squared_error / (2 * std**2) - torch.log(std) - math.log(math.sqrt(2 * math.pi))
+    return StepOutput(x_next, mean, std.flatten(), _mean_over_sample(log_density))
+
+
 def transition(
     sde_type: str,
     x: torch.Tensor,
@@ -156,7 +191,7 @@ def transition(
     next_latents: torch.Tensor | None = None,
     log_prob_no_const: bool = False,
 ) -> StepOutput:
-    """Dispatch on the rollout kind (`sde`, `cps` or `ode`)."""
+    """Dispatch on the rollout kind (`sde`, `cps`, `dance` or `ode`)."""
     if sde_type == "sde":
         return sde_step(
             x, v, sigma, sigma_next, noise_level, sigma_max=sigma_max, generators=generators,
@@ -164,6 +199,9 @@ def transition(
         )
     if sde_type == "cps":
         return cps_step(x, v, sigma, sigma_next, noise_level, generators=generators, next_latents=next_latents)
+    if sde_type == "dance":
+        return dance_step(x, v, sigma, sigma_next, noise_level, generators=generators, next_latents=next_latents,
+                          log_prob_no_const=log_prob_no_const)
     if sde_type == "ode":
         return ode_step(x, v, sigma, sigma_next)
     raise ValueError(f"unknown sde type {sde_type!r}; expected one of {SDE_TYPES}")

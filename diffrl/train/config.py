@@ -14,6 +14,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Literal
 
+from diffrl.algorithms.losses import AWM_WEIGHTINGS, CRD_LOSSES
+from diffrl.algorithms.methods import METHODS, SDE_LOSS_TYPES
 from diffrl.models.demo import SHIPPED_DEMO_MODEL
 from diffrl.utils.size import sample_size, size_flags
 
@@ -120,15 +122,24 @@ class RolloutSettings:
     """CFG scale of the second (low-noise) expert of two-expert families (wan2_2), in rollouts and in the
     trainer's replay alike; None: --diffusion-guidance-scale for both experts."""
     diffusion_noise_level: float = 0.7
-    diffusion_sde_type: Literal["sde", "cps"] = "sde"
+    diffusion_sde_type: Literal["sde", "cps", "dance"] = "sde"
+    """The SDE steps' kind: sde = Flow-GRPO's (std a·sqrt(σ/(1 − σ))), cps = coefficient-preserving (LTX-2.3's
+    recipe), dance = DanceGRPO's constant noise (std a·sqrt(−dt); e.g. --diffusion-noise-level 0.3)."""
     diffusion_sde_window_range: tuple[int, int] | None = None
     """SDE steps are --diffusion-num-sde-steps steps inside [lo, hi) (default: all steps), picked as
     --diffusion-sde-step-strategy says. The published spelling `3,5` is accepted as well as `3 5`."""
     diffusion_num_sde_steps: int = 2
-    diffusion_sde_step_strategy: Literal["window", "random"] = "window"
+    diffusion_sde_step_strategy: Literal["window", "random", "sliding"] = "window"
     """How each rollout picks its --diffusion-num-sde-steps SDE steps inside --diffusion-sde-window-range:
-    window = consecutive steps at a random start; random = distinct steps drawn uniformly, not necessarily
-    adjacent (as the published LTX-2.3 runs). Either is seeded by the run seed and the rollout index."""
+    window = consecutive steps at a random start (Flow-GRPO-Fast); random = distinct steps drawn uniformly, not
+    necessarily adjacent (as the published LTX-2.3 runs), each seeded by the run seed and the rollout index;
+    sliding = MixGRPO's window, which starts at the range's first step and moves
+    --diffusion-sde-window-stride steps later every --diffusion-sde-window-shift-interval rollouts, then stays
+    at the range's end."""
+    diffusion_sde_window_shift_interval: int = 25
+    """--diffusion-sde-step-strategy sliding: rollouts before the window moves (MixGRPO's shift interval)."""
+    diffusion_sde_window_stride: int = 1
+    """--diffusion-sde-step-strategy sliding: steps the window moves each time (MixGRPO's window stride)."""
     negative_prompt: str = ""
     """The unconditional prompt of CFG in rollouts and evaluation."""
 
@@ -137,7 +148,7 @@ class RolloutSettings:
 
     def check(self) -> None:
         for name in ("num_rollout", "rollout_batch_size", "n_samples_per_prompt", "diffusion_num_steps",
-                     "rollout_microgroup_size"):
+                     "rollout_microgroup_size", "diffusion_sde_window_shift_interval", "diffusion_sde_window_stride"):
             _require(getattr(self, name) >= 1, f"--{name.replace('_', '-')} must be >= 1")
         g, g2 = self.diffusion_guidance_scale, self.diffusion_guidance_scale_2
         for flag, value in (("--diffusion-guidance-scale", g), ("--diffusion-guidance-scale-2", g2),
@@ -194,12 +205,19 @@ class EnginePoolConfig:
 
 @dataclass
 class AlgorithmConfig:
-    loss_type: Literal["flow_grpo", "nft", "sft"] = "flow_grpo"
-    """flow_grpo: clipped-ratio policy gradient on SDE steps; nft: DiffusionNFT on ODE samples; sft:
-    flow-matching fine-tuning on the rollout's samples that beat their prompt's mean reward."""
+    loss_type: Literal["flow_grpo", "grpo_guard", "nft", "awm", "dpo", "dgpo", "crd", "sft"] = "flow_grpo"
+    """flow_grpo: clipped-ratio policy gradient on SDE steps (DanceGRPO: --diffusion-sde-type dance; MixGRPO:
+    --diffusion-sde-step-strategy sliding); grpo_guard: the same with GRPO-Guard's normalized ratio; on ODE
+    samples: nft (DiffusionNFT), awm (Advantage Weighted Matching), dpo (online Diffusion-DPO), dgpo (Direct Group
+    Preference Optimization), crd (Centered Reward Distillation), sft (flow-matching fine-tuning on the samples
+    that beat their prompt's mean reward). docs/algorithms.md compares them."""
     diffusion_clip_range: float = 1e-4
     diffusion_adv_clip_max: float = 5.0
     diffusion_kl_beta: float = 0.0
+    kl_type: Literal["x-based", "v-based"] | None = None
+    """What --diffusion-kl-beta measures: x-based = the SDE step's means, mean((μ_θ − μ_ref)²)/(2σ²) (Flow-GRPO);
+    v-based = the velocities, mean((v_θ − v_ref)²) (DanceGRPO). None: x-based for the SDE methods; the methods
+    on ODE samples have no step mean and take v-based only."""
     kl_reference: Literal["base", "ema"] = "base"
     """What --diffusion-kl-beta pulls toward: base = the starting weights (LoRA: the adapter
     disabled; full finetune: a frozen copy of the trained parameters, sharded like them), ema =
@@ -217,7 +235,8 @@ class AlgorithmConfig:
     nft_ema_max: float = 0.5
     nft_ema_flat: int = 0
     nft_timestep_fraction: float = 0.99
-    """NFT trains each sample at the first int(K·fraction) of its shuffled K schedule timesteps."""
+    """The methods on ODE samples (nft, awm, dpo, dgpo, crd, sft) train each sample (or group) at the first
+    int(K·fraction) of its shuffled K schedule timesteps (DiffusionNFT's name and default)."""
     nft_rollout_guidance_scale: float = 1.0
     """CFG of NFT's rollouts (1: CFG-free, as DiffusionNFT samples). Above 1 the old policy's guided
     samples are the data; the loss still trains the conditional velocity alone."""
@@ -234,8 +253,94 @@ class AlgorithmConfig:
                  f"--nft-rollout-guidance-scale must be >= 1 and applies to --loss-type nft only "
                  f"(got {self.nft_rollout_guidance_scale} with --loss-type {self.loss_type})")
         _require(not (self.diffusion_kl_beta > 0 and self.kl_reference == "ema"
-                      and not (self.use_ema or self.loss_type == "nft")),
+                      and not (self.use_ema or METHODS[self.loss_type].sampler == "old")),
                  "--kl-reference ema needs an EMA: pass --use-ema (or --kl-reference base)")
+        _require(self.kl_type != "x-based" or self.loss_type in SDE_LOSS_TYPES,
+                 f"--kl-type x-based compares SDE step means; --loss-type {self.loss_type} samples ODE paths "
+                 "(use --kl-type v-based)")
+
+    def resolved_kl_type(self) -> str:
+        return self.kl_type or ("x-based" if self.loss_type in SDE_LOSS_TYPES else "v-based")
+
+
+@dataclass
+class GrpoGuardConfig:
+    """--loss-type grpo_guard."""
+
+    grpo_guard_ratio_norm: bool = True
+    """Add GRPO-Guard's mean correction mean((μ_θ − μ_old)²)/(2s) to the std-scaled log-ratio; without it the
+    loss is TempFlow-GRPO's noise-aware weighting alone (losses.guard_log_ratio)."""
+
+    def check(self) -> None:
+        pass
+
+
+@dataclass
+class AwmConfig:
+    """--loss-type awm: advantage-weighted flow matching on on-policy ODE samples (clipped by
+    --diffusion-clip-range against the rollout's weights)."""
+
+    awm_weighting: Literal["uniform", "t", "t2", "huber", "ghuber"] = "uniform"
+    """How the flow-matching error ℓ at timestep t becomes a log-likelihood: uniform −ℓ, t −t·ℓ, t2 −t²·ℓ,
+    huber −t·sqrt(ℓ), ghuber −(t/p)·ℓ^p (p = --awm-ghuber-power); losses.awm_log_prob."""
+    awm_ghuber_power: float = 0.25
+    awm_ema_kl_beta: float = 0.0
+    """Weight of a v-based KL to an EMA of the trained weights (a moving anchor; 0: none)."""
+    awm_ema_decay: float = 0.9
+    """Decay of that EMA, once per rollout."""
+
+    def check(self) -> None:
+        assert self.awm_weighting in AWM_WEIGHTINGS
+        _require(0 < self.awm_ghuber_power <= 1, f"--awm-ghuber-power must be in (0, 1], got {self.awm_ghuber_power}")
+        _require(self.awm_ema_kl_beta >= 0, f"--awm-ema-kl-beta must be >= 0, got {self.awm_ema_kl_beta}")
+        _require(0 <= self.awm_ema_decay <= 1, f"--awm-ema-decay must be in [0, 1], got {self.awm_ema_decay}")
+
+
+@dataclass
+class DpoConfig:
+    """--loss-type dpo: each prompt group's best and worst sample as a preference pair, against the base model."""
+
+    dpo_beta: float = 2000.0
+    """β of the Bradley–Terry loss on flow-matching errors (Flow-Factory's default; the errors are per-element means)."""
+
+    def check(self) -> None:
+        _require(self.dpo_beta > 0, f"--dpo-beta must be > 0, got {self.dpo_beta}")
+
+
+@dataclass
+class DgpoConfig:
+    """--loss-type dgpo: a group's better-than-mean samples preferred to its worse, against the base model."""
+
+    dgpo_beta: float = 100.0
+
+    def check(self) -> None:
+        _require(self.dgpo_beta > 0, f"--dgpo-beta must be > 0, got {self.dgpo_beta}")
+
+
+@dataclass
+class CrdConfig:
+    """--loss-type crd: the implicit reward against an old snapshot matched to the centered reward; samples
+    from a second, slower snapshot. Snapshot schedules are (start rollout, start decay, slope, end decay):
+    decay = the start value before the start, then min(start + (k − start)·slope, end); snapshot ← decay·snapshot
+    + (1 − decay)·θ after each rollout's update."""
+
+    crd_beta: float = 1.0
+    crd_loss: Literal["mse", "bce"] = "mse"
+    crd_old_decay: tuple[float, float, float, float] = (0.0, 0.25, 0.005, 0.999)
+    """The old snapshot (the implicit reward's baseline); the paper's OCR setting."""
+    crd_sampling_decay: tuple[float, float, float, float] = (75.0, 0.0, 0.0075, 0.999)
+    """The sampling snapshot (rolls out); the paper's OCR setting."""
+    crd_reward_adaptive_kl: bool = True
+    """With --diffusion-kl-beta: weigh each sample's KL by its reward (1e-4/β for the worst, β for the best)."""
+
+    def check(self) -> None:
+        assert self.crd_loss in CRD_LOSSES
+        _require(self.crd_beta > 0, f"--crd-beta must be > 0, got {self.crd_beta}")
+        for flag, (start, value, slope, end) in (("--crd-old-decay", self.crd_old_decay),
+                                                 ("--crd-sampling-decay", self.crd_sampling_decay)):
+            _require(start >= 0 and 0 <= value <= 1 and slope >= 0 and 0 <= end <= 1,
+                     f"{flag} START VALUE SLOPE END needs START >= 0, SLOPE >= 0 and decays in [0, 1]; got "
+                     f"{start} {value} {slope} {end}")
 
 
 @dataclass
@@ -449,7 +554,8 @@ class ReplayConfig:
 
 _SECTIONS = {"model": ModelConfig, "rollout": RolloutSettings, "engine": EnginePoolConfig,
              "algorithm": AlgorithmConfig, "optim": OptimConfig, "task": TaskConfig, "eval": EvalConfig,
-             "checkpoint": CheckpointConfig, "placement": PlacementConfig, "replay": ReplayConfig}
+             "checkpoint": CheckpointConfig, "placement": PlacementConfig, "replay": ReplayConfig,
+             "grpo_guard": GrpoGuardConfig, "awm": AwmConfig, "dpo": DpoConfig, "dgpo": DgpoConfig, "crd": CrdConfig}
 
 
 @dataclass
@@ -469,6 +575,12 @@ class TrainConfig:
     checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
     placement: PlacementConfig = field(default_factory=PlacementConfig)
     replay: ReplayConfig = field(default_factory=ReplayConfig)
+    # One section per method that has settings of its own (--loss-type picks the method).
+    grpo_guard: GrpoGuardConfig = field(default_factory=GrpoGuardConfig)
+    awm: AwmConfig = field(default_factory=AwmConfig)
+    dpo: DpoConfig = field(default_factory=DpoConfig)
+    dgpo: DgpoConfig = field(default_factory=DgpoConfig)
+    crd: CrdConfig = field(default_factory=CrdConfig)
 
     @classmethod
     def flat(cls, **fields) -> TrainConfig:
@@ -496,17 +608,20 @@ class TrainConfig:
         self.model.speed_options().check(self.deterministic_mode)  # the attention kernels it allows
         r, o, a = self.rollout, self.optim, self.algorithm
         check_batch_invariant(r.rollout_batch_size, r.n_samples_per_prompt, o.global_batch_size, o.num_steps_per_rollout)
+        rows = METHODS[a.loss_type].rows
+        _require(rows == "sample" or r.n_samples_per_prompt > 1,
+                 f"--loss-type {a.loss_type} compares the samples of one prompt: --n-samples-per-prompt must be >= 2")
         _require(r.n_samples_per_prompt > 1 or a.globalize_reward_mean or self.replay.debug_rollout_only,
                  "--n-samples-per-prompt 1: each sample is its prompt's mean reward, so every advantage is 0 and "
                  "nothing trains; sample 2 or more per prompt, or pass --globalize-reward-mean")
-        lo, hi = r.sde_window_range() if a.loss_type == "flow_grpo" else (0, r.diffusion_num_steps)
+        lo, hi = r.sde_window_range() if a.loss_type in SDE_LOSS_TYPES else (0, r.diffusion_num_steps)
         _require(0 <= lo < hi <= r.diffusion_num_steps,
                  f"--diffusion-sde-window-range {lo},{hi} must satisfy 0 <= lo < hi <= --diffusion-num-steps "
                  f"({r.diffusion_num_steps})")
         _require(1 <= r.diffusion_num_sde_steps <= hi - lo,
                  f"--diffusion-num-sde-steps {r.diffusion_num_sde_steps} does not fit in "
                  f"--diffusion-sde-window-range {lo},{hi}")
-        _require(a.loss_type == "flow_grpo" or int(r.diffusion_num_steps * a.nft_timestep_fraction) >= 1,
+        _require(a.loss_type in SDE_LOSS_TYPES or int(r.diffusion_num_steps * a.nft_timestep_fraction) >= 1,
                  f"--nft-timestep-fraction {a.nft_timestep_fraction} keeps no timestep of "
                  f"--diffusion-num-steps {r.diffusion_num_steps}")
         _require(self.replay.load_rollout_data is None or not (self.engine.engine_urls or self.placement.ray_engines

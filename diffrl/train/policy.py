@@ -29,6 +29,7 @@ from diffrl.models.checkpointing import enable_gradient_checkpointing
 from diffrl.models.compile import block_kinds_at_recompile_limit, uncompiled_block_kinds
 from diffrl.models.lora import LoraSpec, add_lora
 from diffrl.train.ema import ParameterEMA
+from diffrl.train.objectives import OBJECTIVES
 from diffrl.train.parallel import Parallel, full_tensor, shard_transformer
 from diffrl.utils.offload import OptimizerOffload
 
@@ -133,16 +134,21 @@ class Policy:
             p.requires_grad_(True)
         self.optimizer = torch.optim.AdamW(self.params, lr=o.lr, weight_decay=o.weight_decay,
                                            betas=(o.adam_beta1, o.adam_beta2))
-        # self.ema: DiffusionNFT's old policy θ_old, or GRPO's --use-ema. self.eval_ema: what evaluation,
-        # checkpoints/best and the saved model use with --use-ema (for NFT a second EMA, updated per
-        # optimizer step with --ema-decay: the old policy follows its own schedule for sampling).
-        nft = a.loss_type == "nft"
-        self.ema = ParameterEMA(self.params) if (a.use_ema or nft) else None
-        self.eval_ema = (ParameterEMA(self.params) if nft else self.ema) if a.use_ema else None
-        # The KL anchor of a full finetune: the starting weights, taken before any resume loads later
-        # ones (an EMA that is never updated). LoRA gets it by disabling the adapter.
+        # self.ema: the objective's own EMA (DiffusionNFT's old policy θ_old, CRD's sampling snapshot, AWM's KL
+        # anchor), or GRPO's --use-ema. self.eval_ema: what evaluation, checkpoints/best and the saved model use
+        # with --use-ema (beside an objective's own EMA a second one, updated per optimizer step with --ema-decay:
+        # the objective's follows its own schedule).
+        objective = OBJECTIVES[a.loss_type]
+        own_ema = objective.needs_ema(cfg)
+        self.ema = ParameterEMA(self.params) if (a.use_ema or own_ema) else None
+        self.eval_ema = (ParameterEMA(self.params) if own_ema else self.ema) if a.use_ema else None
+        self.extra_emas: dict[str, ParameterEMA] = {}  # snapshots an objective keeps (saved with the checkpoint)
+        # The base model of a full finetune (a KL anchor, a preference method's reference): the starting weights,
+        # taken before any resume loads later ones (an EMA that is never updated). LoRA gets it by disabling the
+        # adapter.
+        wants_base = (a.diffusion_kl_beta > 0 and a.kl_reference == "base") or objective.needs_base_model(cfg)
         self.base_weights = (ParameterEMA(self.params, dtype=torch.bfloat16 if bf16 else None)
-                             if a.diffusion_kl_beta > 0 and a.kl_reference == "base" and not m.use_lora else None)
+                             if wants_base and not m.use_lora else None)
         self.optimizer_offload = OptimizerOffload(self.optimizer) if o.offload_optimizer else None
         self.local_engine = None  # the in-process engine, whose outputs carry the weight version
         self.remote_engines: list = []
@@ -257,11 +263,15 @@ class Policy:
     @contextlib.contextmanager
     def reference(self):
         """The KL reference (--kl-reference) in place of the trained weights inside the block: the base
-        model (LoRA disabled, or the starting weights swapped in) or the EMA."""
-        if self.kl_reference == "ema":
-            with self.ema.swapped_in():
-                yield
-        elif self.use_lora:
+        model or the EMA."""
+        with self.ema.swapped_in() if self.kl_reference == "ema" else self.base_model():
+            yield
+
+    @contextlib.contextmanager
+    def base_model(self):
+        """The starting weights in place of the trained ones inside the block: LoRA disabled, or the starting
+        weights swapped in."""
+        if self.use_lora:
             self.transformer.disable_adapters()
             try:
                 yield
@@ -273,5 +283,6 @@ class Policy:
 
     def emas(self) -> dict[str, ParameterEMA]:
         """The EMAs a checkpoint saves and a resume restores, by name."""
-        emas = {"ema": self.ema, "eval_ema": self.eval_ema if self.eval_ema is not self.ema else None}
+        emas = {"ema": self.ema, "eval_ema": self.eval_ema if self.eval_ema is not self.ema else None,
+                **self.extra_emas}
         return {name: ema for name, ema in emas.items() if ema is not None}

@@ -10,7 +10,7 @@
         eval every --eval-interval (task.evaluate on the engine's weights), checkpoint every
         --checkpoint-interval
 
-The parts: `Policy` (parameters, optimizer, EMAs, KL reference, engine sync), `objectives.py` (one
+The parts: `Policy` (parameters, optimizer, EMAs, KL reference, engine sync), `objectives/` (one
 per loss type), `Checkpointer`, and the task (`diffrl/tasks/`). This file only orders them.
 """
 
@@ -441,7 +441,8 @@ class Trainer:
             chunks = [c.sort().values for c in chunks]
         totals: dict[str, float | torch.Tensor] = {}
         self.objective.start_update()
-        size = cfg.optim.micro_batch_size
+        # --micro-batch-size counts samples; a pair of a preference or group method holds several.
+        size = max(1, cfg.optim.micro_batch_size // self.objective.samples_per_pair)
         for step, chunk in enumerate(chunks):
             policy.optimizer.zero_grad(set_to_none=True)
             step_stats: dict[str, float | torch.Tensor] = {}

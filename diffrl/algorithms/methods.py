@@ -1,0 +1,47 @@
+"""The RL methods diffrl trains with: one row per `--loss-type`, what its rollout and loss need.
+
+This table is the one place that says which methods exist; `train/objectives/` implements each (its
+registry has the same keys, a test keeps them equal), the configuration checks flags against it, and
+the README's method table and `docs/algorithms.md` describe the same rows.
+
+- `rollout`: `sde` (stochastic steps with log-probs: the policy-gradient methods) or `ode` (deterministic
+  samples; only the final clean latent is kept: the forward-process methods, which train on re-noised
+  samples at timesteps of their own choosing).
+- `sampler`: who samples: `current` (on-policy weights) or `old` (an EMA of them, the method's "old policy").
+- `reference`: whether the loss itself reads the frozen base model (every method can add a KL term to it).
+- `rows`: what one train pair holds: `sample` (one sample at one timestep), `preference` (a chosen and a
+  rejected sample of one prompt), `group` (all samples of one prompt at one shared timestep and noise).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Literal
+
+
+@dataclass(frozen=True)
+class Method:
+    name: str  # the --loss-type value
+    title: str
+    paper: str
+    rollout: Literal["sde", "ode"]
+    sampler: Literal["current", "old"]
+    reference: bool
+    rows: Literal["sample", "preference", "group"]
+
+
+METHODS: dict[str, Method] = {m.name: m for m in (
+    Method("flow_grpo", "Flow-GRPO (and DanceGRPO, MixGRPO / Flow-GRPO-Fast by rollout flags)", "arXiv 2505.05470",
+           "sde", "current", False, "sample"),
+    Method("grpo_guard", "GRPO-Guard / TempFlow-GRPO: the policy ratio normalized per timestep", "arXiv 2510.22319",
+           "sde", "current", False, "sample"),
+    Method("nft", "DiffusionNFT", "arXiv 2509.16117", "ode", "old", False, "sample"),
+    Method("awm", "Advantage Weighted Matching", "arXiv 2509.25050", "ode", "current", False, "sample"),
+    Method("dpo", "online Diffusion-DPO", "arXiv 2311.12908", "ode", "current", True, "preference"),
+    Method("dgpo", "Direct Group Preference Optimization", "arXiv 2510.08425", "ode", "current", True, "group"),
+    Method("crd", "Centered Reward Distillation", "arXiv 2603.14128", "ode", "old", False, "group"),
+    Method("sft", "reward-filtered fine-tuning (RAFT)", "arXiv 2304.06767", "ode", "current", False, "sample"),
+)}
+
+LOSS_TYPES = tuple(METHODS)
+SDE_LOSS_TYPES = tuple(name for name, m in METHODS.items() if m.rollout == "sde")

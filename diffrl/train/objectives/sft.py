@@ -1,0 +1,36 @@
+"""Reward-filtered fine-tuning (RAFT, arXiv 2304.06767; rejection sampling): ODE rollouts under the current
+weights at the rollout's CFG; the samples that beat their prompt's mean reward (advantage > 0) become
+flow-matching data, (x0, t, ε) at the schedule's timesteps; the loss is the plain flow-matching MSE of the
+conditional velocity."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import torch
+
+from diffrl.algorithms.losses import sft_loss
+from diffrl.algorithms.pairs import NftPairs, nft_pairs
+from diffrl.train.objectives.base import ForwardProcessObjective, conditioning_rows
+
+
+class RewardFilteredSft(ForwardProcessObjective):
+    name = "sft"
+
+    def pairs(self, samples: Sequence, advantages: torch.Tensor, env: dict) -> NftPairs:
+        """Only the samples above their prompt's mean are data (none of a group whose rewards are equal); their
+        `cond` are rows of `env["cond_rows"]`."""
+        better = [i for i in range(len(samples)) if advantages[i] > 0]
+        if not better:
+            return NftPairs(*(torch.empty(0) for _ in range(5)))
+        env["cond_rows"], cond = conditioning_rows([env["cond"][i] for i in better], self.device)
+        self._ids_to_device(env)
+        return nft_pairs(self.clean_latents([samples[i] for i in better]), [samples[i].seed for i in better],
+                         samples[0].output.dit_trajectory.sigmas, advantages[better], cond,
+                         timestep_fraction=self.cfg.algorithm.nft_timestep_fraction)
+
+    def loss(self, batch: NftPairs, env: dict, step: int) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+        dev = self.device
+        x0, noise, t = batch.x0.to(dev), batch.noise.to(dev), batch.t.to(dev)
+        loss = sft_loss(self.conditional_velocity(x0, noise, t, env["cond_rows"][batch.cond.to(dev)], env), x0, noise)
+        return loss, {"train/loss": loss.detach()}
