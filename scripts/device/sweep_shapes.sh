@@ -63,6 +63,7 @@ for run in "$root"/*/; do
   name=$(basename "$run")
   ckpt=$(cd "$root" && ls -d "$name"/checkpoints/rollout-* 2>/dev/null | sort | tail -1)
   [[ -d "$run/checkpoints/best" ]] && ckpt="$name/checkpoints/best"
+  [[ "${KEEP_CHECKPOINT:-1}" == 0 ]] && ckpt=""  # KEEP_CHECKPOINT=0: metrics, logs and grids only
   grids=$(cd "$root" && ls "$name"/eval/*.png 2>/dev/null | sort | sed -n '1p;$p' | sort -u)
   (cd "$root" && tar czf "$OUT/$name.tgz" --exclude=train_state.pt \
      "$name"/metrics.jsonl "$name"/config.json "$name"/reward_curve.png "$name"/train.log $grids ${ckpt:+"$ckpt"} \

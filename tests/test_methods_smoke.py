@@ -1,0 +1,78 @@
+"""Every RL method of the algorithm bench, with the bench's own flags (scripts/device/sweeps/algorithms.txt), trains
+two rollouts on the demo family at a small batch: the loss is finite, the weights move, and the rollout is the
+kind the method declares (algorithms/methods.py). The real-size families take the same flags (test_family_methods)."""
+
+import math
+import shlex
+from pathlib import Path
+
+import pytest
+import torch
+
+from diffrl.algorithms.methods import METHODS
+from diffrl.cli.main import parse
+from diffrl.models.demo import SHIPPED_DEMO_MODEL
+from diffrl.train.objectives import OBJECTIVES
+from diffrl.train.trainer import Trainer
+
+SWEEP = Path(__file__).parents[1] / "scripts/device/sweeps/algorithms.txt"
+BENCH_LINES = {name.removesuffix("-s0"): shlex.split(flags) for name, _, flags in
+               (line.partition(" ") for line in SWEEP.read_text().splitlines() if line.strip() and line[0] != "#")}
+# The bench's batch shape shrunk to CPU size: 2 prompts × 4 samples, 2 optimizer steps, 4 denoising steps.
+SMALL = ["--rollout-batch-size", "2", "--n-samples-per-prompt", "4", "--rollout-microgroup-size", "4",
+         "--global-batch-size", "4", "--num-steps-per-rollout", "2", "--micro-batch-size", "8", "--num-rollout", "2",
+         "--diffusion-num-steps", "4", "--eval-images-per-category", "0", "--val-images-per-category", "0",
+         "--reward", "rewards_for_tests:darkness", "--category-sampling", "uniform", "--device", "cpu",
+         "--engine-max-batch-outputs", "8", "--engine-concurrency", "2"]
+
+
+def test_the_bench_runs_every_method_and_the_registry_is_the_method_table():
+    assert set(OBJECTIVES) == set(METHODS)
+    assert {parse(["train", *flags, "--device", "cpu"]).algorithm.loss_type for flags in BENCH_LINES.values()} == \
+        set(METHODS)
+
+
+def _small(flags: list[str], model: Path, out: Path) -> list[str]:
+    window = ["--diffusion-sde-window-range", "0,3"] if "--diffusion-sde-window-range" in flags else []
+    return ["train", *flags, *SMALL, *window, "--model-path", str(model), "--output-dir", str(out)]
+
+
+@pytest.mark.parametrize("method", sorted(BENCH_LINES))
+def test_each_bench_method_trains_two_rollouts(method, tiny_model_dir, tmp_path):
+    cfg = parse(_small(BENCH_LINES[method], tiny_model_dir, tmp_path / "run"))
+    trainer = Trainer(cfg)
+    before = [p.detach().clone() for p in trainer.policy.params]
+    requests = []
+    objective_request = trainer.objective.request
+    trainer.objective.request = lambda k: requests.append(objective_request(k)) or requests[-1]
+    records = [trainer.rollout_and_update(k) for k in range(2)]
+    row = METHODS[cfg.algorithm.loss_type]
+    for record in records:
+        assert "train/skipped" not in record, record
+        assert math.isfinite(record["train/loss"]) and record["train/grad_norm"] > 0, record
+    assert any(not torch.equal(a, b) for a, b in zip(before, trainer.policy.params))
+    assert all(r["rollout"] == (row.rollout == "sde") for r in requests)
+    if row.rollout == "sde":
+        assert all(r["rollout_sde_type"] == cfg.rollout.diffusion_sde_type for r in requests)
+        assert records[0]["train/log_prob_mean_abs_diff"] < 1e-6  # on policy, also for the dance step
+    sampler = trainer.objective.rollout_ema
+    assert (sampler is not None) == (row.sampler == "old")
+
+
+def test_mixgrpo_window_slides_over_training():
+    cfg = parse(["train", *BENCH_LINES["mixgrpo"], "--device", "cpu"])
+    from diffrl.train.objectives.flow_grpo import sde_window
+
+    interval = cfg.rollout.diffusion_sde_window_shift_interval
+    lo, hi = cfg.rollout.sde_window_range()
+    starts = [sde_window(cfg, k)[0] for k in range(0, 20 * interval, interval)]
+    assert starts[0] == lo and starts == sorted(starts) and starts[-1] == hi - cfg.rollout.diffusion_num_sde_steps
+    assert len(set(sde_window(cfg, k)[0] for k in range(interval))) == 1  # still within an interval
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("method", sorted(BENCH_LINES))
+def test_each_bench_method_trains_the_shipped_model(method, tmp_path):
+    cfg = parse(_small(BENCH_LINES[method], SHIPPED_DEMO_MODEL, tmp_path / "run"))
+    records = [Trainer(cfg).rollout_and_update(0)]
+    assert math.isfinite(records[0]["train/loss"]) and records[0]["train/grad_norm"] > 0
