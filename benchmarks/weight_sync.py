@@ -16,6 +16,12 @@ Sleep: the colocated engine samples one request (so the allocator has something 
 level 1 and then 2, wakes, and samples the request again; reported are the bytes it moved, its
 allocated and reserved memory before and after, the device's free memory seen from this process
 before and after (`cudaMemGetInfo`), seconds, and whether the samples after waking equal those before.
+
+On a GPU the run fails (exit status 1, after the report is written) when a sleep did not give the device
+what it should: at level 2 less free memory than the bytes moved to the host, or at either level less
+than the cache the engine could release (reserved minus allocated before sleeping, plus what the sleep
+freed, minus the free parts of segments that still hold a live block, which `empty_cache` keeps), each
+with a tolerance of 64 MiB or 1% of the expected figure, whichever is larger.
 """
 
 from __future__ import annotations
@@ -23,6 +29,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import statistics
+import sys
 import time
 from pathlib import Path
 
@@ -37,9 +44,16 @@ from diffrl.models import resolve_family
 from diffrl.models.demo import SHIPPED_DEMO_MODEL
 from diffrl.models.lora import LoraSpec, add_lora
 from diffrl.rollout import HttpEngineClient
-from diffrl.utils.offload import OptimizerOffload
+from diffrl.utils.offload import OptimizerOffload, device_free_bytes, release_cached
 
 GIB = 2**30
+TOLERANCE = 64 * 2**20  # what the CUDA context, another process or rounding may move between two readings
+
+
+def shortfall_allowed(expected: int) -> int:
+    """How far below `expected` a sleep's device gain may fall: 64 MiB, or 1% of a large figure (the H200's
+    healthy full-weights level 2 gained 13.29 GiB of 13.33 GiB releasable)."""
+    return max(TOLERANCE, expected // 100)
 
 
 def trainer_family(args, mode: str):
@@ -126,16 +140,45 @@ def sleep_and_wake(client, request, device: torch.device) -> list[dict]:
         wake_s = time.perf_counter() - start
         before, after = slept["before"], slept["after"]
         freed = None if before["allocated"] is None else before["allocated"] - after["allocated"]
+        # What the allocator could give back: its cache before sleeping and what the sleep freed, less the
+        # free parts of segments still holding a live block after it (empty_cache releases whole segments only).
+        releasable = None if freed is None else (before["reserved"] - before["allocated"] + freed
+                                                 - slept.get("stranded_bytes", 0))
         rows.append({
             "level": level, "moved_bytes": slept["moved_bytes"], "sleep_s": sleep_s, "wake_s": wake_s,
             "allocated_before": before["allocated"], "allocated_asleep": after["allocated"],
             "reserved_before": before["reserved"], "reserved_asleep": after["reserved"],
             "allocated_freed": freed, "device_free_gained": None if free_before is None else free_asleep - free_before,
+            "engine_released_bytes": slept.get("released_bytes"), "stranded_bytes": slept.get("stranded_bytes"),
+            "releasable_bytes": releasable,
             "frees_what_it_claims": None if freed is None else freed >= slept["moved_bytes"],
             "allocated_awake": woke["after"]["allocated"],
             "bit_identical_after_wake": same(first, sample(client, request)),
         })
     return rows
+
+
+def sleep_failures(results: dict) -> list[str]:
+    """Each sleep that gave the device less than it should (GPU rows only; CPU rows have no figures)."""
+    failures = []
+    for mode, entry in results["modes"].items():
+        for i, r in enumerate(entry.get("sleep", [])):
+            gained = r["device_free_gained"]
+            if gained is None:
+                continue
+            where = f"{mode} sleep #{i + 1} (level {r['level']})"
+            if r["level"] == 2 and gained < r["moved_bytes"] - shortfall_allowed(r["moved_bytes"]):
+                failures.append(f"{where}: moved {r['moved_bytes'] / GIB:.2f} GiB to the host, but the device gained "
+                                f"only {gained / GIB:.2f} GiB free (reserved {r['reserved_before'] / GIB:.2f} -> "
+                                f"{r['reserved_asleep'] / GIB:.2f} GiB): the engine kept the weights' memory reserved")
+            releasable = r["releasable_bytes"]
+            if releasable is not None and gained < releasable - shortfall_allowed(releasable):
+                failures.append(f"{where}: the engine could release {releasable / GIB:.2f} GiB (reserved "
+                                f"{r['reserved_before'] / GIB:.2f} - allocated {r['allocated_before'] / GIB:.2f} GiB "
+                                f"before, {r['allocated_freed'] / GIB:.2f} GiB freed, "
+                                f"{(r['stranded_bytes'] or 0) / GIB:.2f} GiB held in segments with live blocks), but "
+                                f"the device gained only {gained / GIB:.2f} GiB free")
+    return failures
 
 
 def http_path(args, mode: str, spec, tensors) -> dict:
@@ -171,10 +214,13 @@ def optimizer_offload(tensors: dict, device: torch.device) -> dict:
         moved = offload.offload()
         offload_s = time.perf_counter() - start
         freed = before - torch.cuda.memory_allocated(device) if device.type == "cuda" else None
+        free_before = device_free_bytes(device)
+        release_cached(device)  # as the trainer does before a colocated engine wakes (Policy._sampling_memory)
+        released = device_free_bytes(device) - free_before if device.type == "cuda" else None
         start = time.perf_counter()
         offload.restore()
-        rounds.append({"moved_bytes": moved, "allocated_freed": freed, "offload_s": offload_s,
-                       "restore_s": time.perf_counter() - start})
+        rounds.append({"moved_bytes": moved, "allocated_freed": freed, "device_free_gained": released,
+                       "offload_s": offload_s, "restore_s": time.perf_counter() - start})
     return {**rounds[0], "again_offload_s": rounds[1]["offload_s"], "again_restore_s": rounds[1]["restore_s"]}
 
 
@@ -211,17 +257,20 @@ def table(results: dict) -> str:
             if isinstance(r, dict) and "seconds" in r:
                 lines.append(f"{mode:5} {path:12} {gib(entry['bytes']):>8} {r['buckets']:>7} {r['seconds']:>8.3f} "
                              f"{gib(r['sender_extra_bytes']):>11} {gib(r['engine_extra_bytes']):>11}")
-    lines.append(f"{'mode':5} {'sleep':>5} {'moved GiB':>9} {'freed GiB':>9} {'device free +GiB':>16} {'sleep s':>7} "
-                 f"{'wake s':>6} {'same samples':>12}")
+    lines.append(f"{'mode':5} {'sleep':>5} {'moved GiB':>9} {'freed GiB':>9} {'reserved GiB':>13} "
+                 f"{'releasable GiB':>14} {'device free +GiB':>16} {'sleep s':>7} {'wake s':>6} {'same samples':>12}")
     for mode, entry in results["modes"].items():
         for r in entry.get("sleep", []):
+            reserved = "-" if r["reserved_before"] is None else \
+                f"{gib(r['reserved_before'])}->{gib(r['reserved_asleep'])}"
             lines.append(f"{mode:5} {r['level']:>5} {gib(r['moved_bytes']):>9} {gib(r['allocated_freed']):>9} "
-                         f"{gib(r['device_free_gained']):>16} {r['sleep_s']:>7.3f} {r['wake_s']:>6.3f} "
-                         f"{r['bit_identical_after_wake']!s:>12}")
+                         f"{reserved:>13} {gib(r['releasable_bytes']):>14} {gib(r['device_free_gained']):>16} "
+                         f"{r['sleep_s']:>7.3f} {r['wake_s']:>6.3f} {r['bit_identical_after_wake']!s:>12}")
         if "optimizer_offload" in entry:
             o = entry["optimizer_offload"]
             lines.append(f"{mode:5} optimizer offload: {gib(o['moved_bytes'])} GiB moved, {gib(o['allocated_freed'])} GiB "
-                         f"freed, {o['offload_s']:.3f} s out, {o['restore_s']:.3f} s back; again "
+                         f"freed, device free +{gib(o['device_free_gained'])} GiB once the cache is released, "
+                         f"{o['offload_s']:.3f} s out, {o['restore_s']:.3f} s back; again "
                          f"{o['again_offload_s']:.3f} s out, {o['again_restore_s']:.3f} s back")
     return "\n".join(lines)
 
@@ -244,8 +293,15 @@ def main(argv: list[str] | None = None) -> dict:
     args = parser.parse_args(argv)
     args.dtype = getattr(torch, args.dtype or ("bfloat16" if args.device.startswith("cuda") else "float32"))
     results = run(args)
+    results["sleep_failures"] = sleep_failures(results)
     emit(results, args.out)
     print(table(results))
+    if results["sleep_failures"]:
+        sys.stdout.flush()
+        print("FAIL: a colocated engine's sleep did not give the device its memory back:", file=sys.stderr)
+        for line in results["sleep_failures"]:
+            print(f"FAIL: {line}", file=sys.stderr)
+        raise SystemExit(1)
     return results
 
 

@@ -10,7 +10,8 @@ buckets, the LoRA adapter, sleep and wake are answered one at a time, in order.
 Sleep and wake let the engine and the trainer take turns on the GPU: asleep, the engine refuses
 requests and releases its cached memory (level 1: the last batch's activations and the allocator's
 cache) or also its weights (level 2: moved to pinned host memory). `wake` brings the weights back bit
-for bit. The trainer wakes it before a rollout and puts it back to sleep before training.
+for bit. The trainer wakes it before a rollout and puts it back to sleep before training. A sleep's reply
+says what the device gained (`released_bytes`: its free memory after the sleep minus before).
 """
 
 from __future__ import annotations
@@ -40,6 +41,7 @@ from diffrl.errors import RequestError
 from diffrl.models.lora import LoraSpec
 from diffrl.rollout.clients import EngineUnavailable
 from diffrl.utils import determinism
+from diffrl.utils.offload import device_free_bytes, release_cached, stranded_bytes
 from diffrl.utils.spawned import no_named_semaphores
 
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
@@ -222,9 +224,20 @@ class _EngineServer:
             raise RequestError(field, "the engine is asleep (wake it first)")
 
     def _sleep(self, level) -> dict:
+        """Sleep at `level`; the reply holds the bytes moved, this process's memory before and after, and what the
+        device gained: `released_bytes`, its free memory after minus before (cudaMemGetInfo; 0 on a CPU), and
+        `stranded_bytes`, what stays cached in segments that still hold a live block (empty_cache keeps those)."""
         before = self._memory()
+        free_before = device_free_bytes(self.device)
         moved = self.engine.sleep(level)  # refused while requests are in flight
-        return {"level": self.engine.asleep, "moved_bytes": moved, "before": before, "after": self._memory()}
+        # Engine.sleep empties the allocator's cache only when `family.device` is a GPU, and that property reads
+        # the transformer's first parameter: on the host once level 2 has moved the weights, so nothing cached
+        # went back to the driver. `self.device` was read at load, with the weights on the GPU.
+        release_cached(self.device)
+        after = self._memory()
+        return {"level": self.engine.asleep, "moved_bytes": moved, "before": before, "after": after,
+                "released_bytes": device_free_bytes(self.device) - free_before,
+                "stranded_bytes": stranded_bytes(self.device)}
 
     def _wake(self) -> dict:
         before = self._memory()
@@ -266,6 +279,7 @@ class ColocatedEngineClient:
         self._lock = threading.Lock()
         self._ids = itertools.count()
         self._gone: str | None = None  # why the process cannot be reached any more
+        self.released_bytes: int | None = None  # the device memory the last sleep gave back (`sleep`)
         self.info = self._wait_until_ready(ours, start_timeout_s)
         threading.Thread(target=self._read, name=f"{name}-replies", daemon=True).start()
 
@@ -364,9 +378,13 @@ class ColocatedEngineClient:
         return self._request({"op": "add_lora", "lora": spec.model_dump()}, what="LoRA adapter refused: ")["added"]
 
     def sleep(self, level: int = 1) -> dict:
-        """Level 1: release cached memory; 2: also move the weights to host memory. Returns the bytes moved
-        and the engine's device memory before and after."""
-        return self._request({"op": "sleep", "level": level}, what="sleep refused: ")
+        """Level 1: release cached memory; 2: also move the weights to host memory. Returns the bytes moved,
+        the engine's device memory before and after, and `released_bytes`: the device's free memory the sleep
+        gained (0 on a CPU), also kept as `self.released_bytes` until the next sleep."""
+        self.released_bytes = None
+        reply = self._request({"op": "sleep", "level": level}, what="sleep refused: ")
+        self.released_bytes = reply.get("released_bytes")
+        return reply
 
     def wake(self) -> dict:
         return self._request({"op": "wake"}, what="wake failed: ")

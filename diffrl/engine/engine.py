@@ -48,7 +48,7 @@ from diffrl.errors import RequestError
 from diffrl.models.base import FamilyAdapter, PromptEmbeds
 from diffrl.models.lora import LoraSpec, add_lora, check_lora, current_lora
 from diffrl.sampling import make_generators
-from diffrl.utils.offload import ModuleOffload, family_modules
+from diffrl.utils.offload import ModuleOffload, release_cached, family_modules
 
 
 @dataclass
@@ -459,15 +459,15 @@ class Engine:
                                                 "only when idle")
             self._asleep = max(self._asleep, level)  # requests are refused from here on
         moved = 0
+        device = self.family.device  # read before the weights move: at level 2 they end on the host
         with self._model_lock:
             if level == 2 and self._offload is None:
-                offload = ModuleOffload(family_modules(self.family), self.family.device)
+                offload = ModuleOffload(family_modules(self.family), device)
                 moved = offload.offload()
                 self._offload = offload
             self._prompts.clear()  # encoded prompts are device memory too
         gc.collect()  # the last batch's tensors, before the allocator's cache is emptied
-        if self.family.device.type == "cuda":
-            torch.cuda.empty_cache()
+        release_cached(device)
         return moved
 
     def wake(self) -> int:

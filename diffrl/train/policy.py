@@ -31,7 +31,7 @@ from diffrl.models.lora import LoraSpec, add_lora
 from diffrl.train.ema import ParameterEMA
 from diffrl.train.objectives import OBJECTIVES
 from diffrl.train.parallel import Parallel, full_tensor, shard_transformer
-from diffrl.utils.offload import OptimizerOffload
+from diffrl.utils.offload import OptimizerOffload, release_cached
 
 
 def bf16_forward(model_cfg, device: torch.device) -> bool:
@@ -155,6 +155,7 @@ class Policy:
         self.colocated: list[ColocatedEngineClient] = []  # engines that sleep while the trainer trains
         self.colocated_rewards: list = []  # reward models (in this process, in workers) that do too
         self.engine_sleep_level = cfg.engine.engine_sleep_level
+        self.engine_released_gib: float | None = None  # what the colocated engines' last sleep gave the device
         self.engine_token = cfg.engine.engine_token or os.environ.get("DIFFRL_ENGINE_TOKEN")
         self.weight_version = 0
 
@@ -202,20 +203,22 @@ class Policy:
         """The device's memory goes to the engines and rewards inside the block: the optimizer state on the
         host (--offload-optimizer), the trainer's cached blocks released, colocated engines and reward models
         awake; after it, the engines asleep again (--engine-sleep-level), the reward models on the host and
-        the state back."""
+        the state back. `self.engine_released_gib`: the device memory the colocated engines' sleep after the
+        block gave back (GiB, summed over them; 0.0 on a CPU), None when no engine was put to sleep."""
+        self.engine_released_gib = None
         if self.optimizer_offload is not None:
-            self.optimizer_offload.offload()
-        if (self.colocated or self.colocated_rewards) and self.device.type == "cuda":
-            torch.cuda.empty_cache()  # what training left cached is the other processes' to use now
+            self.optimizer_offload.offload()  # returns with the host copies complete, holding no device tensor
+        if self.colocated or self.colocated_rewards:
+            release_cached(self.device)  # what training left cached is the other processes' to use now
         for sleeper in (*self.colocated, *self.colocated_rewards):
             sleeper.wake()
         try:
             yield
         finally:
             try:
-                if self.engine_sleep_level:
-                    for engine in self.colocated:
-                        engine.sleep(self.engine_sleep_level)
+                if self.engine_sleep_level and self.colocated:
+                    replies = [engine.sleep(self.engine_sleep_level) for engine in self.colocated]
+                    self.engine_released_gib = sum(r.get("released_bytes") or 0 for r in replies) / 2**30
                 for reward in self.colocated_rewards:
                     reward.sleep()
             finally:  # the state comes back even when an engine cannot be put to sleep

@@ -360,6 +360,7 @@ class Trainer:
                                                           [p.metadata for p in prompts[mine]]))
             samples = [s for g in groups for s in g]
         rollout_s = time.perf_counter() - start
+        released = policy.engine_released_gib  # a --colocate engine's sleep after the rollout: what the device got back
         if replay.save_rollout_data is not None:
             save_rollout(replay.save_rollout_data, RolloutRecord(k, policy.weight_version, self.fingerprint, request,
                                                                  prompts, self.next_group_index, samples))
@@ -378,7 +379,8 @@ class Trainer:
         record = {"rollout/reward/raw_mean": rewards.mean().item(), "rollout/reward/std": rewards.std().item(),
                   "rollout/zero_std_ratio": adv.zero_std_ratio, "rollout/seconds": rollout_s,
                   "rollout/images_per_s": len(samples) / rollout_s,
-                  "rollout/sde_window_start": request.get("rollout_sde_step_indices", [-1])[0]}
+                  "rollout/sde_window_start": request.get("rollout_sde_step_indices", [-1])[0],
+                  **({} if released is None else {"memory/engine_released_gib": released})}
         record.update(self.task.observe(prompts, rewards.view(len(prompts), n).tolist()))
         if replay.debug_rollout_only:
             return record

@@ -4,6 +4,13 @@ colocated engine's weights while it sleeps, the trainer's optimizer state while 
 Host copies are pinned when they come from a GPU (fast copies both ways). Moving a tensor changes its
 storage, never the object: modules and optimizers keep the tensors they hold. On a CPU device the
 "host" copy is a fresh copy of the tensor; nothing is freed, but the path is the same.
+
+Moving tensors off a GPU frees their blocks to torch's caching allocator, not to the device: the memory
+reaches another process (the trainer, the engine) only once the allocator's unused segments go back to
+the driver (`release_cached`). That must happen on the device the tensors were moved from, named when
+the offload was set up: after the move, every tensor of the modules is on the host, so a device read
+from them (`FamilyAdapter.device` is the transformer's first parameter's) names the CPU, and a release
+guarded by it would never happen: the sleeping engine would keep every byte reserved.
 """
 
 from __future__ import annotations
@@ -24,6 +31,36 @@ def _synchronize(devices: Iterable[torch.device]) -> None:
         torch.cuda.synchronize(device)
 
 
+def release_cached(device: torch.device | str) -> None:
+    """Give the caching allocator's unused segments back to the driver, so that another process on the device
+    can use them; a no-op off CUDA. The device's queued work is waited for first: the copies out of the
+    freed tensors are done (their host copies complete) before their segments go. `empty_cache` releases
+    only segments without a live block: whoever calls this must hold no reference to what was moved."""
+    device = torch.device(device)
+    if device.type != "cuda":
+        return
+    torch.cuda.synchronize(device)
+    torch.cuda.empty_cache()
+
+
+def device_free_bytes(device: torch.device | str) -> int:
+    """The device's free memory as its driver counts it (cudaMemGetInfo: every process's use moves it); 0 off CUDA."""
+    device = torch.device(device)
+    return int(torch.cuda.mem_get_info(device)[0]) if device.type == "cuda" else 0
+
+
+def stranded_bytes(device: torch.device | str) -> int:
+    """Cached bytes that `empty_cache` cannot release: the free parts of this process's segments on `device`
+    that still hold a live block (0 off CUDA). After `release_cached`, everything reserved beyond the
+    allocated bytes should be this; more means a segment without a live block was kept."""
+    device = torch.device(device)
+    if device.type != "cuda":
+        return 0
+    index = device.index if device.index is not None else torch.cuda.current_device()
+    return sum(seg["total_size"] - seg["allocated_size"] for seg in torch.cuda.memory_snapshot()
+               if seg.get("device") == index and seg["allocated_size"] > 0)
+
+
 def family_modules(family) -> list[torch.nn.Module]:
     """Every module a model family holds (transformer, text encoders, VAE, …), each once."""
     found: dict[int, torch.nn.Module] = {}
@@ -36,7 +73,8 @@ def family_modules(family) -> list[torch.nn.Module]:
 
 class ModuleOffload:
     """The parameters and buffers of `modules` that live on `device`, moved to host memory (`offload`) and
-    back (`restore`)."""
+    back (`restore`). `device` is recorded here, while the tensors are on it: `offload` releases its
+    cached segments, which a device read from the (moved) modules would no longer name."""
 
     def __init__(self, modules: Iterable[torch.nn.Module], device: torch.device):
         self.modules, self.device = list(modules), torch.device(device)
@@ -56,14 +94,17 @@ class ModuleOffload:
 
     @torch.no_grad()
     def offload(self) -> int:
-        """Move them to the host; returns the bytes moved (0 when already offloaded)."""
+        """Move them to the host and give their device memory back to the driver (`release_cached`); returns
+        the bytes moved (0 when already offloaded)."""
         if self._moved:
             return 0
-        self._moved = self._tensors()
-        for tensor in self._moved:
-            tensor.data = host_copy(tensor.data)
-        _synchronize([self.device])
-        return sum(t.numel() * t.element_size() for t in self._moved)
+        moved = self._tensors()
+        for tensor in moved:
+            tensor.data = host_copy(tensor.data)  # the device storage's last reference goes with the old .data
+        _synchronize([self.device])  # every host copy is complete (the copies were queued without blocking)
+        self._moved = moved  # the tensor objects, whose storage is now the host's: no reference to device memory
+        release_cached(self.device)  # the device recorded at construction, not the modules' (now the host)
+        return sum(t.numel() * t.element_size() for t in moved)
 
     @torch.no_grad()
     def restore(self) -> int:
@@ -76,7 +117,10 @@ class ModuleOffload:
 
 
 class OptimizerOffload:
-    """An optimizer's state tensors (Adam's moments and step counts) moved to host memory and back."""
+    """An optimizer's state tensors (Adam's moments and step counts) moved to host memory and back. `offload`
+    keeps no reference to the device tensors and returns once the host copies are complete; their memory
+    stays in this process's allocator cache until the caller releases it (`release_cached` on the trainer's
+    device, as `Policy` does when a colocated process needs it)."""
 
     def __init__(self, optimizer: torch.optim.Optimizer):
         self.optimizer = optimizer

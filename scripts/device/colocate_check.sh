@@ -4,7 +4,9 @@
 #          bench_sd35m.sh builds them): seconds per sync and peak extra GPU memory, CUDA IPC buckets
 #          (--update-weight-buffer-size 128 and 512 MiB) against the HTTP push, for a LoRA r32 adapter
 #          and for the full fp32 weights; what sleep levels 1 and 2 free, and whether the engine samples
-#          the same after waking; what optimizer offload frees.
+#          the same after waking; what optimizer offload frees. The benchmark exits 1 when a sleep gave the
+#          device less free memory than it should (level 2: less than the weights it moved to the host; either
+#          level: less than the cache the engine could release); this script then says so and exits 1.
 #   train  `diffrl train --recipe shapes-grpo-gpu` for ROLLOUTS (default 3) rollouts, embedded and
 #          --colocate --engine-sleep-level 2 --offload-optimizer: rewards, log-prob gap, seconds and the
 #          trainer's peak memory side by side.
@@ -24,7 +26,12 @@ import sys, torch; from pathlib import Path; from family_rollout import make_che
 make_checkpoint('sd3', Path(sys.argv[1]), torch.device('cuda'))" "$ckpt")
       (cd benchmarks && python3 weight_sync.py --checkpoint "$ckpt" --family sd3 --lora-rank 32 \
         --buffer-mib 128 512 --repeats "${REPEATS:-3}" --resolution 512 --n 4 --steps 4 \
-        --out "$OUT/weight_sync_sd35m.json") 2>&1 | quiet | grep -v '^ \|^[{}]' | tee -a "$OUT/summary.txt" ;;
+        --out "$OUT/weight_sync_sd35m.json") 2>&1 | quiet | grep -v '^ \|^[{}]' | tee -a "$OUT/summary.txt"
+      status=${PIPESTATUS[0]}
+      if (( status != 0 )); then
+        echo "FAILED: benchmarks/weight_sync.py exited $status (see the FAIL lines above)" | tee -a "$OUT/summary.txt"
+        failed=1
+      fi ;;
     train)
       for mode in embedded colocated; do
         flags=(); [[ $mode == colocated ]] && flags=(--colocate --engine-sleep-level 2 --offload-optimizer)
@@ -48,3 +55,4 @@ PY
   esac
 done
 echo "== done $(date +%T)"
+exit "${failed:-0}"
