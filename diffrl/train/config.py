@@ -614,13 +614,14 @@ class TrainConfig:
         _require(r.n_samples_per_prompt > 1 or a.globalize_reward_mean or self.replay.debug_rollout_only,
                  "--n-samples-per-prompt 1: each sample is its prompt's mean reward, so every advantage is 0 and "
                  "nothing trains; sample 2 or more per prompt, or pass --globalize-reward-mean")
-        lo, hi = r.sde_window_range() if a.loss_type in SDE_LOSS_TYPES else (0, r.diffusion_num_steps)
-        _require(0 <= lo < hi <= r.diffusion_num_steps,
-                 f"--diffusion-sde-window-range {lo},{hi} must satisfy 0 <= lo < hi <= --diffusion-num-steps "
-                 f"({r.diffusion_num_steps})")
-        _require(1 <= r.diffusion_num_sde_steps <= hi - lo,
-                 f"--diffusion-num-sde-steps {r.diffusion_num_sde_steps} does not fit in "
-                 f"--diffusion-sde-window-range {lo},{hi}")
+        if a.loss_type in SDE_LOSS_TYPES:  # ODE methods never read the SDE window (a recipe's own stays unread)
+            lo, hi = r.sde_window_range()
+            _require(0 <= lo < hi <= r.diffusion_num_steps,
+                     f"--diffusion-sde-window-range {lo},{hi} must satisfy 0 <= lo < hi <= --diffusion-num-steps "
+                     f"({r.diffusion_num_steps})")
+            _require(1 <= r.diffusion_num_sde_steps <= hi - lo,
+                     f"--diffusion-num-sde-steps {r.diffusion_num_sde_steps} does not fit in "
+                     f"--diffusion-sde-window-range {lo},{hi}")
         _require(a.loss_type in SDE_LOSS_TYPES or int(r.diffusion_num_steps * a.nft_timestep_fraction) >= 1,
                  f"--nft-timestep-fraction {a.nft_timestep_fraction} keeps no timestep of "
                  f"--diffusion-num-steps {r.diffusion_num_steps}")

@@ -4,15 +4,17 @@
 # budget of MINUTES of rollouts and training (held-out evaluations excluded), then the table and the plot
 # (benchmarks/algorithm_bench.py). One call per seed fits a 10-minute device call:
 #   SEEDS=0 MINUTES=6 bash scripts/device/algorithm_bench.sh; bash scripts/device/pack_out.sh     (carry [".whl"])
+# PLAN="nft=1 sft=0 …" runs exactly those method=seed pairs instead of every method at every seed of SEEDS.
 # Every run evaluates 128 held-out images per category every 10 rollouts and at its end; no checkpoint comes back.
 set -uo pipefail
 sweep=/tmp/algorithms-sweep.txt
 : >"$sweep"
-for seed in ${SEEDS:-0 1}; do
+for seed in ${SEEDS:-$(tr ' ' '\n' <<<"${PLAN:-0 1}" | sed -n 's/.*=//p;/=/!p' | sort -u)}; do
   while read -r name flags; do
     [[ -z "$name" || "$name" == \#* ]] && continue
     method=${name%-s0}
     [[ -n "${METHODS:-}" && " $METHODS " != *" $method "* ]] && continue
+    [[ -n "${PLAN:-}" && " $PLAN " != *" $method=$seed "* ]] && continue
     echo "$method-s$seed $flags --seed $seed --rollout-seed $seed --eval-images-per-category 128 --eval-interval 10 \
 --checkpoint-interval 100000 --micro-batch-size ${MICRO_BATCH:-128} --reward-workers ${REWARD_WORKERS:-2}" >>"$sweep"
   done <scripts/device/sweeps/algorithms.txt

@@ -9,5 +9,6 @@ deep=$(find . -mindepth 3 -type f | wc -l)
 (( total <= 8 && deep == 0 )) && exit 0
 mapfile -t keep < <(find . -maxdepth 1 -type f \( -name '*.md' -o -name '*.txt' \) | sort | head -6)
 tar czf /tmp/results.tgz --exclude=./results.tgz "${keep[@]/#/--exclude=}" . && mv /tmp/results.tgz results.tgz
-find . -mindepth 1 -maxdepth 1 ! -name results.tgz $(printf '! -name %s ' "${keep[@]#./}") -exec rm -rf {} +
+spared=(); for k in "${keep[@]}"; do spared+=(! -name "${k#./}"); done  # (an empty list adds nothing)
+find . -mindepth 1 -maxdepth 1 ! -name results.tgz "${spared[@]}" -exec rm -rf {} +
 echo "packed $total files into \$OUT/results.tgz ($(du -h results.tgz | cut -f1)); kept: ${keep[*]:-none}"
