@@ -200,7 +200,7 @@ def plot(summary_runs: dict, path) -> None:
     minutes, one color per method, one line per run (by seed: 0 solid, 1 dashed, 2 dash-dot), the 0.90 and 0.95
     levels dotted; right: rollout reward (raw mean) against rollout."""
     fig, (left, right) = plt.subplots(1, 2, figsize=(12, 4.4))
-    colors = plt.rcParams["axes.prop_cycle"].by_key()["color"]
+    colors = plt.get_cmap("tab20").colors  # distinct colors for up to 20 methods
     lowest = 1.0
     for i, (method, runs) in enumerate(summary_runs.items()):
         color = colors[i % len(colors)]
@@ -222,7 +222,7 @@ def plot(summary_runs: dict, path) -> None:
     for ax in (left, right):
         ax.grid(alpha=0.3)
         if ax.get_legend_handles_labels()[0]:
-            ax.legend(fontsize=8, loc="lower right", title="method (seed 1 dashed)", title_fontsize=8)
+            ax.legend(fontsize=8, loc="lower right", title="method (seed 1 dashed, 2 dash-dot)", title_fontsize=8)
     fig.tight_layout()
     fig.savefig(path, dpi=110)
     plt.close(fig)
@@ -239,7 +239,7 @@ def run_folders(paths: list[str]) -> list[Path]:
             found += sorted(p for p in path.iterdir() if (p / "metrics.jsonl").is_file())
         else:
             raise SystemExit(f"{arg}: not a folder")
-    unique = list(dict.fromkeys(p.resolve() for p in found))
+    unique = list({p.resolve(): p for p in reversed(found)}.values())[::-1]  # each once, as named (no absolute paths)
     if not unique:
         raise SystemExit("no run folder (one holding metrics.jsonl) among " + " ".join(paths))
     return unique
