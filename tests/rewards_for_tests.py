@@ -50,3 +50,8 @@ def not_a_number(images, prompts, metadata=None):
 def one_value(images, prompts, metadata=None):
     """One value whatever the number of images."""
     return [0.5]
+
+
+def redness(images, prompts, metadata=None):
+    """How much redder than green and blue each image is, ×100: a term whose spread dwarfs darkness's in a sum."""
+    return [100.0 * float(image[0].mean() - image[1:].mean()) for image in images]

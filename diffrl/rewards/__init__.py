@@ -312,25 +312,45 @@ def _parse_weights(spec: str) -> dict[str, float]:
     return weights
 
 
+def multi_weights(spec: str) -> dict[str, float]:
+    """The terms of a `multi:NAME=W,…` spec and their weights, by name."""
+    return _parse_weights(spec.removeprefix("multi:"))
+
+
 def multi_reward(weights: dict[str, float], device: str | None = None) -> Callable:
     """Σ w·reward; each part may be sync or async (the sum is async, the rollout manager awaits it)."""
-    return weighted_sum([(get_reward(name, device=device), w) for name, w in weights.items()])
+    return weighted_sum([(get_reward(name, device=device), w) for name, w in weights.items()], names=list(weights))
 
 
-def weighted_sum(parts: list[tuple[Callable, float]]) -> Callable:
-    """Σ w·fn over (fn, w) parts; the parts stay readable (`weighted_parts`) for `frames.on_frames`."""
+class TermScores(list):
+    """A `multi:` reward's values: the weighted sum per image (the list itself) and each term's own, unweighted
+    values (`terms`: name → one value per image), which GDPO's per-reward normalization reads."""
+
+    def __init__(self, total, terms: dict[str, list[float]]):
+        super().__init__(total)
+        self.terms = terms
+
+
+def weighted_sum(parts: list[tuple[Callable, float]], names: list[str] | None = None) -> Callable:
+    """Σ w·fn over (fn, w) parts; the parts stay readable (`weighted_parts`, `part_names`) for `frames.on_frames`.
+    With `names` the sum comes back as `TermScores`, each part's own values by its name."""
     import inspect
 
     async def score(images, prompts, metadata=None) -> list[float]:
         total = [0.0] * len(prompts)
-        for fn, w in parts:
+        terms = {}
+        for i, (fn, w) in enumerate(parts):
             values = fn(images, prompts, metadata)
             if inspect.isawaitable(values):
                 values = await values
-            total = [t + w * float(v) for t, v in zip(total, values, strict=True)]
-        return total
+            values = [float(v) for v in values]
+            total = [t + w * v for t, v in zip(total, values, strict=True)]
+            if names is not None:
+                terms[names[i]] = values
+        return total if names is None else TermScores(total, terms)
 
     score.weighted_parts = parts
+    score.part_names = names
     return score
 
 

@@ -41,7 +41,7 @@ def on_frames(score: Callable, count: int | None) -> Callable:
     if parts is not None:  # a multi: sum: each part decides for itself
         from diffrl.rewards import weighted_sum
 
-        return weighted_sum([(on_frames(fn, count), w) for fn, w in parts])
+        return weighted_sum([(on_frames(fn, count), w) for fn, w in parts], names=getattr(score, "part_names", None))
 
     @functools.wraps(score)
     def scored(images, prompts, metadata=None):

@@ -25,7 +25,7 @@ from concurrent.futures import ProcessPoolExecutor
 import torch
 
 from diffrl.engine.wire import decode_weights, encode_weights
-from diffrl.rewards import colocate
+from diffrl.rewards import TermScores, colocate
 from diffrl.rewards.frames import on_frames, pick_frames, reads_whole_videos
 from diffrl.utils import determinism
 from diffrl.utils.spawned import exit_with_parent, no_named_semaphores, pid_tagged_semaphores
@@ -88,7 +88,9 @@ def _score_in_worker(reward: str, device: str | None, frames: int | None, images
     rewards = worker_scorer(reward, device, frames)(*decode_batch(images, prompts_json, metadata_json))
     if inspect.isawaitable(rewards):
         rewards = asyncio.run(rewards)
-    return [float(r) for r in rewards]
+    total = [float(r) for r in rewards]
+    terms = getattr(rewards, "terms", None)  # a multi: reward's terms travel back with the sum
+    return TermScores(total, terms) if terms else total
 
 
 class FramesInWorkers:

@@ -55,6 +55,7 @@ class Sample:
     output: RolloutOutput
     engine: str
     reward: float | None = None
+    reward_terms: dict[str, float] | None = None  # a multi: reward's terms, each unweighted (GDPO reads them)
 
 
 @dataclass
@@ -116,15 +117,16 @@ class RolloutManager:
         try:
             outputs, engine = await self._dispatch(
                 request, stats, scorer.arrived if scorer is not None and self.config.stream_scoring else None)
-            rewards = None
+            rewards = terms = None
             if scorer is not None:  # streamed: scored now, while other microgroups generate
-                outputs, rewards = await scorer.finish(outputs)
+                outputs, rewards, terms = await scorer.finish(outputs)
         finally:
             if scorer is not None:
                 scorer.cancel()  # a failed microgroup's scoring
         samples = [Sample(prompt, group_index, idx + i, o.seed, o, engine) for i, o in enumerate(outputs)]
-        for sample, reward in zip(samples, rewards or [None] * len(samples), strict=True):
-            sample.reward = reward
+        for sample, reward, term in zip(samples, rewards or [None] * len(samples), terms or [None] * len(samples),
+                                        strict=True):
+            sample.reward, sample.reward_terms = reward, term
         return samples
 
     async def _dispatch(self, request: RolloutRequest, stats: RolloutStats,
@@ -174,6 +176,7 @@ class _Scorer:
         self.group_index, self.first_index = group_index, first_index
         self.outputs: dict[int, RolloutOutput] = {}
         self.rewards: dict[int, float] = {}
+        self.terms: dict[int, dict[str, float]] = {}  # a multi: reward's terms per index
         self.tasks: list[asyncio.Task] = []
 
     def arrived(self, i: int, output: RolloutOutput) -> None:
@@ -183,14 +186,15 @@ class _Scorer:
         self.outputs[i] = output
         self.tasks.append(asyncio.ensure_future(self._score([i])))
 
-    async def finish(self, outputs: list[RolloutOutput]) -> tuple[list[RolloutOutput], list[float]]:
+    async def finish(self, outputs: list[RolloutOutput]) -> tuple[list[RolloutOutput], list[float], list[dict | None]]:
         rest = [i for i in range(len(outputs)) if i not in self.outputs]
         for i in rest:
             self.outputs[i] = outputs[i]
         if rest:
             await self._score(rest)
         await asyncio.gather(*self.tasks)
-        return [self.outputs[i] for i in range(len(outputs))], [self.rewards[i] for i in range(len(outputs))]
+        return ([self.outputs[i] for i in range(len(outputs))], [self.rewards[i] for i in range(len(outputs))],
+                [self.terms.get(i) for i in range(len(outputs))])
 
     async def _score(self, indices: list[int]) -> None:
         outputs = [self.outputs[i] for i in indices]
@@ -201,8 +205,14 @@ class _Scorer:
         rewards = self.reward_fn(images, [self.prompt] * len(indices), meta)
         if inspect.isawaitable(rewards):
             rewards = await rewards
-        values = checked_rewards(rewards, len(indices), self.reward_name, [self.prompt] * len(indices))
+        prompts = [self.prompt] * len(indices)
+        values = checked_rewards(rewards, len(indices), self.reward_name, prompts)
         self.rewards.update(zip(indices, values))
+        terms = {name: checked_rewards(v, len(indices), f"{self.reward_name}'s term {name}", prompts)
+                 for name, v in (getattr(rewards, "terms", None) or {}).items()}
+        for j, i in enumerate(indices):
+            if terms:
+                self.terms[i] = {name: v[j] for name, v in terms.items()}
 
     def cancel(self) -> None:
         for task in self.tasks:

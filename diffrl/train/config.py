@@ -225,6 +225,9 @@ class AlgorithmConfig:
     globalize_reward_std: bool = False
     globalize_reward_mean: bool = False
     drop_zero_std_groups: bool = False
+    advantage_aggregation: Literal["sum", "gdpo"] = "sum"
+    """How a `multi:` reward's terms make advantages: sum = normalize their weighted sum; gdpo = normalize each term
+    within its prompt's group, then combine by weight and standardize over the batch (GDPO, arXiv 2601.05242)."""
     use_ema: bool = False
     """Keep an EMA of the trained weights (--ema-decay per optimizer step) and evaluate, pick
     checkpoints/best and save models with it. DiffusionNFT's old policy is a separate EMA."""
@@ -649,6 +652,14 @@ class TrainConfig:
                      "file; the shapes world has no prompt file")
             _require(e.n_samples_per_eval_prompt == 1, f"--n-samples-per-eval-prompt {e.n_samples_per_eval_prompt} is "
                      "for --prompt-data; the shapes world's held-out images are --eval-images-per-category")
+        _require(a.advantage_aggregation == "sum" or (t.reward.startswith("multi:") and not a.globalize_reward_mean
+                                                       and not a.globalize_reward_std),
+                 f"--advantage-aggregation gdpo normalizes each term of a multi: reward within its prompt's group "
+                 f"(--reward multi:NAME=W,…; got --reward {t.reward}), without --globalize-reward-mean/-std")
+        _require(a.advantage_aggregation == "sum" or self.replay.load_rollout_data is None,
+                 "--advantage-aggregation gdpo needs each reward term; rollout records keep only their sum")
+        _require(a.advantage_aggregation == "sum" or not self.placement.ray_reward_workers,
+                 "--advantage-aggregation gdpo needs each reward term; Ray reward actors return only their sum")
         _require(not (self.task.reward_colocate and self.placement.ray_reward_workers),
                  "--reward-colocate moves the rewards of the trainer's process and of --reward-workers; Ray reward "
                  "actors (--ray-reward-workers) keep theirs")

@@ -36,7 +36,7 @@ from diffrl.errors import RequestError
 from diffrl.models import resolve_family
 from diffrl.models.compile_settings import compile_setting
 from diffrl.models.demo import SHIPPED_DEMO_MODEL
-from diffrl.rewards import default_device, get_reward
+from diffrl.rewards import default_device, get_reward, multi_weights
 from diffrl.rewards.colocate import InProcessRewards
 from diffrl.rewards.frames import on_frames
 from diffrl.rewards.workers import ProcessRewardPool
@@ -370,10 +370,15 @@ class Trainer:
         rewards = all_gather_rows(torch.tensor([s.reward for s in samples], dtype=torch.float64), self.parallel)
         n = cfg.rollout.n_samples_per_prompt
         a = cfg.algorithm
+        terms = weights = None
+        if a.advantage_aggregation == "gdpo":  # each term of the multi: reward, normalized on its own
+            weights = multi_weights(cfg.task.reward)
+            terms = all_gather_rows(reward_terms(samples, list(weights)), self.parallel)
+            weights = list(weights.values())
         adv = compute_advantages(rewards, [p.prompt for p in prompts for _ in range(n)],
                                  globalize_reward_mean=a.globalize_reward_mean,
                                  globalize_reward_std=a.globalize_reward_std,
-                                 drop_zero_std_groups=a.drop_zero_std_groups)
+                                 drop_zero_std_groups=a.drop_zero_std_groups, reward_terms=terms, term_weights=weights)
         rows = slice(mine.start * n, mine.stop * n)
         adv = dataclasses.replace(adv, values=adv.values[rows], keep=adv.keep[rows])
         record = {"rollout/reward/raw_mean": rewards.mean().item(), "rollout/reward/std": rewards.std().item(),
@@ -567,6 +572,15 @@ def run_summary(records: list[dict], window: int = 4) -> str:
         lines.append(f"checkpoints/best (highest validation accuracy on train prompts): rollout {best['rollout']}, "
                      f"validation {best['val/strict']:.3f}, held-out {best.get('eval/strict', float('nan')):.3f}")
     return "\n".join(lines)
+
+
+def reward_terms(samples: Sequence, names: list[str]) -> torch.Tensor:
+    """Each sample's values of a multi: reward's terms, `[samples, terms]` in `names`' order (float64)."""
+    missing = next((s for s in samples if not s.reward_terms or set(s.reward_terms) != set(names)), None)
+    if missing is not None:
+        raise ValueError(f"--advantage-aggregation gdpo: the reward of {missing.prompt!r} came back without its terms "
+                         f"{', '.join(names)} (a reward scored elsewhere returns only the sum)")
+    return torch.tensor([[s.reward_terms[name] for name in names] for s in samples], dtype=torch.float64)
 
 
 def to_host(stats: dict[str, float | torch.Tensor]) -> dict[str, float]:
