@@ -119,12 +119,11 @@ def nft_pairs(
     timestep_fraction: float = 0.99,
 ) -> NftPairs:
     schedule = sigmas[:-1]  # without the terminal 0
-    per_sample = _schedule_order(schedule, timestep_fraction)
+    per_sample = _timesteps_kept(schedule, timestep_fraction)
     rows = {name: [] for name in ("x0", "t", "noise", "advantages", "cond")}
     for s, seed in enumerate(seeds):
-        g = torch.Generator().manual_seed(int(seed))
-        order = torch.randperm(len(schedule), generator=g)[:per_sample]
-        for k in order.tolist():
+        g, order = _shuffled_timesteps(seed, schedule, per_sample)
+        for k in order:
             rows["x0"].append(x0[s])
             rows["t"].append(schedule[k])
             rows["noise"].append(torch.randn(x0[s].shape, generator=g))
@@ -133,11 +132,18 @@ def nft_pairs(
     return NftPairs(**{k: torch.stack([torch.as_tensor(v) for v in vs]) for k, vs in rows.items()})
 
 
-def _schedule_order(schedule: torch.Tensor, timestep_fraction: float) -> int:
-    per_sample = int(len(schedule) * timestep_fraction)
-    if per_sample < 1:
+def _timesteps_kept(schedule: torch.Tensor, timestep_fraction: float) -> int:
+    kept = int(len(schedule) * timestep_fraction)
+    if kept < 1:
         raise ValueError(f"timestep fraction {timestep_fraction} keeps no timestep of a {len(schedule)}-step schedule")
-    return per_sample
+    return kept
+
+
+def _shuffled_timesteps(seed: int, schedule: torch.Tensor, kept: int) -> tuple[torch.Generator, list[int]]:
+    """The first `kept` of a shuffle of the schedule's steps, from a generator seeded by `seed`, which then draws
+    the pairs' noise (so a sample's or group's pairs are reproducible from its seed alone)."""
+    g = torch.Generator().manual_seed(int(seed))
+    return g, torch.randperm(len(schedule), generator=g)[:kept].tolist()
 
 
 def preference_pairs(
@@ -152,16 +158,15 @@ def preference_pairs(
     """Samples come in groups of `group_size` (one prompt each, in order). A group whose advantages are all equal
     has no preference and makes no pair."""
     schedule = sigmas[:-1]
-    per_group = _schedule_order(schedule, timestep_fraction)
+    per_group = _timesteps_kept(schedule, timestep_fraction)
     rows = {name: [] for name in ("chosen", "rejected", "t", "noise", "cond")}
     for start in range(0, len(seeds), group_size):
         adv = advantages[start:start + group_size]
         best, worst = start + int(adv.argmax()), start + int(adv.argmin())
         if adv[best - start] == adv[worst - start]:
             continue
-        g = torch.Generator().manual_seed(int(seeds[start]))
-        order = torch.randperm(len(schedule), generator=g)[:per_group]
-        for k in order.tolist():
+        g, order = _shuffled_timesteps(seeds[start], schedule, per_group)
+        for k in order:
             rows["chosen"].append(x0[best])
             rows["rejected"].append(x0[worst])
             rows["t"].append(schedule[k])
@@ -185,12 +190,11 @@ def group_pairs(
     if len(seeds) % group_size:
         raise ValueError(f"{len(seeds)} samples do not make whole groups of {group_size}")
     schedule = sigmas[:-1]
-    per_group = _schedule_order(schedule, timestep_fraction)
+    per_group = _timesteps_kept(schedule, timestep_fraction)
     rows = {name: [] for name in ("x0", "advantages", "t", "noise", "cond")}
     for start in range(0, len(seeds), group_size):
-        g = torch.Generator().manual_seed(int(seeds[start]))
-        order = torch.randperm(len(schedule), generator=g)[:per_group]
-        for k in order.tolist():
+        g, order = _shuffled_timesteps(seeds[start], schedule, per_group)
+        for k in order:
             rows["x0"].append(x0[start:start + group_size])
             rows["advantages"].append(advantages[start:start + group_size])
             rows["t"].append(schedule[k])

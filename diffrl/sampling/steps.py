@@ -60,6 +60,22 @@ def _mean_over_sample(t: torch.Tensor) -> torch.Tensor:
     return t.flatten(1).mean(dim=1)
 
 
+def _gaussian_step(mean: torch.Tensor, std: torch.Tensor, noise_level: float,
+                   generators: Sequence[torch.Generator] | None, next_latents: torch.Tensor | None,
+                   log_prob_no_const: bool) -> StepOutput:
+    """x' ~ N(mean, std²) (drawn, or `next_latents` scored) and its log-density averaged over a sample's elements;
+    `log_prob_no_const`: sglang-diffusion's meaning of the wire flag, −mean((x' − mean)²), as the CPS step.
+    With `noise_level` 0 the step is the mean, with no log-prob."""
+    if noise_level == 0:
+        return StepOutput(mean, mean, std.flatten(), None)
+    x_next = _draw_or_take(mean, std, generators, next_latents)
+    squared_error = (x_next.detach() - mean) ** 2
+    if log_prob_no_const:
+        return StepOutput(x_next, mean, std.flatten(), -_mean_over_sample(squared_error))
+    log_density = -squared_error / (2 * std**2) - torch.log(std) - math.log(math.sqrt(2 * math.pi))
+    return StepOutput(x_next, mean, std.flatten(), _mean_over_sample(log_density))
+
+
 def noised(x0: torch.Tensor, noise: torch.Tensor, sigma) -> torch.Tensor:
     """The forward (noising) process of flow matching, `x_σ = (1 − σ)·x0 + σ·ε`, whose velocity is
     `ε − x0`: where SFT and DiffusionNFT train the model. `sigma` is a scalar or `[B]`."""
@@ -107,14 +123,7 @@ def sde_step(
     std_t = noise_level * torch.sqrt(sig / (1 - sig_tilde))
     mean = x * (1 + std_t**2 / (2 * sig) * dt) + v * (1 + std_t**2 * (1 - sig) / (2 * sig)) * dt
     std = std_t * torch.sqrt(-dt)
-    if noise_level == 0:
-        return StepOutput(mean, mean, std.flatten(), None)
-    x_next = _draw_or_take(mean, std, generators, next_latents)
-    squared_error = (x_next.detach() - mean) ** 2
-    if log_prob_no_const:  # sglang-diffusion's meaning of the wire flag: −mean((x' − mean)²), as the CPS step
-        return StepOutput(x_next, mean, std.flatten(), -_mean_over_sample(squared_error))
-    log_density = -squared_error / (2 * std**2) - torch.log(std) - math.log(math.sqrt(2 * math.pi))
-    return StepOutput(x_next, mean, std.flatten(), _mean_over_sample(log_density))
+    return _gaussian_step(mean, std, noise_level, generators, next_latents, log_prob_no_const)
 
 
 def cps_step(
@@ -168,14 +177,7 @@ def dance_step(
     score = -(x - (1 - sig) * x0_hat) / sig**2
     mean = x + (v - 0.5 * noise_level**2 * score) * dt
     std = noise_level * torch.sqrt(-dt)
-    if noise_level == 0:
-        return StepOutput(mean, mean, std.flatten(), None)
-    x_next = _draw_or_take(mean, std, generators, next_latents)
-    squared_error = (x_next.detach() - mean) ** 2
-    if log_prob_no_const:
-        return StepOutput(x_next, mean, std.flatten(), -_mean_over_sample(squared_error))
-    log_density = -squared_error / (2 * std**2) - torch.log(std) - math.log(math.sqrt(2 * math.pi))
-    return StepOutput(x_next, mean, std.flatten(), _mean_over_sample(log_density))
+    return _gaussian_step(mean, std, noise_level, generators, next_latents, log_prob_no_const)
 
 
 def transition(

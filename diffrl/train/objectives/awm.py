@@ -13,7 +13,7 @@ import torch
 
 from diffrl.algorithms.losses import awm_log_prob, awm_loss, flow_matching_error, v_kl
 from diffrl.algorithms.pairs import NftPairs, nft_pairs
-from diffrl.train.objectives.base import ForwardProcessObjective, conditioning_rows, detached
+from diffrl.train.objectives.base import ForwardProcessObjective, detached
 
 
 class AdvantageWeightedMatching(ForwardProcessObjective):
@@ -25,11 +25,7 @@ class AdvantageWeightedMatching(ForwardProcessObjective):
         return cfg.awm.awm_ema_kl_beta > 0
 
     def pairs(self, samples: Sequence, advantages: torch.Tensor, env: dict) -> NftPairs:
-        env["cond_rows"], cond = conditioning_rows(env["cond"], self.device)
-        self._ids_to_device(env)
-        return nft_pairs(self.clean_latents(samples), [s.seed for s in samples],
-                         samples[0].output.dit_trajectory.sigmas, advantages, cond,
-                         timestep_fraction=self.cfg.algorithm.nft_timestep_fraction)
+        return self.re_noised_pairs(nft_pairs, samples, advantages, env)
 
     def _log_prob(self, v: torch.Tensor, x0: torch.Tensor, noise: torch.Tensor, t: torch.Tensor) -> torch.Tensor:
         w = self.cfg.awm

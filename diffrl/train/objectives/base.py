@@ -164,9 +164,15 @@ class ForwardProcessObjective(Objective):
                                 rollout=False, rollout_return_dit_trajectory=True,
                                 rollout_return_step_indices=[n_steps], rollout_return_denoising_env=True))
 
-    @staticmethod
-    def clean_latents(samples) -> torch.Tensor:
-        return torch.stack([s.output.dit_trajectory.latents[0] for s in samples])
+    def re_noised_pairs(self, build, samples: Sequence, advantages: torch.Tensor, env: dict, **options):
+        """`build(x0, seeds, sigmas, advantages, conds, …)` (algorithms/pairs.py) over the samples' clean latents,
+        with the schedule's timesteps and the pairs' `cond` as rows of `env["cond_rows"]` (on the device).
+        `env["cond"]` holds one conditioning per sample."""
+        env["cond_rows"], cond = conditioning_rows(env["cond"], self.device)
+        self._ids_to_device(env)
+        x0 = torch.stack([s.output.dit_trajectory.latents[0] for s in samples])
+        return build(x0, [s.seed for s in samples], samples[0].output.dit_trajectory.sigmas, advantages, cond,
+                     timestep_fraction=self.cfg.algorithm.nft_timestep_fraction, **options)
 
     def conditional_velocity(self, x0: torch.Tensor, noise: torch.Tensor, t: torch.Tensor, cond: torch.Tensor,
                              env: dict) -> torch.Tensor:

@@ -13,7 +13,7 @@ import torch
 from diffrl.algorithms.losses import adaptive_mse, crd_loss, snapshot_decay, v_kl
 from diffrl.algorithms.pairs import GroupPairs, group_pairs
 from diffrl.train.ema import ParameterEMA
-from diffrl.train.objectives.base import ForwardProcessObjective, conditioning_rows, detached
+from diffrl.train.objectives.base import ForwardProcessObjective, detached
 from diffrl.train.objectives.dpo import group_rows
 
 
@@ -31,12 +31,7 @@ class CenteredRewardDistillation(ForwardProcessObjective):
         return self.policy.ema  # the sampling snapshot
 
     def pairs(self, samples: Sequence, advantages: torch.Tensor, env: dict) -> GroupPairs:
-        env["cond_rows"], cond = conditioning_rows(env["cond"], self.device)
-        self._ids_to_device(env)
-        return group_pairs(self.clean_latents(samples), [s.seed for s in samples],
-                           samples[0].output.dit_trajectory.sigmas, advantages, cond,
-                           self.cfg.rollout.n_samples_per_prompt,
-                           timestep_fraction=self.cfg.algorithm.nft_timestep_fraction)
+        return self.re_noised_pairs(group_pairs, samples, advantages, env, group_size=self.samples_per_pair)
 
     def loss(self, batch: GroupPairs, env: dict, step: int) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
         a, c, dev = self.cfg.algorithm, self.cfg.crd, self.device

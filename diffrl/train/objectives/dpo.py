@@ -16,7 +16,7 @@ import torch
 
 from diffrl.algorithms.losses import dgpo_loss, dpo_loss, flow_matching_error
 from diffrl.algorithms.pairs import GroupPairs, PreferencePairs, group_pairs, preference_pairs
-from diffrl.train.objectives.base import ForwardProcessObjective, conditioning_rows, detached
+from diffrl.train.objectives.base import ForwardProcessObjective, detached
 
 
 class _AgainstBase(ForwardProcessObjective):
@@ -33,12 +33,8 @@ class DiffusionDpo(_AgainstBase):
     samples_per_pair = 2
 
     def pairs(self, samples: Sequence, advantages: torch.Tensor, env: dict) -> PreferencePairs:
-        env["cond_rows"], cond = conditioning_rows(env["cond"], self.device)
-        self._ids_to_device(env)
-        return preference_pairs(self.clean_latents(samples), [s.seed for s in samples],
-                                samples[0].output.dit_trajectory.sigmas, advantages, cond,
-                                self.cfg.rollout.n_samples_per_prompt,
-                                timestep_fraction=self.cfg.algorithm.nft_timestep_fraction)
+        return self.re_noised_pairs(preference_pairs, samples, advantages, env,
+                                    group_size=self.cfg.rollout.n_samples_per_prompt)
 
     def loss(self, batch: PreferencePairs, env: dict, step: int) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
         dev, n = self.device, len(batch)
@@ -72,12 +68,7 @@ class GroupPreference(_AgainstBase):
         self.samples_per_pair = cfg.rollout.n_samples_per_prompt
 
     def pairs(self, samples: Sequence, advantages: torch.Tensor, env: dict) -> GroupPairs:
-        env["cond_rows"], cond = conditioning_rows(env["cond"], self.device)
-        self._ids_to_device(env)
-        return group_pairs(self.clean_latents(samples), [s.seed for s in samples],
-                           samples[0].output.dit_trajectory.sigmas, advantages, cond,
-                           self.cfg.rollout.n_samples_per_prompt,
-                           timestep_fraction=self.cfg.algorithm.nft_timestep_fraction)
+        return self.re_noised_pairs(group_pairs, samples, advantages, env, group_size=self.samples_per_pair)
 
     def loss(self, batch: GroupPairs, env: dict, step: int) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
         x0, noise, t, cond = group_rows(batch, env["cond_rows"], self.device)

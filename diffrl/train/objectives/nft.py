@@ -11,7 +11,7 @@ import torch
 from diffrl.algorithms.losses import ema_decay, nft_loss
 from diffrl.algorithms.pairs import NftPairs, nft_pairs
 from diffrl.sampling import noised
-from diffrl.train.objectives.base import ForwardProcessObjective, conditioning_rows, detached
+from diffrl.train.objectives.base import ForwardProcessObjective, detached
 
 
 class DiffusionNft(ForwardProcessObjective):
@@ -27,11 +27,7 @@ class DiffusionNft(ForwardProcessObjective):
 
     def pairs(self, samples: Sequence, advantages: torch.Tensor, env: dict) -> NftPairs:
         """Pairs whose `cond` are rows of `env["cond_rows"]` (on the device)."""
-        env["cond_rows"], cond = conditioning_rows(env["cond"], self.device)
-        self._ids_to_device(env)
-        return nft_pairs(self.clean_latents(samples), [s.seed for s in samples],
-                         samples[0].output.dit_trajectory.sigmas, advantages, cond,
-                         timestep_fraction=self.cfg.algorithm.nft_timestep_fraction)
+        return self.re_noised_pairs(nft_pairs, samples, advantages, env)
 
     def loss(self, batch: NftPairs, env: dict, step: int) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
         a, dev = self.cfg.algorithm, self.device

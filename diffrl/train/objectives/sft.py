@@ -11,7 +11,7 @@ import torch
 
 from diffrl.algorithms.losses import sft_loss
 from diffrl.algorithms.pairs import NftPairs, nft_pairs
-from diffrl.train.objectives.base import ForwardProcessObjective, conditioning_rows
+from diffrl.train.objectives.base import ForwardProcessObjective
 
 
 class RewardFilteredSft(ForwardProcessObjective):
@@ -23,11 +23,8 @@ class RewardFilteredSft(ForwardProcessObjective):
         better = [i for i in range(len(samples)) if advantages[i] > 0]
         if not better:
             return NftPairs(*(torch.empty(0) for _ in range(5)))
-        env["cond_rows"], cond = conditioning_rows([env["cond"][i] for i in better], self.device)
-        self._ids_to_device(env)
-        return nft_pairs(self.clean_latents([samples[i] for i in better]), [samples[i].seed for i in better],
-                         samples[0].output.dit_trajectory.sigmas, advantages[better], cond,
-                         timestep_fraction=self.cfg.algorithm.nft_timestep_fraction)
+        env["cond"] = [env["cond"][i] for i in better]
+        return self.re_noised_pairs(nft_pairs, [samples[i] for i in better], advantages[better], env)
 
     def loss(self, batch: NftPairs, env: dict, step: int) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
         dev = self.device
