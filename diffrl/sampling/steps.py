@@ -146,11 +146,7 @@ def cps_step(
     x0_hat = x - sig * v
     x1_hat = x + (1 - sig) * v
     mean = (1 - sig_next) * x0_hat + torch.sqrt(sig_next**2 - std**2) * x1_hat
-    if noise_level == 0:
-        return StepOutput(mean, mean, std.flatten(), None)
-    x_next = _draw_or_take(mean, std, generators, next_latents)
-    log_prob = -_mean_over_sample((x_next.detach() - mean) ** 2)
-    return StepOutput(x_next, mean, std.flatten(), log_prob)
+    return _gaussian_step(mean, std, noise_level, generators, next_latents, log_prob_no_const=True)
 
 
 def dance_step(
