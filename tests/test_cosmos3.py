@@ -142,7 +142,7 @@ def test_defaults_schedules_and_family_name(cosmos, cosmos_dir, tmp_path):
     ({"image": "data:image/png;base64,AAAA"}, "image"),  # image-to-video
     ({"input_reference": "video.mp4"}, "input_reference"),  # video-to-video (video2world)
     ({"num_frames": 6}, "num_frames"), ({"height": 20}, "height"),
-    ({"true_cfg_scale": 4.0}, "true_cfg_scale"), ({"guidance_scale_2": 3.0}, "guidance_scale_2"),
+    ({"guidance_scale_2": 3.0}, "guidance_scale_2"),
     ({"fps": 30}, "fps"),
 ])
 def test_what_it_cannot_do_is_refused_by_name(cosmos, fields, field):

@@ -191,3 +191,25 @@ def test_cfg_compares_position_ids_once_per_pair_of_conditionings(tiny_family, m
     assert len(compared) == 1
     other = tiny_family.encode_prompts(["a blue square"])  # a new pair is compared again
     assert tiny_family.pair_conditionings(uncond, other) is not None and len(compared) == 2
+
+
+def test_true_cfg_scale_switches_cfg_as_sglang_does(tiny_family):
+    """sglang-diffusion accepts `true_cfg_scale` for every model: above 1 it switches CFG on, at the family's own
+    `guidance_scale`; at 1 or below it switches CFG off (`Req.validate`, `get_classifier_free_guidance_scale`)."""
+    from diffrl.engine.engine import Engine
+    from diffrl.engine.protocol import RolloutRequest
+    from diffrl.errors import RequestError
+
+    engine = Engine(tiny_family)
+
+    def image(**fields):
+        return engine.generate(RolloutRequest(prompt="a red circle", num_inference_steps=2, seed=3,
+                                              **fields))[0].generated_output
+
+    guided, unguided = image(guidance_scale=3.0), image(guidance_scale=1.0)
+    assert not torch.equal(guided, unguided)
+    assert torch.equal(image(guidance_scale=3.0, true_cfg_scale=4.0), guided)  # on: the family's own scale
+    assert torch.equal(image(guidance_scale=3.0, true_cfg_scale=1.0), unguided)  # off
+    with pytest.raises(RequestError) as err:  # on at a scale below 1 would blend toward the unconditional branch
+        image(guidance_scale=0.5, true_cfg_scale=4.0)
+    assert err.value.field == "guidance_scale"

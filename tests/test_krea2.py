@@ -185,10 +185,9 @@ def test_bad_requests_and_checkpoints_are_refused(krea2, krea2_dir, tmp_path):
     engine = Engine(krea2, EngineConfig(max_outputs_per_request=4))
     with pytest.raises(RequestError, match="height=30: Krea 2 needs a positive multiple of 4"):
         engine.generate(RolloutRequest(prompt="a cat", height=30, width=32))
-    for field, value in (("image", "data:image/png;base64,AAAA"), ("true_cfg_scale", 4.0)):
-        with pytest.raises(RequestError) as err:
-            engine.generate(RolloutRequest(prompt="a cat", height=32, width=32, **{field: value}))
-        assert err.value.field == field
+    with pytest.raises(RequestError) as err:
+        engine.generate(RolloutRequest(prompt="a cat", height=32, width=32, image="data:image/png;base64,AAAA"))
+    assert err.value.field == "image"
 
     cases = [
         ("scheduler/scheduler_config.json", {"stochastic_sampling": True}, "unsupported scheduler options"),

@@ -182,7 +182,7 @@ def test_defaults_targets_and_family_name(ltx, ltx_dir):
 
 @pytest.mark.parametrize(("fields", "field"), [
     ({"height": 48}, "height"), ({"width": 80}, "width"), ({"num_frames": 10}, "num_frames"),
-    ({"image": "data:image/png;base64,AAAA"}, "image"), ({"true_cfg_scale": 4.0}, "true_cfg_scale"),
+    ({"image": "data:image/png;base64,AAAA"}, "image"), ({"true_cfg_scale": 4.0, "guidance_scale": 0.5}, "guidance_scale"),
     ({"guidance_scale": 4.0, "guidance_scale_2": 3.0}, "guidance_scale_2"), ({"fps": 12}, "fps"),
     ({"num_inference_steps": 1}, "num_inference_steps"),  # the terminal stretch of a 1-step schedule is 0/0
     # One latent row or column: the tiny VAE's decoder pads by reflection (diffusers' default) and cannot.

@@ -43,6 +43,7 @@ from diffrl.engine.protocol import (
     DitTrajectory,
     RolloutOutput,
     RolloutRequest,
+    cfg_scale,
 )
 from diffrl.errors import RequestError
 from diffrl.models.base import FamilyAdapter, PromptEmbeds
@@ -241,8 +242,11 @@ class Engine:
         if req.guidance_scale_2 is not None and not family.uses_guidance_scale_2:
             raise RequestError("guidance_scale_2", f"the {family.name} family (this checkpoint) has no second expert; "
                                                    "use guidance_scale")
-        if req.true_cfg_scale is not None and not family.has_true_cfg:
-            raise RequestError("true_cfg_scale", f"the {family.name} family has no true CFG; use guidance_scale")
+        if (req.true_cfg_scale is not None and req.true_cfg_scale > 1 and not family.has_true_cfg
+                and req.guidance_scale is not None and req.guidance_scale < 1):
+            raise RequestError("guidance_scale", f"true_cfg_scale {req.true_cfg_scale:g} switches CFG on at the "
+                                                 f"{family.name} family's guidance_scale, which is {req.guidance_scale:g}; "
+                                                 "a scale below 1 blends toward the unconditional prediction (use >= 1)")
         generator_device = _generator_device(req.generator_device, family.device)
         default_h, default_w = family.default_size()
         height = default_h if req.height is None else req.height  # 0 is refused by the size check, not "default"
@@ -275,9 +279,7 @@ class Engine:
         else:
             return_steps = tuple(sorted(set(req.rollout_return_step_indices)))
         _check_indices("rollout_return_step_indices", return_steps, n)
-        guidance = family.default_guidance_scale if req.guidance_scale is None else req.guidance_scale
-        if req.true_cfg_scale is not None:  # a true-CFG family's scale, as sglang and diffusers spell it
-            guidance = req.true_cfg_scale
+        guidance = cfg_scale(req, family.default_guidance_scale, family.has_true_cfg)
         guidance_2 = None
         if family.uses_guidance_scale_2:  # as diffusers' WanPipeline: unset means guidance_scale
             guidance_2 = guidance if req.guidance_scale_2 is None else req.guidance_scale_2

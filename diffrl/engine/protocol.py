@@ -74,6 +74,19 @@ def json_number(value: Any, info: ValidationInfo, model: type[BaseModel]) -> Any
     return value
 
 
+def cfg_scale(req: "RolloutRequest", default: float | None, true_cfg: bool) -> float | None:
+    """The CFG scale a request asks of a family, read as sglang-diffusion reads it (`Req.validate` and the pipeline
+    configs' `get_classifier_free_guidance_scale`): a true-CFG family's (Qwen-Image's) is `true_cfg_scale` when set;
+    any other family's is `guidance_scale` (else `default`), and `true_cfg_scale` only switches CFG on (above 1) or
+    off (1 or below: one conditional forward, scale 1)."""
+    scale = default if req.guidance_scale is None else req.guidance_scale
+    if req.true_cfg_scale is None:
+        return scale
+    if true_cfg:
+        return req.true_cfg_scale
+    return scale if req.true_cfg_scale > 1 else 1.0
+
+
 class RolloutRequest(BaseModel):
     # NaN and ±Infinity (which Python's JSON parser accepts) are refused for every float field.
     model_config = ConfigDict(extra="forbid", allow_inf_nan=False)

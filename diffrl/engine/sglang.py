@@ -31,7 +31,7 @@ import torch
 from safetensors.torch import load as load_safetensors
 from safetensors.torch import save as save_safetensors
 
-from diffrl.engine.protocol import DitTrajectory, RolloutOutput, RolloutRequest
+from diffrl.engine.protocol import DitTrajectory, RolloutOutput, RolloutRequest, cfg_scale
 from diffrl.engine.streaming import Base64, Body, JsonListSplitter, TensorFile, json_parts
 from diffrl.engine.wire import WireFormatError
 from diffrl.models.base import FamilyAdapter, PromptEmbeds
@@ -328,7 +328,7 @@ def _decode_env(obj: Any, family: type[FamilyAdapter], trajectory: DitTrajectory
         raise WireFormatError(f"{field}: cond kwargs the {family.__name__} mapping cannot read: {err}") from None
     if trajectory is not None:
         env["sigmas"] = trajectory.sigmas
-    scale = req.true_cfg_scale if req.true_cfg_scale is not None else req.guidance_scale
+    scale = cfg_scale(req, None, family.has_true_cfg)  # None: the request left it to the server's default
     if scale is not None:
         env["guidance_scale"] = torch.tensor(scale)
     # The second expert's CFG scale (Wan2.2), which sglang's denoising_env has no field for: the request's, or,

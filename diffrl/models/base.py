@@ -153,8 +153,9 @@ class FamilyAdapter(ABC):
     # Whether requests may set `guidance_scale_2` (the CFG scale of a second, low-noise expert); `velocity`
     # then takes it as a keyword (None: the same as guidance_scale). A family may set it per checkpoint.
     uses_guidance_scale_2: bool = False
-    # Whether the family's CFG is what sglang and diffusers call "true CFG" (`true_cfg_scale`): requests may then
-    # set the scale as `true_cfg_scale` (it wins over `guidance_scale`); other families refuse the field.
+    # Whether the family's CFG is what sglang and diffusers call "true CFG" (`true_cfg_scale`): a request's
+    # `true_cfg_scale` is then its scale (it wins over `guidance_scale`); for other families it only switches CFG
+    # on or off, as in sglang-diffusion (`engine.protocol.cfg_scale`).
     has_true_cfg: ClassVar[bool] = False
     # Whether the transformer's forward takes one sample (Cosmos3's packed sequence): `run_transformer` then runs
     # a batch's rows one after another, or at best one prompt's rows as one batch, so a batch of n prompts costs n
