@@ -6,6 +6,7 @@
 from __future__ import annotations
 
 import dataclasses
+import os
 import sys
 
 import tyro
@@ -14,6 +15,7 @@ from diffrl.cli.bench import BenchConfig, bench
 from diffrl.cli.bench_train import BENCH_TRAIN_DEFAULTS, BenchTrainConfig, bench_train
 from diffrl.cli.compare import CompareConfig, compare
 from diffrl.cli.evaluate import EvaluateConfig, evaluate
+from diffrl.cli.miles_flags import translate
 from diffrl.engine.server import ServeConfig, serve
 from diffrl.errors import ModelLoadError
 from diffrl.recipes import recipe_config
@@ -34,19 +36,14 @@ def _flag_value(args: list[str], flag: str) -> str | None:
     return None
 
 
-# Flag names of the published miles-diffusion scripts for the same settings.
-FLAG_ALIASES = {"--diffusion-microgroup-size": "--rollout-microgroup-size",
-                "--diffusion-eval-num-steps": "--eval-num-steps", "--clip-grad": "--grad-clip"}
-
-
 def published_spellings(args: list[str]) -> list[str]:
-    """Accept the published recipes' spellings: `--diffusion-sde-window-range 3,5` (for `3 5`),
-    `--eval-prompt-data NAME PATH` (a named eval set: the path is kept) and the aliases above."""
+    """Accept the published recipes' spellings: `--diffusion-sde-window-range 3,5` (for `3 5`) and
+    `--eval-prompt-data NAME PATH` (a named eval set: the path is kept). miles-diffusion's own flags are
+    translated before (`miles_flags.translate`)."""
     out, i = [], 0
     while i < len(args):
         flag, _, inline = args[i].partition("=")
-        flag = FLAG_ALIASES.get(flag, flag)
-        arg = f"{flag}={inline}" if inline else flag
+        arg = args[i]
         if flag == "--diffusion-sde-window-range" and ("," in inline or (not inline and i + 1 < len(args)
                                                                          and "," in args[i + 1])):
             value = inline or args[i + 1]
@@ -105,7 +102,8 @@ def refuse_other_objectives_flags(args: list[str], loss_type: str) -> None:
 
 def parse(argv: list[str]):
     if argv[:1] in (["train"], ["bench-train"]):
-        args = published_spellings(argv[1:])
+        miles = translate(argv[1:])
+        args = published_spellings(miles.args)
         default = _size_from_flags(recipe_config(_flag_value(args, "--recipe"), _flag_value(args, "--device") or "auto"),
                                    args)
         if argv[0] == "bench-train":  # `train`'s flags, its defaults but a short run, and the benchmark's own
@@ -116,6 +114,9 @@ def parse(argv: list[str]):
         config = tyro.cli(TrainConfig, default=default, args=args, prog="diffrl train",
                           config=(tyro.conf.OmitArgPrefixes,))
         refuse_other_objectives_flags(args, config.algorithm.loss_type)
+        if os.environ.get("RANK", "0") == "0":  # each miles-diffusion flag once, with diffrl's name for it
+            for note in miles.notes:
+                print(f"miles-diffusion flag {note}")
         return config
     return tyro.extras.subcommand_cli_from_dict(
         SUBCOMMANDS, args=argv, description="diffrl: RL post-training for flow-matching diffusion models")

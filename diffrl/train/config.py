@@ -452,6 +452,9 @@ class EvalConfig:
     DiffusionNFT roll out with few steps and evaluate with more, e.g. 10 and 40.)"""
     eval_log_images: int = 8
     """Evaluation images logged to TensorBoard at each evaluation."""
+    eval_before_train: bool = True
+    """Evaluate the starting weights before the first rollout (--no-eval-before-train: the first evaluation is
+    after --eval-interval rollouts)."""
 
     def check(self) -> None:
         _require(self.eval_interval >= 1, "--eval-interval must be >= 1")

@@ -291,7 +291,7 @@ class Trainer:
         try:  # closed on an error too: the error line then starts a line of its own, not the bar's
             last = {}
             if self.rollout_index == 0:
-                record = self.evaluate(0)
+                record = self.evaluate(0) if cfg.eval.eval_before_train else {}
                 if main:
                     self.metrics.log(0, record)
                 self._keep_if_best(record)  # the starting weights are a candidate too
