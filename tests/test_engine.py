@@ -133,7 +133,7 @@ def test_sample_k_is_bit_identical_for_every_microgroup_size(engine):
     (dict(image="data:image/png;base64,AAAA"), "image"),
     (dict(input_reference="ref.png"), "input_reference"),
     (dict(num_frames=9), "num_frames"),
-    (dict(true_cfg_scale=4.0), "true_cfg_scale"),
+    (dict(true_cfg_scale=4.0, guidance_scale=0.5), "guidance_scale"),  # CFG switched on at a scale below 1
     (dict(rollout=True, rollout_sde_step_indices=[0, 10]), "rollout_sde_step_indices"),
     (dict(rollout=True, rollout_sde_step_indices=[1, 1]), "rollout_sde_step_indices"),
     (dict(rollout=True, rollout_return_step_indices=[11]), "rollout_return_step_indices"),

@@ -106,3 +106,15 @@ def test_every_method_runs_on_a_real_family_recipe(loss_type, sd3_dir, tmp_path)
     assert cfg.model.use_lora and cfg.rollout.diffusion_guidance_scale == 4.5 and cfg.algorithm.diffusion_kl_beta == 0.01
     record = Trainer(cfg).rollout_and_update(0)
     assert math.isfinite(record["train/loss"]) and record["train/grad_norm"] > 0, record
+
+
+def test_the_flags_choices_are_the_losses_own():
+    """The config's choices for AWM's weighting and CRD's loss are the ones the loss functions implement."""
+    import typing
+
+    from diffrl.algorithms.losses import AWM_WEIGHTINGS, CRD_LOSSES
+    from diffrl.train.config import AwmConfig, CrdConfig
+
+    hints = {**typing.get_type_hints(AwmConfig), **typing.get_type_hints(CrdConfig)}
+    assert typing.get_args(hints["awm_weighting"]) == AWM_WEIGHTINGS
+    assert typing.get_args(hints["crd_loss"]) == CRD_LOSSES

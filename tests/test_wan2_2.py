@@ -191,7 +191,7 @@ def test_unipc_checkpoints_give_the_transformer_the_schedulers_integer_timesteps
 @pytest.mark.parametrize(("fields", "field"), [
     (dict(height=24), "height"), (dict(width=16 * 8 * 33), "width"),
     (dict(num_frames=6), "num_frames"),
-    (dict(image="data:image/png;base64,AAAA"), "image"), (dict(true_cfg_scale=4.0), "true_cfg_scale"),
+    (dict(image="data:image/png;base64,AAAA"), "image"), (dict(true_cfg_scale=4.0, guidance_scale=0.5), "guidance_scale"),
     (dict(guidance_scale=1.0, guidance_scale_2=3.0), "guidance_scale_2"),
 ])
 def test_bad_video_requests_are_refused_by_name(wan, fields, field):

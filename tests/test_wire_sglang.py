@@ -113,8 +113,11 @@ def test_every_sglang_request_field_is_accepted_and_unknown_ones_are_refused_by_
     assert device.status_code == 400 and device.json()["error"]["field"] == "generator_device"
     refused = client.post("/rollout/generate", json={**SGLANG_REQUEST, "image_path": ["cat.png"]})
     assert refused.status_code == 400 and refused.json()["error"]["field"] == "image_path"
+    # sglang-diffusion accepts true_cfg_scale on every model: on a family without true CFG it switches CFG on or off.
     true_cfg = client.post("/rollout/generate", json={**SGLANG_REQUEST, "true_cfg_scale": 4.0})
-    assert true_cfg.status_code == 400 and true_cfg.json()["error"]["field"] == "true_cfg_scale"  # demo: no true CFG
+    assert true_cfg.status_code == 200 and len(true_cfg.json()) == 2
+    below = client.post("/rollout/generate", json={**SGLANG_REQUEST, "true_cfg_scale": 4.0, "guidance_scale": 0.5})
+    assert below.status_code == 400 and below.json()["error"]["field"] == "guidance_scale"
     assert client.get("/health").json()["in_flight"] == 0
     assert client.get("/health_generate").status_code == 200
 

@@ -14,7 +14,6 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Literal
 
-from diffrl.algorithms.losses import AWM_WEIGHTINGS, CRD_LOSSES
 from diffrl.algorithms.methods import METHODS, SDE_LOSS_TYPES
 from diffrl.models.demo import SHIPPED_DEMO_MODEL
 from diffrl.utils.size import sample_size, size_flags
@@ -293,7 +292,6 @@ class AwmConfig:
     """Decay of that EMA, once per rollout."""
 
     def check(self) -> None:
-        assert self.awm_weighting in AWM_WEIGHTINGS
         _require(0 < self.awm_ghuber_power <= 1, f"--awm-ghuber-power must be in (0, 1], got {self.awm_ghuber_power}")
         _require(self.awm_ema_kl_beta >= 0, f"--awm-ema-kl-beta must be >= 0, got {self.awm_ema_kl_beta}")
         _require(0 <= self.awm_ema_decay <= 1, f"--awm-ema-decay must be in [0, 1], got {self.awm_ema_decay}")
@@ -337,7 +335,6 @@ class CrdConfig:
     """With --diffusion-kl-beta: weigh each sample's KL by its reward (1e-4/β for the worst, β for the best)."""
 
     def check(self) -> None:
-        assert self.crd_loss in CRD_LOSSES
         _require(self.crd_beta > 0, f"--crd-beta must be > 0, got {self.crd_beta}")
         for flag, (start, value, slope, end) in (("--crd-old-decay", self.crd_old_decay),
                                                  ("--crd-sampling-decay", self.crd_sampling_decay)):
