@@ -359,10 +359,19 @@ def test_resume_with_another_loss_type_is_refused_naming_both(tiny_model_dir, tm
     assert (out / "config.json").read_bytes() == config
 
 
-def test_resume_without_a_checkpoint_says_how_to_start(tiny_model_dir, tmp_path):
-    """A run killed before its first checkpoint left a folder that --resume refused ('no checkpoint under …') and
-    a plain run refused as not empty, without saying what to do."""
+def test_resume_of_a_run_stopped_before_its_first_checkpoint_starts_it_again(tiny_model_dir, tmp_path, capsys):
+    """A run killed before its first checkpoint left a folder that a plain run refuses as not empty and that --resume
+    refused too ('no checkpoint under …'): nothing could retry it there. --resume now starts it from rollout 0 in
+    that folder, its records replaced (none doubled)."""
     out = tmp_path / "run"
-    with pytest.raises(FileNotFoundError, match=r"^--resume: no checkpoint under .*checkpoints to resume \(a run "
-                                                r"stopped before its first checkpoint starts again without --resume"):
-        Trainer(tiny_config(tiny_model_dir, out, resume=True, **FAST))
+    out.mkdir()
+    (out / "config.json").write_text("{}\n")  # what the failed start wrote before dying
+    (out / "metrics.jsonl").write_text(json.dumps({"rollout": 0, "eval/strict": 0.5}) + "\n")
+    with pytest.raises(FileExistsError, match="not empty; pass --resume"):
+        Trainer(tiny_config(tiny_model_dir, out, **FAST))
+    trainer = Trainer(tiny_config(tiny_model_dir, out, resume=True, num_rollout=1, **FAST))
+    assert "holds no checkpoint yet; the run starts from rollout 0" in capsys.readouterr().out
+    trainer.train()
+    records = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+    assert [r["rollout"] for r in records] == [0, 1] and records[0].get("eval/strict") != 0.5
+    assert (out / "checkpoints" / "rollout-00001").is_dir()

@@ -191,6 +191,8 @@ class Trainer:
         self._recompile_limit_named: set[str] = set()  # --compile: block kinds already warned of a full dynamo cache
         self.elapsed_s = 0.0  # rollout + train wall clock of the run so far
         self.best_selection = -math.inf  # the best task selection metric so far (checkpoints/best)
+        # --resume of a run stopped before its first checkpoint: it starts again from rollout 0 in its folder.
+        self.resumed_from = None
         if cfg.checkpoint.resume:
             self._resume()
         self.metrics = None
@@ -213,8 +215,11 @@ class Trainer:
             wandb = None
             if cfg.checkpoint.use_wandb:
                 wandb = WandbRun(out, cfg.checkpoint, json.loads(json.dumps(cfg.as_flat_dict(), default=str)))
-            self.metrics = MetricsLogger(out, resume_rollout=self.rollout_index if cfg.checkpoint.resume else None,
-                                         wandb=wandb)
+            # A resumed run drops the records after its checkpoint; one that found none drops every record.
+            resume_rollout = None
+            if cfg.checkpoint.resume:
+                resume_rollout = self.rollout_index if self.resumed_from is not None else -1
+            self.metrics = MetricsLogger(out, resume_rollout=resume_rollout, wandb=wandb)
 
     def _rollout_engines(self, family, extra_engines: Sequence, reward_fn) -> tuple[Engine, RolloutManager]:
         """The in-process engine (sharing the policy's family) and the manager over it and any remote ones;
@@ -519,7 +524,13 @@ class Trainer:
         return self.checkpointer.save(self.rollout_index, meta)
 
     def _resume(self) -> None:
-        path, meta = self.checkpointer.load_latest()
+        try:
+            path, meta = self.checkpointer.load_latest()
+        except FileNotFoundError:  # stopped before its first checkpoint: nothing to continue, nothing to lose
+            if self.parallel.is_main:
+                print(f"--resume: {self.out} holds no checkpoint yet; the run starts from rollout 0 in it")
+            return
+        self.resumed_from = path
         # Another objective would continue the weights under other losses and optimizer moments, in one metrics series
         # (checkpoints written before the loss type was kept have nothing to compare).
         saved, now = meta.get("loss_type"), self.cfg.algorithm.loss_type
