@@ -55,3 +55,8 @@ def one_value(images, prompts, metadata=None):
 def redness(images, prompts, metadata=None):
     """How much redder than green and blue each image is, ×100: a term whose spread dwarfs darkness's in a sum."""
     return [100.0 * float(image[0].mean() - image[1:].mean()) for image in images]
+
+
+def constant(images, prompts, metadata=None):
+    """The same reward for every image: a run with no learning signal."""
+    return [0.0] * len(images)

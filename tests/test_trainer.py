@@ -471,3 +471,18 @@ def test_random_sde_steps_are_distinct_seeded_and_trained_exactly(tiny_model_dir
     assert {float(s) for s in trained.sigma} == {float(sigmas[i]) for i in draws[k]}
     assert {float(s) for s in trained.sigma_next} == {float(sigmas[i + 1]) for i in draws[k]}
     assert record["train/pairs"] == 2 * 3 * 2 and record["train/log_prob_mean_abs_diff"] == 0.0
+
+
+def test_a_run_without_learning_signal_says_so(tiny_model_dir, tmp_path, capsys):
+    """Every group's rewards equal (as an OCR reward that reads nothing gives): every advantage is 0, nothing trains,
+    and the run says why, once per ten rollouts."""
+    trainer = Trainer(tiny_config(tiny_model_dir, tmp_path / "run", reward="rewards_for_tests:constant"))
+    for k in range(3):
+        trainer.rollout_and_update(k)
+    out = capsys.readouterr().out
+    assert out.count("warning: rollout 0: every prompt group's samples got the same reward (0), so every advantage "
+                     "is 0 and nothing trains") == 1
+    assert "warning: rollout 1" not in out and "--reward rewards_for_tests:constant" in out
+    quiet = Trainer(tiny_config(tiny_model_dir, tmp_path / "graded"))
+    quiet.rollout_and_update(0)
+    assert "nothing trains" not in capsys.readouterr().out

@@ -392,6 +392,8 @@ class Trainer:
                   "rollout/sde_window_start": request.get("rollout_sde_step_indices", [-1])[0],
                   **({} if released is None else {"memory/engine_released_gib": released})}
         record.update(self.task.observe(prompts, rewards.view(len(prompts), n).tolist()))
+        if adv.zero_std_ratio == 1.0 and n > 1 and self.parallel.is_main:
+            self._warn_no_signal(k, rewards)
         if replay.debug_rollout_only:
             return record
         kept = [i for i in range(len(samples)) if adv.keep[i]]
@@ -431,6 +433,23 @@ class Trainer:
             record["memory/peak_gib"] = torch.cuda.max_memory_allocated(self.device) / 2**30
             torch.cuda.reset_peak_memory_stats(self.device)
         return record
+
+    NO_SIGNAL_EVERY = 10  # rollouts between two warnings of a run that stays without signal
+
+    def _warn_no_signal(self, k: int, rewards: torch.Tensor) -> None:
+        """Every prompt group's rewards are equal: every advantage is 0 and nothing trains. Said at the first such
+        rollout and every NO_SIGNAL_EVERY after, with the likely cause."""
+        last = getattr(self, "_no_signal_warned", None)
+        if last is not None and k - last < self.NO_SIGNAL_EVERY:
+            return
+        self._no_signal_warned = k
+        values = sorted({round(float(r), 4) for r in rewards})
+        shown = ", ".join(f"{v:g}" for v in values[:4]) + (", …" if len(values) > 4 else "")
+        print(f"warning: rollout {k}: every prompt group's samples got the same reward ({shown}), so every advantage "
+              f"is 0 and nothing trains. The reward does not tell this model's samples apart: check it on a few "
+              f"samples (diffrl evaluate … --reward {self.cfg.task.reward}), e.g. OCR reading no text at this "
+              "resolution or model size, or a reward that saturates; more samples per prompt "
+              "(--n-samples-per-prompt) or a graded reward give it spread")
 
     def update(self, pairs, env: dict) -> dict:
         """--num-steps-per-rollout optimizer steps over a random split of the pairs, each accumulated
