@@ -193,6 +193,7 @@ class Trainer:
         self.best_selection = -math.inf  # the best task selection metric so far (checkpoints/best)
         # --resume of a run stopped before its first checkpoint: it starts again from rollout 0 in its folder.
         self.resumed_from = None
+        self._no_signal_warned: int | None = None  # the last rollout that warned of equal rewards everywhere
         if cfg.checkpoint.resume:
             self._resume()
         self.metrics = None
@@ -439,7 +440,7 @@ class Trainer:
     def _warn_no_signal(self, k: int, rewards: torch.Tensor) -> None:
         """Every prompt group's rewards are equal: every advantage is 0 and nothing trains. Said at the first such
         rollout and every NO_SIGNAL_EVERY after, with the likely cause."""
-        last = getattr(self, "_no_signal_warned", None)
+        last = self._no_signal_warned
         if last is not None and k - last < self.NO_SIGNAL_EVERY:
             return
         self._no_signal_warned = k
