@@ -142,3 +142,30 @@ def test_the_page_names_every_flag_it_translates():
     page = (Path(__file__).parents[1] / "docs/coming-from-miles.md").read_text()
     missing = [flag for flag in (*FLAGS, *_COMBINED) if f"`{flag}" not in page and f", {flag}" not in page]
     assert not missing, f"docs/coming-from-miles.md does not name {missing}"
+
+
+@pytest.mark.slow  # torchrun with two gloo ranks; the default run covers the same line on one process above
+def test_a_two_gpu_launch_line_runs_as_laid_out_under_torchrun(tmp_path):
+    """The 2-GPU OCR script with its layout as written, launched as its layout asks (`torchrun --nproc-per-node 2`,
+    two gloo ranks on a CPU): --colocate is each rank's own engine, one rollout runs, rank 0 writes the run."""
+    import os
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    from diffrl.models.random_checkpoints.qwen_image import save_random_checkpoint
+
+    save_random_checkpoint(tmp_path / "qwen-image")
+    small = ["--rollout-batch-size", "2", "--n-samples-per-prompt", "2", "--diffusion-microgroup-size", "2",
+             "--micro-batch-size-sample", "2", "--diffusion-num-steps", "2", "--diffusion-sde-window-range", "0,2",
+             "--diffusion-height", "64", "--diffusion-width", "64", "--num-rollout", "1", "--device", "cpu",
+             "--no-gradient-checkpointing", "--eval-num-prompts", "0", "--lora-rank", "2"]
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(Path(__file__).parent)}
+    env.pop("WORLD_SIZE", None)
+    done = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", "--master-port",
+                           "29561", "-m", "diffrl.cli.main", "train", *_filled(SCRIPTS["ocr-2gpu"], tmp_path), *small],
+                          env=env, capture_output=True, text=True, timeout=600)
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert "--colocate: nothing to set (under torchrun each rank's engine shares its process and GPU)" in done.stdout
+    records = [json.loads(line) for line in (tmp_path / "save" / "metrics.jsonl").read_text().splitlines()]
+    assert [r["rollout"] for r in records] == [0, 1]
