@@ -109,6 +109,7 @@ def test_the_seeds_flags_resolve_to_the_documented_setting(miles, diffrl):
     (["--rm-type", "hps", "--diffusion-reward", "ocr:1"], "names no reward"),
     (["--wandb-key", "secret"], "set WANDB_API_KEY"),
     (["--diffusion-sde-window-size"], "expects 1 value"),
+    (["--rollout-patch-group"], "no such setting: a rollout's prompt groups go to the engines as microgroups"),
 ])
 def test_what_diffrl_does_not_do_is_refused_in_one_line(miles, reason, monkeypatch):
     monkeypatch.delenv("WANDB_API_KEY", raising=False)

@@ -27,6 +27,7 @@ class MilesFlag:
     note: str  # the start-up line's explanation (for a refusal: the error)
     to: str | None = None  # a rename: diffrl's flag, given the same values
     accept: tuple[str, ...] | None = None  # a no-op that holds only for these values (others are refused)
+    refuse: bool = False  # no diffrl setting means it: refused with `note` as the reason
 
 
 _SAME_RUN = "diffrl's rollout manager is that function (seeds, microgroups, least-loaded routing)"
@@ -74,6 +75,9 @@ FLAGS: dict[str, MilesFlag] = {
                                               "the same"),
     "--pickscore-batch-size": MilesFlag(1, "diffrl scores each microgroup as one batch"),
     "--pickscore-num-gpus-per-worker": MilesFlag(1, "a reward model runs on its process's GPU (--reward-device)"),
+    # Refused: no diffrl setting means the same.
+    "--rollout-patch-group": MilesFlag(0, "diffrl has no such setting: a rollout's prompt groups go to the engines as "
+                                          "microgroups of --rollout-microgroup-size samples", refuse=True),
 }
 # Flags several miles flags decide together (`_combined`), or whose value is read.
 _COMBINED = {"--micro-batch-size-sample": 1, "--micro-batch-size-tstep": 1, "--hf-checkpoint": 1,
@@ -129,6 +133,8 @@ def translate(args: list[str]) -> Translation:
             continue
         if flag in FLAGS:
             spec = FLAGS[flag]
+            if spec.refuse:
+                raise _refuse(flag, spec.note)
             if spec.to is not None:
                 out.mapped(f"{flag} {' '.join(values)}".strip(), [spec.to, *values], spec.note)
             elif spec.accept is not None and values[0] not in spec.accept:
