@@ -486,3 +486,17 @@ def test_a_run_without_learning_signal_says_so(tiny_model_dir, tmp_path, capsys)
     quiet = Trainer(tiny_config(tiny_model_dir, tmp_path / "graded"))
     quiet.rollout_and_update(0)
     assert "nothing trains" not in capsys.readouterr().out
+
+
+def test_keep_last_checkpoints_removes_the_older_ones(tiny_model_dir, tmp_path):
+    """--keep-last-checkpoints 2: after each save only the two newest rollout checkpoints stay, and the run resumes
+    from the newest; 0 is refused (a run must keep one to resume from)."""
+    out = tmp_path / "run"
+    Trainer(tiny_config(tiny_model_dir, out, num_rollout=3, eval_images_per_category=0,
+                        keep_last_checkpoints=2)).train()
+    assert sorted(p.name for p in (out / "checkpoints").glob("rollout-*")) == ["rollout-00002", "rollout-00003"]
+    resumed = Trainer(tiny_config(tiny_model_dir, out, num_rollout=4, eval_images_per_category=0, resume=True,
+                                  keep_last_checkpoints=2))
+    assert resumed.rollout_index == 3
+    with pytest.raises(ValueError, match="--keep-last-checkpoints must be >= 1"):
+        validate_config(tiny_config(tiny_model_dir, tmp_path / "x", keep_last_checkpoints=0))

@@ -36,9 +36,12 @@ _ROLLOUT = re.compile(r"rollout-(\d+)")
 
 
 class Checkpointer:
-    def __init__(self, run_dir: Path, policy):
+    def __init__(self, run_dir: Path, policy, keep_last: int | None = None):
+        """`keep_last`: after each save, only the newest this many `rollout-N` folders stay (None: every one);
+        `best/` is never removed."""
         self.dir = run_dir / "checkpoints"
         self.policy = policy
+        self.keep_last = keep_last
 
     def save(self, rollout_index: int, meta: dict) -> Path:
         """Every rank calls this (a sharded save is collective)."""
@@ -48,7 +51,16 @@ class Checkpointer:
             self.save_model(staging)
             save_train_state(staging, transformer=p.transformer, params=p.params, names=p.trainable_names,
                              optimizer=p.optimizer, emas=p.emas(), meta=meta, parallel=p.parallel)
+        if self.keep_last is not None and p.parallel.is_main:
+            self._prune(self.keep_last)
         return path
+
+    def _prune(self, keep: int) -> None:
+        """Remove all but the newest `keep` rollout checkpoints, oldest first (the one just published is newest)."""
+        found = sorted((int(m.group(1)), c) for c in self.dir.glob("rollout-*")
+                       if c.is_dir() and (m := _ROLLOUT.fullmatch(c.name)))
+        for _, old in found[:-keep]:
+            shutil.rmtree(old)
 
     def load_latest(self) -> tuple[Path, dict]:
         """Restore the newest complete checkpoint into the policy; returns its path and the saved counters.

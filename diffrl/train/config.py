@@ -477,6 +477,9 @@ class CheckpointConfig:
     resume: bool = False
     """Continue the run in --output-dir from its last checkpoint."""
     checkpoint_interval: int = 4
+    keep_last_checkpoints: int | None = None
+    """Keep only the newest N `checkpoints/rollout-N` folders (older ones are removed after each save; `best/`
+    stays); None: every checkpoint."""
     time_budget_minutes: float | None = None
     """Stop after the rollout that passes this wall-clock budget (then the final eval and checkpoint)."""
     use_wandb: bool = False
@@ -491,6 +494,9 @@ class CheckpointConfig:
 
     def check(self) -> None:
         _require(self.checkpoint_interval >= 1, "--checkpoint-interval must be >= 1")
+        _require(self.keep_last_checkpoints is None or self.keep_last_checkpoints >= 1,
+                 f"--keep-last-checkpoints must be >= 1 (a run keeps its newest checkpoint to resume from), got "
+                 f"{self.keep_last_checkpoints}")
         _require(self.time_budget_minutes is None or self.time_budget_minutes > 0,
                  f"--time-budget-minutes must be > 0, got {self.time_budget_minutes}")
         _require(not self.resume or self.output_dir is not None, "--resume needs the --output-dir of the run to continue")

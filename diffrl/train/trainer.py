@@ -177,7 +177,7 @@ class Trainer:
         self.task.check_family(family)
         self.policy = Policy(cfg, family, self.parallel, self.device)
         self.objective = build_objective(cfg, self.policy)
-        self.checkpointer = Checkpointer(out, self.policy)
+        self.checkpointer = Checkpointer(out, self.policy, keep_last=cfg.checkpoint.keep_last_checkpoints)
         self.fingerprint = fingerprint(cfg, family.name)  # what a rollout record must share with this run
         self.engine = self.manager = self.colocated = None
         if not self.replaying:
