@@ -41,7 +41,7 @@ from diffrl.errors import RequestError
 from diffrl.models.lora import LoraSpec
 from diffrl.rollout.clients import EngineUnavailable
 from diffrl.utils import determinism
-from diffrl.utils.offload import device_free_bytes, release_cached, stranded_bytes
+from diffrl.utils.offload import device_free_bytes, stranded_bytes
 from diffrl.utils.spawned import no_named_semaphores
 
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
@@ -229,11 +229,7 @@ class _EngineServer:
         `stranded_bytes`, what stays cached in segments that still hold a live block (empty_cache keeps those)."""
         before = self._memory()
         free_before = device_free_bytes(self.device)
-        moved = self.engine.sleep(level)  # refused while requests are in flight
-        # Engine.sleep empties the allocator's cache only when `family.device` is a GPU, and that property reads
-        # the transformer's first parameter: on the host once level 2 has moved the weights, so nothing cached
-        # went back to the driver. `self.device` was read at load, with the weights on the GPU.
-        release_cached(self.device)
+        moved = self.engine.sleep(level)  # refused while requests are in flight; gives its cache back to the driver
         after = self._memory()
         return {"level": self.engine.asleep, "moved_bytes": moved, "before": before, "after": after,
                 "released_bytes": device_free_bytes(self.device) - free_before,

@@ -210,9 +210,8 @@ class _Scorer:
         self.rewards.update(zip(indices, values))
         terms = {name: checked_rewards(v, len(indices), f"{self.reward_name}'s term {name}", prompts)
                  for name, v in (getattr(rewards, "terms", None) or {}).items()}
-        for j, i in enumerate(indices):
-            if terms:
-                self.terms[i] = {name: v[j] for name, v in terms.items()}
+        if terms:
+            self.terms.update((i, {name: v[j] for name, v in terms.items()}) for j, i in enumerate(indices))
 
     def cancel(self) -> None:
         for task in self.tasks:

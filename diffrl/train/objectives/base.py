@@ -76,7 +76,6 @@ class Objective:
     def __init__(self, cfg, policy):
         self.cfg, self.policy = cfg, policy
         self.device = policy.device
-        self.method = METHODS[self.name]
         # The weights the rollout sampled with, for the loss of optimizer steps after the first (whose weights
         # have moved): a copy taken before each rollout's updates, kept only when a rollout has several steps.
         needs_snapshot = self.uses_rollout_weights and cfg.optim.num_steps_per_rollout > 1
