@@ -2,7 +2,7 @@
 given after `--recipe NAME` override the preset again.
 
 The shapes recipes run at GPU size on a CUDA machine and scale down on a CPU (the device is
-`--device`, `auto` = CUDA when present); `<name>-gpu` forces the GPU size (what `docs/journal.md`
+`--device`, `auto` = CUDA when present); `<name>-gpu` forces the GPU size (what `JOURNAL.md`
 measured). The real-model recipes follow published runs (each says which, with its numbers); give
 them a local checkpoint (`--model-path`), prompts (`--prompt-data`) and, for model rewards, the
 reward's checkpoint (`--reward pickscore@DIR`). README "Bring your own model" lists the commands.
@@ -18,9 +18,9 @@ _GPU_BATCH = dict(  # 32 prompts × 16 samples per rollout, 2 optimizer steps of
     num_rollout=200, rollout_batch_size=32, n_samples_per_prompt=16, rollout_microgroup_size=16,
     global_batch_size=256, num_steps_per_rollout=2, micro_batch_size=256, engine_concurrency=32,
     engine_max_batch_outputs=512, eval_interval=10, checkpoint_interval=50,
-    eval_images_per_category=64,  # 32 per category proved too noisy to tell runs apart (docs/journal.md)
+    eval_images_per_category=64,  # 32 per category proved too noisy to tell runs apart (JOURNAL.md)
     val_images_per_category=64,  # checkpoints/best by validation on train prompts: runs peak, then fall back
-    mixed_precision="no",  # fp32 + TF32: what docs/journal.md measured; bf16 is --mixed-precision bf16
+    mixed_precision="no",  # fp32 + TF32: what JOURNAL.md measured; bf16 is --mixed-precision bf16
 )
 
 # Flow-GRPO on SD3.5-Medium at the published recipe's sampling settings (flow_grpo's SD3 configs;
@@ -196,16 +196,16 @@ SIZED: dict[str, dict[str, dict]] = {
         # DiffusionNFT: CFG-free ODE rollouts under the EMA old policy, full finetune.
         # Cosine decay over 60 rollouts: at a constant rate, or over more rollouts, the held-out
         # accuracy fell after its peak (from the shipped model it peaks at rollouts 40-60 of a
-        # 100-rollout cosine; over 60 the last checkpoint keeps the peak: docs/journal.md).
+        # 100-rollout cosine; over 60 the last checkpoint keeps the peak: JOURNAL.md).
         # Adaptive category sampling (more groups for the categories with lower training reward) and
         # an optimizer step in two micro-batches (the demo model is launch-bound; 30 GiB of GPU memory)
-        # gave the best held-out accuracy (docs/journal.md).
+        # gave the best held-out accuracy (JOURNAL.md).
         "gpu": dict(loss_type="nft", use_lora=False, lr=1e-4,
                     **{**_GPU_BATCH, "num_rollout": 60, "micro_batch_size": 1152},
                     lr_schedule="cosine", lr_min_ratio=0.1, category_sampling="adaptive"),
         # The CPU main command (`make demo`, about 4 minutes on 2 cores): 4 steps, one group per
         # category per rollout, one optimizer step of 48 samples × 3 timesteps. lr 5e-5: on the hardened
-        # verifier 1e-4 left the train reward without a trend (2e-4 collapsed; docs/journal.md). Figures: README.
+        # verifier 1e-4 left the train reward without a trend (2e-4 collapsed; JOURNAL.md). Figures: README.
         "cpu": dict(loss_type="nft", use_lora=False, lr=5e-5, diffusion_num_steps=4, num_rollout=22,
                     rollout_batch_size=6, n_samples_per_prompt=8, rollout_microgroup_size=8, global_batch_size=48,
                     num_steps_per_rollout=1, micro_batch_size=48, eval_interval=22, eval_images_per_category=8,
@@ -213,7 +213,7 @@ SIZED: dict[str, dict[str, dict]] = {
     },
     "shapes-grpo": {
         # Flow-GRPO with CFG 3 and 2 SDE steps per rollout inside the first 4 of 10 steps, clip 1e-3,
-        # cosine decay over 250 rollouts and adaptive categories (docs/journal.md). lr 1e-5: on the hardened
+        # cosine decay over 250 rollouts and adaptive categories (JOURNAL.md). lr 1e-5: on the hardened
         # verifier 1e-4 and 3e-5 drift into dithered fills and collapse, 1e-5 climbs with clean images
         # (0.876 -> 0.921 held-out in 334 s on an H200 shared by three runs: docs/results.md).
         # One optimizer step's 512 pairs in one micro-batch.

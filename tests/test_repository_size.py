@@ -1,6 +1,6 @@
 """The tracked tree stays small enough to travel to the GPU machine: the device tool carries the tracked files
 plus the wheels in `.whl/` (~11 MB, scripts/device/fetch_wheels.sh) and refuses more than 64 MiB in all. Run data
-that would pass it belongs in a compressed archive (docs/journal.md: results/shapes/sweeps-*.tar.xz)."""
+that would pass it belongs in a compressed archive (JOURNAL.md: results/shapes/sweeps-*.tar.xz)."""
 
 import subprocess
 from pathlib import Path

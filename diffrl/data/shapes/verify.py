@@ -104,7 +104,7 @@ STRAY_ZERO_CREDIT = 0.10  # partial credit fades from STRAY_LIMIT to 0 here
 # In the crisp score, each mark keeps this share of the credit: a mark fails the image strictly, but one too
 # small to move the stray fraction (a 33 px mark is 0.8% of 64x64) leaves the partial credit whole. The partial
 # credit itself does not charge marks: on the CPU demo (4 steps) charging them took the held-out gain of
-# `make demo` from 0.429 -> 0.588 to none (docs/journal.md).
+# `make demo` from 0.429 -> 0.588 to none (JOURNAL.md).
 MARK_CREDIT = 0.8
 # ---- shapes
 # Softened renders score >= 0.90 with a lead of >= 0.08; the shipped model's fair shapes score
