@@ -6,7 +6,7 @@
 `--model demo` is the shipped demo model. `--model sd35m-compute` is a random-weight
 Flux3Transformer2DModel with SD3.5-Medium's hidden size (24 heads × 64 = 1536) and its
 per-sample compute at 512² (1,024 image tokens, 2 per-mode + 36 joint blocks ≈ 2.4 TFLOP per
-forward; DESIGN §9 gives 2,440 GFLOP for SD3.5-M), run through the demo family's code path.
+forward; SD3.5-M's own is 2,442 GFLOP, `benchmarks/flop_split.py`), run through the demo family's code path.
 The HTTP server runs in a thread of the same process (uvicorn on loopback): the figure includes
 request parsing, msgpack/safetensors encoding and decoding, and the socket round trip.
 Also reported: the transformer alone at batch 1 and batch M (the speed-up the engine should keep)

@@ -142,7 +142,7 @@ def forward(transformer, latents, timesteps, embeds, pooled, dtype: torch.dtype)
     return out.float()
 
 
-# ------------------------------------------------------------------ the SDE step (DESIGN §4's formula)
+# ----------------------------------------------- the SDE step (docs/architecture.md, "Sampling math")
 def sde_step_with_log_prob(scheduler, velocity, timesteps, x, noise_level, next_x=None):
     """Flow-GRPO's SDE step x_σ → x_σ' in fp32: draws x' (or scores the given one) and returns
     (x', log p(x' | x) averaged over each sample's elements, the mean, std_t).

@@ -8,7 +8,7 @@ import time
 
 from diffrl.rollout import RolloutConfig, RolloutManager
 
-# What an NFT training rollout asks for (DESIGN §4): CFG-free ODE, only the final image kept.
+# What an NFT training rollout asks for (docs/architecture.md, "Data flow"): CFG-free ODE, only the final image kept.
 NFT_ROLLOUT = dict(num_inference_steps=10, guidance_scale=1.0, rollout=True, rollout_sde_type="ode")
 # What a Flow-GRPO rollout asks for: SDE on two steps with log-probs, trajectories and conditioning back.
 GRPO_ROLLOUT = dict(num_inference_steps=10, guidance_scale=1.0, rollout=True, rollout_sde_type="sde",

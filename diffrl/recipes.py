@@ -63,8 +63,9 @@ _QWEN_GRPO = dict(diffusion_model_family="qwen_image", loss_type="flow_grpo", re
 # of miles-diffusion's scripts/run-diffusion-nft-sd3-pickscore.sh (AdamW β2 0.999, weight decay 1e-4,
 # grad clip 1, NFT β 1, advantage clip 5, adaptive weighting, timestep fraction 0.99, old-policy EMA
 # ramp 0.001 up to 0.5, per-prompt mean with batch-wide std). The engine denoises one microgroup at a time:
-# FLUX 3 at 1024² is compute-bound from batch 1 (DESIGN §9: 111-113 ms per sample at batch 1-8), so a larger
-# batch buys only memory; the run's peak at batch 8 was measured (BENCHMARKS.md), the default 64 was not.
+# FLUX 3 at 1024² is compute-bound from batch 1 (reported at 111-113 ms per sample for batch 1-8; not measured
+# in this repository), so a larger batch buys only memory; the run's peak at batch 8 was measured
+# (BENCHMARKS.md), the default 64 was not.
 _FLUX3_NFT = dict(diffusion_model_family="flux3_image", loss_type="nft", reward="pickscore", resolution=1024,
                   use_lora=True, lora_rank=32, lora_alpha=64.0, diffusion_num_steps=16, diffusion_guidance_scale=1.0,
                   rollout_batch_size=8, n_samples_per_prompt=8, rollout_microgroup_size=8, global_batch_size=64,

@@ -12,8 +12,8 @@ from diffrl.models.checkpoint import load_model
 
 
 def assert_sample_k_is_the_same_in_any_microgroup(family, **request) -> None:
-    """The rollout contract (DESIGN §2): output i of a request seeded s equals a one-output request
-    seeded s + i, bit for bit on CPU (images and SDE log-probs)."""
+    """The rollout contract (docs/architecture.md, "Rollout contract"): output i of a request seeded s equals a
+    one-output request seeded s + i, bit for bit on CPU (images and SDE log-probs)."""
     engine = Engine(family, EngineConfig(max_outputs_per_request=4))
     request = dict(prompt="a red cat", num_inference_steps=3, rollout=True, rollout_sde_step_indices=[0, 1], **request)
     together = engine.generate(RolloutRequest(seed=10, num_outputs_per_prompt=4, **request))

@@ -11,7 +11,7 @@ def test_sd35m_attention_flops_are_the_attention_formula(monkeypatch):
     width, joint, image = 1536, 1024 + 333, 1024
     attention = 24 * 4 * joint**2 * width + 13 * 4 * image**2 * width
     assert report["gflop_by_op"]["bmm"] * 1e9 == pytest.approx(attention, rel=1e-9)
-    assert report["gflop_per_forward"] == pytest.approx(2442.6, abs=0.1)  # DESIGN §9: 2,440
+    assert report["gflop_per_forward"] == pytest.approx(2442.6, abs=0.1)  # SD3.5-M's transformer forward at 512²
     assert sum(report["share"].values()) == pytest.approx(1.0)
     assert report["share"]["linear"] == pytest.approx(0.854, abs=1e-3)
 

@@ -1,4 +1,4 @@
-"""Seed layout, microgroup splits and the batch invariant (DESIGN §2)."""
+"""Seed layout, microgroup splits and the batch invariant (docs/architecture.md, "Rollout contract")."""
 
 import pytest
 

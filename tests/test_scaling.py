@@ -104,7 +104,8 @@ def _scaling_run(scaling, tmp_path, monkeypatch, gpus, *extra):
 @pytest.mark.parametrize("largest", [2, pytest.param(4, marks=pytest.mark.slow)])
 def test_the_same_samples_at_one_two_and_four_ranks(scaling, tiny_model_dir, tmp_path, monkeypatch, largest):
     """Two rollouts of 4 groups × 3 samples at 1, 2 and 4 gloo ranks (the trainer's own sharding of the groups):
-    every (rollout, group, sample) has the same seed (DESIGN §2's formula with the run-global group index),
+    every (rollout, group, sample) has the same seed (the rollout contract's formula, docs/architecture.md, with the
+    run-global group index),
     the same bits of image, trajectory latents and log-probs, and the same reward."""
     world_sizes = [n for n in (1, 2, 4) if n <= largest]
     report = _scaling_run(scaling, tmp_path, monkeypatch, [str(n) for n in world_sizes], "--rollouts", "2",

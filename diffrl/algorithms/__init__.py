@@ -1,1 +1,1 @@
-"""Algorithms as pure functions over tensors: advantages, train pairs, losses (DESIGN §4). No I/O."""
+"""Algorithms as pure functions over tensors: advantages, train pairs, losses (docs/architecture.md). No I/O."""

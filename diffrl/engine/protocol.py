@@ -1,4 +1,4 @@
-"""Rollout request and response types (DESIGN §3).
+"""Rollout request and response types (docs/architecture.md, "Wire formats").
 
 The request declares every field of sglang-diffusion's `/rollout/generate` request model, so its
 clients (miles-diffusion's among them) are served unchanged; a field neither side knows is refused

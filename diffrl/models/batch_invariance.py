@@ -1,6 +1,7 @@
 """Batch invariance: sample k of a request gets the same velocity and the same decoded image whatever
 batch, microgroup or trainer micro-batch it sits in (exactly, on CPU), as the rollout contract asks
-(DESIGN §2). Used by the families built on diffusers' transformers and VAEs (demo, flux3_image, sd3)."""
+(docs/architecture.md, "Rollout contract"). Used by the families built on diffusers' transformers and VAEs
+(demo, flux3_image, sd3)."""
 
 from __future__ import annotations
 

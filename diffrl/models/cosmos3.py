@@ -30,8 +30,8 @@ The transformer's forward takes one sample (its attention has no batch axis), so
 finetune's forwards with gradients) the rows of a batch run one after another. Elsewhere, on a GPU, the rows that
 share a prompt (the outputs of a request, the requests the engine batches together) run as one batch through the
 video pathway below, a batch axis the transformer lacks: one forward of B × ~390 tokens instead of B launch-bound
-ones, with the batch-size-dependent kernel roundings of every other family (DESIGN §2). On the CPU they run one
-after another, so sample k is the same in any microgroup exactly (`batch_rows` sets it).
+ones, with the batch-size-dependent kernel roundings of every other family (docs/architecture.md, "Rollout contract").
+On the CPU they run one after another, so sample k is the same in any microgroup exactly (`batch_rows` sets it).
 
 The text pathway is computed once per prompt, not once per forward (`TextPathwayCache`): the text tokens attend
 causally to text only, so their hidden states, and the keys and values the video tokens read from them in every

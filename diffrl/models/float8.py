@@ -6,7 +6,8 @@ accumulation, and returned in bf16. In training the input's gradient runs the sa
 row, the weight per input channel); the weight's own gradient, which only a full finetune needs, is computed in
 bf16 from the unquantized operands, as the high-precision variant of the published FP8 recipes does. Why:
 - rowwise scales, never one per tensor: a tensor's scale is the amax of the whole batch, so a sample's rounding
-  would depend on its batchmates and sample k of a group would change with the microgroup size (DESIGN §2).
+  would depend on its batchmates and sample k of a group would change with the microgroup size
+  (docs/architecture.md, "Rollout contract").
   A row's scale depends on that row alone.
 - inside the repeated blocks only: they hold nearly all of the FLOPs; the embedders, the final projection and
   the modulation (AdaLN) layers, which see one row per sample, keep the model's precision.

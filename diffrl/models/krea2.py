@@ -36,14 +36,14 @@ text mask (1 real, 0 padding). `velocity` unpacks both, so the denoising env and
 forward without a separate mask. Every prompt has the same window, so prompts, negative prompts and
 microgroups always share a batch.
 
-Batching (the recipe default of DESIGN §5 is DiffusionNFT with microgroup 1): nothing in diffusers' Krea 2 makes
-a batch incorrect. The text is a fixed window with a per-row key-padding mask (not packed, not variable
-length), the timestep modulation is per row and the position table is shared by rows of one resolution. So
-requests of several outputs are served as one batch, and sample k is bit-identical in any microgroup on CPU
-(the timestep MLP and its modulation projection, the only matmuls whose row count is the batch size, run one
-distinct row at a time there). So DESIGN §5's microgroup 1 (with NFT) is not needed for correctness; what it
-bounds is size: the transformer has 12.8 B parameters, a 1024² sample is 512 text + 4,096 image tokens in every
-block, and one prompt's conditioning (512 tokens × 12 layers × 2,560, fp32) is 63 MB, repeated per output.
+Batching (the `krea2-nft-*` recipes run DiffusionNFT with microgroup 1, as the published run does): nothing in
+diffusers' Krea 2 makes a batch incorrect. The text is a fixed window with a per-row key-padding mask (not packed,
+not variable length), the timestep modulation is per row and the position table is shared by rows of one resolution.
+So requests of several outputs are served as one batch, and sample k is bit-identical in any microgroup on CPU (the
+timestep MLP and its modulation projection, the only matmuls whose row count is the batch size, run one distinct row
+at a time there). So the recipes' microgroup 1 (with NFT) is not needed for correctness; what it bounds is size: the
+transformer has 12.8 B parameters, a 1024² sample is 512 text + 4,096 image tokens in every block, and one prompt's
+conditioning (512 tokens × 12 layers × 2,560, fp32) is 63 MB, repeated per output.
 
 Refused with a `ModelLoadError`: a transformer whose input channels are not the VAE's channels in patches, a
 text encoder or layer selection that does not fit the transformer's text input, a tokenizer that does not split
@@ -113,10 +113,10 @@ def _check_template(tokenizer) -> None:
 
 
 def _run_per_sample_layers_row_by_row(transformer) -> None:
-    """Sample k bit-identical in any batch, on CPU (DESIGN §2): the timestep embedding (sinusoid and MLP) and
-    the shared modulation projection are the only layers whose matmul row count is the batch size; they run
-    one distinct row at a time. (Each block and the final layer only add a learned table to that modulation.)
-    Not on GPU, where batched kernels differ anyway."""
+    """Sample k bit-identical in any batch, on CPU (docs/architecture.md, "Rollout contract"): the timestep
+    embedding (sinusoid and MLP) and the shared modulation projection are the only layers whose matmul row count is
+    the batch size; they run one distinct row at a time. (Each block and the final layer only add a learned table to
+    that modulation.) Not on GPU, where batched kernels differ anyway."""
     # `timestep=False`: their outputs keep a token axis of 1, which the shared-timestep shortcut does not expand.
     embed_rows_one_at_a_time(transformer.time_embed, timestep=False)
     embed_rows_one_at_a_time(transformer.time_mod_proj, timestep=False)

@@ -330,7 +330,8 @@ class Ltx2Family(FamilyAdapter):
     def run_transformer(self, transformer, latents, sigma, cond) -> torch.Tensor:
         x = latents.tokens
         if x.device.type == "cpu" and x.shape[0] > 1:
-            # One row per forward on CPU, so that a sample's velocity is bit-identical in any batch (DESIGN §2):
+            # One row per forward on CPU, so that a sample's velocity is bit-identical in any batch
+            # (docs/architecture.md, "Rollout contract"):
             # besides BLAS, the vectorized exp (sigmoid gates, GELU, RoPE's sin and cos) rounds unlike the
             # scalar one that a tensor's last few elements get, so a row's numbers depend on its neighbours.
             return torch.cat([self._forward(transformer, x[i : i + 1], latents.ids, sigma[i : i + 1],

@@ -29,7 +29,7 @@ forward. Zero-padding at the end keeps the meaning, so conditionings of differen
 batch (`pads_text`): a prompt and its negative prompt run in one CFG forward, and the trainer pads a
 rollout's prompts to one length. The RoPE tables are built on the device that runs the transformer, with
 diffusers' arithmetic (bit-equal to its tables on CPU); diffusers builds them on the CPU and copies them
-over, which DESIGN §5 reports drifts every block on a GPU (not measured by this repository's tests).
+over, which is reported to drift every block on a GPU (not measured in this repository).
 
 Refused with a `ModelLoadError`: the image-conditioned variants (Qwen-Image-Edit and Layered checkpoints,
 and the transformer options only they use: `zero_cond_t`, `use_additional_t_cond`, `use_layer3d_rope`),
@@ -126,10 +126,10 @@ def _build_rope_on_the_compute_device(transformer) -> None:
 
 
 def _run_per_sample_layers_row_by_row(transformer) -> None:
-    """Sample k bit-identical in any batch, on CPU (DESIGN §2): the layers whose matmul row count is the
-    batch size (the timestep MLP, every block's two AdaLN modulations, the output modulation) run one
-    distinct row at a time. Their input depends on the timestep alone, so a rollout step (one σ for the
-    whole batch) is a single one-row call. Not on GPU, where batched kernels differ anyway."""
+    """Sample k bit-identical in any batch, on CPU (docs/architecture.md, "Rollout contract"): the layers whose
+    matmul row count is the batch size (the timestep MLP, every block's two AdaLN modulations, the output
+    modulation) run one distinct row at a time. Their input depends on the timestep alone, so a rollout step (one σ
+    for the whole batch) is a single one-row call. Not on GPU, where batched kernels differ anyway."""
     embed_rows_one_at_a_time(transformer.time_text_embed.timestep_embedder)
     for name, module in transformer.named_modules():
         if name.endswith(("img_mod.1", "txt_mod.1", "norm_out.linear")):

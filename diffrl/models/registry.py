@@ -1,12 +1,11 @@
 """The family registry: one adapter class per model family, and how a run picks one.
 
-Resolution order (DESIGN §5): an explicit `--diffusion-model-family`, then the environment
-variable `DIFFRL_MODEL_FAMILY`, then the checkpoint directory's name matched against each
-family's `name_patterns`, then the checkpoint's transformer class (`transformer/config.json`'s
-`_class_name`, else `model_index.json`'s entry for `transformer`) when exactly one family loads it (of those that
-share the class, the one whose other folders and classes the checkpoint has: FLUX 3 beside the demo model).
-Family modules register themselves with `register_family` (from `base`, so that
-they need not import this module, which imports them).
+Resolution order (docs/architecture.md, "Model families"): an explicit `--diffusion-model-family`, then the
+environment variable `DIFFRL_MODEL_FAMILY`, then the checkpoint directory's name matched against each family's
+`name_patterns`, then the checkpoint's transformer class (`transformer/config.json`'s `_class_name`, else
+`model_index.json`'s entry for `transformer`) when exactly one family loads it (of those that share the class, the
+one whose other folders and classes the checkpoint has: FLUX 3 beside the demo model). Family modules register
+themselves with `register_family` (from `base`, so that they need not import this module, which imports them).
 """
 
 from __future__ import annotations

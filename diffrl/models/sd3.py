@@ -45,9 +45,9 @@ TOKENIZERS = ("tokenizer", "tokenizer_2", "tokenizer_3")
 
 
 def _run_per_sample_layers_row_by_row(transformer) -> None:
-    """Sample k bit-identical in any batch, on CPU (DESIGN §2): the layers whose matmul row count is the
-    batch size (the timestep and pooled-text MLPs, every block's AdaLN modulation) run one distinct row
-    at a time, since BLAS rounds other row counts differently. Not on GPU, where batched kernels differ
+    """Sample k bit-identical in any batch, on CPU (docs/architecture.md, "Rollout contract"): the layers whose
+    matmul row count is the batch size (the timestep and pooled-text MLPs, every block's AdaLN modulation) run one
+    distinct row at a time, since BLAS rounds other row counts differently. Not on GPU, where batched kernels differ
     anyway and a row-by-row modulation would cost ~50 small launches per forward."""
     embed_rows_one_at_a_time(transformer.time_text_embed.timestep_embedder)
     embed_rows_one_at_a_time(transformer.time_text_embed.text_embedder, timestep=False)

@@ -145,9 +145,9 @@ class WanExperts(PeftAdapterMixin, torch.nn.Module):
 
 
 def _run_per_sample_layers_row_by_row(transformer) -> None:
-    """Sample k bit-identical in any batch, on CPU (DESIGN §2): the timestep MLP and its projection to the
-    blocks' modulations are Wan's only matmuls whose row count is the batch size (the blocks add the
-    modulation to a table, without a matmul); they run one distinct row at a time."""
+    """Sample k bit-identical in any batch, on CPU (docs/architecture.md, "Rollout contract"): the timestep MLP and
+    its projection to the blocks' modulations are Wan's only matmuls whose row count is the batch size (the blocks
+    add the modulation to a table, without a matmul); they run one distinct row at a time."""
     embedder = transformer.condition_embedder
     embed_rows_one_at_a_time(embedder.time_embedder)
     embed_rows_one_at_a_time(embedder.time_proj)  # its rows are the time embedding's: shared within a step

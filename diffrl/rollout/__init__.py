@@ -1,4 +1,4 @@
-"""Rollouts: the seed layout, engine clients and the async manager (DESIGN §2)."""
+"""Rollouts: the seed layout, engine clients and the async manager (docs/architecture.md, "Rollout contract")."""
 
 from diffrl.rollout.clients import EngineClient, EngineUnavailable, HttpEngineClient, InProcessEngineClient
 from diffrl.rollout.layout import check_batch_invariant, group_seed_base, microgroups

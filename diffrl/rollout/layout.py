@@ -1,4 +1,5 @@
-"""How a rollout is cut into engine requests, and which seed each sample gets (DESIGN §2).
+"""How a rollout is cut into engine requests, and which seed each sample gets
+(docs/architecture.md, "Rollout contract").
 
 - group g (monotonic over the run) has `seed_base = (rollout_seed + g·n) mod 2**31`;
 - the microgroup starting at sample idx sends `seed = seed_base + idx`;

@@ -1,4 +1,4 @@
-"""Tasks: where a run's prompts come from and how its model is judged (DESIGN §1).
+"""Tasks: where a run's prompts come from and how its model is judged (docs/architecture.md, "Data flow").
 
 The trainer asks its task for each rollout's prompts (`draw`), tells it the rewards they earned
 (`observe`), and asks it to evaluate the engine's model (`evaluate`); it knows nothing else about

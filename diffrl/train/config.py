@@ -1,7 +1,7 @@
 """The training configuration: a tree of dataclasses, one per part of the system; every field is a flag.
 
 Flags keep the field's established name without the section prefix (`--lr`, not `--optim.lr`;
-DESIGN §8), so field names are unique across the tree. `TrainConfig.flat(**fields)` and
+docs/architecture.md, "Data flow"), so field names are unique across the tree. `TrainConfig.flat(**fields)` and
 `cfg.replace(**fields)` take the same flat names, which is how recipes (`diffrl/recipes.py`) and
 tests spell a configuration. Each section checks its own fields (`check`); `TrainConfig.check`
 adds what spans sections.
