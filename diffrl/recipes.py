@@ -5,7 +5,7 @@ The shapes recipes run at GPU size on a CUDA machine and scale down on a CPU (th
 `--device`, `auto` = CUDA when present); `<name>-gpu` forces the GPU size (what `JOURNAL.md`
 measured). The real-model recipes follow published runs (each says which, with its numbers); give
 them a local checkpoint (`--model-path`), prompts (`--prompt-data`) and, for model rewards, the
-reward's checkpoint (`--reward pickscore@DIR`). README "Bring your own model" lists the commands.
+reward's checkpoint (`--reward pickscore@DIR`). docs/recipes.md lists the commands.
 """
 
 from __future__ import annotations
@@ -206,7 +206,8 @@ SIZED: dict[str, dict[str, dict]] = {
                     lr_schedule="cosine", lr_min_ratio=0.1, category_sampling="adaptive"),
         # The CPU main command (`make demo`, about 4 minutes on 2 cores): 4 steps, one group per
         # category per rollout, one optimizer step of 48 samples × 3 timesteps. lr 5e-5: on the hardened
-        # verifier 1e-4 left the train reward without a trend (2e-4 collapsed; JOURNAL.md). Figures: README.
+        # verifier 1e-4 left the train reward without a trend (2e-4 collapsed; JOURNAL.md).
+        # Figures: docs/demo-model.md.
         "cpu": dict(loss_type="nft", use_lora=False, lr=5e-5, diffusion_num_steps=4, num_rollout=22,
                     rollout_batch_size=6, n_samples_per_prompt=8, rollout_microgroup_size=8, global_batch_size=48,
                     num_steps_per_rollout=1, micro_batch_size=48, eval_interval=22, eval_images_per_category=8,

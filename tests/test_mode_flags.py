@@ -69,7 +69,7 @@ def test_train_refuses_a_flag_that_its_task_would_ignore(tmp_path, capsys, flags
      "(drop it, or use --loss-type nft)"),
 ])
 def test_a_flag_only_another_objective_reads_is_refused(tmp_path, capsys, argv, message):
-    """An NFT run given Flow-GRPO's SDE window (as README's dry run passes it to a GRPO recipe) ignored it."""
+    """An NFT run given Flow-GRPO's SDE window (as docs/recipes.md's dry run passes it to a GRPO recipe) ignored it."""
     assert main([*argv, "--device", "cpu", "--output-dir", str(tmp_path / "run")]) == 2
     assert capsys.readouterr().err.strip() == f"error: {message}"
     assert not (tmp_path / "run").exists()

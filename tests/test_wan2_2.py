@@ -268,7 +268,7 @@ def test_training_run_on_wan(wan_dir, tmp_path, loss_type, lora):
             assert any(n.startswith(expert) and "lora_B" in n and w.abs().max() > 0 for n, w in trained.items())
         else:
             assert any(n.startswith(expert) and not torch.equal(w, base[n]) for n, w in trained.items())
-    if lora:  # each expert's adapter goes into WanPipeline's own module with PEFT, as README says
+    if lora:  # each expert's adapter goes into WanPipeline's own module with PEFT, as docs/training.md says
         import warnings
 
         from diffusers import WanPipeline
