@@ -24,8 +24,8 @@ from diffrl.cli.main import main
     (["compare", "--trained", "T", "--prompt-data", "P", "--reward", "jpeg_compressibility",
       "--base-guidance-scale", "2"], "--base-guidance-scale is for the shapes world, not --prompt-data: with "
      "--prompt-data use --guidance-scale (the base with CFG; without CFG it runs at 1)"),
-    (["compare", "--trained", "T", "--resolution", "128"],
-     "--resolution goes with --prompt-data and --reward (without them the shapes world is used)"),
+    (["compare", "--trained", "T", "--num-frames", "3"],
+     "--num-frames goes with --prompt-data and --reward (without them the shapes world is used)"),
 ])
 def test_a_flag_of_the_other_kind_of_evaluation_is_refused(tmp_path, capsys, argv, message):
     (tmp_path / "prompts.txt").write_text("a red cat\n")

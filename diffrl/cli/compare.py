@@ -10,10 +10,14 @@ from __future__ import annotations
 
 import gc
 import json
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 
-from diffrl.cli.evaluate import check_family_values, check_shapes_family, check_values, eval_prompts, refuse_other_mode
+import tyro
+
+from diffrl.cli.evaluate import (check_family_values, check_shapes_family, check_values, eval_prompts, refuse_other_mode,
+                                 run_prompt_set, run_settings)
+from diffrl.cli.runs import find_run, held_out_protocol
 from diffrl.data.shapes import test_prompts
 from diffrl.evaluation.compare import (REWARD_COLUMNS, compare_by_reward, compare_models, reward_markdown,
                                        rows_as_dicts, save_reward_side_by_side, save_side_by_side, tally)
@@ -30,13 +34,19 @@ from diffrl.utils.folders import check_output_dir
 
 @dataclass
 class CompareConfig:
-    trained: Path
-    """A run checkpoint (…/checkpoints/rollout-N: model/, lora/ or transformer/) or a model directory."""
-    base: Path = SHIPPED_DEMO_MODEL
-    """The base model (also what a LoRA or transformer-only checkpoint is applied to)."""
+    run: tyro.conf.Positional[Path | None] = None
+    """The trained run folder (its newest checkpoint) or a checkpoint inside one; same as --trained."""
+    trained: Path | None = None
+    """A run folder, a run checkpoint (…/checkpoints/rollout-N: model/, lora/ or transformer/) or a model
+    directory. From a run folder (or a checkpoint in one) the base model, family, size, steps and CFG are the
+    run's (its config.json); flags given override them."""
+    base: Path | None = None
+    """The base model (also what a LoRA or transformer-only checkpoint is applied to); default: the run's
+    --model-path, else the shipped demo model."""
     base_checkpoint: Path | None = None
     """Compare two checkpoints: this one is applied to --base for the left column."""
     diffusion_model_family: str | None = None
+    """The model family; default: the run's, else detected from the model folder."""
     prompt_data: Path | None = None
     """Compare on this prompt set (.txt, .jsonl, or a directory: its test split) scored by --reward,
     instead of the shapes world."""
@@ -53,10 +63,11 @@ class CompareConfig:
     negative_prompt: str = ""
     """With --prompt-data: the unconditional side of CFG."""
     resolution: int | None = None
-    """With --prompt-data: side in pixels of the square images (default: the family's size)."""
+    """Side in pixels of the square images (default: the run's size, else the family's)."""
     height: int | None = None
-    """With --prompt-data and --width, instead of --resolution: a size that is not square."""
+    """With --width, instead of --resolution: a size that is not square."""
     width: int | None = None
+    """With --height: the width in pixels."""
     reward_frames: int | None = None
     """With --prompt-data, video: the reward sees this many evenly spaced frames of each video (default: all)."""
     num_frames: int | None = None
@@ -68,9 +79,10 @@ class CompareConfig:
     """Shapes world: images per prompt."""
     seed: int | None = None
     """First seed (default: 0 for the shapes world, 10000 for --prompt-data, the trainer's held-out seeds)."""
-    num_steps: int = 10
+    num_steps: int | None = None
+    """ODE steps per sample (default: the run's held-out evaluation steps, else 10)."""
     guidance_scale: float | None = None
-    """Shapes world: CFG for both models (default 1.0). --prompt-data: the base-with-CFG column's scale
+    """Shapes world: CFG for both models (default: the run's held-out CFG, else 1.0). --prompt-data: the base-with-CFG column's scale
     (default: the family's); the base-without-CFG column runs at 1."""
     guidance_scale_2: float | None = None
     """With --prompt-data: the CFG scale of a second (low-noise) expert (Wan2.2, as a run's
@@ -78,14 +90,40 @@ class CompareConfig:
     base_guidance_scale: float | None = None
     """Shapes world: the base model's CFG, overriding --guidance-scale."""
     trained_guidance_scale: float | None = None
-    """The trained model's CFG (default: --guidance-scale; a run trained and rolled out without CFG, e.g.
-    DiffusionNFT, is judged fairly with --trained-guidance-scale 1)."""
+    """The trained model's CFG (default: the run's held-out CFG, so a run that samples without CFG, e.g.
+    DiffusionNFT, is judged without it; else --guidance-scale)."""
     device: str = "auto"
+    """Where the models run: auto (CUDA when present), cpu, cuda, cuda:N."""
     output_dir: Path = Path("runs/compare")
+    """Where the report and the side-by-side grid go."""
+
+
+def resolve_run(cfg: CompareConfig) -> CompareConfig:
+    """The trained run or checkpoint (positional or --trained) and the settings its run's config.json gives where
+    no flag did: the base model, family, steps, size and the CFG the run sampled its held-out images at."""
+    if cfg.run is not None and cfg.trained is not None:
+        raise ValueError(f"pass the trained run ({cfg.run}) or --trained, not both")
+    if cfg.run is None and cfg.trained is None:
+        raise ValueError("diffrl compare needs the trained model: a run folder (diffrl compare RUN) or --trained PATH")
+    run = find_run(cfg.trained if cfg.trained is not None else cfg.run)
+    cfg = run_prompt_set(replace(cfg, run=None, trained=run.checkpoint), run)
+    prompt_data = cfg.prompt_data is not None or cfg.reward is not None
+    if run.folder is not None:
+        run_cfg = held_out_protocol(run)["guidance_scale"]
+        if cfg.trained_guidance_scale is None:  # the trained model as its run sampled
+            cfg = replace(cfg, trained_guidance_scale=run_cfg)
+        if cfg.guidance_scale is None and (not prompt_data or (run_cfg or 0) > 1):
+            cfg = replace(cfg, guidance_scale=run_cfg)  # the base too (with --prompt-data: its CFG column)
+        own_base = cfg.base is None
+        cfg = run_settings(cfg, run, prompt_data, skip=("guidance_scale",))  # with --base: that model's family
+        if own_base and run.get("model_path"):
+            cfg = replace(cfg, base=Path(run.get("model_path")))
+    return replace(cfg, base=cfg.base or SHIPPED_DEMO_MODEL, num_steps=10 if cfg.num_steps is None else cfg.num_steps)
 
 
 def compare(cfg: CompareConfig) -> dict:
     check_output_dir(cfg.output_dir, kind="folder")  # before the images are made, not after
+    cfg = resolve_run(cfg)
     check_values(cfg)
     # The trained model loads after the base model's images are made: a wrong path must fail before them.
     check_checkpoint(cfg.trained)
@@ -97,8 +135,8 @@ def compare(cfg: CompareConfig) -> dict:
                           prompt_data=True)
         return compare_by_prompt_data(cfg)
     refuse_other_mode(cfg, {"input_key": None, "tie_margin": None, "n_samples_per_eval_prompt": "--num-seeds",
-                            "reward_device": None, "negative_prompt": None, "resolution": None, "height": None,
-                            "width": None, "reward_frames": None, "num_frames": None}, prompt_data=False)
+                            "reward_device": None, "negative_prompt": None, "reward_frames": None,
+                            "num_frames": None}, prompt_data=False)
     check_shapes_family(cfg.diffusion_model_family, cfg.base, "compare", cfg.guidance_scale_2)
     device = resolve_device(cfg.device)
     base = load_model(cfg.base, cfg.base_checkpoint, family=cfg.diffusion_model_family, device=device)
@@ -110,7 +148,8 @@ def compare(cfg: CompareConfig) -> dict:
     trained_cfg = guidance if cfg.trained_guidance_scale is None else cfg.trained_guidance_scale
     rows, base_records, trained_records, base_images, trained_images = compare_models(
         base, trained, prompts, seed=seed, num_seeds=cfg.num_seeds, num_steps=cfg.num_steps,
-        base_guidance_scale=base_cfg, trained_guidance_scale=trained_cfg)
+        base_guidance_scale=base_cfg, trained_guidance_scale=trained_cfg, resolution=cfg.resolution, height=cfg.height,
+        width=cfg.width)
     counts = tally(rows)
     out = cfg.output_dir
     out.mkdir(parents=True, exist_ok=True)

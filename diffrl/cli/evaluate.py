@@ -13,6 +13,9 @@ from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 from typing import Literal
 
+import tyro
+
+from diffrl.cli.runs import Run, describe, fill_from_run, find_run
 from diffrl.data.prompts import PromptRecord, check_input_key, load_prompts, prompt_file
 from diffrl.data.shapes import prompts_by_category, test_prompts, train_prompts
 from diffrl.evaluation.reward_eval import evaluate_with_reward, reward_components
@@ -34,11 +37,16 @@ SHAPES_GUIDANCE_SCALE = 3.0  # the shapes evaluation's CFG when --guidance-scale
 
 @dataclass
 class EvaluateConfig:
-    model_path: Path = SHIPPED_DEMO_MODEL
-    """Local diffusers-format model directory (default: the shipped demo model)."""
+    run: tyro.conf.Positional[Path | None] = None
+    """A run folder (its newest checkpoint) or a checkpoint inside one: the model, family, size, steps, CFG and
+    held-out images are the run's (its config.json); any flag given overrides them. Same as --checkpoint."""
+    model_path: Path | None = None
+    """Local diffusers-format model directory (default: the run's base model, else the shipped demo model)."""
     checkpoint: Path | None = None
-    """A run checkpoint (…/checkpoints/rollout-N: model/, lora/ or transformer/) applied to --model-path."""
+    """A run folder or a run checkpoint (…/checkpoints/rollout-N: model/, lora/ or transformer/) applied to
+    --model-path; a checkpoint outside any run folder takes its settings from the flags alone."""
     diffusion_model_family: str | None = None
+    """The model family (sd3, flux3_image, wan2_2, …); default: the run's, else detected from the model folder."""
     prompt_data: Path | None = None
     """Evaluate on this prompt set (.txt, .jsonl, or a directory: its test split) scored by --reward,
     instead of the shapes world."""
@@ -67,22 +75,27 @@ class EvaluateConfig:
     (the trainer's held-out protocol, --eval-images-per-category; with --seed 10000 the same images)."""
     seed: int | None = None
     """First seed (default: 0 for the shapes world, 10000 for --prompt-data, the trainer's held-out seeds)."""
-    num_steps: int = 10
+    num_steps: int | None = None
+    """ODE steps per sample (default: the run's held-out evaluation steps, else 10)."""
     guidance_scale: float | None = None
-    """CFG scale (default: 3.0 for the shapes world, the family's default for --prompt-data)."""
+    """CFG scale (default: the run's held-out CFG, i.e. its rollouts' unless it set --eval-guidance-scale; without
+    a run 3.0 for the shapes world, the family's default for --prompt-data)."""
     guidance_scale_2: float | None = None
     """With --prompt-data: the CFG scale of a second (low-noise) expert (Wan2.2, as a run's
     --diffusion-guidance-scale-2); default: --guidance-scale."""
     resolution: int | None = None
-    """Side in pixels of the square images (default: the family's size)."""
+    """Side in pixels of the square images (default: the run's size, else the family's)."""
     height: int | None = None
     """With --width, instead of --resolution: a size that is not square (e.g. video at 512 × 768)."""
     width: int | None = None
+    """With --height: the width in pixels."""
     reward_frames: int | None = None
     """With --prompt-data, video: the reward sees this many evenly spaced frames of each video (as the trained
     run's --reward-frames); default every frame."""
     batch_size: int = 64
+    """Images sampled per forward batch (memory, not results)."""
     device: str = "auto"
+    """Where the model runs: auto (CUDA when present), cpu, cuda, cuda:N."""
     float8: bool = False
     """The transformer blocks' linear layers as FP8 matmuls (as `diffrl train --float8`): evaluates what a run
     trained with it samples, or how far FP8 moves a model trained without it."""
@@ -161,8 +174,71 @@ def check_shapes_family(family: str | None, model_path: Path, command: str, guid
         raise ValueError("--guidance-scale-2: the shapes world's models have one expert; pass --prompt-data for Wan2.2")
 
 
+_SAMPLING_FROM_RUN = {"model_path": "model_path", "diffusion_model_family": "diffusion_model_family",
+                      "num_steps": "num_steps", "guidance_scale": "guidance_scale", "guidance_scale_2": "guidance_scale_2",
+                      "num_frames": "num_frames"}
+_SIZE = {"resolution": "resolution", "height": "height", "width": "width"}
+
+
+def run_settings(cfg, run: Run, prompt_data: bool, skip: tuple[str, ...] = ()):
+    """`cfg` with what its flags left unset taken from the run (model, family, size, steps, CFG; the size only when
+    no size flag is given, the family only with the run's own model), so the run is judged the way it sampled its held-out evaluation."""
+    names = dict(_SAMPLING_FROM_RUN)
+    model = getattr(cfg, "model_path", None) if hasattr(cfg, "model_path") else getattr(cfg, "base", None)
+    if not hasattr(cfg, "model_path"):  # compare: the base is --base
+        names.pop("model_path")
+    if model is not None:  # a model given by flag is detected as its own family, not the run's
+        names.pop("diffusion_model_family")
+    for name in skip:
+        names.pop(name, None)
+    if cfg.resolution is None and cfg.height is None and cfg.width is None:
+        names.update(_SIZE)
+    if prompt_data:
+        names["reward_frames"] = "reward_frames"
+    cfg = fill_from_run(cfg, run, names)
+    if prompt_data and run.folder is not None and not cfg.negative_prompt:
+        cfg = replace(cfg, negative_prompt=run.get("negative_prompt", ""))
+    return cfg
+
+
+def run_prompt_set(cfg, run: Run):
+    """A prompt-set run's held-out prompts, reward, prompt key and counts where no --prompt-data or --reward is
+    given (evaluate's and compare's configs)."""
+    if run.folder is None or cfg.prompt_data is not None or cfg.reward is not None or not run.get("prompt_data"):
+        return cfg
+    cfg = replace(cfg, prompt_data=Path(run.get("eval_prompt_data") or run.get("prompt_data")),
+                  reward=run.get("reward"))
+    if cfg.input_key == "prompt":
+        cfg = replace(cfg, input_key=run.get("input_key", "prompt"))
+    if cfg.num_prompts is None and run.get("eval_num_prompts", 0) > 0:
+        cfg = replace(cfg, num_prompts=run.get("eval_num_prompts"))
+    if cfg.n_samples_per_eval_prompt == 1:
+        cfg = replace(cfg, n_samples_per_eval_prompt=run.get("n_samples_per_eval_prompt", 1))
+    return cfg
+
+
+def resolve_run(cfg: EvaluateConfig) -> tuple[EvaluateConfig, Run]:
+    """The run or checkpoint to evaluate (positional or --checkpoint), and the config with the run's settings filled
+    in where no flag set them: its prompt set and reward, or the shapes world's held-out images and seeds."""
+    if cfg.run is not None and cfg.checkpoint is not None:
+        raise ValueError(f"pass the run folder ({cfg.run}) or --checkpoint, not both")
+    run = find_run(cfg.checkpoint if cfg.checkpoint is not None else cfg.run)
+    cfg = replace(cfg, run=None, checkpoint=run.checkpoint)
+    cfg = run_prompt_set(cfg, run)
+    prompt_data = cfg.prompt_data is not None or cfg.reward is not None
+    cfg = run_settings(cfg, run, prompt_data)
+    shapes_protocol_given = any(v is not None for v in (cfg.num_seeds, cfg.images_per_category,
+                                                        cfg.max_prompts_per_category, cfg.seed))
+    if run.folder is not None and not prompt_data and not shapes_protocol_given and cfg.split == "test":
+        # The run's held-out images: its images per category at the trainer's held-out seeds.
+        cfg = replace(cfg, images_per_category=run.get("eval_images_per_category") or 8, seed=TEST_SEED)
+    return replace(cfg, model_path=cfg.model_path or SHIPPED_DEMO_MODEL,
+                   num_steps=10 if cfg.num_steps is None else cfg.num_steps), run
+
+
 def evaluate(cfg: EvaluateConfig) -> dict:
     check_output_dir(cfg.output_dir, kind="folder")  # before the images are made, not after
+    cfg, run = resolve_run(cfg)
     check_values(cfg)
     if cfg.prompt_data is not None or cfg.reward is not None:
         refuse_other_mode(cfg, _SHAPES_ONLY, prompt_data=True)
@@ -186,7 +262,7 @@ def evaluate(cfg: EvaluateConfig) -> dict:
     if cfg.images_per_category is not None:
         prompts, seeds = balanced_eval_set(prompts, cfg.images_per_category)
     images_total = seeds * len(prompts) if isinstance(seeds, int) else sum(seeds)
-    print(f"evaluating {cfg.checkpoint or cfg.model_path} on {len(prompts)} {cfg.split} prompts, {images_total} images "
+    print(f"evaluating {describe(run) if cfg.checkpoint else cfg.model_path} on {len(prompts)} {cfg.split} prompts, {images_total} images "
           f"({cfg.num_steps} ODE steps, CFG {cfg.guidance_scale}, {device})")
     records, images = evaluate_prompts(
         family, prompts, num_seeds=seeds, seed=cfg.seed, num_steps=cfg.num_steps,

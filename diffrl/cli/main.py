@@ -6,8 +6,10 @@
 from __future__ import annotations
 
 import dataclasses
+import json
 import os
 import sys
+from pathlib import Path
 
 import tyro
 
@@ -22,6 +24,13 @@ from diffrl.recipes import recipe_config
 from diffrl.rollout.clients import EngineUnavailable
 from diffrl.train.config import AwmConfig, CrdConfig, DgpoConfig, DpoConfig, GrpoGuardConfig, TrainConfig
 from diffrl.train.pretrain import PretrainConfig, pretrain
+
+TRAIN_DESCRIPTION = """Train a flow-matching model with RL (GRPO-style or DiffusionNFT-style objectives).
+
+Defaults come from, in order: the built-in defaults, --recipe NAME (`diffrl recipes` lists them), --config FILE (a
+run's config.json, or YAML/JSON of the same tree or flat names), then the flags given. `--resume --output-dir RUN`
+continues RUN with its own config.json (flags given still override). --print-config prints the resolved
+configuration as JSON (usable as --config) and exits."""
 
 SUBCOMMANDS = {"train": TrainConfig, "pretrain": PretrainConfig, "evaluate": EvaluateConfig, "compare": CompareConfig,
                "serve": ServeConfig, "bench": BenchConfig, "bench-train": BenchTrainConfig}
@@ -100,20 +109,82 @@ def refuse_other_objectives_flags(args: list[str], loss_type: str) -> None:
                              f"--loss-type {' or '.join(owners)})")
 
 
+def _take_flag(args: list[str], flag: str, with_value: bool) -> tuple[list[str], str | bool | None]:
+    """`args` without `flag` (and its value), and the value (True for a switch; None when absent)."""
+    rest, value, i = [], None, 0
+    while i < len(args):
+        name, eq, inline = args[i].partition("=")
+        if name == flag:
+            if not with_value:
+                value = True
+            elif eq:
+                value = inline
+            elif i + 1 < len(args):
+                value, i = args[i + 1], i + 1
+            else:
+                raise ValueError(f"{flag} needs a value")
+            i += 1
+            continue
+        rest.append(args[i])
+        i += 1
+    return rest, value
+
+
+def read_config_file(path: Path) -> dict:
+    """The settings of a --config file: JSON (a run's config.json as written) or YAML, the same tree or flat names."""
+    path = Path(path)
+    try:
+        text = path.read_text()
+    except OSError as err:
+        raise FileNotFoundError(f"--config {path}: {err.strerror}") from None
+    if path.suffix.lower() in (".yaml", ".yml"):
+        import yaml
+
+        try:
+            return yaml.safe_load(text) or {}
+        except yaml.YAMLError as err:
+            raise ValueError(f"--config {path}: not valid YAML ({str(err).splitlines()[0]})") from None
+    try:
+        return json.loads(text)
+    except ValueError as err:
+        raise ValueError(f"--config {path}: not valid JSON ({err}); YAML files end in .yaml or .yml") from None
+
+
+def _train_defaults(args: list[str]) -> TrainConfig:
+    """What the flags of `diffrl train` apply to: a recipe's values, then a --config file's (or, for `--resume` of a
+    run folder holding a config.json, the run's own settings), so the flags given override both."""
+    args, config_file = _take_flag(args, "--config", with_value=True)
+    default = recipe_config(_flag_value(args, "--recipe"), _flag_value(args, "--device") or "auto")
+    output_dir = _flag_value(args, "--output-dir")
+    if config_file is None and "--resume" in args and output_dir and (Path(output_dir) / "config.json").is_file():
+        config_file = Path(output_dir) / "config.json"
+    if config_file is not None:
+        raw = read_config_file(Path(config_file))
+        settings = TrainConfig.from_settings(raw, f"--config {config_file}")
+        if "--resume" not in args and isinstance(raw, dict) and "flags" in raw:  # another run's: a new folder
+            settings = settings.replace(output_dir=None, resume=False)
+        built_in = TrainConfig().as_flat_dict()
+        default = default.replace(**{k: v for k, v in settings.as_flat_dict().items() if v != built_in[k]})
+    return _size_from_flags(default, args)
+
+
 def parse(argv: list[str]):
     if argv[:1] in (["train"], ["bench-train"]):
         miles = translate(argv[1:])
-        args = published_spellings(miles.args)
-        default = _size_from_flags(recipe_config(_flag_value(args, "--recipe"), _flag_value(args, "--device") or "auto"),
-                                   args)
+        args, print_config = _take_flag(published_spellings(miles.args), "--print-config", with_value=False)
+        default = _train_defaults(args)
+        args, _ = _take_flag(args, "--config", with_value=True)
         if argv[0] == "bench-train":  # `train`'s flags, its defaults but a short run, and the benchmark's own
             config = tyro.cli(BenchTrainConfig, default=BenchTrainConfig(train=default.replace(**BENCH_TRAIN_DEFAULTS)),
                               args=args, prog="diffrl bench-train", config=(tyro.conf.OmitArgPrefixes,))
             refuse_other_objectives_flags(args, config.train.algorithm.loss_type)
             return config
         config = tyro.cli(TrainConfig, default=default, args=args, prog="diffrl train",
-                          config=(tyro.conf.OmitArgPrefixes,))
+                          config=(tyro.conf.OmitArgPrefixes,), description=TRAIN_DESCRIPTION)
         refuse_other_objectives_flags(args, config.algorithm.loss_type)
+        if print_config:
+            print(json.dumps({"tree": dataclasses.asdict(config), "flags": config.as_flat_dict()}, default=str, indent=2))
+            return None  # printed, nothing to run
         if os.environ.get("RANK", "0") == "0":  # each miles-diffusion flag once, with diffrl's name for it
             for note in miles.notes:
                 print(f"miles-diffusion flag {note}")
@@ -126,7 +197,9 @@ def main(argv: list[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     try:
         config = parse(argv)
-        if isinstance(config, TrainConfig) and config.uses_ray():
+        if config is None:
+            pass
+        elif isinstance(config, TrainConfig) and config.uses_ray():
             from diffrl.launch.ray_placement import launch
 
             launch(config)

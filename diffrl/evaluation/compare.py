@@ -62,16 +62,23 @@ def compare_models(
     prompts: Sequence[str],
     *,
     seed: int = 0,
-    num_seeds: int = 1,
+    num_seeds: int | Sequence[int] = 1,
     num_steps: int = 10,
     base_guidance_scale: float = 1.0,
     trained_guidance_scale: float = 1.0,
+    resolution: int | None = None,
+    height: int | None = None,
+    width: int | None = None,
+    progress: bool = False,
 ) -> tuple[list[PromptComparison], list[SampleRecord], list[SampleRecord], torch.Tensor, torch.Tensor]:
-    """Both models on the same (prompt, seed) pairs; per-prompt comparisons, records and images."""
+    """Both models on the same (prompt, seed) pairs (one seed count for all prompts, or one per prompt);
+    per-prompt comparisons, records and images."""
+    size = dict(resolution=resolution, height=height, width=width, progress=progress)
     base_records, base_images = evaluate_prompts(base, prompts, num_seeds=num_seeds, seed=seed, num_steps=num_steps,
-                                                 guidance_scale=base_guidance_scale)
+                                                 guidance_scale=base_guidance_scale, **size)
     trained_records, trained_images = evaluate_prompts(trained, prompts, num_seeds=num_seeds, seed=seed,
-                                                       num_steps=num_steps, guidance_scale=trained_guidance_scale)
+                                                       num_steps=num_steps, guidance_scale=trained_guidance_scale,
+                                                       **size)
     return (compare_records(prompts, base_records, trained_records), base_records, trained_records,
             base_images, trained_images)
 

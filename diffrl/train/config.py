@@ -596,6 +596,25 @@ class TrainConfig:
         """A configuration from flat field names (the flags' names), e.g. `TrainConfig.flat(lr=1e-4)`."""
         return cls().replace(**fields)
 
+    @classmethod
+    def from_settings(cls, settings: dict, source: str = "the config file") -> TrainConfig:
+        """A configuration from what a run's `config.json` holds (`{"flags": …}` or `{"tree": …}`), a tree of
+        sections, or flat names. Values read back from JSON or YAML take their field's type (a path from a string,
+        a tuple from a list); an unknown setting is refused naming `source`."""
+        if not isinstance(settings, dict):
+            raise ValueError(f"{source}: expected a mapping of settings, got {type(settings).__name__}")
+        settings = settings.get("flags", settings.get("tree", settings))
+        flat = {}
+        for key, value in settings.items():
+            if key in _SECTIONS and isinstance(value, dict):
+                flat.update(value)
+            else:
+                flat[key] = value
+        unknown = sorted(k for k in flat if k not in _TYPES)
+        if unknown:
+            raise ValueError(f"{source}: unknown training setting(s) {', '.join(unknown)}")
+        return cls().replace(**{k: _typed(_TYPES[k], v) for k, v in flat.items()})
+
     def replace(self, **fields) -> TrainConfig:
         """A copy with fields changed by their flat names; an unknown name is refused."""
         top = {k: fields.pop(k) for k in list(fields) if k in ("recipe", "seed", "deterministic_mode")}
@@ -682,6 +701,19 @@ class TrainConfig:
 
 
 _FIELDS_OF = {name: {f.name for f in dataclasses.fields(kind)} for name, kind in _SECTIONS.items()}
+_TYPES = {f.name: str(f.type) for kind in (*_SECTIONS.values(), TrainConfig) for f in dataclasses.fields(kind)
+          if f.name not in _SECTIONS}
+
+
+def _typed(hint: str, value):
+    """A value read from JSON or YAML as its field's type: a path from a string, a tuple from a list."""
+    if isinstance(value, str) and "Path" in hint:
+        return Path(value)
+    if isinstance(value, list):
+        return tuple(value)
+    if isinstance(value, int) and not isinstance(value, bool) and hint.startswith("float"):
+        return float(value)
+    return value
 _all = [f for fields in _FIELDS_OF.values() for f in fields] + ["recipe", "seed", "deterministic_mode"]
 assert len(_all) == len(set(_all)), "flag names must be unique across the configuration tree"
 

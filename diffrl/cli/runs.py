@@ -1,0 +1,125 @@
+"""Run folders as the unit the commands take: a run's `config.json` read back.
+
+A training run writes `RUN/config.json` (`{"tree": …, "flags": …}`: every setting, by section and by flat
+name). `diffrl evaluate`, `diffrl compare`, `diffrl serve` and `diffrl train --resume` take the run folder
+(or one of its checkpoints) and read the model, family, size, steps and CFG from there; a flag given on the
+command line wins over the run's value. Light on imports: the CLI's `--help` reads this module.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+from dataclasses import dataclass, field
+from pathlib import Path
+
+CONFIG_FILE = "config.json"
+_ROLLOUT = re.compile(r"rollout-(\d+)")
+
+
+@dataclass
+class Run:
+    """A run folder (or none: a bare checkpoint or model) and the checkpoint a command loads from it."""
+
+    folder: Path | None
+    checkpoint: Path | None
+    flags: dict = field(default_factory=dict)
+
+    def get(self, name: str, default=None):
+        value = self.flags.get(name)
+        return default if value is None else value
+
+
+def read_flags(run_dir: Path) -> dict | None:
+    """The flat settings in `run_dir/config.json`, or None when there is no readable one."""
+    try:
+        flags = json.loads((Path(run_dir) / CONFIG_FILE).read_text()).get("flags")
+    except (OSError, ValueError, AttributeError):
+        return None
+    return flags if isinstance(flags, dict) else None
+
+
+def is_run_folder(path: Path) -> bool:
+    return read_flags(path) is not None
+
+
+def newest_checkpoint(run_dir: Path) -> Path | None:
+    """The newest complete `checkpoints/rollout-N` of a run (one with a manifest when any has one), or None."""
+    found = sorted(((int(m.group(1)), c) for c in (Path(run_dir) / "checkpoints").glob("rollout-*")
+                    if c.is_dir() and (m := _ROLLOUT.fullmatch(c.name))), reverse=True)
+    with_manifest = [c for _, c in found if (c / "manifest.json").is_file()]
+    if with_manifest:
+        return with_manifest[0]
+    return found[0][1] if found else None
+
+
+def find_run(path: Path | None) -> Run:
+    """`path` as a run folder (its newest checkpoint), a checkpoint inside a run (`RUN/checkpoints/rollout-N`,
+    `…/best`, or a folder below one), or a checkpoint or model on its own (no run settings)."""
+    if path is None:
+        return Run(None, None)
+    path = Path(path)
+    flags = read_flags(path)
+    if flags is not None:
+        checkpoint = newest_checkpoint(path)
+        if checkpoint is None:
+            raise FileNotFoundError(f"{path} is a run folder with no checkpoint yet (checkpoints/rollout-N); "
+                                    "evaluate it after its first checkpoint, or pass one explicitly")
+        return Run(path, checkpoint, flags)
+    for parent in path.resolve().parents[:3]:  # RUN/checkpoints/rollout-N[/lora]
+        flags = read_flags(parent)
+        if flags is not None:
+            return Run(parent, path, flags)
+    return Run(None, path)
+
+
+def held_out_protocol(run: Run) -> dict:
+    """How the run sampled its held-out evaluation (what `diffrl evaluate RUN` repeats): ODE steps, CFG scales,
+    size, frames and the negative prompt, by the names of evaluate's and compare's flags. Empty without a run."""
+    if run.folder is None:
+        return {}
+    f = run.flags
+    own_cfg = f.get("eval_guidance_scale") is None  # the rollouts' CFG (both experts), else the override
+    return {
+        "num_steps": f.get("eval_num_steps") or f.get("diffusion_num_steps"),
+        "guidance_scale": f.get("diffusion_guidance_scale") if own_cfg else f.get("eval_guidance_scale"),
+        "guidance_scale_2": f.get("diffusion_guidance_scale_2") if own_cfg else None,
+        "resolution": f.get("resolution"), "height": f.get("height"), "width": f.get("width"),
+        "num_frames": f.get("num_frames"), "negative_prompt": f.get("negative_prompt") or "",
+        "reward_frames": f.get("reward_frames"),
+    }
+
+
+def fill_from_run(cfg, run: Run, names: dict[str, str]):
+    """`cfg` (a dataclass) with each field of `names` (field → the run's value under that key of
+    `held_out_protocol` or the run's flags) that is still None taken from the run; flags given win."""
+    from dataclasses import replace
+
+    if run.folder is None:
+        return cfg
+    protocol = held_out_protocol(run)
+    changes = {}
+    for name, key in names.items():
+        value = protocol[key] if key in protocol else run.flags.get(key)
+        if getattr(cfg, name) is None and value is not None:
+            changes[name] = type_like(cfg, name, value)
+    return replace(cfg, **changes)
+
+
+def type_like(cfg, name: str, value):
+    """A value read from JSON in the field's type (paths as Path, tuples as tuples)."""
+    from dataclasses import fields
+
+    hint = str(next((f.type for f in fields(cfg) if f.name == name), ""))
+    if "Path" in hint and isinstance(value, str):
+        return Path(value)
+    if isinstance(value, list):
+        return tuple(value)
+    return value
+
+
+def describe(run: Run) -> str:
+    """`RUN (checkpoint rollout-N)` for the command's first line."""
+    if run.folder is None:
+        return str(run.checkpoint)
+    return f"run {run.folder} (checkpoint {run.checkpoint.name if run.checkpoint else 'none'})"
