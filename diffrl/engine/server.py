@@ -464,13 +464,22 @@ def _png_b64(array) -> str:
 @dataclass
 class ServeConfig:
     model_path: Path | None = None
-    """Local diffusers-format model directory (default: the shipped demo model)."""
+    """Local diffusers-format model directory (default: the --checkpoint run's base model, else the shipped demo
+    model)."""
+    checkpoint: Path | None = None
+    """Serve a trained model: a run folder (its newest checkpoint) or a checkpoint (…/checkpoints/rollout-N with
+    lora/ or model/, or a model directory). A LoRA adapter is applied to --model-path (default: the run's base);
+    full weights are served as they are."""
     diffusion_model_family: str | None = None
+    """The model family (sd3, flux3_image, wan2_2, …); default: the run's, else detected from the model folder."""
     host: str = "127.0.0.1"
     """Loopback by default; binding elsewhere exposes the engine to the network."""
     port: int = 30000
+    """TCP port to listen on."""
     device: str = "auto"
+    """Where the model runs: auto (CUDA when present), cpu, cuda, cuda:N."""
     max_outputs_per_request: int = 64
+    """Largest num_outputs_per_prompt of one request."""
     max_batch_outputs: int = 64
     """Outputs of waiting requests denoised together in one batch (requests with equal settings)."""
     stream_responses: bool = True
@@ -563,6 +572,18 @@ def build_engine(cfg: ServeConfig) -> Engine:
 
     speed = SpeedOptions.of(cfg)  # eager numerics kept with --compile, as `diffrl train` keeps them by default
     speed.check()  # before the model loads
+    if cfg.checkpoint is not None:  # a trained model: its run's base and family unless given
+        from diffrl.cli.runs import find_run
+        from diffrl.models.checkpoint import load_model
+
+        run = find_run(cfg.checkpoint)
+        model_path = cfg.model_path or Path(run.get("model_path", SHIPPED_DEMO_MODEL))
+        name = cfg.diffusion_model_family or (run.get("diffusion_model_family") if cfg.model_path is None else None)
+        family = load_model(model_path, run.checkpoint, family=name, device=resolve_device(cfg.device))
+        print(f"serving {run.checkpoint} (base {model_path})")
+        speed.apply(family, lora_allowed_on_qkv=True)
+        speed.compile_family(family)
+        return Engine(family, cfg.engine_config())
     model_path = cfg.model_path or SHIPPED_DEMO_MODEL
     family = resolve_family(cfg.diffusion_model_family, model_path).load(model_path, device=resolve_device(cfg.device))
     speed.apply(family, lora_allowed_on_qkv=True)  # a trainer's adapter comes later
@@ -628,5 +649,5 @@ def serve(cfg: ServeConfig) -> None:
     exposed = cfg.host not in LOOPBACK_HOSTS
     app = create_app(engine, update_token=token, exposed=exposed, limits=cfg.server_limits(), docs=cfg.docs,
                      trim_heap=cfg.malloc_arena_max > 0, stream_responses=cfg.stream_responses,
-                     model_path=str(cfg.model_path) if cfg.model_path else None)
+                     model_path=str(cfg.checkpoint or cfg.model_path) if (cfg.checkpoint or cfg.model_path) else None)
     uvicorn.run(app, host=cfg.host, port=cfg.port, log_level="info")
