@@ -269,6 +269,21 @@ def test_a_boolean_or_a_string_in_a_number_field_is_a_422_naming_the_field(engin
     assert engine.in_flight == 0
 
 
+@pytest.mark.parametrize(("field", "value"), [("rank", True), ("rank", False), ("rank", "2"), ("alpha", True),
+                                             ("alpha", "4.0")])
+def test_a_boolean_or_a_string_in_a_lora_number_is_a_422_naming_the_field(engine, field, value):
+    """`POST /lora_adapter` read `"rank": true` as an adapter of rank 1 (pydantic's lax mode); it is refused, and no
+    adapter goes in."""
+    client = _client(engine)
+    spec = {"rank": 2, "alpha": 4.0, "target_modules": sorted(engine.family.lora_target_modules)}
+    state = _state(engine)
+    response = client.post("/lora_adapter", json={**spec, field: value})
+    _refused(response, 422, field)
+    assert "must be a number, not a " in response.json()["error"]["message"]
+    assert _unchanged(engine, state)
+    assert not [n for n, _ in engine.family.transformer.named_parameters() if "lora_" in n]
+
+
 def test_a_boolean_in_extra_sampling_params_number_is_refused_naming_it(engine):
     response = _client(engine).post("/rollout/generate", json={**SAMPLE, "extra_sampling_params": {"seed": True}})
     _refused(response, 422, "seed")

@@ -3,6 +3,7 @@ the adapter an engine adds has the parameter names the trainer pushes into it.""
 
 from __future__ import annotations
 
+import json
 import math
 
 import torch
@@ -23,6 +24,16 @@ class LoraSpec(BaseModel):
     rank: int = Field(ge=1, le=65536)
     alpha: float = Field(gt=0, le=1e6)
     target_modules: list[str] = Field(min_length=1, max_length=256)
+
+    @field_validator("rank", "alpha", mode="before")
+    @classmethod
+    def _numbers(cls, value):
+        """A JSON boolean or string is refused where a number belongs: pydantic's lax mode would read `true` as rank 1
+        and "2" as 2, hiding a client's bug (the rollout request refuses them the same way)."""
+        if isinstance(value, (bool, str)):
+            kind = "a boolean" if isinstance(value, bool) else "a string"
+            raise ValueError(f"must be a number, not {kind} ({json.dumps(value)[:40]})")
+        return value
 
     @field_validator("target_modules")
     @classmethod
