@@ -104,3 +104,32 @@ def test_config_file_and_print_config(tiny_run, tmp_path, capsys):
     (tmp_path / "bad.json").write_text('{"learning_rate": 1}')
     assert cli_main(["train", "--config", str(tmp_path / "bad.json")]) == 2
     assert "unknown training setting(s) learning_rate" in capsys.readouterr().err
+
+
+def test_compare_reports_counts_errors_and_a_verdict_only_beyond_them(tiny_run, tmp_path, capsys):
+    """By default compare judges the run's held-out images (its CFG, steps, seeds): the figures match the run's
+    first and last evaluation, every figure has its count and standard error, and the verdict is "no measurable
+    difference" unless the difference exceeds two standard errors."""
+    out = tmp_path / "cmp"
+    assert cli_main(["compare", str(tiny_run), "--device", "cpu", "--output-dir", str(out)]) == 0
+    printed = capsys.readouterr().out
+    report = json.loads((out / "report.json").read_text())
+    strict = report["strict"]
+    evals = [r for r in _records(tiny_run) if "eval/strict" in r]
+    assert strict["category_mean"]["base"] == pytest.approx(evals[0]["eval/strict"], abs=1e-6)
+    assert strict["category_mean"]["trained"] == pytest.approx(evals[-1]["eval/strict"], abs=1e-6)
+    assert strict["per_sample"]["n"] == report["images"] == sum(c["n"] for c in strict["categories"].values())
+    assert all({"n", "base_se", "trained_se", "difference_se", "verdict"} <= set(c) for c in strict["categories"].values())
+    d = strict["per_sample"]
+    expected = ("no measurable difference" if abs(d["difference"]) <= 2 * d["difference_se"]
+                else "better" if d["difference"] > 0 else "worse")
+    assert d["verdict"] == expected and f"verdict over {d['n']} images: {expected}" in printed
+    assert f"on {report['images']} images" in printed
+
+
+def test_verdict_rules():
+    from diffrl.evaluation.compare import verdict
+
+    assert verdict(0.05, 0.03, 100) == "no measurable difference"
+    assert verdict(0.07, 0.03, 100) == "better" and verdict(-0.07, 0.03, 100) == "worse"
+    assert verdict(1.0, 0.0, 1) == "no measurable difference"  # one pair: no error to judge by

@@ -19,11 +19,12 @@ from diffrl.cli.evaluate import (check_family_values, check_shapes_family, check
                                  run_prompt_set, run_settings)
 from diffrl.cli.runs import find_run, held_out_protocol
 from diffrl.data.shapes import test_prompts
-from diffrl.evaluation.compare import (REWARD_COLUMNS, compare_by_reward, compare_models, reward_markdown,
-                                       rows_as_dicts, save_reward_side_by_side, save_side_by_side, tally)
+from diffrl.evaluation.compare import (MEASURABLE_SE, REWARD_COLUMNS, compare_by_reward, compare_models, format_paired,
+                                       paired_strict, reward_markdown, rows_as_dicts, save_reward_side_by_side,
+                                       save_side_by_side, tally)
 from diffrl.evaluation.reward_eval import evaluate_with_reward, reward_components
 from diffrl.evaluation.sampling import TEST_SEED
-from diffrl.evaluation.shapes import summarize
+from diffrl.evaluation.shapes import balanced_eval_set, summarize
 from diffrl.models.checkpoint import check_checkpoint, check_fits, load_model
 from diffrl.models.demo import SHIPPED_DEMO_MODEL
 from diffrl.rewards import default_device
@@ -74,11 +75,14 @@ class CompareConfig:
     """With --prompt-data, video families: frames per sample (default: the family's)."""
     batch_size: int = 16
     num_prompts: int | None = None
-    """The first N prompts (default: 32 shapes test prompts; every prompt of --prompt-data)."""
-    num_seeds: int = 1
-    """Shapes world: images per prompt."""
+    """The first N prompts (default: every prompt of --prompt-data; the shapes world: --images-per-category)."""
+    num_seeds: int | None = None
+    """Shapes world, with --num-prompts: images per prompt (default 1), instead of --images-per-category."""
+    images_per_category: int | None = None
+    """Shapes world: at least this many images of each category, shared out over its test prompts (the trainer's
+    held-out protocol); default: the run's --eval-images-per-category, at least 8 (without a run, 16)."""
     seed: int | None = None
-    """First seed (default: 0 for the shapes world, 10000 for --prompt-data, the trainer's held-out seeds)."""
+    """First seed (default: 10000, the trainer's held-out seeds; 0 for the shapes world's --num-prompts)."""
     num_steps: int | None = None
     """ODE steps per sample (default: the run's held-out evaluation steps, else 10)."""
     guidance_scale: float | None = None
@@ -118,6 +122,9 @@ def resolve_run(cfg: CompareConfig) -> CompareConfig:
         cfg = run_settings(cfg, run, prompt_data, skip=("guidance_scale",))  # with --base: that model's family
         if own_base and run.get("model_path"):
             cfg = replace(cfg, base=Path(run.get("model_path")))
+        if (not prompt_data and cfg.images_per_category is None and cfg.num_prompts is None
+                and cfg.num_seeds is None):  # the run's held-out images, or more
+            cfg = replace(cfg, images_per_category=max(8, run.get("eval_images_per_category", 0)))
     return replace(cfg, base=cfg.base or SHIPPED_DEMO_MODEL, num_steps=10 if cfg.num_steps is None else cfg.num_steps)
 
 
@@ -130,7 +137,7 @@ def compare(cfg: CompareConfig) -> dict:
     if cfg.base_checkpoint is not None:
         check_checkpoint(cfg.base_checkpoint)
     if cfg.prompt_data is not None or cfg.reward is not None:
-        refuse_other_mode(cfg, {"num_seeds": "--n-samples-per-eval-prompt",
+        refuse_other_mode(cfg, {"num_seeds": "--n-samples-per-eval-prompt", "images_per_category": "--num-prompts",
                                 "base_guidance_scale": "--guidance-scale (the base with CFG; without CFG it runs at 1)"},
                           prompt_data=True)
         return compare_by_prompt_data(cfg)
@@ -141,36 +148,54 @@ def compare(cfg: CompareConfig) -> dict:
     device = resolve_device(cfg.device)
     base = load_model(cfg.base, cfg.base_checkpoint, family=cfg.diffusion_model_family, device=device)
     trained = load_model(cfg.base, cfg.trained, family=cfg.diffusion_model_family, device=device)
-    prompts = test_prompts()[: 32 if cfg.num_prompts is None else cfg.num_prompts]
-    seed = 0 if cfg.seed is None else cfg.seed
+    if cfg.num_prompts is not None or cfg.num_seeds is not None:
+        if cfg.images_per_category is not None:
+            raise ValueError("--images-per-category shares the images over each category's prompts: pass it or "
+                             "--num-prompts/--num-seeds, not both")
+        prompts, seeds = test_prompts()[: 32 if cfg.num_prompts is None else cfg.num_prompts], cfg.num_seeds or 1
+        seed = 0 if cfg.seed is None else cfg.seed
+        protocol = f"the first {len(prompts)} test prompts × {seeds} seeds"
+    else:
+        per_category = 16 if cfg.images_per_category is None else cfg.images_per_category
+        prompts, seeds = balanced_eval_set(test_prompts(), per_category)
+        seed = TEST_SEED if cfg.seed is None else cfg.seed
+        protocol = f"at least {per_category} images per category over the test prompts"
     guidance = 1.0 if cfg.guidance_scale is None else cfg.guidance_scale
     base_cfg = guidance if cfg.base_guidance_scale is None else cfg.base_guidance_scale
     trained_cfg = guidance if cfg.trained_guidance_scale is None else cfg.trained_guidance_scale
+    total = seeds * len(prompts) if isinstance(seeds, int) else sum(seeds)
+    print(f"comparing {cfg.trained} with {cfg.base_checkpoint or cfg.base} on {total} images ({protocol}, seeds "
+          f"{seed}…{seed + total - 1}), {cfg.num_steps} ODE steps, CFG base {base_cfg:g} / trained {trained_cfg:g}")
     rows, base_records, trained_records, base_images, trained_images = compare_models(
-        base, trained, prompts, seed=seed, num_seeds=cfg.num_seeds, num_steps=cfg.num_steps,
+        base, trained, prompts, seed=seed, num_seeds=seeds, num_steps=cfg.num_steps,
         base_guidance_scale=base_cfg, trained_guidance_scale=trained_cfg, resolution=cfg.resolution, height=cfg.height,
-        width=cfg.width)
+        width=cfg.width, progress=True)
     counts = tally(rows)
+    paired = paired_strict(base_records, trained_records)
     out = cfg.output_dir
     out.mkdir(parents=True, exist_ok=True)
     grid = save_side_by_side(base_records, trained_records, base_images, trained_images, out / "side_by_side.png")
     report = {
         "config": {k: str(v) for k, v in asdict(cfg).items()},
+        "images": total,
+        "guidance_scales": {"base": base_cfg, "trained": trained_cfg},
+        "strict": paired,
         "win_tie_loss": counts,
         "base": summarize(base_records),
         "trained": summarize(trained_records),
         "prompts": rows_as_dicts(rows),
     }
-    (out / "report.json").write_text(json.dumps(report, indent=2) + "\n")
+    write_text_atomic(out / "report.json", json.dumps(report, indent=2) + "\n")
     print(f"{'prompt':<48} {'base':>9} {'trained':>9}  outcome")
     for r in rows:
-        print(f"{r.prompt:<48} {r.base_strict}/{cfg.num_seeds} {r.base_score:.2f} {r.trained_strict}/{cfg.num_seeds} "
+        print(f"{r.prompt:<48} {r.base_strict}/{r.n} {r.base_score:.2f} {r.trained_strict}/{r.n} "
               f"{r.trained_score:.2f}  {r.outcome}")
-    b, t = report["base"], report["trained"]
-    print(f"strict accuracy (mean over categories): base {b['overall_strict']:.3f} → trained {t['overall_strict']:.3f}; "
-          f"partial credit {b['overall_score']:.3f} → {t['overall_score']:.3f}")
-    print(f"trained vs base over {len(rows)} prompts: {counts['win']} wins, {counts['tie']} ties, {counts['loss']} losses "
-          f"(win or tie: {counts['win'] + counts['tie']})")
+    print(f"per prompt: {counts['win']} wins, {counts['tie']} ties, {counts['loss']} losses over {len(rows)} prompts")
+    print(format_paired(paired))
+    s = paired["per_sample"]
+    print(f"verdict over {s['n']} images: {s['verdict']} (trained − base {s['difference']:+.3f} ± {s['difference_se']:.3f}; "
+          f"a difference is called beyond {MEASURABLE_SE:g} standard errors"
+          + ("; more images: --images-per-category N)" if s["verdict"] == "no measurable difference" else ")"))
     print(f"report: {out / 'report.json'}  grid: {grid}")
     return report
 

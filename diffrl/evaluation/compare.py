@@ -35,6 +35,7 @@ class PromptComparison:
     base_score: float  # mean partial credit
     trained_score: float
     outcome: str  # "win" | "tie" | "loss" for the trained model
+    n: int = 0  # images (seeds) of the prompt in each model
 
 
 def outcome(base_strict: int, trained_strict: int, base_score: float, trained_score: float) -> str:
@@ -52,7 +53,8 @@ def compare_records(prompts: Sequence[str], base: Sequence[SampleRecord], traine
         t = [r for r in trained if r.prompt == prompt]
         bs, ts = sum(r.strict for r in b), sum(r.strict for r in t)
         bscore, tscore = sum(r.score for r in b) / len(b), sum(r.score for r in t) / len(t)
-        rows.append(PromptComparison(prompt, b[0].category, bs, ts, bscore, tscore, outcome(bs, ts, bscore, tscore)))
+        rows.append(PromptComparison(prompt, b[0].category, bs, ts, bscore, tscore, outcome(bs, ts, bscore, tscore),
+                                     len(b)))
     return rows
 
 
@@ -81,6 +83,65 @@ def compare_models(
                                                        **size)
     return (compare_records(prompts, base_records, trained_records), base_records, trained_records,
             base_images, trained_images)
+
+
+MEASURABLE_SE = 2.0  # a difference is called only beyond this many standard errors
+
+
+def verdict(difference: float, se: float, n: int) -> str:
+    """"better" or "worse" when the difference is beyond MEASURABLE_SE standard errors (and there are at least two
+    pairs to estimate the error from), else "no measurable difference"."""
+    if n < 2 or abs(difference) <= MEASURABLE_SE * se:
+        return "no measurable difference"
+    return "better" if difference > 0 else "worse"
+
+
+def _paired(base: Sequence[float], trained: Sequence[float]) -> dict:
+    from diffrl.evaluation.shapes import mean_se
+
+    b, b_se = mean_se(base)
+    t, t_se = mean_se(trained)
+    d, d_se = mean_se([y - x for x, y in zip(base, trained, strict=True)])
+    return {"n": len(base), "base": b, "base_se": b_se, "trained": t, "trained_se": t_se, "difference": d,
+            "difference_se": d_se, "verdict": verdict(d, d_se, len(base))}
+
+
+def paired_strict(base: Sequence[SampleRecord], trained: Sequence[SampleRecord]) -> dict:
+    """Strict accuracy of both models on the same (prompt, seed) images: per sample, per category and the mean
+    over categories, each with its count and standard errors (of each model's accuracy and of the paired
+    difference trained − base) and a verdict (`verdict`)."""
+    for b, t in zip(base, trained, strict=True):
+        if (b.prompt, b.seed) != (t.prompt, t.seed):
+            raise ValueError("the base and trained records are not of the same images")
+    per_category = {}
+    for cat in dict.fromkeys(r.category for r in base):
+        pairs = [(b, t) for b, t in zip(base, trained, strict=True) if b.category == cat]
+        per_category[cat] = _paired([float(b.strict) for b, _ in pairs], [float(t.strict) for _, t in pairs])
+    k = len(per_category)
+    mean = {key: sum(c[key] for c in per_category.values()) / k for key in ("base", "trained", "difference")}
+    se = {key: sum(c[key] ** 2 for c in per_category.values()) ** 0.5 / k
+          for key in ("base_se", "trained_se", "difference_se")}
+    category_mean = {"n": k, **mean, **se}
+    category_mean["verdict"] = verdict(mean["difference"], se["difference_se"],
+                                       min((c["n"] for c in per_category.values()), default=0))
+    return {"per_sample": _paired([float(r.strict) for r in base], [float(r.strict) for r in trained]),
+            "categories": per_category, "category_mean": category_mean, "measurable_se": MEASURABLE_SE}
+
+
+def format_paired(paired: dict) -> str:
+    """The table `diffrl compare` prints: rows per category, per sample and the category mean; n, each model's
+    strict accuracy ± its standard error, the difference ± its standard error and the verdict."""
+    lines = [f"{'strict accuracy':<16} {'n':>5}  {'base':>13}  {'trained':>13}  {'trained − base':>15}  verdict"]
+
+    def row(label, c):
+        return (f"{label:<16} {c['n']:>5}  {c['base']:>6.3f} ± {c['base_se']:.3f}  {c['trained']:>6.3f} ± "
+                f"{c['trained_se']:.3f}  {c['difference']:>+7.3f} ± {c['difference_se']:.3f}  {c['verdict']}")
+
+    for cat, c in paired["categories"].items():
+        lines.append(row(cat, c))
+    lines.append(row("per sample", paired["per_sample"]))
+    lines.append(row("category mean", paired["category_mean"]))
+    return "\n".join(lines)
 
 
 def tally(rows: Sequence[PromptComparison]) -> dict[str, int]:
@@ -137,6 +198,9 @@ def compare_by_reward(columns: dict[str, list[dict]], tie_margin: float) -> tupl
         "mean_reward": {c: sum(r[c] for r in rows) / len(rows) for c in REWARD_COLUMNS},
         "vs_base_cfg": _tally_outcomes(r["vs_base_cfg"] for r in rows),
         "vs_base_nocfg": _tally_outcomes(r["vs_base_nocfg"] for r in rows),
+        # Per-prompt means paired across columns: each difference with its standard error and a verdict.
+        "difference": {key: _paired([r[column] for r in rows], [r["trained"] for r in rows])
+                       for key, column in (("vs_base_cfg", "base_cfg"), ("vs_base_nocfg", "base_nocfg"))},
     }
     return rows, totals
 
@@ -163,6 +227,11 @@ def reward_markdown(rows: Sequence[dict], totals: dict, labels: dict[str, str]) 
         lines.append(f"- trained vs {label}: {t['win']} wins, {t['tie']} ties, {t['loss']} losses "
                      f"over {totals['prompts']} prompts")
     lines.append(f"- tie margin: |trained − base| ≤ {totals['tie_margin']} (mean reward over a prompt's seeds)")
+    for key, label in (("vs_base_cfg", labels["base_cfg"]), ("vs_base_nocfg", labels["base_nocfg"])):
+        d = totals.get("difference", {}).get(key)
+        if d is not None:
+            lines.append(f"- trained − {label}: {d['difference']:+.4f} ± {d['difference_se']:.4f} (standard error over "
+                         f"{d['n']} prompts): **{d['verdict']}** (called beyond {MEASURABLE_SE:g} standard errors)")
     return "\n".join(lines) + "\n"
 
 

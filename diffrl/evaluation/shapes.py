@@ -98,21 +98,37 @@ def evaluate_prompts(
     return records, images
 
 
+def mean_se(values: Sequence[float]) -> tuple[float, float]:
+    """The mean and its standard error (sample standard deviation / sqrt(n); 0 for fewer than two values)."""
+    values = list(values)
+    n = len(values)
+    mean = sum(values) / n
+    if n < 2:
+        return mean, 0.0
+    return mean, (sum((v - mean) ** 2 for v in values) / (n - 1) / n) ** 0.5
+
+
 def summarize(records: Sequence[SampleRecord]) -> dict:
-    """Per-category strict accuracy and mean partial score; `overall` is the mean over categories
-    (GenEval's convention), `per_sample` the plain mean over images."""
+    """Per-category strict accuracy and mean partial score, each category's image count `n` and the standard
+    error of its strict accuracy; `overall` is the mean over categories (GenEval's convention; its standard
+    error combines the categories'), `per_sample` the plain mean over images."""
     by_cat: dict[str, list[SampleRecord]] = defaultdict(list)
     for r in records:
         by_cat[r.category].append(r)
-    categories = {
-        cat: {"strict": sum(r.strict for r in rs) / len(rs), "score": sum(r.score for r in rs) / len(rs), "n": len(rs)}
-        for cat in CATEGORIES if (rs := by_cat.get(cat))
-    }
+    categories = {}
+    for cat in CATEGORIES:
+        if rs := by_cat.get(cat):
+            strict, strict_se = mean_se([float(r.strict) for r in rs])
+            categories[cat] = {"strict": strict, "score": sum(r.score for r in rs) / len(rs), "n": len(rs),
+                               "strict_se": strict_se}
+    per_sample, per_sample_se = mean_se([float(r.strict) for r in records])
     return {
         "categories": categories,
         "overall_strict": sum(c["strict"] for c in categories.values()) / len(categories),
+        "overall_strict_se": sum(c["strict_se"] ** 2 for c in categories.values()) ** 0.5 / len(categories),
         "overall_score": sum(c["score"] for c in categories.values()) / len(categories),
-        "per_sample_strict": sum(r.strict for r in records) / len(records),
+        "per_sample_strict": per_sample,
+        "per_sample_strict_se": per_sample_se,
         "n": len(records),
         # A drift no score charges (RL can tint the background while every verdict passes): mean over images.
         "background_delta_e": sum(r.background_delta_e for r in records) / len(records),
@@ -120,10 +136,16 @@ def summarize(records: Sequence[SampleRecord]) -> dict:
 
 
 def format_summary(summary: dict) -> str:
-    lines = [f"{'category':<14} {'strict':>7} {'score':>7} {'n':>5}"]
+    """The table `diffrl evaluate` prints: per category and overall, strict accuracy ± its standard error, partial
+    credit and the image count."""
+    lines = [f"{'category':<16} {'strict':>7} {'± se':>7} {'score':>7} {'n':>5}"]
     for cat, c in summary["categories"].items():
-        lines.append(f"{cat:<14} {c['strict']:>7.3f} {c['score']:>7.3f} {c['n']:>5}")
-    lines.append(f"{'overall':<14} {summary['overall_strict']:>7.3f} {summary['overall_score']:>7.3f} {summary['n']:>5}")
+        lines.append(f"{cat:<16} {c['strict']:>7.3f} {c.get('strict_se', 0.0):>7.3f} {c['score']:>7.3f} {c['n']:>5}")
+    lines.append(f"{'category mean':<16} {summary['overall_strict']:>7.3f} {summary.get('overall_strict_se', 0.0):>7.3f} "
+                 f"{summary['overall_score']:>7.3f} {len(summary['categories']):>5}")
+    if "per_sample_strict" in summary:
+        lines.append(f"{'per sample':<16} {summary['per_sample_strict']:>7.3f} "
+                     f"{summary.get('per_sample_strict_se', 0.0):>7.3f} {'':>7} {summary['n']:>5}")
     if "background_delta_e" in summary:
         lines.append(f"background ΔE76 from white, mean: {summary['background_delta_e']:.2f}")
     return "\n".join(lines)
