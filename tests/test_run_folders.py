@@ -133,3 +133,23 @@ def test_verdict_rules():
     assert verdict(0.05, 0.03, 100) == "no measurable difference"
     assert verdict(0.07, 0.03, 100) == "better" and verdict(-0.07, 0.03, 100) == "worse"
     assert verdict(1.0, 0.0, 1) == "no measurable difference"  # one pair: no error to judge by
+
+
+def test_evaluate_and_compare_never_replace_results_silently(tiny_run, tmp_path, capsys, monkeypatch):
+    """An --output-dir holding results is refused in one line naming --overwrite (before any sampling); --overwrite
+    replaces them; without --output-dir each call writes a new runs/<kind>-<run>-<date-time> folder."""
+    out = tmp_path / "eval"
+    out.mkdir()
+    (out / "report.json").write_text("{}")
+    for command in ("evaluate", "compare"):
+        assert cli_main([command, str(tiny_run), "--device", "cpu", "--output-dir", str(out)]) == 2
+        err = capsys.readouterr().err.strip()
+        assert err == f"error: --output-dir {out} already holds results; pass --overwrite to replace them, or " \
+                      "another --output-dir"
+        assert (out / "report.json").read_text() == "{}"
+    assert cli_main(["evaluate", str(tiny_run), "--device", "cpu", "--output-dir", str(out), "--overwrite"]) == 0
+    assert json.loads((out / "report.json").read_text())["n"] > 0
+    monkeypatch.chdir(tmp_path)
+    assert cli_main(["evaluate", str(tiny_run), "--device", "cpu"]) == 0
+    made = list((tmp_path / "runs").iterdir())
+    assert len(made) == 1 and made[0].name.startswith("eval-run-") and (made[0] / "report.json").is_file()

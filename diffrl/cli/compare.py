@@ -30,7 +30,7 @@ from diffrl.models.demo import SHIPPED_DEMO_MODEL
 from diffrl.rewards import default_device
 from diffrl.utils.atomic import write_text_atomic
 from diffrl.utils.device import resolve_device
-from diffrl.utils.folders import check_output_dir
+from diffrl.utils.folders import check_fresh_output_dir, stamped_output_dir
 
 
 @dataclass
@@ -98,7 +98,11 @@ class CompareConfig:
     DiffusionNFT, is judged without it; else --guidance-scale)."""
     device: str = "auto"
     """Where the models run: auto (CUDA when present), cpu, cuda, cuda:N."""
-    output_dir: Path = Path("runs/compare")
+    output_dir: Path | None = None
+    """Where the results go (default: runs/compare-<run name>-<date-time>, a new folder each time). A folder that
+    already holds results is refused unless --overwrite is given."""
+    overwrite: bool = False
+    """Replace the results already in --output-dir."""
     """Where the report and the side-by-side grid go."""
 
 
@@ -129,7 +133,9 @@ def resolve_run(cfg: CompareConfig) -> CompareConfig:
 
 
 def compare(cfg: CompareConfig) -> dict:
-    check_output_dir(cfg.output_dir, kind="folder")  # before the images are made, not after
+    if cfg.output_dir is None:
+        cfg = replace(cfg, output_dir=stamped_output_dir("compare", cfg.trained or cfg.run))
+    check_fresh_output_dir(cfg.output_dir, cfg.overwrite)  # before the images are made, not after
     cfg = resolve_run(cfg)
     check_values(cfg)
     # The trained model loads after the base model's images are made: a wrong path must fail before them.

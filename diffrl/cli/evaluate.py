@@ -29,7 +29,7 @@ from diffrl.models.speed import SpeedOptions
 from diffrl.rewards import check_prompts, default_device
 from diffrl.utils.atomic import atomic_path, write_text_atomic
 from diffrl.utils.device import resolve_device
-from diffrl.utils.folders import check_output_dir
+from diffrl.utils.folders import check_fresh_output_dir, stamped_output_dir
 from diffrl.utils.size import sample_size, size_flags
 
 SHAPES_GUIDANCE_SCALE = 3.0  # the shapes evaluation's CFG when --guidance-scale is left unset
@@ -99,7 +99,11 @@ class EvaluateConfig:
     float8: bool = False
     """The transformer blocks' linear layers as FP8 matmuls (as `diffrl train --float8`): evaluates what a run
     trained with it samples, or how far FP8 moves a model trained without it."""
-    output_dir: Path = Path("runs/eval")
+    output_dir: Path | None = None
+    """Where the results go (default: runs/eval-<run name>-<date-time>, a new folder each time). A folder that
+    already holds results is refused unless --overwrite is given."""
+    overwrite: bool = False
+    """Replace the results already in --output-dir."""
     save_images: bool = False
     """Shapes world: also write every image (images/00000.png, ...) and records.jsonl (its prompt, seed and
     verdict: strict, score, reason), so the evaluation can be re-scored (--prompt-data always writes them)."""
@@ -237,7 +241,9 @@ def resolve_run(cfg: EvaluateConfig) -> tuple[EvaluateConfig, Run]:
 
 
 def evaluate(cfg: EvaluateConfig) -> dict:
-    check_output_dir(cfg.output_dir, kind="folder")  # before the images are made, not after
+    if cfg.output_dir is None:
+        cfg = replace(cfg, output_dir=stamped_output_dir("eval", cfg.checkpoint or cfg.run))
+    check_fresh_output_dir(cfg.output_dir, cfg.overwrite)  # before the images are made, not after
     cfg, run = resolve_run(cfg)
     check_values(cfg)
     if cfg.prompt_data is not None or cfg.reward is not None:
