@@ -179,3 +179,17 @@ def test_a_checkpoint_of_another_family_is_refused_naming_both(sd3_dir, tmp_path
     err = capsys.readouterr().err.strip()
     assert "\n" not in err and "QwenImageTransformer2DModel" in err and "qwen_image" in err, err
     assert not out.exists()
+
+
+def test_a_size_beyond_the_position_embedding_names_the_flag_and_the_largest_size(sd3_dir, tmp_path, capsys):
+    """A size the checkpoint's position embedding does not cover was diffusers' "Height (128) cannot be greater than
+    pos_embed_max_size: 32" from inside the first rollout; it is one line naming --resolution and the largest side."""
+    from diffrl.cli.main import main
+
+    largest = 32 * 2 * SD3Family.load(sd3_dir).vae_scale
+    out = tmp_path / "run"
+    assert main(["train", "--model-path", str(sd3_dir), "--resolution", str(2 * largest), "--device", "cpu",
+                 "--output-dir", str(out), "--num-rollout", "1"]) == 2
+    err = capsys.readouterr().err.strip().splitlines()[-1]
+    assert err.startswith(f"error: --resolution {2 * largest}: height={2 * largest}: this SD3 checkpoint makes at most "
+                          f"{largest} pixels a side") and not out.exists()

@@ -26,7 +26,7 @@ from collections.abc import Sequence
 
 import torch
 
-from diffrl.errors import ModelLoadError
+from diffrl.errors import ModelLoadError, RequestError
 from diffrl.models.base import (
     Component,
     FamilyAdapter,
@@ -120,6 +120,13 @@ class SD3Family(FamilyAdapter):
     def check_size(self, height: int, width: int) -> None:
         step = self.vae_scale * self.transformer.config.patch_size
         require_pixel_multiple("SD3", step, height=height, width=width)
+        patches = getattr(self.transformer.config, "pos_embed_max_size", None)
+        if patches:  # the position embedding covers at most this many patches a side
+            largest = patches * step
+            for name, value in (("height", height), ("width", width)):
+                if value > largest:
+                    raise RequestError(name, f"{name}={value}: this SD3 checkpoint makes at most {largest} pixels a "
+                                             f"side (its pos_embed_max_size {patches} × {step} pixels a patch)")
 
     def sigmas(self, num_steps: int, height: int, width: int) -> torch.Tensor:
         scheduler = copy.deepcopy(self.scheduler)  # set_timesteps changes the scheduler's state
