@@ -229,6 +229,24 @@ SIZED: dict[str, dict[str, dict]] = {
 }
 
 
+# One line each for `diffrl recipes`.
+RECIPE_SUMMARIES = {
+    "sd3-grpo": "Flow-GRPO on SD3.5-Medium at the published sampling settings (give it --reward)",
+    "sd35-grpo-ocr": "Flow-GRPO on SD3.5-Medium with the OCR reward (flow_grpo's general_ocr_sd3)",
+    "sd35-grpo-pickscore": "Flow-GRPO on SD3.5-Medium with PickScore (flow_grpo's pickscore_sd3)",
+    "qwen-image-grpo-pickscore": "Flow-GRPO on Qwen-Image with PickScore (flow_grpo's pickscore_qwenimage)",
+    "flux3-klein-nft-pickscore": "DiffusionNFT on FLUX 3 Klein with PickScore",
+    "flux3-klein-grpo-hps": "Flow-GRPO on FLUX 3 Klein with HPSv2",
+    "krea2-nft-ocr": "DiffusionNFT on Krea 2 with the OCR reward",
+    "krea2-nft-pickscore": "DiffusionNFT on Krea 2 with PickScore",
+    "wan22-grpo-pickscore": "Flow-GRPO on Wan2.2 video with PickScore",
+    "ltx23-grpo-pickscore": "Flow-GRPO on LTX-2.3 video with PickScore",
+    "cosmos3-grpo": "Flow-GRPO on Cosmos3",
+    "shapes-nft": "DiffusionNFT on the shipped demo model and the shapes world (make demo; CPU-sized on a CPU)",
+    "shapes-grpo": "Flow-GRPO on the shipped demo model and the shapes world (CPU-sized on a CPU)",
+}
+
+
 def recipe_names() -> list[str]:
     return sorted([*SIZED, *(f"{name}-gpu" for name in SIZED)])
 

@@ -11,19 +11,19 @@ import os
 import sys
 from pathlib import Path
 
-import tyro
-
-from diffrl.cli.bench import BenchConfig, bench
-from diffrl.cli.bench_train import BENCH_TRAIN_DEFAULTS, BenchTrainConfig, bench_train
-from diffrl.cli.compare import CompareConfig, compare
-from diffrl.cli.evaluate import EvaluateConfig, evaluate
-from diffrl.cli.miles_flags import translate
-from diffrl.engine.server import ServeConfig, serve
-from diffrl.errors import ModelLoadError
-from diffrl.recipes import recipe_config
-from diffrl.rollout.clients import EngineUnavailable
-from diffrl.train.config import AwmConfig, CrdConfig, DgpoConfig, DpoConfig, GrpoGuardConfig, TrainConfig
-from diffrl.train.pretrain import PretrainConfig, pretrain
+# The subcommands' modules (torch, diffusers, …) load only when a subcommand runs: `diffrl --help`,
+# `diffrl recipes` and `diffrl rewards` answer without them.
+SUBCOMMAND_SUMMARIES = {
+    "train": "RL post-training of a model (a recipe, a --config file or flags); writes a run folder",
+    "pretrain": "flow-matching fine-tuning (SFT) of the demo model on rendered shapes scenes",
+    "evaluate": "held-out evaluation of a run folder, a checkpoint or a model (shapes accuracy or a reward)",
+    "compare": "a trained run against its base model on the same images, with standard errors and a verdict",
+    "serve": "an HTTP engine (sglang-compatible rollout API) for a model or a trained --checkpoint",
+    "bench": "what a rollout costs on this machine for a checkpoint (transformer, VAE, engine), before a run",
+    "bench-train": "what the training loop costs: a few rollouts of train's own flags, timed per sample",
+    "recipes": "list the training recipes (diffrl train --recipe NAME)",
+    "rewards": "list the rewards (diffrl train --reward SPEC)",
+}
 
 TRAIN_DESCRIPTION = """Train a flow-matching model with RL (GRPO-style or DiffusionNFT-style objectives).
 
@@ -32,8 +32,43 @@ run's config.json, or YAML/JSON of the same tree or flat names), then the flags 
 continues RUN with its own config.json (flags given still override). --print-config prints the resolved
 configuration as JSON (usable as --config) and exits."""
 
-SUBCOMMANDS = {"train": TrainConfig, "pretrain": PretrainConfig, "evaluate": EvaluateConfig, "compare": CompareConfig,
-               "serve": ServeConfig, "bench": BenchConfig, "bench-train": BenchTrainConfig}
+
+
+def _subcommands() -> dict:
+    from diffrl.cli.bench import BenchConfig
+    from diffrl.cli.bench_train import BenchTrainConfig
+    from diffrl.cli.compare import CompareConfig
+    from diffrl.cli.evaluate import EvaluateConfig
+    from diffrl.engine.server import ServeConfig
+    from diffrl.train.config import TrainConfig
+    from diffrl.train.pretrain import PretrainConfig
+
+    return {"train": TrainConfig, "pretrain": PretrainConfig, "evaluate": EvaluateConfig, "compare": CompareConfig,
+            "serve": ServeConfig, "bench": BenchConfig, "bench-train": BenchTrainConfig}
+
+
+def top_help() -> str:
+    width = max(map(len, SUBCOMMAND_SUMMARIES))
+    lines = ["usage: diffrl SUBCOMMAND [--flags]   (diffrl SUBCOMMAND --help: its flags)", "",
+             "diffrl: RL post-training for flow-matching diffusion models", "", "subcommands:"]
+    lines += [f"  {name:<{width}}  {summary}" for name, summary in SUBCOMMAND_SUMMARIES.items()]
+    return "\n".join(lines)
+
+
+def list_recipes() -> str:
+    from diffrl.recipes import RECIPE_SUMMARIES, recipe_names
+
+    names = recipe_names()
+    width = max(map(len, names))
+    lines = [f"{name:<{width}}  {RECIPE_SUMMARIES.get(name.removesuffix('-gpu'), '')}"
+             + (" (the GPU size on any device)" if name.endswith("-gpu") else "") for name in names]
+    return "\n".join(["recipes (diffrl train --recipe NAME; flags after it override its values):", *lines])
+
+
+def list_rewards() -> str:
+    from diffrl.rewards import reward_catalogue
+
+    return reward_catalogue()
 
 
 def _flag_value(args: list[str], flag: str) -> str | None:
@@ -84,26 +119,31 @@ def _size_from_flags(default: TrainConfig, args: list[str]) -> TrainConfig:
 # Flags only some objectives read: given on the command line to another, they would be ignored.
 # (A recipe's own values for them are left alone: switching a recipe's --loss-type keeps its other settings.)
 _SDE = ("flow_grpo", "grpo_guard")
-_ONLY_FOR = (
-    (_SDE, "the SDE steps of Flow-GRPO and its relatives",
-     ("--diffusion-sde-window-range", "--diffusion-num-sde-steps", "--diffusion-sde-type", "--diffusion-noise-level",
-      "--diffusion-sde-step-strategy", "--diffusion-sde-window-shift-interval", "--diffusion-sde-window-stride")),
-    ((*_SDE, "awm"), "the clipped policy ratio", ("--diffusion-clip-range",)),
-    (("nft",), "DiffusionNFT's loss and old policy", ("--diffusion-nft-beta", "--nft-adaptive-weighting",
-                                                      "--no-nft-adaptive-weighting", "--nft-ema-ramp", "--nft-ema-max",
-                                                      "--nft-ema-flat")),
-    *(((name,), f"--loss-type {name}'s own settings", tuple(
-        f"--{prefix}{f.name.replace('_', '-')}" for f in dataclasses.fields(section) for prefix in
-        ("", "no-") if prefix == "" or f.type in (bool, "bool")))
-      for name, section in (("grpo_guard", GrpoGuardConfig), ("awm", AwmConfig), ("dpo", DpoConfig),
-                            ("dgpo", DgpoConfig), ("crd", CrdConfig))),
-)
+
+
+def _only_for() -> tuple:
+    from diffrl.train.config import AwmConfig, CrdConfig, DgpoConfig, DpoConfig, GrpoGuardConfig
+
+    return (
+        (_SDE, "the SDE steps of Flow-GRPO and its relatives",
+         ("--diffusion-sde-window-range", "--diffusion-num-sde-steps", "--diffusion-sde-type", "--diffusion-noise-level",
+          "--diffusion-sde-step-strategy", "--diffusion-sde-window-shift-interval", "--diffusion-sde-window-stride")),
+        ((*_SDE, "awm"), "the clipped policy ratio", ("--diffusion-clip-range",)),
+        (("nft",), "DiffusionNFT's loss and old policy", ("--diffusion-nft-beta", "--nft-adaptive-weighting",
+                                                          "--no-nft-adaptive-weighting", "--nft-ema-ramp", "--nft-ema-max",
+                                                          "--nft-ema-flat")),
+        *(((name,), f"--loss-type {name}'s own settings", tuple(
+            f"--{prefix}{f.name.replace('_', '-')}" for f in dataclasses.fields(section) for prefix in
+            ("", "no-") if prefix == "" or f.type in (bool, "bool")))
+          for name, section in (("grpo_guard", GrpoGuardConfig), ("awm", AwmConfig), ("dpo", DpoConfig),
+                                ("dgpo", DgpoConfig), ("crd", CrdConfig))),
+    )
 
 
 def refuse_other_objectives_flags(args: list[str], loss_type: str) -> None:
     """A ValueError naming the first flag on the command line that only other --loss-type values read."""
     given = [a.partition("=")[0] for a in args if a.startswith("--")]
-    for owners, what, flags in _ONLY_FOR:
+    for owners, what, flags in _only_for():
         if loss_type not in owners and (flag := next((f for f in given if f in flags), None)):
             raise ValueError(f"{flag} sets {what}; --loss-type {loss_type} does not read it (drop it, or use "
                              f"--loss-type {' or '.join(owners)})")
@@ -153,6 +193,9 @@ def read_config_file(path: Path) -> dict:
 def _train_defaults(args: list[str]) -> TrainConfig:
     """What the flags of `diffrl train` apply to: a recipe's values, then a --config file's (or, for `--resume` of a
     run folder holding a config.json, the run's own settings), so the flags given override both."""
+    from diffrl.recipes import recipe_config
+    from diffrl.train.config import TrainConfig
+
     args, config_file = _take_flag(args, "--config", with_value=True)
     default = recipe_config(_flag_value(args, "--recipe"), _flag_value(args, "--device") or "auto")
     output_dir = _flag_value(args, "--output-dir")
@@ -169,12 +212,19 @@ def _train_defaults(args: list[str]) -> TrainConfig:
 
 
 def parse(argv: list[str]):
+    import tyro
+
+    from diffrl.cli.miles_flags import translate
+    from diffrl.train.config import TrainConfig
+
     if argv[:1] in (["train"], ["bench-train"]):
         miles = translate(argv[1:])
         args, print_config = _take_flag(published_spellings(miles.args), "--print-config", with_value=False)
         default = _train_defaults(args)
         args, _ = _take_flag(args, "--config", with_value=True)
-        if argv[0] == "bench-train":  # `train`'s flags, its defaults but a short run, and the benchmark's own
+        if argv[0] == "bench-train":
+            from diffrl.cli.bench_train import BENCH_TRAIN_DEFAULTS, BenchTrainConfig
+  # `train`'s flags, its defaults but a short run, and the benchmark's own
             config = tyro.cli(BenchTrainConfig, default=BenchTrainConfig(train=default.replace(**BENCH_TRAIN_DEFAULTS)),
                               args=args, prog="diffrl bench-train", config=(tyro.conf.OmitArgPrefixes,))
             refuse_other_objectives_flags(args, config.train.algorithm.loss_type)
@@ -190,11 +240,27 @@ def parse(argv: list[str]):
                 print(f"miles-diffusion flag {note}")
         return config
     return tyro.extras.subcommand_cli_from_dict(
-        SUBCOMMANDS, args=argv, description="diffrl: RL post-training for flow-matching diffusion models")
+        _subcommands(), args=argv, description="diffrl: RL post-training for flow-matching diffusion models")
 
 
 def main(argv: list[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
+    if not argv or argv[0] in ("-h", "--help"):
+        print(top_help())
+        return 0
+    if argv[0] in ("recipes", "rewards"):
+        print(list_recipes() if argv[0] == "recipes" else list_rewards())
+        return 0
+    from diffrl.cli.bench import BenchConfig, bench
+    from diffrl.cli.bench_train import BenchTrainConfig, bench_train
+    from diffrl.cli.compare import CompareConfig, compare
+    from diffrl.cli.evaluate import evaluate
+    from diffrl.engine.server import ServeConfig, serve
+    from diffrl.errors import ModelLoadError
+    from diffrl.rollout.clients import EngineUnavailable
+    from diffrl.train.config import TrainConfig
+    from diffrl.train.pretrain import PretrainConfig, pretrain
+
     try:
         config = parse(argv)
         if config is None:

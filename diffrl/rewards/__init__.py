@@ -39,6 +39,35 @@ _MODEL_REWARDS: dict[str, str] = {
 }
 # Model rewards that read a whole video (frame to frame); the others score frames and take the mean.
 _VIDEO_REWARDS = frozenset({"temporal_clip"})
+# One line each for `diffrl rewards` (the registered rewards' lines are their docstrings' or below).
+_SUMMARIES = {
+    "clipscore": "CLIP image–prompt similarity (a local CLIP checkpoint)",
+    "pickscore": "PickScore human-preference model (a local PickScore checkpoint; processor=DIR for its CLIP processor)",
+    "aesthetic": "LAION aesthetic predictor on CLIP image features (a local checkpoint)",
+    "hpsv2": "HPSv2 human-preference score (a local open_clip checkpoint)",
+    "temporal_clip": "video: CLIP similarity of consecutive frames (a local CLIP checkpoint)",
+    "jpeg_compressibility": "smaller JPEG files score higher (Flow-GRPO's compressibility reward)",
+    "jpeg_incompressibility": "larger JPEG files score higher",
+    "ocr": "text rendering: how closely OCR of the image matches the prompt's quoted text (PP-OCR, bundled)",
+    "temporal_consistency": "video: how little consecutive frames differ",
+}
+CUSTOM_SIGNATURE = "module:function, called as fn(images, prompts, metadata) -> list of floats"
+
+
+def reward_catalogue() -> str:
+    """What `diffrl rewards` prints: every reward with one line, then the spec forms."""
+    def line(name: str, fn=None) -> str:
+        text = " ".join((getattr(fn, "__doc__", None) or "").split())
+        doc = _SUMMARIES.get(name) or (text.split(". ")[0].rstrip(".") if text else "")
+        return f"  {name:<24} {doc}"
+
+    out = ["rewards (diffrl train --reward SPEC; diffrl evaluate/compare --reward SPEC):"]
+    out += [line(name, fn) for name, fn in sorted(_REWARDS.items())]
+    out.append("model rewards, as NAME@PATH (a local checkpoint):")
+    out += [line(name) for name in sorted(_MODEL_REWARDS)]
+    out.append("combined: multi:NAME=WEIGHT,NAME=WEIGHT (a weighted sum; e.g. multi:ocr=1,jpeg_compressibility=0.5)")
+    out.append(f"custom: {CUSTOM_SIGNATURE}")
+    return "\n".join(out)
 _MODEL_OPTIONS = ("processor",)
 
 
@@ -76,8 +105,9 @@ def get_reward(name: str, device: str | None = None) -> Callable:
     try:
         return _REWARDS[name]
     except KeyError:
-        raise ValueError(f"unknown reward {name!r}; known: {', '.join(sorted(_REWARDS))} "
-                         "(or a custom one as module:function)") from None
+        raise ValueError(f"unknown reward {name!r}; known: {', '.join(sorted(_REWARDS))}; model rewards "
+                         f"{', '.join(f'{m}@PATH' for m in sorted(_MODEL_REWARDS))}; multi:NAME=W,NAME=W; or a "
+                         f"custom one as {CUSTOM_SIGNATURE} (`diffrl rewards` lists them)") from None
 
 
 def _check_callable(name: str, scorer) -> None:

@@ -27,7 +27,10 @@ def _require(ok: bool, message: str) -> None:
 @dataclass
 class ModelConfig:
     model_path: Path = SHIPPED_DEMO_MODEL
+    """Local diffusers-format model directory to train (default: the shipped demo model)."""
     diffusion_model_family: str | None = None
+    """The model family (demo, sd3, flux3_image, qwen_image, krea2, wan2_2, ltx2, cosmos3); None: detected
+    from the model folder."""
     resolution: int | None = None
     """Side in pixels of the square images rolled out and evaluated (shorthand for --height N --width N);
     None: --height/--width, else the family's default (e.g. 1024 for SD3.5, whose published Flow-GRPO
@@ -36,11 +39,15 @@ class ModelConfig:
     """Height in pixels of the samples rolled out and evaluated, with --width, for sizes that are not
     square (e.g. video at 512 × 768); not with --resolution."""
     width: int | None = None
+    """Width in pixels of the samples, with --height."""
     num_frames: int | None = None
     """Frames of each rolled-out video (video families, e.g. wan2_2); None: the family's default."""
     use_lora: bool = True
+    """Train a LoRA adapter on the transformer (--no-use-lora: a full finetune of the transformer)."""
     lora_rank: int = 8
+    """Rank of the LoRA adapter's matrices."""
     lora_alpha: float = 16.0
+    """LoRA scale numerator: the adapter's update is scaled by alpha / rank."""
     lora_target_modules: tuple[str, ...] = ()
     """Module names (or suffixes) the adapter wraps; empty: the family's default set."""
     mixed_precision: Literal["auto", "no", "bf16"] = "auto"
@@ -110,17 +117,25 @@ class ModelConfig:
 @dataclass
 class RolloutSettings:
     num_rollout: int = 12
+    """Rollouts (sample, score, train) in the run."""
     rollout_batch_size: int = 8
     """Prompt groups per rollout."""
     n_samples_per_prompt: int = 8
+    """Samples per prompt group (the group whose rewards are normalized against each other)."""
     rollout_microgroup_size: int = 8
+    """Samples of one group sent to an engine in one request (a group is split into requests of this many)."""
     rollout_seed: int = 0
+    """Seed of the rollouts' noise (with the group index it fixes each sample)."""
     diffusion_num_steps: int = 10
+    """Denoising steps of each rollout sample."""
     diffusion_guidance_scale: float = 1.0
+    """CFG scale of rollouts and (unless --eval-guidance-scale) held-out evaluation; 1: no CFG (one forward
+    per step)."""
     diffusion_guidance_scale_2: float | None = None
     """CFG scale of the second (low-noise) expert of two-expert families (wan2_2), in rollouts and in the
     trainer's replay alike; None: --diffusion-guidance-scale for both experts."""
     diffusion_noise_level: float = 0.7
+    """Noise level a of the SDE steps (their std, see --diffusion-sde-type)."""
     diffusion_sde_type: Literal["sde", "cps", "dance"] = "sde"
     """The SDE steps' kind: sde = Flow-GRPO's (std a·sqrt(σ/(1 − σ))), cps = coefficient-preserving (LTX-2.3's
     recipe), dance = DanceGRPO's constant noise (std a·sqrt(−dt); e.g. --diffusion-noise-level 0.3)."""
@@ -128,6 +143,7 @@ class RolloutSettings:
     """SDE steps are --diffusion-num-sde-steps steps inside [lo, hi) (default: all steps), picked as
     --diffusion-sde-step-strategy says. The published spelling `3,5` is accepted as well as `3 5`."""
     diffusion_num_sde_steps: int = 2
+    """SDE (trained) steps per rollout, inside --diffusion-sde-window-range; the other steps are ODE."""
     diffusion_sde_step_strategy: Literal["window", "random", "sliding"] = "window"
     """How each rollout picks its --diffusion-num-sde-steps SDE steps inside --diffusion-sde-window-range:
     window = consecutive steps at a random start (Flow-GRPO-Fast); random = distinct steps drawn uniformly, not
@@ -211,8 +227,11 @@ class AlgorithmConfig:
     Preference Optimization), crd (Centered Reward Distillation), sft (flow-matching fine-tuning on the samples
     that beat their prompt's mean reward). docs/algorithms.md compares them."""
     diffusion_clip_range: float = 1e-4
+    """PPO-style clip of the policy ratio around 1 (Flow-GRPO's clip range)."""
     diffusion_adv_clip_max: float = 5.0
+    """Advantages are clipped to [−this, this]."""
     diffusion_kl_beta: float = 0.0
+    """Weight of the KL term to the reference (--kl-reference); 0: none."""
     kl_type: Literal["x-based", "v-based"] | None = None
     """What --diffusion-kl-beta measures: x-based = the SDE step's means, mean((μ_θ − μ_ref)²)/(2σ²) (Flow-GRPO);
     v-based = the velocities, mean((v_θ − v_ref)²) (DanceGRPO). None: x-based for the SDE methods; the methods
@@ -222,8 +241,11 @@ class AlgorithmConfig:
     disabled; full finetune: a frozen copy of the trained parameters, sharded like them), ema =
     the EMA (needs --use-ema, or DiffusionNFT, whose EMA is its old policy)."""
     globalize_reward_std: bool = False
+    """Normalize advantages by the reward std of the whole batch instead of each prompt group's."""
     globalize_reward_mean: bool = False
+    """Center advantages on the mean reward of the whole batch instead of each prompt group's."""
     drop_zero_std_groups: bool = False
+    """Leave out of training the prompt groups whose rewards are all equal (no signal)."""
     advantage_aggregation: Literal["sum", "gdpo"] = "sum"
     """How a `multi:` reward's terms make advantages: sum = normalize their weighted sum; gdpo = normalize each term
     within its prompt's group, then combine by weight and standardize over the batch (GDPO, arXiv 2601.05242)."""
@@ -231,11 +253,19 @@ class AlgorithmConfig:
     """Keep an EMA of the trained weights (--ema-decay per optimizer step) and evaluate, pick
     checkpoints/best and save models with it. DiffusionNFT's old policy is a separate EMA."""
     ema_decay: float = 0.9
+    """With --use-ema: the EMA's decay per optimizer step."""
     diffusion_nft_beta: float = 1.0
+    """DiffusionNFT's β: how far the positive and negative implicit policies lie from the old policy."""
     nft_adaptive_weighting: bool = True
+    """DiffusionNFT: divide each sample's squared error by its (detached) mean absolute error (the paper's
+    adaptive weighting); --no-nft-adaptive-weighting: the plain squared error."""
     nft_ema_ramp: float = 0.001
+    """DiffusionNFT old policy: its decay grows by this per rollout after --nft-ema-flat rollouts (δ = min(max(k −
+    flat, 0)·ramp, --nft-ema-max))."""
     nft_ema_max: float = 0.5
+    """DiffusionNFT old policy: the largest decay δ (θ_old ← δ·θ_old + (1 − δ)·θ)."""
     nft_ema_flat: int = 0
+    """DiffusionNFT old policy: rollouts with decay 0 (the old policy is the current one) before the ramp."""
     nft_timestep_fraction: float = 0.99
     """The methods on ODE samples (nft, awm, dpo, dgpo, crd, sft) train each sample (or group) at the first
     int(K·fraction) of its shuffled K schedule timesteps (DiffusionNFT's name and default)."""
@@ -286,6 +316,7 @@ class AwmConfig:
     """How the flow-matching error ℓ at timestep t becomes a log-likelihood: uniform −ℓ, t −t·ℓ, t2 −t²·ℓ,
     huber −t·sqrt(ℓ), ghuber −(t/p)·ℓ^p (p = --awm-ghuber-power); losses.awm_log_prob."""
     awm_ghuber_power: float = 0.25
+    """--awm-weighting ghuber: the power p."""
     awm_ema_kl_beta: float = 0.0
     """Weight of a v-based KL to an EMA of the trained weights (a moving anchor; 0: none)."""
     awm_ema_decay: float = 0.9
@@ -313,6 +344,7 @@ class DgpoConfig:
     """--loss-type dgpo: a group's better-than-mean samples preferred to its worse, against the base model."""
 
     dgpo_beta: float = 100.0
+    """β of DGPO's group preference loss."""
 
     def check(self) -> None:
         _require(self.dgpo_beta > 0, f"--dgpo-beta must be > 0, got {self.dgpo_beta}")
@@ -326,7 +358,10 @@ class CrdConfig:
     + (1 − decay)·θ after each rollout's update."""
 
     crd_beta: float = 1.0
+    """β of CRD: the scale of the implicit reward (the old snapshot's error minus the model's) matched to the reward."""
     crd_loss: Literal["mse", "bce"] = "mse"
+    """How the centered implicit reward is matched to the centered reward: mse (squared difference) or bce
+    (binary cross-entropy against the sigmoid of the centered reward)."""
     crd_old_decay: tuple[float, float, float, float] = (0.0, 0.25, 0.005, 0.999)
     """The old snapshot (the implicit reward's baseline); the paper's OCR setting."""
     crd_sampling_decay: tuple[float, float, float, float] = (75.0, 0.0, 0.0075, 0.999)
@@ -348,16 +383,23 @@ class OptimConfig:
     global_batch_size: int = 64
     """Samples per optimizer step."""
     num_steps_per_rollout: int = 1
+    """Optimizer steps per rollout (the rollout's samples are split over them)."""
     micro_batch_size: int = 32
     """Train pairs per forward/backward (gradient accumulation up to the optimizer step)."""
     lr: float = 3e-4
+    """Learning rate (AdamW)."""
     lr_schedule: Literal["constant", "cosine"] = "constant"
     """cosine: from --lr at the first rollout down to --lr × --lr-min-ratio at --num-rollout."""
     lr_min_ratio: float = 0.1
+    """With --lr-schedule cosine: the last rollout's rate as a fraction of --lr."""
     weight_decay: float = 0.0
+    """AdamW weight decay."""
     adam_beta1: float = 0.9
+    """AdamW β1."""
     adam_beta2: float = 0.999
+    """AdamW β2."""
     grad_clip: float = 1.0
+    """Gradients are clipped to this global norm (inf: no clipping)."""
     offload_optimizer: bool = False
     """Keep the optimizer state (Adam's moments) in host memory while the engines sample and on the device
     for the update: the same steps, less device memory during rollouts (a copy each way per rollout)."""
@@ -384,6 +426,8 @@ class TaskConfig:
     input_key: str = "prompt"
     """The key of a .jsonl file's prompt (refused when every prompt file read is a .txt: it has no keys)."""
     reward: str = "shapes"
+    """The reward spec: a name (shapes, ocr, jpeg_compressibility, …), NAME@PATH for a model reward,
+    multi:NAME=W,… or module:function (`diffrl rewards` lists them)."""
     reward_frames: int | None = None
     """Video: the reward (rollouts and held-out evaluation alike) sees only this many evenly spaced frames
     of each video, first and last included; None: every frame."""
@@ -404,8 +448,11 @@ class TaskConfig:
     """What adaptive sampling calls hard: reward = 1 − the category's smoothed mean reward; unsolved =
     the smoothed fraction of its samples scoring below --category-solved-reward."""
     category_solved_reward: float = 1.0
+    """--category-difficulty unsolved: a sample scoring below this counts as unsolved."""
     category_sampling_floor: float = 0.05
+    """Adaptive sampling: every category's share is at least proportional to this (no category starves)."""
     category_reward_smoothing: float = 0.8
+    """Adaptive sampling: weight of the previous value in each category's exponential average."""
 
     def check(self) -> None:
         _require(self.reward_workers >= 0, f"--reward-workers must be >= 0, got {self.reward_workers}")
@@ -444,6 +491,7 @@ class EvalConfig:
     `checkpoints/best`: the weights with the highest validation strict accuracy so far. A checkpoint
     chosen this way never looked at the test prompts (early stopping for runs that peak and fall)."""
     val_prompts_per_category: int = 8
+    """With --val-images-per-category: train prompts of each category in the validation subset."""
     eval_num_steps: int | None = None
     """ODE steps of the held-out evaluation; None: the rollout's --diffusion-num-steps. (Flow-GRPO and
     DiffusionNFT roll out with few steps and evaluate with more, e.g. 10 and 40.)"""
@@ -477,6 +525,7 @@ class CheckpointConfig:
     resume: bool = False
     """Continue the run in --output-dir from its last checkpoint."""
     checkpoint_interval: int = 4
+    """Save a checkpoint every this many rollouts (and at the end)."""
     keep_last_checkpoints: int | None = None
     """Keep only the newest N `checkpoints/rollout-N` folders (older ones are removed after each save; `best/`
     stays); None: every checkpoint."""
@@ -486,7 +535,9 @@ class CheckpointConfig:
     """Also log metrics and evaluation images to Weights & Biases (the `wandb` package; its key from
     WANDB_API_KEY or `wandb login`, never from a flag)."""
     wandb_project: str = "diffrl"
+    """With --use-wandb: the W&B project."""
     wandb_group: str | None = None
+    """With --use-wandb: the W&B group (runs to compare together)."""
     wandb_run_name: str | None = None
     """Default: the run folder's name."""
     wandb_mode: str = "online"
@@ -506,6 +557,7 @@ class CheckpointConfig:
 @dataclass
 class PlacementConfig:
     device: str = "auto"
+    """Where the trainer and its in-process engine run: auto (CUDA when present), cpu, cuda, cuda:N."""
     ray_engines: int = 0
     """Place this many engines and the trainer as Ray actors in one placement group (0 and one
     trainer rank: no Ray)."""
@@ -514,6 +566,7 @@ class PlacementConfig:
     ray_colocate: bool = True
     """PACK the bundles onto as few nodes as possible (--no-ray-colocate: SPREAD across nodes)."""
     ray_gpus_per_engine: float = 0.0
+    """GPUs for each Ray engine actor (--ray-engines)."""
     ray_trainer_ranks: int = 1
     """Trainer actors placed through Ray. Above 1: data-parallel ranks (torch.distributed inside the
     actors, FSDP2 as under torchrun), each rolling out its share on its own in-process engine."""
@@ -572,6 +625,8 @@ class TrainConfig:
     recipe: str | None = None
     """Preset applied before the other flags (see `diffrl/recipes.py`)."""
     seed: int = 0
+    """Seed of the trainer: torch's global seed, the prompt draws and the training steps' timestep and noise draws
+    (rollout noise is --rollout-seed's)."""
     deterministic_mode: bool = False
     """torch.use_deterministic_algorithms: slower, bit-reproducible where the hardware allows."""
     model: ModelConfig = field(default_factory=ModelConfig)

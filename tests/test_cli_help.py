@@ -1,0 +1,56 @@
+"""The CLI explains itself: subcommands listed with one line each, every train option described, the recipes and
+rewards listed, and `diffrl --help` answered without loading the models' libraries."""
+
+import dataclasses
+import subprocess
+import sys
+
+from tyro import _docstrings
+
+from diffrl.cli.main import SUBCOMMAND_SUMMARIES, _subcommands, main
+from diffrl.recipes import recipe_names
+from diffrl.train.config import _SECTIONS, TrainConfig
+
+
+def test_every_train_option_has_a_description():
+    undescribed = [f"--{f.name.replace('_', '-')}" for kind in (TrainConfig, *_SECTIONS.values())
+                   for f in dataclasses.fields(kind)
+                   if f.name not in _SECTIONS and not _docstrings.get_field_docstring(kind, f.name, ())]
+    assert undescribed == []
+
+
+def test_top_help_lists_every_subcommand_with_one_line(capsys):
+    assert main(["--help"]) == 0
+    out = capsys.readouterr().out
+    for name in [*_subcommands(), "recipes", "rewards"]:
+        assert any(line.split()[:1] == [name] and len(line.split()) > 3 for line in out.splitlines()), name
+    assert set(SUBCOMMAND_SUMMARIES) == {*_subcommands(), "recipes", "rewards"}
+
+
+def test_recipes_and_rewards_are_listed(capsys):
+    assert main(["recipes"]) == 0
+    lines = capsys.readouterr().out.splitlines()[1:]
+    assert [line.split()[0] for line in lines] == recipe_names() and all(len(line.split()) > 2 for line in lines)
+    assert main(["rewards"]) == 0
+    out = capsys.readouterr().out
+    for name in ("shapes", "ocr", "jpeg_compressibility", "pickscore", "clipscore", "aesthetic", "hpsv2"):
+        assert f"  {name} " in out
+    assert "fn(images, prompts, metadata)" in out
+
+
+def test_unknown_reward_lists_model_rewards_and_the_custom_signature():
+    import pytest
+
+    from diffrl.rewards import get_reward
+
+    with pytest.raises(ValueError) as err:
+        get_reward("pickscor")
+    assert "pickscore@PATH" in str(err.value) and "hpsv2@PATH" in str(err.value)
+    assert "fn(images, prompts, metadata)" in str(err.value)
+
+
+def test_top_help_loads_no_model_library():
+    code = ("import sys; from diffrl.cli.main import main; main(['--help']); "
+            "print(sorted(m for m in ('torch', 'diffusers', 'transformers', 'tyro') if m in sys.modules))")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
+    assert out.strip().splitlines()[-1] == "[]"
