@@ -47,6 +47,17 @@ def _subcommands() -> dict:
             "serve": ServeConfig, "bench": BenchConfig, "bench-train": BenchTrainConfig}
 
 
+def quiet_third_party_loading() -> None:
+    """No "Loading weights" / "Writing model shards" bars from transformers, diffusers or the hub: a command loads
+    several models, and their bars buried its own output."""
+    os.environ.setdefault("HF_HUB_DISABLE_PROGRESS_BARS", "1")
+    from diffusers.utils import logging as diffusers_logging
+    from transformers.utils import logging as transformers_logging
+
+    diffusers_logging.disable_progress_bar()
+    transformers_logging.disable_progress_bar()
+
+
 def top_help() -> str:
     width = max(map(len, SUBCOMMAND_SUMMARIES))
     lines = ["usage: diffrl SUBCOMMAND [--flags]   (diffrl SUBCOMMAND --help: its flags)", "",
@@ -251,6 +262,7 @@ def main(argv: list[str] | None = None) -> int:
     if argv[0] in ("recipes", "rewards"):
         print(list_recipes() if argv[0] == "recipes" else list_rewards())
         return 0
+    quiet_third_party_loading()
     from diffrl.cli.bench import BenchConfig, bench
     from diffrl.cli.bench_train import BenchTrainConfig, bench_train
     from diffrl.cli.compare import CompareConfig, compare

@@ -27,7 +27,7 @@ from pathlib import Path
 import numpy as np
 import torch
 from PIL import Image, PngImagePlugin
-from tqdm import tqdm
+from diffrl.utils.progress import tqdm
 
 from diffrl.data.prompts import PromptRecord
 from diffrl.evaluation.sampling import TEST_SEED, generate

@@ -15,7 +15,7 @@ import asyncio
 from collections.abc import Sequence
 
 import torch
-from tqdm import tqdm
+from diffrl.utils.progress import tqdm
 
 from diffrl.engine.engine import Engine, EngineConfig
 from diffrl.engine.protocol import RolloutOutput, RolloutRequest

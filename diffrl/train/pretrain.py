@@ -20,7 +20,7 @@ from pathlib import Path
 
 import torch
 from torch.utils.data import DataLoader
-from tqdm import tqdm
+from diffrl.utils.progress import tqdm
 
 from diffrl.algorithms.losses import sft_loss
 from diffrl.data.scenes import RenderedScenes

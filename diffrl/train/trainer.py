@@ -26,7 +26,7 @@ from pathlib import Path
 
 import numpy as np
 import torch
-from tqdm import tqdm
+from diffrl.utils.progress import tqdm
 
 from diffrl.algorithms.advantages import compute_advantages
 from diffrl.engine.colocated import ColocatedEngineClient, EngineProcessSpec
