@@ -44,7 +44,7 @@ import torch
 from family_rollout import make_checkpoint
 from report import emit
 
-from diffrl.cli.bench_train import train_forward_equivalents
+from diffrl.cli.bench_train import train_forward_equivalents, trains_with_cfg
 from diffrl.recipes import recipe_overrides
 from diffrl.rewards.hps import VIT_H_14
 from diffrl.train.config import TrainConfig
@@ -253,8 +253,9 @@ def main(argv: list[str] | None = None) -> dict:
     rollout_guidance = trainer.objective.request(0)["guidance_scale"]  # what the engine is asked for
     rollout_forwards = samples * r.diffusion_num_steps * (2 if rollout_guidance > 1 else 1)
     per_pair = train_forward_equivalents(cfg)
-    # Flow-GRPO replays the rollout's CFG (both branches in one batch); NFT and SFT train the conditional velocity.
-    per_pair *= 2 if a.loss_type == "flow_grpo" and r.diffusion_guidance_scale > 1 else 1
+    # The SDE methods replay the rollout's CFG (both branches in one batch); the ODE methods train the conditional
+    # velocity.
+    per_pair *= 2 if trains_with_cfg(cfg) else 1
     peak = args.peak_tflops * 1e12
     size = m.size() or trainer.policy.family.default_size()
     results = {

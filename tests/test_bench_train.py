@@ -138,3 +138,24 @@ def test_table_says_one_trained_step_in_the_singular():
     row["trained_steps_per_sample"] = 9
     text = format_table({"first": row, "steady": None, "steady_rollouts": []}, on_gpu=False)
     assert "| sample (its rollout + its 9 trained steps) |" in text
+
+
+def test_model_flops_per_pair_follow_each_methods_objective():
+    """Every method's forwards per train pair, as its objective runs them: a preference pair holds 2 samples and a
+    group row the whole group; the ODE methods train the conditional velocity alone, the SDE methods the CFG one."""
+    from diffrl.cli.bench_train import trains_with_cfg
+
+    def cfg(*flags):
+        return parse(["train", "--recipe", "sd35-grpo-pickscore", "--kl-type", "v-based", *flags])
+
+    lora = 1 + 1  # a LoRA pair's forward and its backward
+    kl = 1  # the recipe's KL β 0.01: one reference forward
+    assert train_forward_equivalents(cfg("--loss-type", "nft")) == lora + kl + 1  # + the old policy
+    assert train_forward_equivalents(cfg("--loss-type", "awm")) == lora + kl  # one optimizer step per rollout
+    assert train_forward_equivalents(cfg("--loss-type", "awm", "--num-steps-per-rollout", "2",
+                                         "--global-batch-size", "32")) == lora + kl + 0.5
+    assert train_forward_equivalents(cfg("--loss-type", "dpo")) == 2 * (lora + 1)  # two samples, the base each
+    assert train_forward_equivalents(cfg("--loss-type", "dgpo")) == 16 * (lora + 1)  # a group of 16
+    assert train_forward_equivalents(cfg("--loss-type", "crd")) == 16 * (lora + kl + 1)  # + the old snapshot
+    assert train_forward_equivalents(cfg("--loss-type", "sft", "--diffusion-kl-beta", "0")) == lora
+    assert trains_with_cfg(cfg("--loss-type", "grpo_guard")) and not trains_with_cfg(cfg("--loss-type", "awm"))

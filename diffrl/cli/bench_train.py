@@ -24,7 +24,9 @@ from pathlib import Path
 
 import torch
 
+from diffrl.algorithms.methods import METHODS
 from diffrl.train.config import TrainConfig
+from diffrl.train.objectives import OBJECTIVES
 
 # What bench-train changes in `diffrl train`'s defaults (a recipe's included); flags override them again.
 BENCH_TRAIN_DEFAULTS = dict(num_rollout=3, eval_images_per_category=0, val_images_per_category=0, eval_num_prompts=0)
@@ -86,17 +88,26 @@ def backward_factor(cfg: TrainConfig) -> float:
     return 1.0 if cfg.model.use_lora else 2.0
 
 
-def no_grad_forwards_per_pair(cfg: TrainConfig) -> int:
-    """Forwards without gradients per train pair: NFT's old policy, and the KL reference when there is a KL term."""
-    a = cfg.algorithm
-    return int(a.loss_type == "nft") + int(a.diffusion_kl_beta > 0 and a.loss_type != "sft")
+def no_grad_forwards_per_pair(cfg: TrainConfig) -> float:
+    """Forwards without gradients per sample of a train pair, as the method's objective runs them: the KL
+    reference, NFT's old policy, CRD's old snapshot, a preference method's base model, AWM's sampling weights
+    on optimizer steps after the first (a fraction when averaged over a rollout)."""
+    return OBJECTIVES[cfg.algorithm.loss_type].forwards_without_grad(cfg)
 
 
 def train_forward_equivalents(cfg: TrainConfig) -> float:
     """Model FLOPs of one train pair, in forwards of the trained velocity (a CFG velocity counts as one here):
-    its forward, its backward and the forwards without gradients. Gradient checkpointing's recomputed forward
-    is not counted, by MFU's convention (it is work the hardware does, not work the model needs)."""
-    return 1 + backward_factor(cfg) + no_grad_forwards_per_pair(cfg)
+    its forward, its backward and the forwards without gradients, times the samples a pair holds (a preference
+    pair 2, a group row its group). Gradient checkpointing's recomputed forward is not counted, by MFU's
+    convention (it is work the hardware does, not work the model needs)."""
+    samples = OBJECTIVES[cfg.algorithm.loss_type].pair_size(cfg)
+    return samples * (1 + backward_factor(cfg) + no_grad_forwards_per_pair(cfg))
+
+
+def trains_with_cfg(cfg: TrainConfig) -> bool:
+    """Whether a train pair's velocity is the CFG one (both branches): the policy-gradient methods replay the
+    rollout's guided step; the methods on ODE samples train the conditional velocity alone."""
+    return METHODS[cfg.algorithm.loss_type].rollout == "sde" and cfg.rollout.diffusion_guidance_scale > 1
 
 
 def estimate_flops(cfg: TrainConfig, family) -> dict:
@@ -108,7 +119,7 @@ def estimate_flops(cfg: TrainConfig, family) -> dict:
     size = m.size() or family.default_size()
     frames = (m.num_frames or family.default_num_frames) if family.generates_video else None
     rollout_cfg = a.nft_rollout_guidance_scale if a.loss_type == "nft" else r.diffusion_guidance_scale
-    train_cfg = r.diffusion_guidance_scale if a.loss_type == "flow_grpo" else 1.0  # NFT and SFT train without CFG
+    train_cfg = r.diffusion_guidance_scale if trains_with_cfg(cfg) else 1.0
     gflop = {g: transformer_gflop(family, 1, size, g, frames) for g in {rollout_cfg, train_cfg}}  # counted eager
     backward, no_grad = backward_factor(cfg), no_grad_forwards_per_pair(cfg)
     train_pair = gflop[train_cfg] * train_forward_equivalents(cfg)
@@ -117,11 +128,11 @@ def estimate_flops(cfg: TrainConfig, family) -> dict:
            f"× {_gflop(train_pair)} (its forward, {_gflop(gflop[train_cfg])}, and a backward of ≈ {backward:g}× the "
            + ("forward: LoRA, input gradients only" if m.use_lora
               else "forward: full finetune, input and weight gradients")
-           + (f"; and {int(no_grad)} forward(s) without gradients" if no_grad else "")
+           + (f"; and {no_grad:g} forward(s) without gradients" if no_grad else "")
            + "); the transformer alone, counted at batch 1 by torch's FlopCounterMode (text encoders, VAE, reward "
              "and gradient checkpointing's recompute not counted)")
     return {"rollout_step_gflop": gflop[rollout_cfg], "train_forward_gflop": gflop[train_cfg],
-            "backward_factor": backward, "no_grad_forwards_per_pair": int(no_grad),
+            "backward_factor": backward, "no_grad_forwards_per_pair": no_grad,
             "rollout_gflop_per_sample": r.diffusion_num_steps * gflop[rollout_cfg], "train_gflop_per_pair": train_pair,
             "how": how}
 

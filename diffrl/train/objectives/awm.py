@@ -24,6 +24,11 @@ class AdvantageWeightedMatching(ForwardProcessObjective):
     def needs_ema(cls, cfg) -> bool:
         return cfg.awm.awm_ema_kl_beta > 0
 
+    @classmethod
+    def forwards_without_grad(cls, cfg) -> float:
+        steps = cfg.optim.num_steps_per_rollout  # every optimizer step after the first replays the sampling weights
+        return super().forwards_without_grad(cfg) + float(cfg.awm.awm_ema_kl_beta > 0) + (steps - 1) / steps
+
     def pairs(self, samples: Sequence, advantages: torch.Tensor, env: dict) -> NftPairs:
         return self.re_noised_pairs(nft_pairs, samples, advantages, env)
 

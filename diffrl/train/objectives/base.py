@@ -66,16 +66,16 @@ class Objective:
 
     `loss(batch, env, step)` gives the micro-batch's loss and its statistics as 0-dim tensors, left on the
     device: reading them there would make the host wait for the device at every micro-batch.
-    `samples_per_pair`: samples one train pair holds (a preference pair 2, a group row the group's size); the
-    loop divides --micro-batch-size (counted in samples) by it."""
+    `samples_per_pair`: samples one train pair holds (`pair_size`); the loop divides --micro-batch-size (counted
+    in samples) by it."""
 
     name = ""  # the --loss-type, a key of algorithms.methods.METHODS
-    samples_per_pair = 1
     rollout_ema = None  # the EMA the engines sample with (None: the current weights)
 
     def __init__(self, cfg, policy):
         self.cfg, self.policy = cfg, policy
         self.device = policy.device
+        self.samples_per_pair = self.pair_size(cfg)
         # The weights the rollout sampled with, for the loss of optimizer steps after the first (whose weights
         # have moved): a copy taken before each rollout's updates, kept only when a rollout has several steps.
         needs_snapshot = self.uses_rollout_weights and cfg.optim.num_steps_per_rollout > 1
@@ -92,6 +92,19 @@ class Objective:
     def needs_base_model(cls, cfg) -> bool:
         """Whether the loss reads the frozen starting weights (`Policy.base_model`), a KL term aside."""
         return METHODS[cls.name].reference
+
+    @classmethod
+    def pair_size(cls, cfg) -> int:
+        """Samples one train pair holds: 1, a preference pair's 2, or a group row's whole group."""
+        rows = METHODS[cls.name].rows
+        return {"sample": 1, "preference": 2, "group": cfg.rollout.n_samples_per_prompt}[rows]
+
+    @classmethod
+    def forwards_without_grad(cls, cfg) -> float:
+        """Forwards without gradients the loss runs per sample of a train pair, beside the trained one: the KL
+        reference here, and each method's own other weights (its old policy, its base model). The benchmarks'
+        FLOP counts read it."""
+        return float(cfg.algorithm.diffusion_kl_beta > 0)
 
     @contextlib.contextmanager
     def rollout_weights_in(self, step: int):

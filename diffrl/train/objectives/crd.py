@@ -20,9 +20,12 @@ from diffrl.train.objectives.dpo import group_rows
 class CenteredRewardDistillation(ForwardProcessObjective):
     name = "crd"
 
+    @classmethod
+    def forwards_without_grad(cls, cfg) -> float:
+        return 1 + super().forwards_without_grad(cfg)  # the old snapshot's error, the implicit reward's baseline
+
     def __init__(self, cfg, policy):
         super().__init__(cfg, policy)
-        self.samples_per_pair = cfg.rollout.n_samples_per_prompt
         self.old = ParameterEMA(policy.params)  # the implicit reward's baseline, a checkpointed snapshot
         policy.extra_emas["crd_old"] = self.old
 

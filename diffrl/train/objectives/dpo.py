@@ -20,6 +20,10 @@ from diffrl.train.objectives.base import ForwardProcessObjective, detached
 
 
 class _AgainstBase(ForwardProcessObjective):
+    @classmethod
+    def forwards_without_grad(cls, cfg) -> float:
+        return 1.0  # the base model's error; the loss itself is relative to the base, with no separate KL term
+
     def errors(self, x0: torch.Tensor, noise: torch.Tensor, t: torch.Tensor, cond: torch.Tensor,
                env: dict) -> tuple[torch.Tensor, torch.Tensor]:
         """Flow-matching errors of the base model (no graph) and of the current weights, per sample."""
@@ -30,7 +34,6 @@ class _AgainstBase(ForwardProcessObjective):
 
 class DiffusionDpo(_AgainstBase):
     name = "dpo"
-    samples_per_pair = 2
 
     def pairs(self, samples: Sequence, advantages: torch.Tensor, env: dict) -> PreferencePairs:
         return self.re_noised_pairs(preference_pairs, samples, advantages, env,
@@ -62,10 +65,6 @@ def group_rows(batch: GroupPairs, cond_rows: torch.Tensor, device) -> tuple[torc
 
 class GroupPreference(_AgainstBase):
     name = "dgpo"
-
-    def __init__(self, cfg, policy):
-        super().__init__(cfg, policy)
-        self.samples_per_pair = cfg.rollout.n_samples_per_prompt
 
     def pairs(self, samples: Sequence, advantages: torch.Tensor, env: dict) -> GroupPairs:
         return self.re_noised_pairs(group_pairs, samples, advantages, env, group_size=self.samples_per_pair)

@@ -17,6 +17,10 @@ from diffrl.train.objectives.base import ForwardProcessObjective, detached
 class DiffusionNft(ForwardProcessObjective):
     name = "nft"
 
+    @classmethod
+    def forwards_without_grad(cls, cfg) -> float:
+        return 1 + super().forwards_without_grad(cfg)  # the old policy's velocity
+
     @property
     def rollout_ema(self):
         return self.policy.ema  # the old policy θ_old samples

@@ -17,6 +17,10 @@ from diffrl.train.objectives.base import ForwardProcessObjective
 class RewardFilteredSft(ForwardProcessObjective):
     name = "sft"
 
+    @classmethod
+    def forwards_without_grad(cls, cfg) -> float:
+        return 0.0  # plain flow matching: no KL term, no other weights
+
     def pairs(self, samples: Sequence, advantages: torch.Tensor, env: dict) -> NftPairs:
         """Only the samples above their prompt's mean are data (none of a group whose rewards are equal); their
         `cond` are rows of `env["cond_rows"]`."""
