@@ -249,7 +249,7 @@ def main(argv: list[str] | None = None) -> dict:
     if cuda:
         torch.cuda.reset_peak_memory_stats()
     flops = forward_flops(trainer, PROMPTS[0])
-    r, a, m = cfg.rollout, cfg.algorithm, cfg.model
+    r, m = cfg.rollout, cfg.model
     rollout_guidance = trainer.objective.request(0)["guidance_scale"]  # what the engine is asked for
     rollout_forwards = samples * r.diffusion_num_steps * (2 if rollout_guidance > 1 else 1)
     per_pair = train_forward_equivalents(cfg)
