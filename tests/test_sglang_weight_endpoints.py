@@ -79,19 +79,20 @@ class _LeavesAMark:
         return (open, (self.path, "w"))
 
 
-def miles_tensor_payload(tensor_name: str, tensor: torch.Tensor, mark: str) -> dict:
+def miles_tensor_payload(tensor_name: str, tensor: torch.Tensor, mark: str | None) -> dict:
     """The body of miles' `update_bucket_weights` (flattened bucket under the target module, pickled and
     base64-encoded as `MultiprocessingSerializer.serialize(..., output_str=True)` does)."""
     bucket = {"transformer": {"flattened_tensor": tensor.reshape(-1),
                               "metadata": [{"name": tensor_name, "shape": list(tensor.shape), "dtype": str(tensor.dtype),
-                                            "start_idx": 0, "end_idx": tensor.numel(), "numel": tensor.numel()}],
-                              "trap": _LeavesAMark(mark)}}
+                                            "start_idx": 0, "end_idx": tensor.numel(), "numel": tensor.numel()}]}}
+    if mark is not None:  # a pickle that would leave the mark if anything ran it
+        bucket["transformer"]["trap"] = _LeavesAMark(mark)
     serialized = base64.b64encode(pickle.dumps(bucket)).decode()
     return {"serialized_named_tensors": [serialized], "load_format": "flattened_bucket",
             "target_modules": ["transformer"], "weight_version": "1"}
 
 
-def test_a_pickled_tensor_update_is_refused_and_changes_nothing(tiny_family, tmp_path):
+def test_a_pickled_tensor_update_is_off_by_default_and_changes_nothing(tiny_family, tmp_path):
     engine = Engine(tiny_family)
     client = client_for(engine)
     before = sample_bits(client)
@@ -101,10 +102,8 @@ def test_a_pickled_tensor_update_is_refused_and_changes_nothing(tiny_family, tmp
 
     response = miles_post(client, "update_weights_from_tensor", miles_tensor_payload(name, param + 1, mark))
 
-    assert response.status_code == 501
-    body = response.json()
-    assert body["success"] is False and body["error"]["field"] == "serialized_named_tensors"
-    assert "pickle" in body["message"] and "/update_weights" in body["message"] and body["detail"]
+    assert response.status_code == 404  # tests/test_update_weights_from_tensor.py: with the flag
+    assert "--update-weights-from-tensor" in response.json()["error"]["message"]
     assert not os.path.exists(mark)  # nothing was unpickled
     assert engine.weight_version == 0 and sample_bits(client) == before
     assert miles_post(client, "get_weights_checksum", {"module_names": ["transformer"]}).json() == checksum
@@ -245,7 +244,7 @@ def test_tensor_checker_compares_sglangs_manifest(tiny_family):
                                       "release_memory_occupation", "resume_memory_occupation"])
 def test_state_changing_endpoints_are_guarded(tiny_family, endpoint):
     engine = Engine(tiny_family)
-    guarded = client_for(engine, update_token="s3cret")
+    guarded = client_for(engine, update_token="s3cret", limits=ServerLimits(tensor_updates=True))
     assert miles_post(guarded, endpoint).status_code == 401
     assert miles_post(guarded, endpoint, authorization="Bearer nope").status_code == 401
     as_text = guarded.post(f"/{endpoint}", content=b"{}", headers={"authorization": "Bearer s3cret",
@@ -253,7 +252,7 @@ def test_state_changing_endpoints_are_guarded(tiny_family, endpoint):
     assert as_text.status_code == 415 and as_text.json()["error"]["field"] == "content-type"
     from_page = miles_post(guarded, endpoint, authorization="Bearer s3cret", origin="http://evil.example")
     assert from_page.status_code == 403 and from_page.json()["error"]["field"] == "origin"
-    exposed = TestClient(create_app(engine, exposed=True))  # beyond loopback without a token
+    exposed = TestClient(create_app(engine, exposed=True, limits=ServerLimits(tensor_updates=True)))  # no token
     assert miles_post(exposed, endpoint).status_code == 403
     assert engine.asleep == 0 and engine.weight_version == 0
     # Reading a checksum changes nothing: no token needed.
@@ -326,7 +325,7 @@ def test_fuzzed_bodies_get_a_4xx_naming_the_field_and_change_nothing(tiny_family
         response = client.post(f"/{endpoint}", content=json.dumps(body, allow_nan=True).encode(),
                                headers={"content-type": "application/json"})
         if endpoint == "update_weights_from_tensor":
-            assert response.status_code == 501
+            assert response.status_code == 404  # off by default
         elif response.status_code >= 400:
             assert response.status_code < 500, (endpoint, response.text[:300])
             assert response.json()["error"]["field"] and response.json()["success"] is False
@@ -360,7 +359,8 @@ def test_miles_engine_calls_over_a_real_socket(tiny_family, tmp_path):
     engine = Engine(tiny_family)
 
     def make_request(url: str, endpoint: str, payload: dict | None = None):
-        response = requests.post(f"{url}/{endpoint}", json=payload or {}, timeout=30)
+        response = requests.post(f"{url}/{endpoint}", json=payload or {}, timeout=30,
+                                 headers={"authorization": "Bearer s3cret"})
         try:
             response.raise_for_status()
         except requests.exceptions.HTTPError as err:
@@ -368,14 +368,20 @@ def test_miles_engine_calls_over_a_real_socket(tiny_family, tmp_path):
             raise
         return response.json()
 
-    with serving_in_thread(create_app(engine)) as url:
+    limits = ServerLimits(tensor_updates=True)
+    with serving_in_thread(create_app(engine, update_token="s3cret", limits=limits)) as url:
         assert requests.get(f"{url}/health_generate", timeout=5).status_code == 200
         assert make_request(url, "release_memory_occupation")["success"] is True and engine.asleep == 2
         assert make_request(url, "resume_memory_occupation")["success"] is True and engine.asleep == 0
         sums = make_request(url, "get_weights_checksum", {"module_names": ["transformer"]})
         assert sums == {"transformer": sglang_checksum(tiny_family.transformer.named_parameters())}
         name, param = next(iter(tiny_family.transformer.named_parameters()))
-        with pytest.raises(requests.exceptions.HTTPError) as refused:
-            make_request(url, "update_weights_from_tensor", miles_tensor_payload(name, param, str(tmp_path / "mark")))
-        assert refused.value.response.status_code == 501 and "/update_weights" in "".join(refused.value.__notes__)
-    assert engine.weight_version == 0
+        mark = tmp_path / "mark"
+        with pytest.raises(requests.exceptions.HTTPError) as refused:  # a pickle that would open a file
+            make_request(url, "update_weights_from_tensor", miles_tensor_payload(name, param + 1, str(mark)))
+        assert refused.value.response.status_code == 400 and "refused global" in "".join(refused.value.__notes__)
+        assert engine.weight_version == 0 and not mark.exists()
+        expected = param.detach() + 1
+        payload = miles_tensor_payload(name, expected, None)
+        assert make_request(url, "update_weights_from_tensor", payload)["weight_version"] == 1
+        assert torch.equal(dict(tiny_family.transformer.named_parameters())[name], expected)

@@ -1,10 +1,12 @@
 """sglang-diffusion's post-training endpoints on `diffrl serve`: weight sync and memory, as a miles-diffusion
 trainer calls them on its engines (Rockdu/sglang 0372158dd, `entrypoints/post_training/weights_api.py`).
 
-- `POST /update_weights_from_tensor`: refused (501). sglang's payloads (`serialized_named_tensors`) are
-  pickles (`MultiprocessingSerializer`: torch's ForkingPickler, CUDA IPC handles inside), and this server never
-  unpickles what it receives. Nothing is read from the body and nothing changes; the answer names the ways
-  that work: a safetensors body to `POST /update_weights`, or a checkpoint and `/update_weights_from_disk`.
+- `POST /update_weights_from_tensor`: `{"serialized_named_tensors": [base64 pickle], "load_format":
+  "flattened_bucket" | null, "target_modules", "weight_version"}`, miles-diffusion's weight sync. Off unless
+  `diffrl serve --update-weights-from-tensor` (404), then only on a loopback server with an update token (the
+  guard, `server._Guard`). The pickle is read by `tensor_pickle`'s restricted unpickler (CPU tensors by value,
+  dtypes, sizes, sglang's bucket metadata; anything else refused by name before it runs), then loaded as
+  `/update_weights` loads a push: all or nothing, checked.
 - `POST /update_weights_from_disk`: `{"model_path", "flush_cache", "target_modules"}` (+ `weight_version`):
   `<model_path>/<module>/*.safetensors` into the transformer (Wan2.2: its experts), all or nothing and checked
   as `/update_weights` checks a push, from directories under `--weights-roots` only.
@@ -28,17 +30,11 @@ from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
+from diffrl.engine import tensor_pickle
 from diffrl.engine.disk_weights import allowed_directory, read_module_weights
 from diffrl.engine.engine import INT64_MAX, Engine, EngineAsleep, EngineConflict
-from diffrl.engine.server import ServerLimits, _validation_response, error_response
+from diffrl.engine.http_errors import ServerLimits, _validation_response, error_response
 from diffrl.errors import RequestError
-
-PICKLE_REFUSAL = (
-    "refused: sglang's tensor payloads are pickles (MultiprocessingSerializer, CUDA IPC handles inside) and this "
-    "server never unpickles what it receives; nothing was changed. Send the tensors as a safetensors body to "
-    "POST /update_weights (X-Weight-Version header), or save a checkpoint under --weights-roots and POST "
-    "/update_weights_from_disk")
-
 
 class _Body(BaseModel):
     # Strict: a string where a list belongs, or 1 for true, is refused by name rather than read as something else.
@@ -53,6 +49,18 @@ class WeightsFromDisk(_Body):
     """Pipeline components to update; null: every one the engine can (the transformer; Wan2.2's two experts)."""
     weight_version: int | str | None = None
     """diffrl's extension: the version the engine reports from now on (as `X-Weight-Version`); null: one more."""
+
+
+class WeightsFromTensor(_Body):
+    serialized_named_tensors: list[str] = Field(min_length=1, max_length=64)
+    """One base64 pickle per tensor-parallel rank, as sglang takes it: this engine is one rank and reads the first."""
+    load_format: str | None = Field(None, max_length=64)
+    """"flattened_bucket" (miles: one flat tensor and sglang's FlattenedTensorMetadata list) or null ((name,
+    tensor) pairs)."""
+    target_modules: list[str] | None = Field(None, max_length=64)
+    """Pipeline components the payload updates; null: the transformer (sglang's default)."""
+    weight_version: int | str | None = None
+    """The version the engine reports from now on (miles sends it with every bucket); null: one more."""
 
 
 class ChecksumQuery(_Body):
@@ -111,8 +119,29 @@ def transformer_modules(engine: Engine) -> dict[str, str]:
 
 def add_routes(app: FastAPI, engine: Engine, limits: ServerLimits) -> None:
     @app.post("/update_weights_from_tensor")
-    async def update_weights_from_tensor() -> Response:  # token, host, origin, content type: `_Guard`
-        return error_response(501, "serialized_named_tensors", PICKLE_REFUSAL, success_shape=True)
+    async def update_weights_from_tensor(request: Request) -> Response:  # off unless enabled; loopback, token: `_Guard`
+        req = await _parse(request, WeightsFromTensor)
+        if isinstance(req, Response):
+            return req
+        try:
+            version = _version(req.weight_version)
+            available = transformer_modules(engine)
+            names = ["transformer"] if req.target_modules is None else req.target_modules
+            unknown = [n for n in names if n not in available]
+            if unknown or not names:
+                raise RequestError("target_modules", f"this engine updates {', '.join(available)} from tensors; got "
+                                                     f"{', '.join(n[:100] for n in unknown) if unknown else 'none'}")
+            if engine.asleep:  # before reading the payload: the update would be refused after
+                raise EngineAsleep("weights", "the engine is asleep: wake it first (POST /resume_memory_occupation)")
+            prefixes = {name: available[name] for name in dict.fromkeys(names)}
+            payload = await asyncio.to_thread(tensor_pickle.decode, req.serialized_named_tensors[0])
+            tensors = tensor_pickle.named_tensors(payload, req.load_format, prefixes)
+            new_version = await asyncio.to_thread(engine.update_weights, tensors, version)
+        except RequestError as err:
+            return _refusal(err)
+        return JSONResponse({"success": True, "message": f"updated {', '.join(prefixes)} from tensors "
+                                                         f"({len(tensors)} tensors)",
+                             "weight_version": new_version})
 
     @app.post("/update_weights_from_disk")
     async def update_weights_from_disk(request: Request) -> Response:  # guarded: `_Guard`

@@ -19,7 +19,9 @@
 - sglang-diffusion's post-training endpoints (`post_training.py`), as miles-diffusion's trainer calls them:
   `/update_weights_from_disk` (from `--weights-roots` only), `/get_weights_checksum`,
   `/update_weights_from_tensor_checker`, `/release_memory_occupation` and `/resume_memory_occupation` (the
-  engine's sleep and wake); `/update_weights_from_tensor` is refused (501: its payloads are pickles).
+  engine's sleep and wake), and `/update_weights_from_tensor` (sglang's pickled tensors: off unless
+  `--update-weights-from-tensor`, then only on a loopback server with an update token, and read by a restricted
+  unpickler, `tensor_pickle.py`).
   Those that change the model or the engine's state (`STATE_CHANGING`) need `Authorization: Bearer <token>`
   when the server has a token (a server bound beyond loopback refuses them unless it has one), a loopback Host
   (DNS rebinding), no foreign `Origin` (web pages) and their own content type (`application/octet-stream` for
@@ -39,7 +41,6 @@ import contextlib
 import ctypes
 import hmac
 import io
-import json
 import os
 import re
 import threading
@@ -58,7 +59,7 @@ from starlette.background import BackgroundTask
 from starlette.exceptions import HTTPException as StarletteHTTPException
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, ValidationInfo, field_validator
 
-from diffrl.engine import sglang
+from diffrl.engine import post_training, sglang
 from diffrl.engine.engine import (
     INT64_MAX,
     Engine,
@@ -68,7 +69,8 @@ from diffrl.engine.engine import (
     EngineConflict,
     RequestCancelled,
 )
-from diffrl.engine.protocol import EXTRA_KEY_ERROR, RolloutRequest, json_number, utf8_text
+from diffrl.engine.http_errors import ServerLimits, _validation_response, error_response
+from diffrl.engine.protocol import RolloutRequest, json_number, utf8_text
 from diffrl.engine.streaming import Body, stream
 from diffrl.engine.wire import MEDIA_TYPE, WireFormatError, decode_weights, encode_outputs, output_body
 from diffrl.errors import RequestError
@@ -110,63 +112,14 @@ def _parse_size(size: str | None) -> tuple[int | None, int | None]:
     return int(match[1]), int(match[2])
 
 
-@dataclass(frozen=True)
-class ServerLimits:
-    """What the HTTP layer refuses before the engine sees a request (docs/wire-format.md, "Limits")."""
-
-    max_body_bytes: int = 1 << 20
-    """Largest JSON body (a prompt is capped by the engine's `max_prompt_chars` as well)."""
-    max_weights_bytes: int | None = None
-    """Largest `/update_weights` body; None: 8 bytes per element of the transformer's state (float64)
-    plus room for the safetensors header."""
-    allowed_hosts: tuple[str, ...] = ()
-    """Host names state-changing endpoints accept besides loopback ones (a loopback server accepts only
-    those: DNS rebinding); an exposed server checks Host only when this is set."""
-    allowed_origins: tuple[str, ...] = ()
-    """`Origin`s state-changing endpoints accept; a request with any other Origin (a web page) is refused."""
-    weights_roots: tuple[Path, ...] = ()
-    """Directories `/update_weights_from_disk` may read checkpoints from (and what lies under them); empty: none."""
-
-
 LOOPBACK_HOSTS = ("127.0.0.1", "localhost", "::1")
 # Endpoints that change the model, with the only body type each takes (a web page can send text/plain
 # cross-origin without a preflight; it cannot send these).
+TENSOR_PICKLE_PATH = "/update_weights_from_tensor"
 STATE_CHANGING = {"/update_weights": "application/octet-stream", "/lora_adapter": "application/json",
                   # sglang-diffusion's post-training endpoints (`post_training.py`)
                   "/update_weights_from_tensor": "application/json", "/update_weights_from_disk": "application/json",
                   "/release_memory_occupation": "application/json", "/resume_memory_occupation": "application/json"}
-
-
-def error_response(status: int, field: str, message: str, detail: list | None = None, *,
-                   success_shape: bool = False) -> Response:
-    """A one-line error naming the field. Encoded as ASCII JSON, so input that cannot be encoded (lone
-    surrogates, NaN) is never what turns a refusal into a 500. `detail` is FastAPI's, what sglang-diffusion's
-    clients read: the schema errors' list, else the same line as text. `success_shape`: also sglang-diffusion's
-    post-training answer keys, `"success": false` and `message` (the same line)."""
-    message = " ".join(str(message).split())[:400]
-    body = {"error": {"field": field[:200], "message": message},
-            "detail": detail if detail is not None else f"{field[:200]}: {message}"}
-    if success_shape:
-        line = message if message.startswith(f"{field[:200]}: ") else f"{field[:200]}: {message}"
-        body = {"success": False, "message": line, **body}
-    return Response(json.dumps(body, ensure_ascii=True, allow_nan=False), status_code=status,
-                    media_type="application/json")
-
-
-def _validation_response(errors: list[dict], *, success_shape: bool = False) -> Response:
-    """422 for a schema error, in FastAPI's `detail` shape (loc, msg, type) plus `error`, but without the
-    `input`/`ctx` echo (which may hold what JSON cannot encode)."""
-    detail = []
-    for err in errors[:10]:
-        loc = [part if isinstance(part, int) else str(part)[:100] for part in err.get("loc", ())]
-        if err.get("type") == EXTRA_KEY_ERROR:  # a refused extra_sampling_params key: name it, not the body
-            loc += ["extra_sampling_params", str((err.get("ctx") or {}).get("key", ""))[:100]]
-        detail.append({"loc": loc, "msg": " ".join(str(err.get("msg", "")).split())[:300],
-                       "type": str(err.get("type", ""))[:60]})
-    first = detail[0] if detail else {"loc": [], "msg": "invalid request"}
-    field = ".".join(str(p) for p in first["loc"] if p != "body") or "body"
-    message = first["msg"] if first["msg"].startswith(f"{field}: ") else f"{field}: {first['msg']}"
-    return error_response(422, field, message, detail, success_shape=success_shape)
 
 
 def _host_name(host: str) -> str:
@@ -195,7 +148,9 @@ class _Guard:
         path = scope.get("path", "")
         refusal = self._refusal(path, headers) if path in STATE_CHANGING else None
         if refusal is None:
-            limit = (self._weights_limit() if path == "/update_weights" else self.limits.max_body_bytes)
+            limit = (self._weights_limit() if path == "/update_weights" else
+                     self._weights_limit() * 4 // 3 + self.limits.max_body_bytes if path == TENSOR_PICKLE_PATH else
+                     self.limits.max_body_bytes)  # base64 of a pickle of the weights, in a JSON body
             declared = headers.get("content-length")
             if declared is not None and not declared.isdigit():
                 refusal = error_response(400, "content-length", "not a byte count")
@@ -235,6 +190,13 @@ class _Guard:
         return 8 * sum(t.numel() for t in state.values()) + 1024 * len(state) + (1 << 20)
 
     def _refusal(self, path: str, headers: dict[str, bytes]) -> Response | None:
+        if path == TENSOR_PICKLE_PATH:  # pickles: off unless asked for, then loopback and token only
+            if not self.limits.tensor_updates:
+                return error_response(404, "path", f"{path} is off: start diffrl serve with "
+                                                    "--update-weights-from-tensor (loopback, with --update-token)")
+            if self.exposed or self.token is None:
+                return error_response(403, "authorization", f"{path} is answered only on a loopback server "
+                                                            "with --update-token")
         if self.token is None and self.exposed:
             return error_response(403, "authorization", "weight updates are disabled on an exposed server "
                                                         "without --update-token")
@@ -420,8 +382,6 @@ def create_app(engine: Engine, *, update_token: str | None = None, exposed: bool
         images = to_uint8(torch.stack([o.generated_output[:, 0] if video else o.generated_output for o in outputs]))
         return JSONResponse({"created": int(time.time()), "data": [{"b64_json": _png_b64(img)} for img in images]})
 
-    from diffrl.engine import post_training  # its routes use this module's error shapes
-
     post_training.add_routes(app, engine, limits)
     return app
 
@@ -539,6 +499,10 @@ class ServeConfig:
     weights_roots: tuple[Path, ...] = ()
     """Directories POST /update_weights_from_disk may load checkpoints from, with everything under them (symlinks
     resolved first); default: none, the endpoint refuses every path."""
+    update_weights_from_tensor: bool = False
+    """Answer POST /update_weights_from_tensor, miles-diffusion's weight sync (sglang's base64 pickles, read by a
+    restricted unpickler that rebuilds only CPU tensors pickled by value; docs/wire-format.md). Needs a loopback
+    --host and an update token; off: the endpoint answers 404."""
     docs: bool = False
     """Serve /docs and /openapi.json."""
     malloc_arena_max: int = 2
@@ -561,7 +525,8 @@ class ServeConfig:
     def server_limits(self) -> ServerLimits:
         return ServerLimits(max_body_bytes=self.max_body_bytes, max_weights_bytes=self.max_weights_bytes,
                             allowed_hosts=tuple(self.allowed_hosts), allowed_origins=tuple(self.allowed_origins),
-                            weights_roots=tuple(Path(root) for root in self.weights_roots))
+                            weights_roots=tuple(Path(root) for root in self.weights_roots),
+                            tensor_updates=self.update_weights_from_tensor)
 
 
 def build_engine(cfg: ServeConfig) -> Engine:
@@ -573,7 +538,7 @@ def build_engine(cfg: ServeConfig) -> Engine:
     speed = SpeedOptions.of(cfg)  # eager numerics kept with --compile, as `diffrl train` keeps them by default
     speed.check()  # before the model loads
     if cfg.checkpoint is not None:  # a trained model: its run's base and family unless given
-        from diffrl.cli.runs import find_run
+        from diffrl.utils.run_folders import find_run
         from diffrl.models.checkpoint import load_model
 
         run = find_run(cfg.checkpoint)
@@ -640,13 +605,22 @@ def serving_in_thread(app, start_timeout_s: float = 20.0, keep_alive_s: float = 
         thread.join(timeout=10)
 
 
+def check_tensor_updates(enabled: bool, *, exposed: bool, token: str | None) -> None:
+    """Refuse to start a server that would take pickled tensor updates from beyond loopback or without a token."""
+    if enabled and exposed:
+        raise ValueError("--update-weights-from-tensor takes pickles: only on a loopback --host (127.0.0.1, ::1)")
+    if enabled and not token:
+        raise ValueError("--update-weights-from-tensor needs --update-token (or DIFFRL_ENGINE_TOKEN)")
+
+
 def serve(cfg: ServeConfig) -> None:
     import uvicorn
 
-    limit_malloc_arenas(cfg.malloc_arena_max)
-    engine = build_engine(cfg)
     token = cfg.update_token or os.environ.get("DIFFRL_ENGINE_TOKEN")
     exposed = cfg.host not in LOOPBACK_HOSTS
+    check_tensor_updates(cfg.update_weights_from_tensor, exposed=exposed, token=token)
+    limit_malloc_arenas(cfg.malloc_arena_max)
+    engine = build_engine(cfg)
     app = create_app(engine, update_token=token, exposed=exposed, limits=cfg.server_limits(), docs=cfg.docs,
                      trim_heap=cfg.malloc_arena_max > 0, stream_responses=cfg.stream_responses,
                      model_path=str(cfg.checkpoint or cfg.model_path) if (cfg.checkpoint or cfg.model_path) else None)
