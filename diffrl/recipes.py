@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import torch
 
+from diffrl.errors import AnotherFamilysCheckpoint
 from diffrl.train.config import TrainConfig
 
 _GPU_BATCH = dict(  # 32 prompts × 16 samples per rollout, 2 optimizer steps of 256 samples
@@ -267,3 +268,18 @@ def recipe_config(name: str | None, device: str = "auto") -> TrainConfig:
     if name is None:
         return TrainConfig()
     return TrainConfig.flat(recipe=name, **recipe_overrides(name, device))
+
+
+def family_recipes(family: str) -> list[str]:
+    """The published recipes that train `family`; the shapes recipes train the demo model."""
+    return [name for name, sizes in SIZED.items() if sizes["gpu"].get("diffusion_model_family", "demo") == family]
+
+
+def another_familys_message(err: AnotherFamilysCheckpoint) -> str:
+    """A refused checkpoint of another family, with the fix a command-line user acts on: a recipe of the
+    checkpoint's family, or the family flag."""
+    names = " or ".join(err.families)
+    recipes = [r for name in err.families for r in family_recipes(name)]
+    fix = (f"pass a recipe of the {names} family ({', '.join(recipes)}) or --diffusion-model-family {names}"
+           if recipes else f"pass --diffusion-model-family {names} (no recipe of that family yet)")
+    return f"{err.what}: {fix}"

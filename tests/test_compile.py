@@ -10,7 +10,7 @@ import torch
 
 from diffrl.models.base import FamilyAdapter, repeated_blocks
 from diffrl.models.compile import block_kinds_at_recompile_limit, compile_blocks, uncompiled_block_kinds
-from diffrl.models.compile_settings import compile_settings
+from diffrl.utils.compile_settings import compile_settings
 from diffrl.train.trainer import Trainer
 from family_checks import run_training
 from test_trainer import tiny_config
@@ -80,7 +80,7 @@ def test_blocks_that_dynamo_skipped_are_named():
 @pytest.fixture
 def recompile_limit_of_two(monkeypatch):
     """dynamo's recompile limit at 2 where compiled blocks run (`compile_settings`), for one test."""
-    from diffrl.models import compile_settings
+    from diffrl.utils import compile_settings
 
     settings = {k: dict(v) for k, v in compile_settings._SETTINGS.items()}
     settings["dynamo"]["recompile_limit"] = 2
@@ -185,7 +185,7 @@ def test_compile_settings_reach_the_threads_that_run_compiled_blocks(monkeypatch
 
     import torch._inductor.config as inductor
 
-    from diffrl.models import compile_settings as settings_module
+    from diffrl.utils import compile_settings as settings_module
 
     monkeypatch.setattr(settings_module, "_SETTINGS", {"dynamo": {}, "inductor": {}})
     model = torch.nn.Module()

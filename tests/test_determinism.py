@@ -15,7 +15,7 @@ from diffrl.utils import determinism
 def restore_determinism(monkeypatch):
     """Deterministic mode is process-wide: the other tests get torch's defaults back."""
     monkeypatch.delenv("CUBLAS_WORKSPACE_CONFIG", raising=False)
-    from diffrl.models import compile_settings
+    from diffrl.utils import compile_settings
 
     monkeypatch.setattr(compile_settings, "_SETTINGS", {k: dict(v) for k, v in compile_settings._SETTINGS.items()})
     cudnn = torch.backends.cudnn.deterministic, torch.backends.cudnn.benchmark
@@ -99,7 +99,7 @@ def test_compiled_blocks_are_deterministic_too(restore_determinism):
 
     import torch._inductor.config as inductor
 
-    from diffrl.models.compile_settings import compile_settings
+    from diffrl.utils.compile_settings import compile_settings
 
     assert determinism.enable("cpu")["inductor_deterministic"]
     seen = []

@@ -2,7 +2,7 @@
 
 import pytest
 
-from diffrl.train.prompt_sampler import CategorySampler
+from diffrl.tasks.prompt_sampler import CategorySampler
 
 PROMPTS = {"easy": ["a red circle", "a blue square"], "hard": ["three triangles", "four diamonds"], "mid": ["two circles"]}
 

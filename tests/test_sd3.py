@@ -167,7 +167,7 @@ def test_a_checkpoint_of_another_family_is_refused_naming_both(sd3_dir, tmp_path
 
     with pytest.raises(ModelLoadError, match=r"sd3-tiny is a checkpoint of the sd3 family \(transformer/ holds "
                                              r"SD3Transformer2DModel\), not of Qwen-Image \(which loads "
-                                             r"QwenImageTransformer2DModel\): pass a recipe of the sd3 family"):
+                                             r"QwenImageTransformer2DModel\): pass --diffusion-model-family sd3$"):
         QwenImageFamily.load(sd3_dir)
     qwen_dir = save_qwen(tmp_path / "qwen-tiny")
     data = tmp_path / "prompts.txt"

@@ -38,8 +38,7 @@ def test_a_shared_transformer_class_is_told_apart_by_the_rest_of_the_checkpoint(
     shapes = shutil.copytree(SHIPPED_DEMO_MODEL, tmp_path / "my-shapes")
     assert resolve_family(None, shapes) is get_family("demo")
     with pytest.raises(ModelLoadError, match=rf"^{shapes} is a checkpoint of the demo family \(its model_index.json "
-                                             r"names it\), not of FLUX 3: pass a recipe of the demo family "
-                                             r"\(shapes-nft, shapes-grpo\) or --diffusion-model-family demo$"):
+                                             r"names it\), not of FLUX 3: pass --diffusion-model-family demo$"):
         get_family("flux3_image").load(shapes)
 
 
@@ -49,8 +48,7 @@ def test_every_family_names_a_flux3_checkpoint_before_reading_its_settings(flux3
     …/model_index.json (bad 'diffrl' block …)", "the scheduler uses dynamic shifting" or "a Flux3ModularPipeline
     checkpoint (image-to-video or another conditioned mode)"."""
     with pytest.raises(ModelLoadError, match=rf"^{flux3_dir} is a checkpoint of the flux3_image family \(.*\), not of "
-                                             r".*: pass a recipe of the flux3_image family \(flux3-klein-nft-pickscore, "
-                                             r"flux3-klein-grpo-hps\) or --diffusion-model-family flux3_image$"):
+                                             r".*: pass --diffusion-model-family flux3_image$"):
         get_family(family).load(flux3_dir)
 
 

@@ -268,8 +268,8 @@ def main(argv: list[str] | None = None) -> int:
     from diffrl.cli.compare import CompareConfig, compare
     from diffrl.cli.evaluate import evaluate
     from diffrl.engine.server import ServeConfig, serve
-    from diffrl.errors import ModelLoadError
-    from diffrl.rollout.clients import EngineUnavailable
+    from diffrl.errors import AnotherFamilysCheckpoint, EngineUnavailable, ModelLoadError
+    from diffrl.recipes import another_familys_message
     from diffrl.train.config import TrainConfig
     from diffrl.train.pretrain import PretrainConfig, pretrain
 
@@ -299,7 +299,8 @@ def main(argv: list[str] | None = None) -> int:
             evaluate(config)
     except (ModelLoadError, FileExistsError, FileNotFoundError, ValueError) as err:
         # Bad configuration or a broken checkpoint: one line, no traceback.
-        print(f"error: {err}", file=sys.stderr)
+        print(f"error: {another_familys_message(err) if isinstance(err, AnotherFamilysCheckpoint) else err}",
+              file=sys.stderr)
         return 2
     except EngineUnavailable as err:
         # An engine that died or cannot be reached (e.g. a --colocate engine process killed): its name and

@@ -37,9 +37,8 @@ from diffrl.engine.weight_sync import (
     share_tensor,
 )
 from diffrl.engine.wire import WireFormatError, decode_outputs, encode_outputs
-from diffrl.errors import RequestError
+from diffrl.errors import EngineUnavailable, RequestError
 from diffrl.models.lora import LoraSpec
-from diffrl.rollout.clients import EngineUnavailable
 from diffrl.utils import determinism
 from diffrl.utils.offload import device_free_bytes, stranded_bytes
 from diffrl.utils.spawned import no_named_semaphores

@@ -27,6 +27,11 @@ import msgpack
 import torch
 from safetensors.torch import save as save_safetensors
 
+
+class WireFormatError(ValueError):
+    """A payload that is not a well-formed rollout response."""
+
+
 CHUNK_BYTES = 4 << 20
 """Bytes handed to the server per send: large enough that the per-chunk overhead (a thread hop) is noise,
 small enough to bound what one response holds beyond its tensors."""
@@ -260,8 +265,6 @@ class JsonListSplitter:
         self.count = 0
 
     def feed(self, data: bytes | memoryview) -> list[bytes]:
-        from diffrl.engine.wire import WireFormatError
-
         data = bytes(data)
         elements, pos, start = [], 0, 0
         while True:
@@ -326,7 +329,5 @@ class JsonListSplitter:
                     return pos
 
     def finish(self) -> None:
-        from diffrl.engine.wire import WireFormatError
-
         if self._state != "done":
             raise WireFormatError(f"the JSON list ended early (after {self.count} complete records)")

@@ -24,10 +24,16 @@ from multiprocessing.reduction import ForkingPickler
 import torch
 import torch.multiprocessing  # registers torch's tensor-sharing reductions with multiprocessing
 
-from diffrl.engine.wire import dtype_name
 from diffrl.errors import RequestError
 
 DEFAULT_BUFFER_BYTES = 512 * 2**20
+
+
+def dtype_name(dtype: torch.dtype) -> str:
+    """A dtype as the wire formats spell it: `bfloat16`, not `torch.bfloat16`."""
+    return str(dtype).removeprefix("torch.")
+
+
 ALIGN = 64  # every tensor starts at a multiple of this in the buffer, so a byte slice can be viewed as any dtype
 
 _DTYPES = {dtype_name(d): d for d in (torch.float64, torch.float32, torch.bfloat16, torch.float16, torch.int64,

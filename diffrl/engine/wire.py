@@ -25,20 +25,14 @@ from diffrl.engine.streaming import (
     Body,
     SafetensorsFile,
     TensorFile,
+    WireFormatError,
     msgpack_array_header,
     msgpack_parts,
 )
+from diffrl.engine.weight_sync import dtype_name
 
 MEDIA_TYPE = "application/msgpack"
 _TENSOR_KEY = "data"
-
-
-class WireFormatError(ValueError):
-    """A payload that is not a well-formed rollout response."""
-
-
-def dtype_name(dtype: torch.dtype) -> str:
-    return str(dtype).removeprefix("torch.")
 
 
 def decode_tensor(obj: dict) -> torch.Tensor:

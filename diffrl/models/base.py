@@ -60,7 +60,8 @@ from diffrl.models.batch_invariance import (
     one_value_for_all_rows,
     rows_share_one_timestep,
 )
-from diffrl.models.compile_settings import compile_settings
+from diffrl.models.blocks import repeated_blocks
+from diffrl.models.compile import compile_blocks
 from diffrl.models.components import (
     Component,
     checkpoint_root,
@@ -70,7 +71,9 @@ from diffrl.models.components import (
     read_settings,
     refuse_another_familys,
 )
+from diffrl.models.families import register_family, registered_families
 from diffrl.models.weights import load_weights
+from diffrl.utils.compile_settings import compile_settings
 
 # What family modules import from here (`ModelLoadError`, `Component` and `read_json` are re-exported).
 __all__ = ["Component", "FamilyAdapter", "Latents", "ModelLoadError", "PromptEmbeds", "read_json", "register_family",
@@ -392,8 +395,6 @@ class FamilyAdapter(ABC):
     def compile(self, *, mode: str | None = None, eager_numerics: bool = True) -> int:
         """`--compile`: compile what the family's forward runs, regionally (`models/compile.py`): by default its
         repeated blocks; returns how many. A family whose forward bypasses its blocks' calls compiles that too."""
-        from diffrl.models.compile import compile_blocks
-
         return compile_blocks(self.transformer, self.block_lists, mode=mode, eager_numerics=eager_numerics)
 
     def compiled_units(self) -> dict[str, list]:
@@ -415,23 +416,6 @@ class FamilyAdapter(ABC):
         load_weights(self.transformer, model_dir / "transformer" / "diffusion_pytorch_model.safetensors")
 
 
-# The families by name. Kept here, beside the class they subclass, so that a family module registers itself
-# without importing the registry (which imports the family modules).
-_FAMILIES: dict[str, type[FamilyAdapter]] = {}
-
-
-def register_family(cls: type[FamilyAdapter]) -> type[FamilyAdapter]:
-    if cls.name in _FAMILIES:
-        raise ValueError(f"model family {cls.name!r} is registered twice")
-    _FAMILIES[cls.name] = cls
-    return cls
-
-
-def registered_families() -> dict[str, type[FamilyAdapter]]:
-    """The families registered so far (`diffrl.models.registry` imports the built-in ones first)."""
-    return _FAMILIES
-
-
 def wire_text_tokens(kwargs: dict) -> torch.Tensor:
     """`encoder_hidden_states` of sglang cond kwargs as one `[L, D]` tensor: sglang sends a list (one entry
     per text encoder, concatenated along the tokens as its trainers do) or, for some families, a bare tensor."""
@@ -451,17 +435,3 @@ def require_pixel_multiple(label: str, step: int, **sizes: int) -> None:
     for name, value in sizes.items():
         if value < step or value % step:
             raise RequestError(name, f"{name}={value}: {label} needs a positive multiple of {step} pixels")
-
-
-def repeated_blocks(transformer: torch.nn.Module, block_lists: Sequence[str]) -> list[torch.nn.Module]:
-    """The blocks named by a family's `block_lists`, in order: a ModuleList's items, each ModuleList of a
-    ModuleDict (per-mode blocks), or a single module. One unit each for FSDP2 and for compilation."""
-
-    def blocks(container: torch.nn.Module) -> list[torch.nn.Module]:
-        if isinstance(container, torch.nn.ModuleDict):
-            return [b for child in container.values() for b in blocks(child)]
-        if isinstance(container, torch.nn.ModuleList):
-            return list(container)
-        return [container]
-
-    return [b for name in block_lists for b in blocks(getattr(transformer, name))]

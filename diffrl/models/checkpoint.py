@@ -23,6 +23,7 @@ from diffrl.errors import ModelLoadError, WeightsMismatch
 from diffrl.models.base import FamilyAdapter
 from diffrl.models.registry import resolve_family
 from diffrl.models.weights import read_weights
+from diffrl.utils.manifest import verify_checkpoint
 
 
 def load_model(base_path: Path, checkpoint: Path | None = None, *, family: str | None = None,
@@ -33,8 +34,6 @@ def load_model(base_path: Path, checkpoint: Path | None = None, *, family: str |
         return family_cls.load(base_path, device=device)
     checkpoint = Path(checkpoint)
     if (checkpoint / "manifest.json").is_file():  # a run checkpoint: its files must match what was written
-        from diffrl.train.checkpointer import verify_checkpoint
-
         problem = verify_checkpoint(checkpoint)
         if problem is not None:
             raise ModelLoadError(f"damaged checkpoint: {checkpoint} ({problem})")

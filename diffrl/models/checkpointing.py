@@ -20,7 +20,7 @@ from collections.abc import Sequence
 
 import torch
 
-from diffrl.models.base import repeated_blocks
+from diffrl.models.blocks import repeated_blocks
 
 
 def checkpointed_blocks(blocks: Sequence[torch.nn.Module], interval: int) -> list[torch.nn.Module]:

@@ -29,8 +29,8 @@ from collections.abc import Sequence
 
 import torch
 
-from diffrl.models.base import repeated_blocks
-from diffrl.models.compile_settings import compile_setting, require_compile_settings
+from diffrl.models.blocks import repeated_blocks
+from diffrl.utils.compile_settings import compile_setting, require_compile_settings
 
 # Each kind of block compiles once per grad mode, autocast state and shape regime (static, then dynamic
 # batch): a family with three kinds of block (SD3.5's dual-attention, plain and last blocks) needs more

@@ -17,7 +17,8 @@ from typing import Any
 
 import torch
 
-from diffrl.errors import ModelLoadError
+from diffrl.errors import AnotherFamilysCheckpoint, ModelLoadError
+from diffrl.models.families import family_names, get_family
 from diffrl.models.weights import require_finite_modules
 
 # The file every folder of a kind holds, read before loading so that a missing or corrupt one is named.
@@ -142,8 +143,6 @@ def refuse_another_familys(root: Path, family: str, label: str, table: Iterable[
 
 def _index_family(root: Path) -> str | None:
     """The family a diffrl-written `model_index.json` names (`diffrl.family`), when it is a known family."""
-    from diffrl.models.registry import family_names
-
     try:
         index = json.loads((root / "model_index.json").read_text())
     except (OSError, ValueError):
@@ -155,13 +154,10 @@ def _index_family(root: Path) -> str | None:
 
 def _another_familys(root: Path, owners: list[str], evidence: str, label: str, loads: str | None) -> None:
     """The one-line refusal, in the order a reader acts on it: what the checkpoint is (and how we know), what the
-    run's family is, what to pass instead."""
+    run's family is, what to pass instead (the command line adds the recipes of that family)."""
     names = " or ".join(owners)
-    recipes = [r for name in owners for r in family_recipes(name)]
-    fix = (f"pass a recipe of the {names} family ({', '.join(recipes)}) or --diffusion-model-family {names}"
-           if recipes else f"pass --diffusion-model-family {names} (no recipe of that family yet)")
-    raise ModelLoadError(f"{root} is a checkpoint of the {names} family ({evidence}), not of {label}"
-                         + (f" ({loads})" if loads else "") + f": {fix}")
+    raise AnotherFamilysCheckpoint(f"{root} is a checkpoint of the {names} family ({evidence}), not of {label}"
+                                   + (f" ({loads})" if loads else ""), owners)
 
 
 def _refuse_another_familys(root: Path, component: Component, label: str) -> None:
@@ -182,8 +178,6 @@ def checkpoint_families(root: Path, folder: str, class_name: str) -> list[str]:
     the checkpoint at `root` best: every folder they need present, the most of their model classes matching (a
     FLUX 3 checkpoint's Qwen3-VL text encoder and VAE are FLUX 3's, not the demo model's, which shares its
     transformer class)."""
-    from diffrl.models.registry import get_family
-
     owners = families_loading(folder, class_name)
     if (claimed := _index_family(root)) in owners:
         return [claimed]
@@ -200,18 +194,9 @@ def checkpoint_families(root: Path, folder: str, class_name: str) -> list[str]:
     return [name for name in owners if fits.get(name) == best]
 
 
-def family_recipes(family: str) -> list[str]:
-    """The published recipes (`diffrl/recipes.py`) that train `family`; the shapes recipes train the demo model."""
-    from diffrl.recipes import SIZED
-
-    return [name for name, sizes in SIZED.items() if sizes["gpu"].get("diffusion_model_family", "demo") == family]
-
-
 def families_loading(folder: str, class_name: str) -> list[str]:
     """The families whose checkpoints hold a model of `class_name` in `folder`, by name (several when
     families share a class: the demo model is a small FLUX 3 transformer)."""
-    from diffrl.models.registry import family_names, get_family
-
     return [name for name in family_names() if any(
         c.folder == folder and c.kind == "model" and c.loads_class == class_name for c in get_family(name).components)]
 

@@ -30,7 +30,7 @@ from collections.abc import Sequence
 
 import torch
 
-from diffrl.models.base import repeated_blocks
+from diffrl.models.blocks import repeated_blocks
 
 E4M3 = torch.float8_e4m3fn
 E4M3_MAX = torch.finfo(E4M3).max

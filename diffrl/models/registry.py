@@ -5,7 +5,8 @@ environment variable `DIFFRL_MODEL_FAMILY`, then the checkpoint directory's name
 `name_patterns`, then the checkpoint's transformer class (`transformer/config.json`'s `_class_name`, else
 `model_index.json`'s entry for `transformer`) when exactly one family loads it (of those that share the class, the
 one whose other folders and classes the checkpoint has: FLUX 3 beside the demo model). Family modules register
-themselves with `register_family` (from `base`, so that they need not import this module, which imports them).
+themselves with `register_family` (`families.py`, below them, so that they need not import this module, which
+imports them).
 """
 
 from __future__ import annotations
@@ -13,24 +14,14 @@ from __future__ import annotations
 import os
 from pathlib import Path
 
-from diffrl.models.base import FamilyAdapter, registered_families
+from diffrl.models.base import FamilyAdapter
 from diffrl.models.components import checkpoint_class, checkpoint_families, checkpoint_root
+from diffrl.models.families import family_names, get_family, registered_families, set_builtin_importer
+
+__all__ = ["FAMILY_ENV_VAR", "family_names", "get_family", "resolve_family"]
 
 FAMILY_ENV_VAR = "DIFFRL_MODEL_FAMILY"
 _FAMILIES = registered_families()
-
-
-def family_names() -> list[str]:
-    _import_builtin_families()
-    return sorted(_FAMILIES)
-
-
-def get_family(name: str) -> type[FamilyAdapter]:
-    _import_builtin_families()
-    try:
-        return _FAMILIES[name]
-    except KeyError:
-        raise ValueError(f"unknown model family {name!r}; known: {', '.join(sorted(_FAMILIES))}") from None
 
 
 def resolve_family(explicit: str | None = None, model_path: str | Path | None = None) -> type[FamilyAdapter]:
@@ -65,7 +56,8 @@ def resolve_family(explicit: str | None = None, model_path: str | Path | None = 
 
 
 def _import_builtin_families() -> None:
-    # Importing a family module registers it (lazily: the first lookup pays for the imports).
+    # Importing a family module registers it. Deferred to the first lookup: the family modules import diffusers and
+    # transformers (about 5 s on a CPU), which `import diffrl.models` should not pay for.
     import diffrl.models.cosmos3  # noqa: F401
     import diffrl.models.demo  # noqa: F401
     import diffrl.models.flux3_image  # noqa: F401
@@ -74,3 +66,6 @@ def _import_builtin_families() -> None:
     import diffrl.models.qwen_image  # noqa: F401
     import diffrl.models.sd3  # noqa: F401
     import diffrl.models.wan2_2  # noqa: F401
+
+
+set_builtin_importer(_import_builtin_families)

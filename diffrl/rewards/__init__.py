@@ -16,17 +16,10 @@ from __future__ import annotations
 import functools
 from collections.abc import Callable, Sequence
 
-_REWARDS: dict[str, Callable] = {}
-
-
-def register_reward(name: str):
-    def decorator(fn: Callable) -> Callable:
-        if name in _REWARDS:
-            raise ValueError(f"reward {name!r} is registered twice")
-        _REWARDS[name] = fn
-        return fn
-    return decorator
-
+import diffrl.rewards.jpeg  # registers the jpeg rewards
+import diffrl.rewards.ocr  # registers `ocr`; its model is imported on first use
+import diffrl.rewards.temporal  # noqa: F401  (registers `temporal_consistency`)
+from diffrl.rewards.registry import _REWARDS, TermScores, register_reward, weighted_sum  # noqa: F401  (re-exported)
 
 # Rewards scored by a model from a local checkpoint, asked for as `NAME@PATH[,OPTION=VALUE]`:
 # name → factory(path, device, **options) → scorer.
@@ -350,40 +343,3 @@ def multi_weights(spec: str) -> dict[str, float]:
 def multi_reward(weights: dict[str, float], device: str | None = None) -> Callable:
     """Σ w·reward; each part may be sync or async (the sum is async, the rollout manager awaits it)."""
     return weighted_sum([(get_reward(name, device=device), w) for name, w in weights.items()], names=list(weights))
-
-
-class TermScores(list):
-    """A `multi:` reward's values: the weighted sum per image (the list itself) and each term's own, unweighted
-    values (`terms`: name → one value per image), which GDPO's per-reward normalization reads."""
-
-    def __init__(self, total, terms: dict[str, list[float]]):
-        super().__init__(total)
-        self.terms = terms
-
-
-def weighted_sum(parts: list[tuple[Callable, float]], names: list[str] | None = None) -> Callable:
-    """Σ w·fn over (fn, w) parts; the parts stay readable (`weighted_parts`, `part_names`) for `frames.on_frames`.
-    With `names` the sum comes back as `TermScores`, each part's own values by its name."""
-    import inspect
-
-    async def score(images, prompts, metadata=None) -> list[float]:
-        total = [0.0] * len(prompts)
-        terms = {}
-        for i, (fn, w) in enumerate(parts):
-            values = fn(images, prompts, metadata)
-            if inspect.isawaitable(values):
-                values = await values
-            values = [float(v) for v in values]
-            total = [t + w * v for t, v in zip(total, values, strict=True)]
-            if names is not None:
-                terms[names[i]] = values
-        return total if names is None else TermScores(total, terms)
-
-    score.weighted_parts = parts
-    score.part_names = names
-    return score
-
-
-import diffrl.rewards.jpeg  # registers the jpeg rewards
-import diffrl.rewards.ocr  # registers `ocr`; its model is imported on first use
-import diffrl.rewards.temporal  # noqa: F401  (registers `temporal_consistency`)

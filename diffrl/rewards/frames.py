@@ -7,6 +7,8 @@ from collections.abc import Callable
 
 import torch
 
+from diffrl.rewards.registry import weighted_sum
+
 
 def as_frames(images: torch.Tensor, prompts: list[str], metadata: list[dict] | None):
     """Frames `[B·F, C, H, W]` of videos `[B, C, F, H, W]` (video by video), each frame with its video's
@@ -39,8 +41,6 @@ def on_frames(score: Callable, count: int | None) -> Callable:
         return score
     parts = getattr(score, "weighted_parts", None)
     if parts is not None:  # a multi: sum: each part decides for itself
-        from diffrl.rewards import weighted_sum
-
         return weighted_sum([(on_frames(fn, count), w) for fn, w in parts], names=getattr(score, "part_names", None))
 
     @functools.wraps(score)

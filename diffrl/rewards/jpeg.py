@@ -8,7 +8,7 @@ import io
 
 from PIL import Image
 
-from diffrl.rewards import register_reward
+from diffrl.rewards.registry import register_reward
 from diffrl.rewards.frames import mean_over_frames
 from diffrl.utils.images import to_uint8
 

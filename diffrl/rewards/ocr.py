@@ -15,7 +15,7 @@ from __future__ import annotations
 import functools
 import re
 
-from diffrl.rewards import register_reward
+from diffrl.rewards.registry import register_reward
 from diffrl.rewards.frames import mean_over_frames
 from diffrl.utils.images import to_uint8
 

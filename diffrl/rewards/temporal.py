@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import torch
 
-from diffrl.rewards import register_reward
+from diffrl.rewards.registry import register_reward
 
 
 def _videos(images: torch.Tensor, prompts: list[str]) -> torch.Tensor:

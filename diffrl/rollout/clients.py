@@ -27,7 +27,7 @@ from diffrl.engine.engine import Engine
 from diffrl.engine.protocol import RolloutOutput, RolloutRequest
 from diffrl.engine.streaming import Body
 from diffrl.engine.wire import MEDIA_TYPE, OutputStreamDecoder, WireFormatError, decode_outputs, weights_body
-from diffrl.errors import RequestError
+from diffrl.errors import EngineUnavailable, RequestError
 from diffrl.models.base import FamilyAdapter
 from diffrl.models.lora import LoraSpec
 
@@ -36,10 +36,6 @@ _ACCEPT = {"compact": f"{MEDIA_TYPE}, {sglang.JSON_MEDIA_TYPE};q=0.5", "sglang":
 # Most bytes one read of a streamed response takes: a read returns what has arrived, up to this.
 _READ_BYTES = 4 << 20
 OnOutput = Callable[[int, RolloutOutput], None]
-
-
-class EngineUnavailable(RuntimeError):
-    """The engine failed or could not be reached; the request may be retried elsewhere."""
 
 
 class EngineClient(Protocol):

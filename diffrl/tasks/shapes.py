@@ -22,7 +22,7 @@ from diffrl.evaluation.shapes import (
     validation_prompts,
 )
 from diffrl.tasks.base import EvalOutcome, EvalSettings
-from diffrl.train.prompt_sampler import CategorySampler
+from diffrl.tasks.prompt_sampler import CategorySampler
 
 
 class ShapesTask:

@@ -443,7 +443,7 @@ class TaskConfig:
     """Shapes categories to draw train prompts from (default: all six)."""
     category_sampling: Literal["uniform", "adaptive"] = "uniform"
     """uniform: categories take turns; adaptive: more groups for categories with lower training
-    reward (share ∝ floor + 1 − smoothed mean reward; rewards in [0, 1]). See train/prompt_sampler.py."""
+    reward (share ∝ floor + 1 − smoothed mean reward; rewards in [0, 1]). See tasks/prompt_sampler.py."""
     category_difficulty: Literal["reward", "unsolved"] = "reward"
     """What adaptive sampling calls hard: reward = 1 − the category's smoothed mean reward; unsolved =
     the smoothed fraction of its samples scoring below --category-solved-reward."""

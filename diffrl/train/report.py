@@ -13,6 +13,8 @@ import json
 import statistics
 from pathlib import Path
 
+import numpy as np
+
 from diffrl.train.metrics import best_by_selection, read_metrics
 from diffrl.utils.atomic import write_text_atomic
 
@@ -58,8 +60,6 @@ def write_report(run_dir: Path) -> Path:
 
 
 def render_report(run_dir: Path, flags: dict, records: list[dict]) -> str:
-    from diffrl.train.trainer import run_summary  # the console's summary, one definition
-
     rollouts = [r for r in records if "rollout/reward/raw_mean" in r]
     lines = [f"# Run report: {run_dir.name}", ""]
     done = rollouts[-1]["rollout"] if rollouts else 0
@@ -142,3 +142,50 @@ def _number(value) -> str:
 def _duration(seconds: float) -> str:
     minutes, secs = divmod(round(seconds), 60)
     return f"{minutes} min {secs} s" if minutes else f"{secs} s"
+
+
+def run_summary(records: list[dict], window: int = 4) -> str:
+    """First vs last rollouts' mean reward (± standard error) and held-out scores before/after."""
+    rewards = [r["rollout/reward/raw_mean"] for r in records if "rollout/reward/raw_mean" in r]
+    lines = []
+    rollouts = [r["rollout"] for r in records if "rollout/reward/raw_mean" in r]
+    if len(rewards) == 1:  # too few for first vs last: the one rollout's reward
+        lines.append(f"reward: rollout {rollouts[0]} {rewards[0]:.3f}")
+    if 2 <= len(rewards) < 4:  # windows of one rollout have no standard error
+        lines.append(f"reward: rollout {rollouts[0]} {rewards[0]:.3f} → rollout {rollouts[-1]} {rewards[-1]:.3f}")
+    if len(rewards) >= 4:
+        w = max(1, min(window, len(rewards) // 2))
+
+        def mean_se(xs):
+            m = sum(xs) / len(xs)
+            var = sum((x - m) ** 2 for x in xs) / max(1, len(xs) - 1)
+            return m, (var / len(xs)) ** 0.5
+
+        (m0, s0), (m1, s1) = mean_se(rewards[:w]), mean_se(rewards[-w:])
+        lines.append(f"reward: first {w} rollouts {m0:.3f} ± {s0:.3f} → last {w} rollouts {m1:.3f} ± {s1:.3f}")
+    if len(rewards) >= 3:
+        slope, se = reward_trend(rewards)
+        lines.append(f"reward trend: {slope:+.4f} ± {se:.4f} per rollout (least squares over {len(rewards)} rollouts)")
+    for key, label in (("eval/strict", "held-out strict accuracy"), ("eval/reward", "held-out reward")):
+        evals = [(r["rollout"], r[key]) for r in records if key in r]
+        if len(evals) >= 2:
+            lines.append(f"{label}: rollout {evals[0][0]} {evals[0][1]:.3f} → rollout {evals[-1][0]} {evals[-1][1]:.3f}")
+        elif evals:
+            lines.append(f"{label}: rollout {evals[0][0]} {evals[0][1]:.3f}")
+    best = best_by_selection(records, "val/strict")
+    if best is not None:
+        lines.append(f"checkpoints/best (highest validation accuracy on train prompts): rollout {best['rollout']}, "
+                     f"validation {best['val/strict']:.3f}, held-out {best.get('eval/strict', float('nan')):.3f}")
+    return "\n".join(lines)
+
+
+def reward_trend(rewards: list[float]) -> tuple[float, float]:
+    """Least-squares slope of reward against rollout index and its standard error: a rise is
+    "beyond noise" when the slope is several standard errors above 0."""
+    x = np.arange(len(rewards), dtype=np.float64)
+    y = np.asarray(rewards, dtype=np.float64)
+    xc = x - x.mean()
+    slope = float(xc @ (y - y.mean()) / (xc @ xc))
+    residuals = y - y.mean() - slope * xc
+    se = float(np.sqrt(residuals @ residuals / (len(y) - 2) / (xc @ xc)))
+    return slope, se

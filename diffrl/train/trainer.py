@@ -24,7 +24,6 @@ import time
 from collections.abc import Callable, Sequence
 from pathlib import Path
 
-import numpy as np
 import torch
 from diffrl.utils.progress import tqdm
 
@@ -34,7 +33,6 @@ from diffrl.engine.engine import Engine, EngineConfig
 from diffrl.engine.wire import dtype_name
 from diffrl.errors import RequestError
 from diffrl.models import resolve_family
-from diffrl.models.compile_settings import compile_setting
 from diffrl.models.demo import SHIPPED_DEMO_MODEL
 from diffrl.rewards import default_device, get_reward, multi_weights
 from diffrl.rewards.colocate import InProcessRewards
@@ -49,7 +47,7 @@ from diffrl.rollout import (
 from diffrl.tasks import build_task
 from diffrl.train.checkpointer import Checkpointer
 from diffrl.train.config import TrainConfig
-from diffrl.train.metrics import MetricsLogger, best_by_selection
+from diffrl.train.metrics import MetricsLogger
 from diffrl.train.objectives import build_objective, rollout_conditioning
 from diffrl.train.parallel import (
     Parallel,
@@ -71,9 +69,10 @@ from diffrl.train.replay import (
     prepare_save_dir,
     save_rollout,
 )
-from diffrl.train.report import write_report
+from diffrl.train.report import run_summary, write_report
 from diffrl.train.wandb_run import WandbRun, require_wandb
 from diffrl.utils import determinism
+from diffrl.utils.compile_settings import compile_setting
 from diffrl.utils.device import resolve_device
 from diffrl.utils.folders import check_output_dir
 
@@ -570,41 +569,6 @@ class Trainer:
             print(f"resumed from {path} at rollout {self.rollout_index}")
 
 
-def run_summary(records: list[dict], window: int = 4) -> str:
-    """First vs last rollouts' mean reward (± standard error) and held-out scores before/after."""
-    rewards = [r["rollout/reward/raw_mean"] for r in records if "rollout/reward/raw_mean" in r]
-    lines = []
-    rollouts = [r["rollout"] for r in records if "rollout/reward/raw_mean" in r]
-    if len(rewards) == 1:  # too few for first vs last: the one rollout's reward
-        lines.append(f"reward: rollout {rollouts[0]} {rewards[0]:.3f}")
-    if 2 <= len(rewards) < 4:  # windows of one rollout have no standard error
-        lines.append(f"reward: rollout {rollouts[0]} {rewards[0]:.3f} → rollout {rollouts[-1]} {rewards[-1]:.3f}")
-    if len(rewards) >= 4:
-        w = max(1, min(window, len(rewards) // 2))
-
-        def mean_se(xs):
-            m = sum(xs) / len(xs)
-            var = sum((x - m) ** 2 for x in xs) / max(1, len(xs) - 1)
-            return m, (var / len(xs)) ** 0.5
-
-        (m0, s0), (m1, s1) = mean_se(rewards[:w]), mean_se(rewards[-w:])
-        lines.append(f"reward: first {w} rollouts {m0:.3f} ± {s0:.3f} → last {w} rollouts {m1:.3f} ± {s1:.3f}")
-    if len(rewards) >= 3:
-        slope, se = reward_trend(rewards)
-        lines.append(f"reward trend: {slope:+.4f} ± {se:.4f} per rollout (least squares over {len(rewards)} rollouts)")
-    for key, label in (("eval/strict", "held-out strict accuracy"), ("eval/reward", "held-out reward")):
-        evals = [(r["rollout"], r[key]) for r in records if key in r]
-        if len(evals) >= 2:
-            lines.append(f"{label}: rollout {evals[0][0]} {evals[0][1]:.3f} → rollout {evals[-1][0]} {evals[-1][1]:.3f}")
-        elif evals:
-            lines.append(f"{label}: rollout {evals[0][0]} {evals[0][1]:.3f}")
-    best = best_by_selection(records, "val/strict")
-    if best is not None:
-        lines.append(f"checkpoints/best (highest validation accuracy on train prompts): rollout {best['rollout']}, "
-                     f"validation {best['val/strict']:.3f}, held-out {best.get('eval/strict', float('nan')):.3f}")
-    return "\n".join(lines)
-
-
 def reward_terms(samples: Sequence, names: list[str]) -> torch.Tensor:
     """Each sample's values of a multi: reward's terms, `[samples, terms]` in `names`' order (float64)."""
     missing = next((s for s in samples if not s.reward_terms or set(s.reward_terms) != set(names)), None)
@@ -629,18 +593,6 @@ def learning_rate(cfg: TrainConfig, rollout: int) -> float:
         return o.lr
     progress = min(rollout / (total - 1), 1.0)
     return o.lr * (o.lr_min_ratio + (1 - o.lr_min_ratio) * 0.5 * (1 + math.cos(math.pi * progress)))
-
-
-def reward_trend(rewards: list[float]) -> tuple[float, float]:
-    """Least-squares slope of reward against rollout index and its standard error: a rise is
-    "beyond noise" when the slope is several standard errors above 0."""
-    x = np.arange(len(rewards), dtype=np.float64)
-    y = np.asarray(rewards, dtype=np.float64)
-    xc = x - x.mean()
-    slope = float(xc @ (y - y.mean()) / (xc @ xc))
-    residuals = y - y.mean() - slope * xc
-    se = float(np.sqrt(residuals @ residuals / (len(y) - 2) / (xc @ xc)))
-    return slope, se
 
 
 def train(cfg: TrainConfig) -> dict:

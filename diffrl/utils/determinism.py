@@ -38,7 +38,7 @@ from pathlib import Path
 
 import torch
 
-from diffrl.models.compile_settings import compile_setting, require_compile_settings
+from diffrl.utils.compile_settings import compile_setting, require_compile_settings
 
 CUBLAS_WORKSPACE = ":4096:8"
 _DETERMINISTIC_WORKSPACES = (":4096:8", ":16:8")  # the two cuBLAS documents as reproducible

@@ -1,0 +1,253 @@
+"""The packages of diffrl import only downward, and no set of modules imports itself in a circle.
+
+An AST scan of every module under `diffrl/`, imports inside functions and `if` blocks included, builds the graph of
+diffrl-internal imports. Each module sits in one layer (the table below); an import may point to its own layer or a
+lower one, never up, and the graph has no circle (modules of one package may import each other, but not in a circle).
+
+Imports spelled as strings (`importlib.import_module("diffrl.rewards.hps")`, the reward registry's
+`"module:function"` entries) are not seen; every such string today names a module of the package that holds it.
+
+Run as a script (`python tests/test_import_layers.py`) to print every upward import and every circle.
+"""
+
+from __future__ import annotations
+
+import ast
+import sys
+from dataclasses import dataclass
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+PACKAGE = ROOT / "diffrl"
+
+# Layers, top to bottom: a module may import its own layer or any layer below it.
+LAYERS = ["cli", "recipes-launch", "train", "rollout-tasks-evaluation", "rewards", "serving", "engine", "models", "leaf"]
+
+# Where each top-level module or package of diffrl/ sits, and why. Longest prefix wins (the serving modules of
+# diffrl/engine/ sit above the engine).
+PLACEMENT: dict[str, tuple[str, str]] = {
+    "diffrl": ("leaf", "the package root holds no code"),
+    "diffrl.cli": ("cli", "the commands: they parse flags and wire every other part together"),
+    "diffrl.recipes": ("recipes-launch", "named flag sets for published runs; build train configs"),
+    "diffrl.launch": ("recipes-launch", "Ray placement starts trainers and engine actors on a cluster"),
+    "diffrl.train": ("train", "the loop, policy, objectives, checkpoints and the config tree"),
+    "diffrl.rollout": ("rollout-tasks-evaluation", "the rollout manager and engine clients the trainer drives"),
+    "diffrl.tasks": ("rollout-tasks-evaluation", "where prompts come from and how a model is judged"),
+    "diffrl.evaluation": ("rollout-tasks-evaluation", "sampling at fixed seeds and scoring for evaluate/compare"),
+    "diffrl.rewards": ("rewards", "scorers over decoded images; no engine or trainer state"),
+    "diffrl.engine.server": ("serving", "the HTTP server around one engine"),
+    "diffrl.engine.sglang": ("serving", "sglang-diffusion's JSON request and response format"),
+    "diffrl.engine.wire": ("serving", "diffrl's msgpack + safetensors wire format"),
+    "diffrl.engine.streaming": ("serving", "streamed HTTP responses, one output at a time"),
+    "diffrl.engine.post_training": ("serving", "sglang's post-training endpoints (weights, memory)"),
+    "diffrl.engine.colocated": ("serving", "one engine in its own process behind a pipe, and its client"),
+    "diffrl.engine": ("engine", "request validation, prompt encoding, batched denoising, weight updates"),
+    "diffrl.models": ("models", "family adapters, LoRA, compile, FP8, checkpoint loading"),
+    "diffrl.sampling": ("leaf", "schedules, noise and transitions: pure math over tensors"),
+    "diffrl.algorithms": ("leaf", "advantages, train pairs and losses: pure functions"),
+    "diffrl.data": ("leaf", "prompt files and the shapes world (grammar, renderer, verifier)"),
+    "diffrl.utils": ("leaf", "devices, files, timing and process helpers with no diffrl dependency above"),
+    "diffrl.errors": ("leaf", "the exception types every layer raises"),
+}
+
+
+@dataclass(frozen=True)
+class Edge:
+    source: str  # importing module, dotted
+    target: str  # imported module, dotted
+    path: str  # importing file, relative to the repository
+    line: int
+
+    def __str__(self) -> str:
+        return f"{self.path}:{self.line}: {self.source} -> {self.target}"
+
+
+def module_name(path: Path) -> str:
+    parts = list(path.relative_to(ROOT).with_suffix("").parts)
+    if parts[-1] == "__init__":
+        parts.pop()
+    return ".".join(parts)
+
+
+def all_modules() -> dict[str, Path]:
+    return {module_name(p): p for p in sorted(PACKAGE.rglob("*.py"))}
+
+
+def _resolve(name: str, modules: dict[str, Path]) -> str | None:
+    """The longest prefix of `name` that is a module of diffrl (an attribute import names its module)."""
+    while name:
+        if name in modules:
+            return name
+        name = name.rpartition(".")[0]
+    return None
+
+
+def imports_of(module: str, path: Path, modules: dict[str, Path]) -> list[Edge]:
+    tree = ast.parse(path.read_text(), filename=str(path))
+    is_package = path.name == "__init__.py"
+    rel = str(path.relative_to(ROOT))
+    edges = []
+    for node in ast.walk(tree):
+        targets: list[str] = []
+        if isinstance(node, ast.Import):
+            targets = [alias.name for alias in node.names]
+        elif isinstance(node, ast.ImportFrom):
+            if node.level:
+                base = module.split(".") if is_package else module.split(".")[:-1]
+                base = base[: len(base) - (node.level - 1)]
+                prefix = ".".join(base + ([node.module] if node.module else []))
+            else:
+                prefix = node.module or ""
+            # `from diffrl.engine import server` imports the module diffrl.engine.server; `from diffrl.engine import
+            # Engine` imports the package's __init__.
+            targets = [f"{prefix}.{alias.name}" if f"{prefix}.{alias.name}" in modules else prefix for alias in node.names]
+        for target in targets:
+            if not (target == "diffrl" or target.startswith("diffrl.")):
+                continue
+            resolved = _resolve(target, modules)
+            if resolved is not None and resolved != module:
+                edges.append(Edge(module, resolved, rel, node.lineno))
+    return list(dict.fromkeys(edges))  # one edge per line, however many names it imports
+
+
+def layer_of(module: str) -> str:
+    best = max((prefix for prefix in PLACEMENT if module == prefix or module.startswith(prefix + ".")), key=len)
+    return PLACEMENT[best][0]
+
+
+def import_graph() -> list[Edge]:
+    modules = all_modules()
+    return [edge for module, path in modules.items() for edge in imports_of(module, path, modules)]
+
+
+def upward_imports(edges: list[Edge]) -> list[Edge]:
+    rank = {layer: i for i, layer in enumerate(LAYERS)}  # 0 is the top
+    return [e for e in edges if rank[layer_of(e.target)] < rank[layer_of(e.source)]]
+
+
+def circles(edges: list[Edge]) -> list[list[Edge]]:
+    """One circle per strongly connected component of more than one module (Tarjan), spelled as a closed path."""
+    graph: dict[str, list[Edge]] = {}
+    for e in edges:
+        graph.setdefault(e.source, []).append(e)
+        graph.setdefault(e.target, [])
+    index: dict[str, int] = {}
+    low: dict[str, int] = {}
+    stack: list[str] = []
+    on_stack: set[str] = set()
+    components: list[list[str]] = []
+
+    def connect(v: str) -> None:
+        index[v] = low[v] = len(index)
+        stack.append(v)
+        on_stack.add(v)
+        for e in graph[v]:
+            w = e.target
+            if w not in index:
+                connect(w)
+                low[v] = min(low[v], low[w])
+            elif w in on_stack:
+                low[v] = min(low[v], index[w])
+        if low[v] == index[v]:
+            component = []
+            while True:
+                w = stack.pop()
+                on_stack.discard(w)
+                component.append(w)
+                if w == v:
+                    break
+            if len(component) > 1:
+                components.append(sorted(component))
+
+    limit = sys.getrecursionlimit()
+    sys.setrecursionlimit(max(limit, 10_000))
+    try:
+        for v in sorted(graph):
+            if v not in index:
+                connect(v)
+    finally:
+        sys.setrecursionlimit(limit)
+
+    found = []
+    for component in sorted(components):
+        members = set(component)
+        # the shortest circle through the component's first module, by breadth-first search inside the component
+        start = component[0]
+        came: dict[str, Edge | None] = {start: None}
+        queue = [start]
+        closing = None
+        while queue and closing is None:
+            nxt = []
+            for v in queue:
+                for e in graph[v]:
+                    if e.target not in members:
+                        continue
+                    if e.target == start:
+                        closing = e
+                        break
+                    if e.target not in came:
+                        came[e.target] = e
+                        nxt.append(e.target)
+                if closing is not None:
+                    break
+            queue = nxt
+        path = [closing]
+        v = closing.source
+        while came[v] is not None:
+            path.append(came[v])
+            v = came[v].source
+        path.reverse()
+        found.append((component, path))
+    return found
+
+
+def describe_circle(component: list[str], path: list[Edge], edges: list[Edge]) -> str:
+    members = set(component)
+    inside = [e for e in edges if e.source in members and e.target in members]
+    lines = [f"circle of {len(component)} modules ({', '.join(component)}); the shortest through {component[0]}:"]
+    lines += [f"    {e}" for e in path]
+    lines.append(f"  and every import among them ({len(inside)}):")
+    lines += [f"    {e}" for e in inside]
+    return "\n".join(lines)
+
+
+def test_every_top_level_part_has_a_layer():
+    top = {module_name(p) for p in PACKAGE.glob("*.py")} | {
+        f"diffrl.{p.name}" for p in PACKAGE.iterdir() if (p / "__init__.py").is_file()
+    }
+    top.discard("diffrl")
+    assert not top - set(PLACEMENT), f"give these a layer in PLACEMENT: {sorted(top - set(PLACEMENT))}"
+    assert {layer for layer, _ in PLACEMENT.values()} <= set(LAYERS)
+
+
+def test_the_scan_sees_imports_in_functions_and_relative_imports():
+    modules = all_modules()
+    edges = imports_of("diffrl.data.shapes", modules["diffrl.data.shapes"], modules)
+    assert {"diffrl.data.shapes.grammar", "diffrl.data.shapes.verify"} <= {e.target for e in edges}
+    edges = imports_of("diffrl.rewards", modules["diffrl.rewards"], modules)
+    assert "diffrl.data.shapes.verify" in {e.target for e in edges}  # imported inside a function
+
+
+def test_no_import_points_up_the_layers():
+    upward = upward_imports(import_graph())
+    assert not upward, f"{len(upward)} upward imports (layers, top to bottom: {' > '.join(LAYERS)}):\n" + "\n".join(
+        f"  {e}  ({layer_of(e.source)} imports {layer_of(e.target)})" for e in upward
+    )
+
+
+def test_no_import_circles():
+    graph = import_graph()
+    found = circles(graph)
+    assert not found, f"{len(found)} import circles:\n" + "\n".join(describe_circle(c, p, graph) for c, p in found)
+
+
+if __name__ == "__main__":
+    graph = import_graph()
+    upward = upward_imports(graph)
+    print(f"{len(graph)} diffrl-internal imports; {len(upward)} upward:")
+    for e in upward:
+        print(f"  {e}  ({layer_of(e.source)} imports {layer_of(e.target)})")
+    found = circles(graph)
+    print(f"{len(found)} circles:")
+    for component, path in found:
+        print(describe_circle(component, path, graph))
