@@ -18,7 +18,7 @@ from pathlib import Path
 import torch
 
 from diffrl.evaluation.reward_eval import first_frames
-from diffrl.evaluation.shapes import SampleRecord, evaluate_prompts
+from diffrl.evaluation.shapes import SampleRecord, evaluate_prompts, record_caption
 from diffrl.models.base import FamilyAdapter
 from diffrl.utils.atomic import atomic_path
 from diffrl.utils.images import save_grid
@@ -150,12 +150,13 @@ def tally(rows: Sequence[PromptComparison]) -> dict[str, int]:
 
 
 def save_side_by_side(base_records, trained_records, base_images, trained_images, path: str | Path) -> Path:
-    """Pairs of cells, base then trained, four pairs per row; each captioned ok/X and the prompt."""
+    """Pairs of cells, base then trained, four pairs per row; each captioned with its prompt, ok or X and why
+    (`record_caption`)."""
     cells, captions = [], []
     for b, t, bi, ti in zip(base_records, trained_records, base_images, trained_images, strict=True):
         cells += [bi, ti]
-        captions += [("base ok " if b.strict else "base X ") + b.prompt, ("trained ok " if t.strict else "trained X ") + t.prompt]
-    return save_grid(torch.stack(cells), path, ncols=8, captions=captions, caption_lines=3)
+        captions += [record_caption(b, "base"), record_caption(t, "trained")]
+    return save_grid(torch.stack(cells), path, ncols=8, captions=captions, caption_lines=5)
 
 
 def rows_as_dicts(rows: Sequence[PromptComparison]) -> list[dict]:

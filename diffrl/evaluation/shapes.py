@@ -12,6 +12,7 @@ verifier (`rescore`) or look at what passed.
 from __future__ import annotations
 
 import json
+import re
 from collections import defaultdict
 from collections.abc import Sequence
 from dataclasses import asdict, dataclass
@@ -202,12 +203,28 @@ def rescore(out_dir: str | Path) -> list[SampleRecord]:
     return [judge(row, image) for row, image in saved_samples(out_dir)]
 
 
+def short_reason(reason: str) -> str:
+    """The verifier's failure in a few words: its kind and what was expected and found, without the object's
+    index and the measurements in parentheses ("shape: object 2 expected a circle, found a red stretched shape
+    (aspect 1.57)" -> "shape: expected a circle, found a red stretched shape")."""
+    reason = re.sub(r"\s*\([^()]*\)", "", reason)
+    return " ".join(re.sub(r"\bobject \d+ ", "", reason).split())
+
+
+def record_caption(record: SampleRecord, label: str = "") -> str:
+    """"ok <prompt>" for a strict pass, else "X <prompt>" and, on a line of its own, why it failed."""
+    head = f"{label} " if label else ""
+    if record.strict:
+        return f"{head}ok {record.prompt}"
+    return f"{head}X {record.prompt}\n{short_reason(record.reason)}" if record.reason else f"{head}X {record.prompt}"
+
+
 def save_records_grid(records: Sequence[SampleRecord], images: torch.Tensor, path: str | Path,
                       limit: int | None = None) -> Path:
-    """A grid of scored samples, each captioned "ok <prompt>" (strict pass) or "X <prompt>"."""
+    """A grid of scored samples, each captioned with its prompt, ok (strict pass) or X and why (`record_caption`)."""
     shown = len(records) if limit is None else min(limit, len(records))
-    captions = [("ok " if r.strict else "X ") + r.prompt for r in records[:shown]]
-    return save_grid(images[:shown], path, ncols=8, captions=captions, caption_lines=3)
+    captions = [record_caption(r) for r in records[:shown]]
+    return save_grid(images[:shown], path, ncols=8, captions=captions, caption_lines=5)
 
 
 def sample_grid(

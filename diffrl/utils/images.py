@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from pathlib import Path
 
 import numpy as np
@@ -15,6 +15,35 @@ def to_uint8(images: torch.Tensor) -> np.ndarray:
     return (images.detach().float().clamp(0, 1) * 255).round().to(torch.uint8).permute(0, 2, 3, 1).cpu().numpy()
 
 
+def wrap_caption(text: str, fits: Callable[[str], bool], max_lines: int) -> list[str]:
+    """`text` in at most `max_lines` lines that each `fits`, broken at spaces (a word is cut only when it is
+    wider than a whole line) and at its own line breaks; text left over ends the last line with "…"."""
+    lines: list[str] = []
+    for paragraph in text.split("\n"):
+        line = ""
+        for word in paragraph.split():
+            candidate = f"{line} {word}" if line else word
+            if fits(candidate):
+                line = candidate
+                continue
+            if line:
+                lines.append(line)
+            while not fits(word) and len(word) > 1:  # wider than a line on its own
+                cut = max(k for k in range(1, len(word)) if fits(word[:k]) or k == 1)
+                lines.append(word[:cut])
+                word = word[cut:]
+            line = word
+        lines.append(line)
+    if len(lines) <= max_lines:
+        return lines
+    shown = lines[:max_lines]
+    words = shown[-1].split()
+    while words and not fits(" ".join(words) + " …"):
+        words.pop()
+    shown[-1] = " ".join(words + ["…"])
+    return shown
+
+
 def save_grid(
     images: torch.Tensor | np.ndarray,
     path: str | Path,
@@ -24,7 +53,9 @@ def save_grid(
     scale: int = 2,
     caption_lines: int = 2,
 ) -> Path:
-    """Tile images row-major into one PNG; each cell upscaled `scale`× (nearest) for legibility."""
+    """Tile images row-major into one PNG; each cell upscaled `scale`× (nearest) for legibility. A caption is
+    wrapped at words to the cell's width (`wrap_caption`: a "\n" in it starts a new line), in at most
+    `caption_lines` lines."""
     array = to_uint8(images) if isinstance(images, torch.Tensor) else np.asarray(images, dtype=np.uint8)
     n, h, w, _ = array.shape
     cell_w, cell_h = w * scale, h * scale
@@ -34,15 +65,15 @@ def save_grid(
     grid = Image.new("RGB", (ncols * (cell_w + pad) + pad, nrows * (cell_h + caption_h + pad) + pad), (40, 40, 40))
     draw = ImageDraw.Draw(grid)
     font = ImageFont.load_default()
-    chars_per_line = max(cell_w // 6, 8)
+
+    def fits(line: str) -> bool:
+        return draw.textlength(line, font=font) <= cell_w - 2
     for k in range(n):
         row, col = divmod(k, ncols)
         x0, y0 = pad + col * (cell_w + pad), pad + row * (cell_h + caption_h + pad)
         grid.paste(Image.fromarray(array[k]).resize((cell_w, cell_h), Image.NEAREST), (x0, y0))
         if captions:
-            text = captions[k]
-            lines = [text[i : i + chars_per_line] for i in range(0, len(text), chars_per_line)][:caption_lines]
-            for j, line in enumerate(lines):
+            for j, line in enumerate(wrap_caption(captions[k], fits, caption_lines)):
                 draw.text((x0 + 1, y0 + cell_h + 1 + 11 * j), line, fill=(230, 230, 230), font=font)
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
