@@ -118,3 +118,24 @@ def test_the_flags_choices_are_the_losses_own():
     hints = {**typing.get_type_hints(AwmConfig), **typing.get_type_hints(CrdConfig)}
     assert typing.get_args(hints["awm_weighting"]) == AWM_WEIGHTINGS
     assert typing.get_args(hints["crd_loss"]) == CRD_LOSSES
+
+
+@pytest.mark.parametrize("method", ["dpo", "crd"])
+def test_a_reference_kept_on_the_host_trains_the_same(method, tiny_model_dir, tmp_path):
+    """--offload-reference keeps a full finetune's starting weights in host memory and copies them in for each
+    reference forward: the same losses and weights as the copy on the device (DPO reads the base model in its
+    loss, CRD through its KL term), and the live weights come back after each use."""
+    flags = [*BENCH_LINES[method], "--diffusion-kl-beta", "0.01"] if method == "crd" else BENCH_LINES[method]
+    runs = []
+    for offload in ([], ["--offload-reference"]):
+        trainer = Trainer(parse(_small(flags, tiny_model_dir, tmp_path / f"run{len(runs)}") + offload))
+        assert trainer.policy.base_weights.on_host == bool(offload)
+        records = [trainer.rollout_and_update(k) for k in range(2)]
+        runs.append(([r["train/loss"] for r in records], [p.detach().clone() for p in trainer.policy.params]))
+    assert runs[0][0] == runs[1][0]
+    assert all(torch.equal(a, b) for a, b in zip(runs[0][1], runs[1][1]))
+
+
+def test_offload_reference_is_refused_with_lora():
+    with pytest.raises(ValueError, match="--offload-reference"):
+        parse(["train", "--offload-reference", "--use-lora", "--device", "cpu"]).check()

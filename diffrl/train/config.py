@@ -403,6 +403,10 @@ class OptimConfig:
     offload_optimizer: bool = False
     """Keep the optimizer state (Adam's moments) in host memory while the engines sample and on the device
     for the update: the same steps, less device memory during rollouts (a copy each way per rollout)."""
+    offload_reference: bool = False
+    """Keep a full finetune's frozen starting weights (the KL reference to the base, a preference method's base
+    model) in host memory, copied in for each use: the device saves their copy (the transformer, in bf16 with a
+    bf16 forward) for two host-device copies of it per reference forward. LoRA has no such copy."""
 
     def check(self) -> None:
         _require(self.lr >= 0, f"--lr must be >= 0, got {self.lr}")
@@ -714,6 +718,9 @@ class TrainConfig:
         _require(not (self.engine.colocate and self.uses_ray()),
                  "--colocate starts its engine beside a one-process trainer; not with --ray-engines or "
                  "--ray-trainer-ranks")
+        _require(not (o.offload_reference and self.model.use_lora),
+                 "--offload-reference keeps a full finetune's copy of its starting weights on the host; with "
+                 "--use-lora the base is the adapter switched off and there is no copy (drop one of them)")
         copy_dtype = self.engine.engine_copy_dtype
         _require(copy_dtype == "auto" or not self.model.use_lora,
                  f"--engine-copy-dtype {copy_dtype} sets a full finetune's engine copy; with --use-lora the copy is the "

@@ -147,7 +147,8 @@ class Policy:
         # taken before any resume loads later ones (an EMA that is never updated). LoRA gets it by disabling the
         # adapter.
         wants_base = (a.diffusion_kl_beta > 0 and a.kl_reference == "base") or objective.needs_base_model(cfg)
-        self.base_weights = (ParameterEMA(self.params, dtype=torch.bfloat16 if bf16 else None)
+        self.base_weights = (ParameterEMA(self.params, dtype=torch.bfloat16 if bf16 else None,
+                                          on_host=o.offload_reference)
                              if wants_base and not m.use_lora else None)
         self.optimizer_offload = OptimizerOffload(self.optimizer) if o.offload_optimizer else None
         self.local_engine = None  # the in-process engine, whose outputs carry the weight version
