@@ -269,6 +269,7 @@ def main(argv: list[str] | None = None) -> int:
     from diffrl.cli.evaluate import evaluate
     from diffrl.engine.server import ServeConfig, serve
     from diffrl.errors import AnotherFamilysCheckpoint, EngineUnavailable, ModelLoadError
+    from diffrl.rewards.remote import RewardUnavailable
     from diffrl.recipes import another_familys_message
     from diffrl.train.config import TrainConfig
     from diffrl.train.pretrain import PretrainConfig, pretrain
@@ -302,7 +303,7 @@ def main(argv: list[str] | None = None) -> int:
         print(f"error: {another_familys_message(err) if isinstance(err, AnotherFamilysCheckpoint) else err}",
               file=sys.stderr)
         return 2
-    except EngineUnavailable as err:
+    except (EngineUnavailable, RewardUnavailable) as err:
         # An engine that died or cannot be reached (e.g. a --colocate engine process killed): its name and
         # the reason in one line; the run's last checkpoint is there for --resume.
         print(f"error: {err}", file=sys.stderr)

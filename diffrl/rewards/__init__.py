@@ -19,6 +19,7 @@ from collections.abc import Callable, Sequence
 import diffrl.rewards.jpeg  # registers the jpeg rewards
 import diffrl.rewards.ocr  # registers `ocr`; its model is imported on first use
 import diffrl.rewards.temporal  # noqa: F401  (registers `temporal_consistency`)
+from diffrl.rewards import remote, vlm
 from diffrl.rewards.registry import _REWARDS, TermScores, register_reward, weighted_sum  # noqa: F401  (re-exported)
 
 # Rewards scored by a model from a local checkpoint, asked for as `NAME@PATH[,OPTION=VALUE]`:
@@ -58,10 +59,15 @@ def reward_catalogue() -> str:
     out += [line(name, fn) for name, fn in sorted(_REWARDS.items())]
     out.append("model rewards, as NAME@PATH (a local checkpoint):")
     out += [line(name) for name in sorted(_MODEL_REWARDS)]
+    out.append("from a server: remote@http://HOST:PORT[,timeout=S,retries=N,batch=N,concurrency=N] (Flow-Factory's "
+               "reward-server format; examples/reward_server.py serves any of the above)")
+    out.append("a VLM judge: vlm@http://HOST:PORT/v1,model=NAME[,question=TEXT] (an OpenAI-compatible API; the score "
+               "is P(Yes) of its answer)")
     out.append("combined: multi:NAME=WEIGHT,NAME=WEIGHT (a weighted sum; e.g. multi:ocr=1,jpeg_compressibility=0.5)")
     out.append(f"custom: {CUSTOM_SIGNATURE}")
     return "\n".join(out)
 _MODEL_OPTIONS = ("processor",)
+_ENTRY_OPTIONS = _MODEL_OPTIONS + remote.OPTIONS + vlm.OPTIONS  # what may follow an entry's comma inside multi:
 
 
 def get_reward(name: str, device: str | None = None) -> Callable:
@@ -73,6 +79,29 @@ def get_reward(name: str, device: str | None = None) -> Callable:
     if name.startswith("multi:"):
         return multi_reward(_parse_weights(name.removeprefix("multi:")), device=device)
     model, at, path = name.partition("@")
+    if model == "vlm":
+        url, _, rest = path.partition(",")
+        rest, _, question = rest.partition("question=")  # the question takes the rest, commas included
+        options = {"question": question} if question else {}
+        for part in filter(None, rest.rstrip(",").split(",")):
+            key, sep, value = part.partition("=")
+            if not sep or key.strip() not in vlm.OPTIONS or not value:
+                raise ValueError(f"reward {name!r}: {part!r} is not an option; known: model=NAME, concurrency=N, "
+                                 "timeout=S, question=TEXT (last)")
+            options[key.strip()] = value
+        return vlm.vlm_judge(url, options)
+    if model == "remote":
+        url, *option_parts = path.split(",")
+        if not url:
+            raise ValueError("reward remote scores on a server: --reward remote@http://HOST:PORT")
+        options = {}
+        for part in option_parts:
+            key, sep, value = part.partition("=")
+            if not sep or key.strip() not in remote.OPTIONS or not value:
+                raise ValueError(f"reward {name!r}: {part!r} is not an option; known: "
+                                 + ", ".join(f"{o}=N" for o in remote.OPTIONS))
+            options[key.strip()] = value
+        return remote.remote_reward(url, options)
     if at or model in _MODEL_REWARDS:
         if model not in _MODEL_REWARDS:
             raise ValueError(f"unknown model reward {model!r}; known: {', '.join(sorted(_MODEL_REWARDS))}")
@@ -99,7 +128,9 @@ def get_reward(name: str, device: str | None = None) -> Callable:
         return _REWARDS[name]
     except KeyError:
         raise ValueError(f"unknown reward {name!r}; known: {', '.join(sorted(_REWARDS))}; model rewards "
-                         f"{', '.join(f'{m}@PATH' for m in sorted(_MODEL_REWARDS))}; multi:NAME=W,NAME=W; or a "
+                         f"{', '.join(f'{m}@PATH' for m in sorted(_MODEL_REWARDS))}; remote@URL (a reward server); "
+                         "vlm@URL,model=NAME (a VLM judge); "
+                         "multi:NAME=W,NAME=W; or a "
                          f"custom one as {CUSTOM_SIGNATURE} (`diffrl rewards` lists them)") from None
 
 
@@ -310,7 +341,7 @@ def _split_multi(spec: str) -> list[str]:
     """The entries of a `multi:` spec: commas separate entries, except before a model reward's option."""
     entries: list[str] = []
     for piece in spec.split(","):
-        if entries and "@" in entries[-1] and piece.partition("=")[0].strip() in _MODEL_OPTIONS:
+        if entries and "@" in entries[-1] and piece.partition("=")[0].strip() in _ENTRY_OPTIONS:
             entries[-1] += "," + piece
         else:
             entries.append(piece)
@@ -322,7 +353,7 @@ def _parse_weights(spec: str) -> dict[str, float]:
     for part in filter(None, _split_multi(spec)):
         reward, sep, weight = part.rpartition("=")
         # `…,processor=DIR` without a weight: that `=` belongs to the option.
-        if not sep or reward.rpartition(",")[2].strip() in _MODEL_OPTIONS:
+        if not sep or reward.rpartition(",")[2].strip() in _ENTRY_OPTIONS:
             reward, sep, weight = part, "", ""
         if reward.strip() in weights:  # a dict keeps the last weight only
             raise ValueError(f"reward multi:{spec}: {reward.strip()!r} is named twice; give it one weight")
