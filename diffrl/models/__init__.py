@@ -8,6 +8,9 @@ from diffrl.models.base import (
     register_family,
 )
 from diffrl.models.registry import family_names, get_family, resolve_family
+from diffrl.utils.third_party_logs import quiet_empty_fp32_cast_warning
+
+quiet_empty_fp32_cast_warning()  # every family casts diffusers models with `.to(dtype)` somewhere
 
 __all__ = [
     "FamilyAdapter",
