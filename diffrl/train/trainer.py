@@ -48,6 +48,7 @@ from diffrl.tasks import build_task
 from diffrl.train.checkpointer import Checkpointer
 from diffrl.train.config import TrainConfig
 from diffrl.train.metrics import MetricsLogger
+from diffrl.train.next_steps import next_commands
 from diffrl.train.objectives import build_objective, rollout_conditioning
 from diffrl.train.parallel import (
     Parallel,
@@ -335,6 +336,7 @@ class Trainer:
             print(run_summary(self.metrics.records()))
             parts = [report.name, "metrics.jsonl", "tensorboard/", "eval/", "checkpoints/", curve.name]
             print(f"run folder: {self.out}  ({', '.join(p for p in parts if (self.out / p.rstrip('/')).exists())})")
+            print(next_commands(self.out, prompt_data=cfg.task.prompt_data, reward=cfg.task.reward))
             self.metrics.close()
         return last
 
