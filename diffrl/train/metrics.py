@@ -11,6 +11,8 @@ import json
 import os
 from pathlib import Path
 
+import torch
+
 from diffrl.utils.atomic import write_text_atomic
 
 
@@ -94,6 +96,16 @@ class MetricsLogger:
             self._tb.add_text(f"{tag}/captions", "\n\n".join(f"{i}: {c}" for i, c in enumerate(captions)), step)
         if self.wandb is not None:
             self.wandb.log_images(tag, images, step, captions)
+
+    def log_rollout_samples(self, samples, step: int, limit: int = 8) -> None:
+        """The first `limit` samples of a rollout (a video by its first frame) with their rewards and prompts,
+        under `rollout/samples`: what the policy drew and how it was scored, next to the eval images."""
+        shown = [s for s in samples if s.output is not None and s.output.generated_output is not None][:limit]
+        if not shown:
+            return
+        images = torch.stack([s.output.generated_output.detach().float().cpu() for s in shown])
+        captions = [f"reward {s.reward:.3f} | {s.prompt}" if s.reward is not None else s.prompt for s in shown]
+        self.log_images("rollout/samples", images, step, captions)
 
     def records(self) -> list[dict]:
         return read_metrics(self.path)[0]

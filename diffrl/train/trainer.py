@@ -394,6 +394,8 @@ class Trainer:
                   "rollout/sde_window_start": request.get("rollout_sde_step_indices", [-1])[0],
                   **({} if released is None else {"memory/engine_released_gib": released})}
         record.update(self.task.observe(prompts, rewards.view(len(prompts), n).tolist()))
+        if self.parallel.is_main and k % cfg.eval.eval_interval == 0:  # a few samples, once per eval interval
+            self.metrics.log_rollout_samples(samples, k + 1)
         if adv.zero_std_ratio == 1.0 and n > 1 and self.parallel.is_main:
             self._warn_no_signal(k, rewards)
         if replay.debug_rollout_only:
