@@ -60,3 +60,8 @@ def redness(images, prompts, metadata=None):
 def constant(images, prompts, metadata=None):
     """The same reward for every image: a run with no learning signal."""
     return [0.0] * len(images)
+
+
+def by_index(images, prompts, metadata=None):
+    """The value planted in each image's first pixel (group-reward tests)."""
+    return [float(image[0, 0, 0]) for image in images]

@@ -19,7 +19,7 @@ from collections.abc import Callable, Sequence
 import diffrl.rewards.jpeg  # registers the jpeg rewards
 import diffrl.rewards.ocr  # registers `ocr`; its model is imported on first use
 import diffrl.rewards.temporal  # noqa: F401  (registers `temporal_consistency`)
-from diffrl.rewards import remote, vlm
+from diffrl.rewards import groups, remote, vlm
 from diffrl.rewards.registry import _REWARDS, TermScores, register_reward, weighted_sum  # noqa: F401  (re-exported)
 
 # Rewards scored by a model from a local checkpoint, asked for as `NAME@PATH[,OPTION=VALUE]`:
@@ -63,6 +63,8 @@ def reward_catalogue() -> str:
                "reward-server format; examples/reward_server.py serves any of the above)")
     out.append("a VLM judge: vlm@http://HOST:PORT/v1,model=NAME[,question=TEXT] (an OpenAI-compatible API; the score "
                "is P(Yes) of its answer)")
+    out.append("group rewards: rank:SPEC (ranks within a prompt's group, in [0, 1]), pairwise:SPEC or pairwise@T:SPEC "
+               "(mean Bradley–Terry preference over the group)")
     out.append("combined: multi:NAME=WEIGHT,NAME=WEIGHT (a weighted sum; e.g. multi:ocr=1,jpeg_compressibility=0.5)")
     out.append(f"custom: {CUSTOM_SIGNATURE}")
     return "\n".join(out)
@@ -76,6 +78,8 @@ def get_reward(name: str, device: str | None = None) -> Callable:
 
     `device` is where model rewards load and score (`cpu`, `cuda`, `cuda:N`); None: CUDA when available,
     else the CPU. The other rewards ignore it."""
+    if groups.is_group_reward(name):
+        return groups.group_reward(name, get_reward(name.partition(":")[2], device=device))
     if name.startswith("multi:"):
         return multi_reward(_parse_weights(name.removeprefix("multi:")), device=device)
     model, at, path = name.partition("@")
@@ -129,7 +133,7 @@ def get_reward(name: str, device: str | None = None) -> Callable:
     except KeyError:
         raise ValueError(f"unknown reward {name!r}; known: {', '.join(sorted(_REWARDS))}; model rewards "
                          f"{', '.join(f'{m}@PATH' for m in sorted(_MODEL_REWARDS))}; remote@URL (a reward server); "
-                         "vlm@URL,model=NAME (a VLM judge); "
+                         "vlm@URL,model=NAME (a VLM judge); rank:SPEC and pairwise:SPEC (group rewards); "
                          "multi:NAME=W,NAME=W; or a "
                          f"custom one as {CUSTOM_SIGNATURE} (`diffrl rewards` lists them)") from None
 

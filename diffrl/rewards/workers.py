@@ -27,6 +27,7 @@ import torch
 from diffrl.engine.wire import decode_weights, encode_weights
 from diffrl.rewards import TermScores, colocate
 from diffrl.rewards.frames import on_frames, pick_frames, reads_whole_videos
+from diffrl.rewards.groups import is_group_reward
 from diffrl.utils import determinism
 from diffrl.utils.spawned import exit_with_parent, no_named_semaphores, pid_tagged_semaphores
 
@@ -126,6 +127,7 @@ class ProcessRewardPool(FramesInWorkers):
             raise ValueError(f"--reward-workers must be >= 1 for a pool, got {workers}")
         super().__init__(frames)
         self.reward, self.workers = reward, workers
+        self.scores_groups = is_group_reward(reward)  # the rollout scores a prompt's whole group at once
         self.device = None if device is None else str(device)
         # spawn, not fork: the parent runs threads (the engine) and may hold a CUDA context.
         context = multiprocessing.get_context("spawn")

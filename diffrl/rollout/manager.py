@@ -97,10 +97,13 @@ class RolloutManager:
         if len(metadata) != len(prompts):
             raise ValueError(f"{len(prompts)} prompts but {len(metadata)} metadata records")
         tasks = []
+        whole_groups = getattr(self.reward_fn, "scores_groups", False)  # a group reward (rewards/groups.py)
         for offset, (prompt, meta) in enumerate(zip(prompts, metadata)):
             base = group_seed_base(cfg.rollout_seed, first + offset, cfg.n_samples_per_prompt)
-            for idx, size in microgroups(cfg.n_samples_per_prompt, cfg.rollout_microgroup_size):
-                tasks.append(self._microgroup(prompt, meta, request or {}, first + offset, idx, size, base + idx, stats))
+            parts = [self._microgroup(prompt, meta, request or {}, first + offset, idx, size, base + idx, stats,
+                                      score=not whole_groups)
+                     for idx, size in microgroups(cfg.n_samples_per_prompt, cfg.rollout_microgroup_size)]
+            tasks.extend([self._scored_group(prompt, meta, first + offset, parts)] if whole_groups else parts)
         results = await asyncio.gather(*tasks)
         groups: list[list[Sample]] = [[] for _ in prompts]
         for samples in results:  # gather keeps task order: group by group, microgroup by microgroup
@@ -110,9 +113,20 @@ class RolloutManager:
         self.last_stats = stats
         return groups
 
-    async def _microgroup(self, prompt, prompt_meta, fields, group_index, idx, size, seed, stats) -> list[Sample]:
+    async def _scored_group(self, prompt, prompt_meta, group_index, parts) -> list[Sample]:
+        """A group reward's group: its microgroups generated (concurrently), then every sample scored in one call,
+        while other groups still generate."""
+        samples = [s for part in await asyncio.gather(*parts) for s in part]
+        scorer = _Scorer(self.reward_fn, prompt, prompt_meta, group_index, 0, self.config.reward_name)
+        _, rewards, terms = await scorer.finish([s.output for s in samples])
+        for sample, reward, term in zip(samples, rewards, terms, strict=True):
+            sample.reward, sample.reward_terms = reward, term
+        return samples
+
+    async def _microgroup(self, prompt, prompt_meta, fields, group_index, idx, size, seed, stats,
+                          score: bool = True) -> list[Sample]:
         request = RolloutRequest(prompt=prompt, seed=seed, num_outputs_per_prompt=size, **fields)
-        scorer = None if self.reward_fn is None else _Scorer(self.reward_fn, prompt, prompt_meta, group_index, idx,
+        scorer = None if self.reward_fn is None or not score else _Scorer(self.reward_fn, prompt, prompt_meta, group_index, idx,
                                                              self.config.reward_name)
         try:
             outputs, engine = await self._dispatch(

@@ -16,6 +16,7 @@ from typing import Literal
 
 from diffrl.algorithms.methods import METHODS, SDE_LOSS_TYPES
 from diffrl.models.demo import SHIPPED_DEMO_MODEL
+from diffrl.rewards.groups import is_group_reward
 from diffrl.utils.size import sample_size, size_flags
 
 
@@ -718,6 +719,9 @@ class TrainConfig:
         _require(not (self.engine.colocate and self.uses_ray()),
                  "--colocate starts its engine beside a one-process trainer; not with --ray-engines or "
                  "--ray-trainer-ranks")
+        _require(not (is_group_reward(self.task.reward) and self.placement.ray_reward_workers),
+                 f"--reward {self.task.reward} scores a prompt's whole group at once, which --ray-reward-workers' "
+                 "actors do not yet; use --reward-workers N")
         _require(not (o.offload_reference and self.model.use_lora),
                  "--offload-reference keeps a full finetune's copy of its starting weights on the host; with "
                  "--use-lora the base is the adapter switched off and there is no copy (drop one of them)")
