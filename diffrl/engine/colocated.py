@@ -17,18 +17,16 @@ says what the device gained (`released_bytes`: its free memory after the sleep m
 from __future__ import annotations
 
 import asyncio
-import dataclasses
 import itertools
 import json
 import threading
 import weakref
 from concurrent.futures import Future
-from dataclasses import dataclass
 
 import torch
 
-from diffrl.engine.engine import Engine, EngineConfig
 from diffrl.engine.protocol import RolloutOutput, RolloutRequest
+from diffrl.engine.spec import EngineSpec, build_engine
 from diffrl.engine.weight_sync import (
     DEFAULT_BUFFER_BYTES,
     apply_bucket,
@@ -43,45 +41,9 @@ from diffrl.utils import determinism
 from diffrl.utils.offload import device_free_bytes, stranded_bytes
 from diffrl.utils.spawned import no_named_semaphores
 
-_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
-
-
-@dataclass(frozen=True)
-class EngineProcessSpec:
-    """What the engine process loads, and how; it travels as JSON. The trainer fills it so that the engine
-    computes what its in-process engine would (same dtypes, precision and compilation)."""
-
-    model_path: str
-    family: str | None = None
-    device: str = "cpu"
-    dtype: str = "float32"
-    """dtype every component is loaded in."""
-    transformer_dtype: str | None = None
-    """The transformer's dtype after loading when it differs (a full finetune's fp32 masters)."""
-    autocast_dtype: str | None = None
-    """The family's forward precision (`FamilyAdapter.autocast_dtype`)."""
-    offload_text_encoder: bool = False
-    compile: bool = False
-    compile_eager_numerics: bool = True
-    compile_mode: str = "default"
-    attention_backend: str = "auto"
-    fuse_qkv: bool = False
-    vae_decode_batch: int | None = None
-    float8: bool = False
-    """The trainer's speed options (`diffrl.models.speed.SpeedOptions`): the same forward on both sides."""
-    max_outputs_per_request: int = 64
-    max_batch_outputs: int = 64
-    num_threads: int | None = None
-    """torch's CPU threads (None: torch's default)."""
-    float32_matmul_precision: str = "high"
-    deterministic: bool = False
-
-    def to_json(self) -> str:
-        return json.dumps(dataclasses.asdict(self))
-
-    @classmethod
-    def from_json(cls, text: str) -> EngineProcessSpec:
-        return cls(**json.loads(text))
+# What the engine process loads, and how: the engine's spec, which travels as JSON. The trainer fills it so that the
+# engine computes what its in-process engine would (same dtypes, precision, compilation and batching).
+EngineProcessSpec = EngineSpec
 
 
 class Channel:
@@ -123,9 +85,6 @@ def run_engine_process(connection, spec_json: str) -> None:
 
 class _EngineServer:
     def __init__(self, spec: EngineProcessSpec):
-        from diffrl.models import resolve_family
-        from diffrl.models.speed import SpeedOptions
-
         if spec.num_threads:
             torch.set_num_threads(spec.num_threads)
         torch.set_float32_matmul_precision(spec.float32_matmul_precision)
@@ -134,19 +93,8 @@ class _EngineServer:
             determinism.enable(device)
         if device.type == "cuda" and device.index is not None:
             torch.cuda.set_device(device)
-        family = resolve_family(spec.family, spec.model_path).load(spec.model_path, device=device,
-                                                                   dtype=_DTYPES[spec.dtype])
-        if spec.transformer_dtype is not None:
-            family.transformer.to(_DTYPES[spec.transformer_dtype])
-        family.autocast_dtype = _DTYPES[spec.autocast_dtype] if spec.autocast_dtype else None
-        if spec.offload_text_encoder:
-            family.offload_text_encoders_to_cpu()
-        speed = SpeedOptions.of(spec)
-        speed.apply(family, deterministic=spec.deterministic, lora_allowed_on_qkv=True)  # the adapter comes later
-        speed.compile_family(family)
-        self.engine = Engine(family, EngineConfig(max_outputs_per_request=spec.max_outputs_per_request,
-                                                  max_batch_outputs=spec.max_batch_outputs))
-        self.device = family.device
+        self.engine = build_engine(spec)
+        self.device = self.engine.family.device
         self.bucket_buffer: torch.Tensor | None = None  # the trainer's weight buffer during a sync
         # Rollout requests wait in the engine's queue on this loop (no thread each) while its workers denoise.
         self.loop = asyncio.new_event_loop()

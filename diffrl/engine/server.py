@@ -39,6 +39,7 @@ import asyncio
 import base64
 import contextlib
 import ctypes
+import dataclasses
 import hmac
 import io
 import os
@@ -71,11 +72,16 @@ from diffrl.engine.engine import (
 )
 from diffrl.engine.http_errors import ServerLimits, _validation_response, error_response
 from diffrl.engine.protocol import RolloutRequest, json_number, utf8_text
+from diffrl.engine.spec import EngineSpec
+from diffrl.engine.spec import build_engine as build_spec_engine
 from diffrl.engine.streaming import Body, stream
 from diffrl.engine.wire import MEDIA_TYPE, WireFormatError, decode_weights, encode_outputs, output_body
 from diffrl.errors import RequestError
 from diffrl.models.lora import LoraSpec
+from diffrl.models.speed import SpeedOptions
+from diffrl.utils.device import resolve_device
 from diffrl.utils.images import to_uint8
+from diffrl.utils.run_folders import find_run
 
 
 class ImageGenerationRequest(BaseModel):
@@ -529,31 +535,31 @@ class ServeConfig:
                             tensor_updates=self.update_weights_from_tensor)
 
 
-def build_engine(cfg: ServeConfig) -> Engine:
-    from diffrl.models import resolve_family
-    from diffrl.models.demo import SHIPPED_DEMO_MODEL
-    from diffrl.models.speed import SpeedOptions
-    from diffrl.utils.device import resolve_device
+def engine_spec(cfg: ServeConfig) -> EngineSpec:
+    """The served engine: the model (a trained checkpoint on its run's base and family unless given), its speed
+    options and the server's limits."""
+    from diffrl.models.demo import SHIPPED_DEMO_MODEL  # deferred: the family modules import diffusers (seconds)
 
-    speed = SpeedOptions.of(cfg)  # eager numerics kept with --compile, as `diffrl train` keeps them by default
-    speed.check()  # before the model loads
-    if cfg.checkpoint is not None:  # a trained model: its run's base and family unless given
-        from diffrl.utils.run_folders import find_run
-        from diffrl.models.checkpoint import load_model
-
+    limits = dataclasses.asdict(cfg.engine_config())
+    limits.pop("max_outputs_per_request"), limits.pop("max_batch_outputs")
+    common = dict(device=str(resolve_device(cfg.device)), max_outputs_per_request=cfg.max_outputs_per_request,
+                  max_batch_outputs=cfg.max_batch_outputs, limits=limits,
+                  **dataclasses.asdict(SpeedOptions.of(cfg)))  # eager numerics kept with --compile, as in training
+    if cfg.checkpoint is not None:
         run = find_run(cfg.checkpoint)
         model_path = cfg.model_path or Path(run.get("model_path", SHIPPED_DEMO_MODEL))
         name = cfg.diffusion_model_family or (run.get("diffusion_model_family") if cfg.model_path is None else None)
-        family = load_model(model_path, run.checkpoint, family=name, device=resolve_device(cfg.device))
-        print(f"serving {run.checkpoint} (base {model_path})")
-        speed.apply(family, lora_allowed_on_qkv=True)
-        speed.compile_family(family)
-        return Engine(family, cfg.engine_config())
-    model_path = cfg.model_path or SHIPPED_DEMO_MODEL
-    family = resolve_family(cfg.diffusion_model_family, model_path).load(model_path, device=resolve_device(cfg.device))
-    speed.apply(family, lora_allowed_on_qkv=True)  # a trainer's adapter comes later
-    speed.compile_family(family)
-    return Engine(family, cfg.engine_config())
+        return EngineSpec(model_path=str(model_path), family=name, checkpoint=str(run.checkpoint), **common)
+    return EngineSpec(model_path=str(cfg.model_path or SHIPPED_DEMO_MODEL), family=cfg.diffusion_model_family,
+                      **common)
+
+
+def build_engine(cfg: ServeConfig) -> Engine:
+    spec = engine_spec(cfg)
+    spec.speed().check()  # before the model loads
+    if spec.checkpoint is not None:
+        print(f"serving {spec.checkpoint} (base {spec.model_path})")
+    return build_spec_engine(spec)
 
 
 def limit_malloc_arenas(arenas: int) -> bool:

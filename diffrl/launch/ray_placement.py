@@ -23,15 +23,15 @@ from collections.abc import Sequence
 
 import torch
 
-from diffrl.engine.engine import Engine, EngineConfig
 from diffrl.engine.protocol import RolloutOutput, RolloutRequest
+from diffrl.engine.spec import EngineSpec, build_engine
 from diffrl.engine.wire import decode_outputs, decode_weights, encode_outputs, encode_weights
-from diffrl.errors import RequestError
+from diffrl.errors import EngineUnavailable, RequestError
 from diffrl.models.lora import LoraSpec
 from diffrl.rewards.frames import reads_whole_videos
 from diffrl.rewards.workers import FramesInWorkers, decode_batch, encode_batch, worker_scorer
-from diffrl.rollout.clients import EngineUnavailable
 from diffrl.train.config import TrainConfig
+from diffrl.train.engines import engine_spec
 
 
 def _ray():
@@ -45,13 +45,8 @@ def _ray():
 class EngineActor:
     """An engine in its own process (a Ray actor), on the GPU of its bundle when it has one."""
 
-    def __init__(self, model_path: str, family: str | None, max_outputs: int, max_batch_outputs: int):
-        from diffrl.models import resolve_family
-        from diffrl.utils.device import resolve_device
-
-        loaded = resolve_family(family, model_path).load(model_path, device=resolve_device("auto"))
-        self.engine = Engine(loaded, EngineConfig(max_outputs_per_request=max_outputs,
-                                                  max_batch_outputs=max_batch_outputs))
+    def __init__(self, spec_json: str):
+        self.engine = build_engine(EngineSpec.from_json(spec_json))
 
     def generate(self, request_json: str) -> bytes:
         try:
@@ -203,8 +198,7 @@ def launch(cfg: TrainConfig) -> dict:
         # Threaded actors: requests waiting at an engine can share its denoising batches.
         engines = [engine_cls.options(num_cpus=1, num_gpus=gpus, max_concurrency=max(1, cfg.engine.engine_concurrency),
                                       scheduling_strategy=in_bundle(i)).remote(
-            str(cfg.model.model_path), cfg.model.diffusion_model_family, max(64, cfg.rollout.rollout_microgroup_size),
-            cfg.engine.engine_max_batch_outputs) for i in range(cfg.placement.ray_engines)]
+            engine_spec(cfg, torch.device("cuda" if gpus else "cpu")).to_json()) for i in range(cfg.placement.ray_engines)]
         names = [f"ray-engine-{i}" for i in range(cfg.placement.ray_engines)]
         rewards = [ray.remote(RewardActor).options(num_cpus=1, max_concurrency=8,
                                                    scheduling_strategy=in_bundle(cfg.placement.ray_engines + i)).remote(

@@ -28,9 +28,9 @@ import torch
 from diffrl.utils.progress import tqdm
 
 from diffrl.algorithms.advantages import compute_advantages
-from diffrl.engine.colocated import ColocatedEngineClient, EngineProcessSpec
-from diffrl.engine.engine import Engine, EngineConfig
-from diffrl.engine.wire import dtype_name
+from diffrl.engine.colocated import ColocatedEngineClient
+from diffrl.engine.engine import Engine
+from diffrl.engine.spec import EngineSpec, build_engine
 from diffrl.errors import RequestError
 from diffrl.models import resolve_family
 from diffrl.models.demo import SHIPPED_DEMO_MODEL
@@ -47,6 +47,7 @@ from diffrl.rollout import (
 from diffrl.tasks import build_task
 from diffrl.train.checkpointer import Checkpointer
 from diffrl.train.config import TrainConfig
+from diffrl.train.engines import engine_spec
 from diffrl.train.metrics import MetricsLogger
 from diffrl.train.next_steps import next_commands
 from diffrl.train.objectives import build_objective, rollout_conditioning
@@ -227,16 +228,13 @@ class Trainer:
         with --colocate an engine process on this device takes the in-process engine's place in the pool
         (the in-process one still evaluates)."""
         e, r = self.cfg.engine, self.cfg.rollout
-        engine = Engine(self.policy.engine_family,
-                        EngineConfig(max_outputs_per_request=max(64, r.rollout_microgroup_size),
-                                     max_batch_outputs=determinism.engine_batch_outputs(
-                                         e.engine_max_batch_outputs, self.cfg.deterministic_mode)))
+        engine = build_engine(self._engine_spec(family), family=self.policy.engine_family)
         self.policy.local_engine = engine
         # The family decodes conditioning sent in sglang's format by a server that is not diffrl's.
         remote = [HttpEngineClient(url, max_in_flight=e.engine_concurrency, family=family.name)
                   for url in e.engine_urls] + list(extra_engines)
         if e.colocate:
-            self.colocated = ColocatedEngineClient(self._colocated_spec(family),
+            self.colocated = ColocatedEngineClient(self._engine_spec(family),
                                                    buffer_bytes=e.update_weight_buffer_size)
             remote.append(self.colocated)
         if not e.local_engine and not remote:
@@ -251,22 +249,14 @@ class Trainer:
         )
         return engine, manager
 
-    def _colocated_spec(self, family) -> EngineProcessSpec:
-        """An engine process that computes what the in-process engine would: the same checkpoint, dtypes
-        (a full finetune's fp32 masters included), forward precision, compilation and CPU threads."""
-        cfg, m = self.cfg, self.cfg.model
-        autocast, device = family.autocast_dtype, self.device
+    def _engine_spec(self, family) -> EngineSpec:
+        """What every engine of this run is built from: the in-process one (which samples with the policy's own
+        model), and an engine process, which computes what the in-process engine would (the same checkpoint,
+        dtypes, forward precision, compilation, batching and CPU threads)."""
+        device = self.device
         if device.type == "cuda" and device.index is None:  # this process's GPU, named for the other one
             device = torch.device("cuda", torch.cuda.current_device())
-        return EngineProcessSpec(
-            model_path=str(m.model_path), family=family.name, device=str(device),
-            dtype="bfloat16" if bf16_forward(m, self.device) else "float32",
-            transformer_dtype=None if m.use_lora else "float32", autocast_dtype=None if autocast is None else dtype_name(autocast),
-            offload_text_encoder=m.offload_text_encoder, **dataclasses.asdict(m.speed_options()),
-            max_outputs_per_request=max(64, cfg.rollout.rollout_microgroup_size),
-            max_batch_outputs=determinism.engine_batch_outputs(cfg.engine.engine_max_batch_outputs, cfg.deterministic_mode),
-            num_threads=torch.get_num_threads(),
-            float32_matmul_precision=m.float32_matmul_precision, deterministic=cfg.deterministic_mode)
+        return dataclasses.replace(engine_spec(self.cfg, device, family.name), num_threads=torch.get_num_threads())
 
     def _reward_fn(self):
         t = self.cfg.task
