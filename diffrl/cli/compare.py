@@ -55,6 +55,9 @@ class CompareConfig:
     """The prompt's key in a .jsonl prompt set; the other keys are metadata passed to the reward."""
     reward: str | None = None
     """With --prompt-data: the reward spec (ocr, pickscore@PATH, multi:A=W,B=W, module:function)."""
+    eval_reward: str | None = None
+    """With --prompt-data: a judge reward scoring the same images beside --reward (each column's eval/judge in
+    compare.json's summaries); a run's own --eval-reward when comparing a run folder."""
     tie_margin: float = 0.01
     """With --prompt-data: a prompt is a tie when |trained − base| mean rewards (over its seeds) ≤ this."""
     n_samples_per_eval_prompt: int = 1
@@ -211,6 +214,7 @@ def compare_by_prompt_data(cfg: CompareConfig) -> dict:
     if cfg.reward_device != "auto":
         default_device(cfg.reward_device)  # a GPU this machine lacks, whichever reward
     components = reward_components(cfg.reward, device=cfg.reward_device)  # a bad spec fails before any model loads
+    judges = None if cfg.eval_reward is None else reward_components(cfg.eval_reward, device=cfg.reward_device)
     device = resolve_device(cfg.device)
     seed = TEST_SEED if cfg.seed is None else cfg.seed
     out = cfg.output_dir
@@ -230,7 +234,7 @@ def compare_by_prompt_data(cfg: CompareConfig) -> dict:
     common = dict(seeds_per_prompt=cfg.n_samples_per_eval_prompt, seed=seed, num_steps=cfg.num_steps,
                   resolution=cfg.resolution, height=cfg.height, width=cfg.width, num_frames=cfg.num_frames,
                   reward_frames=cfg.reward_frames, negative_prompt=cfg.negative_prompt,
-                  batch_size=cfg.batch_size, progress=True)
+                  batch_size=cfg.batch_size, progress=True, judge=judges)
     print(f"comparing {cfg.trained} with {cfg.base_checkpoint or cfg.base} on {len(records)} prompts of "
           f"{cfg.prompt_data} × {cfg.n_samples_per_eval_prompt} seeds ({cfg.num_steps} ODE steps, {device}), "
           f"reward {cfg.reward}")
@@ -257,5 +261,8 @@ def compare_by_prompt_data(cfg: CompareConfig) -> dict:
     write_text_atomic(out / "compare.md", markdown)
     write_text_atomic(out / "compare.json", json.dumps(report, indent=2) + "\n")
     print(markdown, end="")
+    if judges:
+        print("judge (--eval-reward " + cfg.eval_reward + "): "
+              + ", ".join(f"{labels[c]} {evals[c].summary['eval/judge']:.4f}" for c in REWARD_COLUMNS))
     print(f"report: {out / 'compare.md'}  {out / 'compare.json'}  grid: {grid}")
     return report

@@ -54,6 +54,9 @@ class EvaluateConfig:
     """The prompt's key in a .jsonl prompt set; the other keys are metadata passed to the reward."""
     reward: str | None = None
     """With --prompt-data: the reward spec (ocr, pickscore@PATH, multi:A=W,B=W, module:function)."""
+    eval_reward: str | None = None
+    """With --prompt-data: a judge reward scoring the same images beside --reward (eval/judge); a run's own
+    --eval-reward when evaluating a run folder."""
     num_prompts: int | None = None
     """With --prompt-data: the first K prompts (default: all)."""
     n_samples_per_eval_prompt: int = 1
@@ -218,6 +221,8 @@ def run_prompt_set(cfg, run: Run):
         cfg = replace(cfg, num_prompts=run.get("eval_num_prompts"))
     if cfg.n_samples_per_eval_prompt == 1:
         cfg = replace(cfg, n_samples_per_eval_prompt=run.get("n_samples_per_eval_prompt", 1))
+    if cfg.eval_reward is None and run.get("eval_reward"):  # the run's held-out judge
+        cfg = replace(cfg, eval_reward=run.get("eval_reward"))
     return cfg
 
 
@@ -320,6 +325,9 @@ def evaluate_prompt_data(cfg: EvaluateConfig) -> dict:
     if cfg.reward_device != "auto":
         default_device(cfg.reward_device)  # a GPU this machine lacks, whichever reward
     components = reward_components(cfg.reward, device=cfg.reward_device)  # a bad spec fails before any model loads
+    judges = None if cfg.eval_reward is None else reward_components(cfg.eval_reward, device=cfg.reward_device)
+    if cfg.eval_reward is not None:
+        check_prompts(cfg.eval_reward, [r.prompt for r in records], f"--eval-reward: prompt data {cfg.prompt_data}")
     device = resolve_device(cfg.device)
     family = load_model(cfg.model_path, cfg.checkpoint, family=cfg.diffusion_model_family, device=device)
     check_family_values(cfg, family)
@@ -328,13 +336,15 @@ def evaluate_prompt_data(cfg: EvaluateConfig) -> dict:
                   guidance_scale=family.default_guidance_scale if cfg.guidance_scale is None else cfg.guidance_scale)
     total = len(records) * cfg.n_samples_per_eval_prompt
     print(f"evaluating {cfg.checkpoint or cfg.model_path} on {len(records)} prompts of {cfg.prompt_data}, {total} images "
-          f"({cfg.num_steps} ODE steps, CFG {cfg.guidance_scale}, {device}), reward {cfg.reward}")
+          f"({cfg.num_steps} ODE steps, CFG {cfg.guidance_scale}, {device}), reward {cfg.reward}"
+          + (f", judge {cfg.eval_reward}" if cfg.eval_reward else ""))
     result = evaluate_with_reward(
         family, records, components, seeds_per_prompt=cfg.n_samples_per_eval_prompt, seed=cfg.seed,
         num_steps=cfg.num_steps, guidance_scale=cfg.guidance_scale, guidance_scale_2=cfg.guidance_scale_2,
         resolution=cfg.resolution, height=cfg.height,
         width=cfg.width, num_frames=cfg.num_frames, reward_frames=cfg.reward_frames,
-        negative_prompt=cfg.negative_prompt, batch_size=cfg.batch_size, out_dir=cfg.output_dir, progress=True)
+        negative_prompt=cfg.negative_prompt, batch_size=cfg.batch_size, out_dir=cfg.output_dir, progress=True,
+        judge=judges)
     width = max(len(k) for k in result.summary)
     for key, value in result.summary.items():
         print(f"{key:<{width}}  {value:.4f}")

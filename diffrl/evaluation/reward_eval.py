@@ -154,12 +154,16 @@ def evaluate_with_reward(
     height: int | None = None,
     width: int | None = None,
     reward_frames: int | None = None,
+    judge: str | Sequence[RewardComponent] | None = None,
 ) -> RewardEval:
     """Sample every record `seeds_per_prompt` times (image k: seed + k), score each image by every
     component and the total, and write everything under `out_dir` when given (see the module docstring).
     The size is `height` × `width` or the square `resolution` (None: the family's). `reward_device`: where
     a spec's model rewards load and score (None: CUDA when present). `reward_frames`: every component sees
-    only this many evenly spaced frames of each video, as training's reward does (the files keep them all)."""
+    only this many evenly spaced frames of each video, as training's reward does (the files keep them all).
+    `judge` (--eval-reward): a second reward, distinct from the trained one, that scores the same images (each
+    row's `judge` and `judges`; `eval/judge`, `eval/judge/<component>`): where the trained reward rises and the
+    judge does not, the model learned what the reward cannot see."""
     if not records:
         raise ValueError("evaluation: no prompts")
     if seeds_per_prompt < 1:
@@ -169,6 +173,8 @@ def evaluate_with_reward(
     sample_size(resolution, height, width)  # a contradictory size fails before any file is touched
     components = [replace(c, score=on_frames(c.score, reward_frames))
                   for c in reward_components(reward, device=reward_device)]
+    judges = [] if judge is None else [replace(c, score=on_frames(c.score, reward_frames))
+                                       for c in reward_components(judge, device=reward_device)]
     expanded = [(i, r) for i, r in enumerate(records) for _ in range(seeds_per_prompt)]
     seeds = [seed + k for k in range(len(expanded))]
     if out_dir is not None:
@@ -189,8 +195,17 @@ def evaluate_with_reward(
                                          batch_size=batch_size, out_dir=out_dir, progress=progress)
     finally:
         family.transformer.train(was_training)
+    for start in range(0, len(rows) if judges else 0, batch_size):  # the judge reads the images just sampled
+        part = rows[start : start + batch_size]
+        totals, values = score_components(judges, images[start : start + len(part)], [r["prompt"] for r in part],
+                                          [{**r["metadata"], "seed": r["seed"]} for r in part])
+        for row, total, value in zip(part, totals, values, strict=True):
+            row["judge"], row["judges"] = total, value
     summary = {"eval/reward": _mean(r["reward"] for r in rows)}
     summary.update({f"eval/reward/{c.name}": _mean(r["rewards"][c.name] for r in rows) for c in components})
+    if judges:
+        summary["eval/judge"] = _mean(r["judge"] for r in rows)
+        summary.update({f"eval/judge/{c.name}": _mean(r["judges"][c.name] for r in rows) for c in judges})
     result = RewardEval(summary, rows, images, components, out_dir)
     if out_dir is not None:
         save_eval_grid(result, out_dir / "grid.png")

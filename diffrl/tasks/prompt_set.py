@@ -50,6 +50,8 @@ class PromptSetTask:
                              f"overwrite the metric rollout/reward/{clash} that diffrl logs; rename it in the file")
         self.eval_cfg, self.settings = eval_cfg, settings
         self.reward, self.reward_device = task_cfg.reward, task_cfg.reward_device
+        self.judge = task_cfg.eval_reward  # --eval-reward: scores the held-out images beside the trained reward
+        self.judge_baseline: dict | None = None  # the first evaluation's mean and spread of both, for the gains
         held_out = task_cfg.eval_prompt_data
         self.eval_source = f"--eval-prompt-data {held_out}" if held_out else f"--prompt-data {path} (its test split)"
         self.eval_fingerprint = None  # of the whole held-out split: an edit to it is refused by --resume
@@ -78,6 +80,9 @@ class PromptSetTask:
         check_prompts(self.reward, [r.prompt for r in self.train.records], f"prompt data {path} (training prompts)")
         check_prompts(self.reward, [r.prompt for r in self.eval_records],
                       f"prompt data {held_out or path} (held-out prompts)")
+        if self.judge is not None:
+            check_prompts(self.judge, [r.prompt for r in self.eval_records],
+                          f"--eval-reward {self.judge}: prompt data {held_out or path} (held-out prompts)")
 
     def check_family(self, family) -> None:
         pass  # rewards score video as the mean over its frames
@@ -102,14 +107,31 @@ class PromptSetTask:
             seed=TEST_SEED, num_steps=s.num_steps, guidance_scale=s.guidance_scale,
             guidance_scale_2=s.guidance_scale_2, **s.size(),
             num_frames=s.num_frames, negative_prompt=s.negative_prompt, out_dir=out_dir / f"rollout-{k:05d}",
-            reward_device=self.reward_device, reward_frames=s.reward_frames)
+            reward_device=self.reward_device, reward_frames=s.reward_frames, judge=self.judge)
         shown = min(self.eval_cfg.eval_log_images, len(result.rows))
-        return EvalOutcome(metrics=dict(result.summary), images=result.images[:shown],
+        metrics = dict(result.summary)
+        if self.judge is not None:
+            metrics.update(self._gains(result.rows))
+        return EvalOutcome(metrics=metrics, images=result.images[:shown],
                            captions=[f"{row['reward']:.3f} {row['prompt']}" for row in result.rows[:shown]])
+
+    def _gains(self, rows: list[dict]) -> dict[str, float]:
+        """How far the trained reward and the judge moved since the first evaluation, each in units of its
+        per-image spread there (a standardized gain: comparable across rewards of any scale), and the gap."""
+        now = {key: (float(np.mean([r[key] for r in rows])), float(np.std([r[key] for r in rows])))
+               for key in ("reward", "judge")}
+        if self.judge_baseline is None:
+            self.judge_baseline = now
+        base = self.judge_baseline
+        if min(base["reward"][1], base["judge"][1]) <= 0:  # no spread at the first evaluation: no unit to count in
+            return {}
+        gain = {key: (now[key][0] - base[key][0]) / base[key][1] for key in now}
+        return {"eval/reward_gain_sd": gain["reward"], "eval/judge_gain_sd": gain["judge"],
+                "eval/hacking_gap_sd": gain["reward"] - gain["judge"]}
 
     def state_dict(self) -> dict:
         return {"prompt_stream": self.train.state_dict(), "eval_prompts_sha256": self.eval_fingerprint,
-                "reward": reward_identity(self.reward)}
+                "reward": reward_identity(self.reward), "judge_baseline": self.judge_baseline}
 
     def load_state_dict(self, state: dict) -> None:
         # Another reward would put other numbers into the same training and held-out series (checkpoints written
@@ -121,6 +143,8 @@ class PromptSetTask:
                              "same reward, or start a new run in another --output-dir")
         if "prompt_stream" in state:
             self.train.load_state_dict(state["prompt_stream"])
+        if state.get("judge_baseline") is not None:
+            self.judge_baseline = {k: tuple(v) for k, v in state["judge_baseline"].items()}
         # Checked only when both runs evaluate: a run that stopped or started evaluating has nothing to compare.
         saved = state.get("eval_prompts_sha256")
         if saved is not None and self.eval_fingerprint is not None and saved != self.eval_fingerprint:

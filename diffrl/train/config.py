@@ -433,6 +433,11 @@ class TaskConfig:
     reward: str = "shapes"
     """The reward spec: a name (shapes, ocr, jpeg_compressibility, …), NAME@PATH for a model reward,
     multi:NAME=W,… or module:function (`diffrl rewards` lists them)."""
+    eval_reward: str | None = None
+    """A held-out judge (a reward spec like --reward's) that scores every held-out evaluation beside the trained
+    reward (`eval/judge`), with how far each moved since the first evaluation in units of its spread there
+    (`eval/reward_gain_sd`, `eval/judge_gain_sd`) and their difference (`eval/hacking_gap_sd`): a trained reward
+    that rises where the judge does not is being gamed. Prompt-set runs (the shapes world's judge is its verifier)."""
     reward_frames: int | None = None
     """Video: the reward (rollouts and held-out evaluation alike) sees only this many evenly spaced frames
     of each video, first and last included; None: every frame."""
@@ -465,6 +470,9 @@ class TaskConfig:
                  f"--reward-frames must be >= 1 (or unset: every frame), got {self.reward_frames}")
         _require(self.prompt_data is not None or self.eval_prompt_data is None,
                  "--eval-prompt-data needs --prompt-data (the shapes world has its own test split)")
+        _require(self.eval_reward is None or self.prompt_data is not None,
+                 "--eval-reward judges a --prompt-data run's held-out images; the shapes world is judged by its exact "
+                 "verifier (eval/strict)")
         _require(self.prompt_data is None or not self.train_categories,
                  "--train-categories picks shapes categories; a --prompt-data set has none")
         if self.reward_colocate:

@@ -44,7 +44,7 @@ _COSTS = (
 
 
 # Held-out columns shown first in the report's table, in this order; the rest follow by name.
-_HEADLINE_EVAL_KEYS = ("eval/strict", "eval/score", "eval/reward")
+_HEADLINE_EVAL_KEYS = ("eval/strict", "eval/score", "eval/reward", "eval/judge", "eval/hacking_gap_sd")
 
 
 def write_report(run_dir: Path) -> Path:
@@ -88,6 +88,12 @@ def render_report(run_dir: Path, flags: dict, records: list[dict]) -> str:
                   "| rollout | " + " | ".join(f"`{k}`" for k in keys) + " |", "|---" * (len(keys) + 1) + "|"]
         for r in evals:
             lines.append(f"| {r['rollout']} | " + " | ".join(_number(r.get(k)) for k in keys) + " |")
+    gaps = [r for r in records if "eval/hacking_gap_sd" in r]
+    if gaps:
+        last = gaps[-1]
+        lines.append(f"since the first evaluation, in units of its spread: reward {last['eval/reward_gain_sd']:+.2f}, "
+                     f"judge {last['eval/judge_gain_sd']:+.2f}, gap {last['eval/hacking_gap_sd']:+.2f} (a gap well "
+                     "above 0: the reward rose where the judge did not)")
     best = best_by_selection(records, "val/strict")
     if best is not None:
         lines += ["", f"`checkpoints/best` holds rollout {best['rollout']} (highest validation accuracy)."]
@@ -166,7 +172,8 @@ def run_summary(records: list[dict], window: int = 4) -> str:
     if len(rewards) >= 3:
         slope, se = reward_trend(rewards)
         lines.append(f"reward trend: {slope:+.4f} ± {se:.4f} per rollout (least squares over {len(rewards)} rollouts)")
-    for key, label in (("eval/strict", "held-out strict accuracy"), ("eval/reward", "held-out reward")):
+    for key, label in (("eval/strict", "held-out strict accuracy"), ("eval/reward", "held-out reward"),
+                       ("eval/judge", "held-out judge (--eval-reward)")):
         evals = [(r["rollout"], r[key]) for r in records if key in r]
         if len(evals) >= 2:
             lines.append(f"{label}: rollout {evals[0][0]} {evals[0][1]:.3f} → rollout {evals[-1][0]} {evals[-1][1]:.3f}")
