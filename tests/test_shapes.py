@@ -410,9 +410,10 @@ def test_evaluate_save_images_writes_every_scored_image_and_its_verdict(tiny_mod
     assert (out / "report.json").stat().st_mtime_ns >= (out / "records.jsonl").stat().st_mtime_ns
     assert not [p for p in out.rglob(".*")]  # no temporary file left behind
 
-    assert cli_main([*args, "--num-seeds", "1"]) == 0  # a shorter rerun into the same folder
+    assert cli_main([*args, "--num-seeds", "1"]) == 2  # a rerun into a folder holding results is refused…
+    assert cli_main([*args, "--num-seeds", "1", "--overwrite"]) == 0  # …unless asked: a shorter rerun replaces it
     assert sorted(p.name for p in (out / "images").iterdir()) == [f"{k:05d}.png" for k in range(6)]
     assert len((out / "records.jsonl").read_text().splitlines()) == 6
     args.remove("--save-images")
-    assert cli_main([*args, "--num-seeds", "1"]) == 0  # without the flag: no images of another run stay
+    assert cli_main([*args, "--num-seeds", "1", "--overwrite"]) == 0  # without the flag: no images of another run stay
     assert not (out / "records.jsonl").exists() and not list((out / "images").iterdir())
