@@ -21,12 +21,12 @@ from report import emit
 from diffrl.engine.engine import Engine, EngineConfig
 from diffrl.models import resolve_family
 from diffrl.models.demo import SHIPPED_DEMO_MODEL
-from diffrl.rollout import InProcessEngineClient, RolloutConfig, RolloutManager
+from diffrl.rollout import InProcessEngineClient, RolloutManager, RolloutSettings
 
 
 def rollout_once(engine: Engine, prompts: list[str], n: int, m: int, request: dict) -> tuple[float, torch.Tensor, int]:
-    config = RolloutConfig(n_samples_per_prompt=n, rollout_microgroup_size=m, engine_concurrency=len(prompts) * n)
-    manager = RolloutManager([InProcessEngineClient(engine)], config)
+    settings = RolloutSettings(n_samples_per_prompt=n, rollout_microgroup_size=m)
+    manager = RolloutManager([InProcessEngineClient(engine)], settings, engine_concurrency=len(prompts) * n)
     batches = engine.denoise_batches
     start = time.perf_counter()
     groups = asyncio.run(manager.rollout(prompts, request))

@@ -35,6 +35,7 @@ checkpoint and a tiny PickScore, for a CPU run of these paths.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import os
 import time
@@ -285,7 +286,8 @@ def main(argv: list[str] | None = None) -> dict:
         if stop_by is not None and longest and time.time() + 1.1 * longest > stop_by:
             results["stopped"] = results["stopped"] or f"before {tag} rollout at microgroup {microgroup}: {flag}"
             return None
-        trainer.manager.config.rollout_microgroup_size = microgroup  # read per rollout by the manager
+        # read per rollout by the manager; the run's configuration keeps its own microgroup size
+        trainer.manager.settings = dataclasses.replace(trainer.manager.settings, rollout_microgroup_size=microgroup)
         k = trainer.rollout_index
         wall = time.perf_counter()
         record = trainer.rollout_and_update(k)

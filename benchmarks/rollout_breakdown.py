@@ -32,7 +32,7 @@ from diffrl.engine.protocol import RolloutRequest
 from diffrl.models.demo import SHIPPED_DEMO_MODEL, DemoFamily
 from diffrl.rewards import get_reward
 from diffrl.rewards.workers import ProcessRewardPool
-from diffrl.rollout import InProcessEngineClient, RolloutConfig, RolloutManager
+from diffrl.rollout import InProcessEngineClient, RolloutManager, RolloutSettings
 
 
 def _sync(device: torch.device) -> None:
@@ -74,16 +74,15 @@ def main() -> None:
     prompts = every[:: max(1, len(every) // args.groups)][: args.groups]
     total = args.groups * args.n
     engine = Engine(family, EngineConfig(max_outputs_per_request=total, max_batch_outputs=total))
-    config = RolloutConfig(n_samples_per_prompt=args.n, rollout_microgroup_size=args.n,
-                           engine_concurrency=args.groups)
+    settings = RolloutSettings(n_samples_per_prompt=args.n, rollout_microgroup_size=args.n)
     seconds: dict[str, float] = {}
 
     pool = ProcessRewardPool("shapes", args.reward_workers) if args.reward_workers else get_reward("shapes")
-    with_reward = RolloutManager([InProcessEngineClient(engine)], config, reward_fn=pool)
+    with_reward = RolloutManager([InProcessEngineClient(engine)], settings, reward_fn=pool, engine_concurrency=args.groups)
     seconds["rollout + reward"] = median_seconds(lambda: asyncio.run(with_reward.rollout(prompts, request)), args.repeats, device)
     if hasattr(pool, "close"):
         pool.close()
-    plain = RolloutManager([InProcessEngineClient(engine)], config)
+    plain = RolloutManager([InProcessEngineClient(engine)], settings, engine_concurrency=args.groups)
     seconds["rollout"] = median_seconds(lambda: asyncio.run(plain.rollout(prompts, request)), args.repeats, device)
     one_request = RolloutRequest(prompt=prompts[0], seed=0, num_outputs_per_prompt=total, **request)
     seconds["engine, 1 batch"] = median_seconds(lambda: engine.generate(one_request), args.repeats, device)

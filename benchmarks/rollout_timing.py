@@ -6,7 +6,7 @@ from __future__ import annotations
 import asyncio
 import time
 
-from diffrl.rollout import RolloutConfig, RolloutManager
+from diffrl.rollout import RolloutManager, RolloutSettings
 
 # What an NFT training rollout asks for (docs/architecture.md, "Data flow"): CFG-free ODE, only the final image kept.
 NFT_ROLLOUT = dict(num_inference_steps=10, guidance_scale=1.0, rollout=True, rollout_sde_type="ode")
@@ -22,8 +22,8 @@ def rollout_seconds(clients: list, request: dict, groups: int, n: int, m: int, c
     """Median wall seconds of a rollout of `groups` prompt groups × `n` samples, after one warm-up."""
     prompts = [p for p in ("two circles", "three red squares", "a blue triangle to the left of a green circle")
                for _ in range(groups)][:groups]
-    config = RolloutConfig(n_samples_per_prompt=n, rollout_microgroup_size=m, engine_concurrency=concurrency)
-    manager = RolloutManager(clients, config)
+    settings = RolloutSettings(n_samples_per_prompt=n, rollout_microgroup_size=m)
+    manager = RolloutManager(clients, settings, engine_concurrency=concurrency)
     asyncio.run(manager.rollout(prompts, request))
     times = []
     for _ in range(repeats):

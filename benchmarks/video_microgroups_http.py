@@ -4,7 +4,7 @@ miles-diffusion runs LTX-2.3 with 8 samples per prompt in microgroups of 1, "bec
 response stops overlapping with scoring". This measures that claim on `diffrl serve`'s engine: one engine
 behind HTTP on loopback, a rollout of G prompts × n samples through `RolloutManager` and `HttpEngineClient`
 at each microgroup size M, with a scorer of stated cost, streaming on (the server writes each body as it
-sends it, the client hands each output to the scorer as it lands: `RolloutConfig.stream_scoring`) and off
+sends it, the client hands each output to the scorer as it lands: `RolloutManager(stream_scoring=...)`) and off
 (the body is built, sent, read whole, then scored as one batch per microgroup). Per M and mode: rollout wall
 seconds, seconds to the first scored sample, scoring seconds and the part of them hidden under engine work
 (the engine's batches, timed on the server: denoising and decoding), and the seconds left after the engine's
@@ -301,15 +301,15 @@ def request_fields(args) -> dict:
 
 
 def one_rollout(urls: dict, args, m: int, streaming: bool, scorer: TimedScorer, prompts: list[str]) -> dict:
-    from diffrl.rollout import HttpEngineClient, RolloutConfig, RolloutManager
+    from diffrl.rollout import HttpEngineClient, RolloutManager, RolloutSettings
 
     url = urls["stream" if streaming else "built"]
     concurrency = args.engine_concurrency or args.n_samples * len(prompts)
     client = HttpEngineClient(url, stream=streaming, max_in_flight=concurrency, wire_format=args.wire_format,
                               family=args.family)
-    manager = RolloutManager([client], RolloutConfig(
-        n_samples_per_prompt=args.n_samples, rollout_microgroup_size=m, engine_concurrency=concurrency,
-        rollout_seed=args.seed, stream_scoring=streaming), reward_fn=scorer)
+    manager = RolloutManager([client], RolloutSettings(
+        n_samples_per_prompt=args.n_samples, rollout_microgroup_size=m, rollout_seed=args.seed), reward_fn=scorer,
+        engine_concurrency=concurrency, stream_scoring=streaming)
     scorer.reset()
     start = time.monotonic()
     try:

@@ -1,4 +1,4 @@
-"""The Python examples of the docs run as written (the rollout example passed `request=` to RolloutConfig, which has
+"""The Python examples of the docs run as written (the rollout example passed `request=` to the rollout settings, which has
 no such field: a TypeError), at a smaller size where the example's size is a choice, not the point."""
 
 import re

@@ -9,7 +9,7 @@ import torch
 from diffrl.engine.engine import Engine, EngineConfig
 from diffrl.engine.protocol import RolloutRequest
 from diffrl.errors import RequestError
-from diffrl.rollout import InProcessEngineClient, RolloutConfig, RolloutManager
+from diffrl.rollout import InProcessEngineClient, RolloutManager, RolloutSettings
 
 ROLLOUT = dict(num_inference_steps=4, guidance_scale=3.0, rollout=True, rollout_sde_type="sde",
                rollout_noise_level=0.7, rollout_sde_step_indices=[1, 2], rollout_return_dit_trajectory=True)
@@ -107,9 +107,8 @@ def test_plain_generation_is_ode_without_log_probs(engine):
 
 
 def _group_through_manager(engine, microgroup_size, n=16):
-    config = RolloutConfig(n_samples_per_prompt=n, rollout_microgroup_size=microgroup_size, engine_concurrency=2,
-                           rollout_seed=31)
-    manager = RolloutManager([InProcessEngineClient(engine)], config)
+    settings = RolloutSettings(n_samples_per_prompt=n, rollout_microgroup_size=microgroup_size, rollout_seed=31)
+    manager = RolloutManager([InProcessEngineClient(engine)], settings, engine_concurrency=2)
     return asyncio.run(manager.rollout(["a blue square to the left of a yellow circle"], ROLLOUT, first_group_index=3))[0]
 
 
@@ -193,16 +192,14 @@ def test_an_idle_engine_gathers_a_rollouts_requests_into_one_batch(tiny_family):
     alone (`batch_wait_s`). Samples are the same with the wait off."""
     import asyncio
 
-    from diffrl.rollout import InProcessEngineClient, RolloutConfig, RolloutManager
-
-    config = RolloutConfig(n_samples_per_prompt=4, rollout_microgroup_size=2, engine_concurrency=8)
+    settings = RolloutSettings(n_samples_per_prompt=4, rollout_microgroup_size=2)
     request = {**ROLLOUT, "guidance_scale": 1.0}
     images, batches = {}, {}
     # A wait far longer than thread start-up, so the count is not a race on a loaded CI machine.
     for wait in (0.0, 0.5):
         engine = Engine(tiny_family, EngineConfig(max_outputs_per_request=8, max_batch_outputs=8, batch_wait_s=wait))
-        groups = asyncio.run(RolloutManager([InProcessEngineClient(engine)], config).rollout(["a red circle", "two circles"],
-                                                                                              request))
+        manager = RolloutManager([InProcessEngineClient(engine)], settings, engine_concurrency=8)
+        groups = asyncio.run(manager.rollout(["a red circle", "two circles"], request))
         images[wait] = torch.stack([s.output.generated_output for g in groups for s in g])
         batches[wait] = engine.denoise_batches
     assert batches[0.5] == 1  # 4 requests of 2 outputs, one batch of 8 (without the wait: 2, the first alone)
@@ -214,9 +211,7 @@ def test_a_batch_encodes_each_distinct_prompt_once(tiny_family, monkeypatch):
     of the prompt and one of the negative prompt, and give the samples each request gives alone."""
     import asyncio
 
-    from diffrl.rollout import InProcessEngineClient, RolloutConfig, RolloutManager
-
-    config = RolloutConfig(n_samples_per_prompt=4, rollout_microgroup_size=1, engine_concurrency=8)
+    settings = RolloutSettings(n_samples_per_prompt=4, rollout_microgroup_size=1)
     request = {**ROLLOUT, "negative_prompt": "blurry"}
     alone = Engine(tiny_family, EngineConfig(max_outputs_per_request=8))
     expected = [alone.generate(RolloutRequest(prompt="a red circle", seed=s, num_outputs_per_prompt=1, **request))[0]
@@ -226,7 +221,8 @@ def test_a_batch_encodes_each_distinct_prompt_once(tiny_family, monkeypatch):
     calls = []
     original = engine.family.encode_prompts
     monkeypatch.setattr(engine.family, "encode_prompts", lambda prompts: calls.append(list(prompts)) or original(prompts))
-    groups = asyncio.run(RolloutManager([InProcessEngineClient(engine)], config).rollout(["a red circle"], request))
+    groups = asyncio.run(RolloutManager([InProcessEngineClient(engine)], settings, engine_concurrency=8).rollout(
+        ["a red circle"], request))
     assert engine.denoise_batches == 1
     assert calls == [["a red circle"], ["blurry"]]  # not once per request (4 + 4)
     assert engine.prompt_encodes == 2

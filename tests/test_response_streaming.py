@@ -30,7 +30,7 @@ from diffrl.engine.server import create_app, serving_in_thread
 from diffrl.engine.streaming import Base64, Body, JsonListSplitter, TensorFile, json_parts
 from diffrl.engine.wire import OutputStreamDecoder, WireFormatError, decode_outputs, encode_outputs, output_body
 from diffrl.models.registry import get_family
-from diffrl.rollout import EngineUnavailable, HttpEngineClient, RolloutConfig, RolloutManager
+from diffrl.rollout import EngineUnavailable, HttpEngineClient, RolloutManager, RolloutSettings
 
 ROLLOUT = dict(num_inference_steps=3, guidance_scale=3.0, rollout=True, rollout_sde_step_indices=[0, 1],
                rollout_return_dit_trajectory=True, rollout_return_denoising_env=True)
@@ -351,7 +351,7 @@ def test_the_first_video_is_scored_while_the_server_still_holds_the_rest(compact
 
     with serving_in_thread(_held_back_server(outputs, compact, release)) as url:
         client = HttpEngineClient(url, family="ltx2", wire_format="compact" if compact else "sglang")
-        manager = RolloutManager([client], RolloutConfig(n_samples_per_prompt=3, rollout_microgroup_size=3),
+        manager = RolloutManager([client], RolloutSettings(n_samples_per_prompt=3, rollout_microgroup_size=3),
                                  reward_fn=reward)
         try:
             start = time.monotonic()
@@ -399,7 +399,7 @@ def _recording_reward(calls):
 def test_streamed_videos_are_scored_one_by_one_and_images_per_microgroup():
     calls = []
     video = StreamingFake("v", lambda seed: _video(seed))
-    manager = RolloutManager([video], RolloutConfig(n_samples_per_prompt=4, rollout_microgroup_size=4),
+    manager = RolloutManager([video], RolloutSettings(n_samples_per_prompt=4, rollout_microgroup_size=4),
                              reward_fn=_recording_reward(calls))
     groups = asyncio.run(manager.rollout(["p"]))
     assert [indices for _, indices in calls] == [[0], [1], [2], [3]]
@@ -408,13 +408,12 @@ def test_streamed_videos_are_scored_one_by_one_and_images_per_microgroup():
                                              for s in groups[0]]
 
     calls.clear()
-    manager.config.stream_scoring = False
+    manager.stream_scoring = False
     asyncio.run(manager.rollout(["p"]))
     assert [indices for _, indices in calls] == [[0, 1, 2, 3]]
 
     calls.clear()
-    manager.config.stream_scoring = True
-    asyncio.run(RolloutManager([StreamingFake("i", _image)], manager.config, _recording_reward(calls)).rollout(["p"]))
+    asyncio.run(RolloutManager([StreamingFake("i", _image)], manager.settings, _recording_reward(calls)).rollout(["p"]))
     assert [indices for _, indices in calls] == [[0, 1, 2, 3]]  # images: one batch per microgroup
 
 
@@ -422,8 +421,8 @@ def test_a_response_broken_mid_stream_is_retried_and_each_video_scored_once():
     calls = []
     broken = StreamingFake("broken", _video, fail_after=2)
     good = StreamingFake("good", _video)
-    manager = RolloutManager([broken, good], RolloutConfig(n_samples_per_prompt=4, rollout_microgroup_size=4,
-                                                           engine_concurrency=1), reward_fn=_recording_reward(calls))
+    manager = RolloutManager([broken, good], RolloutSettings(n_samples_per_prompt=4, rollout_microgroup_size=4),
+                             reward_fn=_recording_reward(calls), engine_concurrency=1)
     groups = asyncio.run(manager.rollout(["p"]))
     assert sorted(i for _, indices in calls for i in indices) == [0, 1, 2, 3]
     assert manager.last_stats.retries == 1

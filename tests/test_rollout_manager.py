@@ -8,7 +8,7 @@ import torch
 
 from diffrl.engine.protocol import RolloutOutput
 from diffrl.errors import RequestError
-from diffrl.rollout import EngineUnavailable, RolloutConfig, RolloutManager
+from diffrl.rollout import EngineUnavailable, RolloutManager, RolloutSettings
 
 
 class FakeEngine:
@@ -42,7 +42,7 @@ def _tracker():
 def test_in_flight_cap_is_never_exceeded():
     tracker = _tracker()
     engines = [FakeEngine(f"e{i}", tracker) for i in range(3)]
-    manager = RolloutManager(engines, RolloutConfig(n_samples_per_prompt=8, rollout_microgroup_size=1, engine_concurrency=2))
+    manager = RolloutManager(engines, RolloutSettings(n_samples_per_prompt=8, rollout_microgroup_size=1), engine_concurrency=2)
     groups = asyncio.run(manager.rollout([f"p{i}" for i in range(6)]))  # 48 requests
     assert tracker["max"] == 6  # 2 × 3 engines: reached, never exceeded
     assert sum(len(e.requests) for e in engines) == 48
@@ -53,8 +53,8 @@ def test_routing_prefers_the_least_loaded_engine():
     tracker = _tracker()
     slow = FakeEngine("slow", tracker, delay=lambda req: 0.3)
     fast = FakeEngine("fast", tracker, delay=lambda req: 0.01)
-    manager = RolloutManager([slow, fast], RolloutConfig(n_samples_per_prompt=12, rollout_microgroup_size=1,
-                                                         engine_concurrency=2))
+    manager = RolloutManager([slow, fast], RolloutSettings(n_samples_per_prompt=12, rollout_microgroup_size=1),
+                             engine_concurrency=2)
     asyncio.run(manager.rollout(["p"]))
     # The slow engine holds its 2 slots for the whole run; every other request goes to the fast one.
     assert len(slow.requests) == 2 and len(fast.requests) == 10
@@ -71,8 +71,8 @@ def test_scoring_starts_before_the_last_microgroup_finishes_and_order_is_kept():
         scored_at.append(time.perf_counter())
         return [float(img.mean()) for img in images]
 
-    manager = RolloutManager([engine], RolloutConfig(n_samples_per_prompt=16, rollout_microgroup_size=4,
-                                                     engine_concurrency=4, rollout_seed=0), reward_fn=reward)
+    manager = RolloutManager([engine], RolloutSettings(n_samples_per_prompt=16, rollout_microgroup_size=4, rollout_seed=0),
+                             reward_fn=reward, engine_concurrency=4)
     groups = asyncio.run(manager.rollout(["a", "b"]))
     last_finish = max(t for t, _ in tracker["finished"])
     assert min(scored_at) < last_finish  # streamed: the first microgroup was scored while others ran
@@ -85,8 +85,8 @@ def test_scoring_starts_before_the_last_microgroup_finishes_and_order_is_kept():
 
 def test_group_index_sets_the_seeds_across_rollouts():
     tracker = _tracker()
-    manager = RolloutManager([FakeEngine("e", tracker)], RolloutConfig(n_samples_per_prompt=4, rollout_microgroup_size=1,
-                                                                     engine_concurrency=1, rollout_seed=10))
+    manager = RolloutManager([FakeEngine("e", tracker)], RolloutSettings(n_samples_per_prompt=4, rollout_microgroup_size=1,
+                                                                       rollout_seed=10), engine_concurrency=1)
     first = asyncio.run(manager.rollout(["a", "b"], first_group_index=0))
     second = asyncio.run(manager.rollout(["c"], first_group_index=2))  # a new event loop, as a training loop calls it
     assert [g[0].group_index for g in first + second] == [0, 1, 2]
@@ -97,8 +97,8 @@ def test_a_dead_engine_costs_a_retry_not_a_sample():
     tracker = _tracker()
     flaky = FakeEngine("flaky", tracker, fail_times=100)
     healthy = FakeEngine("healthy", tracker)
-    manager = RolloutManager([flaky, healthy], RolloutConfig(n_samples_per_prompt=4, rollout_microgroup_size=1,
-                                                             engine_concurrency=1))
+    manager = RolloutManager([flaky, healthy], RolloutSettings(n_samples_per_prompt=4, rollout_microgroup_size=1),
+                             engine_concurrency=1)
     groups = asyncio.run(manager.rollout(["p"]))
     assert [s.seed for s in groups[0]] == [0, 1, 2, 3]
     assert all(s.engine == "healthy" for s in groups[0])
@@ -113,7 +113,7 @@ def test_a_refused_request_is_not_retried():
 
     tracker = _tracker()
     a, b = Refusing("a", tracker), Refusing("b", tracker)
-    manager = RolloutManager([a, b], RolloutConfig(n_samples_per_prompt=1, rollout_microgroup_size=1))
+    manager = RolloutManager([a, b], RolloutSettings(n_samples_per_prompt=1, rollout_microgroup_size=1))
     with pytest.raises(RequestError, match="height"):
         asyncio.run(manager.rollout(["p"]))
     assert len(a.requests) + len(b.requests) == 1

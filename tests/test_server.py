@@ -16,7 +16,7 @@ from diffrl.engine.protocol import RolloutRequest
 from diffrl.engine.server import create_app, serving_in_thread
 from diffrl.engine.wire import WireFormatError, decode_outputs, encode_outputs
 from diffrl.errors import RequestError
-from diffrl.rollout import HttpEngineClient, InProcessEngineClient, RolloutConfig, RolloutManager
+from diffrl.rollout import HttpEngineClient, InProcessEngineClient, RolloutManager, RolloutSettings
 from diffrl.rollout.clients import EngineUnavailable
 
 ROLLOUT = dict(num_inference_steps=3, guidance_scale=3.0, rollout=True, rollout_sde_step_indices=[0, 1],
@@ -61,10 +61,10 @@ def test_http_path_returns_the_same_tensors_as_in_process(served):
 
 def test_manager_mixes_http_and_in_process_engines(served):
     engine, url = served
-    config = RolloutConfig(n_samples_per_prompt=4, rollout_microgroup_size=1, engine_concurrency=1)
+    settings = RolloutSettings(n_samples_per_prompt=4, rollout_microgroup_size=1)
 
     async def run(clients):
-        return await RolloutManager(clients, config).rollout(["two circles"], ROLLOUT)
+        return await RolloutManager(clients, settings, engine_concurrency=1).rollout(["two circles"], ROLLOUT)
 
     mixed = asyncio.run(run([HttpEngineClient(url), InProcessEngineClient(engine)]))[0]
     local = asyncio.run(run([InProcessEngineClient(engine)]))[0]
@@ -153,7 +153,7 @@ def test_wire_codec_refuses_malformed_payloads(tiny_family):
 
 def test_http_client_survives_one_event_loop_per_rollout(served):
     _, url = served
-    manager = RolloutManager([HttpEngineClient(url)], RolloutConfig(n_samples_per_prompt=2, rollout_microgroup_size=1))
+    manager = RolloutManager([HttpEngineClient(url)], RolloutSettings(n_samples_per_prompt=2, rollout_microgroup_size=1))
     for _ in range(2):  # a training loop calls asyncio.run once per rollout
         groups = asyncio.run(manager.rollout(["a circle"], dict(num_inference_steps=1)))
         assert len(groups[0]) == 2

@@ -156,10 +156,10 @@ def decode_ms_per_image(family, batch: int, size: tuple[int, int], reps: int, nu
 async def time_group(client, n: int, m: int, request: dict, repeats: int, prompt: str = PROMPT):
     """Seconds for one group of n samples in microgroups of m (median of `repeats`, after a warm-up),
     and the group's outputs (to measure how much the batch size changes sample k)."""
-    from diffrl.rollout import RolloutConfig, RolloutManager
+    from diffrl.rollout import RolloutManager, RolloutSettings
 
-    config = RolloutConfig(n_samples_per_prompt=n, rollout_microgroup_size=m, engine_concurrency=n)
-    manager = RolloutManager([client], config)
+    settings = RolloutSettings(n_samples_per_prompt=n, rollout_microgroup_size=m)
+    manager = RolloutManager([client], settings, engine_concurrency=n)
     await manager.rollout([prompt], request)  # warm-up: kernels (and compiled graphs) for this batch size
     times = []
     for _ in range(repeats):

@@ -2,15 +2,16 @@
 
 from diffrl.rollout.clients import EngineClient, EngineUnavailable, HttpEngineClient, InProcessEngineClient
 from diffrl.rollout.layout import check_batch_invariant, group_seed_base, microgroups
-from diffrl.rollout.manager import RolloutConfig, RolloutManager, Sample
+from diffrl.rollout.manager import RolloutManager, Sample
+from diffrl.rollout.settings import RolloutSettings
 
 __all__ = [
     "EngineClient",
     "EngineUnavailable",
     "HttpEngineClient",
     "InProcessEngineClient",
-    "RolloutConfig",
     "RolloutManager",
+    "RolloutSettings",
     "Sample",
     "check_batch_invariant",
     "group_seed_base",

@@ -25,25 +25,10 @@ from diffrl.errors import RequestError
 from diffrl.rewards import checked_rewards
 from diffrl.rollout.clients import EngineClient, EngineUnavailable
 from diffrl.rollout.layout import group_seed_base, microgroups
+from diffrl.rollout.settings import RolloutSettings
 
 # score(images [B,C,H,W] in [0,1], prompts, metadata) -> one float per image; sync or async.
 RewardFn = Callable[[torch.Tensor, list[str], list[dict]], "list[float] | Awaitable[list[float]]"]
-
-
-@dataclass
-class RolloutConfig:
-    n_samples_per_prompt: int = 16
-    rollout_microgroup_size: int = 8
-    engine_concurrency: int = 2
-    """In-flight requests per engine; the manager's global cap is this × number of engines."""
-    rollout_seed: int = 0
-    max_retries: int = 2
-    reward_name: str = "the reward"
-    """How an error about the reward's values names it (the trainer: `--reward SPEC`)."""
-    stream_scoring: bool = True
-    """Videos arriving one by one from a client that streams them are each scored alone as soon as they
-    arrive (the reward batch is then always 1 video, whatever the timing). Images, other clients and False:
-    one reward batch per microgroup once all of it is in."""
 
 
 @dataclass
@@ -67,14 +52,28 @@ class RolloutStats:
 
 
 class RolloutManager:
-    def __init__(self, clients: Sequence[EngineClient], config: RolloutConfig, reward_fn: RewardFn | None = None):
+    """Rolls out prompt groups on `clients` as `settings` (the training configuration's rollout section) says: its
+    group size, microgroup size and rollout seed (read at each rollout).
+
+    engine_concurrency: in-flight requests per engine; the manager's global cap is this × number of engines.
+    max_retries: how many times a request that failed on one engine is sent to another.
+    reward_name: how an error about the reward's values names it (the trainer: `--reward SPEC`).
+    stream_scoring: videos arriving one by one from a client that streams them are each scored alone as soon as
+    they arrive (the reward batch is then always 1 video, whatever the timing). Images, other clients and False:
+    one reward batch per microgroup once all of it is in."""
+
+    def __init__(self, clients: Sequence[EngineClient], settings: RolloutSettings, reward_fn: RewardFn | None = None,
+                 *, engine_concurrency: int = 2, max_retries: int = 2, reward_name: str = "the reward",
+                 stream_scoring: bool = True):
         if not clients:
             raise ValueError("the rollout manager needs at least one engine")
-        if config.engine_concurrency < 1:
-            raise ValueError(f"--engine-concurrency must be >= 1, got {config.engine_concurrency}")
-        microgroups(config.n_samples_per_prompt, config.rollout_microgroup_size)  # validates both sizes
+        if engine_concurrency < 1:
+            raise ValueError(f"--engine-concurrency must be >= 1, got {engine_concurrency}")
+        microgroups(settings.n_samples_per_prompt, settings.rollout_microgroup_size)  # validates both sizes
         self.clients = list(clients)
-        self.config = config
+        self.settings = settings
+        self.engine_concurrency, self.max_retries = engine_concurrency, max_retries
+        self.reward_name, self.stream_scoring = reward_name, stream_scoring
         self.reward_fn = reward_fn
         self._in_flight = [0] * len(self.clients)
         self._slots: asyncio.Semaphore | None = None  # made per rollout: a semaphore belongs to one event loop
@@ -89,9 +88,9 @@ class RolloutManager:
         the caller keeps the index monotonic across a run). `request`: the fields copied into every
         `RolloutRequest` (steps, guidance, sde type, …); `metadata[j]` reaches the reward with group j's
         samples. Returns the groups in order, each with its samples in order."""
-        cfg = self.config
+        cfg = self.settings
         start, stats = time.perf_counter(), RolloutStats()
-        self._slots = asyncio.Semaphore(cfg.engine_concurrency * len(self.clients))
+        self._slots = asyncio.Semaphore(self.engine_concurrency * len(self.clients))
         first = first_group_index
         metadata = list(metadata) if metadata is not None else [{}] * len(prompts)
         if len(metadata) != len(prompts):
@@ -117,7 +116,7 @@ class RolloutManager:
         """A group reward's group: its microgroups generated (concurrently), then every sample scored in one call,
         while other groups still generate."""
         samples = [s for part in await asyncio.gather(*parts) for s in part]
-        scorer = _Scorer(self.reward_fn, prompt, prompt_meta, group_index, 0, self.config.reward_name)
+        scorer = _Scorer(self.reward_fn, prompt, prompt_meta, group_index, 0, self.reward_name)
         _, rewards, terms = await scorer.finish([s.output for s in samples])
         for sample, reward, term in zip(samples, rewards, terms, strict=True):
             sample.reward, sample.reward_terms = reward, term
@@ -127,10 +126,10 @@ class RolloutManager:
                           score: bool = True) -> list[Sample]:
         request = RolloutRequest(prompt=prompt, seed=seed, num_outputs_per_prompt=size, **fields)
         scorer = None if self.reward_fn is None or not score else _Scorer(self.reward_fn, prompt, prompt_meta, group_index, idx,
-                                                             self.config.reward_name)
+                                                             self.reward_name)
         try:
             outputs, engine = await self._dispatch(
-                request, stats, scorer.arrived if scorer is not None and self.config.stream_scoring else None)
+                request, stats, scorer.arrived if scorer is not None and self.stream_scoring else None)
             rewards = terms = None
             if scorer is not None:  # streamed: scored now, while other microgroups generate
                 outputs, rewards, terms = await scorer.finish(outputs)
@@ -147,7 +146,7 @@ class RolloutManager:
                         on_output=None) -> tuple[list[RolloutOutput], str]:
         failed: set[int] = set()
         async with self._slots:
-            for attempt in range(self.config.max_retries + 1):
+            for attempt in range(self.max_retries + 1):
                 k = self._least_loaded(exclude=failed)
                 self._in_flight[k] += 1
                 stats.requests += 1
@@ -161,7 +160,7 @@ class RolloutManager:
                     raise
                 except EngineUnavailable as err:
                     failed.add(k)
-                    if attempt == self.config.max_retries:
+                    if attempt == self.max_retries:
                         raise EngineUnavailable(f"request seed={request.seed} failed {attempt + 1} times; last: {err}")
                     stats.retries += 1
                     continue

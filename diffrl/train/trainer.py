@@ -38,12 +38,7 @@ from diffrl.rewards import default_device, get_reward, multi_weights
 from diffrl.rewards.colocate import InProcessRewards
 from diffrl.rewards.frames import on_frames
 from diffrl.rewards.workers import ProcessRewardPool
-from diffrl.rollout import (
-    HttpEngineClient,
-    InProcessEngineClient,
-    RolloutConfig,
-    RolloutManager,
-)
+from diffrl.rollout import HttpEngineClient, InProcessEngineClient, RolloutManager
 from diffrl.tasks import build_task
 from diffrl.train.checkpointer import Checkpointer
 from diffrl.train.config import TrainConfig
@@ -242,10 +237,7 @@ class Trainer:
         self.policy.attach_remote_engines(remote)
         manager = RolloutManager(
             ([InProcessEngineClient(engine)] if e.local_engine and not e.colocate else []) + remote,
-            RolloutConfig(n_samples_per_prompt=r.n_samples_per_prompt, rollout_microgroup_size=r.rollout_microgroup_size,
-                          engine_concurrency=e.engine_concurrency, rollout_seed=r.rollout_seed,
-                          reward_name=self.reward_name),
-            reward_fn=reward_fn,
+            r, reward_fn=reward_fn, engine_concurrency=e.engine_concurrency, reward_name=self.reward_name,
         )
         return engine, manager
 
