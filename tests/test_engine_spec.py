@@ -2,8 +2,10 @@
 in-process engine (`build_engine`), the colocated engine process, the served engine behind HTTP (`diffrl serve`'s
 builder) and the Ray engine actor's constructor (called here without Ray: it is a plain class Ray wraps)."""
 
+import ast
 import asyncio
 import dataclasses
+from pathlib import Path
 
 import pytest
 import torch
@@ -85,3 +87,33 @@ def test_a_training_run_gives_every_engine_its_dtypes_speed_options_and_batching
     assert spec.compile and spec.fuse_qkv and spec.deterministic
     assert spec.max_batch_outputs == 1  # deterministic mode: each request denoised alone
     assert EngineSpec.from_json(spec.to_json()) == spec
+
+
+def _engine_constructions(path: Path) -> list[int]:
+    """Lines of `path` that call the Engine class (by any name it is imported as, or as `module.Engine`)."""
+    tree = ast.parse(path.read_text(), filename=str(path))
+    names = {"Engine"} | {alias.asname for node in ast.walk(tree) if isinstance(node, ast.ImportFrom)
+                          for alias in node.names if alias.name == "Engine" and alias.asname}
+    return [node.lineno for node in ast.walk(tree) if isinstance(node, ast.Call) and (
+        (isinstance(node.func, ast.Name) and node.func.id in names)
+        or (isinstance(node.func, ast.Attribute) and node.func.attr == "Engine"))]
+
+
+def test_build_engine_is_the_only_way_the_package_makes_an_engine():
+    """Product code builds every engine from an `EngineSpec` (`build_engine`); tests of the Engine class itself and
+    benchmarks may construct one directly."""
+    root = Path(__file__).resolve().parents[1]
+    builder = root / "diffrl" / "engine" / "spec.py"
+    assert _engine_constructions(builder), "the scan no longer sees build_engine's own Engine(...)"
+    direct = [f"{path.relative_to(root)}:{line}" for path in sorted((root / "diffrl").rglob("*.py")) if path != builder
+              for line in _engine_constructions(path)]
+    assert not direct, "engines made without EngineSpec/build_engine (diffrl.engine.spec):\n  " + "\n  ".join(direct)
+
+
+def test_an_engine_around_a_loaded_model_needs_no_model_path():
+    family = build_engine(SPEC).family
+    spec = EngineSpec(family="demo", max_outputs_per_request=4, max_batch_outputs=2, limits={"max_prompt_chars": 50})
+    engine = build_engine(spec, family=family)
+    assert engine.family is family and engine.config.max_batch_outputs == 2 and engine.config.max_prompt_chars == 50
+    with pytest.raises(ValueError, match="build_engine\\(spec, family=...\\)"):
+        build_engine(spec)

@@ -20,7 +20,7 @@ from __future__ import annotations
 import asyncio
 import json
 import time
-from dataclasses import dataclass
+from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Literal
 
@@ -225,7 +225,7 @@ def pipeline_s_per_image(pipe, device, batch: int, size: tuple[int, int], steps:
 
 
 def bench(cfg: BenchConfig) -> dict:
-    from diffrl.engine.engine import Engine, EngineConfig
+    from diffrl.engine.spec import EngineSpec, build_engine
     from diffrl.models import resolve_family
     from diffrl.models.demo import SHIPPED_DEMO_MODEL
     from diffrl.models.speed import SpeedOptions
@@ -302,7 +302,11 @@ def bench(cfg: BenchConfig) -> dict:
     print(f"VAE decode, ms per {unit}: " + ", ".join(f"{k} {v:.1f}" for k, v in results["decode_ms_per_image"].items()),
           flush=True)
     floor_ms = results["transformer"][cfg.n]["ms_per_sample_step"] * cfg.steps
-    engine = Engine(family, EngineConfig(max_outputs_per_request=cfg.n, max_batch_outputs=cfg.n))
+    # The engine around the model loaded and set up above (LoRA first, then the speed options, as the policy does).
+    spec = EngineSpec(model_path=str(model_path), family=family.name, device=str(device), dtype=cfg.dtype,
+                      autocast_dtype="bfloat16" if cfg.autocast else None, **asdict(speed),
+                      max_outputs_per_request=cfg.n, max_batch_outputs=cfg.n)
+    engine = build_engine(spec, family=family)
     request = dict(num_inference_steps=cfg.steps, guidance_scale=guidance, rollout=True, rollout_sde_type="sde",
                    rollout_noise_level=0.7, rollout_sde_step_indices=[1, 2] if cfg.steps > 2 else [0],
                    rollout_return_dit_trajectory=True, rollout_return_denoising_env=True, height=size[0], width=size[1],

@@ -28,7 +28,8 @@ DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch
 class EngineSpec:
     """An engine: the model it loads and how, its speed options and its batching limits."""
 
-    model_path: str
+    model_path: str | None = None
+    """The model's folder (None: the engine samples with a model already loaded, handed to `build_engine`)."""
     family: str | None = None
     """The model family (None: resolved from the checkpoint, `diffrl.models.registry.resolve_family`)."""
     checkpoint: str | None = None
@@ -77,6 +78,9 @@ class EngineSpec:
 def load_family(spec: EngineSpec, device: torch.device | str | None = None) -> FamilyAdapter:
     """The model of `spec`, loaded and set up for sampling: dtypes, forward precision, text encoder placement,
     speed options and compilation (a trainer's LoRA adapter comes later, so q/k/v fusion allows one)."""
+    if spec.model_path is None:
+        raise ValueError("an engine spec without a model_path is built around a loaded model: "
+                         "build_engine(spec, family=...)")
     device = torch.device(spec.device if device is None else device)
     dtype = DTYPES[spec.dtype]
     if spec.checkpoint is not None:
@@ -97,5 +101,6 @@ def load_family(spec: EngineSpec, device: torch.device | str | None = None) -> F
 
 def build_engine(spec: EngineSpec, family: FamilyAdapter | None = None) -> Engine:
     """The engine `spec` describes. `family`: a model already loaded and set up from the same spec (the
-    trainer's in-process engine samples with the policy's own model, which the policy set up)."""
+    trainer's in-process engine samples with the policy's own model, which the policy set up; evaluation and
+    `diffrl bench` sample with a model they loaded)."""
     return Engine(load_family(spec) if family is None else family, spec.engine_config())

@@ -19,6 +19,7 @@ from diffrl.utils.progress import tqdm
 
 from diffrl.engine.engine import Engine, EngineConfig
 from diffrl.engine.protocol import RolloutOutput, RolloutRequest
+from diffrl.engine.spec import EngineSpec, build_engine
 from diffrl.models.base import FamilyAdapter
 from diffrl.utils.blocking import run_blocking
 from diffrl.utils.size import sample_size
@@ -101,9 +102,12 @@ def generate(
                     for lo, hi in request_runs(prompts, seeds, start, end)]
         # An engine per chunk, whose batch is exactly the chunk: what a sample is batched with is fixed.
         # Evaluation is trusted in-process work: the serving limits on text and CFG scale are lifted.
-        engine = Engine(family, EngineConfig(
-            max_outputs_per_request=end - start, max_batch_outputs=end - start, batch_wait_s=GATHER_WAIT_S,
-            max_pending_requests=len(requests), max_prompt_chars=longest_text,
-            max_guidance_scale=max(guidance_scale, guidance_scale_2 or 0, EngineConfig.max_guidance_scale)))
+        spec = EngineSpec(family=family.name, device=str(family.device), max_outputs_per_request=end - start,
+                          max_batch_outputs=end - start, limits=dict(
+                              batch_wait_s=GATHER_WAIT_S, max_pending_requests=len(requests),
+                              max_prompt_chars=longest_text,
+                              max_guidance_scale=max(guidance_scale, guidance_scale_2 or 0,
+                                                     EngineConfig.max_guidance_scale)))
+        engine = build_engine(spec, family=family)
         images += [output.generated_output for outputs in _denoise_together(engine, requests) for output in outputs]
     return torch.stack(images)
