@@ -36,6 +36,7 @@ class RealSize:
 REAL_SIZES = {
     "sd3": RealSize({}, {"with_t5": False}),  # SD3.5-Medium, 2.24 B
     "flux3_image": RealSize({}, {}),  # 5.54 B
+    "flux1": RealSize({}, {}, 26),  # FLUX.1 [dev]: the 11.9 B transformer, shallow CLIP-L and T5-XXL, the VAE
     "krea2": RealSize({}, {}, 26),  # 12.8 B
     "qwen_image": RealSize({}, {}, 41),  # 20.4 B
     # Wan2.2 A14B: two 14.3 B experts, the second a link to the first's files (58 GB would be written otherwise),

@@ -169,6 +169,24 @@ _COSMOS3_GRPO = dict(diffusion_model_family="cosmos3", loss_type="flow_grpo", re
                      gradient_checkpointing=True, num_rollout=10000, eval_interval=30, checkpoint_interval=10,
                      eval_images_per_category=0)
 
+# Flow-GRPO on FLUX.1 [dev] with PickScore: yifan123/flow_grpo's `pickscore_flux` (config/grpo.py) as its
+# scripts/train_flux.py runs it: 512², 6 steps (28 to evaluate) with the embedded guidance 3.5 and no true CFG, SDE
+# at noise 0.9 on every step and 5 of the 6 trained (timestep fraction 0.99), 48 prompts × 24 samples in 2 optimizer
+# steps, per-prompt mean with batch-wide std, no KL, clip 1e-4, LoRA r64/α128 (Gaussian init) on the family's
+# default targets (that script's list), lr 3e-4, AdamW β2 0.999, weight decay 1e-4, grad clip 1, bf16, micro-batches
+# of 3 samples. Not expressed here: flow_grpo encodes 128 T5 tokens (a checkpoint setting: `max_sequence_length` in
+# the `diffrl` block of model_index.json; the family's default is the pipeline's 512) and keeps an EMA for its
+# evaluations. Microgroups of 8, gradient checkpointing and the intervals are ours.
+_FLUX1_GRPO = dict(diffusion_model_family="flux1", loss_type="flow_grpo", reward="pickscore", resolution=512,
+                   use_lora=True, lora_rank=64, lora_alpha=128.0, diffusion_num_steps=6, eval_num_steps=28,
+                   diffusion_guidance_scale=1.0, diffusion_noise_level=0.9, diffusion_sde_window_range=(0, 5),
+                   diffusion_num_sde_steps=5, diffusion_clip_range=1e-4, diffusion_kl_beta=0.0,
+                   globalize_reward_std=True, rollout_batch_size=48, n_samples_per_prompt=24,
+                   rollout_microgroup_size=8, global_batch_size=576, num_steps_per_rollout=2, micro_batch_size=3,
+                   lr=3e-4, adam_beta2=0.999, weight_decay=1e-4, grad_clip=1.0, mixed_precision="bf16",
+                   gradient_checkpointing=True, num_rollout=300, eval_interval=30, checkpoint_interval=30,
+                   eval_images_per_category=0)
+
 SIZED: dict[str, dict[str, dict]] = {
     "sd3-grpo": {"gpu": _SD3_GRPO, "cpu": _SD3_GRPO},  # a real checkpoint has no CPU size
     "sd35-grpo-ocr": {"gpu": (_ocr := dict(_SD35_GRPO, reward="ocr", diffusion_kl_beta=0.04)), "cpu": _ocr},
@@ -183,6 +201,7 @@ SIZED: dict[str, dict[str, dict]] = {
     # compiled"). The first rollout pays the compilation (about a minute).
     "flux3-klein-nft-pickscore": {"gpu": dict(_FLUX3_NFT, compile=True), "cpu": _FLUX3_NFT},
     "flux3-klein-grpo-hps": {"gpu": dict(_FLUX3_GRPO, compile=True), "cpu": _FLUX3_GRPO},
+    "flux1-grpo-pickscore": {"gpu": _FLUX1_GRPO, "cpu": _FLUX1_GRPO},
     "krea2-nft-ocr": {"gpu": _KREA2_NFT, "cpu": _KREA2_NFT},
     "krea2-nft-pickscore": {"gpu": (_krea_pick := dict(_KREA2_NFT, reward="pickscore")), "cpu": _krea_pick},
     "wan22-grpo-pickscore": {"gpu": _WAN22_GRPO, "cpu": _WAN22_GRPO},
@@ -238,6 +257,7 @@ RECIPE_SUMMARIES = {
     "qwen-image-grpo-pickscore": "Flow-GRPO on Qwen-Image with PickScore (flow_grpo's pickscore_qwenimage)",
     "flux3-klein-nft-pickscore": "DiffusionNFT on FLUX 3 Klein with PickScore",
     "flux3-klein-grpo-hps": "Flow-GRPO on FLUX 3 Klein with HPSv2",
+    "flux1-grpo-pickscore": "Flow-GRPO on FLUX.1 [dev] with PickScore (flow_grpo's pickscore_flux)",
     "krea2-nft-ocr": "DiffusionNFT on Krea 2 with the OCR reward",
     "krea2-nft-pickscore": "DiffusionNFT on Krea 2 with PickScore",
     "wan22-grpo-pickscore": "Flow-GRPO on Wan2.2 video with PickScore",
