@@ -17,7 +17,9 @@ from typing import Literal
 
 from diffrl.algorithms.methods import METHODS, SDE_LOSS_TYPES
 from diffrl.models.demo import SHIPPED_DEMO_MODEL
+from diffrl.rewards import multi_weights
 from diffrl.rewards.groups import is_group_reward
+from diffrl.rewards.schedule import parse_schedule
 from diffrl.rollout.settings import RolloutSettings
 from diffrl.utils.size import sample_size, size_flags
 
@@ -381,6 +383,10 @@ class TaskConfig:
     reward (`eval/judge`), with how far each moved since the first evaluation in units of its spread there
     (`eval/reward_gain_sd`, `eval/judge_gain_sd`) and their difference (`eval/hacking_gap_sd`): a trained reward
     that rises where the judge does not is being gamed. Prompt-set runs (the shapes world's judge is its verifier)."""
+    reward_schedule: tuple[str, ...] = ()
+    """Weights of a multi: reward's terms that change over the run, each NAME:START:END:FIRST:LAST: the term's
+    weight moves linearly from START at rollout FIRST to END at rollout LAST (rewards/schedule.py); the rollout's
+    weights are logged as rollout/reward_weight/<name>."""
     reward_frames: int | None = None
     """Video: the reward (rollouts and held-out evaluation alike) sees only this many evenly spaced frames
     of each video, first and last included; None: every frame."""
@@ -413,6 +419,9 @@ class TaskConfig:
                  f"--reward-frames must be >= 1 (or unset: every frame), got {self.reward_frames}")
         _require(self.prompt_data is not None or self.eval_prompt_data is None,
                  "--eval-prompt-data needs --prompt-data (the shapes world has its own test split)")
+        if self.reward_schedule:  # names, numbers and ranges checked before anything loads
+            parse_schedule(self.reward_schedule,
+                           multi_weights(self.reward) if self.reward.startswith("multi:") else {})
         _require(self.eval_reward is None or self.prompt_data is not None,
                  "--eval-reward judges a --prompt-data run's held-out images; the shapes world is judged by its exact "
                  "verifier (eval/strict)")

@@ -37,6 +37,7 @@ from diffrl.models.demo import SHIPPED_DEMO_MODEL
 from diffrl.rewards import default_device, get_reward, multi_weights
 from diffrl.rewards.colocate import InProcessRewards
 from diffrl.rewards.frames import on_frames
+from diffrl.rewards.schedule import parse_schedule, weights_at
 from diffrl.rewards.workers import ProcessRewardPool
 from diffrl.rollout import HttpEngineClient, InProcessEngineClient, RolloutManager
 from diffrl.tasks import build_task
@@ -360,8 +361,17 @@ class Trainer:
         n = cfg.rollout.n_samples_per_prompt
         a = cfg.algorithm
         terms = weights = None
+        scheduled = {}
+        if cfg.task.reward_schedule:  # this rollout's weights of the multi: terms, summed here
+            term_weights = multi_weights(cfg.task.reward)
+            term_weights = weights_at(term_weights, parse_schedule(cfg.task.reward_schedule, term_weights), k)
+            rewards = all_gather_rows(reward_terms(samples, list(term_weights)), self.parallel) @ torch.tensor(
+                list(term_weights.values()), dtype=torch.float64)
+            scheduled = {f"rollout/reward_weight/{name}": w for name, w in term_weights.items()}
         if a.advantage_aggregation == "gdpo":  # each term of the multi: reward, normalized on its own
             weights = multi_weights(cfg.task.reward)
+            if cfg.task.reward_schedule:
+                weights = weights_at(weights, parse_schedule(cfg.task.reward_schedule, weights), k)
             terms = all_gather_rows(reward_terms(samples, list(weights)), self.parallel)
             weights = list(weights.values())
         adv = compute_advantages(rewards, [p.prompt for p in prompts for _ in range(n)],
@@ -374,7 +384,7 @@ class Trainer:
                   "rollout/zero_std_ratio": adv.zero_std_ratio, "rollout/seconds": rollout_s,
                   "rollout/images_per_s": len(samples) / rollout_s,
                   "rollout/sde_window_start": request.get("rollout_sde_step_indices", [-1])[0],
-                  **({} if released is None else {"memory/engine_released_gib": released})}
+                  **({} if released is None else {"memory/engine_released_gib": released}), **scheduled}
         record.update(self.task.observe(prompts, rewards.view(len(prompts), n).tolist()))
         if self.parallel.is_main and k % cfg.eval.eval_interval == 0:  # a few samples, once per eval interval
             self.metrics.log_rollout_samples(samples, k + 1)
@@ -559,8 +569,9 @@ def reward_terms(samples: Sequence, names: list[str]) -> torch.Tensor:
     """Each sample's values of a multi: reward's terms, `[samples, terms]` in `names`' order (float64)."""
     missing = next((s for s in samples if not s.reward_terms or set(s.reward_terms) != set(names)), None)
     if missing is not None:
-        raise ValueError(f"--advantage-aggregation gdpo: the reward of {missing.prompt!r} came back without its terms "
-                         f"{', '.join(names)} (a reward scored elsewhere returns only the sum)")
+        raise ValueError(f"--advantage-aggregation gdpo and --reward-schedule read each term of the multi: reward, but "
+                         f"the reward of {missing.prompt!r} came back without its terms {', '.join(names)} (a reward "
+                         "scored elsewhere returns only the sum)")
     return torch.tensor([[s.reward_terms[name] for name in names] for s in samples], dtype=torch.float64)
 
 
