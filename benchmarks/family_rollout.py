@@ -46,6 +46,7 @@ REAL_SIZES = {
     # video and audio VAEs and the vocoder (0.84 B): 22.4 B.
     "ltx2": RealSize({"text_layers": 2}, {}, 45),
     "cosmos3": RealSize({}, {}, 32),  # Cosmos3OmniTransformer's defaults (15.2 B) and a 48-channel Wan VAE (0.70 B)
+    "z_image": RealSize({}, {}, 14),  # the 6.15 B transformer, a 2-layer text encoder of Qwen3-4B's width, the VAE
 }
 
 

@@ -187,6 +187,26 @@ _FLUX1_GRPO = dict(diffusion_model_family="flux1", loss_type="flow_grpo", reward
                    gradient_checkpointing=True, num_rollout=300, eval_interval=30, checkpoint_interval=30,
                    eval_images_per_category=0)
 
+# Flow-GRPO on Z-Image with PickScore: X-GenGroup/Flow-Factory's examples/grpo/lora/z_image/default.yaml: 512², 10
+# steps with CFG g = 4 in Z-Image's form (our scale s = g + 1 = 5), SDE at noise 0.7 on one step drawn per rollout
+# from steps 1-3, 48 prompts × 16 samples in 2 optimizer steps, per-prompt mean and std, no KL, clip 1e-4, advantage
+# clip 5, LoRA r64/α128 on the family's default targets (that file's default list), fp32 masters with a bf16
+# forward, lr 3e-4, AdamW β2 0.999, weight decay 1e-4, grad clip 1, micro-batches of one sample. Not expressed
+# here: its GDPO aggregation of several rewards (one reward here), its EMA for evaluation, and its 40-step
+# evaluations at 1024². Microgroups of 16 (one request per prompt), gradient checkpointing and the intervals are ours.
+_Z_IMAGE_GRPO = dict(diffusion_model_family="z_image", loss_type="flow_grpo", reward="pickscore", resolution=512,
+                     use_lora=True, lora_rank=64, lora_alpha=128.0, diffusion_num_steps=10, eval_num_steps=40,
+                     diffusion_guidance_scale=5.0, diffusion_noise_level=0.7, diffusion_sde_window_range=(1, 4),
+                     diffusion_num_sde_steps=1, diffusion_clip_range=1e-4, diffusion_adv_clip_max=5.0,
+                     diffusion_kl_beta=0.0, rollout_batch_size=48, n_samples_per_prompt=16,
+                     rollout_microgroup_size=16, global_batch_size=384, num_steps_per_rollout=2, micro_batch_size=1,
+                     lr=3e-4, adam_beta2=0.999, weight_decay=1e-4, grad_clip=1.0, mixed_precision="bf16",
+                     gradient_checkpointing=True, num_rollout=300, eval_interval=40, checkpoint_interval=40,
+                     eval_images_per_category=0)
+# The same on Z-Image-Turbo: the same file for the turbo checkpoint (examples/grpo/lora/z_image_turbo): 6 steps
+# without CFG (g = 0), 10 to evaluate; the SDE step, batch and optimizer as above.
+_Z_IMAGE_TURBO_GRPO = dict(_Z_IMAGE_GRPO, diffusion_num_steps=6, eval_num_steps=10, diffusion_guidance_scale=1.0)
+
 SIZED: dict[str, dict[str, dict]] = {
     "sd3-grpo": {"gpu": _SD3_GRPO, "cpu": _SD3_GRPO},  # a real checkpoint has no CPU size
     "sd35-grpo-ocr": {"gpu": (_ocr := dict(_SD35_GRPO, reward="ocr", diffusion_kl_beta=0.04)), "cpu": _ocr},
@@ -205,6 +225,8 @@ SIZED: dict[str, dict[str, dict]] = {
     "krea2-nft-ocr": {"gpu": _KREA2_NFT, "cpu": _KREA2_NFT},
     "krea2-nft-pickscore": {"gpu": (_krea_pick := dict(_KREA2_NFT, reward="pickscore")), "cpu": _krea_pick},
     "wan22-grpo-pickscore": {"gpu": _WAN22_GRPO, "cpu": _WAN22_GRPO},
+    "z-image-grpo-pickscore": {"gpu": _Z_IMAGE_GRPO, "cpu": _Z_IMAGE_GRPO},
+    "z-image-turbo-grpo-pickscore": {"gpu": _Z_IMAGE_TURBO_GRPO, "cpu": _Z_IMAGE_TURBO_GRPO},
     # On a GPU: one request per prompt's 8 videos (denoised as one batch), training micro-batches of 4 pairs and
     # compiled blocks: 8.25 s per sample on one H200 against 29.2 s with the published microgroup 1 and micro-batch
     # 1, eager. The same samples (seeds fix them) and the same gradient (micro-batches are weighted by their
@@ -261,6 +283,8 @@ RECIPE_SUMMARIES = {
     "krea2-nft-ocr": "DiffusionNFT on Krea 2 with the OCR reward",
     "krea2-nft-pickscore": "DiffusionNFT on Krea 2 with PickScore",
     "wan22-grpo-pickscore": "Flow-GRPO on Wan2.2 video with PickScore",
+    "z-image-grpo-pickscore": "Flow-GRPO on Z-Image with PickScore (Flow-Factory's z_image example)",
+    "z-image-turbo-grpo-pickscore": "Flow-GRPO on Z-Image-Turbo's few steps with PickScore (Flow-Factory's example)",
     "ltx23-grpo-pickscore": "Flow-GRPO on LTX-2.3 video with PickScore",
     "cosmos3-grpo": "Flow-GRPO on Cosmos3",
     "shapes-nft": "DiffusionNFT on the shipped demo model and the shapes world (make demo; CPU-sized on a CPU)",

@@ -67,6 +67,7 @@ def _import_builtin_families() -> None:
     import diffrl.models.qwen_image  # noqa: F401
     import diffrl.models.sd3  # noqa: F401
     import diffrl.models.wan2_2  # noqa: F401
+    import diffrl.models.z_image  # noqa: F401
 
 
 set_builtin_importer(_import_builtin_families)
