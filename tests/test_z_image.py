@@ -149,6 +149,8 @@ def test_bad_requests_are_refused(z_image):
     engine = Engine(z_image, EngineConfig(max_outputs_per_request=4))
     with pytest.raises(RequestError, match="height=30: Z-Image needs a positive multiple of 4"):
         engine.generate(RolloutRequest(prompt="a cat", height=30, width=32))  # 16 at real size
+    with pytest.raises(RequestError, match="width=516: this Z-Image checkpoint makes at most 512 pixels a side"):
+        engine.generate(RolloutRequest(prompt="a cat", height=32, width=516))  # its RoPE table's 128 positions
     with pytest.raises(RequestError) as err:
         engine.generate(RolloutRequest(prompt="a cat", image="data:image/png;base64,AAAA", height=32, width=32))
     assert err.value.field == "image"

@@ -39,7 +39,7 @@ from pathlib import Path
 
 import torch
 
-from diffrl.errors import ModelLoadError
+from diffrl.errors import ModelLoadError, RequestError
 from diffrl.models.base import (
     Component,
     FamilyAdapter,
@@ -119,6 +119,11 @@ class ZImageFamily(FamilyAdapter):
                                  f"transformer reads {config.cap_feat_dim}-wide text")
         if tokenizer.chat_template is None:
             raise ModelLoadError("z_image: the tokenizer has no chat template (Z-Image encodes prompts through it)")
+        text_positions = -(-settings.max_sequence_length // 32) * 32 + 1  # padded to 32 tokens, then the image's frame
+        if text_positions >= config.axes_lens[0]:
+            raise ModelLoadError(f"z_image: max_sequence_length {settings.max_sequence_length} needs "
+                                 f"{text_positions + 1} positions on the first RoPE axis; the transformer has "
+                                 f"{config.axes_lens[0]}")
         unsupported = [key for key in UNSUPPORTED_SCHEDULER_OPTIONS if scheduler.config.get(key)]
         if unsupported:
             raise ModelLoadError(f"z_image: unsupported scheduler options {unsupported} (they change the step that "
@@ -169,7 +174,13 @@ class ZImageFamily(FamilyAdapter):
         return self.settings.default_size, self.settings.default_size
 
     def check_size(self, height: int, width: int) -> None:
-        require_pixel_multiple("Z-Image", self.pixels_per_token, height=height, width=width)
+        step = self.pixels_per_token
+        require_pixel_multiple("Z-Image", step, height=height, width=width)
+        for name, value, axis in (("height", height, 1), ("width", width, 2)):
+            largest = self.transformer.config.axes_lens[axis] * step  # the RoPE table's positions on that axis
+            if value > largest:
+                raise RequestError(name, f"{name}={value}: this Z-Image checkpoint makes at most {largest} pixels a "
+                                         f"side ({self.transformer.config.axes_lens[axis]} positions × {step} pixels)")
 
     def sigmas(self, num_steps: int, height: int, width: int) -> torch.Tensor:
         config = self.scheduler.config

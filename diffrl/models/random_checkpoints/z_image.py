@@ -29,7 +29,7 @@ class ZImageSizes:
 def tiny() -> ZImageSizes:
     return ZImageSizes(
         transformer={"dim": 32, "n_layers": 2, "n_refiner_layers": 1, "n_heads": 2, "n_kv_heads": 2,
-                     "axes_dims": [4, 6, 6], "axes_lens": [256, 64, 64]},
+                     "axes_dims": [4, 6, 6], "axes_lens": [128, 128, 128]},
         text_hidden=32, text_layers=3, text_heads=2, text_kv_heads=1,
         vae={"down_block_types": ("DownEncoderBlock2D",) * 2, "up_block_types": ("UpDecoderBlock2D",) * 2,
              "block_out_channels": (8, 16), "latent_channels": 4, "norm_num_groups": 4},
