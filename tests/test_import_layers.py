@@ -4,16 +4,24 @@ An AST scan of every module under `diffrl/`, imports inside functions and `if` b
 diffrl-internal imports. Each module sits in one layer (the table below); an import may point to its own layer or a
 lower one, never up, and the graph has no circle (modules of one package may import each other, but not in a circle).
 
+An import of diffrl inside a function is allowed only where it defers a heavy optional dependency or keeps
+`diffrl --help` fast, and a comment says so: a comment containing "defer" or "lazy" on the import's lines or on the
+comment lines just above its block of consecutive import statements (one comment may cover the block).
+
 Imports spelled as strings (`importlib.import_module("diffrl.rewards.hps")`, the reward registry's
 `"module:function"` entries) are not seen; every such string today names a module of the package that holds it.
 
-Run as a script (`python tests/test_import_layers.py`) to print every upward import and every circle.
+Run as a script (`python tests/test_import_layers.py`) to print every upward import, every circle and every diffrl
+import inside a function (those without their comment marked).
 """
 
 from __future__ import annotations
 
 import ast
+import io
+import re
 import sys
+import tokenize
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -211,6 +219,84 @@ def describe_circle(component: list[str], path: list[Edge], edges: list[Edge]) -
     return "\n".join(lines)
 
 
+# What a comment must say for a diffrl import to stay inside a function.
+DEFERRAL = re.compile(r"defer|lazy", re.IGNORECASE)
+
+
+@dataclass(frozen=True)
+class HiddenImport:
+    path: str  # importing file, relative to the repository
+    line: int
+    function: str
+    statement: str  # the import's first line
+    explained: bool  # a comment says which dependency it defers
+
+    def __str__(self) -> str:
+        return f"{self.path}:{self.line}: in {self.function}(): {self.statement}"
+
+
+def _imports_diffrl(node: ast.stmt) -> bool:
+    if isinstance(node, ast.Import):
+        return any(a.name == "diffrl" or a.name.startswith("diffrl.") for a in node.names)
+    if isinstance(node, ast.ImportFrom):
+        return bool(node.level) or node.module == "diffrl" or (node.module or "").startswith("diffrl.")
+    return False
+
+
+def _statement_lists(node: ast.AST):
+    """Every list of statements directly under `node` (bodies, else branches, handlers' bodies, match cases)."""
+    for name in ("body", "orelse", "finalbody"):
+        value = getattr(node, name, None)
+        if isinstance(value, list) and value and isinstance(value[0], ast.stmt):
+            yield value
+    for child in getattr(node, "handlers", []) + getattr(node, "cases", []):
+        yield child.body
+
+
+def hidden_imports_of(path: Path, root: Path = ROOT) -> list[HiddenImport]:
+    """The diffrl imports inside functions of `path`, each with whether a comment explains it."""
+    text = path.read_text()
+    lines = text.splitlines()
+    comments: dict[int, str] = {}
+    for token in tokenize.generate_tokens(io.StringIO(text).readline):
+        if token.type == tokenize.COMMENT:
+            comments[token.start[0]] = token.string
+    rel = str(path.relative_to(root))
+    found: list[HiddenImport] = []
+
+    def explained(block: list[ast.stmt]) -> bool:
+        said = [comments.get(n, "") for s in block for n in range(s.lineno, s.end_lineno + 1)]
+        n = block[0].lineno - 1
+        while n >= 1 and lines[n - 1].strip().startswith("#"):  # the comment lines just above the block
+            said.append(lines[n - 1])
+            n -= 1
+        return any(DEFERRAL.search(c) for c in said)
+
+    def visit(node: ast.AST, function: str | None) -> None:
+        if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)):
+            function = node.name
+        for body in _statement_lists(node):
+            if function is not None:
+                block: list[ast.stmt] = []
+                for stmt in [*body, None]:  # blocks of consecutive imports
+                    if isinstance(stmt, (ast.Import, ast.ImportFrom)):
+                        block.append(stmt)
+                        continue
+                    ok = bool(block) and explained(block)
+                    found.extend(HiddenImport(rel, s.lineno, function, lines[s.lineno - 1].strip(), ok)
+                                 for s in block if _imports_diffrl(s))
+                    block = []
+        for child in ast.iter_child_nodes(node):
+            visit(child, function)
+
+    visit(ast.parse(text, filename=str(path)), None)
+    return sorted(found, key=lambda h: h.line)
+
+
+def hidden_imports() -> list[HiddenImport]:
+    return [h for path in all_modules().values() for h in hidden_imports_of(path)]
+
+
 def test_every_top_level_part_has_a_layer():
     top = {module_name(p) for p in PACKAGE.glob("*.py")} | {
         f"diffrl.{p.name}" for p in PACKAGE.iterdir() if (p / "__init__.py").is_file()
@@ -241,6 +327,36 @@ def test_no_import_circles():
     assert not found, f"{len(found)} import circles:\n" + "\n".join(describe_circle(c, p, graph) for c, p in found)
 
 
+def test_the_hidden_import_scan_sees_comments_above_a_block_and_on_the_line(tmp_path):
+    source = (
+        "import diffrl.errors\n"
+        "def f():\n"
+        "    # deferred: diffusers\n"
+        "    from diffrl.models import demo\n"
+        "    from diffrl.models import sd3\n"
+        "\n"
+        "    import json\n"
+        "    from diffrl.data import prompts\n"  # the same block: statements in a row, blank lines or not
+        "    x = 1\n"
+        "    from diffrl.rewards import get_reward\n"
+        "    if True:\n"
+        "        import diffrl.data  # lazy: keeps the CLI's help fast\n"
+        "    from . import errors\n"
+    )
+    module = tmp_path / "example.py"
+    module.write_text(source)
+    found = hidden_imports_of(module, root=tmp_path)
+    assert [(h.line, h.explained) for h in found] == [(4, True), (5, True), (8, True), (10, False), (12, True), (13, False)]
+
+
+def test_diffrl_imports_inside_functions_say_what_they_defer():
+    unexplained = [h for h in hidden_imports() if not h.explained]
+    assert not unexplained, (
+        f"{len(unexplained)} diffrl imports inside functions: move each to the top of its module, or, where it defers "
+        "a heavy optional dependency or keeps `diffrl --help` fast, say which in a comment containing 'defer' or "
+        "'lazy' (on the import, or just above its block of imports):\n" + "\n".join(f"  {h}" for h in unexplained))
+
+
 if __name__ == "__main__":
     graph = import_graph()
     upward = upward_imports(graph)
@@ -251,3 +367,8 @@ if __name__ == "__main__":
     print(f"{len(found)} circles:")
     for component, path in found:
         print(describe_circle(component, path, graph))
+    hidden = hidden_imports()
+    print(f"{len(hidden)} diffrl imports inside functions, {sum(not h.explained for h in hidden)} without a comment "
+          "saying what they defer (marked *):")
+    for h in hidden:
+        print(f"  {' ' if h.explained else '*'} {h}")

@@ -26,6 +26,18 @@ from typing import Literal
 
 import torch
 
+from diffrl.engine.spec import EngineSpec, build_engine
+from diffrl.models import resolve_family
+from diffrl.models.compile import uncompiled_block_kinds
+from diffrl.models.demo import SHIPPED_DEMO_MODEL
+from diffrl.models.lora import LoraSpec, add_lora
+from diffrl.models.speed import SpeedOptions
+from diffrl.rollout import InProcessEngineClient, RolloutManager, RolloutSettings
+from diffrl.sampling import make_generators
+from diffrl.utils.device import resolve_device
+from diffrl.utils.flops import flop_counter
+from diffrl.utils.size import sample_size
+
 PROMPT = "a blue square to the left of a yellow circle"
 
 
@@ -105,8 +117,6 @@ def _frames(family, num_frames: int | None) -> dict:
 
 
 def _step_inputs(family, batch: int, size: tuple[int, int], guidance: float, num_frames: int | None = None):
-    from diffrl.sampling import make_generators
-
     device = family.device
     latents = family.prepare_latents(make_generators(range(batch), device=device), *size,
                                      **_frames(family, num_frames))
@@ -119,8 +129,6 @@ def _step_inputs(family, batch: int, size: tuple[int, int], guidance: float, num
 def transformer_gflop(family, batch: int, size: tuple[int, int], guidance: float, num_frames: int | None = None) -> float:
     """GFLOP per sample of one denoising step's transformer work (cond + uncond when CFG is on), counted
     eagerly (before any compilation: the counter does not see inside compiled graphs)."""
-    from diffrl.utils.flops import flop_counter
-
     latents, sigma, cond, uncond = _step_inputs(family, batch, size, guidance, num_frames)
     with flop_counter() as counter:
         family.velocity(family.transformer, latents, sigma, cond, uncond, guidance)
@@ -144,8 +152,6 @@ def transformer_step_ms(family, batch: int, size: tuple[int, int], guidance: flo
 def decode_ms_per_image(family, batch: int, size: tuple[int, int], reps: int, num_frames: int | None = None) -> dict[str, float]:
     """ms per image (or video) of the VAE decode: one per call (what the engine does on CPU) and the
     family's own `decode` (in chunks on a GPU)."""
-    from diffrl.sampling import make_generators
-
     frames = _frames(family, num_frames)
     latents = family.prepare_latents(make_generators(range(batch), device=family.device), *size, **frames).tokens
     ways = {"one_per_call": lambda: torch.cat([family.decode(row[None], *size, **frames) for row in latents]),
@@ -156,8 +162,6 @@ def decode_ms_per_image(family, batch: int, size: tuple[int, int], reps: int, nu
 async def time_group(client, n: int, m: int, request: dict, repeats: int, prompt: str = PROMPT):
     """Seconds for one group of n samples in microgroups of m (median of `repeats`, after a warm-up),
     and the group's outputs (to measure how much the batch size changes sample k)."""
-    from diffrl.rollout import RolloutManager, RolloutSettings
-
     settings = RolloutSettings(n_samples_per_prompt=n, rollout_microgroup_size=m)
     manager = RolloutManager([client], settings, engine_concurrency=n)
     await manager.rollout([prompt], request)  # warm-up: kernels (and compiled graphs) for this batch size
@@ -225,14 +229,6 @@ def pipeline_s_per_image(pipe, device, batch: int, size: tuple[int, int], steps:
 
 
 def bench(cfg: BenchConfig) -> dict:
-    from diffrl.engine.spec import EngineSpec, build_engine
-    from diffrl.models import resolve_family
-    from diffrl.models.demo import SHIPPED_DEMO_MODEL
-    from diffrl.models.speed import SpeedOptions
-    from diffrl.rollout import InProcessEngineClient
-    from diffrl.utils.device import resolve_device
-    from diffrl.utils.size import sample_size
-
     if cfg.dtype not in ("float32", "bfloat16"):
         raise ValueError(f"--dtype must be float32 or bfloat16, got {cfg.dtype!r}")
     if cfg.lora_rank < 0:
@@ -249,8 +245,6 @@ def bench(cfg: BenchConfig) -> dict:
     family = resolve_family(cfg.diffusion_model_family, model_path).load(
         model_path, device=device, dtype=getattr(torch, cfg.dtype))
     if cfg.lora_rank:  # before the speed options, as the policy adds it (FP8 and compilation see the adapter)
-        from diffrl.models.lora import LoraSpec, add_lora
-
         add_lora(family.transformer, LoraSpec(rank=cfg.lora_rank, alpha=2.0 * cfg.lora_rank,
                                               target_modules=list(family.lora_target_modules)))
     if cfg.autocast:
@@ -285,7 +279,6 @@ def bench(cfg: BenchConfig) -> dict:
         transformer_step_ms(family, cfg.n, size, guidance, 1, frames)
         results["compile_s"] = time.perf_counter() - start
         print(f"compiled the blocks and ran batch {cfg.n}: {results['compile_s']:.0f} s", flush=True)
-        from diffrl.models.compile import uncompiled_block_kinds
 
         results["uncompiled_block_kinds"] = uncompiled_block_kinds(family)
         if results["uncompiled_block_kinds"]:

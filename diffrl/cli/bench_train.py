@@ -25,8 +25,12 @@ from pathlib import Path
 import torch
 
 from diffrl.algorithms.methods import METHODS
+from diffrl.cli.bench import transformer_gflop
 from diffrl.train.config import TrainConfig
+from diffrl.train.metrics import read_metrics
 from diffrl.train.objectives import OBJECTIVES
+from diffrl.train.parallel import finish_parallel
+from diffrl.train.trainer import Trainer
 
 # What bench-train changes in `diffrl train`'s defaults (a recipe's included); flags override them again.
 BENCH_TRAIN_DEFAULTS = dict(num_rollout=3, eval_images_per_category=0, val_images_per_category=0, eval_num_prompts=0)
@@ -113,8 +117,6 @@ def trains_with_cfg(cfg: TrainConfig) -> bool:
 def estimate_flops(cfg: TrainConfig, family) -> dict:
     """Transformer GFLOP per sample of a rollout and per train pair, counted at batch 1 by torch's
     FlopCounterMode (eagerly, as compiled graphs hide their ops from the counter)."""
-    from diffrl.cli.bench import transformer_gflop
-
     m, r, a = cfg.model, cfg.rollout, cfg.algorithm
     size = m.size() or family.default_size()
     frames = (m.num_frames or family.default_num_frames) if family.generates_video else None
@@ -196,8 +198,6 @@ def format_table(table: dict, loss_type: str = "flow_grpo", on_gpu: bool = True,
 
 
 def _trainer_without_checkpoints():
-    from diffrl.train.trainer import Trainer
-
     class BenchTrainer(Trainer):
         """The loop without writing checkpoints (their time is outside the measured seconds anyway)."""
 
@@ -212,10 +212,6 @@ def _trainer_without_checkpoints():
 
 def bench_train(cfg: BenchTrainConfig) -> dict | None:
     """Run the trainer, then print (and with --out write) the table. Under torchrun the main rank reports."""
-    from diffrl.train.metrics import read_metrics
-    from diffrl.train.parallel import finish_parallel
-    from diffrl.train.trainer import Trainer
-
     train_cfg = cfg.train
     if train_cfg.uses_ray():
         raise ValueError("bench-train times the trainer in this process (or torchrun's ranks); not with Ray "

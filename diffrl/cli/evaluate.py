@@ -25,6 +25,7 @@ from diffrl.evaluation.shapes import (IMAGES_DIR, RECORDS_FILE, balanced_eval_se
 from diffrl.errors import RequestError
 from diffrl.models.checkpoint import load_model
 from diffrl.models.demo import SHIPPED_DEMO_MODEL
+from diffrl.models.registry import resolve_family
 from diffrl.models.speed import SpeedOptions
 from diffrl.rewards import check_prompts, default_device
 from diffrl.utils.atomic import atomic_path, write_text_atomic
@@ -171,8 +172,6 @@ def check_shapes_family(family: str | None, model_path: Path, command: str, guid
     """The shapes world verifies images: a video family is refused before it loads (its [C, F, H, W] videos
     reached the image writer as a traceback), pointing at the prompt-set evaluation, which takes video; and so
     is a second expert's CFG scale, which its one-expert models have no use for."""
-    from diffrl.models.registry import resolve_family
-
     family_cls = resolve_family(family, model_path)
     if family_cls.generates_video:
         raise ValueError(f"diffrl {command}: the shapes world scores images and the {family_cls.name} family "

@@ -11,6 +11,9 @@ import os
 import sys
 from pathlib import Path
 
+from diffrl.cli.miles_flags import translate
+from diffrl.errors import AnotherFamilysCheckpoint, EngineUnavailable, ModelLoadError
+
 # The subcommands' modules (torch, diffusers, …) load only when a subcommand runs: `diffrl --help`,
 # `diffrl recipes` and `diffrl rewards` answer without them.
 SUBCOMMAND_SUMMARIES = {
@@ -35,6 +38,8 @@ configuration as JSON (usable as --config) and exits."""
 
 
 def _subcommands() -> dict:
+    # deferred: the subcommands' modules load torch, diffusers and fastapi; `diffrl --help`, `recipes` and
+    # `rewards` answer without them
     from diffrl.cli.bench import BenchConfig
     from diffrl.cli.bench_train import BenchTrainConfig
     from diffrl.cli.compare import CompareConfig
@@ -67,6 +72,7 @@ def top_help() -> str:
 
 
 def list_recipes() -> str:
+    # deferred: recipes build train configs (torch, diffusers); `diffrl --help` answers without them
     from diffrl.recipes import RECIPE_SUMMARIES, recipe_names
 
     names = recipe_names()
@@ -77,7 +83,7 @@ def list_recipes() -> str:
 
 
 def list_rewards() -> str:
-    from diffrl.rewards import reward_catalogue
+    from diffrl.rewards import reward_catalogue  # deferred: the rewards load torch
 
     return reward_catalogue()
 
@@ -133,6 +139,8 @@ _SDE = ("flow_grpo", "grpo_guard")
 
 
 def _only_for() -> tuple:
+    # deferred: the train config loads torch and diffusers; `diffrl --help`, `recipes` and `rewards` answer
+    # without them
     from diffrl.train.config import AwmConfig, CrdConfig, DgpoConfig, DpoConfig, GrpoGuardConfig
 
     return (
@@ -204,6 +212,8 @@ def read_config_file(path: Path) -> dict:
 def _train_defaults(args: list[str]) -> TrainConfig:
     """What the flags of `diffrl train` apply to: a recipe's values, then a --config file's (or, for `--resume` of a
     run folder holding a config.json, the run's own settings), so the flags given override both."""
+    # deferred: recipes and the train config load torch and diffusers; `diffrl --help`, `recipes` and `rewards`
+    # answer without them
     from diffrl.recipes import recipe_config
     from diffrl.train.config import TrainConfig
 
@@ -223,9 +233,10 @@ def _train_defaults(args: list[str]) -> TrainConfig:
 
 
 def parse(argv: list[str]):
+    # deferred: tyro, and the train config's torch and diffusers; `diffrl --help`, `recipes` and `rewards`
+    # answer without them
     import tyro
 
-    from diffrl.cli.miles_flags import translate
     from diffrl.train.config import TrainConfig
 
     if argv[:1] in (["train"], ["bench-train"]):
@@ -234,7 +245,7 @@ def parse(argv: list[str]):
         default = _train_defaults(args)
         args, _ = _take_flag(args, "--config", with_value=True)
         if argv[0] == "bench-train":
-            from diffrl.cli.bench_train import BENCH_TRAIN_DEFAULTS, BenchTrainConfig
+            from diffrl.cli.bench_train import BENCH_TRAIN_DEFAULTS, BenchTrainConfig  # deferred: torch and diffusers
   # `train`'s flags, its defaults but a short run, and the benchmark's own
             config = tyro.cli(BenchTrainConfig, default=BenchTrainConfig(train=default.replace(**BENCH_TRAIN_DEFAULTS)),
                               args=args, prog="diffrl bench-train", config=(tyro.conf.OmitArgPrefixes,))
@@ -263,28 +274,27 @@ def main(argv: list[str] | None = None) -> int:
         print(list_recipes() if argv[0] == "recipes" else list_rewards())
         return 0
     quiet_third_party_loading()
+    # deferred: the subcommands' modules load torch, diffusers and fastapi; `diffrl --help`, `recipes` and
+    # `rewards` answer without them
     from diffrl.cli.bench import BenchConfig, bench
     from diffrl.cli.bench_train import BenchTrainConfig, bench_train
     from diffrl.cli.compare import CompareConfig, compare
     from diffrl.cli.evaluate import evaluate
     from diffrl.engine.server import ServeConfig, serve
-    from diffrl.errors import AnotherFamilysCheckpoint, EngineUnavailable, ModelLoadError
+    from diffrl.launch.ray_placement import launch
     from diffrl.rewards.remote import RewardUnavailable
     from diffrl.recipes import another_familys_message
     from diffrl.train.config import TrainConfig
     from diffrl.train.pretrain import PretrainConfig, pretrain
+    from diffrl.train.trainer import train
 
     try:
         config = parse(argv)
         if config is None:
             pass
         elif isinstance(config, TrainConfig) and config.uses_ray():
-            from diffrl.launch.ray_placement import launch
-
             launch(config)
         elif isinstance(config, TrainConfig):
-            from diffrl.train.trainer import train
-
             train(config)
         elif isinstance(config, PretrainConfig):
             pretrain(config)

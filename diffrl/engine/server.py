@@ -60,6 +60,7 @@ from starlette.background import BackgroundTask
 from starlette.exceptions import HTTPException as StarletteHTTPException
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, ValidationInfo, field_validator
 
+from diffrl import __version__
 from diffrl.engine import post_training, sglang
 from diffrl.engine.engine import (
     INT64_MAX,
@@ -321,8 +322,6 @@ def create_app(engine: Engine, *, update_token: str | None = None, exposed: bool
 
     @app.get("/server_info")
     async def server_info() -> dict:
-        from diffrl import __version__
-
         return {"model_path": model_path, "served_model_name": model_path or engine.family.name, "tp_size": 1,
                 "dp_size": 1, "version": __version__}
 

@@ -18,7 +18,7 @@ from pathlib import Path
 import torch
 
 from diffrl.evaluation.reward_eval import first_frames
-from diffrl.evaluation.shapes import SampleRecord, evaluate_prompts, record_caption
+from diffrl.evaluation.shapes import SampleRecord, evaluate_prompts, mean_se, record_caption
 from diffrl.models.base import FamilyAdapter
 from diffrl.utils.atomic import atomic_path
 from diffrl.utils.images import save_grid
@@ -97,8 +97,6 @@ def verdict(difference: float, se: float, n: int) -> str:
 
 
 def _paired(base: Sequence[float], trained: Sequence[float]) -> dict:
-    from diffrl.evaluation.shapes import mean_se
-
     b, b_se = mean_se(base)
     t, t_se = mean_se(trained)
     d, d_se = mean_se([y - x for x, y in zip(base, trained, strict=True)])

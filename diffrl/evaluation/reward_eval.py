@@ -32,7 +32,7 @@ from diffrl.utils.progress import tqdm
 from diffrl.data.prompts import PromptRecord
 from diffrl.evaluation.sampling import TEST_SEED, generate
 from diffrl.models.base import FamilyAdapter
-from diffrl.rewards import checked_rewards, get_reward
+from diffrl.rewards import _parse_weights, checked_rewards, get_reward
 from diffrl.rewards.frames import on_frames
 from diffrl.utils.atomic import atomic_path, write_text_atomic
 from diffrl.utils.blocking import run_blocking
@@ -89,8 +89,6 @@ def reward_components(reward: str | Callable | Sequence[RewardComponent],
     `module:function`), of a scorer already built (one component, `reward`), or components as given.
     `device` (specs only): where model rewards load and score (`cpu`, `cuda:N`; None or `auto`: CUDA when
     present)."""
-    from diffrl.rewards import _parse_weights
-
     if isinstance(reward, str):
         if reward.startswith("multi:"):
             weights = _parse_weights(reward.removeprefix("multi:"))

@@ -32,6 +32,7 @@ from diffrl.rewards.frames import reads_whole_videos
 from diffrl.rewards.workers import FramesInWorkers, decode_batch, encode_batch, worker_scorer
 from diffrl.train.config import TrainConfig
 from diffrl.train.engines import engine_spec
+from diffrl.train.trainer import Trainer
 
 
 def _ray():
@@ -129,8 +130,6 @@ class TrainerActor:
     """The trainer in its own process, rolling out on the engine actors (scoring on reward actors)."""
 
     def __init__(self, cfg: TrainConfig, engines: Sequence, names: Sequence[str], reward_actors: Sequence = ()):
-        from diffrl.train.trainer import Trainer
-
         self.trainer = Trainer(cfg, extra_engines=[RayEngineClient(a, n) for a, n in zip(engines, names, strict=True)],
                                reward_fn=RayRewardPool(reward_actors, cfg.task.reward_frames)
                                if reward_actors else None)
@@ -157,8 +156,6 @@ class TrainerRankActor:
 
     def setup(self, cfg: TrainConfig, rank: int, world_size: int, address: str, port: int,
               reward_actors: Sequence = ()) -> None:
-        from diffrl.train.trainer import Trainer
-
         # Ray shows each actor only its own GPUs, so the rank's device is local index 0.
         os.environ.update(RANK=str(rank), WORLD_SIZE=str(world_size), LOCAL_RANK="0", MASTER_ADDR=address,
                           MASTER_PORT=str(port))

@@ -19,8 +19,14 @@ from collections.abc import Callable, Sequence
 import diffrl.rewards.jpeg  # registers the jpeg rewards
 import diffrl.rewards.ocr  # registers `ocr`; its model is imported on first use
 import diffrl.rewards.temporal  # noqa: F401  (registers `temporal_consistency`)
-from diffrl.rewards import groups, remote, vlm
+from diffrl.data import shapes as shapes_world
+from diffrl.data.shapes.grammar import parse_prompt
+from diffrl.data.shapes.verify import BACKGROUND_DELTA_E
+from diffrl.rewards import colocate, groups, remote, vlm
+from diffrl.rewards.frames import mean_over_frames
 from diffrl.rewards.registry import _REWARDS, TermScores, register_reward, weighted_sum  # noqa: F401  (re-exported)
+from diffrl.utils.device import check_device
+from diffrl.utils.images import to_uint8
 
 # Rewards scored by a model from a local checkpoint, asked for as `NAME@PATH[,OPTION=VALUE]`:
 # name → factory(path, device, **options) → scorer.
@@ -222,7 +228,6 @@ def default_device(device: str | None = None):
 
     if device is None:
         return torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    from diffrl.utils.device import check_device
 
     try:
         resolved = torch.device(device)
@@ -236,9 +241,6 @@ def default_device(device: str | None = None):
 def _model_reward(model: str, path: str, device: str | None = None, options: tuple = ()) -> Callable:
     """Loaded once per process and device (a worker pool builds its own)."""
     import importlib
-
-    from diffrl.rewards import colocate
-    from diffrl.rewards.frames import mean_over_frames
 
     module_name, _, attr = _MODEL_REWARDS[model].partition(":")
     factory = getattr(importlib.import_module(module_name), attr)
@@ -265,13 +267,10 @@ def _shapes_verdicts(images, prompts) -> list:
     global _last_verdicts
     import torch
 
-    from diffrl.data.shapes import verify
-    from diffrl.utils.images import to_uint8
-
     last, cacheable = _last_verdicts, isinstance(images, torch.Tensor)
     if cacheable and last is not None and last[0] is images and last[1:3] == (images._version, tuple(prompts)):
         return last[3]
-    verdicts = [verify(image, prompt) for image, prompt in zip(to_uint8(images), prompts, strict=True)]
+    verdicts = [shapes_world.verify(image, prompt) for image, prompt in zip(to_uint8(images), prompts, strict=True)]
     if cacheable:
         _last_verdicts = (images, images._version, tuple(prompts), verdicts)
     return verdicts
@@ -318,8 +317,6 @@ def white_background_reward(images, prompts, metadata=None) -> list[float]:
     (`Verdict.background_delta_e` / BACKGROUND_DELTA_E): a term to weigh into a `multi:` sum with a shapes reward,
     none of which charges a tint too faint to be ink (DiffusionNFT drifts there: docs/results.md). Alone it is
     maximal for a blank image."""
-    from diffrl.data.shapes.verify import BACKGROUND_DELTA_E
-
     return [max(0.0, 1.0 - verdict.background_delta_e / BACKGROUND_DELTA_E) for verdict in _shapes_verdicts(images, prompts)]
 
 
@@ -327,8 +324,6 @@ def _shapes_prompt(prompt: str) -> None:
     """A prompt set is checked up front (`check_prompts`): the shapes verifier scores only the shapes world's
     prompts. It is the reward a run gets without --reward, so another prompt set failed at its first scoring,
     after the model loaded and a rollout was sampled."""
-    from diffrl.data.shapes.grammar import parse_prompt
-
     try:
         parse_prompt(prompt)
     except ValueError as err:

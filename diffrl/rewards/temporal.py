@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import torch
 
+from diffrl.rewards.clip_scores import _Clip
 from diffrl.rewards.registry import register_reward
 
 
@@ -43,8 +44,6 @@ temporal_consistency.whole_video = True  # --reward-frames leaves it every frame
 
 
 def temporal_clip(path: str, device: torch.device, processor: str | None = None):
-    from diffrl.rewards.clip_scores import _Clip
-
     clip = _Clip(path, device, processor)
 
     def score(images, prompts, metadata=None) -> list[float]:

@@ -25,7 +25,7 @@ from concurrent.futures import ProcessPoolExecutor
 import torch
 
 from diffrl.engine.wire import decode_weights, encode_weights
-from diffrl.rewards import TermScores, colocate
+from diffrl.rewards import TermScores, colocate, default_device, get_reward
 from diffrl.rewards.frames import on_frames, pick_frames, reads_whole_videos
 from diffrl.rewards.groups import is_group_reward
 from diffrl.utils import determinism
@@ -58,8 +58,6 @@ def _start_worker(barrier, device: str | None, deterministic: bool, parent_pid: 
         exit_with_parent(parent_pid)
     torch.set_num_threads(1)
     if deterministic:
-        from diffrl.rewards import default_device
-
         determinism.enable(default_device(device))
 
 
@@ -73,8 +71,6 @@ def _in_every_worker(op: str) -> int:
 def worker_scorer(reward: str, device: str | None, frames: int | None) -> Callable:
     """This worker's reward (a pool process's, a Ray reward actor's), shown the frames in-process scoring shows
     it (`on_frames`, part by part)."""
-    from diffrl.rewards import get_reward
-
     if (reward, device, frames) not in _SCORERS:
         _SCORERS[reward, device, frames] = on_frames(get_reward(reward, device=device), frames)
     return _SCORERS[reward, device, frames]

@@ -30,6 +30,7 @@ from diffrl.engine.wire import MEDIA_TYPE, OutputStreamDecoder, WireFormatError,
 from diffrl.errors import EngineUnavailable, RequestError
 from diffrl.models.base import FamilyAdapter
 from diffrl.models.lora import LoraSpec
+from diffrl.models.registry import get_family
 
 # Compact msgpack first; sglang-diffusion's JSON (what its servers always send) is read as well.
 _ACCEPT = {"compact": f"{MEDIA_TYPE}, {sglang.JSON_MEDIA_TYPE};q=0.5", "sglang": sglang.JSON_MEDIA_TYPE}
@@ -209,8 +210,6 @@ class HttpEngineClient:
         with self._family_lock:
             if isinstance(self._family, type):
                 return self._family
-            from diffrl.models.registry import get_family
-
             name = self._family or os.environ.get("DIFFRL_MODEL_FAMILY")
             if name is None:
                 try:

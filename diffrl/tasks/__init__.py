@@ -9,6 +9,8 @@ them. `shapes` is the zero-configuration demo world (exact verifier, GenEval cat
 from __future__ import annotations
 
 from diffrl.tasks.base import EvalOutcome, EvalSettings, Task
+from diffrl.tasks.prompt_set import PromptSetTask
+from diffrl.tasks.shapes import ShapesTask
 
 __all__ = ["EvalOutcome", "EvalSettings", "Task", "build_task"]
 
@@ -17,9 +19,5 @@ def build_task(cfg) -> Task:
     """The task a `TrainConfig` asks for: a prompt dataset with `--prompt-data`, else the shapes world."""
     settings = EvalSettings.from_config(cfg)
     if cfg.task.prompt_data is not None:
-        from diffrl.tasks.prompt_set import PromptSetTask
-
         return PromptSetTask(cfg.task, cfg.eval, settings, seed=cfg.seed)
-    from diffrl.tasks.shapes import ShapesTask
-
     return ShapesTask(cfg.task, cfg.eval, settings, seed=cfg.seed)

@@ -16,6 +16,7 @@ from collections.abc import Sequence
 import numpy as np
 
 from diffrl.data.prompts import PromptRecord, PromptStream, check_input_key, fingerprint, load_prompts, prompt_file
+from diffrl.evaluation.reward_eval import evaluate_with_reward
 from diffrl.evaluation.sampling import TEST_SEED
 from diffrl.rewards import check_prompts
 from diffrl.tasks.base import EvalOutcome, EvalSettings
@@ -99,8 +100,6 @@ class PromptSetTask:
         return {f"rollout/reward/{kind}": float(np.mean(rs)) for kind, rs in by_kind.items()}
 
     def evaluate(self, family, k: int, out_dir) -> EvalOutcome:
-        from diffrl.evaluation.reward_eval import evaluate_with_reward
-
         s = self.settings
         result = evaluate_with_reward(
             family, self.eval_records, self.reward, seeds_per_prompt=self.eval_cfg.n_samples_per_eval_prompt,

@@ -17,9 +17,11 @@ from typing import Literal
 
 from diffrl.algorithms.methods import METHODS, SDE_LOSS_TYPES
 from diffrl.models.demo import SHIPPED_DEMO_MODEL
-from diffrl.rewards import multi_weights
+from diffrl.models.speed import SpeedOptions
+from diffrl.rewards import model_rewards_in, multi_weights
 from diffrl.rewards.groups import is_group_reward
 from diffrl.rewards.schedule import parse_schedule
+from diffrl.rollout.layout import check_batch_invariant
 from diffrl.rollout.settings import RolloutSettings
 from diffrl.utils.size import sample_size, size_flags
 
@@ -107,8 +109,6 @@ class ModelConfig:
 
     def speed_options(self):
         """The forward's speed settings, as the engine processes and the policy apply them."""
-        from diffrl.models.speed import SpeedOptions
-
         return SpeedOptions.of(self)
 
     def size(self) -> tuple[int, int] | None:
@@ -428,8 +428,6 @@ class TaskConfig:
         _require(self.prompt_data is None or not self.train_categories,
                  "--train-categories picks shapes categories; a --prompt-data set has none")
         if self.reward_colocate:
-            from diffrl.rewards import model_rewards_in
-
             _require(bool(model_rewards_in(self.reward)),
                      f"--reward-colocate moves model rewards (clipscore, pickscore, aesthetic, hpsv2, temporal_clip) "
                      f"off the GPU; --reward {self.reward} has none")
@@ -649,8 +647,6 @@ class TrainConfig:
 
     def check(self) -> None:
         """Refuse contradictory settings up front, naming the flags."""
-        from diffrl.rollout.layout import check_batch_invariant
-
         for name in _SECTIONS:
             getattr(self, name).check()
         self.model.speed_options().check(self.deterministic_mode)  # the attention kernels it allows

@@ -24,6 +24,7 @@ from diffrl.utils.progress import tqdm
 
 from diffrl.algorithms.losses import sft_loss
 from diffrl.data.scenes import RenderedScenes
+from diffrl.evaluation.shapes import sample_grid
 from diffrl.models.base import Latents
 from diffrl.models.demo import DemoConfig, DemoFamily
 from diffrl.models.random_checkpoints.demo import random_family
@@ -157,8 +158,6 @@ def step_budget(cfg: PretrainConfig) -> int | None:
 
 def pretrain(cfg: PretrainConfig) -> Path:
     """Train; returns the path of the final EMA model."""
-    from diffrl.evaluation.shapes import sample_grid  # late import: evaluation imports the engine
-
     cfg.check()
     device = resolve_device(cfg.device)
     out = cfg.output_dir

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import torch
 
+from diffrl.data.shapes import CATEGORIES, all_prompts
 from diffrl.models.demo import DemoConfig, DemoFamily
 from diffrl.models.random_checkpoints.tokenizers import build_word_tokenizer
 
@@ -25,8 +26,6 @@ def real() -> DemoConfig:
 
 def shapes_vocabulary() -> list[str]:
     """Every word of the shapes grammar, sorted (the demo tokenizer's vocabulary)."""
-    from diffrl.data.shapes import CATEGORIES, all_prompts
-
     return sorted({word for category in CATEGORIES for prompt in all_prompts(category) for word in prompt.split()})
 
 

@@ -15,6 +15,7 @@ from pathlib import Path
 
 import torch
 
+from diffrl.models.ltx2 import Ltx2Family
 from diffrl.models.random_checkpoints.tokenizers import build_word_tokenizer
 
 # The scheduler LTX-2 ships: a token-count dynamic shift, stretched so that the last σ before 0 is 0.1.
@@ -138,8 +139,6 @@ def save_random_checkpoint(path: str | Path, sizes: Ltx2Sizes | None = None, *, 
     from diffusers.pipelines.ltx2 import LTX2TextConnectors
     from diffusers.pipelines.ltx2.vocoder import LTX2Vocoder
     from transformers import Gemma3Config, Gemma3ForConditionalGeneration
-
-    from diffrl.models.ltx2 import Ltx2Family
 
     sizes = sizes or tiny()
     path = Path(path)
