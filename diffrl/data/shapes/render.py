@@ -8,6 +8,8 @@ for position prompts the relation holds clearly (see `_relation_ok`).
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import numpy as np
 from PIL import Image, ImageDraw
 
@@ -94,19 +96,56 @@ def _place(spec: SceneSpec, sides: list[int], size: int, rng: np.random.Generato
     raise RuntimeError(f"could not place the objects of {spec.prompt!r}")
 
 
-def render_scene(spec: SceneSpec, rng: np.random.Generator, size: int = 64) -> np.ndarray:
-    """Render `spec` as a uint8 [size, size, 3] RGB image."""
-    lo, hi = SIZE_FEW_PX if len(spec.objects) <= 2 else SIZE_MANY_PX
-    unit = SUPERSAMPLE * size / 64
-    sides = [int(s) for s in rng.integers(round(lo * unit), round(hi * unit) + 1, size=len(spec.objects))]
-    corners = _place(spec, sides, size, rng)
+@dataclass(frozen=True)
+class PlacedObject:
+    """One object of a laid-out scene: its shape, palette color and bounding box, a square whose
+    top-left corner (x, y) and side are in supersampled pixels (SUPERSAMPLE x the image size)."""
 
-    image = Image.new("RGB", (size * SUPERSAMPLE, size * SUPERSAMPLE), BACKGROUND)
-    draw = ImageDraw.Draw(image)
+    shape: str
+    color: str
+    x: int
+    y: int
+    side: int
+
+    @property
+    def centroid_xy(self) -> tuple[float, float]:
+        """Centroid of the filled area in image pixels, pixel i spanning [i, i + 1) as in the detector's."""
+        cx = self.x + self.side / 2
+        cy = self.y + self.side * _centroid_y(self.shape)
+        return cx / SUPERSAMPLE, cy / SUPERSAMPLE
+
+
+def side_range(n_objects: int, size: int = 64) -> tuple[int, int]:
+    """Inclusive range of bbox sides (supersampled pixels) for a scene of `n_objects` at `size`."""
+    lo, hi = SIZE_FEW_PX if n_objects <= 2 else SIZE_MANY_PX
+    unit = SUPERSAMPLE * size / 64
+    return round(lo * unit), round(hi * unit)
+
+
+def layout_scene(spec: SceneSpec, rng: np.random.Generator, size: int = 64) -> tuple[PlacedObject, ...]:
+    """One random layout of `spec`: sizes, positions and (where the prompt leaves them open) colors."""
+    lo, hi = side_range(len(spec.objects), size)
+    sides = [int(s) for s in rng.integers(lo, hi + 1, size=len(spec.objects))]
+    corners = _place(spec, sides, size, rng)
+    placed = []
     for obj, side, (x, y) in zip(spec.objects, sides, corners, strict=True):
         color = obj.color if obj.color is not None else _COLOR_NAMES[rng.integers(len(_COLOR_NAMES))]
-        draw_shape(draw, obj.shape, (x, y, x + side - 1, y + side - 1), COLORS[color])
+        placed.append(PlacedObject(obj.shape, color, x, y, side))
+    return tuple(placed)
+
+
+def draw_objects(objects, size: int = 64) -> np.ndarray:
+    """Draw placed objects (in order) on the white background as a uint8 [size, size, 3] RGB image."""
+    image = Image.new("RGB", (size * SUPERSAMPLE, size * SUPERSAMPLE), BACKGROUND)
+    draw = ImageDraw.Draw(image)
+    for obj in objects:
+        draw_shape(draw, obj.shape, (obj.x, obj.y, obj.x + obj.side - 1, obj.y + obj.side - 1), COLORS[obj.color])
     return np.array(image.resize((size, size), Image.BOX))
+
+
+def render_scene(spec: SceneSpec, rng: np.random.Generator, size: int = 64) -> np.ndarray:
+    """Render `spec` as a uint8 [size, size, 3] RGB image."""
+    return draw_objects(layout_scene(spec, rng, size), size)
 
 
 def render_prompt(prompt: str, seed: int, size: int = 64) -> np.ndarray:
