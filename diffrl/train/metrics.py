@@ -100,7 +100,9 @@ class MetricsLogger:
     def log_rollout_samples(self, samples, step: int, limit: int = 8) -> None:
         """The first `limit` samples of a rollout (a video by its first frame) with their rewards and prompts,
         under `rollout/samples`: what the policy drew and how it was scored, next to the eval images."""
-        shown = [s for s in samples if s.output is not None and s.output.generated_output is not None][:limit]
+        # Replayed records keep no images (an empty tensor in their place): nothing to show for them.
+        shown = [s for s in samples if s.output is not None and s.output.generated_output is not None
+                 and s.output.generated_output.numel() > 0][:limit]
         if not shown:
             return
         images = torch.stack([s.output.generated_output.detach().float().cpu() for s in shown])
