@@ -274,7 +274,8 @@ def _wrong_output(kind: str, ex, rng) -> tuple | None:
             new = _free_spot(target, obj, rng, min_shift_px=6)
         else:  # resized to 0.7 of its side about its center
             side = round(obj.side * 0.7)
-            new = dataclasses.replace(obj, x=obj.x + (obj.side - side) // 2, y=obj.y + (obj.side - side) // 2, side=side)
+            inset = (obj.side - side) // 2
+            new = dataclasses.replace(obj, x=obj.x + inset, y=obj.y + inset, side=side)
         return tuple(new if j == k else o for j, o in enumerate(target))
     if kind == "extra_object":
         taken = {(o.shape, o.color) for o in target}

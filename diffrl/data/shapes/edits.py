@@ -64,7 +64,7 @@ SHAPE_ONLY_PROBABILITY = 0.5
 
 # ---- the judge (pixels at 64x64, scaled with the image)
 # A kept object may shift this far (its detected centroid) and still be in place. Renders of the same object
-# in the source and the target agree to < 0.1 px; the renderer leaves >= 3 px between objects, and the smallest
+# in the source and the target agree to < 0.4 px; the renderer leaves >= 3 px between objects, and the smallest
 # object is 11 px wide, so a shift by 3 px moves its edge by over a quarter of its side: visible side by side.
 POSITION_TOLERANCE_PX = 3.0
 # A kept (or moved, or recolored) object's linear size, the root of its detected area, may change by this
@@ -608,14 +608,15 @@ def verify_edit(source_image, output_image, instruction_or_edit: str | Edit) -> 
             edit_failure = f"edit: {name} is {got.color}, not {edit.color}"
     elif edit.kind == "move":
         name = slots[target_slot].name
-        reference_slot = r  # a move keeps a slot for every object of the source, in its order
-        ref = found[match[reference_slot]] if reference_slot in match else None
+        # a move keeps a slot for every object of the source, in its order: the reference's is r
+        ref = found[match[r]] if r in match else None
+        where = f"{RELATIONS[edit.relation]} {slots[r].name}"
         if got is None:
             edit_failure = f"edit: {name} is gone"
         elif ref is None:
-            edit_failure = f"edit: {slots[reference_slot].name}, which {name} should be {RELATIONS[edit.relation]}, is gone"
+            edit_failure = f"edit: {name} cannot be {where}: {slots[r].name} is gone"
         elif not _relation_holds(edit.relation, got, ref):
-            edit_failure = f"edit: {name} is not {RELATIONS[edit.relation]} {slots[reference_slot].name}"
+            edit_failure = f"edit: {name} is not {where}"
     elif edit.kind == "remove":
         removed = before.objects[t]
         left = [j for j in unmatched if (found[j].shape, found[j].color) == (removed.shape, removed.color)]
@@ -672,7 +673,8 @@ def verify_edit(source_image, output_image, instruction_or_edit: str | Edit) -> 
 
     n_kept = len(kept)
     clean = min(1.0, max(0.0, (STRAY_ZERO_CREDIT - after.stray_fraction) / (STRAY_ZERO_CREDIT - STRAY_LIMIT)))
-    tint = min(1.0, max(0.0, (BACKGROUND_ZERO_DELTA_E - abs(shift)) / (BACKGROUND_ZERO_DELTA_E - BACKGROUND_SHIFT_DELTA_E)))
+    tint_span = BACKGROUND_ZERO_DELTA_E - BACKGROUND_SHIFT_DELTA_E
+    tint = min(1.0, max(0.0, (BACKGROUND_ZERO_DELTA_E - abs(shift)) / tint_span))
     preserve = (float(np.mean(kept)) if kept else 1.0) * max(n_kept, 1) / (max(n_kept, 1) + len(unmatched))
     preserve *= clean * tint
     done = edit_failure is None
