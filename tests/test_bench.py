@@ -138,3 +138,32 @@ def test_bench_says_a_cosmos3_group_is_calls_and_forwards_of_one_sample(tmp_path
     assert "engine M=2 : " in printed and " s per video (" in printed
     assert results["transformer_one_sample_per_forward"] is True
     assert results["pipeline"][2]["samples_per_call"] == 1 and results["pipeline"][2]["calls"] == 2
+
+
+@pytest.mark.parametrize("family_name", ["z_image", "krea2"])
+def test_bench_gives_a_pipeline_counting_cfg_from_zero_its_own_scale(tmp_path, family_name):
+    """Krea-2's and Z-Image's pipelines take g = s − 1: the engine's scale 1 (CFG off) is their 0, one sample's rows
+    a step; with CFG on, two (cond and uncond, in one forward or two). Their scale was passed unconverted, so a
+    CFG-off bench timed the pipeline with CFG on."""
+    import importlib
+
+    from diffrl.cli.bench import pipeline_s_per_image
+    from diffrl.models.registry import resolve_family
+
+    save = importlib.import_module(f"diffrl.models.random_checkpoints.{family_name}").save_random_checkpoint
+    model = save(tmp_path / family_name)
+    family = resolve_family(family_name, model).load(model)
+    assert family.reference_guidance_scale(6.0) == 5.0
+    rows = []
+
+    def count_rows(module, args, kwargs, output):
+        x = kwargs.get("x", kwargs.get("hidden_states", args[0] if args else None))
+        rows.append(len(x))  # Z-Image: a list of samples; Krea-2: a batch tensor
+
+    family.transformer.register_forward_hook(count_rows, with_kwargs=True)
+    pipe = family.reference_pipeline()
+    for scale, per_step in ((4.0, 2), (1.0, 1)):
+        rows.clear()
+        pipeline_s_per_image(pipe, torch.device("cpu"), 1, (32, 32), 2, family.reference_guidance_scale(scale), 1,
+                             inputs=family.reference_pipeline_kwargs())
+        assert sum(rows) == 2 * 2 * per_step  # a warm-up call and a timed one, two steps each

@@ -328,7 +328,8 @@ def bench(cfg: BenchConfig) -> dict:
         count = pipeline_count_argument(pipe)
         results["pipeline"] = {"class": name}
         for batch in batches:
-            per_image = pipeline_s_per_image(pipe, device, batch, size, cfg.steps, guidance, cfg.repeats,
+            per_image = pipeline_s_per_image(pipe, device, batch, size, cfg.steps,
+                                             family.reference_guidance_scale(guidance), cfg.repeats,
                                              frames if family.generates_video else None,
                                              family.reference_pipeline_kwargs())
             results["pipeline"][batch] = {"s_per_image": per_image, "samples_per_call": batch if count else 1,

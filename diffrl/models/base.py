@@ -239,6 +239,11 @@ class FamilyAdapter(ABC):
         the same way (the demo model)."""
         return None
 
+    def reference_guidance_scale(self, guidance_scale: float) -> float:
+        """A request's CFG scale in the reference pipeline's own terms (the same number unless the pipeline counts
+        from 0, as Krea-2's and Z-Image's g = s − 1 do)."""
+        return guidance_scale
+
     def reference_pipeline_kwargs(self) -> dict[str, Any]:
         """Keywords that a call of `reference_pipeline()` needs for this checkpoint besides the request's (prompt,
         steps, size, count, CFG scale): none by default (FLUX 3 names its text encoder layers)."""

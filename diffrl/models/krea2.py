@@ -292,6 +292,9 @@ class Krea2Family(FamilyAdapter):
                                timestep=timestep.to(dtype), position_ids=position_ids, encoder_attention_mask=mask,
                                return_dict=False)[0].float()
 
+    def reference_guidance_scale(self, guidance_scale: float) -> float:
+        return guidance_scale - 1.0  # the pipeline's g: CFG off at 0
+
     def combine_guidance(self, v_uncond, v_cond, guidance_scale, *, transformer, sigma) -> torch.Tensor:
         return v_cond + (guidance_scale - 1.0) * (v_cond - v_uncond)  # Krea's form, g = s − 1
 

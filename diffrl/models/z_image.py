@@ -252,6 +252,9 @@ class ZImageFamily(FamilyAdapter):
             out = transformer(images, timestep.to(dtype), captions, return_dict=False)[0]
         return -torch.stack([o.float() for o in out]).squeeze(2)  # the model predicts the negated velocity
 
+    def reference_guidance_scale(self, guidance_scale: float) -> float:
+        return guidance_scale - 1.0  # the pipeline's g: CFG off at 0
+
     def combine_guidance(self, v_uncond, v_cond, guidance_scale, *, transformer, sigma) -> torch.Tensor:
         return v_cond + (guidance_scale - 1.0) * (v_cond - v_uncond)  # Z-Image's form, g = s − 1
 
