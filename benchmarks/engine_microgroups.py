@@ -24,7 +24,7 @@ from report import emit
 
 from diffrl.cli.bench import time_group, transformer_gflop, transformer_step_ms
 from diffrl.engine.engine import Engine, EngineConfig
-from diffrl.engine.server import create_app, serving_in_thread
+from diffrl.serving.server import create_app, serving_in_thread
 from diffrl.models.demo import SHIPPED_DEMO_MODEL, DemoConfig, DemoFamily
 from diffrl.models.random_checkpoints.demo import random_family
 from diffrl.rollout import HttpEngineClient, InProcessEngineClient

@@ -27,7 +27,7 @@ from rollout_timing import REQUESTS, add_scaling_args, record_engines, rollout_s
 
 from diffrl.engine.engine import Engine, EngineConfig
 from diffrl.engine.protocol import RolloutRequest
-from diffrl.engine.wire import MEDIA_TYPE, decode_outputs, encode_outputs
+from diffrl.serving.wire import MEDIA_TYPE, decode_outputs, encode_outputs
 from diffrl.models import resolve_family
 from diffrl.models.demo import SHIPPED_DEMO_MODEL
 from diffrl.rollout import HttpEngineClient

@@ -173,7 +173,7 @@ def bench_apps(args) -> dict:
     (monotonic start and end), the process's memory (peak RSS since the last call, which resets it), and
     replaying the engine's outputs for a repeated request."""
     from diffrl.engine.engine import Engine, EngineConfig
-    from diffrl.engine.server import create_app, trim_malloc_heap
+    from diffrl.serving.server import create_app, trim_malloc_heap
 
     engine = Engine(load_family(args), EngineConfig(max_outputs_per_request=max(args.n_samples, 64),
                                                     max_batch_outputs=args.max_batch_outputs))
@@ -233,7 +233,7 @@ def _proc_status() -> dict[str, int]:
 
 def serve_main(args) -> None:
     """The server process: both apps on free loopback ports, their URLs in `--ready-file`, until stdin closes."""
-    from diffrl.engine.server import limit_malloc_arenas, serving_in_thread
+    from diffrl.serving.server import limit_malloc_arenas, serving_in_thread
 
     limit_malloc_arenas(2)  # as `diffrl serve` does
     with contextlib.ExitStack() as stack:
@@ -250,7 +250,7 @@ def engine_server(args, argv: list[str]):
     """URLs of the two apps: in this process (`--server thread`) or in a subprocess started with this script's
     own arguments (`--server process`)."""
     if args.server == "thread":
-        from diffrl.engine.server import serving_in_thread
+        from diffrl.serving.server import serving_in_thread
 
         with contextlib.ExitStack() as stack:
             yield {mode: stack.enter_context(serving_in_thread(app)) for mode, app in bench_apps(args).items()}

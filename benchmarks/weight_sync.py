@@ -36,10 +36,10 @@ from pathlib import Path
 import torch
 from report import emit
 
-from diffrl.engine.colocated import ColocatedEngineClient, EngineProcessSpec
+from diffrl.serving.colocated import ColocatedEngineClient, EngineProcessSpec
 from diffrl.engine.engine import Engine
 from diffrl.engine.protocol import RolloutRequest
-from diffrl.engine.server import create_app, serving_in_thread
+from diffrl.serving.server import create_app, serving_in_thread
 from diffrl.models import resolve_family
 from diffrl.models.demo import SHIPPED_DEMO_MODEL
 from diffrl.models.lora import LoraSpec, add_lora

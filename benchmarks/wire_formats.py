@@ -18,11 +18,11 @@ import time
 
 from report import emit
 
-from diffrl.engine import sglang
+from diffrl.serving import sglang
 from diffrl.engine.engine import Engine, EngineConfig
 from diffrl.engine.protocol import RolloutRequest
-from diffrl.engine.server import create_app, serving_in_thread
-from diffrl.engine.wire import decode_outputs, encode_outputs
+from diffrl.serving.server import create_app, serving_in_thread
+from diffrl.serving.wire import decode_outputs, encode_outputs
 from diffrl.models import resolve_family
 from diffrl.models.demo import SHIPPED_DEMO_MODEL
 from diffrl.rollout import HttpEngineClient

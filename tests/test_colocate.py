@@ -14,10 +14,10 @@ import pytest
 import torch
 from benchmark_scripts import load_benchmark
 
-from diffrl.engine.colocated import ColocatedEngineClient, EngineProcessSpec
+from diffrl.serving.colocated import ColocatedEngineClient, EngineProcessSpec
 from diffrl.engine.engine import Engine
 from diffrl.engine.protocol import RolloutRequest
-from diffrl.engine.weight_sync import (
+from diffrl.serving.weight_sync import (
     ALIGN,
     pack,
     packed_bytes,

@@ -126,7 +126,7 @@ def test_served_engine_compiles_and_hosts_a_lora_adapter_afterwards(tiny_model_d
     """`diffrl serve --compile`: the engine's images match an eager engine's, also after a LoRA adapter
     is hosted on the compiled blocks (peft replaces layers inside them; they recompile)."""
     from diffrl.engine.protocol import RolloutRequest
-    from diffrl.engine.server import ServeConfig, build_engine
+    from diffrl.serving.server import ServeConfig, build_engine
     from diffrl.models.lora import LoraSpec
 
     torch._dynamo.reset()

@@ -157,7 +157,7 @@ def test_what_it_cannot_do_is_refused_by_name(cosmos, fields, field):
 def test_a_served_video_length_is_bounded(cosmos):
     """Cosmos3 has no positional limit, so without a bound `diffrl serve` denoised num_frames=100001 (minutes on the
     tiny model, a gigabyte response); the server's --max-num-frames refuses it by name, the default included."""
-    from diffrl.engine.server import ServeConfig
+    from diffrl.serving.server import ServeConfig
 
     limit = ServeConfig().max_num_frames
     assert Engine(cosmos, ServeConfig().engine_config()).config.max_num_frames == limit
@@ -179,7 +179,7 @@ def test_the_image_endpoint_serves_a_video_familys_one_frame_video(cosmos):
     from fastapi.testclient import TestClient
     from PIL import Image
 
-    from diffrl.engine.server import create_app
+    from diffrl.serving.server import create_app
 
     client = TestClient(create_app(Engine(cosmos)), base_url="http://127.0.0.1")
     response = client.post("/v1/images/generations", json={"prompt": "a cat", "size": f"{WIDTH}x{HEIGHT}", "n": 2,

@@ -16,8 +16,8 @@ import torch
 
 from diffrl.engine.engine import Engine, EngineConfig, RequestCancelled
 from diffrl.engine.protocol import RolloutRequest
-from diffrl.engine.server import create_app, serving_in_thread
-from diffrl.engine.wire import decode_outputs
+from diffrl.serving.server import create_app, serving_in_thread
+from diffrl.serving.wire import decode_outputs
 
 STEPS = 5
 SDE = {"rollout": True, "rollout_noise_level": 0.7, "rollout_sde_step_indices": [0, 2, 3],

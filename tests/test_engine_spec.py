@@ -10,9 +10,9 @@ from pathlib import Path
 import pytest
 import torch
 
-from diffrl.engine.colocated import ColocatedEngineClient
+from diffrl.serving.colocated import ColocatedEngineClient
 from diffrl.engine.protocol import RolloutRequest
-from diffrl.engine.server import ServeConfig, create_app, engine_spec, serving_in_thread
+from diffrl.serving.server import ServeConfig, create_app, engine_spec, serving_in_thread
 from diffrl.engine.spec import EngineSpec, build_engine
 from diffrl.launch.ray_placement import EngineActor
 from diffrl.models.demo import SHIPPED_DEMO_MODEL

@@ -31,8 +31,7 @@ PACKAGE = ROOT / "diffrl"
 # Layers, top to bottom: a module may import its own layer or any layer below it.
 LAYERS = ["cli", "recipes-launch", "train", "rollout-tasks-evaluation", "rewards", "serving", "engine", "models", "leaf"]
 
-# Where each top-level module or package of diffrl/ sits, and why. Longest prefix wins (the serving modules of
-# diffrl/engine/ sit above the engine).
+# Where each top-level module or package of diffrl/ sits, and why. Longest prefix wins.
 PLACEMENT: dict[str, tuple[str, str]] = {
     "diffrl": ("leaf", "the package root holds no code"),
     "diffrl.cli": ("cli", "the commands: they parse flags and wire every other part together"),
@@ -43,12 +42,7 @@ PLACEMENT: dict[str, tuple[str, str]] = {
     "diffrl.tasks": ("rollout-tasks-evaluation", "where prompts come from and how a model is judged"),
     "diffrl.evaluation": ("rollout-tasks-evaluation", "sampling at fixed seeds and scoring for evaluate/compare"),
     "diffrl.rewards": ("rewards", "scorers over decoded images; no engine or trainer state"),
-    "diffrl.engine.server": ("serving", "the HTTP server around one engine"),
-    "diffrl.engine.sglang": ("serving", "sglang-diffusion's JSON request and response format"),
-    "diffrl.engine.wire": ("serving", "diffrl's msgpack + safetensors wire format"),
-    "diffrl.engine.streaming": ("serving", "streamed HTTP responses, one output at a time"),
-    "diffrl.engine.post_training": ("serving", "sglang's post-training endpoints (weights, memory)"),
-    "diffrl.engine.colocated": ("serving", "one engine in its own process behind a pipe, and its client"),
+    "diffrl.serving": ("serving", "HTTP, wire formats, sglang compatibility, the colocated engine process"),
     "diffrl.engine": ("engine", "request validation, prompt encoding, batched denoising, weight updates"),
     "diffrl.models": ("models", "family adapters, LoRA, compile, FP8, checkpoint loading"),
     "diffrl.sampling": ("leaf", "schedules, noise and transitions: pure math over tensors"),
@@ -106,8 +100,8 @@ def imports_of(module: str, path: Path, modules: dict[str, Path]) -> list[Edge]:
                 prefix = ".".join(base + ([node.module] if node.module else []))
             else:
                 prefix = node.module or ""
-            # `from diffrl.engine import server` imports the module diffrl.engine.server; `from diffrl.engine import
-            # Engine` imports the package's __init__.
+            # `from diffrl.serving import server` imports the module diffrl.serving.server; `from diffrl.engine import
+            # denoise` likewise, while `from diffrl.engine import DenoiseResult` imports the package's __init__.
             targets = [f"{prefix}.{alias.name}" if f"{prefix}.{alias.name}" in modules else prefix for alias in node.names]
         for target in targets:
             if not (target == "diffrl" or target.startswith("diffrl.")):

@@ -11,7 +11,7 @@ from family_checks import assert_sample_k_is_the_same_in_any_microgroup
 
 from diffrl.engine.engine import Engine, EngineConfig
 from diffrl.engine.protocol import RolloutRequest
-from diffrl.engine.wire import decode_outputs, encode_outputs
+from diffrl.serving.wire import decode_outputs, encode_outputs
 from diffrl.errors import ModelLoadError, RequestError
 from diffrl.models.base import Latents, PromptEmbeds
 from diffrl.models.ltx2 import Ltx2Family, Ltx2Settings

@@ -43,7 +43,7 @@ from safetensors.torch import save as st_save
 
 from diffrl.engine.engine import Engine, EngineConfig
 from diffrl.engine.protocol import RolloutRequest
-from diffrl.engine.server import create_app, serving_in_thread
+from diffrl.serving.server import create_app, serving_in_thread
 from diffrl.errors import RequestError
 from diffrl.rollout import HttpEngineClient
 from diffrl.rollout.clients import EngineUnavailable
@@ -638,7 +638,7 @@ def test_log_prob_no_const_is_sglangs_on_replay(qwen, qwen_url, sde_type):
 def test_a_client_that_names_json_as_high_as_msgpack_gets_sglangs_json(accept):
     """sglang-diffusion answers JSON whatever the client accepts; diffrl's msgpack is for a client that
     ranks it above JSON (or names no JSON at all: a wildcard of the same weight loses to msgpack)."""
-    from diffrl.engine.server import wants_compact
+    from diffrl.serving.server import wants_compact
 
     assert wants_compact(accept) is False
     assert wants_compact("application/msgpack, */*") is True
@@ -651,7 +651,7 @@ def test_sglangs_sd3_conditioning_decodes_with_one_or_several_outputs(tmp_path, 
     pooled tensor, each with the prompt batch axis (the prompt is encoded once, not per output); its endpoint
     strips that axis only when it equals the number of outputs. So a request for several outputs brings
     [1, L, D] and [1, P] on every record, one output [L, D] and [P]."""
-    from diffrl.engine import sglang as wire
+    from diffrl.serving import sglang as wire
     from diffrl.models.base import PromptEmbeds
     from diffrl.models.sd3 import SD3Family
 
@@ -697,7 +697,7 @@ def test_http_client_reads_sglangs_wan_video_answer(tmp_path):
     """Wan2.2 through sglang: video [C, F, H, W], latents [T + 1, C, F, H, W], the prompt's text tensor with its
     batch axis of 1 in a one-entry list (a two-output request), σ·1000 timesteps and no sigmas (as at the
     pinned commit): decoded to the in-process outputs."""
-    from diffrl.engine import sglang as wire
+    from diffrl.serving import sglang as wire
     from diffrl.models.base import PromptEmbeds
     from diffrl.models.wan2_2 import Wan22Family
 

@@ -14,7 +14,7 @@ from fastapi.responses import JSONResponse, PlainTextResponse
 
 from diffrl.cli.main import main, parse
 from diffrl.data.shapes import render_prompt
-from diffrl.engine.server import serving_in_thread
+from diffrl.serving.server import serving_in_thread
 from diffrl.rewards import get_reward
 from diffrl.rewards.registry import TermScores
 from diffrl.rewards.remote import RemoteReward, RewardServerError, RewardUnavailable, encode_samples

@@ -22,13 +22,13 @@ from fastapi.responses import StreamingResponse
 from safetensors.torch import load as load_safetensors
 from safetensors.torch import save as save_safetensors
 
-from diffrl.engine import sglang, streaming
-from diffrl.engine import server as server_module
+from diffrl.serving import sglang, streaming
+from diffrl.serving import server as server_module
 from diffrl.engine.engine import Engine, EngineConfig
 from diffrl.engine.protocol import DitTrajectory, RolloutOutput, RolloutRequest
-from diffrl.engine.server import create_app, serving_in_thread
-from diffrl.engine.streaming import Base64, Body, JsonListSplitter, TensorFile, json_parts
-from diffrl.engine.wire import OutputStreamDecoder, WireFormatError, decode_outputs, encode_outputs, output_body
+from diffrl.serving.server import create_app, serving_in_thread
+from diffrl.serving.streaming import Base64, Body, JsonListSplitter, TensorFile, json_parts
+from diffrl.serving.wire import OutputStreamDecoder, WireFormatError, decode_outputs, encode_outputs, output_body
 from diffrl.models.registry import get_family
 from diffrl.rollout import EngineUnavailable, HttpEngineClient, RolloutManager, RolloutSettings
 
@@ -115,7 +115,7 @@ def test_a_tensor_file_is_the_bytes_safetensors_writes(tensor):
 def test_a_weight_update_is_the_file_safetensors_writes_sent_tensor_by_tensor():
     """A weight push's body (`wire.weights_body`) is byte for byte `safetensors.torch.save` of the tensors, in
     any mix of dtypes and names, without gathering them first; the server's decoder reads it back."""
-    from diffrl.engine.wire import decode_weights, weights_body
+    from diffrl.serving.wire import decode_weights, weights_body
     torch.manual_seed(0)
     tensors = {"b.weight": torch.randn(3, 5), "d.bias": torch.randn(7).to(torch.bfloat16), "a.h": torch.randn(2).half(),
                "step": torch.arange(4), "mask": torch.tensor([True, False]), "empty": torch.zeros(0),
@@ -144,7 +144,7 @@ def _same(a: dict, b: dict) -> bool:
 def test_a_weight_update_read_in_place_equals_safetensors_reading_it():
     """A server reads a push's tensors over the body's own memory (`decode_weights(views=True)`): the same
     tensors as safetensors' copying reader, also for a file whose offsets do not suit an element size."""
-    from diffrl.engine.wire import decode_weights
+    from diffrl.serving.wire import decode_weights
     body = save_safetensors(_weights())
     assert _same(decode_weights(body, views=True), load_safetensors(body))
     # Hand-made: a 1-byte tensor first puts the float32 tensor after it at an odd offset.
@@ -158,7 +158,7 @@ def test_a_weight_update_read_in_place_equals_safetensors_reading_it():
 @pytest.mark.parametrize("change", ["short", "header-past-end", "not-json", "not-object", "unknown-dtype", "bad-shape",
                                     "size-mismatch", "offsets-outside", "gap", "overlap", "trailing", "extra-key"])
 def test_a_malformed_weight_update_is_refused_by_the_in_place_reader(change):
-    from diffrl.engine.wire import WireFormatError, decode_weights
+    from diffrl.serving.wire import WireFormatError, decode_weights
 
     def file(entries: dict, data: bytes) -> bytes:
         text = json.dumps(entries).encode()
@@ -185,7 +185,7 @@ def test_a_malformed_weight_update_is_refused_by_the_in_place_reader(change):
 def test_the_in_place_reader_accepts_what_safetensors_accepts(data):
     """Differential: a valid body with bytes changed or cut is read the same by both readers, or refused by
     both; the in-place reader never fails any other way."""
-    from diffrl.engine.wire import WireFormatError, decode_weights
+    from diffrl.serving.wire import WireFormatError, decode_weights
     body = bytearray(save_safetensors(_weights()))
     for _ in range(data.draw(st.integers(0, 3))):
         i = data.draw(st.integers(0, len(body) - 1))

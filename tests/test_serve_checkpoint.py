@@ -6,7 +6,7 @@ import torch
 from diffrl.cli.main import parse
 from diffrl.engine.engine import Engine
 from diffrl.engine.protocol import RolloutRequest
-from diffrl.engine.server import ServeConfig, build_engine
+from diffrl.serving.server import ServeConfig, build_engine
 from diffrl.models.checkpoint import load_model
 from diffrl.train.trainer import Trainer
 from test_trainer import tiny_config

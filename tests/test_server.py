@@ -13,8 +13,8 @@ from PIL import Image
 
 from diffrl.engine.engine import Engine, EngineConfig
 from diffrl.engine.protocol import RolloutRequest
-from diffrl.engine.server import create_app, serving_in_thread
-from diffrl.engine.wire import WireFormatError, decode_outputs, encode_outputs
+from diffrl.serving.server import create_app, serving_in_thread
+from diffrl.serving.wire import WireFormatError, decode_outputs, encode_outputs
 from diffrl.errors import RequestError
 from diffrl.rollout import HttpEngineClient, InProcessEngineClient, RolloutManager, RolloutSettings
 from diffrl.rollout.clients import EngineUnavailable
@@ -165,7 +165,7 @@ def test_http_client_outlives_the_servers_idle_timeout(tiny_family):
     writing it) and the next rollout request (a closed socket for an answer) go out again on a new connection."""
     import time
 
-    from diffrl.engine.server import ServerLimits
+    from diffrl.serving.server import ServerLimits
 
     engine = Engine(tiny_family, EngineConfig(max_outputs_per_request=8))
     weights = {k: v.clone() for k, v in engine.family.transformer.state_dict().items()}

@@ -16,8 +16,8 @@ from hypothesis import strategies as st
 from safetensors.torch import save
 
 from diffrl.engine.engine import Engine, EngineConfig
-from diffrl.engine.server import create_app
-from diffrl.engine.wire import decode_outputs
+from diffrl.serving.server import create_app
+from diffrl.serving.wire import decode_outputs
 
 FUZZ = dict(deadline=None, derandomize=True, database=None, suppress_health_check=list(HealthCheck))
 # A generation case runs the model; an update case is cheap. DIFFRL_FUZZ_SCALE=N runs N times as many

@@ -16,8 +16,8 @@ from safetensors.torch import save
 
 from diffrl.engine.engine import INT64_MAX, Engine, EngineConfig
 from diffrl.engine.protocol import RolloutRequest
-from diffrl.engine.server import ServeConfig, create_app, serving_in_thread
-from diffrl.engine.wire import decode_outputs
+from diffrl.serving.server import ServeConfig, create_app, serving_in_thread
+from diffrl.serving.wire import decode_outputs
 
 WEIGHTS = {"content-type": "application/octet-stream"}
 COMPACT = {"accept": "application/msgpack"}

@@ -24,7 +24,7 @@ from fastapi.testclient import TestClient
 from safetensors.torch import save
 
 from diffrl.engine.engine import Engine
-from diffrl.engine.server import ServerLimits, create_app
+from diffrl.serving.server import ServerLimits, create_app
 from diffrl.models.random_checkpoints import demo as random_demo
 
 BASE_URL = "http://127.0.0.1:30000"  # what requests sends as Host for a loopback engine
@@ -354,7 +354,7 @@ def test_miles_engine_calls_over_a_real_socket(tiny_family, tmp_path):
     """miles' `SGLangDiffusionEngine` calls, with `requests` as it makes them, against a served engine."""
     import requests
 
-    from diffrl.engine.server import serving_in_thread
+    from diffrl.serving.server import serving_in_thread
 
     engine = Engine(tiny_family)
 

@@ -17,7 +17,7 @@ import pytest
 import torch
 
 import diffrl.utils.offload as offload_module
-from diffrl.engine.colocated import ColocatedEngineClient, _EngineServer
+from diffrl.serving.colocated import ColocatedEngineClient, _EngineServer
 from diffrl.engine.engine import Engine
 from diffrl.train.policy import Policy
 from diffrl.utils.offload import OptimizerOffload, family_modules

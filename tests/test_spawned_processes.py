@@ -5,7 +5,7 @@ semaphore stays in /dev/shm for good. tqdm made one in each at its first progres
 import os
 from pathlib import Path
 
-from diffrl.engine.colocated import ColocatedEngineClient, EngineProcessSpec
+from diffrl.serving.colocated import ColocatedEngineClient, EngineProcessSpec
 from diffrl.rewards.workers import ProcessRewardPool
 
 

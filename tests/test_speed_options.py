@@ -88,7 +88,7 @@ def test_reduce_overhead_is_refused_with_its_reason(tiny_model_dir, capsys):
     """CUDA graphs under per-block compilation: every block of one kind replays one graph, so the next block's
     replay overwrites the output the previous one handed it (measured on an H200). Refused with the reason, with
     or without --compile, by the options, the train config, every command and the engines' builders."""
-    from diffrl.engine.server import ServeConfig, build_engine
+    from diffrl.serving.server import ServeConfig, build_engine
     from diffrl.models.compile import compile_blocks
 
     for compile in (True, False):
@@ -144,8 +144,8 @@ def test_compile_mode_reaches_every_block_of_the_shared_transformer(tiny_model_d
 
 
 def test_colocated_engine_process_and_server_apply_the_options(tiny_model_dir, monkeypatch):
-    from diffrl.engine.colocated import EngineProcessSpec, _EngineServer
-    from diffrl.engine.server import ServeConfig, build_engine
+    from diffrl.serving.colocated import EngineProcessSpec, _EngineServer
+    from diffrl.serving.server import ServeConfig, build_engine
 
     seen = []
     monkeypatch.setattr(torch.nn.Module, "compile", lambda self, **kw: seen.append(kw))

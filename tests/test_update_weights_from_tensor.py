@@ -24,7 +24,7 @@ import torch
 from fastapi.testclient import TestClient
 
 from diffrl.engine.engine import Engine
-from diffrl.engine.server import ServerLimits, check_tensor_updates, create_app
+from diffrl.serving.server import ServerLimits, check_tensor_updates, create_app
 from diffrl.models.random_checkpoints import demo as random_demo
 
 BASE_URL = "http://127.0.0.1:30000"

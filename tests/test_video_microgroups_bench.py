@@ -6,10 +6,10 @@ engine's outputs encode to."""
 import pytest
 from benchmark_scripts import load_benchmark
 
-from diffrl.engine import sglang
+from diffrl.serving import sglang
 from diffrl.engine.engine import Engine
 from diffrl.engine.protocol import RolloutRequest
-from diffrl.engine.wire import encode_outputs
+from diffrl.serving.wire import encode_outputs
 from diffrl.models.ltx2 import Ltx2Family
 
 

@@ -12,7 +12,7 @@ import torch
 from fastapi import FastAPI, Request
 from PIL import Image
 
-from diffrl.engine.server import serving_in_thread
+from diffrl.serving.server import serving_in_thread
 from diffrl.rewards import get_reward
 from diffrl.rewards.vlm import JudgeError, yes_probability
 from diffrl.utils.images import to_uint8

@@ -10,7 +10,7 @@ from family_checks import assert_sample_k_is_the_same_in_any_microgroup, run_tra
 
 from diffrl.engine.engine import Engine, EngineConfig
 from diffrl.engine.protocol import RolloutRequest
-from diffrl.engine.wire import decode_outputs, encode_outputs
+from diffrl.serving.wire import decode_outputs, encode_outputs
 from diffrl.errors import ModelLoadError, RequestError
 from diffrl.models.random_checkpoints.wan2_2 import save_random_checkpoint
 from diffrl.models.registry import resolve_family
@@ -119,7 +119,7 @@ def test_video_outputs_cross_the_wire(wan):
 def test_sglang_json_keeps_the_second_experts_guidance_scale_in_the_denoising_env(wan, guidance_2):
     """Through sglang's JSON (whose denoising_env has no field for it) the decoded conditioning still carries
     `guidance_scale_2`, as the engine's own: the request's, or guidance_scale when the request leaves it unset."""
-    from diffrl.engine import sglang
+    from diffrl.serving import sglang
 
     req = RolloutRequest(prompt="a red cat", num_inference_steps=2, height=HEIGHT, width=WIDTH, num_frames=FRAMES,
                          guidance_scale=4.5, guidance_scale_2=guidance_2, rollout=True,

@@ -21,7 +21,7 @@ from safetensors.torch import load
 
 from diffrl.engine.engine import Engine, EngineConfig
 from diffrl.engine.protocol import RolloutRequest
-from diffrl.engine.server import create_app, serving_in_thread
+from diffrl.serving.server import create_app, serving_in_thread
 
 
 # ------------------------------------------------------------------ miles' types, as its parser fills them

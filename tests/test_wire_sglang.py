@@ -14,11 +14,11 @@ from fastapi.testclient import TestClient
 from safetensors.torch import save
 
 from diffrl.algorithms.pairs import grpo_pairs
-from diffrl.engine import sglang
+from diffrl.serving import sglang
 from diffrl.engine.engine import Engine, EngineConfig
 from diffrl.engine.protocol import RolloutRequest
-from diffrl.engine.server import create_app, serving_in_thread, wants_compact
-from diffrl.engine.wire import WireFormatError, decode_outputs
+from diffrl.serving.server import create_app, serving_in_thread, wants_compact
+from diffrl.serving.wire import WireFormatError, decode_outputs
 from diffrl.models.base import Latents, PromptEmbeds
 from diffrl.models.demo import DemoFamily
 from diffrl.rollout import HttpEngineClient

@@ -44,7 +44,7 @@ def _subcommands() -> dict:
     from diffrl.cli.bench_train import BenchTrainConfig
     from diffrl.cli.compare import CompareConfig
     from diffrl.cli.evaluate import EvaluateConfig
-    from diffrl.engine.server import ServeConfig
+    from diffrl.serving.server import ServeConfig
     from diffrl.train.config import TrainConfig
     from diffrl.train.pretrain import PretrainConfig
 
@@ -280,7 +280,7 @@ def main(argv: list[str] | None = None) -> int:
     from diffrl.cli.bench_train import BenchTrainConfig, bench_train
     from diffrl.cli.compare import CompareConfig, compare
     from diffrl.cli.evaluate import evaluate
-    from diffrl.engine.server import ServeConfig, serve
+    from diffrl.serving.server import ServeConfig, serve
     from diffrl.launch.ray_placement import launch
     from diffrl.rewards.remote import RewardUnavailable
     from diffrl.recipes import another_familys_message

@@ -5,7 +5,7 @@ untouched), encodes the prompt (and the negative prompt when CFG is on) once, re
 conditioning to `num_outputs_per_prompt`, gives output i its own generator seeded `seed + i`
 (initial noise and every SDE draw), and runs the shared denoising loop. A video family also gets the
 request's `num_frames` (default: the family's) and returns `[C, F, H, W]` outputs. It is usable in-process
-as is; `diffrl.engine.server` puts the same object behind HTTP.
+as is; `diffrl.serving.server` puts the same object behind HTTP.
 
 Requests that wait while the model is busy are denoised together when their sampling settings
 agree (`_Plan.batch_key`): one forward per step for several microgroups, up to

@@ -25,7 +25,7 @@ import torch
 
 from diffrl.engine.protocol import RolloutOutput, RolloutRequest
 from diffrl.engine.spec import EngineSpec, build_engine
-from diffrl.engine.wire import decode_outputs, decode_weights, encode_outputs, encode_weights
+from diffrl.serving.wire import decode_outputs, decode_weights, encode_outputs, encode_weights
 from diffrl.errors import EngineUnavailable, RequestError
 from diffrl.models.lora import LoraSpec
 from diffrl.rewards.frames import reads_whole_videos

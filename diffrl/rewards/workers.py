@@ -24,7 +24,7 @@ from concurrent.futures import ProcessPoolExecutor
 
 import torch
 
-from diffrl.engine.wire import decode_weights, encode_weights
+from diffrl.serving.wire import decode_weights, encode_weights
 from diffrl.rewards import TermScores, colocate, default_device, get_reward
 from diffrl.rewards.frames import on_frames, pick_frames, reads_whole_videos
 from diffrl.rewards.groups import is_group_reward

@@ -22,11 +22,11 @@ from urllib.parse import urlsplit
 
 import torch
 
-from diffrl.engine import sglang
+from diffrl.serving import sglang
 from diffrl.engine.engine import Engine
 from diffrl.engine.protocol import RolloutOutput, RolloutRequest
-from diffrl.engine.streaming import Body
-from diffrl.engine.wire import MEDIA_TYPE, OutputStreamDecoder, WireFormatError, decode_outputs, weights_body
+from diffrl.serving.streaming import Body
+from diffrl.serving.wire import MEDIA_TYPE, OutputStreamDecoder, WireFormatError, decode_outputs, weights_body
 from diffrl.errors import EngineUnavailable, RequestError
 from diffrl.models.base import FamilyAdapter
 from diffrl.models.lora import LoraSpec

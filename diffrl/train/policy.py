@@ -24,7 +24,7 @@ from collections.abc import Sequence
 
 import torch
 
-from diffrl.engine.colocated import ColocatedEngineClient
+from diffrl.serving.colocated import ColocatedEngineClient
 from diffrl.models.checkpointing import enable_gradient_checkpointing
 from diffrl.models.compile import block_kinds_at_recompile_limit, uncompiled_block_kinds
 from diffrl.models.lora import LoraSpec, add_lora

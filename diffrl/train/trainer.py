@@ -28,7 +28,7 @@ import torch
 from diffrl.utils.progress import tqdm
 
 from diffrl.algorithms.advantages import compute_advantages
-from diffrl.engine.colocated import ColocatedEngineClient
+from diffrl.serving.colocated import ColocatedEngineClient
 from diffrl.engine.engine import Engine
 from diffrl.engine.spec import EngineSpec, build_engine
 from diffrl.errors import RequestError

@@ -27,14 +27,14 @@ import torch
 
 from diffrl.engine.protocol import RolloutOutput, RolloutRequest
 from diffrl.engine.spec import EngineSpec, build_engine
-from diffrl.engine.weight_sync import (
+from diffrl.serving.weight_sync import (
     DEFAULT_BUFFER_BYTES,
     apply_bucket,
     receive_tensor,
     send_in_buckets,
     share_tensor,
 )
-from diffrl.engine.wire import WireFormatError, decode_outputs, encode_outputs
+from diffrl.serving.wire import WireFormatError, decode_outputs, encode_outputs
 from diffrl.errors import EngineUnavailable, RequestError
 from diffrl.models.lora import LoraSpec
 from diffrl.utils import determinism

@@ -32,8 +32,8 @@ from safetensors.torch import load as load_safetensors
 from safetensors.torch import save as save_safetensors
 
 from diffrl.engine.protocol import DitTrajectory, RolloutOutput, RolloutRequest, cfg_scale
-from diffrl.engine.streaming import Base64, Body, JsonListSplitter, TensorFile, json_parts
-from diffrl.engine.wire import WireFormatError
+from diffrl.serving.streaming import Base64, Body, JsonListSplitter, TensorFile, json_parts
+from diffrl.serving.wire import WireFormatError
 from diffrl.models.base import FamilyAdapter, PromptEmbeds
 
 JSON_MEDIA_TYPE = "application/json"

@@ -20,7 +20,7 @@ import torch
 from safetensors.torch import load as load_safetensors
 
 from diffrl.engine.protocol import DitTrajectory, RolloutOutput
-from diffrl.engine.streaming import (
+from diffrl.serving.streaming import (
     SAFETENSORS_DTYPES,
     Body,
     SafetensorsFile,
@@ -29,7 +29,7 @@ from diffrl.engine.streaming import (
     msgpack_array_header,
     msgpack_parts,
 )
-from diffrl.engine.weight_sync import dtype_name
+from diffrl.serving.weight_sync import dtype_name
 
 MEDIA_TYPE = "application/msgpack"
 _TENSOR_KEY = "data"

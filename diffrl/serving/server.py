@@ -61,7 +61,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, ValidationInfo, field_validator
 
 from diffrl import __version__
-from diffrl.engine import post_training, sglang
+from diffrl.serving import post_training, sglang
 from diffrl.engine.engine import (
     INT64_MAX,
     Engine,
@@ -71,12 +71,12 @@ from diffrl.engine.engine import (
     EngineConflict,
     RequestCancelled,
 )
-from diffrl.engine.http_errors import ServerLimits, _validation_response, error_response
+from diffrl.serving.http_errors import ServerLimits, _validation_response, error_response
 from diffrl.engine.protocol import RolloutRequest, json_number, utf8_text
 from diffrl.engine.spec import EngineSpec
 from diffrl.engine.spec import build_engine as build_spec_engine
-from diffrl.engine.streaming import Body, stream
-from diffrl.engine.wire import MEDIA_TYPE, WireFormatError, decode_weights, encode_outputs, output_body
+from diffrl.serving.streaming import Body, stream
+from diffrl.serving.wire import MEDIA_TYPE, WireFormatError, decode_weights, encode_outputs, output_body
 from diffrl.errors import RequestError
 from diffrl.models.lora import LoraSpec
 from diffrl.models.speed import SpeedOptions

@@ -30,10 +30,10 @@ from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
-from diffrl.engine import tensor_pickle
-from diffrl.engine.disk_weights import allowed_directory, read_module_weights
+from diffrl.serving import tensor_pickle
+from diffrl.serving.disk_weights import allowed_directory, read_module_weights
 from diffrl.engine.engine import INT64_MAX, Engine, EngineAsleep, EngineConflict
-from diffrl.engine.http_errors import ServerLimits, _validation_response, error_response
+from diffrl.serving.http_errors import ServerLimits, _validation_response, error_response
 from diffrl.errors import RequestError
 
 class _Body(BaseModel):
