@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # SD3.5-Medium at its real size (random weights built in code, no download) on the lent H200, at the
-# published Flow-GRPO SD3.5 settings (512², 10 steps, CFG 4.5, LoRA r32): DESIGN §9's peer, side by side.
+# published Flow-GRPO SD3.5 settings (512², 10 steps, CFG 4.5, LoRA r32): the published code's own loop (BENCHMARKS.md "SD3.5-Medium at Flow-GRPO's settings"), side by side.
 # Carry `.whl`. JOBS is a list of STAGE:COMPILE, run in order (default: all five):
 #   rollout:0 / rollout:1  benchmarks/family_rollout.py: the transformer alone, our engine, diffusers'
 #                          StableDiffusion3Pipeline on the same weights, eager / regionally compiled
