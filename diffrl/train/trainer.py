@@ -34,11 +34,11 @@ from diffrl.engine.spec import EngineSpec, build_engine
 from diffrl.errors import RequestError
 from diffrl.models import resolve_family
 from diffrl.models.demo import SHIPPED_DEMO_MODEL
-from diffrl.rewards import default_device, get_reward, multi_weights
+from diffrl.rewards import multi_weights
 from diffrl.rewards.colocate import InProcessRewards
 from diffrl.rewards.frames import on_frames
 from diffrl.rewards.schedule import parse_schedule, weights_at
-from diffrl.rewards.workers import ProcessRewardPool
+from diffrl.rewards.build import build_reward
 from diffrl.rollout import HttpEngineClient, InProcessEngineClient, RolloutManager
 from diffrl.tasks import build_task
 from diffrl.train.checkpointer import Checkpointer
@@ -162,7 +162,12 @@ class Trainer:
             check_load_dir(cfg.replay.load_rollout_data)
         else:  # published video recipes score a few evenly spaced frames of each video (--reward-frames)
             self.reward_name = "the reward" if reward_fn else f"--reward {cfg.task.reward}"  # as errors name it
-            reward_fn = on_frames(reward_fn or self._reward_fn(), cfg.task.reward_frames)
+            if reward_fn is None:
+                gpus = torch.cuda.device_count() if self.device.type == "cuda" else None
+                device = rank_reward_device(cfg.task.reward_device, self.device, gpus)  # a rank's own GPU by default
+                reward_fn, self.reward_pool = build_reward(cfg.task, device, cfg.deterministic_mode)
+            else:
+                reward_fn = on_frames(reward_fn, cfg.task.reward_frames)
         torch.manual_seed(cfg.seed)
         # bf16 forwards: load every component in bf16 (Policy upcasts what is trained to fp32 masters).
         dtype = torch.bfloat16 if bf16_forward(cfg.model, self.device) else torch.float32
@@ -250,18 +255,6 @@ class Trainer:
         if device.type == "cuda" and device.index is None:  # this process's GPU, named for the other one
             device = torch.device("cuda", torch.cuda.current_device())
         return dataclasses.replace(engine_spec(self.cfg, device, family.name), num_threads=torch.get_num_threads())
-
-    def _reward_fn(self):
-        t = self.cfg.task
-        gpus = torch.cuda.device_count() if self.device.type == "cuda" else None
-        device = rank_reward_device(t.reward_device, self.device, gpus)  # a rank's own GPU unless one is named
-        if device is not None:
-            default_device(device)  # one this machine lacks is refused here, not first in a reward worker
-        if t.reward_workers:
-            self.reward_pool = ProcessRewardPool(t.reward, t.reward_workers, device=device,
-                                                 deterministic=self.cfg.deterministic_mode, frames=t.reward_frames)
-            return self.reward_pool
-        return get_reward(t.reward, device=device)
 
     # ------------------------------------------------------------------ the loop
     def train(self) -> dict:
