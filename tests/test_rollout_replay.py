@@ -72,7 +72,7 @@ def _no_sampling(monkeypatch):
 
     monkeypatch.setattr(diffrl.engine.engine.Engine, "__init__", refuse)
     monkeypatch.setattr(diffrl.engine.engine, "denoise", refuse)
-    monkeypatch.setattr(diffrl.train.trainer, "get_reward", refuse)
+    monkeypatch.setattr(diffrl.train.trainer, "build_reward", refuse)
     monkeypatch.setattr(diffrl.train.trainer.RolloutManager, "rollout", refuse)
     for name in ("encode_prompts", "prepare_latents", "decode"):
         monkeypatch.setattr(DemoFamily, name, refuse)
