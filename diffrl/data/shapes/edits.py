@@ -37,7 +37,7 @@ from typing import NoReturn
 import numpy as np
 from scipy.optimize import linear_sum_assignment
 
-from .grammar import COLORS, RELATIONS, SHAPES, ObjectSpec, _n_test, _prompt_hash
+from .grammar import COLORS, RELATIONS, SHAPES, ObjectSpec, _n_test, _prompt_hash, parse_object_phrase
 from .render import BORDER_PX, GAP_PX, SUPERSAMPLE, PlacedObject, _centroid_y, _relation_ok, draw_objects, side_range
 from .verify import (
     STRAY_LIMIT,
@@ -173,20 +173,8 @@ def _find(ref: ObjectSpec, objects: Sequence, fail: Callable[[str], NoReturn]) -
 
 def _parse_reference(words: list[str], i: int, fail: Callable[[str], NoReturn]) -> tuple[ObjectSpec, int]:
     """Parse 'the [color] shape' at words[i]; return the object and the next index."""
-    if i >= len(words):
-        fail("missing object at the end")
-    if words[i] != "the":
-        fail(f"expected 'the' at word {i + 1}, got {words[i]!r} (objects are referred to as 'the [color] shape')")
-    rest = words[i + 1 : i + 3]
-    if rest and rest[0] in SHAPES:
-        return ObjectSpec(rest[0], None), i + 2
-    if rest and rest[0] in COLORS:
-        if len(rest) < 2 or rest[1] not in SHAPES:
-            fail(f"unknown shape {rest[1]!r}" if len(rest) == 2 else "missing shape")
-        return ObjectSpec(rest[1], rest[0]), i + 3
-    if len(rest) == 2 and rest[1] in SHAPES:
-        fail(f"unknown color {rest[0]!r}")
-    fail(f"unknown shape {rest[0]!r}" if rest else "missing shape")
+    return parse_object_phrase(words, i, fail, article="the",
+                               hint=" (objects are referred to as 'the [color] shape')")
 
 
 def _parse_relation(words: list[str], i: int, fail: Callable[[str], NoReturn]) -> tuple[str, int]:

@@ -120,12 +120,14 @@ def all_prompts(category: str) -> list[str]:
 # --------------------------------------------------------------------------- parsing
 
 
-def _parse_noun_phrase(words: list[str], i: int, fail: Callable[[str], NoReturn]) -> tuple[ObjectSpec, int]:
-    """Parse 'a [color] shape' starting at words[i]; return the object and the next index."""
+def parse_object_phrase(words: list[str], i: int, fail: Callable[[str], NoReturn], article: str = "a",
+                        hint: str = "") -> tuple[ObjectSpec, int]:
+    """Parse '<article> [color] shape' starting at words[i] ('a …' in prompts, 'the …' in edit instructions); return
+    the object and the next index. `hint` follows the message when the article is missing."""
     if i >= len(words):
         fail("missing object at the end")
-    if words[i] != "a":
-        fail(f"expected 'a' at word {i + 1}, got {words[i]!r}")
+    if words[i] != article:
+        fail(f"expected {article!r} at word {i + 1}, got {words[i]!r}{hint}")
     rest = words[i + 1 : i + 3]
     if rest and rest[0] in SHAPES:
         return ObjectSpec(rest[0], None), i + 2
@@ -169,12 +171,12 @@ def parse_prompt(prompt: str) -> SceneSpec:
     if words[0] != "a":
         fail(f"unknown word {words[0]!r} (prompts start with 'a' or one of {list(NUMBERS)})")
 
-    first, i = _parse_noun_phrase(words, 0, fail)
+    first, i = parse_object_phrase(words, 0, fail)
     if i == len(words):
         return _scene("colors" if first.color else "single_object", (first,))
 
     relation, i = _parse_connective(words, i, fail)
-    second, i = _parse_noun_phrase(words, i, fail)
+    second, i = parse_object_phrase(words, i, fail)
     if i != len(words):
         fail(f"unexpected trailing words {' '.join(words[i:])!r}")
 
