@@ -92,25 +92,14 @@ def get_reward(name: str, device: str | None = None) -> Callable:
     if model == "vlm":
         url, _, rest = path.partition(",")
         rest, _, question = rest.partition("question=")  # the question takes the rest, commas included
-        options = {"question": question} if question else {}
-        for part in filter(None, rest.rstrip(",").split(",")):
-            key, sep, value = part.partition("=")
-            if not sep or key.strip() not in vlm.OPTIONS or not value:
-                raise ValueError(f"reward {name!r}: {part!r} is not an option; known: model=NAME, concurrency=N, "
-                                 "timeout=S, question=TEXT (last)")
-            options[key.strip()] = value
-        return vlm.vlm_judge(url, options)
+        options = _spec_options(name, filter(None, rest.rstrip(",").split(",")), vlm.OPTIONS,
+                                "model=NAME, concurrency=N, timeout=S, question=TEXT (last)")
+        return vlm.vlm_judge(url, {**options, **({"question": question} if question else {})})
     if model == "remote":
         url, *option_parts = path.split(",")
         if not url:
             raise ValueError("reward remote scores on a server: --reward remote@http://HOST:PORT")
-        options = {}
-        for part in option_parts:
-            key, sep, value = part.partition("=")
-            if not sep or key.strip() not in remote.OPTIONS or not value:
-                raise ValueError(f"reward {name!r}: {part!r} is not an option; known: "
-                                 + ", ".join(f"{o}=N" for o in remote.OPTIONS))
-            options[key.strip()] = value
+        options = _spec_options(name, option_parts, remote.OPTIONS, ", ".join(f"{o}=N" for o in remote.OPTIONS))
         return remote.remote_reward(url, options)
     if at or model in _MODEL_REWARDS:
         if model not in _MODEL_REWARDS:
@@ -118,14 +107,8 @@ def get_reward(name: str, device: str | None = None) -> Callable:
         path, *option_parts = path.split(",")
         if not path:
             raise ValueError(f"reward {model!r} scores with a local checkpoint: --reward {model}@/path/to/checkpoint")
-        options = []
-        for part in option_parts:
-            key, sep, value = part.partition("=")
-            if not sep or key.strip() not in _MODEL_OPTIONS or not value:
-                raise ValueError(f"reward {name!r}: {part!r} is not an option; known: "
-                                 + ", ".join(f"{o}=DIR" for o in _MODEL_OPTIONS))
-            options.append((key.strip(), value))
-        return _model_reward(model, path, None if device is None else str(device), tuple(sorted(options)))
+        options = _spec_options(name, option_parts, _MODEL_OPTIONS, ", ".join(f"{o}=DIR" for o in _MODEL_OPTIONS))
+        return _model_reward(model, path, None if device is None else str(device), tuple(sorted(options.items())))
     if ":" in name:
         module_name, _, attr = name.partition(":")
         try:
@@ -142,6 +125,18 @@ def get_reward(name: str, device: str | None = None) -> Callable:
                          "vlm@URL,model=NAME (a VLM judge); rank:SPEC and pairwise:SPEC (group rewards); "
                          "multi:NAME=W,NAME=W; or a "
                          f"custom one as {CUSTOM_SIGNATURE} (`diffrl rewards` lists them)") from None
+
+
+def _spec_options(name: str, parts, allowed: tuple[str, ...], known: str) -> dict[str, str]:
+    """The `KEY=VALUE` options after a reward spec's first comma, each key one of `allowed`; a ValueError naming the
+    part and `known` (the allowed forms) for any other."""
+    options = {}
+    for part in parts:
+        key, sep, value = part.partition("=")
+        if not sep or key.strip() not in allowed or not value:
+            raise ValueError(f"reward {name!r}: {part!r} is not an option; known: {known}")
+        options[key.strip()] = value
+    return options
 
 
 def _check_callable(name: str, scorer) -> None:
