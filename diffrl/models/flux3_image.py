@@ -40,8 +40,9 @@ from diffrl.models.base import (
     register_family,
     require_pixel_multiple,
 )
-from diffrl.models.batch_invariance import decode_rows, embed_rows_one_at_a_time
-from diffrl.sampling import make_sigmas, randn_per_sample
+from diffrl.models.batch_invariance import embed_rows_one_at_a_time
+from diffrl.models.flux2_vae import decode_latents, image_position_ids, noise_tokens, text_position_ids
+from diffrl.sampling import make_sigmas
 
 DEFAULT_TEXT_LAYERS = (4, 8, 12, 16, 20, 24, 28, 32)
 TEXT_PAD_MULTIPLE = 80
@@ -65,21 +66,6 @@ class Flux3Settings:
         self.text_encoder_out_layers = tuple(self.text_encoder_out_layers)  # JSON gives a list
 
 
-def image_position_ids(height_tokens: int, width_tokens: int, rope_scale: float, device=None) -> torch.Tensor:
-    """(t, h, w, l) of each image token, h and w scaled by the image RoPE scale, l = 0 (the generated image)."""
-    h = torch.arange(height_tokens, device=device, dtype=torch.float32).repeat_interleave(width_tokens)
-    w = torch.arange(width_tokens, device=device, dtype=torch.float32).repeat(height_tokens)
-    zeros = torch.zeros_like(h)
-    return torch.stack([zeros, h * rope_scale, w * rope_scale, zeros], dim=1)
-
-
-def text_position_ids(length: int, device=None) -> torch.Tensor:
-    """(0, 0, 0, k) for text token k."""
-    ids = torch.zeros(length, 4, device=device)
-    ids[:, 3] = torch.arange(length, device=device, dtype=torch.float32)
-    return ids
-
-
 def _static_shift(scheduler_dir: Path) -> float:
     """The scheduler's static shift; the schedule options this adapter does not reproduce are refused."""
     config_file = scheduler_dir / "scheduler_config.json"
@@ -97,13 +83,14 @@ def _static_shift(scheduler_dir: Path) -> float:
 
 
 def run_flux3_transformer(family: FamilyAdapter, transformer, latents: Latents, sigma: torch.Tensor,
-                          cond: PromptEmbeds) -> torch.Tensor:
-    """One forward of diffusers' `Flux3Transformer2DModel` (σ is its timestep): `run_transformer` of the
-    families built on it (flux3_image, demo)."""
+                          cond: PromptEmbeds, **inputs) -> torch.Tensor:
+    """One forward of diffusers' `Flux3Transformer2DModel` or `Flux2Transformer2DModel`, which take the same inputs
+    (σ is their timestep; `inputs`: FLUX.2's `guidance`): `run_transformer` of the families built on them
+    (flux3_image, demo, flux2)."""
     dtype = next(transformer.parameters()).dtype
     with family.forward_precision():
         return transformer(hidden_states=latents.tokens.to(dtype), encoder_hidden_states=cond.embeds.to(dtype),
-                           timestep=sigma.to(dtype), img_ids=latents.ids, txt_ids=cond.ids,
+                           timestep=sigma.to(dtype), img_ids=latents.ids, txt_ids=cond.ids, **inputs,
                            return_dict=False)[0].float()
 
 
@@ -237,29 +224,11 @@ class Flux3ImageFamily(FamilyAdapter):
     def prepare_latents(self, generators, height, width) -> Latents:
         self.check_size(height, width)
         h, w = height // self.pixels_per_token, width // self.pixels_per_token
-        channels = self.transformer.config.in_channels
-        noise = randn_per_sample((len(generators), channels, h, w), generators, device=self.device)
-        tokens = noise.flatten(2).transpose(1, 2)  # [B, h·w, C]
+        tokens = noise_tokens(generators, self.transformer.config.in_channels, h, w, device=self.device)
         return Latents(tokens, image_position_ids(h, w, self.settings.image_rope_scale, device=self.device))
 
     run_transformer = run_flux3_transformer
 
-    def _latent_stats(self, dtype) -> tuple[torch.Tensor, torch.Tensor]:
-        bn = self.vae.bn
-        mean = bn.running_mean.view(1, -1, 1, 1).to(dtype)
-        std = torch.sqrt(bn.running_var.view(1, -1, 1, 1) + self.vae.config.batch_norm_eps).to(dtype)
-        return mean, std
-
     def decode(self, latents: torch.Tensor, height: int, width: int) -> torch.Tensor:
-        h, w = height // self.pixels_per_token, width // self.pixels_per_token
-        batch, _, channels = latents.shape
-        grid = latents.view(batch, h, w, channels).permute(0, 3, 1, 2)
-        mean, std = self._latent_stats(grid.dtype)
-        grid = grid * std + mean
-        # Undo the 2x2 patchify: [B, C·4, h, w] → [B, C, 2h, 2w].
-        grid = grid.reshape(batch, channels // 4, 2, 2, h, w).permute(0, 1, 4, 2, 5, 3)
-        grid = grid.reshape(batch, channels // 4, h * 2, w * 2)
-        vae_dtype = next(self.vae.parameters()).dtype
-        images = decode_rows(lambda rows: self.vae.decode(rows.to(vae_dtype), return_dict=False)[0], grid,
-                             per_call=self.vae_decode_batch)
-        return (images.float() / 2 + 0.5).clamp(0, 1)
+        return decode_latents(self.vae, latents, height // self.pixels_per_token, width // self.pixels_per_token,
+                              per_call=self.vae_decode_batch)
