@@ -207,6 +207,50 @@ _Z_IMAGE_GRPO = dict(diffusion_model_family="z_image", loss_type="flow_grpo", re
 # without CFG (g = 0), 10 to evaluate; the SDE step, batch and optimizer as above.
 _Z_IMAGE_TURBO_GRPO = dict(_Z_IMAGE_GRPO, diffusion_num_steps=6, eval_num_steps=10, diffusion_guidance_scale=1.0)
 
+# Flow-GRPO on FLUX.2 [klein] (the step-distilled 4B / 9B) with PickScore: X-GenGroup/Flow-Factory's
+# examples/grpo/lora/flux2_klein/default.yaml: 384², the distilled 4 steps (10 to evaluate) without CFG, SDE at noise
+# 0.5 on one step drawn per rollout from steps 1-2, 48 prompts × 16 samples in 2 optimizer steps, per-prompt mean and
+# std, no KL, clip 1e-4, advantage clip 5, LoRA r64/α128 on the family's default targets (that model's default list),
+# fp32 masters with a bf16 forward, lr 3e-4, AdamW β2 0.999, weight decay 1e-4, grad clip 1, micro-batches of one
+# sample. Not expressed here: its EMA for evaluation and its evaluations at 1024². Microgroups of 16 (one request
+# per prompt), gradient checkpointing and the intervals are ours.
+_FLUX2_KLEIN_GRPO = dict(diffusion_model_family="flux2", loss_type="flow_grpo", reward="pickscore", resolution=384,
+                         use_lora=True, lora_rank=64, lora_alpha=128.0, diffusion_num_steps=4, eval_num_steps=10,
+                         diffusion_guidance_scale=1.0, diffusion_noise_level=0.5, diffusion_sde_window_range=(1, 3),
+                         diffusion_num_sde_steps=1, diffusion_clip_range=1e-4, diffusion_adv_clip_max=5.0,
+                         diffusion_kl_beta=0.0, rollout_batch_size=48, n_samples_per_prompt=16,
+                         rollout_microgroup_size=16, global_batch_size=384, num_steps_per_rollout=2,
+                         micro_batch_size=1, lr=3e-4, adam_beta2=0.999, weight_decay=1e-4, grad_clip=1.0,
+                         mixed_precision="bf16", gradient_checkpointing=True, num_rollout=300, eval_interval=20,
+                         checkpoint_interval=20, eval_images_per_category=0)
+# The same on FLUX.2 [klein] base (examples/grpo/lora/flux2_klein_base/default.yaml): 8 steps with CFG 4 (28 to
+# evaluate), noise 0.7 on one step drawn from steps 1-3; the batch and optimizer as above.
+_FLUX2_KLEIN_BASE_GRPO = dict(_FLUX2_KLEIN_GRPO, diffusion_num_steps=8, eval_num_steps=28, diffusion_guidance_scale=4.0,
+                              diffusion_noise_level=0.7, diffusion_sde_window_range=(1, 4))
+# Flow-GRPO on FLUX.2 [dev] (examples/grpo/lora/flux2/t2i.yaml): 512², 8 steps (28 to evaluate) with the embedded
+# guidance 4 (the family's default checkpoint setting) and no true CFG, noise 1.0 on one step drawn from steps 1-3;
+# the batch and optimizer as above. Not expressed here: that file's reward is a CLIP text-alignment term (weight 1)
+# beside PickScore (0.5) aggregated by GDPO: `--reward multi:clipscore@DIR=1,pickscore@DIR=0.5
+# --advantage-aggregation gdpo` gives it. 32 B parameters and a 24 B text encoder: an H200 with
+# --offload-text-encoder, or several GPUs.
+_FLUX2_DEV_GRPO = dict(_FLUX2_KLEIN_GRPO, resolution=512, diffusion_num_steps=8, eval_num_steps=28,
+                       diffusion_noise_level=1.0, diffusion_sde_window_range=(1, 4))
+# DiffusionNFT on FLUX.2 [klein] base with PickScore (examples/nft/lora/flux2_klein_base/default.yaml): 384², 8-step
+# ODE rollouts with CFG 4 under the EMA old policy (ramp 0.001 up to 0.5, no flat rollouts), NFT β 0.1, advantage
+# clip 5, 48 prompts × 16 samples in one optimizer step, LoRA r64/α128, lr 1e-4, AdamW β2 0.999, weight decay 1e-4,
+# grad clip 1, bf16 forward, micro-batches of one sample. That file trains 2 timesteps per sample drawn from the
+# noisier half of the schedule; here 2 of the 8 drawn from all of it (timestep fraction 0.25). Microgroups of 16,
+# gradient checkpointing and the intervals are ours.
+_FLUX2_KLEIN_BASE_NFT = dict(diffusion_model_family="flux2", loss_type="nft", reward="pickscore", resolution=384,
+                             use_lora=True, lora_rank=64, lora_alpha=128.0, diffusion_num_steps=8, eval_num_steps=28,
+                             diffusion_guidance_scale=1.0, nft_rollout_guidance_scale=4.0, diffusion_nft_beta=0.1,
+                             nft_timestep_fraction=0.25, nft_ema_ramp=0.001, nft_ema_max=0.5, nft_ema_flat=0,
+                             diffusion_adv_clip_max=5.0, rollout_batch_size=48, n_samples_per_prompt=16,
+                             rollout_microgroup_size=16, global_batch_size=768, num_steps_per_rollout=1,
+                             micro_batch_size=1, lr=1e-4, adam_beta2=0.999, weight_decay=1e-4, grad_clip=1.0,
+                             mixed_precision="bf16", gradient_checkpointing=True, num_rollout=300, eval_interval=20,
+                             checkpoint_interval=20, eval_images_per_category=0)
+
 SIZED: dict[str, dict[str, dict]] = {
     "sd3-grpo": {"gpu": _SD3_GRPO, "cpu": _SD3_GRPO},  # a real checkpoint has no CPU size
     "sd35-grpo-ocr": {"gpu": (_ocr := dict(_SD35_GRPO, reward="ocr", diffusion_kl_beta=0.04)), "cpu": _ocr},
@@ -227,6 +271,10 @@ SIZED: dict[str, dict[str, dict]] = {
     "wan22-grpo-pickscore": {"gpu": _WAN22_GRPO, "cpu": _WAN22_GRPO},
     "z-image-grpo-pickscore": {"gpu": _Z_IMAGE_GRPO, "cpu": _Z_IMAGE_GRPO},
     "z-image-turbo-grpo-pickscore": {"gpu": _Z_IMAGE_TURBO_GRPO, "cpu": _Z_IMAGE_TURBO_GRPO},
+    "flux2-klein-grpo-pickscore": {"gpu": _FLUX2_KLEIN_GRPO, "cpu": _FLUX2_KLEIN_GRPO},
+    "flux2-klein-base-grpo-pickscore": {"gpu": _FLUX2_KLEIN_BASE_GRPO, "cpu": _FLUX2_KLEIN_BASE_GRPO},
+    "flux2-klein-base-nft-pickscore": {"gpu": _FLUX2_KLEIN_BASE_NFT, "cpu": _FLUX2_KLEIN_BASE_NFT},
+    "flux2-dev-grpo-pickscore": {"gpu": _FLUX2_DEV_GRPO, "cpu": _FLUX2_DEV_GRPO},
     # On a GPU: one request per prompt's 8 videos (denoised as one batch), training micro-batches of 4 pairs and
     # compiled blocks: 8.25 s per sample on one H200 against 29.2 s with the published microgroup 1 and micro-batch
     # 1, eager. The same samples (seeds fix them) and the same gradient (micro-batches are weighted by their
@@ -285,6 +333,10 @@ RECIPE_SUMMARIES = {
     "wan22-grpo-pickscore": "Flow-GRPO on Wan2.2 video with PickScore",
     "z-image-grpo-pickscore": "Flow-GRPO on Z-Image with PickScore (Flow-Factory's z_image example)",
     "z-image-turbo-grpo-pickscore": "Flow-GRPO on Z-Image-Turbo's few steps with PickScore (Flow-Factory's example)",
+    "flux2-klein-grpo-pickscore": "Flow-GRPO on FLUX.2 [klein]'s 4 distilled steps with PickScore (Flow-Factory's)",
+    "flux2-klein-base-grpo-pickscore": "Flow-GRPO on FLUX.2 [klein] base with PickScore (Flow-Factory's example)",
+    "flux2-klein-base-nft-pickscore": "DiffusionNFT on FLUX.2 [klein] base with PickScore (Flow-Factory's example)",
+    "flux2-dev-grpo-pickscore": "Flow-GRPO on FLUX.2 [dev] with PickScore (Flow-Factory's flux2 t2i example)",
     "ltx23-grpo-pickscore": "Flow-GRPO on LTX-2.3 video with PickScore",
     "cosmos3-grpo": "Flow-GRPO on Cosmos3",
     "shapes-nft": "DiffusionNFT on the shipped demo model and the shapes world (make demo; CPU-sized on a CPU)",

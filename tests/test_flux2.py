@@ -173,3 +173,34 @@ def test_few_step_grpo_on_flux2_klein_distilled(distilled_dir, tmp_path):
     """The step-distilled checkpoint trains with Flow-GRPO's SDE over its own few steps (2 here), without CFG (the
     method of Flow-Factory's FLUX.2 [klein] example)."""
     run_training(distilled_dir, tmp_path / "run", "flow_grpo", True, guidance=1.0)
+
+
+@pytest.mark.parametrize(("recipe", "variant", "size", "steps", "cfg", "noise", "window"), [
+    ("flux2-klein-grpo-pickscore", "distilled", 384, 4, 1.0, 0.5, (1, 3)),
+    ("flux2-klein-base-grpo-pickscore", "klein", 384, 8, 4.0, 0.7, (1, 4)),
+    ("flux2-dev-grpo-pickscore", "dev", 512, 8, 1.0, 1.0, (1, 4)),
+])
+def test_flux2_grpo_recipes_are_flow_factorys_settings(request, recipe, variant, size, steps, cfg, noise, window):
+    from diffrl.cli.main import parse
+    from diffrl.train.trainer import validate_config
+
+    config = parse(["train", "--recipe", recipe, "--model-path", str(request.getfixturevalue(f"{variant}_dir"))])
+    m, r, o = config.model, config.rollout, config.optim
+    assert (m.diffusion_model_family, config.algorithm.loss_type, m.size()) == ("flux2", "flow_grpo", (size, size))
+    assert (m.lora_rank, m.lora_alpha, r.diffusion_num_steps, r.diffusion_guidance_scale) == (64, 128.0, steps, cfg)
+    assert (r.diffusion_sde_window_range, r.diffusion_num_sde_steps, r.diffusion_noise_level) == (window, 1, noise)
+    assert (r.rollout_batch_size, r.n_samples_per_prompt, o.num_steps_per_rollout, o.lr) == (48, 16, 2, 3e-4)
+    validate_config(config)
+
+
+def test_flux2_nft_recipe_is_flow_factorys_setting(klein_dir):
+    from diffrl.cli.main import parse
+    from diffrl.train.trainer import validate_config
+
+    config = parse(["train", "--recipe", "flux2-klein-base-nft-pickscore", "--model-path", str(klein_dir)])
+    a, r, o = config.algorithm, config.rollout, config.optim
+    assert (a.loss_type, a.diffusion_nft_beta, a.nft_rollout_guidance_scale, r.diffusion_num_steps) == (
+        "nft", 0.1, 4.0, 8)
+    assert int(r.diffusion_num_steps * a.nft_timestep_fraction) == 2  # 2 timesteps per sample, as that file trains
+    assert (r.rollout_batch_size, r.n_samples_per_prompt, o.num_steps_per_rollout, o.lr) == (48, 16, 1, 1e-4)
+    validate_config(config)
