@@ -6,6 +6,7 @@ without importing the server, which adds their routes.
 
 from __future__ import annotations
 
+import ipaddress
 import json
 from dataclasses import dataclass
 from pathlib import Path
@@ -32,8 +33,29 @@ class ServerLimits:
     weights_roots: tuple[Path, ...] = ()
     """Directories `/update_weights_from_disk` may read checkpoints from (and what lies under them); empty: none."""
     tensor_updates: bool = False
-    """Answer `/update_weights_from_tensor` (sglang's pickled tensors, `tensor_pickle.py`); off: 404. Even on,
-    only a loopback server with an update token accepts it."""
+    """Answer `/update_weights_from_tensor` (sglang's pickled tensors, `tensor_pickle.py`); off: 404. On: for a
+    loopback peer, or with the update token when the server has one (then always with it); CUDA IPC tensors only
+    for a loopback peer."""
+
+    def weights_limit(self, transformer_state: dict) -> int:
+        """Largest weight push in bytes: `max_weights_bytes`, or 8 bytes per element of the transformer's state
+        (float64) plus room for names and headers."""
+        if self.max_weights_bytes is not None:
+            return self.max_weights_bytes
+        return 8 * sum(t.numel() for t in transformer_state.values()) + 1024 * len(transformer_state) + (1 << 20)
+
+
+def loopback_peer(client: tuple | None) -> bool:
+    """Whether an ASGI `client` (the TCP peer's address and port) is this host's loopback (127.0.0.0/8, ::1, or
+    IPv4-mapped 127.x). A test client or a Unix socket without an address is not."""
+    if not client:
+        return False
+    try:
+        address = ipaddress.ip_address(str(client[0]))
+    except ValueError:
+        return False
+    mapped = getattr(address, "ipv4_mapped", None)
+    return address.is_loopback or (mapped is not None and mapped.is_loopback)
 
 
 def error_response(status: int, field: str, message: str, detail: list | None = None, *,

@@ -3,10 +3,11 @@ trainer calls them on its engines (Rockdu/sglang 0372158dd, `entrypoints/post_tr
 
 - `POST /update_weights_from_tensor`: `{"serialized_named_tensors": [base64 pickle], "load_format":
   "flattened_bucket" | null, "target_modules", "weight_version"}`, miles-diffusion's weight sync. Off unless
-  `diffrl serve --update-weights-from-tensor` (404), then only on a loopback server with an update token (the
+  `diffrl serve --update-weights-from-tensor` (404), then for a loopback peer or with the update token (the
   guard, `server._Guard`). The pickle is read by `tensor_pickle`'s restricted unpickler (CPU tensors by value,
-  dtypes, sizes, sglang's bucket metadata; anything else refused by name before it runs), then loaded as
-  `/update_weights` loads a push: all or nothing, checked.
+  CUDA IPC records, dtypes, sizes, sglang's bucket metadata; anything else refused by name before it runs); CUDA
+  IPC tensors are opened only for a loopback peer (403 otherwise) and copied at once; then the tensors are
+  loaded as `/update_weights` loads a push: all or nothing, checked.
 - `POST /update_weights_from_disk`: `{"model_path", "flush_cache", "target_modules"}` (+ `weight_version`):
   `<model_path>/<module>/*.safetensors` into the transformer (Wan2.2: its experts), all or nothing and checked
   as `/update_weights` checks a push, from directories under `--weights-roots` only.
@@ -23,6 +24,7 @@ same guard as `/update_weights` (`server.STATE_CHANGING`: token, Host, Origin, `
 from __future__ import annotations
 
 import asyncio
+import functools
 import re
 from typing import Literal
 
@@ -33,7 +35,7 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError
 from diffrl.serving import tensor_pickle
 from diffrl.serving.disk_weights import allowed_directory, read_module_weights
 from diffrl.engine.engine import INT64_MAX, Engine, EngineAsleep, EngineConflict
-from diffrl.serving.http_errors import ServerLimits, _validation_response, error_response
+from diffrl.serving.http_errors import ServerLimits, _validation_response, error_response, loopback_peer
 from diffrl.errors import RequestError
 
 class _Body(BaseModel):
@@ -135,7 +137,13 @@ def add_routes(app: FastAPI, engine: Engine, limits: ServerLimits) -> None:
                 raise EngineAsleep("weights", "the engine is asleep: wake it first (POST /resume_memory_occupation)")
             prefixes = {name: available[name] for name in dict.fromkeys(names)}
             payload = await asyncio.to_thread(tensor_pickle.decode, req.serialized_named_tensors[0])
-            tensors = tensor_pickle.named_tensors(payload, req.load_format, prefixes)
+            if tensor_pickle.ipc_records(payload) and not loopback_peer(request.scope.get("client")):
+                return error_response(403, tensor_pickle.FIELD, "CUDA IPC tensors are opened only for a request from "
+                                      "this host (a loopback peer); send CPU tensors pickled by value or use "
+                                      "/update_weights_from_disk", success_shape=True)
+            opener = functools.partial(tensor_pickle.open_ipc_tensor,
+                                       max_bytes=limits.weights_limit(engine.family.transformer.state_dict()))
+            tensors = await asyncio.to_thread(tensor_pickle.named_tensors, payload, req.load_format, prefixes, opener)
             new_version = await asyncio.to_thread(engine.update_weights, tensors, version)
         except RequestError as err:
             return _refusal(err)

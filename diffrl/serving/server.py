@@ -20,8 +20,8 @@
   `/update_weights_from_disk` (from `--weights-roots` only), `/get_weights_checksum`,
   `/update_weights_from_tensor_checker`, `/release_memory_occupation` and `/resume_memory_occupation` (the
   engine's sleep and wake), and `/update_weights_from_tensor` (sglang's pickled tensors: off unless
-  `--update-weights-from-tensor`, then only on a loopback server with an update token, and read by a restricted
-  unpickler, `tensor_pickle.py`).
+  `--update-weights-from-tensor`, then for a loopback peer or with the update token, CUDA IPC tensors for a
+  loopback peer only, and read by a restricted unpickler, `tensor_pickle.py`).
   Those that change the model or the engine's state (`STATE_CHANGING`) need `Authorization: Bearer <token>`
   when the server has a token (a server bound beyond loopback refuses them unless it has one), a loopback Host
   (DNS rebinding), no foreign `Origin` (web pages) and their own content type (`application/octet-stream` for
@@ -71,7 +71,7 @@ from diffrl.engine.engine import (
     EngineConflict,
     RequestCancelled,
 )
-from diffrl.serving.http_errors import ServerLimits, _validation_response, error_response
+from diffrl.serving.http_errors import ServerLimits, _validation_response, error_response, loopback_peer
 from diffrl.engine.protocol import RolloutRequest, json_number, utf8_text
 from diffrl.engine.spec import EngineSpec
 from diffrl.engine.spec import build_engine as build_spec_engine
@@ -153,7 +153,7 @@ class _Guard:
             return await self.app(scope, receive, send)
         headers = {k.decode("latin-1").lower(): v for k, v in scope.get("headers", ())}
         path = scope.get("path", "")
-        refusal = self._refusal(path, headers) if path in STATE_CHANGING else None
+        refusal = self._refusal(path, headers, scope.get("client")) if path in STATE_CHANGING else None
         if refusal is None:
             limit = (self._weights_limit() if path == "/update_weights" else
                      self._weights_limit() * 4 // 3 + self.limits.max_body_bytes if path == TENSOR_PICKLE_PATH else
@@ -191,19 +191,16 @@ class _Guard:
         await self.app(scope, replay, send)
 
     def _weights_limit(self) -> int:
-        if self.limits.max_weights_bytes is not None:
-            return self.limits.max_weights_bytes
-        state = self.engine.family.transformer.state_dict()
-        return 8 * sum(t.numel() for t in state.values()) + 1024 * len(state) + (1 << 20)
+        return self.limits.weights_limit(self.engine.family.transformer.state_dict())
 
-    def _refusal(self, path: str, headers: dict[str, bytes]) -> Response | None:
-        if path == TENSOR_PICKLE_PATH:  # pickles: off unless asked for, then loopback and token only
+    def _refusal(self, path: str, headers: dict[str, bytes], client: tuple | None) -> Response | None:
+        if path == TENSOR_PICKLE_PATH:  # pickles: off unless asked for, then a loopback peer or the token
             if not self.limits.tensor_updates:
                 return error_response(404, "path", f"{path} is off: start diffrl serve with "
-                                                    "--update-weights-from-tensor (loopback, with --update-token)")
-            if self.exposed or self.token is None:
-                return error_response(403, "authorization", f"{path} is answered only on a loopback server "
-                                                            "with --update-token")
+                                                    "--update-weights-from-tensor")
+            if self.token is None and not loopback_peer(client):
+                return error_response(403, "authorization", f"{path} is answered only for a loopback peer, or "
+                                                            "with the server's --update-token")
         if self.token is None and self.exposed:
             return error_response(403, "authorization", "weight updates are disabled on an exposed server "
                                                         "without --update-token")
@@ -506,8 +503,9 @@ class ServeConfig:
     resolved first); default: none, the endpoint refuses every path."""
     update_weights_from_tensor: bool = False
     """Answer POST /update_weights_from_tensor, miles-diffusion's weight sync (sglang's base64 pickles, read by a
-    restricted unpickler that rebuilds only CPU tensors pickled by value; docs/wire-format.md). Needs a loopback
-    --host and an update token; off: the endpoint answers 404."""
+    restricted unpickler that admits CPU tensors pickled by value and CUDA tensors shared by CUDA IPC, nothing
+    else; docs/wire-format.md). Answered for a loopback peer, or with --update-token (required on a --host beyond
+    loopback); CUDA IPC tensors only for a loopback peer. Off: the endpoint answers 404."""
     docs: bool = False
     """Serve /docs and /openapi.json."""
     malloc_arena_max: int = 2
@@ -611,11 +609,10 @@ def serving_in_thread(app, start_timeout_s: float = 20.0, keep_alive_s: float = 
 
 
 def check_tensor_updates(enabled: bool, *, exposed: bool, token: str | None) -> None:
-    """Refuse to start a server that would take pickled tensor updates from beyond loopback or without a token."""
-    if enabled and exposed:
-        raise ValueError("--update-weights-from-tensor takes pickles: only on a loopback --host (127.0.0.1, ::1)")
-    if enabled and not token:
-        raise ValueError("--update-weights-from-tensor needs --update-token (or DIFFRL_ENGINE_TOKEN)")
+    """Refuse to start a server that would take pickled tensor updates from beyond loopback without a token."""
+    if enabled and exposed and not token:
+        raise ValueError("--update-weights-from-tensor on a --host beyond loopback needs --update-token "
+                         "(or DIFFRL_ENGINE_TOKEN); on 127.0.0.1 it answers loopback peers without one")
 
 
 def serve(cfg: ServeConfig) -> None:
