@@ -5,9 +5,9 @@ and against diffusers' own pipeline on the same weights in the same run.
     python benchmarks/family_rollout.py --family flux3_image --checkpoint /tmp/flux3 --resolution 1024 --guidance-scale 1
 
 A missing `--checkpoint` folder is first filled with random weights at the family's real size, built in
-code (no download; `REAL_SIZES` below: SD3.5-Medium, FLUX 3 Klein's class defaults, Krea-2, Qwen-Image,
-Wan2.2 A14B, LTX-2.3, Cosmos3), with shallow text encoders where the family's builder makes them (a prompt is
-encoded once per request). Video families take `--num-frames` and `--height/--width`.
+code (no download; `REAL_SIZES` below: SD3.5-Medium, FLUX 3 Klein's class defaults, FLUX.2 [klein] 4B, Krea-2,
+Qwen-Image, Wan2.2 A14B, LTX-2.3, Cosmos3), with shallow text encoders where the family's builder makes them (a
+prompt is encoded once per request). Video families take `--num-frames` and `--height/--width`.
 
 What it measures is `diffrl bench` (`diffrl/cli/bench.py` says what; the baseline is diffusers' own
 pipeline on the same weights, in the same run, for families with a `reference_pipeline()`).
@@ -37,6 +37,9 @@ REAL_SIZES = {
     "sd3": RealSize({}, {"with_t5": False}),  # SD3.5-Medium, 2.24 B
     "flux3_image": RealSize({}, {}),  # 5.54 B
     "flux1": RealSize({}, {}, 26),  # FLUX.1 [dev]: the 11.9 B transformer, shallow CLIP-L and T5-XXL, the VAE
+    # FLUX.2 [klein] 4B: the 3.88 B transformer, a 3-layer Qwen3 of Qwen3-4B's width, the VAE (real("klein-9b"): 9.08 B;
+    # real("dev"): 32.2 B)
+    "flux2": RealSize({"model": "klein-4b"}, {}, 9),
     "krea2": RealSize({}, {}, 26),  # 12.8 B
     "qwen_image": RealSize({}, {}, 41),  # 20.4 B
     # Wan2.2 A14B: two 14.3 B experts, the second a link to the first's files (58 GB would be written otherwise),

@@ -163,9 +163,10 @@ def test_bad_requests_are_refused(klein):
     ("dev", "flow_grpo", True, 1.0), ("klein", "nft", False, 1.0),
 ], ids=["dev-grpo-lora", "klein-nft-full"])
 def test_training_runs_on_flux2(request, tmp_path, variant, loss_type, lora, cfg):
-    """Two rollouts of Flow-GRPO (LoRA, on dev with its embedded guidance) and of DiffusionNFT (full, klein base)."""
+    """Two rollouts of Flow-GRPO (LoRA, on dev with its embedded guidance) and of DiffusionNFT (full, klein base),
+    with gradient checkpointing as the recipes train."""
     records = run_training(request.getfixturevalue(f"{variant}_dir"), tmp_path / "run", loss_type, lora, guidance=cfg,
-                           extra_flags=("--num-rollout", "2"))
+                           extra_flags=("--num-rollout", "2", "--gradient-checkpointing"))
     assert len([r for r in records if "train/loss" in r]) == 2
 
 
