@@ -2,9 +2,10 @@
 
 Accepted layouts (those of the public Flow-GRPO prompt sets: ocr, pickscore, geneval):
 - a `.txt` file, one prompt per line (blank lines skipped);
-- a `.jsonl` file, one JSON object per line: `--input-key` (default `prompt`) is the prompt, every
-  other key is that prompt's metadata and reaches the reward (e.g. GenEval's `tag`, `include`) beside
-  the keys diffrl sets for each sample (`SAMPLE_KEYS`), which a file may therefore not use;
+- a `.jsonl` file, one JSON object per line: `--input-key` (default `prompt`) is the prompt, `image` or
+  `images` name its condition images (an edit's source; `condition_images.py`), every other key is that
+  prompt's metadata and reaches the reward (e.g. GenEval's `tag`, `include`) beside the keys diffrl sets for
+  each sample (`SAMPLE_KEYS`), which a file may therefore not use;
 - a directory with `train.txt` / `test.txt` or `train_metadata.jsonl` / `test_metadata.jsonl`
   (the jsonl file wins when both exist: it carries the metadata).
 
@@ -24,19 +25,23 @@ from typing import Literal
 
 import numpy as np
 
+from diffrl.data.condition_images import CONDITION_IMAGES_KEY, ConditionImage, row_images
+
 Split = Literal["train", "test"]
 DEFAULT_INPUT_KEY = "prompt"
 
 # What the reward's metadata also holds for each image: its seed (training and evaluation), and in training its
 # group and index in the group (rollout/manager.py). A prompt's own key of one of these names would be
 # overwritten before the reward sees it, so a file using one is refused.
-SAMPLE_KEYS = ("seed", "group_index", "sample_index")
+SAMPLE_KEYS = ("seed", "group_index", "sample_index", CONDITION_IMAGES_KEY)
 
 
 @dataclass(frozen=True)
 class PromptRecord:
     prompt: str
     metadata: dict = field(default_factory=dict)
+    images: tuple[ConditionImage, ...] = ()
+    """The prompt's condition images (an edit's source), in the row's order; () for text-only prompts."""
 
 
 def load_prompts(path: str | Path, split: Split = "train", input_key: str = DEFAULT_INPUT_KEY) -> list[PromptRecord]:
@@ -112,16 +117,19 @@ def _read_jsonl(path: Path, input_key: str) -> list[PromptRecord]:
         if taken := [k for k in SAMPLE_KEYS if k in row]:
             raise ValueError(f"prompt data {path}:{number}: metadata key {taken[0]!r} is set by diffrl for each "
                              "sample (keys it sets: " + ", ".join(SAMPLE_KEYS) + "); rename it in the file")
-        records.append(PromptRecord(prompt, row))
+        images = row_images(row, path.parent, f"prompt data {path}:{number}")
+        records.append(PromptRecord(prompt, row, images))
     return records
 
 
 def fingerprint(records: list[PromptRecord]) -> str:
-    """sha256 over the prompts and their metadata, in order: equal for the same loaded dataset, whatever
-    the file's layout, and different for an edit that keeps the number of prompts."""
+    """sha256 over the prompts, their metadata and their condition images' bytes, in order: equal for the same
+    loaded dataset, whatever the file's layout or folder, and different for an edit that keeps the number of
+    prompts."""
     digest = hashlib.sha256()
     for r in records:
-        digest.update(json.dumps([r.prompt, r.metadata], sort_keys=True, ensure_ascii=False).encode() + b"\n")
+        row = [r.prompt, r.metadata, [i.sha256 for i in r.images]] if r.images else [r.prompt, r.metadata]
+        digest.update(json.dumps(row, sort_keys=True, ensure_ascii=False).encode() + b"\n")
     return digest.hexdigest()
 
 

@@ -27,6 +27,7 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 import gc
+import hashlib
 import resource
 import threading
 import time
@@ -36,7 +37,9 @@ from dataclasses import dataclass, field, replace
 
 import torch
 
+from diffrl.data.condition_images import MAX_IMAGE_PIXELS
 from diffrl.engine.checksums import compare_tensor_checksums, module_checksum
+from diffrl.engine.condition_images import request_images
 from diffrl.engine.denoise import DenoiseStopped, denoise
 from diffrl.engine.protocol import (
     IMAGE_CONDITIONING_FIELDS,
@@ -81,6 +84,9 @@ class EngineConfig:
     """Upper bounds of width × height (one output, one frame) and of num_outputs_per_prompt × num_frames × width ×
     height (None: no bound, for trusted in-process callers; `diffrl serve` sets them): width and height have no
     bound of their own, and families whose size rule is a multiple of 16 accept 65536 × 65536."""
+    image_roots: tuple[str, ...] | None = None
+    """Directories a request's `image_path` may name files under (None: any file, for trusted in-process callers;
+    `diffrl serve` sets its --image-roots, by default none: images then come as bytes)."""
     request_timeout_s: float | None = None
     """A request not finished this long after it arrived is abandoned (None: never; `diffrl serve` sets one)."""
     max_pending_requests: int = 1024
@@ -139,6 +145,7 @@ class _Ticket:
 
     req: RolloutRequest
     plan: _Plan
+    images: tuple[torch.Tensor, ...] = ()  # the decoded condition images (`uint8 [3, H, W]`)
     result: Future = field(default_factory=Future)
     cancel: threading.Event = field(default_factory=threading.Event)
     deadline: float | None = None  # time.monotonic() after which the request is abandoned
@@ -173,6 +180,7 @@ class Engine:
         self._waiting: list[_Ticket] = []
         self.denoise_batches = 0  # batches run so far (fewer than requests when requests share batches)
         self.prompt_encodes = 0  # text-encoder calls so far (fewer than prompts when encodings are shared)
+        self.image_encodes = 0  # condition-image encodings so far (one per request's images, or fewer when shared)
         self._prompts = _PromptCache(self.config.prompt_cache_bytes)  # used under _model_lock
         # Bounded: waiting requests sit in `_waiting`, not in threads (each thread can grow its own malloc arena).
         self._threads = ThreadPoolExecutor(max_workers=max(1, self.config.worker_threads), thread_name_prefix="engine")
@@ -223,11 +231,17 @@ class Engine:
         if cfg.max_output_steps is not None and work > cfg.max_output_steps:
             raise RequestError("num_inference_steps", f"num_outputs_per_prompt × num_inference_steps = {work} is above "
                                                       f"this engine's limit of {cfg.max_output_steps}")
-        if not family.accepts_image_conditioning:
-            for name in IMAGE_CONDITIONING_FIELDS:
-                if getattr(req, name) is not None:
-                    kind = "text-to-video" if family.generates_video else "text-to-image"
-                    raise RequestError(name, f"the {family.name} family is {kind} only; image conditioning is refused")
+        for name in IMAGE_CONDITIONING_FIELDS:
+            if getattr(req, name) is None:
+                continue
+            if not family.accepts_image_conditioning:
+                kind = "text-to-video" if family.generates_video else "text-to-image"
+                raise RequestError(name, f"the {family.name} family is {kind} only; image conditioning is refused")
+            if name != "image_path":
+                raise RequestError(name, "send the condition images as image_path (paths, data: URLs or bytes)")
+            if len(req.image_path) > family.max_condition_images:
+                raise RequestError(name, f"{len(req.image_path)} condition images; this {family.name} checkpoint takes "
+                                         f"at most {family.max_condition_images}")
         num_frames = None
         if family.generates_video:
             num_frames = family.default_num_frames if req.num_frames is None else req.num_frames
@@ -314,6 +328,8 @@ class Engine:
 
     def _enqueue(self, req: RolloutRequest, cancel: threading.Event | None) -> _Ticket:
         ticket = _Ticket(req, self.plan(req))  # refuse before counting: a bad request never occupies the engine
+        ticket.images = request_images(req.image_path, self.config.image_roots,
+                                       self.config.max_pixels or MAX_IMAGE_PIXELS)
         if cancel is not None:
             ticket.cancel = cancel
         if self.config.request_timeout_s is not None:
@@ -519,18 +535,34 @@ class Engine:
                 return False, f"this engine holds no module {module_name[:100]!r}"
             return compare_tensor_checksums(module_name, module, expected)
 
-    def _encode(self, prompts: list[str]) -> list[PromptEmbeds]:
-        """Each prompt's conditioning; a prompt seen in this batch, or earlier under the same weights, is not
-        encoded again (encoding is deterministic, and nothing mutates an encoding once made)."""
+    def _encode(self, prompts: list[str], images: list[tuple[torch.Tensor, ...]] | None = None,
+                encoded_images: dict[str, object] | None = None) -> list[PromptEmbeds]:
+        """Each prompt's conditioning, with its request's condition images folded in; a prompt (or prompt and
+        images) seen in this batch, or earlier under the same weights, is not encoded again (encoding is
+        deterministic, and nothing mutates an encoding once made). `encoded_images`: the batch's condition images
+        by digest, each encoded once (a request's prompt and negative prompt share them)."""
         out, fresh = [], {}
-        for prompt in prompts:
-            encoded = fresh.get(prompt)
+        images = images if images is not None else [()] * len(prompts)
+        encoded_images = encoded_images if encoded_images is not None else {}
+        for prompt, pictures in zip(prompts, images, strict=True):
+            digest = _images_digest(pictures) if pictures else None
+            key = prompt if digest is None else (prompt, digest)
+            encoded = fresh.get(key)
             if encoded is None:
-                encoded = self._prompts.get(prompt, self.weight_version)
+                encoded = self._prompts.get(key, self.weight_version)
             if encoded is None:
-                encoded = fresh[prompt] = self.family.encode_prompts([prompt])
-                self.prompt_encodes += 1
-                self._prompts.put(prompt, encoded)
+                encoded = self._prompts.get(prompt, self.weight_version) if digest is not None else None
+                if encoded is None:
+                    encoded = self.family.encode_prompts([prompt])
+                    self.prompt_encodes += 1
+                    self._prompts.put(prompt, encoded)
+                if digest is not None:
+                    if digest not in encoded_images:
+                        encoded_images[digest] = self.family.encode_condition_images(pictures)
+                        self.image_encodes += 1
+                    encoded = self.family.condition_on_images(encoded, encoded_images[digest])
+                    self._prompts.put(key, encoded)
+                fresh[key] = encoded
             out.append(encoded)
         return out
 
@@ -555,8 +587,10 @@ class Engine:
         # microgroups of one group (M = 1: one request per sample) share a prompt and a negative prompt, and a
         # real text encoder (T5-XXL, Qwen2.5-VL) costs a forward of billions of parameters per prompt.
         with family.text_encoders_on_device():
-            conds = self._encode([t.req.prompt for t in batch])
-            unconds = self._encode([t.req.negative_prompt for t in batch]) if plan.guidance_scale > 1.0 else None
+            images, encoded_images = [t.images for t in batch], {}
+            conds = self._encode([t.req.prompt for t in batch], images, encoded_images)
+            unconds = (self._encode([t.req.negative_prompt for t in batch], images, encoded_images)
+                       if plan.guidance_scale > 1.0 else None)
         if len(batch) > 1 and not (_same_ids(conds) and _same_ids(unconds or [])):
             outputs = []  # text lengths differ: no shared batch, one request at a time
             for t in batch:
@@ -666,11 +700,11 @@ class _PromptCache:
 
     def __init__(self, max_bytes: int):
         self.max_bytes = max_bytes
-        self._entries: OrderedDict[str, PromptEmbeds] = OrderedDict()
+        self._entries: OrderedDict[str | tuple, PromptEmbeds] = OrderedDict()  # prompt, or (prompt, images' digest)
         self._bytes = 0
         self._version: int | None = None
 
-    def get(self, prompt: str, version: int) -> PromptEmbeds | None:
+    def get(self, prompt: str | tuple, version: int) -> PromptEmbeds | None:
         if version != self._version:
             self.clear()
             self._version = version
@@ -678,7 +712,7 @@ class _PromptCache:
             self._entries.move_to_end(prompt)
         return hit
 
-    def put(self, prompt: str, encoded: PromptEmbeds) -> None:
+    def put(self, prompt: str | tuple, encoded: PromptEmbeds) -> None:
         size = _nbytes(encoded)
         if size > self.max_bytes:
             return
@@ -690,6 +724,14 @@ class _PromptCache:
     def clear(self) -> None:
         self._entries.clear()
         self._bytes = 0
+
+
+def _images_digest(images: tuple[torch.Tensor, ...]) -> str:
+    """sha256 over condition images' shapes and pixels: the prompt cache's key for them."""
+    digest = hashlib.sha256()
+    for image in images:
+        digest.update(str(tuple(image.shape)).encode() + image.contiguous().numpy().tobytes())
+    return digest.hexdigest()
 
 
 def _nbytes(encoded: PromptEmbeds) -> int:

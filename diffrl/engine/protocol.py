@@ -21,7 +21,8 @@ from pydantic_core import PydanticCustomError
 
 from diffrl.errors import RequestError  # noqa: F401  (re-exported: part of the protocol)
 
-# Image-conditioned inputs: accepted by the schema so they can be refused by name, never ignored.
+# Image-conditioned inputs: accepted by the schema so they can be refused by name, never ignored. Image-conditioned
+# families read `image_path` and refuse the others.
 IMAGE_CONDITIONING_FIELDS = ("image", "image_url", "input_reference", "mask_image", "image_path")
 
 # Fields sglang declares as nullable where diffrl has a concrete default: null means that default.
@@ -132,7 +133,10 @@ class RolloutRequest(BaseModel):
     extra_sampling_params: dict[str, Any] | None = None
     """Further sampling fields, as sglang merges them into its sampling params: each key must be a field
     of this request (it overrides the top-level value; `rollout` and `prompt` cannot be set here)."""
-    image_path: list[str] | None = None
+    image_path: list[str | bytes] | None = Field(None, max_length=64)
+    """Condition images (an edit's source), for image-conditioned families: sglang-diffusion's field. Each entry is
+    a path on the server's disk (read only under its allowed roots), a `data:` URL with base64 bytes, or raw bytes
+    (msgpack and in-process requests): `diffrl.engine.condition_images`."""
     image: str | list[str] | None = None
     image_url: str | list[str] | None = None
     input_reference: str | None = None

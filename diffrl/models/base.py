@@ -120,8 +120,10 @@ class FamilyAdapter(ABC):
     name_patterns: ClassVar[tuple[str, ...]]
     # How messages name the model ("cannot load the FLUX 3 checkpoint …"); None: `name`.
     display_name: ClassVar[str | None] = None
-    # Text-to-image families refuse image-conditioned requests instead of ignoring them.
-    accepts_image_conditioning: ClassVar[bool] = False
+    # Text-to-image families refuse image-conditioned requests instead of ignoring them. A family (or checkpoint)
+    # that takes condition images sets both, and implements `encode_condition_images` and `condition_on_images`.
+    accepts_image_conditioning: bool = False
+    max_condition_images: int = 0
     # Guidance scale used when a request leaves it unset.
     default_guidance_scale: ClassVar[float] = 1.0
     # Denoising steps when a request over HTTP leaves `num_inference_steps` null or out, as sglang-diffusion takes
@@ -252,6 +254,17 @@ class FamilyAdapter(ABC):
     @abstractmethod
     def encode_prompts(self, prompts: Sequence[str]) -> PromptEmbeds:
         """Encode each prompt once."""
+
+    def encode_condition_images(self, images: Sequence[torch.Tensor]) -> Any:
+        """A request's condition images (`uint8 [3, H, W]` each) encoded once, for `condition_on_images` to attach to
+        its prompt and negative prompt. Image-conditioned families implement it."""
+        raise NotImplementedError(f"the {self.name} family takes no condition images")
+
+    def condition_on_images(self, cond: PromptEmbeds, encoded: Any) -> PromptEmbeds:
+        """One prompt's conditioning (a batch of one) with encoded condition images folded into it: what the family's
+        forward then reads from the conditioning alone, so the engine's batches, the rollout's denoising env and the
+        trainer carry one tensor as for text."""
+        raise NotImplementedError(f"the {self.name} family takes no condition images")
 
     @abstractmethod
     def prepare_latents(self, generators: Sequence[torch.Generator], height: int, width: int) -> Latents:

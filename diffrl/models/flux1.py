@@ -27,7 +27,16 @@ What this adapter reproduces of diffusers' `FluxPipeline` (checked by `tests/tes
   (`uncond + s·(cond − uncond)`, the pipeline's `true_cfg_scale` with a negative prompt; off at s ≤ 1, the
   default), as sglang-diffusion reads it for FLUX.1 (its embedded scale is a server setting too). Schnell has no
   guidance embedding.
-Image-conditioned requests are refused (text to image only), and so are scheduler options that change the step.
+- FLUX.1 Kontext (a checkpoint whose model_index.json names `FluxKontextPipeline`; the same transformer) takes one
+  condition image per request (`image_path`), as `FluxKontextPipeline` does: the image at its own size floored to
+  a multiple of `pixels_per_token` (Lanczos, the pipeline without `_auto_resize`: resize sources to a Kontext
+  resolution beforehand), VAE-encoded (the distribution's mode), shifted and scaled, packed into 2×2 patches with
+  position ids `(1, row, column)`, and concatenated after the noisy tokens in every forward (CFG's negative pass
+  too); the output keeps the generated tokens. The packed image travels inside the conditioning after the pooled
+  row, `C` channels per token laid row-major into rows of T5's width (zero-padded), and its ids after the text's,
+  so one tensor carries prompt and image through the engine, the denoising env and the trainer.
+Other checkpoints refuse image-conditioned requests (text to image only); scheduler options that change the step are
+refused at load.
 """
 
 from __future__ import annotations
@@ -40,7 +49,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from diffrl.errors import ModelLoadError
+from diffrl.errors import ModelLoadError, RequestError
 from diffrl.models.base import (
     Component,
     FamilyAdapter,
@@ -67,6 +76,7 @@ class Flux1Settings:
     guidance: float = DEFAULT_GUIDANCE  # embedded guidance (guidance-distilled checkpoints only)
     max_sequence_length: int | None = None  # None: 512 for a guidance-distilled checkpoint, 256 without
     default_size: int = 1024
+    kontext: bool | None = None  # image-conditioned (FLUX.1 Kontext); None: whether the model index names its pipeline
 
 
 def _run_per_sample_layers_row_by_row(transformer) -> None:
@@ -145,12 +155,15 @@ class Flux1Family(FamilyAdapter):
         self.settings = settings
         if not self.guidance_distilled:  # schnell: timestep-distilled, a few steps
             self.default_num_inference_steps = 4
+        self.accepts_image_conditioning = bool(settings.kontext)
+        self.max_condition_images = 1 if settings.kontext else 0
         self.vae_scale = 2 ** (len(vae.config.block_out_channels) - 1)
         self.pixels_per_token = self.vae_scale * 2
 
     @classmethod
     def read_settings(cls, root: Path, index: dict) -> Flux1Settings:
-        return read_settings(Flux1Settings, index, root / "model_index.json")
+        return read_settings(Flux1Settings, index, root / "model_index.json",
+                             kontext=index.get("_class_name") == "FluxKontextPipeline")
 
     @classmethod
     def from_components(cls, root, parts, settings) -> Flux1Family:
@@ -163,20 +176,23 @@ class Flux1Family(FamilyAdapter):
         return float(self.settings.guidance) if self.guidance_distilled else None
 
     def reference_pipeline(self):
-        """diffusers' `FluxPipeline` over this family's own components (a copy of the scheduler, whose state
-        sampling changes); call it with `reference_pipeline_kwargs()` and `true_cfg_scale` for CFG."""
-        from diffusers import FluxPipeline
+        """diffusers' `FluxPipeline` (Kontext: `FluxKontextPipeline`) over this family's own components (a copy of
+        the scheduler, whose state sampling changes); call it with `reference_pipeline_kwargs()` and
+        `true_cfg_scale` for CFG."""
+        from diffusers import FluxKontextPipeline, FluxPipeline
 
         (clip, t5), (clip_tokenizer, t5_tokenizer) = self.text_encoders, self.tokenizers
-        pipe = FluxPipeline(scheduler=copy.deepcopy(self.scheduler), vae=self.vae, text_encoder=clip,
-                            tokenizer=clip_tokenizer, text_encoder_2=t5, tokenizer_2=t5_tokenizer,
-                            transformer=self.transformer)
+        pipe = (FluxKontextPipeline if self.settings.kontext else FluxPipeline)(
+            scheduler=copy.deepcopy(self.scheduler), vae=self.vae, text_encoder=clip, tokenizer=clip_tokenizer,
+            text_encoder_2=t5, tokenizer_2=t5_tokenizer, transformer=self.transformer)
         pipe.set_progress_bar_config(disable=True)
         return pipe
 
     def reference_pipeline_kwargs(self) -> dict:
-        """The checkpoint's embedded guidance and T5 window: inputs of each pipeline call."""
-        return {"guidance_scale": self.settings.guidance, "max_sequence_length": self.settings.max_sequence_length}
+        """The checkpoint's embedded guidance and T5 window: inputs of each pipeline call (Kontext: the condition
+        image at its own size, as the engine takes it)."""
+        kwargs = {"guidance_scale": self.settings.guidance, "max_sequence_length": self.settings.max_sequence_length}
+        return {**kwargs, "_auto_resize": False} if self.settings.kontext else kwargs
 
     # ---------------------------------------------------------------- the family's conventions
     def default_size(self) -> tuple[int, int]:
@@ -211,15 +227,63 @@ class Flux1Family(FamilyAdapter):
         packed = torch.cat([tokens, pooled_row], dim=1)
         return PromptEmbeds(packed, torch.zeros(packed.shape[1], 3, device=packed.device))
 
-    def unpack_conditioning(self, embeds: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """(T5 tokens `[B, L, D]`, pooled CLIP `[B, P]`) from the packed conditioning."""
-        return embeds[:, :-1], embeds[:, -1, : self.transformer.config.pooled_projection_dim]
+    def unpack_conditioning(self, cond: PromptEmbeds) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None,
+                                                                torch.Tensor | None]:
+        """(T5 tokens `[B, L, D]`, pooled CLIP `[B, P]`, the condition image's tokens `[B, S, C]` and ids `[S, 3]`,
+        or None twice without one) from the packed conditioning."""
+        length = self.settings.max_sequence_length
+        text, pooled = cond.embeds[:, :length], cond.embeds[:, length, : self.transformer.config.pooled_projection_dim]
+        image_ids = cond.ids[length + 1:]
+        if not len(image_ids):
+            return text, pooled, None, None
+        channels = self.transformer.config.in_channels
+        return text, pooled, unpack_image_rows(cond.embeds[:, length + 1:], len(image_ids), channels), image_ids
+
+    def encode_condition_images(self, images) -> tuple[torch.Tensor, torch.Tensor]:
+        """Kontext: the one condition image's packed latents and ids (`encode_condition_image`)."""
+        if not self.settings.kontext or len(images) != 1:
+            raise RequestError("image_path", f"this FLUX.1 checkpoint takes {self.max_condition_images} condition "
+                                             f"images, got {len(images)}")
+        return self.encode_condition_image(images[0])
+
+    def condition_on_images(self, cond: PromptEmbeds, encoded: tuple[torch.Tensor, torch.Tensor]) -> PromptEmbeds:
+        """Kontext: the condition image's packed latents appended to the conditioning (module docstring)."""
+        tokens, ids = encoded
+        rows = pack_image_rows(tokens.to(cond.embeds), cond.embeds.shape[-1]).expand(len(cond), -1, -1)
+        return PromptEmbeds(torch.cat([cond.embeds, rows], dim=1), torch.cat([cond.ids, ids.to(cond.ids)]))
+
+    @torch.no_grad()
+    def encode_condition_image(self, image: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """`uint8 [3, H, W]` → (packed latents `[1, S, C]`, ids `(1, row, column)` `[S, 3]`), as
+        `FluxKontextPipeline` prepares its `image` without `_auto_resize`."""
+        step = self.pixels_per_token
+        height, width = image.shape[1] // step * step, image.shape[2] // step * step
+        if not height or not width:
+            raise RequestError("image_path", f"the condition image is {image.shape[2]}x{image.shape[1]} pixels; FLUX.1 "
+                                             f"Kontext needs at least {step}x{step}")
+        if (height, width) != tuple(image.shape[1:]):  # the pipeline's resize: PIL, Lanczos
+            from PIL import Image
+
+            pil = Image.fromarray(image.permute(1, 2, 0).numpy()).resize((width, height), Image.Resampling.LANCZOS)
+            image = torch.from_numpy(np.asarray(pil).copy()).permute(2, 0, 1)
+        pixels = (image.float() / 255 * 2 - 1)[None]  # the image processor's arithmetic
+        vae_dtype = next(self.vae.parameters()).dtype
+        latents = self.vae.encode(pixels.to(self.device, vae_dtype)).latent_dist.mode()
+        config = self.vae.config
+        latents = ((latents - config.shift_factor) * config.scaling_factor).float()
+        ids = image_position_ids(height // step, width // step, device=self.device)
+        ids[:, 0] = 1
+        return pack_latents(latents, 2), ids
 
     def cond_kwargs_to_wire(self, cond: PromptEmbeds, image_ids: torch.Tensor) -> dict:
-        """sglang's FLUX.1 cond kwargs: the T5 tokens, `pooled_projections` [P] (unpadded) and the position ids."""
-        tokens, pooled = self.unpack_conditioning(cond.embeds[:1])
-        return {"encoder_hidden_states": [tokens[0]], "pooled_projections": pooled[0], "txt_ids": cond.ids[:-1],
-                "img_ids": image_ids}
+        """sglang's FLUX.1 cond kwargs: the T5 tokens, `pooled_projections` [P] (unpadded) and the position ids;
+        Kontext's condition image as diffrl's `condition_latents` [S, C] and `condition_ids` [S, 3]."""
+        tokens, pooled, image, ids = self.unpack_conditioning(PromptEmbeds(cond.embeds[:1], cond.ids))
+        wire = {"encoder_hidden_states": [tokens[0]], "pooled_projections": pooled[0],
+                "txt_ids": cond.ids[: tokens.shape[1]], "img_ids": image_ids}
+        if image is not None:
+            wire.update(condition_latents=image[0], condition_ids=ids)
+        return wire
 
     @classmethod
     def cond_kwargs_from_wire(cls, kwargs: dict) -> tuple[PromptEmbeds, torch.Tensor | None]:
@@ -231,7 +295,14 @@ class Flux1Family(FamilyAdapter):
             raise ValueError("pooled_projections: expected a [P] tensor no wider than the text tokens")
         row = torch.nn.functional.pad(pooled.float(), (0, tokens.shape[1] - pooled.shape[0]))
         packed = torch.cat([tokens, row[None]])[None]
-        return PromptEmbeds(packed, torch.zeros(packed.shape[1], 3)), kwargs.get("img_ids")
+        ids = torch.zeros(packed.shape[1], 3)
+        image, image_ids = kwargs.get("condition_latents"), kwargs.get("condition_ids")
+        if image is not None:
+            if not isinstance(image_ids, torch.Tensor) or image.dim() != 2 or image_ids.shape != (image.shape[0], 3):
+                raise ValueError("condition_latents / condition_ids: expected [S, C] latents and [S, 3] ids")
+            packed = torch.cat([packed, pack_image_rows(image[None].float(), tokens.shape[1])], dim=1)
+            ids = torch.cat([ids, image_ids.float()])
+        return PromptEmbeds(packed, ids), kwargs.get("img_ids")
 
     def prepare_latents(self, generators, height, width) -> Latents:
         self.check_size(height, width)
@@ -242,16 +313,19 @@ class Flux1Family(FamilyAdapter):
 
     def run_transformer(self, transformer, latents, sigma, cond) -> torch.Tensor:
         dtype = next(transformer.parameters()).dtype
-        text, pooled = self.unpack_conditioning(cond.embeds)
+        text, pooled, image, image_ids = self.unpack_conditioning(cond)
         timestep = sigma * 1000 / 1000  # the scheduler's timestep / 1000, as the pipeline passes it
         guidance = None
         if self.guidance_distilled:
             guidance = torch.full_like(sigma, self.settings.guidance)
+        tokens, ids, generated = latents.tokens, latents.ids, latents.tokens.shape[1]
+        if image is not None:  # Kontext: the condition image's tokens after the noisy ones, its own ids
+            tokens, ids = torch.cat([tokens, image.to(tokens)], dim=1), torch.cat([ids, image_ids.to(ids)])
         with self.forward_precision():
-            return transformer(hidden_states=latents.tokens.to(dtype), timestep=timestep.to(dtype), guidance=guidance,
+            return transformer(hidden_states=tokens.to(dtype), timestep=timestep.to(dtype), guidance=guidance,
                                pooled_projections=pooled.to(dtype), encoder_hidden_states=text.to(dtype),
-                               txt_ids=cond.ids[:-1].to(latents.ids), img_ids=latents.ids,
-                               return_dict=False)[0].float()
+                               txt_ids=cond.ids[: text.shape[1]].to(latents.ids), img_ids=ids,
+                               return_dict=False)[0][:, :generated].float()
 
     def decode(self, latents: torch.Tensor, height: int, width: int) -> torch.Tensor:
         h, w = height // self.pixels_per_token, width // self.pixels_per_token
@@ -264,3 +338,15 @@ class Flux1Family(FamilyAdapter):
         images = decode_rows(lambda rows: self.vae.decode(rows.to(vae_dtype), return_dict=False)[0], grid,
                              per_call=self.vae_decode_batch)
         return (images.float() / 2 + 0.5).clamp(0, 1)
+
+
+def pack_image_rows(tokens: torch.Tensor, width: int) -> torch.Tensor:
+    """`[B, S, C]` image tokens laid row-major into `[B, ceil(S·C / width), width]` rows, zero-padded at the end."""
+    flat = tokens.reshape(tokens.shape[0], -1)
+    flat = torch.nn.functional.pad(flat, (0, -flat.shape[1] % width))
+    return flat.view(tokens.shape[0], -1, width)
+
+
+def unpack_image_rows(rows: torch.Tensor, count: int, channels: int) -> torch.Tensor:
+    """The inverse of `pack_image_rows` for `count` tokens of `channels`: `[B, R, width]` → `[B, count, channels]`."""
+    return rows.reshape(rows.shape[0], -1)[:, : count * channels].view(rows.shape[0], count, channels)

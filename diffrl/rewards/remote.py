@@ -6,9 +6,12 @@ server) runs as a server, and diffrl sends it the samples to score:
 - `GET /health` answers when the server is up (asked once, when the reward is built, so a server that is down
   stops the run before any model loads);
 - `POST /compute` with JSON `{"prompt": [...], "image": [base64 PNG, ...] | null, "video": [[base64 PNG frame,
-  ...], ...] | null, "condition_images": null, "condition_videos": null, "extra": {"metadata": [...]}}` answered
+  ...], ...] | null, "condition_images": [[base64 PNG, ...], ...] | null, "condition_videos": null, "extra":
+  {"metadata": [...]}}` answered
   by `{"rewards": [one number per sample]}`. An answer may add `"components": {"name": [one number per sample]}`:
   the reward's own terms, which GDPO's per-reward normalization reads (`--advantage-aggregation gdpo`).
+  `condition_images` holds each sample's condition images (an edit's source: the metadata's `condition_images`),
+  null when no sample has any.
 
 Images go as 8-bit PNG, rounded as every diffrl reward rounds them (`utils.images.to_uint8`), so a server
 scoring with a diffrl reward gives the in-process values to the bit. Samples go in requests of at most `batch`,
@@ -33,6 +36,7 @@ import httpx
 import torch
 from PIL import Image
 
+from diffrl.data.condition_images import CONDITION_IMAGES_KEY
 from diffrl.rewards.registry import TermScores
 from diffrl.utils.images import to_uint8
 
@@ -76,6 +80,15 @@ def _json_metadata(metadata) -> list[dict] | None:
     return [{k: v for k, v in (m or {}).items() if isinstance(k, str) and plain(v)} for m in metadata]
 
 
+def condition_images(metadata) -> list[list[str]] | None:
+    """Each sample's condition images (metadata `condition_images`: float [3, H, W] in [0, 1]) as base64 PNGs, in
+    Flow-Factory's `condition_images` field; None when no sample has any."""
+    per_sample = [list((m or {}).get(CONDITION_IMAGES_KEY) or ()) for m in (metadata or ())]
+    if not any(per_sample):
+        return None
+    return [[png_base64(to_uint8(image[None])[0]) for image in images] for images in per_sample]
+
+
 @dataclass(frozen=True)
 class RemoteReward:
     """`score(images, prompts, metadata)` by a reward server; async, so scoring overlaps generation."""
@@ -109,13 +122,13 @@ class RemoteReward:
             raise RewardUnavailable(f"reward server {self.base} answered GET /health with HTTP {answer.status_code}")
 
     async def __call__(self, images: torch.Tensor, prompts, metadata=None) -> list[float]:
-        prompts, meta = list(prompts), _json_metadata(metadata)
+        prompts, meta, sources = list(prompts), _json_metadata(metadata), condition_images(metadata)
         slots = asyncio.Semaphore(self.concurrency)
         async with httpx.AsyncClient(timeout=self.timeout) as client:
             async def one(start: int) -> dict:
                 end = min(start + self.batch, len(prompts))
                 body = {"prompt": prompts[start:end], **encode_samples(images[start:end]),
-                        "condition_images": None, "condition_videos": None,
+                        "condition_images": sources[start:end] if sources else None, "condition_videos": None,
                         "extra": {"metadata": meta[start:end]} if meta else {}}
                 async with slots:
                     return await self._post(client, body, end - start)

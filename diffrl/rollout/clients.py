@@ -24,6 +24,7 @@ import torch
 
 from diffrl.serving import sglang
 from diffrl.engine.engine import Engine
+from diffrl.engine.condition_images import data_url
 from diffrl.engine.protocol import RolloutOutput, RolloutRequest
 from diffrl.serving.streaming import Body
 from diffrl.serving.wire import MEDIA_TYPE, OutputStreamDecoder, WireFormatError, decode_outputs, weights_body
@@ -272,8 +273,10 @@ def request_fields(request: RolloutRequest) -> dict:
     """The JSON body of `request` as both servers read it. sglang-diffusion's request model does not declare
     `guidance_scale_2` (Wan2.2's second-expert scale) and drops a field it does not declare without a word, but
     it merges `extra_sampling_params` into its sampling params, which do declare it: the scale goes there, where
-    a diffrl server reads it too."""
+    a diffrl server reads it too. Condition images given as bytes go as `data:` URLs."""
     fields = request.model_dump(exclude_none=True)
+    if "image_path" in fields:  # image bytes travel in JSON as data: URLs (paths stay paths on the server's disk)
+        fields["image_path"] = [data_url(i) if isinstance(i, bytes) else i for i in fields["image_path"]]
     if "guidance_scale_2" in fields:
         fields["extra_sampling_params"] = {**fields.get("extra_sampling_params", {}),
                                            "guidance_scale_2": fields.pop("guidance_scale_2")}

@@ -20,6 +20,7 @@ from dataclasses import dataclass
 
 import torch
 
+from diffrl.data.condition_images import CONDITION_IMAGES_KEY, decode_image, to_unit
 from diffrl.engine.protocol import RolloutOutput, RolloutRequest
 from diffrl.errors import RequestError
 from diffrl.rewards import checked_rewards
@@ -83,11 +84,14 @@ class RolloutManager:
         return list(self._in_flight)
 
     async def rollout(self, prompts: Sequence[str], request: dict | None = None, first_group_index: int = 0,
-                      metadata: Sequence[dict] | None = None) -> list[list[Sample]]:
+                      metadata: Sequence[dict] | None = None,
+                      images: Sequence[Sequence[bytes]] | None = None) -> list[list[Sample]]:
         """One group per prompt, group j with index `first_group_index + j` (its seeds follow from it;
         the caller keeps the index monotonic across a run). `request`: the fields copied into every
         `RolloutRequest` (steps, guidance, sde type, …); `metadata[j]` reaches the reward with group j's
-        samples. Returns the groups in order, each with its samples in order."""
+        samples; `images[j]`: prompt j's condition images (encoded files), sent with each of its requests
+        (`image_path`) and handed to the reward decoded, in its metadata's `condition_images` (float
+        `[3, H, W]` in [0, 1]). Returns the groups in order, each with its samples in order."""
         cfg = self.settings
         start, stats = time.perf_counter(), RolloutStats()
         self._slots = asyncio.Semaphore(self.engine_concurrency * len(self.clients))
@@ -95,11 +99,16 @@ class RolloutManager:
         metadata = list(metadata) if metadata is not None else [{}] * len(prompts)
         if len(metadata) != len(prompts):
             raise ValueError(f"{len(prompts)} prompts but {len(metadata)} metadata records")
+        images = [tuple(i) for i in images] if images is not None else [()] * len(prompts)
+        if len(images) != len(prompts):
+            raise ValueError(f"{len(prompts)} prompts but {len(images)} condition image lists")
+        metadata = [with_condition_images(meta, pictures) for meta, pictures in zip(metadata, images, strict=True)]
         tasks = []
         whole_groups = getattr(self.reward_fn, "scores_groups", False)  # a group reward (rewards/groups.py)
-        for offset, (prompt, meta) in enumerate(zip(prompts, metadata)):
+        for offset, (prompt, meta, pictures) in enumerate(zip(prompts, metadata, images)):
             base = group_seed_base(cfg.rollout_seed, first + offset, cfg.n_samples_per_prompt)
-            parts = [self._microgroup(prompt, meta, request or {}, first + offset, idx, size, base + idx, stats,
+            fields = {**(request or {}), **({"image_path": list(pictures)} if pictures else {})}
+            parts = [self._microgroup(prompt, meta, fields, first + offset, idx, size, base + idx, stats,
                                       score=not whole_groups)
                      for idx, size in microgroups(cfg.n_samples_per_prompt, cfg.rollout_microgroup_size)]
             tasks.extend([self._scored_group(prompt, meta, first + offset, parts)] if whole_groups else parts)
@@ -175,6 +184,14 @@ class RolloutManager:
     def _least_loaded(self, exclude: set[int]) -> int:
         candidates = [k for k in range(len(self.clients)) if k not in exclude] or list(range(len(self.clients)))
         return min(candidates, key=lambda k: self._in_flight[k])
+
+
+def with_condition_images(meta: dict, images: Sequence[bytes]) -> dict:
+    """A prompt's reward metadata with its condition images decoded (`condition_images`; unchanged without)."""
+    if not images:
+        return meta
+    decoded = [to_unit(decode_image(data, f"condition image {i}")) for i, data in enumerate(images)]
+    return {**meta, CONDITION_IMAGES_KEY: decoded}
 
 
 class _Scorer:

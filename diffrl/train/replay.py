@@ -6,7 +6,8 @@ trajectory the engine returned: the latents at the trained steps, or NFT's final
 `samples.i.log_probs` (Flow-GRPO) and `samples.i.env.<key>` (the denoising env, on the first sample of
 each request as the engine sends it), plus `rewards` [samples] float64. Its safetensors metadata
 `diffrl_rollout` is JSON: the format, rollout index, policy weight version, config fingerprint, the
-objective's request, the prompts with their metadata, the first group index, per sample its prompt,
+objective's request, the prompts with their metadata (and their condition images' paths and sha256, checked
+on replay), the first group index, per sample its prompt,
 group and sample index, seed, engine, weight version and timings, and a sha256 over every tensor's
 name, dtype, shape and bytes. Nothing is pickled.
 
@@ -30,6 +31,7 @@ import torch
 from safetensors import SafetensorError, safe_open
 from safetensors.torch import save_file
 
+from diffrl.data.condition_images import ConditionImage
 from diffrl.data.prompts import PromptRecord
 from diffrl.engine.protocol import DitTrajectory, RolloutOutput
 from diffrl.rollout.manager import Sample
@@ -154,7 +156,9 @@ def save_rollout(directory: Path, record: RolloutRecord) -> Path:
     tensors = {k: v.detach().to("cpu", copy=True).contiguous() for k, v in tensors.items()}
     meta = {"format": RECORD_FORMAT, "rollout_index": record.rollout_index, "weight_version": record.weight_version,
             "fingerprint": record.fingerprint, "request": record.request,
-            "prompts": [{"prompt": p.prompt, "metadata": p.metadata} for p in record.prompts],
+            "prompts": [{"prompt": p.prompt, "metadata": p.metadata,
+                         **({"images": [[str(i.path), i.sha256] for i in p.images]} if p.images else {})}
+                        for p in record.prompts],
             "first_group_index": record.first_group_index, "samples": samples,
             "sha256": _digest(tensors, tensors.__getitem__)}
     path = record_path(directory, record.rollout_index)
@@ -256,7 +260,9 @@ def _record(meta: dict, tensors: dict[str, torch.Tensor]) -> RolloutRecord:
                               float(rewards[i])))
     if len(rewards) != len(samples):
         raise ValueError(f"rewards: {len(rewards)} values for {len(samples)} samples")
-    prompts = [PromptRecord(p["prompt"], p["metadata"]) for p in meta["prompts"]]
+    prompts = [PromptRecord(p["prompt"], p["metadata"], tuple(ConditionImage(Path(path), sha256)
+                                                              for path, sha256 in p.get("images", ())))
+               for p in meta["prompts"]]
     return RolloutRecord(meta["rollout_index"], meta["weight_version"], meta["fingerprint"], meta["request"],
                          prompts, meta["first_group_index"], samples)
 
@@ -284,6 +290,9 @@ def load_rollout(directory: Path, k: int, *, fingerprint: dict, request: dict, p
         if (theirs.prompt, theirs.metadata) != (mine.prompt, json.loads(json.dumps(mine.metadata))):
             raise ValueError(f"{where}: group {j} has prompt {theirs.prompt!r}, this run draws {mine.prompt!r} "
                              "(another --prompt-data, --seed or task setting)")
+        if [i.sha256 for i in theirs.images] != [i.sha256 for i in mine.images]:
+            raise ValueError(f"{where}: group {j} ({mine.prompt!r}) was rolled out from other condition images "
+                             f"than this run's {', '.join(str(i.path) for i in mine.images) or '(none)'}")
     if record.first_group_index != first_group_index:
         raise ValueError(f"{where} starts at group {record.first_group_index}; this run is at group "
                          f"{first_group_index}")

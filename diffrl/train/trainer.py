@@ -340,7 +340,8 @@ class Trainer:
             with policy.engine_weights(objective.rollout_ema):
                 groups = asyncio.run(self.manager.rollout([p.prompt for p in prompts[mine]], request,
                                                           self.next_group_index + mine.start,
-                                                          [p.metadata for p in prompts[mine]]))
+                                                          [p.metadata for p in prompts[mine]],
+                                                          [[i.read() for i in p.images] for p in prompts[mine]]))
             samples = [s for g in groups for s in g]
         rollout_s = time.perf_counter() - start
         released = policy.engine_released_gib  # a --colocate engine's sleep after the rollout: what the device got back

@@ -1,6 +1,7 @@
 """FLUX.1 checkpoints with random weights, in diffusers layout (no download): `tiny()` for tests, `real()` (FLUX.1
 [dev]'s published transformer and VAE, 11.9 B, with shallow CLIP-L and T5 of the real widths) for benchmarks.
-`guidance_embeds=False` with a static-shift scheduler makes the [schnell] variant."""
+`guidance_embeds=False` with a static-shift scheduler makes the [schnell] variant; `kontext=True` the image-conditioned
+FLUX.1 Kontext (the same components, its pipeline named in model_index.json)."""
 
 from __future__ import annotations
 
@@ -53,7 +54,7 @@ def real() -> Flux1Sizes:
 
 
 def save_random_checkpoint(path: str | Path, sizes: Flux1Sizes | None = None, *, seed: int = 0,
-                           guidance_embeds: bool = True, device: str | torch.device = "cpu",
+                           guidance_embeds: bool = True, kontext: bool = False, device: str | torch.device = "cpu",
                            dtype: torch.dtype = torch.float32) -> Path:
     """A FLUX.1 checkpoint in diffusers layout with random weights (default sizes: `tiny()`), tokenizers made in
     code. `guidance_embeds=False`: the [schnell] layout (no guidance embedding, static shift 1). Built on
@@ -93,7 +94,7 @@ def save_random_checkpoint(path: str | Path, sizes: Flux1Sizes | None = None, *,
         scheduler = FlowMatchEulerDiscreteScheduler(shift=1.0, use_dynamic_shifting=False)
     scheduler.save_pretrained(path / "scheduler")
     index = {
-        "_class_name": "FluxPipeline",
+        "_class_name": "FluxKontextPipeline" if kontext else "FluxPipeline",
         "scheduler": ["diffusers", "FlowMatchEulerDiscreteScheduler"], "vae": ["diffusers", "AutoencoderKL"],
         "text_encoder": ["transformers", "CLIPTextModel"], "tokenizer": ["transformers", type(clip_tokenizer).__name__],
         "text_encoder_2": ["transformers", "T5EncoderModel"],

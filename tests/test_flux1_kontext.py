@@ -1,0 +1,225 @@
+"""FLUX.1 Kontext (the flux1 family's image-conditioned mode) against diffusers' FluxKontextPipeline, and condition
+images through the whole path: prompt files, the engine, training, replay and the reward, on a tiny random
+checkpoint built in code."""
+
+import io
+import json
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+from PIL import Image
+
+from diffrl.data.condition_images import CONDITION_IMAGES_KEY
+from diffrl.data.prompts import load_prompts
+from diffrl.engine.engine import Engine, EngineConfig
+from diffrl.engine.protocol import RolloutRequest
+from diffrl.errors import RequestError
+from diffrl.models.flux1 import Flux1Family
+from diffrl.models.random_checkpoints.flux1 import save_random_checkpoint
+from diffrl.sampling import make_generators
+
+TOLERANCE = 1e-5  # fp32 on CPU through two code paths (measured: ≤ 8.1e-7)
+HEIGHT, WIDTH = 32, 48
+
+
+@pytest.fixture(scope="module")
+def kontext_dir(tmp_path_factory) -> Path:
+    return save_random_checkpoint(tmp_path_factory.mktemp("models") / "flux1-kontext-tiny", kontext=True)
+
+
+@pytest.fixture(scope="module")
+def kontext(kontext_dir) -> Flux1Family:
+    return Flux1Family.load(kontext_dir)
+
+
+def png(seed: int, size=(30, 42)) -> bytes:
+    """A random RGB picture as PNG bytes (30×42 is not a multiple of the tiny model's 4 pixels: it is resized)."""
+    pixels = np.random.default_rng(seed).integers(0, 256, (*size, 3), dtype=np.uint8)
+    buffer = io.BytesIO()
+    Image.fromarray(pixels).save(buffer, format="PNG")
+    return buffer.getvalue()
+
+
+def _request(**fields) -> RolloutRequest:
+    return RolloutRequest(**{"prompt": "make the cat red", "seed": 3, "num_outputs_per_prompt": 2,
+                             "num_inference_steps": 2, "height": HEIGHT, "width": WIDTH, **fields})
+
+
+@pytest.mark.parametrize(("negative", "cfg"), [("", 1.0), ("blurry", 3.0)], ids=["guidance-embed", "true-cfg"])
+def test_engine_reproduces_flux_kontext_pipeline(kontext, negative, cfg):
+    """ODE sampling through our engine gives FluxKontextPipeline's images from the same noise and source image:
+    its embedded guidance alone, and with true CFG on top (the negative pass sees the source image too)."""
+    source = png(0)
+    engine = Engine(kontext, EngineConfig(max_outputs_per_request=4))
+    outputs = engine.generate(_request(negative_prompt=negative, guidance_scale=cfg, image_path=[source]))
+    ours = torch.stack([o.generated_output for o in outputs])
+    noise = kontext.prepare_latents(make_generators([3, 4]), HEIGHT, WIDTH).tokens
+
+    def pipeline(image):
+        return kontext.reference_pipeline()(
+            image=image, prompt="make the cat red", negative_prompt=negative if cfg > 1 else None, true_cfg_scale=cfg,
+            latents=noise, num_inference_steps=2, height=HEIGHT, width=WIDTH, max_area=HEIGHT * WIDTH,
+            num_images_per_prompt=2, output_type="pt", **kontext.reference_pipeline_kwargs()).images
+
+    reference = pipeline(Image.open(io.BytesIO(source)))
+    torch.testing.assert_close(ours, reference, rtol=0, atol=TOLERANCE)
+    other = pipeline(Image.open(io.BytesIO(png(1))))
+    assert (other - reference).abs().max() > 30 * TOLERANCE  # the source matters (7e-4 here): the check can fail
+    assert engine.image_encodes == 1  # once per request, shared by its outputs (and by CFG's negative half)
+
+
+def test_condition_image_packs_into_the_conditioning_and_back(kontext):
+    """The packed source travels inside the one conditioning tensor (its ids first channel 1) and on sglang's wire."""
+    source = torch.from_numpy(np.array(Image.open(io.BytesIO(png(0))))).permute(2, 0, 1)
+    cond = kontext.condition_on_images(kontext.encode_prompts(["make the cat red"]),
+                                       kontext.encode_condition_images([source]))
+    text, pooled, image, ids = kontext.unpack_conditioning(cond)
+    assert text.shape[1] == kontext.settings.max_sequence_length and image.shape == (1, 7 * 10, 16)
+    assert ids[:, 0].eq(1).all() and ids[-1].tolist() == [1.0, 6.0, 9.0]
+    wire = kontext.cond_kwargs_to_wire(cond, torch.zeros(4, 3))
+    back, _ = Flux1Family.cond_kwargs_from_wire(wire)
+    assert torch.equal(back.embeds, cond.embeds) and torch.equal(back.ids, cond.ids)
+
+
+def test_condition_images_are_refused_by_name(kontext, tmp_path):
+    engine = Engine(kontext, EngineConfig(image_roots=(tmp_path / "allowed",)))
+    (tmp_path / "allowed").mkdir()
+    (tmp_path / "elsewhere.png").write_bytes(png(0))
+    cases = {
+        "is not under a directory this server reads images from": [str(tmp_path / "elsewhere.png")],
+        "not a decodable image": [b"not a picture"],
+        "takes at most 1": [png(0), png(1)],
+        "must be an absolute path": ["relative.png"],
+        "payload is not base64": ["data:image/png;base64,@@@"],
+    }
+    for message, entries in cases.items():
+        with pytest.raises(RequestError, match=message) as err:
+            engine.generate(_request(image_path=entries))
+        assert err.value.field == "image_path"
+    with pytest.raises(RequestError, match="send the condition images as image_path"):
+        engine.generate(_request(image="data:image/png;base64,AAAA"))
+
+
+def write_editing_set(folder: Path) -> Path:
+    """A tiny editing prompt set: a .jsonl beside its PNGs (one under images/, Flow-Factory's layout)."""
+    (folder / "images").mkdir(parents=True)
+    (folder / "a.png").write_bytes(png(0, (32, 48)))
+    (folder / "images" / "b.png").write_bytes(png(1, (32, 48)))
+    rows = [{"prompt": "make the cat red", "image": "a.png"}, {"prompt": "remove the dog", "images": ["b.png"]}]
+    path = folder / "edits.jsonl"
+    path.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    return path
+
+
+def test_prompt_rows_carry_condition_images_and_bad_ones_are_one_line_errors(tmp_path):
+    path = write_editing_set(tmp_path)
+    records = load_prompts(path)
+    assert [r.images[0].path.name for r in records] == ["a.png", "b.png"] and records[0].metadata == {}
+    assert records[1].images[0].read() == (tmp_path / "images" / "b.png").read_bytes()
+    path.write_text('{"prompt": "x", "image": "a.png"}\n{"prompt": "y", "image": "gone.png"}\n')
+    with pytest.raises(ValueError, match=rf"^prompt data {path}:2: condition image 'gone.png': no such file") as err:
+        load_prompts(path)
+    assert "\n" not in str(err.value)
+    (tmp_path / "broken.png").write_bytes(b"\x89PNG not really")
+    path.write_text('{"prompt": "x", "images": ["a.png", "broken.png"]}\n')
+    with pytest.raises(ValueError, match=rf"^prompt data {path}:1: condition image 'broken.png' \(.*\): not a "
+                                         "decodable image"):
+        load_prompts(path)
+
+
+SEEN = []
+
+
+def closeness_to_source(images, prompts, metadata):
+    """An editing reward: how close each output is to its prompt's source (the metadata's condition images)."""
+    sources = [m[CONDITION_IMAGES_KEY][0] for m in metadata]
+    SEEN.extend(s.shape for s in sources)
+    return [1.0 - float((image - source).abs().mean()) for image, source in zip(images, sources, strict=True)]
+
+
+def _train(model_dir, prompts, out, loss_type, num_rollout=2, **flags):
+    from diffrl.train.config import TrainConfig
+    from diffrl.train.trainer import Trainer
+
+    cfg = TrainConfig.flat(
+        output_dir=out, model_path=model_dir, prompt_data=prompts, loss_type=loss_type, num_rollout=num_rollout,
+        rollout_batch_size=2, n_samples_per_prompt=2, rollout_microgroup_size=2, global_batch_size=4,
+        num_steps_per_rollout=1, micro_batch_size=4, diffusion_num_steps=2, height=HEIGHT, width=WIDTH,
+        diffusion_guidance_scale=2.0 if loss_type == "flow_grpo" else 1.0, lr=1e-3, device="cpu", use_lora=True,
+        lora_rank=2, reward="jpeg_compressibility", eval_images_per_category=0, checkpoint_interval=10,
+        **({"diffusion_sde_window_range": (0, 2)} if loss_type == "flow_grpo" else {}), **flags)
+    trainer = Trainer(cfg, reward_fn=closeness_to_source)
+    trainer.train()
+    records = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+    return records, [p.detach().clone() for p in trainer.policy.params]
+
+
+@pytest.mark.parametrize("loss_type", ["flow_grpo", "nft"])
+def test_training_on_an_editing_prompt_set(kontext_dir, tmp_path, loss_type):
+    """Two rollouts of Flow-GRPO (true CFG with the source in both halves) and of DiffusionNFT on edits; the reward
+    sees each prompt's source image, and the trainer replays the engine's steps from the packed conditioning."""
+    SEEN.clear()
+    records, _ = _train(kontext_dir, write_editing_set(tmp_path), tmp_path / "run", loss_type)
+    trained = [r for r in records if "train/loss" in r]
+    assert len(trained) == 2 and all(np.isfinite(r["train/loss"]) for r in trained)
+    if loss_type == "flow_grpo":
+        assert trained[-1]["train/log_prob_mean_abs_diff"] < 1e-4
+    assert SEEN and all(shape == (3, 32, 48) for shape in SEEN)
+
+
+def test_replay_of_an_editing_rollout_equals_the_live_run(kontext_dir, tmp_path):
+    prompts = write_editing_set(tmp_path / "data")
+    live, live_state = _train(kontext_dir, prompts, tmp_path / "live", "flow_grpo", num_rollout=1,
+                              save_rollout_data=tmp_path / "records")
+    replayed, state = _train(kontext_dir, prompts, tmp_path / "replay", "flow_grpo", num_rollout=1,
+                             load_rollout_data=tmp_path / "records")
+    assert all(torch.equal(a, b) for a, b in zip(state, live_state, strict=True))
+    keys = ("train/loss", "train/grad_norm", "rollout/reward/raw_mean")
+    assert [[r.get(k) for k in keys] for r in live] == [[r.get(k) for k in keys] for r in replayed]
+    (tmp_path / "data" / "images" / "b.png").write_bytes(png(5, (32, 48)))  # another source: refused
+    with pytest.raises(ValueError, match="other condition images"):
+        _train(kontext_dir, prompts, tmp_path / "again", "flow_grpo", num_rollout=1,
+               load_rollout_data=tmp_path / "records")
+
+
+def test_condition_images_survive_the_http_wire_bit_for_bit(kontext, tmp_path):
+    """Bytes (a data: URL in the JSON request, what HttpEngineClient sends) and sglang's `image_path` naming a file
+    under the server's allowed roots give the in-process engine's outputs and conditioning, to the bit; a path
+    outside the roots is an HTTP 400 naming the field."""
+    import asyncio
+
+    import httpx
+
+    from diffrl.rollout.clients import HttpEngineClient
+    from diffrl.serving import sglang
+    from diffrl.serving.server import create_app, serving_in_thread
+
+    (tmp_path / "roots").mkdir()
+    source = tmp_path / "roots" / "source.png"
+    source.write_bytes(png(2))
+    (tmp_path / "outside.png").write_bytes(png(2))
+    engine = Engine(kontext, EngineConfig(max_outputs_per_request=4, image_roots=(str(tmp_path / "roots"),)))
+    fields = {"negative_prompt": "blurry", "guidance_scale": 2.0, "rollout": True,
+              "rollout_return_denoising_env": True, "rollout_return_dit_trajectory": True}
+    request = _request(image_path=[source.read_bytes()], **fields)
+    local = engine.generate(request)
+
+    def same(outputs):
+        assert all(torch.equal(a.generated_output, b.generated_output) for a, b in zip(outputs, local, strict=True))
+        env, want = outputs[0].denoising_env, local[0].denoising_env
+        assert all(torch.equal(env[k], want[k]) for k in ("prompt_embeds", "text_ids", "negative_prompt_embeds"))
+
+    with serving_in_thread(create_app(engine)) as url:
+        client = HttpEngineClient(url)
+        try:
+            same(asyncio.run(client.generate(request)))
+        finally:
+            client.close()
+        by_path = _request(image_path=[str(source)], **fields)
+        answer = httpx.post(f"{url}/rollout/generate", json=by_path.model_dump(exclude_none=True), timeout=60)
+        same(sglang.decode_response(answer.content, by_path, kontext))
+        refused = httpx.post(f"{url}/rollout/generate", timeout=60,
+                             json=_request(image_path=[str(tmp_path / "outside.png")]).model_dump(exclude_none=True))
+        assert refused.status_code == 400 and "image_path" in refused.text and "--image-roots" in refused.text
