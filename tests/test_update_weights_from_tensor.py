@@ -12,8 +12,8 @@ ForkingPickler) after sglang's `monkey_patch_torch_reductions`: the flattened te
 `sglang.srt.utils.patch_torch._rebuild_cuda_tensor_modified` with torch's fifteen `rebuild_cuda_tensor` arguments,
 the device given by its UUID. Without a GPU here, `miles_ipc_payload` writes that stream with ForkingPickler from
 the same globals and an argument tuple laid out as torch's `reduce_tensor` lays it out, and the tests stand in for
-the one step that needs CUDA (mapping the handle, `tensor_pickle.open_ipc_tensor`). The real mapping is checked
-on a GPU by scripts/device/ipc_weight_sync.sh.
+the one step that needs CUDA (mapping the handle, `tensor_pickle.open_ipc_tensor`). The real mapping is what
+scripts/device/ipc_weight_sync.sh checks on a GPU (not yet run).
 """
 
 from __future__ import annotations

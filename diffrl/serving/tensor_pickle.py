@@ -55,7 +55,7 @@ storage's bytes, and every other global.
 
 Verified on CPU only (tests/test_update_weights_from_tensor.py): the unpickling, every check on the records, the
 refusals, and the endpoint's routing of IPC records. Opening a real CUDA IPC handle from another process through
-the endpoint was checked on a GPU with scripts/device/ipc_weight_sync.sh (not part of the CPU suite).
+the endpoint is what scripts/device/ipc_weight_sync.sh checks on a GPU; it has not run yet.
 """
 
 from __future__ import annotations
