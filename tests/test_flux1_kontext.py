@@ -223,3 +223,17 @@ def test_condition_images_survive_the_http_wire_bit_for_bit(kontext, tmp_path):
         refused = httpx.post(f"{url}/rollout/generate", timeout=60,
                              json=_request(image_path=[str(tmp_path / "outside.png")]).model_dump(exclude_none=True))
         assert refused.status_code == 400 and "image_path" in refused.text and "--image-roots" in refused.text
+
+
+def test_kontext_recipe_is_flow_factorys_setting(kontext_dir, tmp_path):
+    from diffrl.cli.main import parse
+    from diffrl.train.trainer import validate_config
+
+    prompts = write_editing_set(tmp_path)
+    cfg = parse(["train", "--recipe", "flux1-kontext-grpo-pickscore", "--model-path", str(kontext_dir),
+                 "--prompt-data", str(prompts)])
+    m, r, o = cfg.model, cfg.rollout, cfg.optim
+    assert (m.diffusion_model_family, cfg.algorithm.loss_type, m.size()) == ("flux1", "flow_grpo", (384, 384))
+    assert (r.diffusion_num_steps, r.diffusion_noise_level, r.diffusion_sde_window_range) == (10, 0.9, (1, 4))
+    assert (r.rollout_batch_size, r.n_samples_per_prompt, o.num_steps_per_rollout, o.lr) == (48, 16, 2, 3e-4)
+    validate_config(cfg)
