@@ -56,6 +56,32 @@ def test_engine_reproduces_the_diffusers_pipeline(sd3, sd3_dir, tmp_path, negati
     assert (other - reference).abs().max() > 100 * TOLERANCE  # the comparison can fail
 
 
+@pytest.mark.parametrize(("model", "dual_layers"), [("large", ()), ("medium", (0,))])
+def test_sd35_large_and_medium_are_sizes_of_sd3(tmp_path, model, dual_layers):
+    """SD3.5's structures at tiny size, QK RMSNorm with no dual-attention layers (Large, `real("large")`) or with
+    dual attention in the first blocks (Medium's first 13): the registry picks sd3 by the transformer class, and the
+    engine equals StableDiffusion3Pipeline with CFG. Nothing else of the pipeline differs between the sizes."""
+    from diffrl.models.random_checkpoints.sd3 import real, tiny
+
+    published = real(model).transformer
+    assert published["qk_norm"] == "rms_norm" and bool(published["dual_attention_layers"]) == bool(dual_layers)
+    sizes = tiny()
+    sizes.transformer.update(qk_norm="rms_norm", dual_attention_layers=dual_layers)
+    folder = save_random_checkpoint(tmp_path / "my-model", sizes)  # no family's name: the transformer class decides
+    assert resolve_family(None, folder) is SD3Family
+    family = SD3Family.load(folder)
+    blocks = family.transformer.transformer_blocks
+    assert blocks[0].attn.norm_q is not None and [b.attn2 is not None for b in blocks] == [
+        i in dual_layers for i in range(len(blocks))]
+    height, width, steps, seed = 32, 32, 3, 5
+    outputs = Engine(family, EngineConfig(max_outputs_per_request=4)).generate(RolloutRequest(
+        prompt="a red cat", negative_prompt="blurry", seed=seed, num_outputs_per_prompt=2, num_inference_steps=steps,
+        guidance_scale=3.5, height=height, width=width))
+    noise = family.prepare_latents(make_generators([seed, seed + 1]), height, width).tokens
+    reference = _diffusers_images(family, "a red cat", "blurry", 3.5, noise, steps, height, width)
+    torch.testing.assert_close(torch.stack([o.generated_output for o in outputs]), reference, rtol=0, atol=TOLERANCE)
+
+
 def test_schedule_is_the_schedulers_own(sd3):
     from diffusers import FlowMatchEulerDiscreteScheduler
 

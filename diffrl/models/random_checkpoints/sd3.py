@@ -1,5 +1,5 @@
 """Stable Diffusion 3 checkpoints with random weights, in diffusers layout (no download): `tiny()` for tests,
-`real()` (SD3.5-Medium's transformer and VAE, 2.24 B) for benchmarks."""
+`real()` (SD3.5-Medium's transformer and VAE, 2.24 B; `real("large")`: SD3.5-Large's, 8.06 B) for benchmarks."""
 
 from __future__ import annotations
 
@@ -48,14 +48,23 @@ def tiny() -> SD3Sizes:
              "block_out_channels": (8, 16), "latent_channels": 4, "norm_num_groups": 4})
 
 
-def real() -> SD3Sizes:
-    """SD3.5-Medium: 24 MMDiT blocks of width 1536, dual attention in the first 13, QK RMSNorm; shallow CLIPs and
-    T5 of the real widths."""
+# SD3.5-Large's transformer beside Medium's: 38 blocks of width 2432 (38 heads of 64), QK RMSNorm, no dual-attention
+# (MMDiT-X) layers, a 192-patch position table.
+LARGE_TRANSFORMER = {"num_layers": 38, "num_attention_heads": 38, "caption_projection_dim": 2432,
+                     "pos_embed_max_size": 192, "dual_attention_layers": ()}
+
+
+def real(model: str = "medium") -> SD3Sizes:
+    """SD3.5-Medium: 24 MMDiT blocks of width 1536, dual attention in the first 13, QK RMSNorm; `model="large"`:
+    SD3.5-Large (`LARGE_TRANSFORMER`). Shallow CLIPs and T5 of the real widths."""
+    if model not in ("medium", "large"):
+        raise ValueError(f"unknown SD3.5 size {model!r}; expected 'medium' or 'large'")
     return SD3Sizes(
         transformer={"sample_size": 128, "patch_size": 2, "in_channels": 16, "out_channels": 16, "num_layers": 24,
                      "attention_head_dim": 64, "num_attention_heads": 24, "joint_attention_dim": 4096,
                      "caption_projection_dim": 1536, "pos_embed_max_size": 384,
-                     "dual_attention_layers": tuple(range(13)), "qk_norm": "rms_norm"},
+                     "dual_attention_layers": tuple(range(13)), "qk_norm": "rms_norm",
+                     **(LARGE_TRANSFORMER if model == "large" else {})},
         clip_widths=(768, 1280), clip_layers=(2, 2),
         t5={"d_kv": 64, "d_ff": 2 * 4096, "num_layers": 1, "num_heads": 64},
         vae={"down_block_types": ("DownEncoderBlock2D",) * 4, "up_block_types": ("UpDecoderBlock2D",) * 4,
