@@ -237,3 +237,21 @@ def test_kontext_recipe_is_flow_factorys_setting(kontext_dir, tmp_path):
     assert (r.diffusion_num_steps, r.diffusion_noise_level, r.diffusion_sde_window_range) == (10, 0.9, (1, 4))
     assert (r.rollout_batch_size, r.n_samples_per_prompt, o.num_steps_per_rollout, o.lr) == (48, 16, 2, 3e-4)
     validate_config(cfg)
+
+
+def test_held_out_evaluation_samples_from_each_prompts_source(kontext, tmp_path):
+    """Evaluation sends each record's source (two records with the same instruction stay apart) and the reward sees
+    it; the same record's sample equals an engine request with that source."""
+    from diffrl.evaluation.reward_eval import evaluate_with_reward
+
+    path = write_editing_set(tmp_path)
+    path.write_text('{"prompt": "make the cat red", "image": "a.png"}\n'
+                    '{"prompt": "make the cat red", "image": "images/b.png"}\n')
+    SEEN.clear()
+    result = evaluate_with_reward(kontext, load_prompts(path), closeness_to_source, seeds_per_prompt=1, seed=7,
+                                  num_steps=2, guidance_scale=1.0, height=HEIGHT, width=WIDTH)
+    assert len(SEEN) == 2 and not torch.equal(result.images[0], result.images[1])
+    alone = Engine(kontext).generate(_request(seed=result.rows[1]["seed"], num_outputs_per_prompt=1,
+                                              generator_device="cpu",
+                                              image_path=[(tmp_path / "images" / "b.png").read_bytes()]))
+    torch.testing.assert_close(result.images[1], alone[0].generated_output, rtol=0, atol=1e-6)

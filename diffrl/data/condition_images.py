@@ -65,6 +65,15 @@ def to_unit(image: torch.Tensor) -> torch.Tensor:
     return image.float() / 255
 
 
+def with_condition_images(meta: dict, images) -> dict:
+    """A prompt's reward metadata with its condition images (encoded files) decoded under `CONDITION_IMAGES_KEY`
+    (float `[3, H, W]` in [0, 1]); unchanged without any."""
+    if not images:
+        return meta
+    decoded = [to_unit(decode_image(data, f"condition image {i}")) for i, data in enumerate(images)]
+    return {**meta, CONDITION_IMAGES_KEY: decoded}
+
+
 def row_images(row: dict, folder: Path, where: str) -> tuple[ConditionImage, ...]:
     """Pop the condition images of a prompt row (`IMAGE_KEYS`) and check each decodes; `where` (`file:line`)
     starts every error. A row with none gives ()."""

@@ -29,6 +29,7 @@ import torch
 from PIL import Image, PngImagePlugin
 from diffrl.utils.progress import tqdm
 
+from diffrl.data.condition_images import with_condition_images
 from diffrl.data.prompts import PromptRecord
 from diffrl.evaluation.sampling import TEST_SEED, generate
 from diffrl.models.base import FamilyAdapter
@@ -230,10 +231,12 @@ def _sample_and_score(family, expanded, seeds, components, *, num_steps, guidanc
         part = expanded[start : start + batch_size]
         part_seeds = seeds[start : start + batch_size]
         prompts = [r.prompt for _, r in part]
+        sources = [[i.read() for i in r.images] for _, r in part]
         images = generate(family, prompts, part_seeds, num_steps=num_steps, guidance_scale=guidance_scale,
                           guidance_scale_2=guidance_scale_2, batch_size=batch_size, **size, num_frames=num_frames,
-                          negative_prompt=negative_prompt)
-        metadata = [{**r.metadata, "seed": s} for (_, r), s in zip(part, part_seeds, strict=True)]
+                          negative_prompt=negative_prompt, images=sources if any(sources) else None)
+        metadata = [with_condition_images({**r.metadata, "seed": s}, source)
+                    for (_, r), s, source in zip(part, part_seeds, sources, strict=True)]
         totals, rewards = score_components(components, images, prompts, metadata)
         for j, ((prompt_index, record), s) in enumerate(zip(part, part_seeds, strict=True)):
             k = start + j

@@ -42,8 +42,9 @@ def _frames_kwargs(family: FamilyAdapter, num_frames: int | None) -> dict:
     return {}
 
 
-def request_runs(prompts: Sequence[str], seeds: Sequence[int], start: int, end: int) -> list[tuple[int, int]]:
-    """[lo, hi) runs of images start..end-1 that one request makes: the same prompt at consecutive seeds."""
+def request_runs(prompts: Sequence, seeds: Sequence[int], start: int, end: int) -> list[tuple[int, int]]:
+    """[lo, hi) runs of images start..end-1 that one request makes: the same prompt (and condition images, when the
+    keys hold them) at consecutive seeds."""
     runs, lo = [], start
     for k in range(start + 1, end + 1):
         if k == end or prompts[k] != prompts[lo] or seeds[k] != seeds[lo] + (k - lo):
@@ -77,12 +78,13 @@ def generate(
     height: int | None = None,
     width: int | None = None,
     guidance_scale_2: float | None = None,
+    images: Sequence[Sequence[bytes]] | None = None,
 ) -> torch.Tensor:
     """ODE samples, image k from (prompts[k], seeds[k]); images [N, 3, H, W] (a video family:
     [N, 3, F, H, W]) in [0, 1] on CPU, `height` × `width` pixels or square `resolution` pixels a side
     (None: the family's default size). `negative_prompt` is the unconditional side of CFG (used only
     when guidance_scale > 1); `guidance_scale_2` the second expert's CFG scale (families with one; None:
-    guidance_scale)."""
+    guidance_scale). `images[k]`: sample k's condition images (encoded files; an edit's source)."""
     if len(prompts) != len(seeds):
         raise ValueError(f"{len(prompts)} prompts but {len(seeds)} seeds")
     height, width = sample_size(resolution, height, width) or family.default_size()
@@ -94,12 +96,14 @@ def generate(
     sampling = dict(negative_prompt=negative_prompt, num_inference_steps=num_steps, guidance_scale=guidance_scale,
                     guidance_scale_2=guidance_scale_2, height=height, width=width, generator_device="cpu", **frames)
     longest_text = max(map(len, [*prompts, negative_prompt]))
-    images = []
+    sources, images = images, []
     starts = range(0, len(prompts), batch_size)
     for start in tqdm(starts, desc="sampling", disable=not progress, dynamic_ncols=True):
         end = min(start + batch_size, len(prompts))
-        requests = [RolloutRequest(prompt=prompts[lo], seed=seeds[lo], num_outputs_per_prompt=hi - lo, **sampling)
-                    for lo, hi in request_runs(prompts, seeds, start, end)]
+        keys = prompts if sources is None else [(p, tuple(i)) for p, i in zip(prompts, sources, strict=True)]
+        requests = [RolloutRequest(prompt=prompts[lo], seed=seeds[lo], num_outputs_per_prompt=hi - lo, **sampling,
+                                   **({"image_path": list(sources[lo])} if sources is not None and sources[lo] else {}))
+                    for lo, hi in request_runs(keys, seeds, start, end)]
         # An engine per chunk, whose batch is exactly the chunk: what a sample is batched with is fixed.
         # Evaluation is trusted in-process work: the serving limits on text and CFG scale are lifted.
         spec = EngineSpec(family=family.name, device=str(family.device), max_outputs_per_request=end - start,

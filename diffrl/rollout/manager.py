@@ -20,7 +20,7 @@ from dataclasses import dataclass
 
 import torch
 
-from diffrl.data.condition_images import CONDITION_IMAGES_KEY, decode_image, to_unit
+from diffrl.data.condition_images import with_condition_images
 from diffrl.engine.protocol import RolloutOutput, RolloutRequest
 from diffrl.errors import RequestError
 from diffrl.rewards import checked_rewards
@@ -184,14 +184,6 @@ class RolloutManager:
     def _least_loaded(self, exclude: set[int]) -> int:
         candidates = [k for k in range(len(self.clients)) if k not in exclude] or list(range(len(self.clients)))
         return min(candidates, key=lambda k: self._in_flight[k])
-
-
-def with_condition_images(meta: dict, images: Sequence[bytes]) -> dict:
-    """A prompt's reward metadata with its condition images decoded (`condition_images`; unchanged without)."""
-    if not images:
-        return meta
-    decoded = [to_unit(decode_image(data, f"condition image {i}")) for i, data in enumerate(images)]
-    return {**meta, CONDITION_IMAGES_KEY: decoded}
 
 
 class _Scorer:
