@@ -134,9 +134,10 @@ def test_schedule_is_the_pipelines(klein):
     torch.testing.assert_close(klein.sigmas(steps, 48, 64), scheduler.sigmas.float(), rtol=0, atol=1e-7)
 
 
-def test_sample_k_is_the_same_in_any_microgroup(dev, klein):
-    assert_sample_k_is_the_same_in_any_microgroup(klein, guidance_scale=4.0, height=32, width=32)
-    assert_sample_k_is_the_same_in_any_microgroup(dev, guidance_scale=1.0, height=32, width=32)
+def test_sample_k_is_the_same_in_any_microgroup(dev):
+    """On dev with true CFG: the timestep and guidance embeddings and the modulations (klein's are the same code
+    without the guidance embedding) run row by row."""
+    assert_sample_k_is_the_same_in_any_microgroup(dev, guidance_scale=3.0, height=32, width=32)
 
 
 def test_registry_finds_the_family_by_name_and_by_transformer_class(dev_dir, klein_dir, tmp_path):
