@@ -88,7 +88,7 @@ def test_condition_images_are_refused_by_name(kontext, tmp_path):
     (tmp_path / "allowed").mkdir()
     (tmp_path / "elsewhere.png").write_bytes(png(0))
     cases = {
-        "is not under a directory this server reads images from": [str(tmp_path / "elsewhere.png")],
+        "is not under a directory this engine reads images from": [str(tmp_path / "elsewhere.png")],
         "not a decodable image": [b"not a picture"],
         "takes at most 1": [png(0), png(1)],
         "must be an absolute path": ["relative.png"],
@@ -100,6 +100,8 @@ def test_condition_images_are_refused_by_name(kontext, tmp_path):
         assert err.value.field == "image_path"
     with pytest.raises(RequestError, match="send the condition images as image_path"):
         engine.generate(_request(image="data:image/png;base64,AAAA"))
+    with pytest.raises(RequestError, match="reads no images from its disk"):  # the default: no roots
+        Engine(kontext).generate(_request(image_path=[str(tmp_path / "elsewhere.png")]))
 
 
 def write_editing_set(folder: Path) -> Path:
@@ -222,7 +224,7 @@ def test_condition_images_survive_the_http_wire_bit_for_bit(kontext, tmp_path):
         same(sglang.decode_response(answer.content, by_path, kontext))
         refused = httpx.post(f"{url}/rollout/generate", timeout=60,
                              json=_request(image_path=[str(tmp_path / "outside.png")]).model_dump(exclude_none=True))
-        assert refused.status_code == 400 and "image_path" in refused.text and "--image-roots" in refused.text
+        assert refused.status_code == 400 and "image_path" in refused.text and "image roots" in refused.text
 
 
 def test_kontext_recipe_is_flow_factorys_setting(kontext_dir, tmp_path):

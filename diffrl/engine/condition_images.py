@@ -2,7 +2,7 @@
 
 Each entry of `image_path` is one image, in one of three forms:
 - a path on the engine's disk (sglang-diffusion's meaning of the field): read only under the engine's allowed
-  roots (`EngineConfig.image_roots`; `diffrl serve --image-roots`), resolved (symlinks, `..`) before the check;
+  roots (`EngineConfig.image_roots`, by default none), resolved (symlinks, `..`) before the check;
   an in-process engine (roots None) reads any path;
 - a `data:` URL with base64 bytes (`data:image/png;base64,…`, the form sglang's OpenAI-style endpoints take):
   what a remote client sends in JSON;
@@ -72,11 +72,11 @@ def _read_allowed(name: str, what: str, roots: Sequence[Path] | None) -> bytes:
     path = Path(name).resolve()
     if roots is not None:
         if not roots:
-            raise RequestError(FIELD, f"{what}: this server reads no images from its disk: start diffrl serve with "
-                                      "--image-roots DIR to allow the files under DIR, or send the image's bytes")
+            raise RequestError(FIELD, f"{what}: this engine reads no images from its disk (no image roots set); "
+                                      "send the image's bytes as a data: URL")
         if not any(path == r or path.is_relative_to(r) for r in (Path(root).resolve() for root in roots)):
-            raise RequestError(FIELD, f"{what}: {name[:200]!r} is not under a directory this server reads images from "
-                                      "(--image-roots)")
+            raise RequestError(FIELD, f"{what}: {name[:200]!r} is not under a directory this engine reads images "
+                                      "from (its image roots)")
     try:
         return path.read_bytes()
     except OSError as err:

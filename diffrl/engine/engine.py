@@ -84,9 +84,9 @@ class EngineConfig:
     """Upper bounds of width × height (one output, one frame) and of num_outputs_per_prompt × num_frames × width ×
     height (None: no bound, for trusted in-process callers; `diffrl serve` sets them): width and height have no
     bound of their own, and families whose size rule is a multiple of 16 accept 65536 × 65536."""
-    image_roots: tuple[str, ...] | None = None
-    """Directories a request's `image_path` may name files under (None: any file, for trusted in-process callers;
-    `diffrl serve` sets its --image-roots, by default none: images then come as bytes)."""
+    image_roots: tuple[str, ...] | None = ()
+    """Directories a request's `image_path` may name files under (default: none, images come as bytes or data: URLs,
+    as the trainer and evaluation send them; None: any file, for trusted in-process callers only)."""
     request_timeout_s: float | None = None
     """A request not finished this long after it arrived is abandoned (None: never; `diffrl serve` sets one)."""
     max_pending_requests: int = 1024
