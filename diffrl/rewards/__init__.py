@@ -18,6 +18,7 @@ from collections.abc import Callable, Sequence
 
 import diffrl.rewards.jpeg  # registers the jpeg rewards
 import diffrl.rewards.ocr  # registers `ocr`; its model is imported on first use
+import diffrl.rewards.tesseract  # registers `tesseract` (the OCR world's judge); imported on first use likewise
 import diffrl.rewards.temporal  # noqa: F401  (registers `temporal_consistency`)
 from diffrl.data import shapes as shapes_world
 from diffrl.data.shapes.grammar import parse_prompt
@@ -49,6 +50,7 @@ _SUMMARIES = {
     "jpeg_compressibility": "smaller JPEG files score higher (Flow-GRPO's compressibility reward)",
     "jpeg_incompressibility": "larger JPEG files score higher",
     "ocr": "text rendering: how closely OCR of the image matches the prompt's quoted text (PP-OCR, bundled)",
+    "tesseract": "the same score read by Tesseract's LSTM OCR (bundled): the ocr reward's independent judge",
     "temporal_consistency": "video: how little consecutive frames differ",
 }
 CUSTOM_SIGNATURE = "module:function, called as fn(images, prompts, metadata) -> list of floats"

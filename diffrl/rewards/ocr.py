@@ -4,7 +4,8 @@ The text to render is the prompt's first double-quoted span ("…" or “…”,
 it), else its first single-quoted one ('…' or ‘…’, whose quotes are not apostrophes inside a word, as in
 "kid's"). A real OCR model reads the
 image: RapidOCR's PP-OCR detector and recogniser in ONNX, which ship inside the `rapidocr-onnxruntime`
-wheel (`pip install 'diffrl[ocr]'`), so nothing is downloaded at run time. Both texts are compared
+wheel (`pip install 'diffrl[ocr]'`), so nothing is downloaded at run time, at PaddleOCR's detection size
+and without the angle classifier, as Flow-GRPO's scorer runs PaddleOCR. Both texts are compared
 lower-cased with whitespace removed: 1 when the image's text contains the target, else
 1 − min(edit distance, len(target)) / len(target), so partial spellings get partial credit and
 unrelated text scores 0. A video `[B, C, F, H, W]` scores as the mean over its frames.
@@ -66,7 +67,11 @@ def _reader():
     except ImportError:
         raise ValueError("the ocr reward needs RapidOCR: pip install 'diffrl[ocr]' "
                          "(rapidocr-onnxruntime, whose wheel holds the OCR models)") from None
-    return RapidOCR()
+    # PaddleOCR's own defaults, as Flow-GRPO's scorer runs it (`PaddleOCR(use_angle_cls=False)`): detection
+    # shrinks an image whose longer side passes 960 px and never enlarges one, and no angle classifier.
+    # RapidOCR's defaults instead enlarge every image to a 736 px shorter side: on a 64×256 text render that is
+    # a 736×2944 detection, 30–70× slower on a CPU and less accurate (docs/ocr-world.md, "The readers").
+    return RapidOCR(det_limit_type="max", det_limit_side_len=960, use_cls=False)
 
 
 def read_text(pixels) -> str:
