@@ -43,6 +43,9 @@ SHIPPED_DEMO_MODEL = Path(__file__).resolve().parents[1] / "assets" / "demo-shap
 @dataclass
 class DemoConfig:
     image_size: int = 64
+    """The image's height (and its width unless `image_width` is set)."""
+    image_width: int | None = None
+    """A wider image's width (the OCR demo model's one-line texts); None: square."""
     patch_size: int = 4
     max_text_len: int = 16
     shift: float = 3.0
@@ -56,6 +59,14 @@ class DemoConfig:
         "d_model": 128, "d_kv": 32, "d_ff": 256, "num_layers": 2, "num_heads": 4,
         "relative_attention_num_buckets": 8, "relative_attention_max_distance": 16, "dropout_rate": 0.0,
     })
+
+    @property
+    def height(self) -> int:
+        return self.image_size
+
+    @property
+    def width(self) -> int:
+        return self.image_width or self.image_size
 
     @property
     def in_channels(self) -> int:
@@ -164,13 +175,13 @@ class DemoFamily(FamilyAdapter):
 
     # ---------------------------------------------------------------- the family's conventions
     def default_size(self) -> tuple[int, int]:
-        return self.config.image_size, self.config.image_size
+        return self.config.height, self.config.width
 
     def check_size(self, height: int, width: int) -> None:
-        size = self.config.image_size
-        for name, value in (("height", height), ("width", width)):
+        h, w = self.config.height, self.config.width
+        for name, value, size in (("height", height, h), ("width", width, w)):
             if value != size:
-                raise RequestError(name, f"{name}={value}: the demo model generates {size}x{size} images only")
+                raise RequestError(name, f"{name}={value}: the demo model generates {h}x{w} images only")
 
     def sigmas(self, num_steps: int, height: int, width: int) -> torch.Tensor:
         return make_sigmas(num_steps, shift=self.config.shift, device=self.device)
@@ -198,8 +209,8 @@ class DemoFamily(FamilyAdapter):
         return self.encode_tokens(*self.tokenize(prompts))
 
     def prepare_ids(self, device=None) -> torch.Tensor:
-        tokens_per_side = self.config.image_size // self.config.patch_size
-        return image_position_ids(tokens_per_side, tokens_per_side, device=device or self.device)
+        patch = self.config.patch_size
+        return image_position_ids(self.config.height // patch, self.config.width // patch, device=device or self.device)
 
     def prepare_latents(self, generators, height, width) -> Latents:
         self.check_size(height, width)

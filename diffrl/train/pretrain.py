@@ -1,4 +1,6 @@
-"""`diffrl pretrain`: flow-matching SFT of the demo model on rendered shapes scenes.
+"""`diffrl pretrain`: flow-matching SFT of a demo model on rendered scenes of its world: shapes scenes (the
+shipped model), or, with `--world ocr`, renders of generated prompts' quoted texts (the OCR world's model,
+48×256 pixels, its quoted text tokenized by character: docs/ocr-world.md).
 
 x_t = (1 − t)·x0 + t·ε with t drawn logit-normal and then shifted like the sampling schedule,
 target velocity ε − x0, MSE. The text encoder trains with the transformer; 10% of prompts are
@@ -23,11 +25,13 @@ from torch.utils.data import DataLoader
 from diffrl.utils.progress import tqdm
 
 from diffrl.algorithms.losses import sft_loss
+from diffrl.data.ocr.scenes import RenderedTexts
 from diffrl.data.scenes import RenderedScenes
+from diffrl.evaluation import ocr as ocr_eval
 from diffrl.evaluation.shapes import sample_grid
 from diffrl.models.base import Latents
 from diffrl.models.demo import DemoConfig, DemoFamily
-from diffrl.models.random_checkpoints.demo import random_family
+from diffrl.models.random_checkpoints.demo import WORLDS, ocr, random_family
 from diffrl.sampling import noised
 from diffrl.train.ema import ParameterEMA
 from diffrl.utils.device import autocast, resolve_device
@@ -38,6 +42,9 @@ from diffrl.utils.folders import check_output_dir
 class PretrainConfig:
     output_dir: Path = Path("runs/pretrain")
     """Run folder (created; an existing one is resumed only with --resume)."""
+    world: str = "shapes"
+    """What the model learns to draw: shapes (the shipped demo model's world) or ocr (one-line renders of
+    quoted texts at 48×256, the OCR world's model: docs/ocr-world.md)."""
     steps: int | None = None
     """Optimizer steps: 2,000 by default; with --max-minutes and no --steps, as many as the time allows
     (the step budget would otherwise end a time-boxed run early)."""
@@ -91,6 +98,8 @@ class PretrainConfig:
                 raise ValueError(f"--{name.replace('_', '-')} must be {bounds}, got {value}")
         if self.max_minutes is not None and self.max_minutes <= 0:
             raise ValueError(f"--max-minutes must be > 0, got {self.max_minutes}")
+        if self.world not in WORLDS:
+            raise ValueError(f"--world {self.world}: known worlds are {', '.join(WORLDS)}")
         if self.attention_head_dim % 4:
             raise ValueError(f"--attention-head-dim must be a multiple of 4 (its 4 RoPE axes share it), got "
                              f"{self.attention_head_dim}")
@@ -103,7 +112,7 @@ class PretrainConfig:
             axes_dims_rope=(self.attention_head_dim // 4,) * 4,
         )
         config.text_encoder.update(d_model=self.text_d_model, d_ff=2 * self.text_d_model)
-        return config
+        return ocr(config) if self.world == "ocr" else config
 
 
 def sample_training_sigmas(batch: int, shift: float, generator: torch.Generator, device) -> torch.Tensor:
@@ -149,6 +158,20 @@ def refuse_other_size(cfg: PretrainConfig, config: DemoConfig, source: str) -> N
             raise ValueError(f"{flag} {value}: {source} has {has}, and its size is the model's; drop {flag}")
 
 
+def refuse_other_world(world: str, config: DemoConfig, source: str) -> None:
+    """A loaded model of the other world (an OCR model is wide, a shapes model square) is refused naming --world."""
+    has = "ocr" if config.image_width else "shapes"
+    if has != world:
+        raise ValueError(f"--world {world}: {source} is a model of the {has} world; pass --world {has}")
+
+
+def training_stream(world: str, seed: int, config: DemoConfig):
+    """The world's endless (prompt, uint8 image) pairs at the model's size."""
+    if world == "ocr":
+        return RenderedTexts(seed=seed, height=config.height, width=config.width)
+    return RenderedScenes(seed=seed, image_size=config.image_size)
+
+
 def step_budget(cfg: PretrainConfig) -> int | None:
     """--steps, else 2,000, except that a time-boxed run (--max-minutes) without --steps has none."""
     if cfg.steps is not None:
@@ -171,10 +194,11 @@ def pretrain(cfg: PretrainConfig) -> Path:
     if source is not None:
         family = DemoFamily.load(source, batch_invariant=False)
         refuse_other_size(cfg, family.config, flag)
+        refuse_other_world(cfg.world, family.config, flag)
         if ckpt is None:
             print(f"initialized from {cfg.init_from}")
     else:
-        family = random_family(cfg.demo_config(), seed=cfg.seed, batch_invariant=False)
+        family = random_family(cfg.demo_config(), seed=cfg.seed, batch_invariant=False, world=cfg.world)
     out.mkdir(parents=True, exist_ok=True)  # after every refusal: a refused command leaves no folder behind
     (out / "config.json").write_text(json.dumps(dataclasses.asdict(cfg), default=str, indent=2) + "\n")
     family.transformer.to(device).train().requires_grad_(True)
@@ -195,7 +219,7 @@ def pretrain(cfg: PretrainConfig) -> Path:
 
     workers = cfg.num_workers if cfg.num_workers >= 0 else max(0, (os.cpu_count() or 1) - 1)
     loader = DataLoader(
-        RenderedScenes(seed=cfg.seed + step, image_size=family.config.image_size),
+        training_stream(cfg.world, cfg.seed + step, family.config),
         batch_size=cfg.batch_size, num_workers=workers, pin_memory=device.type == "cuda",
         persistent_workers=workers > 0, prefetch_factor=8 if workers > 0 else None,
     )
@@ -216,9 +240,10 @@ def pretrain(cfg: PretrainConfig) -> Path:
              "optimizer": optimizer.state_dict(), "ema": ema.state_dict(), "step": step},
             path / "train_state.pt",
         )
+        grid = ocr_eval.sample_grid if cfg.world == "ocr" else sample_grid
         with ema.swapped_in():
-            sample_grid(family, out / "samples" / f"step-{step:07d}.png",
-                        num_steps=cfg.sample_steps, guidance_scale=cfg.sample_guidance_scale)
+            grid(family, out / "samples" / f"step-{step:07d}.png",
+                 num_steps=cfg.sample_steps, guidance_scale=cfg.sample_guidance_scale)
         return path
 
     metrics = (out / "metrics.jsonl").open("a")

@@ -71,3 +71,36 @@ def build_qwen_word_tokenizer(words: Sequence[str], punctuation: Sequence[str], 
     tokenizer.add_special_tokens({"additional_special_tokens": list(QWEN_SPECIAL_TOKENS[1:])})
     return tokenizer
 
+
+
+# A position inside a double-quoted span: an odd number of '"' lies between it and the end of the prompt.
+_INSIDE_QUOTES = r'(?=[^"]*"(?:[^"]*"[^"]*")*[^"]*\z)'
+SPACE_IN_QUOTES = "▁"  # a space inside the quotes: a token of its own, so the text's words stay apart
+
+
+def build_quoted_char_tokenizer(words: Sequence[str], max_length: int):
+    """The OCR demo model's tokenizer, made in code: the text a prompt double-quotes is tokenized character by
+    character (each printable ASCII character a token, a space inside the quotes `▁`), so the model can learn
+    to draw any text letter by letter; the words around it are word-level (each word of `words` as given and
+    capitalized, punctuation alone, unknown words → <unk>). An </s> is appended; padded to `max_length`."""
+    from tokenizers import Regex, Tokenizer, normalizers, pre_tokenizers, processors
+    from tokenizers.models import WordLevel
+    from transformers import PreTrainedTokenizerFast
+
+    vocab = {PAD: 0, EOS: 1, UNK: 2, SPACE_IN_QUOTES: 3}
+    for code in range(33, 127):
+        vocab.setdefault(chr(code), len(vocab))
+    for word in words:
+        vocab.setdefault(word, len(vocab))
+        vocab.setdefault(word[:1].upper() + word[1:], len(vocab))
+    tok = Tokenizer(WordLevel(vocab, unk_token=UNK))
+    tok.normalizer = normalizers.Replace(Regex(" " + _INSIDE_QUOTES), SPACE_IN_QUOTES)
+    tok.pre_tokenizer = pre_tokenizers.Sequence([
+        pre_tokenizers.Split(Regex('[^"]' + _INSIDE_QUOTES), behavior="isolated"),  # quoted characters alone
+        pre_tokenizers.Split(Regex(r"\s+"), behavior="removed"),  # spaces separate the other words
+        pre_tokenizers.Split(Regex(r"[^\w\s" + SPACE_IN_QUOTES + "]"), behavior="isolated"),  # punctuation alone
+    ])
+    tok.post_processor = processors.TemplateProcessing(single=f"$A {EOS}", special_tokens=[(EOS, 1)])
+    return PreTrainedTokenizerFast(
+        tokenizer_object=tok, pad_token=PAD, unk_token=UNK, eos_token=EOS, model_max_length=max_length,
+    )
