@@ -103,3 +103,26 @@ def test_a_tiny_ocr_model_pretrains(tmp_path):
     # A shapes model is refused as the start of an OCR pretraining, naming the flag.
     assert cli_main(["pretrain", "--world", "shapes", "--init-from", str(out / "final"),
                      "--output-dir", str(tmp_path / "other"), "--steps", "1"]) == 2
+
+
+@pytest.mark.parametrize("name", ["ocr-nft", "ocr-grpo"])
+def test_ocr_recipes_train_the_ocr_model_judged_by_tesseract(name):
+    from diffrl.data.ocr.prompts import PROMPT_DIR
+    from diffrl.models.demo import SHIPPED_OCR_MODEL
+    from diffrl.recipes import recipe_config
+
+    for device in ("cpu", "cuda"):
+        cfg = recipe_config(name, device)
+        cfg.check()
+        assert (cfg.model.model_path, cfg.task.prompt_data) == (SHIPPED_OCR_MODEL, PROMPT_DIR)
+        assert (cfg.task.reward, cfg.task.eval_reward) == ("ocr", "tesseract")
+
+
+def test_a_missing_ocr_model_is_one_line_saying_how_to_build_it():
+    from diffrl.models.components import checkpoint_root
+    from diffrl.models.demo import SHIPPED_OCR_MODEL
+
+    if SHIPPED_OCR_MODEL.is_dir():
+        pytest.skip("the OCR demo model is built")
+    with pytest.raises(Exception, match="not built in this checkout yet: pretrain it with scripts/device/pretrain_ocr"):
+        checkpoint_root(SHIPPED_OCR_MODEL)

@@ -73,8 +73,16 @@ class Component:
 def checkpoint_root(model_path: str | Path) -> Path:
     root = Path(model_path)
     if not root.is_dir():
-        raise ModelLoadError(f"model directory not found: {root}{hub_id_hint(model_path)}")
+        raise ModelLoadError(f"model directory not found: {root}{hub_id_hint(model_path)}{unbuilt_hint(root)}")
     return root
+
+
+def unbuilt_hint(root: Path) -> str:
+    """For the OCR demo model's folder before it is built (the ocr-* recipes' default): how to build it; else ''."""
+    if root.name != "demo-ocr" or root.parent.name != "assets":
+        return ""
+    return (" (the OCR demo model is not built in this checkout yet: pretrain it with scripts/device/pretrain_ocr.sh "
+            "as docs/ocr-world.md says, or pass --model-path DIR)")
 
 
 def hub_id_hint(path: str | Path) -> str:

@@ -38,6 +38,8 @@ from diffrl.sampling import make_sigmas, randn_per_sample
 
 # The pretrained demo model that ships with the package (the main job's default).
 SHIPPED_DEMO_MODEL = Path(__file__).resolve().parents[1] / "assets" / "demo-shapes"
+# The OCR world's demo model (docs/ocr-world.md), shipped once it is pretrained on a GPU.
+SHIPPED_OCR_MODEL = Path(__file__).resolve().parents[1] / "assets" / "demo-ocr"
 
 
 @dataclass
