@@ -186,23 +186,26 @@ def test_replay_of_an_editing_rollout_equals_the_live_run(kontext_dir, tmp_path)
                load_rollout_data=tmp_path / "records")
 
 
-def test_condition_images_survive_the_http_wire_bit_for_bit(kontext, tmp_path):
-    """Bytes (a data: URL in the JSON request, what HttpEngineClient sends) and sglang's `image_path` naming a file
-    under the server's allowed roots give the in-process engine's outputs and conditioning, to the bit; a path
-    outside the roots is an HTTP 400 naming the field."""
+def test_condition_images_survive_the_http_wire_bit_for_bit(kontext_dir, tmp_path):
+    """On an engine built as `diffrl serve --image-roots DIR` builds it: bytes (a data: URL in the JSON request, what
+    HttpEngineClient sends) and sglang's `image_path` naming a file under the root give the in-process outputs and
+    conditioning, to the bit; a path outside the root is an HTTP 400 naming the field."""
     import asyncio
 
     import httpx
 
     from diffrl.rollout.clients import HttpEngineClient
     from diffrl.serving import sglang
-    from diffrl.serving.server import create_app, serving_in_thread
+    from diffrl.cli.main import parse
+    from diffrl.serving.server import build_engine, create_app, serving_in_thread
 
     (tmp_path / "roots").mkdir()
     source = tmp_path / "roots" / "source.png"
     source.write_bytes(png(2))
     (tmp_path / "outside.png").write_bytes(png(2))
-    engine = Engine(kontext, EngineConfig(max_outputs_per_request=4, image_roots=(str(tmp_path / "roots"),)))
+    cfg = parse(["serve", "--model-path", str(kontext_dir), "--device", "cpu", "--max-outputs-per-request", "4",
+                 "--image-roots", str(tmp_path / "roots")])
+    engine = build_engine(cfg)
     fields = {"negative_prompt": "blurry", "guidance_scale": 2.0, "rollout": True,
               "rollout_return_denoising_env": True, "rollout_return_dit_trajectory": True}
     request = _request(image_path=[source.read_bytes()], **fields)
@@ -221,7 +224,7 @@ def test_condition_images_survive_the_http_wire_bit_for_bit(kontext, tmp_path):
             client.close()
         by_path = _request(image_path=[str(source)], **fields)
         answer = httpx.post(f"{url}/rollout/generate", json=by_path.model_dump(exclude_none=True), timeout=60)
-        same(sglang.decode_response(answer.content, by_path, kontext))
+        same(sglang.decode_response(answer.content, by_path, engine.family))
         refused = httpx.post(f"{url}/rollout/generate", timeout=60,
                              json=_request(image_path=[str(tmp_path / "outside.png")]).model_dump(exclude_none=True))
         assert refused.status_code == 400 and "image_path" in refused.text and "image roots" in refused.text

@@ -501,6 +501,10 @@ class ServeConfig:
     weights_roots: tuple[Path, ...] = ()
     """Directories POST /update_weights_from_disk may load checkpoints from, with everything under them (symlinks
     resolved first); default: none, the endpoint refuses every path."""
+    image_roots: tuple[Path, ...] = ()
+    """Directories a /rollout/generate request's `image_path` may name condition images under (sglang-diffusion's
+    meaning of the field), with everything under them (symlinks and `..` resolved first); default: none, every path
+    is refused and images come as bytes (a data: URL in JSON, raw bytes in msgpack)."""
     update_weights_from_tensor: bool = False
     """Answer POST /update_weights_from_tensor, miles-diffusion's weight sync (sglang's base64 pickles, read by a
     restricted unpickler that admits CPU tensors pickled by value and CUDA tensors shared by CUDA IPC, nothing
@@ -523,7 +527,8 @@ class ServeConfig:
                             max_pixels=self.max_pixels, max_request_pixels=self.max_request_pixels,
                             request_timeout_s=self.request_timeout_s,
                             max_pending_requests=self.max_pending_requests, worker_threads=self.worker_threads,
-                            max_lora_rank=self.max_lora_rank, prompt_cache_bytes=self.prompt_cache_bytes)
+                            max_lora_rank=self.max_lora_rank, prompt_cache_bytes=self.prompt_cache_bytes,
+                            image_roots=tuple(str(Path(root)) for root in self.image_roots))
 
     def server_limits(self) -> ServerLimits:
         return ServerLimits(max_body_bytes=self.max_body_bytes, max_weights_bytes=self.max_weights_bytes,
