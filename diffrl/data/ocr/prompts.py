@@ -7,13 +7,14 @@ rendered for pretraining or drawn for RL (its train split is not in the mirror t
 who holds it passes `--prompt-data DIR` with both files).
 
 Training prompts are generated: a scene template around a phrase from `phrases.py` (the test split's
-quoted texts excluded), long and descriptive like the published prompts. `train.txt` beside this module is
+quoted texts excluded), half of them followed by a sentence of scene, toward the published prompts' length. `train.txt` beside this module is
 `training_prompts(TRAIN_SEED, TRAIN_PROMPTS)`, written by `write_train_file` (a test checks it).
 """
 
 from __future__ import annotations
 
 import functools
+import re
 from pathlib import Path
 
 import numpy as np
@@ -40,6 +41,16 @@ CLOSINGS = ("", "", " in bold letters", " in a playful font", " in elegant scrip
             ", surrounded by plants and small lights", " in a minimalist style",
             ", with people walking past in the background", " at sunset, colors fading to orange")
 
+# Sentences that may follow (the published prompts run 34 words on average; a template alone, about 15).
+SCENES = ("The scene is lit by soft morning light, and a few people walk past.",
+          "Around it, shelves of colorful goods fill a cozy little shop.",
+          "The background shows a city skyline under a clear blue sky.",
+          "Rain falls gently, and the street lights reflect on the wet ground.",
+          "It hangs on an old brick wall covered with climbing green plants.",
+          "A small dog sits nearby, looking up at the camera.",
+          "The photo has warm tones, sharp details and a shallow depth of field.",
+          "Snow covers the ground, and the air looks cold and still.")
+
 
 @functools.cache
 def test_prompts() -> tuple[str, ...]:
@@ -55,7 +66,8 @@ def test_texts() -> frozenset[str]:
 
 def make_prompt(text: str, rng: np.random.Generator) -> str:
     pick = lambda pool: pool[rng.integers(len(pool))]  # noqa: E731
-    return f'{pick(OPENINGS)} {pick(CARRIERS)} {pick(SAYS)} "{text}"{pick(CLOSINGS)}.'
+    prompt = f'{pick(OPENINGS)} {pick(CARRIERS)} {pick(SAYS)} "{text}"{pick(CLOSINGS)}.'
+    return f"{prompt} {pick(SCENES)}" if rng.random() < 0.5 else prompt
 
 
 def sample_prompt(rng: np.random.Generator) -> tuple[str, str]:
@@ -73,9 +85,9 @@ def scene_vocabulary() -> list[str]:
     """Every word outside the quotes of a generated prompt and inside its phrases, lower-cased (the OCR
     tokenizer's words)."""
     words = set(vocabulary())
-    for pool in (OPENINGS, CARRIERS, SAYS, CLOSINGS):
+    for pool in (OPENINGS, CARRIERS, SAYS, CLOSINGS, SCENES):
         for item in pool:
-            words.update(w.strip(".,").lower() for w in item.split() if w.strip(".,"))
+            words.update(w.lower() for w in re.findall(r"\w+", item))  # as the tokenizer splits them
     return sorted(words)
 
 
