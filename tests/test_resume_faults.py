@@ -51,11 +51,26 @@ def _same_run(a: Path, b: Path, last: int) -> None:
     assert all(torch.equal(x, y) for x, y in zip(_params(a / final), _params(b / final), strict=True))
 
 
-def test_resume_at_or_past_num_rollout_says_so_and_leaves_the_run_as_it_was(tiny_model_dir, tmp_path, capsys):
+@pytest.fixture
+def two_rollout_run(module_tiny_model_dir, restorable_runs) -> Path:
+    """A run of the module's tiny model done to rollout 2 (no held-out sampling), trained once for the module:
+    each test gets its own copy to damage and resume."""
+    return restorable_runs("run", lambda out: Trainer(tiny_config(module_tiny_model_dir, out, num_rollout=2,
+                                                                  **FAST)).train())
+
+
+@pytest.fixture
+def one_rollout_run(module_tiny_model_dir, restorable_runs) -> Path:
+    """The same to rollout 1, trained once for the module; each test gets its own copy."""
+    return restorable_runs("run-1", lambda out: Trainer(tiny_config(module_tiny_model_dir, out, num_rollout=1,
+                                                                    **FAST)).train())
+
+
+def test_resume_at_or_past_num_rollout_says_so_and_leaves_the_run_as_it_was(module_tiny_model_dir, two_rollout_run,
+                                                                           capsys):
     """A run done to rollout 2 resumed with --num-rollout 1 (or 2) trains nothing, says so in one line and
     rewrites no file: the report said "2 of 1 rollouts" from the rewritten config.json."""
-    out = tmp_path / "run"
-    Trainer(tiny_config(tiny_model_dir, out, num_rollout=2, **FAST)).train()
+    tiny_model_dir, out = module_tiny_model_dir, two_rollout_run
     files = ("config.json", "metrics.jsonl", "report.md")
     before = {name: (out / name).read_bytes() for name in files}
     assert "2 of 2 rollouts" in before["report.md"].decode()
@@ -114,9 +129,9 @@ DAMAGE = {
 
 
 @pytest.mark.parametrize("damage", list(DAMAGE))
-def test_a_damaged_newest_checkpoint_is_skipped_for_the_older_complete_one(tiny_model_dir, tmp_path, capsys, damage):
-    out = tmp_path / "run"
-    Trainer(tiny_config(tiny_model_dir, out, num_rollout=2, **FAST)).train()
+def test_a_damaged_newest_checkpoint_is_skipped_for_the_older_complete_one(module_tiny_model_dir, two_rollout_run,
+                                                                           capsys, damage):
+    tiny_model_dir, out = module_tiny_model_dir, two_rollout_run
     newest = out / "checkpoints" / "rollout-00002"
     expected = _params(newest)
     records = _strict_records(out)
@@ -147,9 +162,12 @@ def _cli_flags(model_dir: Path, out: Path, num_rollout: int) -> list[str]:
 
 
 @pytest.mark.parametrize("damage", ["flipped-byte", "truncated"])
-def test_the_only_checkpoint_damaged_is_a_one_line_error_naming_it(tiny_model_dir, tmp_path, capsys, damage):
-    out = tmp_path / "run"
-    assert cli_main(_cli_flags(tiny_model_dir, out, 1)) == 0
+def test_the_only_checkpoint_damaged_is_a_one_line_error_naming_it(module_tiny_model_dir, restorable_runs, capsys,
+                                                                   damage):
+    def first_rollout(out):
+        assert cli_main(_cli_flags(module_tiny_model_dir, out, 1)) == 0
+
+    tiny_model_dir, out = module_tiny_model_dir, restorable_runs("cli-run", first_rollout)
     only = out / "checkpoints" / "rollout-00001"
     DAMAGE[damage](only / "train_state.pt")
     capsys.readouterr()
@@ -172,11 +190,10 @@ def test_an_unreadable_train_state_is_a_one_line_error_naming_the_file(tmp_path,
         read_single_file(tmp_path / "nothing" / "train_state.pt", "cpu")
 
 
-def test_a_torn_last_metrics_line_is_dropped_on_resume(tiny_model_dir, tmp_path, capsys):
+def test_a_torn_last_metrics_line_is_dropped_on_resume(module_tiny_model_dir, two_rollout_run, capsys):
     """Killed while writing rollout 2's record (before its checkpoint): the half line goes, rollout 2 is
     done again and logged once, and the file reads whole at the end of the run."""
-    out = tmp_path / "run"
-    Trainer(tiny_config(tiny_model_dir, out, num_rollout=2, **FAST)).train()
+    tiny_model_dir, out = module_tiny_model_dir, two_rollout_run
     expected = _strict_records(out)
     metrics = out / "metrics.jsonl"
     text = metrics.read_text()
@@ -221,7 +238,7 @@ def test_kill_9_at_a_random_moment_then_resume_matches_the_uninterrupted_run(tin
     and the same final weights as the run never killed. The seed of the moment is in the failure message."""
     seed = int.from_bytes(os.urandom(4), "little")
     rng = random.Random(seed)
-    num_rollout = 12
+    num_rollout = 8  # the kill lands anywhere in rollouts 2-6: mid rollout, metrics write or checkpoint write
     env = {**os.environ, "OMP_NUM_THREADS": "1",
            "PYTHONPATH": os.pathsep.join([str(Path(__file__).parent), os.environ.get("PYTHONPATH", "")])}
     cli = [sys.executable, "-m", "diffrl.cli.main"]
@@ -318,13 +335,12 @@ def test_from_pretrained_components_name_the_shard_holding_the_bad_tensor(tmp_pa
         require_finite_modules(tmp_path, {"transformer": module})
 
 
-def test_evaluating_a_damaged_run_checkpoint_names_it(tiny_model_dir, tmp_path):
+def test_evaluating_a_damaged_run_checkpoint_names_it(module_tiny_model_dir, one_rollout_run):
     """`diffrl evaluate` / `compare` load run checkpoints through load_model, which checks the manifest:
     a flipped byte in the saved weights would otherwise score other weights without a word."""
     from diffrl.models.checkpoint import load_model
 
-    out = tmp_path / "run"
-    Trainer(tiny_config(tiny_model_dir, out, **FAST)).train()
+    tiny_model_dir, out = module_tiny_model_dir, one_rollout_run
     checkpoint = out / "checkpoints" / "rollout-00001"
     assert load_model(tiny_model_dir, checkpoint).transformer is not None
     _flip_byte(checkpoint / "model" / "transformer" / "diffusion_pytorch_model.safetensors")
@@ -348,10 +364,9 @@ def test_a_from_pretrained_family_refuses_nan_weights_naming_file_and_tensor(tmp
         SD3Family.load(root)
 
 
-def test_resume_with_another_loss_type_is_refused_naming_both(tiny_model_dir, tmp_path):
+def test_resume_with_another_loss_type_is_refused_naming_both(module_tiny_model_dir, one_rollout_run):
     """A Flow-GRPO run resumed with --loss-type nft went on as DiffusionNFT in the same metrics series and report."""
-    out = tmp_path / "run"
-    Trainer(tiny_config(tiny_model_dir, out, num_rollout=1, **FAST)).train()
+    tiny_model_dir, out = module_tiny_model_dir, one_rollout_run
     config = (out / "config.json").read_bytes()
     with pytest.raises(ValueError, match=r"^--resume: the checkpoint was trained with --loss-type flow_grpo, this run "
                                          r"asks for nft; resume with the same --loss-type"):

@@ -10,12 +10,11 @@ from test_trainer import tiny_config
 
 
 @pytest.fixture
-def tiny_run(tiny_model_dir, tmp_path):
+def tiny_run(module_tiny_model_dir, restorable_runs):
     """A one-rollout run of the tiny model (full finetune, CFG 2, 3 steps), evaluated before and after on
-    2 held-out images per category."""
-    run = tmp_path / "run"
-    train(tiny_config(tiny_model_dir, run, eval_images_per_category=2, diffusion_num_steps=3))
-    return run
+    2 held-out images per category: trained once for the module, each test gets its own copy."""
+    return restorable_runs("run", lambda run: train(tiny_config(module_tiny_model_dir, run, eval_images_per_category=2,
+                                                                    diffusion_num_steps=3)))
 
 
 def _records(run):

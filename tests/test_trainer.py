@@ -2,6 +2,7 @@
 
 import json
 import math
+import shutil
 
 import pytest
 import torch
@@ -129,8 +130,16 @@ def test_resume_continues_the_run_exactly(tiny_model_dir, tmp_path, sampling):
     straight = tmp_path / "straight"
     Trainer(tiny_config(tiny_model_dir, straight, num_rollout=3, **flags)).train()
 
+    # The run "killed" after rollout 2: the uninterrupted run's folder without rollout 3's checkpoint and metrics
+    # line, and without the report and curve the resumed run must write again (a third run, to stop one at rollout
+    # 2, cost a third of the test).
     split = tmp_path / "split"
-    Trainer(tiny_config(tiny_model_dir, split, num_rollout=2, **flags)).train()  # "killed" after rollout 2
+    shutil.copytree(straight, split)
+    shutil.rmtree(split / "checkpoints" / "rollout-00003")
+    (split / "report.md").unlink()
+    (split / "reward_curve.png").unlink()
+    metrics = split / "metrics.jsonl"
+    metrics.write_text("".join(metrics.read_text().splitlines(keepends=True)[:3]))  # rollouts 0, 1 and 2
     resumed = Trainer(tiny_config(tiny_model_dir, split, num_rollout=3, resume=True, **flags))
     assert resumed.rollout_index == 2 and resumed.next_group_index == 4
     assert resumed.policy.optimizer.state_dict()["state"]  # Adam moments restored
@@ -325,8 +334,9 @@ def test_nft_use_ema_evaluates_and_saves_a_second_ema_and_resumes_both(tiny_mode
     from safetensors.torch import load_file
 
     out = tmp_path / "run"
+    # One held-out image per category: the evaluation runs on the EMA as with 8, at an eighth of the sampling.
     overrides = dict(loss_type="nft", use_ema=True, ema_decay=0.5, num_steps_per_rollout=1, global_batch_size=6,
-                     micro_batch_size=6, eval_interval=100)
+                     micro_batch_size=6, eval_interval=100, eval_images_per_category=1)
     trainer = Trainer(tiny_config(tiny_model_dir, out, **overrides))
     assert trainer.policy.eval_ema is not trainer.policy.ema
     start = [p.detach().clone() for p in trainer.policy.params]
