@@ -94,12 +94,13 @@ def test_a_tiny_ocr_model_pretrains(tmp_path):
     from diffrl.models.demo import DemoFamily
 
     out = tmp_path / "run"
-    assert cli_main(["pretrain", "--world", "ocr", "--output-dir", str(out), "--steps", "2", "--batch-size", "2",
-                     "--num-workers", "0", "--checkpoint-every", "2", "--sample-steps", "1", "--log-every", "1",
+    assert cli_main(["pretrain", "--world", "ocr", "--patch-size", "8", "--output-dir", str(out), "--steps", "2",
+                     "--batch-size", "2", "--num-workers", "0", "--checkpoint-every", "2", "--sample-steps", "1", "--log-every", "1",
                      "--num-attention-heads", "2", "--attention-head-dim", "8", "--num-layers", "1",
                      "--num-single-layers", "1", "--text-d-model", "16"]) == 0
     model = DemoFamily.load(out / "final")
     assert model.default_size() == (HEIGHT, WIDTH) and (out / "samples" / "step-0000002.png").is_file()
+    assert model.prepare_ids().shape[0] == (HEIGHT // 8) * (WIDTH // 8)  # --patch-size 8: 6 x 32 tokens
     # A shapes model is refused as the start of an OCR pretraining, naming the flag.
     assert cli_main(["pretrain", "--world", "shapes", "--init-from", str(out / "final"),
                      "--output-dir", str(tmp_path / "other"), "--steps", "1"]) == 2
