@@ -187,15 +187,17 @@ def test_replay_of_an_editing_rollout_equals_the_live_run(kontext_dir, tmp_path)
 
 
 def test_condition_images_survive_the_http_wire_bit_for_bit(kontext_dir, tmp_path):
-    """On an engine built as `diffrl serve --image-roots DIR` builds it: bytes (a data: URL in the JSON request, what
-    HttpEngineClient sends) and sglang's `image_path` naming a file under the root give the in-process outputs and
-    conditioning, to the bit; a path outside the root is an HTTP 400 naming the field."""
+    """On an engine built as `diffrl serve --image-roots DIR` builds it: bytes (a data: URL in a JSON request, raw in
+    a msgpack one: HttpEngineClient sends the first, then the second once the server has answered in msgpack) and
+    sglang's `image_path` naming a file under the root give the in-process outputs and conditioning, to the bit; a
+    path outside the root is an HTTP 400 naming the field."""
     import asyncio
 
     import httpx
 
-    from diffrl.rollout.clients import HttpEngineClient
+    from diffrl.rollout.clients import HttpEngineClient, request_fields
     from diffrl.serving import sglang
+    from diffrl.serving.wire import MEDIA_TYPE, decode_outputs, decode_request, encode_request
     from diffrl.cli.main import parse
     from diffrl.serving.server import build_engine, create_app, serving_in_thread
 
@@ -218,10 +220,21 @@ def test_condition_images_survive_the_http_wire_bit_for_bit(kontext_dir, tmp_pat
 
     with serving_in_thread(create_app(engine)) as url:
         client = HttpEngineClient(url)
+
+        async def twice():
+            first = await client.generate(request)
+            assert client._sends_compact  # negotiated: the next request goes as msgpack
+            return first, await client.generate(request)
         try:
-            same(asyncio.run(client.generate(request)))
+            for outputs in asyncio.run(twice()):
+                same(outputs)
         finally:
             client.close()
+        compact = encode_request(request_fields(request, image_bytes=True))
+        assert RolloutRequest.model_validate(decode_request(compact)).image_path == request.image_path
+        answer = httpx.post(f"{url}/rollout/generate", content=compact, timeout=60,
+                            headers={"content-type": MEDIA_TYPE, "accept": MEDIA_TYPE})
+        same(decode_outputs(answer.content))
         by_path = _request(image_path=[str(source)], **fields)
         answer = httpx.post(f"{url}/rollout/generate", json=by_path.model_dump(exclude_none=True), timeout=60)
         same(sglang.decode_response(answer.content, by_path, engine.family))

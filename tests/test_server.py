@@ -189,6 +189,37 @@ def test_http_client_outlives_the_servers_idle_timeout(tiny_family):
             client.close()
 
 
+def test_compact_requests_after_the_first_answer_on_one_kept_alive_connection(served):
+    """The client's requests follow each other on its one connection (a streamed response is closed once read), the
+    second and later ones as msgpack bodies (negotiated by the first answer), with the in-process tensors."""
+    engine, url = served
+    request = RolloutRequest(prompt="a red circle", seed=2, num_outputs_per_prompt=2, **ROLLOUT)
+    want = engine.generate(request)
+
+    async def three():
+        http = HttpEngineClient(url, max_in_flight=1)
+        try:
+            return [await http.generate(request) for _ in range(3)], http._sends_compact
+        finally:
+            http.close()
+
+    answers, compact = asyncio.run(three())
+    assert compact
+    for outputs in answers:
+        _assert_same_outputs(outputs, want)
+
+
+def test_malformed_compact_requests_are_refused_naming_the_body(served):
+    import msgpack
+
+    _, url = served
+    for body in (b"\xc1", msgpack.packb(["a red circle"]), msgpack.packb({"prompt": msgpack.ExtType(3, b"x")}),
+                 msgpack.packb({"prompt": "x"}) + b"\x00"):
+        answer = httpx.post(f"{url}/rollout/generate", content=body, headers={"content-type": "application/msgpack"})
+        assert answer.status_code == 422 and answer.json()["error"]["field"] == "body", answer.text
+        assert "nor a msgpack map" in answer.json()["error"]["message"]
+
+
 def _post_weights(url, tensors, token=None, version=None):
     from safetensors.torch import save
 

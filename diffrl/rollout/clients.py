@@ -27,7 +27,14 @@ from diffrl.engine.engine import Engine
 from diffrl.engine.condition_images import data_url
 from diffrl.engine.protocol import RolloutOutput, RolloutRequest
 from diffrl.serving.streaming import Body
-from diffrl.serving.wire import MEDIA_TYPE, OutputStreamDecoder, WireFormatError, decode_outputs, weights_body
+from diffrl.serving.wire import (
+    MEDIA_TYPE,
+    OutputStreamDecoder,
+    WireFormatError,
+    decode_outputs,
+    encode_request,
+    weights_body,
+)
 from diffrl.errors import EngineUnavailable, RequestError
 from diffrl.models.base import FamilyAdapter
 from diffrl.models.lora import LoraSpec
@@ -73,7 +80,9 @@ class HttpEngineClient:
 
     It asks for the compact msgpack format (`Accept: application/msgpack`) and reads sglang-diffusion's
     JSON when that is what comes back (an sglang server ignores the header); both decode to the same
-    in-process `RolloutOutput`s. Reading JSON conditioning needs the model family's mapping of sglang's
+    in-process `RolloutOutput`s. Requests go as JSON (condition images as `data:` URLs) until the server has
+    answered in the compact format (a diffrl server, which reads compact requests too), then as msgpack
+    (`Content-Type: application/msgpack`, condition images as raw bytes). Reading JSON conditioning needs the model family's mapping of sglang's
     cond kwargs: `family` (a name or adapter class); else the server's `/health` family (a diffrl
     server), else env `DIFFRL_MODEL_FAMILY`, else the FLUX-style default. `wire_format="sglang"` asks a
     diffrl server for the JSON format too (to measure or check it).
@@ -92,6 +101,7 @@ class HttpEngineClient:
         if wire_format not in _ACCEPT:
             raise ValueError(f"wire_format {wire_format!r}: expected one of {sorted(_ACCEPT)}")
         self._accept = _ACCEPT[wire_format]
+        self._sends_compact = False  # set once the server has answered in the compact format
         self.name = base_url
         self._timeout_s = timeout_s
         self._url = url
@@ -154,14 +164,21 @@ class HttpEngineClient:
         status, content, _ = self._request_blocking("POST", path, body, headers, what)
         return status, content
 
-    def _generate_blocking(self, body: bytes, request: RolloutRequest,
-                           deliver: OnOutput | None = None) -> list[RolloutOutput]:
-        headers = {"content-type": "application/json", "accept": self._accept}
+    def _request_body(self, request: RolloutRequest) -> tuple[bytes, dict]:
+        """The request's body and headers: msgpack once the server has answered in it, else JSON."""
+        if self._sends_compact:
+            return encode_request(request_fields(request, image_bytes=True)), {"content-type": MEDIA_TYPE}
+        return json.dumps(request_fields(request)).encode(), {"content-type": "application/json"}
+
+    def _generate_blocking(self, request: RolloutRequest, deliver: OnOutput | None = None) -> list[RolloutOutput]:
+        body, headers = self._request_body(request)  # built here, off the event loop (images may be megabytes)
+        headers["accept"] = self._accept
         if not self.streams_outputs:
             status, content, kind = self._request_blocking("POST", "/rollout/generate", body, headers, what="")
             self._check_status(status, content)
             try:
                 if _is_compact(kind):
+                    self._sends_compact = True
                     return decode_outputs(content)
                 return sglang.decode_response(content, request, self._family_class())
             except WireFormatError as err:  # a garbled answer: another engine may give a good one
@@ -171,6 +188,7 @@ class HttpEngineClient:
             if response.status != 200:
                 self._check_status(response.status, response.read())
             if _is_compact(response.getheader("content-type") or ""):
+                self._sends_compact = True
                 decoder = OutputStreamDecoder()
             else:  # this thread's connection is busy with the response: /health goes on another
                 decoder = sglang.ResponseStreamDecoder(request, self._family_class(spare_connection=True))
@@ -181,6 +199,9 @@ class HttpEngineClient:
                         deliver(len(outputs), output)
                     outputs.append(output)
             decoder.finish()
+            # read1 leaves a fully read response open (it only closes on a read that asks for bytes): close it, or
+            # the kept-alive connection's next request fails with ResponseNotReady.
+            response.close()
             return outputs
         except (OSError, http.client.HTTPException) as err:
             self._drop()
@@ -236,14 +257,13 @@ class HttpEngineClient:
     async def generate(self, request: RolloutRequest, on_output: OnOutput | None = None) -> list[RolloutOutput]:
         """The request's outputs; with `stream`, `on_output(i, output)` runs on this event loop as output i
         arrives (for every output, before this returns)."""
-        body = json.dumps(request_fields(request)).encode()
         loop = asyncio.get_running_loop()
         deliver = None
         if on_output is not None:
             def deliver(i: int, output: RolloutOutput) -> None:
                 with contextlib.suppress(RuntimeError):  # the loop has closed: nobody waits for the output
                     loop.call_soon_threadsafe(on_output, i, output)
-        return await loop.run_in_executor(self._threads, self._generate_blocking, body, request, deliver)
+        return await loop.run_in_executor(self._threads, self._generate_blocking, request, deliver)
 
     def push_weights(self, tensors: dict[str, torch.Tensor], version: int, token: str | None = None) -> None:
         """Send named transformer tensors to the engine (`POST /update_weights`), synchronously:
@@ -269,13 +289,14 @@ class HttpEngineClient:
         self._threads.shutdown(wait=False)
 
 
-def request_fields(request: RolloutRequest) -> dict:
+def request_fields(request: RolloutRequest, image_bytes: bool = False) -> dict:
     """The JSON body of `request` as both servers read it. sglang-diffusion's request model does not declare
     `guidance_scale_2` (Wan2.2's second-expert scale) and drops a field it does not declare without a word, but
     it merges `extra_sampling_params` into its sampling params, which do declare it: the scale goes there, where
-    a diffrl server reads it too. Condition images given as bytes go as `data:` URLs."""
+    a diffrl server reads it too. Condition images given as bytes go as `data:` URLs (`image_bytes`: stay bytes,
+    for a msgpack body)."""
     fields = request.model_dump(exclude_none=True)
-    if "image_path" in fields:  # image bytes travel in JSON as data: URLs (paths stay paths on the server's disk)
+    if "image_path" in fields and not image_bytes:  # image bytes travel in JSON as data: URLs (paths stay paths on the server's disk)
         fields["image_path"] = [data_url(i) if isinstance(i, bytes) else i for i in fields["image_path"]]
     if "guidance_scale_2" in fields:
         fields["extra_sampling_params"] = {**fields.get("extra_sampling_params", {}),

@@ -49,7 +49,7 @@ import time
 import uuid
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Literal
+from typing import Annotated, Any, Literal
 
 import torch
 from fastapi import FastAPI, Request
@@ -58,7 +58,7 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 from PIL import Image
 from starlette.background import BackgroundTask
 from starlette.exceptions import HTTPException as StarletteHTTPException
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, ValidationInfo, field_validator
+from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, ValidationError, ValidationInfo, field_validator
 
 from diffrl import __version__
 from diffrl.serving import post_training, sglang
@@ -76,7 +76,14 @@ from diffrl.engine.protocol import RolloutRequest, json_number, utf8_text
 from diffrl.engine.spec import EngineSpec
 from diffrl.engine.spec import build_engine as build_spec_engine
 from diffrl.serving.streaming import Body, stream
-from diffrl.serving.wire import MEDIA_TYPE, WireFormatError, decode_weights, encode_outputs, output_body
+from diffrl.serving.wire import (
+    MEDIA_TYPE,
+    WireFormatError,
+    decode_request,
+    decode_weights,
+    encode_outputs,
+    output_body,
+)
 from diffrl.errors import RequestError
 from diffrl.models.lora import LoraSpec
 from diffrl.models.speed import SpeedOptions
@@ -323,7 +330,8 @@ def create_app(engine: Engine, *, update_token: str | None = None, exposed: bool
                 "dp_size": 1, "version": __version__}
 
     @app.post("/rollout/generate")
-    async def rollout_generate(req: RolloutRequest, request: Request) -> Response:
+    async def rollout_generate(req: Annotated[RolloutRequest, BeforeValidator(_compact_request)],
+                               request: Request) -> Response:
         if "num_inference_steps" not in req.model_fields_set:  # null or left out: the model's default, as sglang's
             req = req.model_copy(update={"num_inference_steps": engine.family.default_num_inference_steps})
         if wants_compact(request.headers.get("accept")):
@@ -392,6 +400,18 @@ async def _disconnected(request: Request) -> None:
     """Returns when the client has gone away (the body is read by then, so the next message is the disconnect)."""
     while (await request.receive())["type"] != "http.disconnect":
         pass
+
+
+def _compact_request(body: Any) -> Any:
+    """A /rollout/generate body FastAPI did not read as JSON (its Content-Type is not JSON) is read as diffrl's
+    compact msgpack request (`Content-Type: application/msgpack`: condition images as raw bytes)."""
+    if not isinstance(body, bytes):
+        return body
+    try:
+        return decode_request(body)
+    except WireFormatError as err:
+        raise ValueError(f"the body is neither JSON (Content-Type: application/json) nor a msgpack map "
+                         f"(Content-Type: {MEDIA_TYPE}): {err}") from None
 
 
 def wants_compact(accept: str | None) -> bool:

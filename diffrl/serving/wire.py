@@ -1,10 +1,13 @@
-"""The wire format of rollout responses: msgpack, tensors as safetensors bytes. Never pickle.
+"""diffrl's compact wire format: msgpack, tensors as safetensors bytes. Never pickle.
 
-The body is a list with one map per output; each tensor is
+A response body is a list with one map per output; each tensor is
 `{"__tensor__": true, "data": <safetensors bytes>, "shape": [...], "dtype": "..."}` — the
 convention sglang-diffusion uses, so its clients parse our responses and ours parse its.
 `output_body` writes them as they are sent (`encode_outputs`: in one piece), and `OutputStreamDecoder` reads them
 output by output as they arrive (`streaming.py`).
+
+A request body (`encode_request`, `decode_request`) is one map of the JSON request's fields, with condition images
+(`image_path` entries) as raw bytes instead of base64 `data:` URLs; plain msgpack types only (no ext types).
 """
 
 from __future__ import annotations
@@ -158,6 +161,29 @@ def output_body(outputs: list[RolloutOutput]) -> Body:
 def encode_outputs(outputs: list[RolloutOutput]) -> bytes:
     """The compact response in one piece (`output_body`'s bytes)."""
     return bytes(output_body(outputs))
+
+
+def encode_request(fields: dict) -> bytes:
+    """A rollout request's fields (`RolloutRequest.model_dump`: condition images as bytes) as a compact body."""
+    return msgpack.packb(fields, use_bin_type=True)
+
+
+def decode_request(body: bytes) -> dict:
+    """The fields of a compact request body, to be validated as a `RolloutRequest`; a WireFormatError when the body
+    is not one msgpack map of plain values (strings, bytes, numbers, booleans, nil, lists, maps with string keys)."""
+    try:
+        fields = msgpack.unpackb(body, raw=False, strict_map_key=True, ext_hook=_no_ext_types)
+    except WireFormatError:
+        raise
+    except Exception as err:  # msgpack raises several types for malformed bytes
+        raise WireFormatError(f"not valid msgpack ({str(err)[:120] or type(err).__name__})") from None
+    if not isinstance(fields, dict):
+        raise WireFormatError(f"a request body must be one map of fields, got a msgpack {type(fields).__name__}")
+    return fields
+
+
+def _no_ext_types(code: int, data: bytes) -> NoReturn:
+    raise WireFormatError(f"msgpack extension type {code} is not part of a request")
 
 
 def decode_outputs(payload: bytes) -> list[RolloutOutput]:
