@@ -104,6 +104,34 @@ def test_condition_images_are_refused_by_name(kontext, tmp_path):
         Engine(kontext).generate(_request(image_path=[str(tmp_path / "elsewhere.png")]))
 
 
+def test_condition_images_are_decoded_off_the_event_loop(kontext, monkeypatch):
+    """A served engine's event loop keeps answering while a request's source decodes (here made slow on purpose)."""
+    import asyncio
+    import time
+
+    from diffrl.engine import engine as engine_module
+
+    def slow(*args):
+        time.sleep(0.5)
+        return decode(*args)
+
+    decode = engine_module.request_images
+    monkeypatch.setattr(engine_module, "request_images", slow)
+    engine = Engine(kontext, EngineConfig(max_outputs_per_request=4))
+
+    async def ticks_during_a_request():
+        gaps, last = [], time.monotonic()
+        work = asyncio.ensure_future(engine.agenerate(_request(image_path=[png(0)])))
+        while not work.done():
+            await asyncio.sleep(0.01)
+            gaps.append(time.monotonic() - last)
+            last = time.monotonic()
+        return await work, gaps
+
+    outputs, gaps = asyncio.run(ticks_during_a_request())
+    assert len(outputs) == 2 and max(gaps) < 0.3
+
+
 def write_editing_set(folder: Path) -> Path:
     """A tiny editing prompt set: a .jsonl beside its PNGs (one under images/, Flow-Factory's layout)."""
     (folder / "images").mkdir(parents=True)

@@ -309,7 +309,9 @@ class Engine:
 
     # ------------------------------------------------------------------ generation
     def generate(self, req: RolloutRequest, cancel: threading.Event | None = None) -> list[RolloutOutput]:
-        ticket = self._enqueue(req, cancel)
+        ticket = self._ticket(req, cancel)
+        ticket.images = self._decode_images(req)
+        self._enqueue(ticket)
         try:
             self._drive(ticket)
             return ticket.result.result()
@@ -318,22 +320,30 @@ class Engine:
 
     async def agenerate(self, req: RolloutRequest, cancel: threading.Event | None = None) -> list[RolloutOutput]:
         """`generate` for an event loop: the request waits in the queue (no thread) while a pool thread
-        drives a batch that includes it. Cancelling the awaiting task (or setting `cancel`) abandons it."""
-        ticket = self._enqueue(req, cancel)
+        drives a batch that includes it. Cancelling the awaiting task (or setting `cancel`) abandons it.
+        Condition images are decoded in a worker thread: a large source does not hold up the loop's other work."""
+        ticket = self._ticket(req, cancel)
+        if req.image_path:
+            ticket.images = await asyncio.to_thread(self._decode_images, req)
+        self._enqueue(ticket)
         try:
             asyncio.get_running_loop().run_in_executor(self._threads, self._drive, ticket)
             return await asyncio.wrap_future(ticket.result)
         finally:
             self._leave(ticket)
 
-    def _enqueue(self, req: RolloutRequest, cancel: threading.Event | None) -> _Ticket:
+    def _ticket(self, req: RolloutRequest, cancel: threading.Event | None) -> _Ticket:
         ticket = _Ticket(req, self.plan(req))  # refuse before counting: a bad request never occupies the engine
-        ticket.images = request_images(req.image_path, self.config.image_roots,
-                                       self.config.max_pixels or MAX_IMAGE_PIXELS)
         if cancel is not None:
             ticket.cancel = cancel
         if self.config.request_timeout_s is not None:
             ticket.deadline = time.monotonic() + self.config.request_timeout_s
+        return ticket
+
+    def _decode_images(self, req: RolloutRequest) -> tuple[torch.Tensor, ...]:
+        return request_images(req.image_path, self.config.image_roots, self.config.max_pixels or MAX_IMAGE_PIXELS)
+
+    def _enqueue(self, ticket: _Ticket) -> None:
         with self._count_lock:
             if self._asleep:
                 raise EngineAsleep("request", "the engine is asleep: wake it first (POST /resume_memory_occupation)")
@@ -342,7 +352,6 @@ class Engine:
             self._in_flight += 1
             self._waiting.append(ticket)
             self._arrived.notify_all()
-        return ticket
 
     def _leave(self, ticket: _Ticket) -> None:
         """The caller is done with `ticket` (answered, failed or gone): it leaves the queue and the count."""
