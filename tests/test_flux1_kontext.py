@@ -301,3 +301,29 @@ def test_held_out_evaluation_samples_from_each_prompts_source(kontext, tmp_path)
                                               generator_device="cpu",
                                               image_path=[(tmp_path / "images" / "b.png").read_bytes()]))
     torch.testing.assert_close(result.images[1], alone[0].generated_output, rtol=0, atol=1e-6)
+
+
+def test_compare_sends_each_records_source_and_its_grids_show_source_then_outputs(kontext_dir, tmp_path):
+    """`diffrl compare --prompt-data` on an editing set: every column's samples see their record's source (as the
+    reward does), and the side-by-side grid and each column's evaluation grid start a row with the source."""
+    from diffrl.cli.compare import compare
+    from diffrl.cli.main import parse
+
+    path = write_editing_set(tmp_path)
+    SEEN.clear()
+    out = tmp_path / "compare"
+    compare(parse(["compare", "--base", str(kontext_dir), "--trained", str(kontext_dir), "--prompt-data", str(path),
+                   "--reward", "test_flux1_kontext:closeness_to_source", "--num-steps", "2", "--height", str(HEIGHT),
+                   "--width", str(WIDTH), "--guidance-scale", "2", "--device", "cpu", "--output-dir", str(out)]))
+    assert len(SEEN) == 3 * 2  # three columns, two records, each with its source
+    source = np.asarray(Image.open(tmp_path / "a.png").convert("RGB"))
+    first_cell = source.repeat(2, axis=0).repeat(2, axis=1)  # save_grid: 2x nearest, 2 px of padding
+
+    def cells(grid_path):
+        grid = np.asarray(Image.open(grid_path).convert("RGB"))
+        return grid, grid[2 : 2 + 2 * HEIGHT, 2 : 2 + 2 * WIDTH]
+
+    grid, cell = cells(out / "side_by_side.png")
+    assert np.array_equal(cell, first_cell) and grid.shape[1] == 2 + 4 * (2 * WIDTH + 2)  # source + 3 columns
+    grid, cell = cells(out / "trained" / "grid.png")
+    assert np.array_equal(cell, first_cell) and grid.shape[1] == 2 + 8 * (2 * WIDTH + 2)  # source, output, ...

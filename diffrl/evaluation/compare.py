@@ -17,7 +17,7 @@ from pathlib import Path
 
 import torch
 
-from diffrl.evaluation.reward_eval import first_frames
+from diffrl.evaluation.reward_eval import first_frames, with_sources
 from diffrl.evaluation.shapes import SampleRecord, evaluate_prompts, mean_se, record_caption
 from diffrl.models.base import FamilyAdapter
 from diffrl.utils.atomic import atomic_path
@@ -236,7 +236,8 @@ def reward_markdown(rows: Sequence[dict], totals: dict, labels: dict[str, str]) 
 
 def save_reward_side_by_side(evals: dict, labels: dict[str, str], path: str | Path, limit: int = 32) -> Path:
     """Rows = images (prompt, seed) in order, columns = base CFG / base no CFG / trained, each cell
-    captioned with its column, reward and prompt; the first `limit` rows."""
+    captioned with its column, reward and prompt; the first `limit` rows. Where the records have condition images,
+    each row starts with its source."""
     n = min(limit, len(evals["trained"].rows))
     cells, captions = [], []
     for k in range(n):
@@ -244,6 +245,10 @@ def save_reward_side_by_side(evals: dict, labels: dict[str, str], path: str | Pa
             row = evals[c].rows[k]
             cells.append(first_frames(evals[c].images[k : k + 1])[0])
             captions.append(f"{labels[c]} {row['reward']:.3f} | {row['prompt']}")
+    images, columns = torch.stack(cells), len(REWARD_COLUMNS)
+    if evals["trained"].sources:
+        images, captions = with_sources(images, captions, evals["trained"].sources, columns)
+        columns += 1
     with atomic_path(Path(path)) as tmp:
-        save_grid(torch.stack(cells), tmp, ncols=len(REWARD_COLUMNS), captions=captions, caption_lines=3)
+        save_grid(images, tmp, ncols=columns, captions=captions, caption_lines=3)
     return Path(path)

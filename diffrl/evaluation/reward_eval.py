@@ -9,7 +9,7 @@ spec is one component) and by their weighted total. The reward sees each record'
 
 On disk (`out_dir`): `images/00000.png`, … (a video as an animated PNG, lossless, all its frames at
 the family's frame rate, else `VIDEO_FPS`), `records.jsonl` (one line per image), `grid.png` (the first images, a video's first frame,
-captioned with prompt and reward), for videos `frames.png` (the first videos one per row, each as
+captioned with prompt and reward; where records have condition images, each image follows its source), for videos `frames.png` (the first videos one per row, each as
 evenly spaced frames) and `summary.json`. Every file is written under a temporary name and renamed,
 and `summary.json` goes last: a directory without it is an evaluation that did not finish.
 """
@@ -29,7 +29,7 @@ import torch
 from PIL import Image, PngImagePlugin
 from diffrl.utils.progress import tqdm
 
-from diffrl.data.condition_images import with_condition_images
+from diffrl.data.condition_images import CONDITION_IMAGES_KEY, with_condition_images
 from diffrl.data.prompts import PromptRecord
 from diffrl.evaluation.sampling import TEST_SEED, generate
 from diffrl.models.base import FamilyAdapter
@@ -37,7 +37,7 @@ from diffrl.rewards import _parse_weights, checked_rewards, get_reward
 from diffrl.rewards.frames import on_frames
 from diffrl.utils.atomic import atomic_path, write_text_atomic
 from diffrl.utils.blocking import run_blocking
-from diffrl.utils.images import save_grid, to_uint8
+from diffrl.utils.images import fit_image, save_grid, to_uint8
 from diffrl.utils.size import sample_size
 
 GRID_IMAGES = 32
@@ -58,13 +58,15 @@ class RewardComponent:
 class RewardEval:
     """What an evaluation measured. `summary`: {"eval/reward": mean total, "eval/reward/<component>": mean};
     `rows`: one dict per image (index, prompt_index, prompt, metadata, seed, reward, rewards, file);
-    `images`: [N, 3, H, W] (video: [N, 3, F, H, W]) in [0, 1] on CPU, in row order."""
+    `images`: [N, 3, H, W] (video: [N, 3, F, H, W]) in [0, 1] on CPU, in row order; `sources`: each row's first
+    condition image ([3, h, w] in [0, 1]; None for a record without one; empty when no record has one)."""
 
     summary: dict[str, float]
     rows: list[dict]
     images: torch.Tensor
     components: list[RewardComponent] = field(default_factory=list)
     out_dir: Path | None = None
+    sources: list[torch.Tensor | None] = field(default_factory=list)
 
     def per_prompt(self) -> list[dict]:
         """Per prompt (in order): its mean total reward and mean per component over its seeds."""
@@ -187,7 +189,7 @@ def evaluate_with_reward(
     was_training = family.transformer.training
     family.transformer.eval()  # the trainer hands over its live model: sample it in eval mode, then restore
     try:
-        rows, images = _sample_and_score(family, expanded, seeds, components, num_steps=num_steps,
+        rows, images, sources = _sample_and_score(family, expanded, seeds, components, num_steps=num_steps,
                                          guidance_scale=guidance_scale, guidance_scale_2=guidance_scale_2,
                                          size={"resolution": resolution, "height": height, "width": width},
                                          num_frames=num_frames, negative_prompt=negative_prompt,
@@ -205,7 +207,9 @@ def evaluate_with_reward(
     if judges:
         summary["eval/judge"] = _mean(r["judge"] for r in rows)
         summary.update({f"eval/judge/{c.name}": _mean(r["judges"][c.name] for r in rows) for c in judges})
-    result = RewardEval(summary, rows, images, components, out_dir)
+    if all(s is None for s in sources):
+        sources = []
+    result = RewardEval(summary, rows, images, components, out_dir, sources)
     if out_dir is not None:
         save_eval_grid(result, out_dir / "grid.png")
         if images.dim() == 5:
@@ -223,9 +227,10 @@ def evaluate_with_reward(
 
 
 def _sample_and_score(family, expanded, seeds, components, *, num_steps, guidance_scale, guidance_scale_2, size,
-                      num_frames, negative_prompt, batch_size, out_dir, progress) -> tuple[list[dict], torch.Tensor]:
-    """Batch by batch: sample, score, write each image; the rows and all images in order."""
-    rows, chunks = [], []
+                      num_frames, negative_prompt, batch_size, out_dir, progress):
+    """Batch by batch: sample, score, write each image; the rows, all images and each row's first condition image
+    (or None), in order."""
+    rows, chunks, firsts = [], [], []
     for start in tqdm(range(0, len(expanded), batch_size), desc="evaluating", disable=not progress,
                       dynamic_ncols=True):
         part = expanded[start : start + batch_size]
@@ -238,6 +243,7 @@ def _sample_and_score(family, expanded, seeds, components, *, num_steps, guidanc
         metadata = [with_condition_images({**r.metadata, "seed": s}, source)
                     for (_, r), s, source in zip(part, part_seeds, sources, strict=True)]
         totals, rewards = score_components(components, images, prompts, metadata)
+        firsts += [m[CONDITION_IMAGES_KEY][0] if CONDITION_IMAGES_KEY in m else None for m in metadata]
         for j, ((prompt_index, record), s) in enumerate(zip(part, part_seeds, strict=True)):
             k = start + j
             file = None
@@ -248,16 +254,34 @@ def _sample_and_score(family, expanded, seeds, components, *, num_steps, guidanc
                          "metadata": record.metadata, "seed": s, "reward": totals[j], "rewards": rewards[j],
                          "file": file})
         chunks.append(images)
-    return rows, torch.cat(chunks)
+    return rows, torch.cat(chunks), firsts
 
 
 def save_eval_grid(result: RewardEval, path: Path, limit: int = GRID_IMAGES) -> Path:
-    """The first `limit` images (a video: its first frame), each captioned with its reward and prompt."""
+    """The first `limit` images (a video: its first frame), each captioned with its reward and prompt; with
+    condition images, each image after its source (source → output, four pairs a row)."""
     shown = result.rows[:limit]
+    images = first_frames(result.images[: len(shown)])
     captions = [f"{r['reward']:.3f} {r['prompt']}" for r in shown]
+    if result.sources:
+        images, captions = with_sources(images, captions, result.sources)
     with atomic_path(path) as tmp:
-        save_grid(first_frames(result.images[: len(shown)]), tmp, ncols=8, captions=captions, caption_lines=3)
+        save_grid(images, tmp, ncols=8, captions=captions, caption_lines=3)
     return path
+
+
+def with_sources(images: torch.Tensor, captions: list[str], sources: Sequence[torch.Tensor | None],
+                 columns: int = 1) -> tuple[torch.Tensor, list[str]]:
+    """Grid cells with each row's source before its `columns` images ([N·columns, 3, H, W], row-major): the source
+    fitted to the images' size (a record without one: a grey cell), captioned "source"."""
+    height, width = images.shape[-2:]
+    cells, texts = [], []
+    for k, source in enumerate(sources[: len(images) // columns]):
+        cells.append(torch.full((3, height, width), 0.5) if source is None else fit_image(source, height, width))
+        texts.append("source" if source is not None else "no source")
+        cells += list(images[k * columns : (k + 1) * columns])
+        texts += captions[k * columns : (k + 1) * columns]
+    return torch.stack(cells), texts
 
 
 FRAME_GRID_VIDEOS, FRAME_GRID_FRAMES = 8, 8

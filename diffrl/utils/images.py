@@ -15,6 +15,16 @@ def to_uint8(images: torch.Tensor) -> np.ndarray:
     return (images.detach().float().clamp(0, 1) * 255).round().to(torch.uint8).permute(0, 2, 3, 1).cpu().numpy()
 
 
+def fit_image(image: torch.Tensor, height: int, width: int) -> torch.Tensor:
+    """A `[3, h, w]` image in [0, 1] resized (bilinear, antialiased) to `[3, height, width]`, for showing it beside
+    images of that size; unchanged when it has that size already."""
+    if tuple(image.shape[-2:]) == (height, width):
+        return image
+    resized = torch.nn.functional.interpolate(image[None].float(), size=(height, width), mode="bilinear",
+                                              antialias=True, align_corners=False)
+    return resized[0].clamp(0, 1)
+
+
 def wrap_caption(text: str, fits: Callable[[str], bool], max_lines: int) -> list[str]:
     """`text` in at most `max_lines` lines that each `fits`, broken at spaces (a word is cut only when it is
     wider than a whole line) and at its own line breaks; text left over ends the last line with "…"."""
