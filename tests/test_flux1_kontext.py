@@ -169,7 +169,7 @@ def closeness_to_source(images, prompts, metadata):
     return [1.0 - float((image - source).abs().mean()) for image, source in zip(images, sources, strict=True)]
 
 
-def _train(model_dir, prompts, out, loss_type, num_rollout=2, **flags):
+def _train(model_dir, prompts, out, loss_type, num_rollout=2, reward_fn=None, **flags):
     from diffrl.train.config import TrainConfig
     from diffrl.train.trainer import Trainer
 
@@ -180,7 +180,7 @@ def _train(model_dir, prompts, out, loss_type, num_rollout=2, **flags):
         diffusion_guidance_scale=2.0 if loss_type == "flow_grpo" else 1.0, lr=1e-3, device="cpu", use_lora=True,
         lora_rank=2, reward="jpeg_compressibility", eval_images_per_category=0, checkpoint_interval=10,
         **({"diffusion_sde_window_range": (0, 2)} if loss_type == "flow_grpo" else {}), **flags)
-    trainer = Trainer(cfg, reward_fn=closeness_to_source)
+    trainer = Trainer(cfg, reward_fn=reward_fn or closeness_to_source)
     trainer.train()
     records = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
     return records, [p.detach().clone() for p in trainer.policy.params]
@@ -197,6 +197,18 @@ def test_training_on_an_editing_prompt_set(kontext_dir, tmp_path, loss_type):
     if loss_type == "flow_grpo":
         assert trained[-1]["train/log_prob_mean_abs_diff"] < 1e-4
     assert SEEN and all(shape == (3, 32, 48) for shape in SEEN)
+
+
+def test_sources_of_different_sizes_in_one_rollout_are_refused_naming_the_cause(kontext_dir, tmp_path):
+    prompts = write_editing_set(tmp_path / "data")
+    (tmp_path / "data" / "images" / "b.png").write_bytes(png(1, (40, 48)))  # 40x48 against a.png's 32x48
+
+    def constant(images, prompts, metadata):
+        return [0.0] * len(images)
+
+    with pytest.raises(ValueError, match="sources of different sizes give different lengths.*give every condition "
+                                         "image of the prompt set the same width and height"):
+        _train(kontext_dir, prompts, tmp_path / "run", "flow_grpo", num_rollout=1, reward_fn=constant)
 
 
 def test_replay_of_an_editing_rollout_equals_the_live_run(kontext_dir, tmp_path):

@@ -392,7 +392,8 @@ class Trainer:
             return record
 
         start = time.perf_counter()
-        env = rollout_conditioning(samples, pad_text=policy.family.pads_text)
+        env = rollout_conditioning(samples, pad_text=policy.family.pads_text,
+                                   image_conditioned=policy.family.accepts_image_conditioning)
         env.update(cond=[env["cond"][i] for i in kept], uncond=[env["uncond"][i] for i in kept])
         pairs = objective.pairs([samples[i] for i in kept], adv.values[kept].float(), env)
         if not len(pairs):  # e.g. sft when no sample beat its prompt's mean

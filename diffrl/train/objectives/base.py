@@ -15,18 +15,18 @@ from diffrl.sampling import noised
 from diffrl.train.ema import ParameterEMA
 
 
-def rollout_conditioning(samples, pad_text: bool = False) -> dict:
+def rollout_conditioning(samples, pad_text: bool = False, image_conditioned: bool = False) -> dict:
     """Per-sample prompt embeddings from each request's denoising env (sent once per request). With
-    `pad_text` (the family's `pads_text`), prompts of different lengths are zero-padded to the longest."""
+    `pad_text` (the family's `pads_text`), prompts of different lengths are zero-padded to the longest.
+    `image_conditioned` (the family's `accepts_image_conditioning`): the conditioning holds the condition images'
+    tokens too, which is what a refusal then names."""
     cond, uncond, env, first = [], [], None, None
     for s in samples:
         env = s.output.denoising_env or env  # the first output of each microgroup carries it
         first = first or env
         for key in ("text_ids", "negative_text_ids"):
             if not pad_text and key in env and not torch.equal(env[key], first[key]):
-                raise ValueError(f"the prompts of one rollout have text windows of {len(first[key])} and "
-                                 f"{len(env[key])} tokens ({s.prompt!r}); training batches one window, so keep "
-                                 "every prompt (and the negative prompt) within one window of the family")
+                raise ValueError(_mixed_conditioning(len(first[key]), len(env[key]), s.prompt, image_conditioned))
         cond.append(env["prompt_embeds"][0])
         negative = env.get("negative_prompt_embeds")
         uncond.append(negative[0] if negative is not None else torch.zeros_like(env["prompt_embeds"][0]))
@@ -39,6 +39,17 @@ def rollout_conditioning(samples, pad_text: bool = False) -> dict:
                 "negative_text_ids": ids}
     return {"cond": cond, "uncond": uncond, "text_ids": env["text_ids"], "image_ids": env["image_ids"],
             "negative_text_ids": env.get("negative_text_ids", env["text_ids"])}
+
+
+def _mixed_conditioning(first: int, other: int, prompt: str, image_conditioned: bool) -> str:
+    """Why the samples of one rollout cannot be trained as one batch: their conditioning differs in length."""
+    if image_conditioned:
+        return (f"the samples of one rollout have conditioning of {first} and {other} tokens ({prompt!r}): it holds "
+                "the condition images' tokens, so sources of different sizes give different lengths, and training "
+                "batches one length; give every condition image of the prompt set the same width and height "
+                "(resize them to one size)")
+    return (f"the prompts of one rollout have text windows of {first} and {other} tokens ({prompt!r}); training "
+            "batches one window, so keep every prompt (and the negative prompt) within one window of the family")
 
 
 def conditioning_rows(tensors: Sequence[torch.Tensor], device: torch.device | str) -> tuple[torch.Tensor, list]:
