@@ -186,6 +186,18 @@ def _train(model_dir, prompts, out, loss_type, num_rollout=2, reward_fn=None, **
     return records, [p.detach().clone() for p in trainer.policy.params]
 
 
+def test_reward_worker_batches_carry_the_condition_images():
+    """What `--reward-workers` sends a worker process: the condition images as tensors, bit for bit, beside the
+    metadata's JSON (a group's samples share their source)."""
+    from diffrl.rewards.workers import decode_batch, encode_batch
+
+    source, images = torch.rand(3, 5, 6), torch.rand(3, 3, 8, 8)
+    metadata = [{"seed": 1, CONDITION_IMAGES_KEY: [source]}, {"seed": 2, CONDITION_IMAGES_KEY: [source]}, {"seed": 3}]
+    got, prompts, meta = decode_batch(*encode_batch(images, ["a", "b", "c"], metadata))
+    assert torch.equal(got, images) and prompts == ["a", "b", "c"] and meta[2] == {"seed": 3}
+    assert all(torch.equal(m[CONDITION_IMAGES_KEY][0], source) and m["seed"] == k + 1 for k, m in enumerate(meta[:2]))
+
+
 @pytest.mark.parametrize("loss_type", ["flow_grpo", "nft"])
 def test_training_on_an_editing_prompt_set(kontext_dir, tmp_path, loss_type):
     """Two rollouts of Flow-GRPO (true CFG with the source in both halves) and of DiffusionNFT on edits; the reward

@@ -3,8 +3,8 @@
 Rewards such as the shapes verifier are CPU-bound Python; scored inline, a rollout's microgroups
 wait for each other in the trainer's process. A pool scores them in parallel, as they land.
 
-What crosses the process boundary is our own formats: images as safetensors bytes, prompts and
-metadata as JSON, rewards as plain floats (the pool's envelope around them is internal, as Ray's is).
+What crosses the process boundary is our own formats: images (and condition images) as safetensors bytes,
+prompts and metadata as JSON, rewards as plain floats (the pool's envelope around them is internal, as Ray's is).
 Each call's rewards come back to that call, in order, whichever worker scored it and whenever.
 
 With `--reward-colocate` every worker moves its model rewards off the device and back (`sleep` / `wake`):
@@ -24,6 +24,7 @@ from concurrent.futures import ProcessPoolExecutor
 
 import torch
 
+from diffrl.data.condition_images import CONDITION_IMAGES_KEY
 from diffrl.serving.wire import decode_weights, encode_weights
 from diffrl.rewards import TermScores, colocate, default_device, get_reward
 from diffrl.rewards.frames import on_frames, pick_frames, reads_whole_videos
@@ -33,12 +34,22 @@ from diffrl.utils.spawned import exit_with_parent, no_named_semaphores, pid_tagg
 
 
 def encode_batch(images: torch.Tensor, prompts: list[str], metadata: list[dict] | None) -> tuple[bytes, str, str]:
-    return encode_weights({"images": images.detach().cpu().contiguous()}), json.dumps(list(prompts)), \
-        json.dumps(metadata or [])
+    """Images, and each sample's condition images (metadata `condition_images`), as safetensors; the rest as JSON."""
+    tensors, plain = {"images": images.detach().cpu().contiguous()}, []
+    for i, meta in enumerate(metadata or ()):
+        sources = meta.get(CONDITION_IMAGES_KEY) or ()
+        tensors.update({f"{CONDITION_IMAGES_KEY}/{i}/{j}": s.detach().cpu().contiguous() for j, s in enumerate(sources)})
+        plain.append({k: (len(sources) if k == CONDITION_IMAGES_KEY else v) for k, v in meta.items()})
+    return encode_weights(tensors), json.dumps(list(prompts)), json.dumps(plain)
 
 
 def decode_batch(images: bytes, prompts_json: str, metadata_json: str) -> tuple[torch.Tensor, list[str], list[dict]]:
-    return decode_weights(images)["images"], json.loads(prompts_json), json.loads(metadata_json)
+    tensors, metadata = decode_weights(images), json.loads(metadata_json)
+    for i, meta in enumerate(metadata):
+        if CONDITION_IMAGES_KEY in meta:
+            meta[CONDITION_IMAGES_KEY] = [tensors[f"{CONDITION_IMAGES_KEY}/{i}/{j}"]
+                                          for j in range(meta[CONDITION_IMAGES_KEY])]
+    return tensors["images"], json.loads(prompts_json), metadata
 
 
 _SCORERS: dict[tuple[str, str | None, int | None], Callable] = {}  # per worker process: each reward is built once
