@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import hashlib
 import io
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import numpy as np
@@ -33,13 +33,21 @@ MAX_IMAGE_PIXELS = 64 * 2**20
 
 @dataclass(frozen=True)
 class ConditionImage:
-    """One condition image of a prompt record: its file and the sha256 of its bytes when it was read."""
+    """One condition image of a prompt record: its file and the sha256 of its bytes when it was read; or, made in
+    memory (`in_memory`: a rendered source), its bytes, with `path` naming what made them."""
 
     path: Path
     sha256: str
+    data: bytes | None = field(default=None, repr=False, compare=False)
+
+    @classmethod
+    def in_memory(cls, data: bytes, name: str) -> ConditionImage:
+        return cls(Path(name), hashlib.sha256(data).hexdigest(), data)
 
     def read(self) -> bytes:
         """The file's bytes; a ValueError naming the file when it has changed since the prompt file was read."""
+        if self.data is not None:
+            return self.data
         data = self.path.read_bytes()
         if hashlib.sha256(data).hexdigest() != self.sha256:
             raise ValueError(f"condition image {self.path}: changed since the prompt data was read")
@@ -58,6 +66,13 @@ def decode_image(data: bytes, what: str, max_pixels: int | None = MAX_IMAGE_PIXE
     except (UnidentifiedImageError, OSError, SyntaxError, Image.DecompressionBombError) as err:
         raise ValueError(f"{what}: not a decodable image ({str(err)[:120]})") from None
     return torch.from_numpy(np.asarray(rgb).copy()).permute(2, 0, 1).contiguous()
+
+
+def encode_png(pixels: np.ndarray) -> bytes:
+    """`uint8 [H, W, 3]` pixels as PNG bytes (lossless: `decode_image` gives them back bit for bit)."""
+    buffer = io.BytesIO()
+    Image.fromarray(pixels).save(buffer, format="PNG")
+    return buffer.getvalue()
 
 
 def to_unit(image: torch.Tensor) -> torch.Tensor:

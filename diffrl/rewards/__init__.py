@@ -18,6 +18,7 @@ from collections.abc import Callable, Sequence
 
 import diffrl.rewards.jpeg  # registers the jpeg rewards
 import diffrl.rewards.ocr  # registers `ocr`; its model is imported on first use
+import diffrl.rewards.shapes_edit  # registers `shapes_edit` and `shapes_edit_strict` (the editing world)
 import diffrl.rewards.tesseract  # registers `tesseract` (the OCR world's judge); imported on first use likewise
 import diffrl.rewards.temporal  # noqa: F401  (registers `temporal_consistency`)
 from diffrl.data import shapes as shapes_world

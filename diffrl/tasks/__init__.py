@@ -3,7 +3,8 @@
 The trainer asks its task for each rollout's prompts (`draw`), tells it the rewards they earned
 (`observe`), and asks it to evaluate the engine's model (`evaluate`); it knows nothing else about
 them. `shapes` is the zero-configuration demo world (exact verifier, GenEval categories);
-`prompt_set` is a user's prompt dataset judged by any reward on its held-out split.
+`shapes_edit` is its editing world (`--world shapes-edit`); `prompt_set` is a user's prompt dataset judged by any
+reward on its held-out split.
 """
 
 from __future__ import annotations
@@ -11,6 +12,7 @@ from __future__ import annotations
 from diffrl.tasks.base import EvalOutcome, EvalSettings, Task
 from diffrl.tasks.prompt_set import PromptSetTask
 from diffrl.tasks.shapes import ShapesTask
+from diffrl.tasks.shapes_edit import ShapesEditTask
 
 __all__ = ["EvalOutcome", "EvalSettings", "Task", "build_task"]
 
@@ -20,4 +22,6 @@ def build_task(cfg) -> Task:
     settings = EvalSettings.from_config(cfg)
     if cfg.task.prompt_data is not None:
         return PromptSetTask(cfg.task, cfg.eval, settings, seed=cfg.seed)
+    if cfg.task.world == "shapes-edit":
+        return ShapesEditTask(cfg.task, cfg.eval, settings, seed=cfg.seed)
     return ShapesTask(cfg.task, cfg.eval, settings, seed=cfg.seed)

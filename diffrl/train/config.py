@@ -365,6 +365,9 @@ class OptimConfig:
                  f"--adam-beta1/--adam-beta2 must be in [0, 1) (got {self.adam_beta1}, {self.adam_beta2})")
 
 
+_TEXT_TO_IMAGE_SHAPES_REWARDS = ("shapes", "shapes_strict", "shapes_balanced", "shapes_exact_count", "shapes_crisp")
+
+
 @dataclass
 class TaskConfig:
     prompt_data: Path | None = None
@@ -398,6 +401,10 @@ class TaskConfig:
     """Model rewards share the trainer's GPU but leave it while the trainer trains: moved to host memory after
     each rollout and evaluation, back before the next one scores (as a --colocate engine sleeps); with
     --reward-workers each worker moves its own copy. Costs a copy of the reward's weights each way per rollout."""
+    world: Literal["shapes", "shapes-edit"] = "shapes"
+    """Without --prompt-data: the shapes world (text to image), or its editing world (shapes-edit: an instruction and
+    its rendered source scene per prompt, for an image-conditioned family, judged by --reward shapes_edit or
+    shapes_edit_strict; docs/editing-world.md)."""
     train_categories: tuple[str, ...] = ()
     """Shapes categories to draw train prompts from (default: all six)."""
     category_sampling: Literal["uniform", "adaptive"] = "uniform"
@@ -425,6 +432,12 @@ class TaskConfig:
         _require(self.eval_reward is None or self.prompt_data is not None,
                  "--eval-reward judges a --prompt-data run's held-out images; the shapes world is judged by its exact "
                  "verifier (eval/strict)")
+        if self.world == "shapes-edit":
+            _require(self.prompt_data is None, "--world shapes-edit draws its own prompts; drop --prompt-data")
+            _require(self.reward not in _TEXT_TO_IMAGE_SHAPES_REWARDS, f"--reward {self.reward} judges text-to-image "
+                     "shapes prompts; the editing world's are edits: pass --reward shapes_edit (or shapes_edit_strict)")
+            _require(not self.train_categories, "--train-categories picks text-to-image shapes categories; "
+                     "--world shapes-edit has edit kinds")
         _require(self.prompt_data is None or not self.train_categories,
                  "--train-categories picks shapes categories; a --prompt-data set has none")
         if self.reward_colocate:

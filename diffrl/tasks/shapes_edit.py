@@ -1,0 +1,96 @@
+"""The editing world as a task (`--world shapes-edit`): each prompt is an edit instruction with its rendered source
+scene as the condition image, judged by `verify_edit` against that source (docs/editing-world.md).
+
+Training draws examples of the train split (`sample_example`: kind, instruction and scene from a seed fixed by the
+run's seed, the rollout and the prompt's place in it), so a rollout's prompts are the same on any rerun and need no
+state. The reward is the run's `--reward` (`shapes_edit`: partial credit; `shapes_edit_strict`). Evaluation samples
+`--eval-images-per-category` held-out examples of each edit kind (the test split's instructions in turn, scenes from
+fixed seeds) and scores them strictly: `eval/strict`, `eval/strict/<kind>`, and the partial credit `eval/score`;
+its grid shows each source before its output.
+"""
+
+from __future__ import annotations
+
+from collections import defaultdict
+from collections.abc import Sequence
+
+import numpy as np
+
+from diffrl.data.condition_images import ConditionImage, encode_png
+from diffrl.data.prompts import PromptRecord
+from diffrl.data.shapes import EDIT_KINDS, EditExample, edits_by_kind, make_example, sample_example
+from diffrl.evaluation.reward_eval import RewardComponent, evaluate_with_reward
+from diffrl.evaluation.sampling import TEST_SEED
+from diffrl.rewards.shapes_edit import shapes_edit_reward, shapes_edit_strict_reward
+from diffrl.tasks.base import EvalOutcome, EvalSettings
+
+DEFAULT_SIZE = 64  # the shapes world's canvas
+_EVAL_COMPONENTS = [RewardComponent("strict", "shapes_edit_strict", 1.0, shapes_edit_strict_reward),
+                    RewardComponent("score", "shapes_edit", 0.0, shapes_edit_reward)]
+
+
+def edit_record(example: EditExample, name: str) -> PromptRecord:
+    """An example as a prompt: the instruction, its kind as metadata, the rendered source as its condition image."""
+    source = ConditionImage.in_memory(encode_png(example.source_image()), name)
+    return PromptRecord(example.instruction, {"edit_kind": example.edit.kind}, (source,))
+
+
+def held_out_records(per_kind: int, size: int) -> list[PromptRecord]:
+    """`per_kind` examples of each edit kind: its test instructions in turn, scene j drawn from seed TEST_SEED + j."""
+    records = []
+    for kind, instructions in edits_by_kind("test").items():
+        for j in range(per_kind):
+            example = make_example(instructions[j % len(instructions)], TEST_SEED + j, size)
+            records.append(edit_record(example, f"shapes-edit test {kind} {j}"))
+    return records
+
+
+class ShapesEditTask:
+    name = "shapes_edit"
+
+    def __init__(self, task_cfg, eval_cfg, settings: EvalSettings, seed: int = 0):
+        height, width = settings.height or settings.resolution, settings.width or settings.resolution
+        if height != width:
+            raise ValueError(f"--world shapes-edit renders square scenes; got {width}x{height} (pass --resolution)")
+        self.size = height or DEFAULT_SIZE
+        self.seed, self.eval_cfg, self.settings = seed, eval_cfg, settings
+        self.selection_metric = None
+        self.evaluates = eval_cfg.eval_images_per_category > 0
+
+    def check_family(self, family) -> None:
+        if not family.accepts_image_conditioning:
+            raise ValueError(f"--world shapes-edit gives every prompt a source image; the {family.name} family at this "
+                             "checkpoint takes none (use an image-conditioned one, e.g. FLUX.1 Kontext)")
+
+    def draw(self, k: int, batch: int) -> list[PromptRecord]:
+        seeds = [self.seed * 1_000_000_007 + k * batch + i for i in range(batch)]
+        return [edit_record(sample_example(s, "train", size=self.size), f"shapes-edit train seed {s}") for s in seeds]
+
+    def observe(self, prompts: Sequence[PromptRecord], group_rewards) -> dict[str, float]:
+        by_kind: dict[str, list[float]] = defaultdict(list)
+        for record, rewards in zip(prompts, group_rewards, strict=True):
+            by_kind[record.metadata["edit_kind"]].extend(float(r) for r in rewards)
+        return {f"rollout/reward/{kind}": float(np.mean(values)) for kind, values in by_kind.items()}
+
+    def evaluate(self, family, k: int, out_dir) -> EvalOutcome:
+        s = self.settings
+        result = evaluate_with_reward(family, held_out_records(self.eval_cfg.eval_images_per_category, self.size),
+                                      _EVAL_COMPONENTS, seeds_per_prompt=1, seed=TEST_SEED, num_steps=s.num_steps,
+                                      guidance_scale=s.guidance_scale, height=self.size, width=self.size,
+                                      negative_prompt=s.negative_prompt, out_dir=out_dir / f"rollout-{k:05d}")
+        rows = result.rows
+        metrics = {"eval/strict": float(np.mean([r["rewards"]["strict"] for r in rows])),
+                   "eval/score": float(np.mean([r["rewards"]["score"] for r in rows]))}
+        for kind in EDIT_KINDS:
+            mine = [r["rewards"]["strict"] for r in rows if r["metadata"]["edit_kind"] == kind]
+            if mine:
+                metrics[f"eval/strict/{kind}"] = float(np.mean(mine))
+        shown = min(self.eval_cfg.eval_log_images, len(rows))
+        return EvalOutcome(metrics=metrics, images=result.images[:shown],
+                           captions=[("ok " if r["rewards"]["strict"] else "X ") + r["prompt"] for r in rows[:shown]])
+
+    def state_dict(self) -> dict:
+        return {}  # each rollout's prompts follow from the run's seed and the rollout's index
+
+    def load_state_dict(self, state: dict) -> None:
+        pass
