@@ -255,6 +255,12 @@ _FLUX2_KLEIN_BASE_GRPO = dict(_FLUX2_KLEIN_GRPO, diffusion_num_steps=8, eval_num
 # --offload-text-encoder, or several GPUs.
 _FLUX2_DEV_GRPO = dict(_FLUX2_KLEIN_GRPO, resolution=512, diffusion_num_steps=8, eval_num_steps=28,
                        diffusion_noise_level=1.0, diffusion_sde_window_range=(1, 4))
+# Flow-GRPO editing on FLUX.2 [dev] (--prompt-data rows name each edit's references under `image`/`images`):
+# examples/grpo/lora/flux2/i2i.yaml: 384² outputs, 10 steps (28 to evaluate) with the embedded guidance 4, PickScore
+# alone; everything else as the t2i recipe above. Its sources are resized to at most 384² (512² to evaluate): resize
+# them beforehand, the engine takes a reference at its own size (downscaled only above 1024², as the pipeline).
+# Flow-Factory has no FLUX.2 [klein] editing example: the klein recipes apply to an editing prompt set as they are.
+_FLUX2_DEV_EDIT_GRPO = dict(_FLUX2_DEV_GRPO, resolution=384, diffusion_num_steps=10, eval_num_steps=28)
 # DiffusionNFT on FLUX.2 [klein] base with PickScore (examples/nft/lora/flux2_klein_base/default.yaml): 384², 8-step
 # ODE rollouts with CFG 4 under the EMA old policy (ramp 0.001 up to 0.5, no flat rollouts), NFT β 0.1, advantage
 # clip 5, 48 prompts × 16 samples in one optimizer step, LoRA r64/α128, lr 1e-4, AdamW β2 0.999, weight decay 1e-4,
@@ -311,6 +317,7 @@ SIZED: dict[str, dict[str, dict]] = {
     "flux2-klein-base-grpo-pickscore": {"gpu": _FLUX2_KLEIN_BASE_GRPO, "cpu": _FLUX2_KLEIN_BASE_GRPO},
     "flux2-klein-base-nft-pickscore": {"gpu": _FLUX2_KLEIN_BASE_NFT, "cpu": _FLUX2_KLEIN_BASE_NFT},
     "flux2-dev-grpo-pickscore": {"gpu": _FLUX2_DEV_GRPO, "cpu": _FLUX2_DEV_GRPO},
+    "flux2-dev-edit-grpo-pickscore": {"gpu": _FLUX2_DEV_EDIT_GRPO, "cpu": _FLUX2_DEV_EDIT_GRPO},
     # On a GPU: one request per prompt's 8 videos (denoised as one batch), training micro-batches of 4 pairs and
     # compiled blocks: 8.25 s per sample on one H200 against 29.2 s with the published microgroup 1 and micro-batch
     # 1, eager. The same samples (seeds fix them) and the same gradient (micro-batches are weighted by their
@@ -379,6 +386,7 @@ RECIPE_SUMMARIES = {
     "flux2-klein-base-grpo-pickscore": "Flow-GRPO on FLUX.2 [klein] base with PickScore (Flow-Factory's example)",
     "flux2-klein-base-nft-pickscore": "DiffusionNFT on FLUX.2 [klein] base with PickScore (Flow-Factory's example)",
     "flux2-dev-grpo-pickscore": "Flow-GRPO on FLUX.2 [dev] with PickScore (Flow-Factory's flux2 t2i example)",
+    "flux2-dev-edit-grpo-pickscore": "Flow-GRPO editing on FLUX.2 [dev] with PickScore (Flow-Factory's flux2 i2i)",
     "ltx23-grpo-pickscore": "Flow-GRPO on LTX-2.3 video with PickScore",
     "cosmos3-grpo": "Flow-GRPO on Cosmos3",
     "shapes-nft": "DiffusionNFT on the shipped demo model and the shapes world (make demo; CPU-sized on a CPU)",

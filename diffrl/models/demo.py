@@ -2,8 +2,10 @@
 
 It is the FLUX 3 architecture (diffusers' `Flux3Transformer2DModel`) at a small config, in pixel
 space: a 64×64 RGB image in [-1, 1] is cut into 4×4 patches, so each token carries 48 values and
-the image is 256 tokens. The text encoder is a small T5 encoder over a word-level tokenizer built
-in code from the shapes vocabulary. Stored in diffusers layout:
+the image is 256 tokens. Condition images (image-conditioned requests, the shapes-edit world's sources: at the
+model's own size) go to the transformer's reference mode as FLUX 3 Image Klein's do (`flux3_image`): patchified
+the same way, position ids (0, row, column, -(i + 1)), folded into the prompt's conditioning. The text encoder is a
+small T5 encoder over a word-level tokenizer built in code from the shapes vocabulary. Stored in diffusers layout:
 
     model_index.json            components + the `diffrl` block (family, image and patch size, shift)
     transformer/                config.json + diffusion_pytorch_model.safetensors
@@ -17,10 +19,9 @@ import json
 from collections.abc import Sequence
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import torch
-from diffusers import Flux3Transformer2DModel
-from transformers import PreTrainedTokenizerFast, T5EncoderModel
 
 from diffrl.errors import RequestError
 from diffrl.models.base import (
@@ -32,9 +33,14 @@ from diffrl.models.base import (
     register_family,
 )
 from diffrl.models.batch_invariance import embed_rows_one_at_a_time
+from diffrl.models.flux2_vae import MAX_REFERENCE_IMAGES, fold_references, split_references
 from diffrl.models.flux3_image import run_flux3_transformer
 from diffrl.models.weights import load_weights, read_weights
 from diffrl.sampling import make_sigmas, randn_per_sample
+
+if TYPE_CHECKING:  # the loaders below import these lazily: diffusers' and transformers' model packages take seconds
+    from diffusers import Flux3Transformer2DModel
+    from transformers import PreTrainedTokenizerFast, T5EncoderModel
 
 # The pretrained demo model that ships with the package (the main job's default).
 SHIPPED_DEMO_MODEL = Path(__file__).resolve().parents[1] / "assets" / "demo-shapes"
@@ -105,18 +111,24 @@ def text_position_ids(length: int, device=None) -> torch.Tensor:
 
 def _load_transformer(folder: Path, dtype: torch.dtype) -> Flux3Transformer2DModel:
     """Built from its config, then every weight loaded strictly (a missing or extra name names the file)."""
+    from diffusers import Flux3Transformer2DModel  # lazy: diffusers' transformer package takes seconds to import
+
     transformer = Flux3Transformer2DModel.from_config(read_json(folder / "config.json"))
     load_weights(transformer, folder / "diffusion_pytorch_model.safetensors")
     return transformer if dtype == torch.float32 else transformer.to(dtype=dtype)
 
 
 def _load_text_encoder(folder: Path, dtype: torch.dtype) -> T5EncoderModel:
+    from transformers import T5EncoderModel  # lazy: transformers' model classes take seconds to import
+
     read_weights(folder / "model.safetensors")  # names the file when it is missing or corrupt
     # from_pretrained restores the tied input embedding that save_pretrained leaves out.
     return T5EncoderModel.from_pretrained(str(folder), local_files_only=True).to(dtype=dtype)
 
 
 def _load_tokenizer(folder: Path, dtype: torch.dtype) -> PreTrainedTokenizerFast:
+    from transformers import PreTrainedTokenizerFast  # lazy: as above
+
     return PreTrainedTokenizerFast.from_pretrained(str(folder), local_files_only=True)
 
 
@@ -134,6 +146,10 @@ class DemoFamily(FamilyAdapter):
     )
     settings_class = DemoConfig
     model_index_required = True
+    # Condition images through the FLUX 3 transformer's reference mode (module docstring); the shipped models were
+    # pretrained without them, so their reference blocks are untrained until an editing demo model is pretrained.
+    accepts_image_conditioning = True
+    max_condition_images = MAX_REFERENCE_IMAGES
 
     def __init__(
         self,
@@ -219,7 +235,29 @@ class DemoFamily(FamilyAdapter):
         noise = randn_per_sample((len(generators), 3, height, width), generators, device=self.device)
         return Latents(patchify(noise, self.config.patch_size), self.prepare_ids())
 
-    run_transformer = run_flux3_transformer  # the same diffusers transformer class as flux3_image
+    def encode_condition_images(self, images) -> tuple[torch.Tensor, torch.Tensor]:
+        """Condition images `uint8 [3, H, W]` at the model's size → their tokens `[1, S, 3·p·p]` and ids `[S, 4]`."""
+        tokens, ids = [], []
+        for i, image in enumerate(images):
+            height, width = image.shape[1:]
+            if (height, width) != (self.config.height, self.config.width):
+                raise RequestError("image_path", f"image_path[{i}] is {width}x{height} pixels; the demo model "
+                                                 "takes condition images of its own "
+                                                 f"{self.config.width}x{self.config.height}")
+            tokens.append(patchify((image.float() / 255 * 2 - 1)[None].to(self.device), self.config.patch_size))
+            position = self.prepare_ids()
+            position[:, 3] = -(i + 1)
+            ids.append(position)
+        return torch.cat(tokens, dim=1), torch.cat(ids)
+
+    def condition_on_images(self, cond: PromptEmbeds, encoded: tuple[torch.Tensor, torch.Tensor]) -> PromptEmbeds:
+        return fold_references(cond, encoded)
+
+    def run_transformer(self, transformer, latents, sigma, cond) -> torch.Tensor:
+        """The same diffusers transformer class as flux3_image, with the condition images' tokens in its reference
+        mode when the conditioning holds them."""
+        cond, references = split_references(cond, self.config.in_channels, (self.config.max_text_len,))
+        return run_flux3_transformer(self, transformer, latents, sigma, cond, references)
 
     def decode(self, latents: torch.Tensor, height: int, width: int) -> torch.Tensor:
         images = unpatchify(latents.float(), height, width, self.config.patch_size)

@@ -1,5 +1,6 @@
 """The `flux2` family: FLUX.2 [dev] and FLUX.2 [klein] (4B / 9B, base and distilled), diffusers'
-`Flux2Transformer2DModel` driven by `Flux2Pipeline` (dev) or `Flux2KleinPipeline` (klein), text to image.
+`Flux2Transformer2DModel` driven by `Flux2Pipeline` (dev) or `Flux2KleinPipeline` (klein), text to image and
+reference-image editing.
 
 One family: the two pipelines share the transformer class, the VAE, the latents, the position ids, the schedule and
 the decode, and differ only in the text encoder (and in the guidance embedding that dev's transformer has). A
@@ -29,7 +30,16 @@ What this adapter reproduces of the pipelines (checked by `tests/test_flux2.py`)
   the default), as sglang-diffusion reads it (its embedded scale is a server setting); `Flux2Pipeline` has no true
   CFG. FLUX.2 [klein] has no guidance embedding: a request's scale is the pipeline's CFG (default 4 on the base
   checkpoints; off, with 4 steps, on the distilled ones, whose pipeline ignores CFG).
-Image-conditioned requests (the reference-image edits) are refused, and so are scheduler options that change the step.
+- editing (image-conditioned requests, `image_path`: up to 10 reference images, the pipelines' `image`): each
+  reference at its own size, downscaled to 1024² when above it (Lanczos) and center-cropped to multiples of
+  `pixels_per_token`, refused below 64 pixels a side or beyond an 8:1 aspect ratio (the pipelines' checks);
+  VAE-encoded (the distribution's mode), patchified, normalized with the VAE's BatchNorm statistics and packed to
+  tokens with position ids (10·(i + 1), row, column, 0) for reference i; concatenated after the noisy tokens in every
+  forward (CFG's negative pass too), whose output keeps the generated tokens. The prompt is encoded as without images
+  (`Flux2Pipeline`'s caption upsampling, which looks at them, is off by default and not reproduced). The references'
+  tokens travel inside the prompt's conditioning (`diffrl.models.flux2_vae.fold_references`, shared with
+  flux3_image), so the engine, the denoising env and the trainer carry them unchanged.
+Scheduler options that change the step are refused.
 """
 
 from __future__ import annotations
@@ -42,9 +52,8 @@ from pathlib import Path
 
 import numpy as np
 import torch
-from diffusers.pipelines.flux2.system_messages import SYSTEM_MESSAGE as DEV_SYSTEM_MESSAGE
 
-from diffrl.errors import ModelLoadError
+from diffrl.errors import ModelLoadError, RequestError
 from diffrl.models.base import (
     Component,
     FamilyAdapter,
@@ -55,7 +64,19 @@ from diffrl.models.base import (
 )
 from diffrl.models.batch_invariance import embed_rows_one_at_a_time
 from diffrl.models.components import checkpoint_class, read_settings
-from diffrl.models.flux2_vae import decode_latents, image_position_ids, noise_tokens, text_position_ids
+from diffrl.models.flux2_vae import (
+    MAX_REFERENCE_IMAGES,
+    crop_reference,
+    decode_latents,
+    encode_reference,
+    fold_references,
+    image_position_ids,
+    noise_tokens,
+    pack_references,
+    reference_ids,
+    split_references,
+    text_position_ids,
+)
 from diffrl.models.flux3_image import run_flux3_transformer
 from diffrl.sampling import flux2_empirical_mu
 
@@ -168,6 +189,8 @@ class Flux2Family(FamilyAdapter):
             else:
                 self.default_guidance_scale = 4.0  # Flux2KleinPipeline's default
         self.pixels_per_token = 2 ** (len(vae.config.block_out_channels) - 1) * 2
+        self.accepts_image_conditioning = True  # reference-image editing (module docstring)
+        self.max_condition_images = MAX_REFERENCE_IMAGES
 
     @classmethod
     def read_settings(cls, root: Path, index: dict) -> Flux2Settings:
@@ -238,6 +261,9 @@ class Flux2Family(FamilyAdapter):
         makes them."""
         length = self.settings.max_sequence_length
         if self.settings.variant == "dev":
+            # lazy: importing any diffusers pipeline module imports diffusers' whole model stack (seconds)
+            from diffusers.pipelines.flux2.system_messages import SYSTEM_MESSAGE as DEV_SYSTEM_MESSAGE
+
             conversations = [[{"role": "system", "content": [{"type": "text", "text": DEV_SYSTEM_MESSAGE}]},
                               {"role": "user", "content": [{"type": "text", "text": p.replace("[IMG]", "")}]}]
                              for p in prompts]
@@ -269,10 +295,34 @@ class Flux2Family(FamilyAdapter):
         tokens = noise_tokens(generators, self.transformer.config.in_channels, h, w, device=self.device)
         return Latents(tokens, image_position_ids(h, w, device=self.device))
 
+    def encode_condition_images(self, images) -> tuple[torch.Tensor, torch.Tensor]:
+        """A request's reference images `uint8 [3, H, W]` → their packed tokens `[1, S, C]` and ids `[S, 4]`, as the
+        pipelines prepare `image` (module docstring)."""
+        latents, ids = [], []
+        for i, image in enumerate(images):
+            height, width = image.shape[1:]
+            if min(height, width) < 64 or max(height / width, width / height) > 8:
+                raise RequestError("image_path", f"image_path[{i}] is {width}x{height} pixels; FLUX.2 takes references "
+                                                 "of at least 64 pixels a side and at most an 8:1 aspect ratio")
+            latent = encode_reference(self.vae, crop_reference(image, self.pixels_per_token), device=self.device)
+            latents.append(latent)
+            ids.append(reference_ids(*latent.shape[-2:], t=10.0 * (i + 1), device=self.device))
+        return pack_references(latents, ids)
+
+    def condition_on_images(self, cond: PromptEmbeds, encoded: tuple[torch.Tensor, torch.Tensor]) -> PromptEmbeds:
+        return fold_references(cond, encoded)
+
     def run_transformer(self, transformer, latents, sigma, cond) -> torch.Tensor:
         guidance = torch.full_like(sigma, self.settings.guidance) if self.guidance_distilled else None
         timestep = sigma * 1000 / 1000  # the scheduler's timestep / 1000, as the pipelines pass it
-        return run_flux3_transformer(self, transformer, latents, timestep, cond, guidance=guidance)
+        cond, references = split_references(cond, self.transformer.config.in_channels,
+                                            (self.settings.max_sequence_length,))
+        generated = latents.tokens.shape[1]
+        if references is not None:  # the references' tokens after the noisy ones, with their own ids
+            tokens, ids = references
+            latents = Latents(torch.cat([latents.tokens, tokens.to(latents.tokens)], dim=1),
+                              torch.cat([latents.ids, ids.to(latents.ids)]))
+        return run_flux3_transformer(self, transformer, latents, timestep, cond, guidance=guidance)[:, :generated]
 
     def decode(self, latents: torch.Tensor, height: int, width: int) -> torch.Tensor:
         return decode_latents(self.vae, latents, height // self.pixels_per_token, width // self.pixels_per_token,

@@ -52,3 +52,140 @@ def decode_latents(vae, tokens: torch.Tensor, height_tokens: int, width_tokens: 
     vae_dtype = next(vae.parameters()).dtype
     images = decode_rows(lambda rows: vae.decode(rows.to(vae_dtype), return_dict=False)[0], grid, per_call=per_call)
     return (images.float() / 2 + 0.5).clamp(0, 1)
+
+
+# ---------------------------------------------------------------- reference images (image-conditioned requests)
+# FLUX.2 (Flux2Pipeline / Flux2KleinPipeline with `image`) and FLUX 3 (its modular pipeline with `image`) both
+# VAE-encode each reference, patchify and BatchNorm-normalize it as the generated latents are, and pack it to tokens;
+# they differ in how a reference is sized (`crop_reference`, `fill_reference`) and in its position ids (FLUX.2: time
+# axis t = 10, 20, …; FLUX 3: l = -1, -2, …). The tokens travel inside the prompt's conditioning (`fold_references`),
+# so the engine, the denoising env and the trainer carry them unchanged; each forward reads them back
+# (`split_references`).
+MAX_REFERENCE_IMAGES = 10  # diffrl's cap (the pipelines set none): every reference's tokens join every forward
+
+
+def _pil(image: torch.Tensor):
+    from PIL import Image
+
+    return Image.fromarray(image.permute(1, 2, 0).contiguous().numpy())
+
+
+def _tensor(pil) -> torch.Tensor:
+    import numpy as np
+
+    return torch.from_numpy(np.asarray(pil.convert("RGB")).copy()).permute(2, 0, 1)
+
+
+def _lanczos_to_area(pil, area: int):
+    """`Flux2ImageProcessor._resize_to_target_area`: the sides scaled by sqrt(area / pixels), truncated."""
+    import math
+
+    from PIL import Image
+
+    scale = math.sqrt(area / (pil.width * pil.height))
+    return pil.resize((int(pil.width * scale), int(pil.height * scale)), Image.Resampling.LANCZOS)
+
+
+def crop_reference(image: torch.Tensor, step: int, max_area: int = 1024 * 1024) -> torch.Tensor:
+    """`uint8 [3, H, W]` sized as FLUX.2's pipelines size every reference (and FLUX 3's each of several): above
+    `max_area` pixels downscaled to it (Lanczos), then center-cropped to multiples of `step` (one token's pixels)."""
+    if image.shape[1] * image.shape[2] > max_area:
+        image = _tensor(_lanczos_to_area(_pil(image), max_area))
+    height, width = image.shape[1] // step * step, image.shape[2] // step * step
+    if not height or not width:
+        raise ValueError(f"a {image.shape[2]}x{image.shape[1]} condition image is smaller than one {step}x{step} token")
+    top, left = (image.shape[1] - height) // 2, (image.shape[2] - width) // 2
+    return image[:, top:top + height, left:left + width]
+
+
+def fill_reference(image: torch.Tensor, step: int, max_area: int = 4 * 1024 * 1024, max_side: int = 4096,
+                   min_side: int = 64) -> torch.Tensor:
+    """`uint8 [3, H, W]` sized as FLUX 3's `Flux3ImageProcessor(resize_mode="fill")` sizes a single reference: kept
+    whole, downscaled (Lanczos) until its canvas (its sides rounded up to multiples of `step`, clamped to
+    [`min_side`, `max_side`]) fits `max_area` and `max_side`, then reflect-padded (centered) to the canvas."""
+    import math
+
+    import numpy as np
+    from PIL import Image
+
+    def canvas(height: int, width: int) -> tuple[int, int]:
+        return tuple(min(max_side, max(min_side, -(-side // step) * step)) for side in (height, width))
+
+    src_h, src_w = image.shape[1:]
+    scale = min(1.0, math.sqrt(max_area / (src_w * src_h)), max_side / max(src_h, src_w))
+    while True:
+        height, width = (max(1, round(side * scale)) for side in (src_h, src_w))
+        canvas_h, canvas_w = canvas(height, width)
+        if canvas_h * canvas_w <= max_area:
+            break
+        scale *= 0.995
+    if (height, width) != (src_h, src_w):
+        image = _tensor(_pil(image).resize((width, height), Image.Resampling.LANCZOS))
+    if (height, width) == (canvas_h, canvas_w):
+        return image
+    top, left = (canvas_h - height) // 2, (canvas_w - width) // 2
+    padding = ((top, canvas_h - height - top), (left, canvas_w - width - left), (0, 0))
+    mode = "reflect" if min(height, width) > step else "symmetric"  # reflection excludes the edge pixel
+    return torch.from_numpy(np.pad(image.permute(1, 2, 0).numpy(), padding, mode=mode)).permute(2, 0, 1)
+
+
+@torch.no_grad()
+def encode_reference(vae, image: torch.Tensor, device=None) -> torch.Tensor:
+    """A sized reference `uint8 [3, H, W]` → its normalized latents `[1, 4C, H/s, W/s]` (s: one token's pixels): the
+    VAE's mode, 2×2-patchified, normalized by the VAE's BatchNorm statistics, in the pipelines' arithmetic."""
+    pixels = (image.float() / 255 * 2 - 1)[None]  # the image processor's arithmetic
+    latents = vae.encode(pixels.to(device, next(vae.parameters()).dtype)).latent_dist.mode()
+    batch, channels, height, width = latents.shape
+    latents = latents.view(batch, channels, height // 2, 2, width // 2, 2).permute(0, 1, 3, 5, 2, 4)
+    latents = latents.reshape(batch, channels * 4, height // 2, width // 2)
+    bn = vae.bn
+    mean = bn.running_mean.view(1, -1, 1, 1).to(latents.device, latents.dtype)
+    std = torch.sqrt(bn.running_var.view(1, -1, 1, 1) + vae.config.batch_norm_eps).to(latents.device, latents.dtype)
+    return ((latents - mean) / std).float()
+
+
+def reference_ids(height_tokens: int, width_tokens: int, t: float = 0.0, l: float = 0.0, rope_scale: float = 1.0,
+                  device=None) -> torch.Tensor:
+    """(t, h, w, l) of a reference's tokens: `image_position_ids` with the reference's own t (FLUX.2) or l (FLUX 3)."""
+    ids = image_position_ids(height_tokens, width_tokens, rope_scale, device=device)
+    ids[:, 0], ids[:, 3] = t, l
+    return ids
+
+
+def pack_references(latents: Sequence[torch.Tensor], ids: Sequence[torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
+    """Each reference's latents `[1, C, h, w]` packed to tokens and concatenated: `[1, S, C]` and ids `[S, 4]`."""
+    return torch.cat([x.flatten(2).transpose(1, 2) for x in latents], dim=1), torch.cat(list(ids))
+
+
+def fold_references(cond, references: tuple[torch.Tensor, torch.Tensor]):
+    """One prompt's conditioning with its references' tokens `[1, S, C]` laid row-major into rows of the text width
+    after the text tokens (zero-padded), and their ids after the text's: one tensor carries both."""
+    from diffrl.models.base import PromptEmbeds
+    from diffrl.models.flux1 import pack_image_rows
+
+    tokens, ids = references
+    width = cond.embeds.shape[-1]
+    rows = pack_image_rows(tokens.to(cond.embeds), width).expand(len(cond), -1, -1)
+    if rows.shape[1] == len(ids):  # `split_references` tells the references apart by rows against ids
+        raise ValueError(f"{len(ids)} reference tokens of {tokens.shape[-1]} channels fill as many rows of the "
+                         f"{width}-wide text: they cannot travel in the conditioning")
+    return PromptEmbeds(torch.cat([cond.embeds, rows], dim=1), torch.cat([cond.ids, ids.to(cond.ids)]))
+
+
+def split_references(cond, channels: int, text_lengths: Sequence[int]):
+    """(the text's conditioning, (reference tokens `[B, S, C]`, ids `[S, 4]`) or None) from a folded conditioning.
+    The text length is the one of `text_lengths` (the family's possible windows, ascending) that the row and id
+    counts agree on (decided from shapes alone: no read of a device tensor)."""
+    from diffrl.models.base import PromptEmbeds
+    from diffrl.models.flux1 import unpack_image_rows
+
+    rows, count, width = cond.embeds.shape[1], cond.ids.shape[0], cond.embeds.shape[-1]
+    if rows == count:
+        return cond, None
+    for length in text_lengths:
+        if length < count and length + -(-(count - length) * channels // width) == rows:
+            break
+    else:
+        raise ValueError(f"a conditioning of {rows} rows and {count} ids holds no text window of this family")
+    text = PromptEmbeds(cond.embeds[:, :length], cond.ids[:length])
+    return text, (unpack_image_rows(cond.embeds[:, length:], count - length, channels), cond.ids[length:])

@@ -1,4 +1,5 @@
-"""The `flux3_image` family: FLUX 3 Image Klein (diffusers' `Flux3Transformer2DModel`), text to image.
+"""The `flux3_image` family: FLUX 3 Image Klein (diffusers' `Flux3Transformer2DModel`), text to image and
+reference-image editing.
 
 A checkpoint is a local diffusers-format directory:
 
@@ -13,9 +14,17 @@ What this adapter reproduces of diffusers' FLUX 3 pipeline (checked by `tests/te
 - latents are the VAE's 2×2-patchified channels, normalized by the VAE's BatchNorm statistics and
   packed to tokens; position ids are (t, h, w, l) with h, w scaled by the image RoPE scale 0.5;
 - the transformer takes σ itself as its timestep (the scheduler's timesteps are σ·1000);
-- CFG is `uncond + s·(cond − uncond)`; at s ≤ 1 a step is one conditional forward.
-Image-conditioned requests are refused (text to image only), and so is the step-distilled (flow-map)
-variant, which samples with a different transition.
+- CFG is `uncond + s·(cond − uncond)`; at s ≤ 1 a step is one conditional forward;
+- editing (image-conditioned requests, `image_path`: up to 10 reference images, the modular pipeline's `image`):
+  one reference is kept whole: downscaled (Lanczos) until its canvas, its sides rounded up to whole tokens (at
+  least 64 pixels), fits 4 megapixels, and reflect-padded to the canvas; several are each downscaled to 1
+  megapixel when above it and center-cropped to whole tokens (`Flux3ImageProcessor`'s "fill" and "crop"). Each is
+  VAE-encoded (the mode), patchified, BatchNorm-normalized and packed, with position ids (0, h, w, -(i + 1)) (h, w
+  scaled as the image's), and goes to the transformer's own reference mode (`image_cond_hidden_states`: its own
+  blocks, modulated at timestep 0, joined to the generated tokens in the single blocks, no output). The output
+  size is the request's, so the pipeline's crop back to a padded reference (when it derives the size from it) does
+  not arise. The tokens travel inside the prompt's conditioning (`diffrl.models.flux2_vae.fold_references`).
+The step-distilled (flow-map) variant is refused: it samples with a different transition.
 
 `diffrl.models.random_checkpoints.flux3_image` writes a checkpoint of this layout with random weights:
 tests use `tiny`, benchmarks `real` (the class defaults).
@@ -30,7 +39,7 @@ from pathlib import Path
 
 import torch
 
-from diffrl.errors import ModelLoadError
+from diffrl.errors import ModelLoadError, RequestError
 from diffrl.models.base import (
     Component,
     FamilyAdapter,
@@ -41,7 +50,20 @@ from diffrl.models.base import (
     require_pixel_multiple,
 )
 from diffrl.models.batch_invariance import embed_rows_one_at_a_time
-from diffrl.models.flux2_vae import decode_latents, image_position_ids, noise_tokens, text_position_ids
+from diffrl.models.flux2_vae import (
+    MAX_REFERENCE_IMAGES,
+    crop_reference,
+    decode_latents,
+    encode_reference,
+    fill_reference,
+    fold_references,
+    image_position_ids,
+    noise_tokens,
+    pack_references,
+    reference_ids,
+    split_references,
+    text_position_ids,
+)
 from diffrl.sampling import make_sigmas
 
 DEFAULT_TEXT_LAYERS = (4, 8, 12, 16, 20, 24, 28, 32)
@@ -83,11 +105,14 @@ def _static_shift(scheduler_dir: Path) -> float:
 
 
 def run_flux3_transformer(family: FamilyAdapter, transformer, latents: Latents, sigma: torch.Tensor,
-                          cond: PromptEmbeds, **inputs) -> torch.Tensor:
+                          cond: PromptEmbeds, references: tuple[torch.Tensor, torch.Tensor] | None = None,
+                          **inputs) -> torch.Tensor:
     """One forward of diffusers' `Flux3Transformer2DModel` or `Flux2Transformer2DModel`, which take the same inputs
     (σ is their timestep; `inputs`: FLUX.2's `guidance`): `run_transformer` of the families built on them
-    (flux3_image, demo, flux2)."""
+    (flux3_image, demo, flux2). `references`: FLUX 3's reference-image tokens `[B, S, C]` and ids `[S, 4]`."""
     dtype = next(transformer.parameters()).dtype
+    if references is not None:
+        inputs.update(image_cond_hidden_states=references[0].to(dtype), image_cond_ids=references[1])
     with family.forward_precision():
         return transformer(hidden_states=latents.tokens.to(dtype), encoder_hidden_states=cond.embeds.to(dtype),
                            timestep=sigma.to(dtype), img_ids=latents.ids, txt_ids=cond.ids, **inputs,
@@ -141,6 +166,10 @@ class Flux3ImageFamily(FamilyAdapter):
         self.settings = settings
         # VAE pixels per latent token side: the VAE's downsampling, then the 2x2 patchify.
         self.pixels_per_token = 2 ** (len(vae.config.block_out_channels) - 1) * 2
+        self.accepts_image_conditioning = True  # reference-image editing (module docstring)
+        self.max_condition_images = MAX_REFERENCE_IMAGES
+        multiple = settings.text_pad_multiple  # the text windows a conditioning may hold (`split_references`)
+        self.text_lengths = (*range(multiple, MAX_TEXT_TOKENS, multiple), MAX_TEXT_TOKENS)
 
     @classmethod
     def from_components(cls, root, parts, settings) -> Flux3ImageFamily:
@@ -158,6 +187,7 @@ class Flux3ImageFamily(FamilyAdapter):
         from diffusers import FlowMatchEulerDiscreteScheduler
         from diffusers.guiders import ClassifierFreeGuidance
         from diffusers.modular_pipelines.flux3 import Flux3AutoBlocks
+        from diffusers.modular_pipelines.flux3.image_processor import Flux3ImageProcessor
 
         scheduler_dir = None if self.root is None else self.root / "scheduler"
         if scheduler_dir is not None and (scheduler_dir / "scheduler_config.json").is_file():
@@ -169,7 +199,8 @@ class Flux3ImageFamily(FamilyAdapter):
         pipe = blocks.init_pipeline()
         pipe.update_components(transformer=self.transformer, vae=self.vae, text_encoder=self.text_encoder,
                                tokenizer=_ChatProcessor(self.tokenizer), scheduler=scheduler,
-                               guider=ClassifierFreeGuidance(guidance_scale=self.default_guidance_scale))
+                               guider=ClassifierFreeGuidance(guidance_scale=self.default_guidance_scale),
+                               image_processor=Flux3ImageProcessor(vae_scale_factor=self.pixels_per_token))
         pipe.set_progress_bar_config(disable=True)
         return pipe
 
@@ -227,7 +258,27 @@ class Flux3ImageFamily(FamilyAdapter):
         tokens = noise_tokens(generators, self.transformer.config.in_channels, h, w, device=self.device)
         return Latents(tokens, image_position_ids(h, w, self.settings.image_rope_scale, device=self.device))
 
-    run_transformer = run_flux3_transformer
+    def encode_condition_images(self, images) -> tuple[torch.Tensor, torch.Tensor]:
+        """A request's reference images `uint8 [3, H, W]` → their packed tokens `[1, S, C]` and ids `[S, 4]`, as the
+        modular pipeline prepares `image` (module docstring)."""
+        step, latents, ids = self.pixels_per_token, [], []
+        for i, image in enumerate(images):
+            try:
+                sized = fill_reference(image, step) if len(images) == 1 else crop_reference(image, step)
+            except ValueError as err:
+                raise RequestError("image_path", f"image_path[{i}]: {err}") from None
+            latent = encode_reference(self.vae, sized, device=self.device)
+            latents.append(latent)
+            ids.append(reference_ids(*latent.shape[-2:], l=-(i + 1.0), rope_scale=self.settings.image_rope_scale,
+                                     device=self.device))
+        return pack_references(latents, ids)
+
+    def condition_on_images(self, cond: PromptEmbeds, encoded: tuple[torch.Tensor, torch.Tensor]) -> PromptEmbeds:
+        return fold_references(cond, encoded)
+
+    def run_transformer(self, transformer, latents, sigma, cond) -> torch.Tensor:
+        cond, references = split_references(cond, self.transformer.config.cond_in_channels, self.text_lengths)
+        return run_flux3_transformer(self, transformer, latents, sigma, cond, references)
 
     def decode(self, latents: torch.Tensor, height: int, width: int) -> torch.Tensor:
         return decode_latents(self.vae, latents, height // self.pixels_per_token, width // self.pixels_per_token,

@@ -10,8 +10,9 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import torch
+from diffusers.pipelines.flux2.system_messages import SYSTEM_MESSAGE as DEV_SYSTEM_MESSAGE
 
-from diffrl.models.flux2 import DEV_SYSTEM_MESSAGE, TEXT_ENCODERS, Flux2Family
+from diffrl.models.flux2 import TEXT_ENCODERS, Flux2Family
 from diffrl.models.random_checkpoints.tokenizers import build_chat_tokenizer, build_qwen_word_tokenizer
 
 PROMPT_WORDS = "a an the red blue green cat dog circle square of on mat blurry ugly".split()  # noqa: SIM905
