@@ -171,12 +171,13 @@ def _edit(path: Path, **changes) -> None:
 
 
 @pytest.mark.parametrize(("component", "changes", "message"), [
-    ("model_index.json", {"_class_name": "QwenImageEditPlusPipeline"}, "image-conditioned Qwen-Image variant"),
+    ("model_index.json", {"_class_name": "QwenImageEditPlusPipeline"}, "Qwen-Image-Edit checkpoint has no processor/"),
+    ("model_index.json", {"_class_name": "QwenImageLayeredPipeline"}, "variant this family does not run"),
     ("transformer/config.json", {"zero_cond_t": True}, "zero_cond_t.*image-conditioned"),
     ("transformer/config.json", {"guidance_embeds": True}, "guidance_embeds.*guidance-distilled"),
     ("scheduler/scheduler_config.json", {"stochastic_sampling": True}, "unsupported scheduler options"),
     ("model_index.json", {"diffrl": {"resolution": 3}}, "bad 'diffrl' block"),
-], ids=["edit-pipeline", "edit-transformer", "guidance-distilled", "stochastic-scheduler", "bad-settings"])
+], ids=["edit-without-processor", "layered-pipeline", "edit-transformer", "guidance-distilled", "stochastic-scheduler", "bad-settings"])
 def test_unsupported_checkpoints_are_refused(qwen_dir, tmp_path, component, changes, message):
     copy_dir = tmp_path / "qwen-image-variant"
     shutil.copytree(qwen_dir, copy_dir)

@@ -559,6 +559,13 @@ class Engine:
             encoded = fresh.get(key)
             if encoded is None:
                 encoded = self._prompts.get(key, self.weight_version)
+            if encoded is None and digest is not None and self.family.prompt_sees_images:
+                if digest not in encoded_images:  # the prompt's encoding reads the images (Qwen-Image-Edit)
+                    encoded_images[digest] = self.family.encode_condition_images(pictures)
+                    self.image_encodes += 1
+                encoded = fresh[key] = self.family.encode_prompts_with_images([prompt], encoded_images[digest])
+                self.prompt_encodes += 1
+                self._prompts.put(key, encoded)
             if encoded is None:
                 encoded = self._prompts.get(prompt, self.weight_version) if digest is not None else None
                 if encoded is None:

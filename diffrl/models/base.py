@@ -124,6 +124,9 @@ class FamilyAdapter(ABC):
     # that takes condition images sets both, and implements `encode_condition_images` and `condition_on_images`.
     accepts_image_conditioning: bool = False
     max_condition_images: int = 0
+    # A family whose prompt encoding reads the condition images (Qwen-Image-Edit: Qwen2.5-VL sees them) implements
+    # `encode_prompts_with_images` instead of `condition_on_images`.
+    prompt_sees_images: bool = False
     # Guidance scale used when a request leaves it unset.
     default_guidance_scale: ClassVar[float] = 1.0
     # Denoising steps when a request over HTTP leaves `num_inference_steps` null or out, as sglang-diffusion takes
@@ -258,6 +261,11 @@ class FamilyAdapter(ABC):
     def encode_condition_images(self, images: Sequence[torch.Tensor]) -> Any:
         """A request's condition images (`uint8 [3, H, W]` each) encoded once, for `condition_on_images` to attach to
         its prompt and negative prompt. Image-conditioned families implement it."""
+        raise NotImplementedError(f"the {self.name} family takes no condition images")
+
+    def encode_prompts_with_images(self, prompts: Sequence[str], encoded: Any) -> PromptEmbeds:
+        """`prompt_sees_images` families: the prompts encoded with the request's encoded condition images (one
+        conditioning tensor holding both, as `condition_on_images` gives)."""
         raise NotImplementedError(f"the {self.name} family takes no condition images")
 
     def condition_on_images(self, cond: PromptEmbeds, encoded: Any) -> PromptEmbeds:

@@ -31,23 +31,46 @@ rollout's prompts to one length. The RoPE tables are built on the device that ru
 diffusers' arithmetic (bit-equal to its tables on CPU); diffusers builds them on the CPU and copies them
 over, which is reported to drift every block on a GPU (not measured in this repository).
 
-Refused with a `ModelLoadError`: the image-conditioned variants (Qwen-Image-Edit and Layered checkpoints,
-and the transformer options only they use: `zero_cond_t`, `use_additional_t_cond`, `use_layer3d_rope`),
-the guidance-distilled option (`guidance_embeds`), and scheduler options that change the step
-(`stochastic_sampling`, `invert_sigmas`). Image-conditioned requests are refused by the engine.
+Qwen-Image-Edit (a checkpoint whose model_index.json names `QwenImageEditPipeline`) and Qwen-Image-Edit Plus
+(`QwenImageEditPlusPipeline`, 1 to 3 input images) are this family's image-conditioned mode: the same transformer, a
+`processor/` folder (Qwen2-VL's image processor and the tokenizer). What it reproduces of those pipelines (checked by
+`tests/test_qwen_image_edit.py`):
+- each condition image is resized (Lanczos) to the area `vae_image_area` (1024², the pipelines') at its aspect ratio,
+  sides rounded to multiples of 32, VAE-encoded (the distribution's mode), normalized with `latents_mean` /
+  `latents_std` and packed 2×2: the reference tokens, placed after the noisy ones in every forward (CFG's negative
+  pass too) with their own `img_shapes` entries; the output keeps the generated tokens;
+- the prompt (and the negative prompt) is encoded by Qwen2.5-VL *with the images as vision input*, in the editing
+  template (its first 64 tokens dropped): Edit shows the VAE-sized image; Plus names each "Picture k:" and shows it
+  resized to `vl_image_area` (384²);
+- the output size is the request's (the pipelines default it to the last image's size at 1024²); the schedule, the
+  true CFG with its norm rescale and the decoding are the text-to-image ones.
+The conditioning of an edit is `[B, 1 + R + L, D]`: the header token (channel 0 the text length, 1 the number R of
+rows of reference tokens, 2 the number of images, then each image's token rows and columns), the reference tokens
+laid row-major into R rows of the text width, then the text, zero-padded at the end as above, so padding never
+touches the images. A forward whose rows have reference images of different sizes runs one forward per size.
+The edit pipelines take an image: a request to an editing checkpoint without one is refused.
+
+Refused with a `ModelLoadError`: the other image-conditioned variants (Layered, inpainting, image-to-image,
+ControlNet checkpoints, and the transformer options of Edit-2511 and Layered: `zero_cond_t`,
+`use_additional_t_cond`, `use_layer3d_rope`), the guidance-distilled option (`guidance_embeds`), and scheduler
+options that change the step (`stochastic_sampling`, `invert_sigmas`). Text-to-image checkpoints refuse
+image-conditioned requests.
 """
 
 from __future__ import annotations
 
+import contextlib
 import copy
+import functools
+import math
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import numpy as np
 import torch
 
-from diffrl.errors import ModelLoadError
+from diffrl.errors import ModelLoadError, RequestError
 from diffrl.models.base import (
     Component,
     FamilyAdapter,
@@ -58,6 +81,8 @@ from diffrl.models.base import (
     wire_text_tokens,
 )
 from diffrl.models.batch_invariance import embed_rows_one_at_a_time
+from diffrl.models.components import read_settings
+from diffrl.models.flux1 import pack_image_rows, unpack_image_rows
 from diffrl.models.qwen_vae import decode_latents, pack_latents
 from diffrl.sampling import randn_per_sample, resolution_mu
 
@@ -75,6 +100,21 @@ ROPE_POSITIONS = 4096  # positions in the transformer's RoPE tables (each sign)
 VARIANT_OPTIONS = ("zero_cond_t", "use_additional_t_cond", "use_layer3d_rope")
 UNSUPPORTED_SCHEDULER_OPTIONS = ("stochastic_sampling", "invert_sigmas")
 
+# Qwen-Image-Edit's prompt template (both edit pipelines'); the user turn holds the image slots, then the prompt.
+EDIT_PROMPT_TEMPLATE = (
+    "<|im_start|>system\nDescribe the key features of the input image (color, shape, size, texture, objects, "
+    "background), then explain how the user's text instruction should alter or modify the image. Generate a new image "
+    "that meets the user's requirements while maintaining consistency with the original input where appropriate."
+    "<|im_end|>\n<|im_start|>user\n{}<|im_end|>\n<|im_start|>assistant\n")
+EDIT_TEMPLATE_DROP_TOKENS = 64
+VISION_TOKENS = ("<|vision_start|>", "<|vision_end|>", "<|image_pad|>", "<|video_pad|>")
+IMAGE_SLOT = "<|vision_start|><|image_pad|><|vision_end|>"
+PLUS_IMAGE_SLOT = "Picture {}: " + IMAGE_SLOT  # Plus: each image named in order
+EDIT_PIPELINES = {"QwenImageEditPipeline": "edit", "QwenImageEditPlusPipeline": "edit_plus"}
+PLUS_MAX_IMAGES = 3  # Qwen-Image-Edit-2509's model card: one to three input images
+VAE_IMAGE_AREA = 1024 * 1024  # both edit pipelines' reference-image area
+VL_IMAGE_AREA = 384 * 384  # Plus: the area the text encoder sees each image at
+
 
 @dataclass
 class QwenImageSettings:
@@ -83,16 +123,61 @@ class QwenImageSettings:
 
     default_size: int | None = None  # None: DEFAULT_SAMPLE_SIZE latent pixels times the VAE's scale
     max_sequence_length: int = MAX_SEQUENCE_LENGTH
+    edit: str | None = None  # "edit" / "edit_plus" (image-conditioned); None: from the model index's pipeline class
+    vae_image_area: int = VAE_IMAGE_AREA  # editing: the reference images' area (pixels)
+    vl_image_area: int = VL_IMAGE_AREA  # Plus: the area the text encoder sees each image at
 
 
-def _check_template_prefix(tokenizer) -> None:
-    """The pipeline drops a fixed 34 tokens: the template's prefix must tokenize to exactly those, also
-    when a prompt follows it."""
-    prefix_ids = list(tokenizer(PROMPT_TEMPLATE.split("{}")[0])["input_ids"])
-    in_context = list(tokenizer(PROMPT_TEMPLATE.format("a cat"))["input_ids"][:TEMPLATE_DROP_TOKENS])
-    if len(prefix_ids) != TEMPLATE_DROP_TOKENS or in_context != prefix_ids:
+@dataclass
+class EditImages:
+    """A request's condition images, encoded once (`encode_condition_images`): what the text encoder sees, and the
+    packed reference tokens `[1, S, C]` with each image's token grid (rows, columns)."""
+
+    vision: list = field(default_factory=list)  # PIL images, as the pipeline hands its processor
+    tokens: torch.Tensor | None = None
+    grids: list[tuple[int, int]] = field(default_factory=list)
+
+
+def calculate_dimensions(area: int, ratio: float) -> tuple[int, int]:
+    """(width, height) of `area` pixels at `ratio` = width / height, each rounded to a multiple of 32 (the edit
+    pipelines' `calculate_dimensions`)."""
+    width = math.sqrt(area * ratio)
+    return round(width / 32) * 32, round(width / ratio / 32) * 32
+
+
+def load_processor(folder: Path, dtype=None):
+    """The `processor/` folder: Qwen2-VL's image processor and the tokenizer, as a processor that takes images only
+    (building `Qwen2VLProcessor` itself needs its video processor, which needs torchvision)."""
+    from transformers import AutoImageProcessor, AutoTokenizer
+
+    image_processor = AutoImageProcessor.from_pretrained(str(folder), local_files_only=True)
+    return image_processor_only()(image_processor=image_processor,
+                                  tokenizer=AutoTokenizer.from_pretrained(str(folder), local_files_only=True))
+
+
+@functools.cache
+def image_processor_only():
+    from transformers import Qwen2VLProcessor
+
+    class QwenVLImageProcessor(Qwen2VLProcessor):
+        """Qwen2VLProcessor without a video processor (this family never sends video)."""
+
+        def check_argument_for_proper_class(self, argument_name, argument):
+            if argument_name == "video_processor" and argument is None:
+                return None
+            return super().check_argument_for_proper_class(argument_name, argument)
+
+    return QwenVLImageProcessor
+
+
+def _check_template_prefix(tokenizer, template: str = PROMPT_TEMPLATE, drop: int = TEMPLATE_DROP_TOKENS) -> None:
+    """The pipeline drops a fixed number of tokens (34; editing: 64): the template's prefix must tokenize to exactly
+    those, also when a prompt follows it."""
+    prefix_ids = list(tokenizer(template.split("{}")[0])["input_ids"])
+    in_context = list(tokenizer(template.format("a cat"))["input_ids"][:drop])
+    if len(prefix_ids) != drop or in_context != prefix_ids:
         raise ModelLoadError(f"qwen_image: the tokenizer splits the prompt template's prefix into {len(prefix_ids)} "
-                             f"tokens; Qwen-Image drops the first {TEMPLATE_DROP_TOKENS} (is this Qwen's tokenizer?)")
+                             f"tokens; Qwen-Image drops the first {drop} (is this Qwen's tokenizer?)")
 
 
 class _DeviceRopeTables:
@@ -153,6 +238,24 @@ def text_lengths(embeds: torch.Tensor) -> torch.Tensor:
     return embeds[:, 0, 0]
 
 
+def _conditioning(texts: Sequence[torch.Tensor], images: EditImages | None = None) -> PromptEmbeds:
+    """`[B, 1 + R + L, D]`: the header token, the reference tokens in R rows (editing), each text `[L_k, D]`,
+    zero-padded to the longest (see the module docstring)."""
+    longest, width = max(t.shape[0] for t in texts), texts[0].shape[1]
+    rows = pack_image_rows(images.tokens.to(texts[0]), width) if images is not None else texts[0].new_zeros(1, 0, width)
+    header = texts[0].new_zeros(width)
+    if images is not None:
+        grid = [v for hw in images.grids for v in hw]
+        header[1 : 3 + len(grid)] = torch.tensor([rows.shape[1], len(images.grids), *grid], dtype=header.dtype)
+    embeds = texts[0].new_zeros(len(texts), 1 + rows.shape[1] + longest, width)
+    for row, text in enumerate(texts):
+        embeds[row, 0] = header
+        embeds[row, 0, 0] = text.shape[0]
+        embeds[row, 1 : 1 + rows.shape[1]] = rows[0]
+        embeds[row, 1 + rows.shape[1] : 1 + rows.shape[1] + text.shape[0]] = text
+    return PromptEmbeds(embeds, torch.zeros(embeds.shape[1], 1, device=embeds.device))
+
+
 @register_family
 class QwenImageFamily(FamilyAdapter):
     name = "qwen_image"
@@ -173,10 +276,13 @@ class QwenImageFamily(FamilyAdapter):
         Component("scheduler", "diffusers:FlowMatchEulerDiscreteScheduler", kind="scheduler"),
         Component("tokenizer", "transformers:AutoTokenizer", kind="tokenizer"),
         Component("text_encoder", "transformers:Qwen2_5_VLForConditionalGeneration", text_encoder=True),
+        # Editing checkpoints: the image processor and tokenizer their pipelines encode the prompt and images with.
+        Component("processor", load_processor, kind="tokenizer", optional=True, config_file="preprocessor_config.json",
+                  class_name="Qwen2VLProcessor"),
     )
     settings_class = QwenImageSettings
 
-    def __init__(self, transformer, vae, text_encoder, tokenizer, scheduler, *,
+    def __init__(self, transformer, vae, text_encoder, tokenizer, scheduler, processor=None, *,
                  settings: QwenImageSettings | None = None):
         config = transformer.config
         variant = [key for key in (*VARIANT_OPTIONS, "guidance_embeds") if config.get(key)]
@@ -191,10 +297,23 @@ class QwenImageFamily(FamilyAdapter):
         if config.in_channels != 4 * vae.config.z_dim:
             raise ModelLoadError(f"qwen_image: the transformer takes {config.in_channels} channels, 2x2 patches of "
                                  f"the VAE's {vae.config.z_dim} latent channels are {4 * vae.config.z_dim}")
+        if (settings or QwenImageSettings()).edit and config.joint_attention_dim < 3 + 2 * PLUS_MAX_IMAGES:
+            raise ModelLoadError(f"qwen_image: an editing checkpoint's text width must hold the conditioning's header "
+                                 f"(at least {3 + 2 * PLUS_MAX_IMAGES}), got {config.joint_attention_dim}")
         if text_encoder is not None and text_encoder.config.text_config.hidden_size != config.joint_attention_dim:
             raise ModelLoadError(f"qwen_image: the text encoder is {text_encoder.config.text_config.hidden_size} "
                                  f"wide, the transformer reads {config.joint_attention_dim}-wide text")
-        _check_template_prefix(tokenizer)
+        settings = settings or QwenImageSettings()
+        if settings.edit not in (None, *EDIT_PIPELINES.values()):
+            raise ModelLoadError(f"qwen_image: edit must be one of {sorted(EDIT_PIPELINES.values())}, got "
+                                 f"{settings.edit!r}")
+        if settings.edit:
+            if processor is None:
+                raise ModelLoadError("qwen_image: this Qwen-Image-Edit checkpoint has no processor/ folder (the image "
+                                     "processor and tokenizer its pipeline encodes the prompt and images with)")
+            _check_template_prefix(processor.tokenizer, EDIT_PROMPT_TEMPLATE, EDIT_TEMPLATE_DROP_TOKENS)
+        else:
+            _check_template_prefix(tokenizer)
         # Everything checked: now the transformer is prepared (once; it is shared with whoever holds it).
         self.transformer = transformer
         _build_rope_on_the_compute_device(transformer)
@@ -204,7 +323,10 @@ class QwenImageFamily(FamilyAdapter):
         self.text_encoder = text_encoder
         self.tokenizer = tokenizer
         self.scheduler = scheduler
-        self.settings = settings or QwenImageSettings()
+        self.processor = processor
+        self.settings = settings
+        self.accepts_image_conditioning = self.prompt_sees_images = bool(settings.edit)
+        self.max_condition_images = {"edit": 1, "edit_plus": PLUS_MAX_IMAGES}.get(settings.edit, 0)
         self.vae_scale = 2 ** len(vae.config.temperal_downsample)
         self.pixels_per_token = self.vae_scale * 2  # the VAE's downsampling, then the 2x2 patches
 
@@ -212,22 +334,52 @@ class QwenImageFamily(FamilyAdapter):
         """diffusers' `QwenImagePipeline` over this family's own components (no copy of the weights): what the
         tests check the engine against and the benchmarks time it against. Its CFG scale is `true_cfg_scale`,
         on only when a negative prompt is given (its `guidance_scale` is the guidance-distilled variant's)."""
-        from diffusers import QwenImagePipeline
+        from diffusers import QwenImageEditPipeline, QwenImageEditPlusPipeline, QwenImagePipeline
 
         # A copy of the scheduler: the pipeline's set_timesteps and steps rewrite its state (timesteps, σ's,
         # step index), and the family's scheduler is the engine's.
-        pipe = QwenImagePipeline(scheduler=copy.deepcopy(self.scheduler), vae=self.vae, text_encoder=self.text_encoder,
-                                 tokenizer=self.tokenizer, transformer=self.transformer)
+        parts = {"scheduler": copy.deepcopy(self.scheduler), "vae": self.vae, "text_encoder": self.text_encoder,
+                 "tokenizer": self.tokenizer, "transformer": self.transformer}
+        if self.settings.edit:
+            pipeline = QwenImageEditPlusPipeline if self.settings.edit == "edit_plus" else QwenImageEditPipeline
+            pipe = pipeline(processor=self.processor, **parts)
+        else:
+            pipe = QwenImagePipeline(**parts)
         pipe.set_progress_bar_config(disable=True)
         return pipe
+
+    @contextlib.contextmanager
+    def reference_image_areas(self):
+        """Within it, the edit pipelines resize condition images to this checkpoint's areas (their module constants
+        are 1024² and 384²; the tiny test checkpoints set smaller ones)."""
+        from diffusers.pipelines.qwenimage import pipeline_qwenimage_edit as edit
+        from diffusers.pipelines.qwenimage import pipeline_qwenimage_edit_plus as plus
+
+        vae_area, vl_area = self.settings.vae_image_area, self.settings.vl_image_area
+        saved = edit.calculate_dimensions, plus.CONDITION_IMAGE_SIZE, plus.VAE_IMAGE_SIZE, plus.calculate_dimensions
+
+        def edit_dimensions(area, ratio):  # Edit's call passes 1024²; Plus's module function is patched below
+            return (*calculate_dimensions(vae_area if area == VAE_IMAGE_AREA else area, ratio), None)
+
+        def plus_dimensions(area, ratio):  # the output size's default (1024²) follows the reference area too
+            return calculate_dimensions(vae_area if area == VAE_IMAGE_AREA else area, ratio)
+
+        edit.calculate_dimensions, plus.calculate_dimensions = edit_dimensions, plus_dimensions
+        plus.CONDITION_IMAGE_SIZE, plus.VAE_IMAGE_SIZE = vl_area, vae_area
+        try:
+            yield
+        finally:
+            edit.calculate_dimensions, plus.CONDITION_IMAGE_SIZE, plus.VAE_IMAGE_SIZE, plus.calculate_dimensions = saved
 
     @classmethod
     def read_settings(cls, root: Path, index: dict) -> QwenImageSettings:
         pipeline = str(index.get("_class_name", ""))
-        if "Edit" in pipeline or "Layered" in pipeline:
-            raise ModelLoadError(f"{root / 'model_index.json'}: {pipeline} is an image-conditioned Qwen-Image variant; "
-                                 "the qwen_image family is text to image only")
-        return super().read_settings(root, index)
+        edit = EDIT_PIPELINES.get(pipeline)
+        if not edit and pipeline.startswith("QwenImage") and pipeline != "QwenImagePipeline":
+            raise ModelLoadError(f"{root / 'model_index.json'}: {pipeline} is a Qwen-Image variant this family does "
+                                 f"not run (it runs QwenImagePipeline and, as its editing mode, "
+                                 f"{' and '.join(EDIT_PIPELINES)} checkpoints)")
+        return read_settings(QwenImageSettings, index, root / "model_index.json", edit=edit)
 
     # ---------------------------------------------------------------- the family's conventions
     def default_size(self) -> tuple[int, int]:
@@ -262,22 +414,83 @@ class QwenImageFamily(FamilyAdapter):
         the batch zero-padded to its longest, behind the header token of lengths."""
         if self.text_encoder is None:
             raise RuntimeError("this Qwen-Image model was loaded without its text encoder")
-        texts = [self._encode_one(p) for p in prompts]
-        longest = max(t.shape[0] for t in texts)
-        embeds = texts[0].new_zeros(len(texts), 1 + longest, texts[0].shape[1])
-        for row, text in enumerate(texts):
-            embeds[row, 0, 0] = text.shape[0]
-            embeds[row, 1 : 1 + text.shape[0]] = text
-        return PromptEmbeds(embeds, torch.zeros(embeds.shape[1], 1, device=embeds.device))
+        if self.settings.edit:
+            raise RequestError("image_path", "this Qwen-Image-Edit checkpoint edits images: send the condition image "
+                                             "in image_path")
+        return _conditioning([self._encode_one(p) for p in prompts])
+
+    @torch.no_grad()
+    def encode_condition_images(self, images: Sequence[torch.Tensor]) -> EditImages:
+        """Each `uint8 [3, H, W]` image resized as the edit pipeline resizes it: what the text encoder sees, and the
+        packed, normalized VAE latents of the reference image (see the module docstring)."""
+        from PIL import Image
+
+        if not 1 <= len(images) <= self.max_condition_images:
+            raise RequestError("image_path", f"this Qwen-Image-Edit checkpoint takes 1 to {self.max_condition_images} "
+                                             f"condition images, got {len(images)}")
+        encoded, tokens = EditImages(), []
+        config, vae_dtype = self.vae.config, next(self.vae.parameters()).dtype
+        mean = torch.tensor(config.latents_mean).view(1, -1, 1, 1, 1)
+        std = torch.tensor(config.latents_std).view(1, -1, 1, 1, 1)
+        for image in images:
+            pil = Image.fromarray(image.permute(1, 2, 0).numpy())
+            width, height = calculate_dimensions(self.settings.vae_image_area, pil.width / pil.height)
+            if not width or not height:
+                raise RequestError("image_path", f"a condition image of {pil.width}x{pil.height} pixels is too narrow "
+                                                 "for Qwen-Image-Edit's resize (a side rounds to 0)")
+            reference = pil.resize((width, height), Image.Resampling.LANCZOS)  # the pipeline's image processor
+            if self.settings.edit == "edit_plus":
+                encoded.vision.append(pil.resize(calculate_dimensions(self.settings.vl_image_area,
+                                                                      pil.width / pil.height),
+                                                 Image.Resampling.LANCZOS))
+            else:
+                encoded.vision.append(reference)
+            pixels = torch.from_numpy(np.asarray(reference).astype(np.float32) / 255.0).permute(2, 0, 1)
+            pixels = (2.0 * pixels - 1.0)[None, :, None]  # [1, 3, 1, H, W], the image processor's arithmetic
+            latents = self.vae.encode(pixels.to(self.device, vae_dtype)).latent_dist.mode()
+            latents = (latents - mean.to(latents)) / std.to(latents)
+            tokens.append(pack_latents(latents[:, :, 0], 2).float())
+            encoded.grids.append((height // self.pixels_per_token, width // self.pixels_per_token))
+        encoded.tokens = torch.cat(tokens, dim=1)
+        return encoded
+
+    @torch.no_grad()
+    def encode_prompts_with_images(self, prompts: Sequence[str], encoded: EditImages) -> PromptEmbeds:
+        """Each prompt encoded by Qwen2.5-VL with the images as vision input (the editing template, 64 tokens
+        dropped), behind the header and the reference tokens (see the module docstring)."""
+        if self.text_encoder is None:
+            raise RuntimeError("this Qwen-Image model was loaded without its text encoder")
+        if self.settings.edit == "edit_plus":
+            slots = "".join(PLUS_IMAGE_SLOT.format(k + 1) for k in range(len(encoded.vision)))
+        else:
+            slots = IMAGE_SLOT
+        device = next(self.text_encoder.parameters()).device
+        texts = []
+        for prompt in prompts:
+            inputs = self.processor(text=[EDIT_PROMPT_TEMPLATE.format(slots + prompt)], images=encoded.vision,
+                                    padding=True, return_tensors="pt").to(device)
+            out = self.text_encoder(input_ids=inputs["input_ids"], attention_mask=inputs["attention_mask"],
+                                    pixel_values=inputs.get("pixel_values"),
+                                    image_grid_thw=inputs.get("image_grid_thw"), output_hidden_states=True)
+            texts.append(out.hidden_states[-1][0, EDIT_TEMPLATE_DROP_TOKENS:].float())
+        return _conditioning(texts, encoded)
 
     def cond_kwargs_to_wire(self, cond: PromptEmbeds, image_ids: torch.Tensor) -> dict:
         """sglang's Qwen-Image cond kwargs: the prompt's own tokens (no header, no padding), `txt_seq_lens`
         (the mask is derived from it) and `img_shapes` [[(frames, rows, columns)]] of the latent token grid.
-        sglang's `freqs_cis` is left out: the RoPE tables are rebuilt on the compute device from these."""
-        length = int(cond.embeds[0, 0, 0])
+        sglang's `freqs_cis` is left out: the RoPE tables are rebuilt on the compute device from these. Editing: the
+        reference images' grids follow in `img_shapes`, their packed tokens `[S, C]` in diffrl's `condition_latents`."""
+        length, image_rows, count = (int(v) for v in cond.embeds[0, 0, :3])
         rows, cols = (int(v) + 1 for v in image_ids[-1, 1:3])
-        return {"encoder_hidden_states": [cond.embeds[0, 1 : 1 + length]], "txt_seq_lens": [length],
-                "img_shapes": [[[1, rows, cols]]]}
+        wire = {"encoder_hidden_states": [cond.embeds[0, 1 + image_rows : 1 + image_rows + length]],
+                "txt_seq_lens": [length], "img_shapes": [[[1, rows, cols]]]}
+        if count:
+            grids = [[int(v) for v in cond.embeds[0, 0, 3 + 2 * k : 5 + 2 * k]] for k in range(count)]
+            wire["img_shapes"][0] += [[1, r, c] for r, c in grids]
+            channels = 4 * self.vae.config.z_dim
+            wire["condition_latents"] = unpack_image_rows(cond.embeds[:1, 1 : 1 + image_rows],
+                                                          sum(r * c for r, c in grids), channels)[0]
+        return wire
 
     @classmethod
     def cond_kwargs_from_wire(cls, kwargs: dict) -> tuple[PromptEmbeds, torch.Tensor | None]:
@@ -292,6 +505,14 @@ class QwenImageFamily(FamilyAdapter):
         if shapes:
             _, rows, cols = shapes[0][0]
             image_ids = image_position_ids(int(rows), int(cols))
+        reference = kwargs.get("condition_latents")
+        if reference is not None:  # editing: the reference tokens and their grids (img_shapes after the first)
+            grids = [(int(r), int(c)) for _, r, c in (shapes or [[]])[0][1:]]
+            if not isinstance(reference, torch.Tensor) or reference.dim() != 2 or not grids or \
+                    reference.shape[0] != sum(r * c for r, c in grids):
+                raise ValueError("condition_latents: expected [S, C] reference tokens, S the tokens of img_shapes' "
+                                 "reference grids")
+            return _conditioning([text[:length]], EditImages(tokens=reference[None].float(), grids=grids)), image_ids
         return PromptEmbeds(embeds, torch.zeros(embeds.shape[1], 1)), image_ids
 
     def prepare_latents(self, generators, height, width) -> Latents:
@@ -308,20 +529,47 @@ class QwenImageFamily(FamilyAdapter):
 
     def run_transformer(self, transformer, latents, sigma, cond) -> torch.Tensor:
         x, embeds = latents.tokens, cond.embeds
+        # The image grid and each row's header (text length; editing: the reference images), read in one host sync.
+        width = 3 + 2 * self.max_condition_images if self.settings.edit else 1
+        h, w, *values = torch.cat([latents.ids[-1, 1:] + 1, embeds[:, 0, :width].flatten()]).tolist()
+        headers = [tuple(int(v) for v in values[k * width : (k + 1) * width]) for k in range(x.shape[0])]
+        kinds = list(dict.fromkeys(header[1:] for header in headers))
+        if len(kinds) == 1:
+            return self._forward(transformer, latents, sigma, cond, (int(h), int(w)), headers)
+        # Reference images of different sizes: one forward per size, the rows put back in order.
+        out = None
+        for kind in kinds:
+            rows = [k for k, header in enumerate(headers) if header[1:] == kind]
+            index = torch.tensor(rows, device=x.device)
+            part = self._forward(transformer, Latents(x[index], latents.ids), sigma[index] if sigma.dim() else sigma,
+                                 PromptEmbeds(embeds[index], cond.ids), (int(h), int(w)), [headers[k] for k in rows])
+            out = part.new_empty(x.shape[0], *part.shape[1:]) if out is None else out
+            out[index] = part
+        return out
+
+    def _forward(self, transformer, latents, sigma, cond, grid, headers) -> torch.Tensor:
+        """One forward over rows whose reference images (if any) have the same sizes."""
+        x, embeds = latents.tokens, cond.embeds
         dtype = next(transformer.parameters()).dtype
-        # The image grid and each row's text length, read in one host sync.
-        h, w, *lengths = torch.cat([latents.ids[-1, 1:] + 1, text_lengths(embeds)]).tolist()
-        longest = int(max(lengths))
-        text = embeds[:, 1 : 1 + longest]  # the text of this forward's longest prompt
+        lengths = [header[0] for header in headers]
+        image_rows, count, *sizes = headers[0][1:] or (0, 0)  # text to image: no reference images
+        grids = [(sizes[2 * k], sizes[2 * k + 1]) for k in range(count)]
+        longest = max(lengths)
+        text = embeds[:, 1 + image_rows : 1 + image_rows + longest]  # the text of this forward's longest prompt
         mask = None  # like the pipeline: no mask when no row is padded
         if any(n != longest for n in lengths):
             mask = torch.arange(longest, device=x.device)[None] < text_lengths(embeds)[:, None]
+        tokens = x
+        if count:  # editing: the reference tokens after the noisy ones
+            reference = unpack_image_rows(embeds[:, 1 : 1 + image_rows], sum(r * c for r, c in grids), x.shape[-1])
+            tokens = torch.cat([x, reference.to(x)], dim=1)
         # The scheduler's timestep, σ·1000, divided by 1000 as the pipeline does.
         timestep = sigma * self.scheduler.config.num_train_timesteps / 1000
+        shapes = [(1, *grid), *((1, r, c) for r, c in grids)]
         with self.forward_precision():
-            return transformer(hidden_states=x.to(dtype), timestep=timestep.to(dtype),
+            return transformer(hidden_states=tokens.to(dtype), timestep=timestep.to(dtype),
                                encoder_hidden_states=text.to(dtype), encoder_hidden_states_mask=mask,
-                               img_shapes=[[(1, int(h), int(w))]] * x.shape[0], return_dict=False)[0].float()
+                               img_shapes=[shapes] * x.shape[0], return_dict=False)[0][:, : x.shape[1]].float()
 
     def combine_guidance(self, v_uncond, v_cond, guidance_scale, *, transformer, sigma) -> torch.Tensor:
         combined = v_uncond + guidance_scale * (v_cond - v_uncond)

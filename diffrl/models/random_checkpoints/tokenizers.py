@@ -3,6 +3,7 @@ formats the families' real tokenizers have, so the families' own text handling r
 
 from __future__ import annotations
 
+import re
 from collections.abc import Sequence
 
 PAD, UNK, EOS = "<pad>", "<unk>", "</s>"
@@ -48,15 +49,18 @@ def build_chat_tokenizer():
     return tokenizer
 
 
-def build_qwen_word_tokenizer(words: Sequence[str], punctuation: Sequence[str], *, lowercase: bool):
-    """A word-level tokenizer with Qwen's chat markers as special tokens. Like Qwen's own BPE tokenizer it
-    keeps newlines and punctuation as tokens of their own, so Qwen-Image's prompt template splits into the
+def build_qwen_word_tokenizer(words: Sequence[str], punctuation: Sequence[str], *, lowercase: bool,
+                              specials: Sequence[str] = (), merged: Sequence[str] = ()):
+    """A word-level tokenizer with Qwen's chat markers (and `specials`, e.g. Qwen-VL's vision markers) as special
+    tokens. Like Qwen's own BPE tokenizer it keeps newlines and punctuation as tokens of their own (`merged`: runs of
+    characters kept as one token, as Qwen's BPE merges `'s`), so Qwen-Image's prompt templates split into the
     token counts its pipelines cut at; unknown words map to `<unk>`."""
     from tokenizers import Regex, Tokenizer, normalizers, pre_tokenizers
     from tokenizers.models import WordLevel
     from transformers import PreTrainedTokenizerFast
 
-    vocab = {token: i for i, token in enumerate((*QWEN_SPECIAL_TOKENS, "<unk>", "\n", *punctuation))}
+    vocab = {token: i for i, token in enumerate((*QWEN_SPECIAL_TOKENS, *specials, "<unk>", "\n", *punctuation,
+                                                 *merged))}
     for word in words:
         vocab.setdefault(word, len(vocab))
     tok = Tokenizer(WordLevel(vocab, unk_token="<unk>"))
@@ -64,11 +68,12 @@ def build_qwen_word_tokenizer(words: Sequence[str], punctuation: Sequence[str], 
         tok.normalizer = normalizers.Lowercase()
     tok.pre_tokenizer = pre_tokenizers.Sequence([
         pre_tokenizers.Split(Regex(r"[ \t]+"), behavior="removed"),  # spaces separate words
-        pre_tokenizers.Split(Regex(r"\n|[^\w\s]"), behavior="isolated"),  # newlines and punctuation stand alone
+        pre_tokenizers.Split(Regex("".join(re.escape(m) + "|" for m in merged) + r"\n|[^\w\s]"),
+                             behavior="isolated"),  # newlines and punctuation stand alone
     ])
     tokenizer = PreTrainedTokenizerFast(tokenizer_object=tok, pad_token="<|endoftext|>", unk_token="<unk>",
                                         eos_token="<|im_end|>", model_max_length=32768)
-    tokenizer.add_special_tokens({"additional_special_tokens": list(QWEN_SPECIAL_TOKENS[1:])})
+    tokenizer.add_special_tokens({"additional_special_tokens": [*QWEN_SPECIAL_TOKENS[1:], *specials]})
     return tokenizer
 
 
