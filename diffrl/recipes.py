@@ -189,6 +189,21 @@ _FLUX1_GRPO = dict(diffusion_model_family="flux1", loss_type="flow_grpo", reward
                    gradient_checkpointing=True, num_rollout=300, eval_interval=30, checkpoint_interval=30,
                    eval_images_per_category=0)
 
+# Flow-GRPO on Qwen-Image-Edit Plus (Qwen-Image-Edit-2509; --prompt-data rows name each edit's sources under `image` /
+# `images`) with PickScore: X-GenGroup/Flow-Factory's examples/grpo/lora/qwen_image_edit_plus/default.yaml: 384²
+# outputs, 10 steps with true CFG 4, SDE at noise 1.0 on one step drawn per rollout from steps 1-3, 48 prompts × 16
+# samples in 2 optimizer steps, per-prompt mean and std, no KL, clip 1e-4, advantage clip 5, LoRA r64/α128 on both
+# streams' attention and MLPs (its default targets), bf16 forward, lr 3e-4, AdamW β2 0.999, weight decay 1e-4, grad
+# clip 1, micro-batches of one sample; 40-step evaluations. Not expressed here: its 384² reference images while
+# training (a checkpoint setting here: `"diffrl": {"vae_image_area": 147456}` in model_index.json; 1024² otherwise,
+# the pipeline's), its GDPO aggregation (one reward here), its EMA for evaluation and its 1024² evaluations.
+# Microgroups of 16, gradient checkpointing and the intervals are ours.
+_QWEN_EDIT_GRPO = dict(_QWEN_GRPO, resolution=384, diffusion_noise_level=1.0, diffusion_sde_window_range=(1, 4),
+                       diffusion_num_sde_steps=1, globalize_reward_std=False, diffusion_adv_clip_max=5.0,
+                       diffusion_kl_beta=0.0, rollout_batch_size=48, n_samples_per_prompt=16,
+                       rollout_microgroup_size=16, global_batch_size=384, micro_batch_size=1, grad_clip=1.0,
+                       eval_num_steps=40, num_rollout=300, eval_interval=30, checkpoint_interval=30)
+
 # Flow-GRPO on FLUX.1 Kontext (instruction editing; --prompt-data rows name each edit's source under `image`) with
 # PickScore: X-GenGroup/Flow-Factory's examples/grpo/lora/flux1_kontext/default.yaml: 384² outputs from 384² sources
 # (resize the sources to 384² beforehand: the engine takes them at their own size), 10 steps without true CFG, SDE at
@@ -308,6 +323,7 @@ SIZED: dict[str, dict[str, dict]] = {
     "flux3-klein-grpo-hps": {"gpu": dict(_FLUX3_GRPO, compile=True), "cpu": _FLUX3_GRPO},
     "flux1-grpo-pickscore": {"gpu": _FLUX1_GRPO, "cpu": _FLUX1_GRPO},
     "flux1-kontext-grpo-pickscore": {"gpu": _FLUX1_KONTEXT_GRPO, "cpu": _FLUX1_KONTEXT_GRPO},
+    "qwen-image-edit-grpo-pickscore": {"gpu": _QWEN_EDIT_GRPO, "cpu": _QWEN_EDIT_GRPO},
     "krea2-nft-ocr": {"gpu": _KREA2_NFT, "cpu": _KREA2_NFT},
     "krea2-nft-pickscore": {"gpu": (_krea_pick := dict(_KREA2_NFT, reward="pickscore")), "cpu": _krea_pick},
     "wan22-grpo-pickscore": {"gpu": _WAN22_GRPO, "cpu": _WAN22_GRPO},
@@ -377,6 +393,7 @@ RECIPE_SUMMARIES = {
     "flux3-klein-grpo-hps": "Flow-GRPO on FLUX 3 Klein with HPSv2",
     "flux1-grpo-pickscore": "Flow-GRPO on FLUX.1 [dev] with PickScore (flow_grpo's pickscore_flux)",
     "flux1-kontext-grpo-pickscore": "Flow-GRPO editing on FLUX.1 Kontext with PickScore (Flow-Factory's example)",
+    "qwen-image-edit-grpo-pickscore": "Flow-GRPO editing on Qwen-Image-Edit Plus with PickScore (Flow-Factory's example)",
     "krea2-nft-ocr": "DiffusionNFT on Krea 2 with the OCR reward",
     "krea2-nft-pickscore": "DiffusionNFT on Krea 2 with PickScore",
     "wan22-grpo-pickscore": "Flow-GRPO on Wan2.2 video with PickScore",

@@ -176,3 +176,18 @@ def test_sources_of_different_aspect_ratios_train_in_one_rollout(edit_dir, tmp_p
     records, _ = _train(edit_dir, prompts, tmp_path / "run", "flow_grpo", num_rollout=1, reward_fn=brightness)
     trained = [r for r in records if "train/loss" in r]
     assert len(trained) == 1 and trained[0]["train/log_prob_mean_abs_diff"] < 1e-4
+
+
+def test_qwen_image_edit_recipe_is_flow_factorys_setting(plus_dir, tmp_path):
+    from diffrl.cli.main import parse
+    from diffrl.train.trainer import validate_config
+
+    prompts = write_editing_set(tmp_path)
+    cfg = parse(["train", "--recipe", "qwen-image-edit-grpo-pickscore", "--model-path", str(plus_dir),
+                 "--prompt-data", str(prompts)])
+    m, r, o = cfg.model, cfg.rollout, cfg.optim
+    assert (m.diffusion_model_family, cfg.algorithm.loss_type, m.size()) == ("qwen_image", "flow_grpo", (384, 384))
+    assert (r.diffusion_num_steps, r.diffusion_guidance_scale, r.diffusion_noise_level) == (10, 4.0, 1.0)
+    assert (r.diffusion_sde_window_range, r.diffusion_num_sde_steps) == ((1, 4), 1)
+    assert (r.rollout_batch_size, r.n_samples_per_prompt, o.num_steps_per_rollout, o.lr) == (48, 16, 2, 3e-4)
+    validate_config(cfg)
