@@ -31,5 +31,9 @@ class EngineUnavailable(RuntimeError):
     """The engine failed or could not be reached; the request may be retried elsewhere."""
 
 
+class RewardUnavailable(RuntimeError):
+    """A reward server that did not answer after every retry."""
+
+
 class WeightsMismatch(ModelLoadError):
     """Weights whose names or shapes are not those of the module they are loaded into (another model's)."""

@@ -12,7 +12,7 @@ import sys
 from pathlib import Path
 
 from diffrl.cli.miles_flags import translate
-from diffrl.errors import AnotherFamilysCheckpoint, EngineUnavailable, ModelLoadError
+from diffrl.errors import AnotherFamilysCheckpoint, EngineUnavailable, ModelLoadError, RewardUnavailable
 
 # The subcommands' modules (torch, diffusers, …) load only when a subcommand runs: `diffrl --help`,
 # `diffrl recipes` and `diffrl rewards` answer without them.
@@ -265,6 +265,45 @@ def parse(argv: list[str]):
         _subcommands(), args=argv, description="diffrl: RL post-training for flow-matching diffusion models")
 
 
+def run(config) -> None:
+    """Run a parsed subcommand. `diffrl train` imports the trainer only (or Ray's launcher), not the server's
+    fastapi nor the benchmarks and evaluation; the other subcommands' configs, parsed by `_subcommands`, have
+    imported their modules already."""
+    # deferred: each subcommand's module loads only when it runs
+    from diffrl.train.config import TrainConfig
+
+    if isinstance(config, TrainConfig):
+        if config.uses_ray():
+            from diffrl.launch.ray_placement import launch  # deferred: Ray
+
+            launch(config)
+        else:
+            from diffrl.train.trainer import train  # deferred: the trainer, the engine and the rewards
+
+            train(config)
+        return
+    # deferred: as above (imported already by `_subcommands` when they parsed the command line)
+    from diffrl.cli.bench import BenchConfig, bench
+    from diffrl.cli.bench_train import BenchTrainConfig, bench_train
+    from diffrl.cli.compare import CompareConfig, compare
+    from diffrl.cli.evaluate import evaluate
+    from diffrl.serving.server import ServeConfig, serve
+    from diffrl.train.pretrain import PretrainConfig, pretrain
+
+    if isinstance(config, PretrainConfig):
+        pretrain(config)
+    elif isinstance(config, ServeConfig):
+        serve(config)
+    elif isinstance(config, CompareConfig):
+        compare(config)
+    elif isinstance(config, BenchConfig):
+        bench(config)
+    elif isinstance(config, BenchTrainConfig):
+        bench_train(config)
+    else:
+        evaluate(config)
+
+
 def main(argv: list[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     if not argv or argv[0] in ("-h", "--help"):
@@ -273,41 +312,14 @@ def main(argv: list[str] | None = None) -> int:
     if argv[0] in ("recipes", "rewards"):
         print(list_recipes() if argv[0] == "recipes" else list_rewards())
         return 0
-    quiet_third_party_loading()
-    # deferred: the subcommands' modules load torch, diffusers and fastapi; `diffrl --help`, `recipes` and
-    # `rewards` answer without them
-    from diffrl.cli.bench import BenchConfig, bench
-    from diffrl.cli.bench_train import BenchTrainConfig, bench_train
-    from diffrl.cli.compare import CompareConfig, compare
-    from diffrl.cli.evaluate import evaluate
-    from diffrl.serving.server import ServeConfig, serve
-    from diffrl.launch.ray_placement import launch
-    from diffrl.rewards.remote import RewardUnavailable
+    # deferred: recipes load torch; `diffrl --help`, `recipes` and `rewards` answer without them
     from diffrl.recipes import another_familys_message
-    from diffrl.train.config import TrainConfig
-    from diffrl.train.pretrain import PretrainConfig, pretrain
-    from diffrl.train.trainer import train
 
     try:
         config = parse(argv)
-        if config is None:
-            pass
-        elif isinstance(config, TrainConfig) and config.uses_ray():
-            launch(config)
-        elif isinstance(config, TrainConfig):
-            train(config)
-        elif isinstance(config, PretrainConfig):
-            pretrain(config)
-        elif isinstance(config, ServeConfig):
-            serve(config)
-        elif isinstance(config, CompareConfig):
-            compare(config)
-        elif isinstance(config, BenchConfig):
-            bench(config)
-        elif isinstance(config, BenchTrainConfig):
-            bench_train(config)
-        else:
-            evaluate(config)
+        if config is not None:
+            quiet_third_party_loading()  # after parsing: --help and a refused flag need not import diffusers (seconds)
+            run(config)
     except (ModelLoadError, FileExistsError, FileNotFoundError, ValueError) as err:
         # Bad configuration or a broken checkpoint: one line, no traceback.
         print(f"error: {another_familys_message(err) if isinstance(err, AnotherFamilysCheckpoint) else err}",

@@ -37,6 +37,7 @@ import torch
 from PIL import Image
 
 from diffrl.data.condition_images import CONDITION_IMAGES_KEY
+from diffrl.errors import RewardUnavailable  # with the other errors: the CLI catches it without importing rewards
 from diffrl.rewards.registry import TermScores
 from diffrl.utils.images import to_uint8
 
@@ -46,10 +47,6 @@ _RETRIED_STATUS = frozenset({429, 500, 502, 503, 504})
 
 class RewardServerError(ValueError):
     """A reward server's answer that cannot be right, or a request it refuses (HTTP 4xx): retrying cannot help."""
-
-
-class RewardUnavailable(RuntimeError):
-    """A reward server that did not answer after every retry."""
 
 
 def png_base64(pixels) -> str:

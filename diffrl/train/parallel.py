@@ -17,7 +17,6 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
-from torch.distributed.fsdp import fully_shard
 
 from diffrl.models.base import repeated_blocks
 
@@ -105,6 +104,8 @@ def shard_transformer(transformer: torch.nn.Module, block_lists: tuple[str, ...]
     `dtype`: the masters' dtype for a transformer loaded in another one (a full finetune's fp32 masters of a bf16
     checkpoint): the parameters outside the blocks are cast first, then each block just before it is sharded, so a
     rank never holds more than one block unsharded in `dtype` (a whole 20.9 B transformer in fp32 is 84 GB per GPU)."""
+    from torch.distributed.fsdp import fully_shard  # lazy: FSDP imports torch._dynamo (~1 s); one process needs none
+
     blocks = repeated_blocks(transformer, block_lists)
     if dtype is not None:  # what transformer.to(dtype) would cast, block by block
         inside = {id(t) for block in blocks for t in (*block.parameters(), *block.buffers())}

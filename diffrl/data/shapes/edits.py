@@ -35,7 +35,6 @@ from dataclasses import dataclass, replace
 from typing import NoReturn
 
 import numpy as np
-from scipy.optimize import linear_sum_assignment
 
 from .grammar import COLORS, RELATIONS, SHAPES, ObjectSpec, _n_test, _prompt_hash, parse_object_phrase
 from .render import BORDER_PX, GAP_PX, SUPERSAMPLE, PlacedObject, _centroid_y, _relation_ok, draw_objects, side_range
@@ -543,6 +542,8 @@ def _match(slots: list[_Slot], found: list[DetectedObject], radius: float) -> di
         weight[i, j] = (obj.shape == slot.shape) + (obj.color == slot.color)
         if slot.anchor is not None:
             weight[i, j] += max(0.0, 1 - _distance(obj.centroid_xy, slot.anchor) / radius)
+    from scipy.optimize import linear_sum_assignment  # lazy: scipy.optimize takes ~0.5 s to import
+
     rows, cols = linear_sum_assignment(weight, maximize=True)
     return {int(i): int(j) for i, j in zip(rows, cols, strict=True) if weight[i, j] >= 0.5}
 

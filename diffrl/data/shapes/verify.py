@@ -40,9 +40,17 @@ import itertools
 from dataclasses import dataclass
 
 import numpy as np
-from scipy import ndimage
 
 from .grammar import BACKGROUND, COLORS, RELATIONS, SHAPES, ObjectSpec, SceneSpec, noun_phrase, parse_prompt
+
+
+def _ndimage():
+    """scipy.ndimage, imported on first use (lazy: scipy takes ~0.5 s to import, which a process that imports the
+    rewards without verifying a shapes image, as most of a run's do, need not pay)."""
+    from scipy import ndimage
+
+    return ndimage
+
 
 # ---- pixels
 # ΔE76 from white above which a pixel is ink. The shipped model's backgrounds stay below ~4
@@ -463,7 +471,7 @@ def _holes(objects: np.ndarray, n_objects: int, max_px: int) -> np.ndarray | Non
     """Pockets of at most `max_px` pixels that `objects` encloses (4-connected), None if none."""
     if _euler_number(objects) >= n_objects:  # at most n_objects components, so no hole at all
         return None
-    pockets, n = ndimage.label(~objects)
+    pockets, n = _ndimage().label(~objects)
     small = np.bincount(pockets.ravel(), minlength=n + 1) <= max_px
     for border in (pockets[0], pockets[-1], pockets[:, 0], pockets[:, -1]):
         small[border] = False
@@ -751,7 +759,7 @@ def _hole_px(core: np.ndarray, alpha: np.ndarray) -> float:
     8-connected component, encloses; 0.0 if it encloses none."""
     if _euler_number(core) >= 1:  # one component less its holes
         return 0.0
-    pockets, n = ndimage.label(~core)
+    pockets, n = _ndimage().label(~core)
     missing = np.bincount(pockets.ravel(), weights=(1 - alpha).ravel(), minlength=n + 1)
     for border in (pockets[0], pockets[-1], pockets[:, 0], pockets[:, -1]):
         missing[border] = 0.0
@@ -879,9 +887,9 @@ def _analyze(image: np.ndarray) -> _Scene:
     components = []  # (color index, labels, label, box)
     objects = np.zeros(classes.shape, dtype=bool)
     for color_index in np.flatnonzero(counts >= min_area):
-        labels, _ = ndimage.label(classes == color_index, structure=_EIGHT_CONNECTED)
+        labels, _ = _ndimage().label(classes == color_index, structure=_EIGHT_CONNECTED)
         areas = np.bincount(labels.ravel())
-        for label, box in enumerate(ndimage.find_objects(labels), start=1):
+        for label, box in enumerate(_ndimage().find_objects(labels), start=1):
             if areas[label] >= min_area:
                 components.append((int(color_index), labels, label, box))
                 objects[box] |= labels[box] == label
@@ -898,7 +906,7 @@ def _analyze(image: np.ndarray) -> _Scene:
         # JPEG's ringing is specks and streaks; a blot (stray ink filling a 3x3 square) stays stray.
         blot = _dilate(_erode(stray, 1), 1)
         if blot.any():
-            labels, _ = ndimage.label(blot, structure=_EIGHT_CONNECTED)
+            labels, _ = _ndimage().label(blot, structure=_EIGHT_CONNECTED)
             blot = (np.bincount(labels.ravel()) >= round(BLOT_PX * scale))[labels] & blot
         halo = _dilate(objects, HALO_PX) & (delta_e <= HALO_DELTA_E) & ~blot & stray
         if JPEG_BLOCK_PX:
@@ -918,7 +926,7 @@ def _analyze(image: np.ndarray) -> _Scene:
     n_dirt = n_stray
     if n_stray:
         # A mark: a connected blob with MARK_PX clearly visible pixels, or FAINT_MARK_PX in all.
-        labels, _ = ndimage.label(stray, structure=_EIGHT_CONNECTED)
+        labels, _ = _ndimage().label(stray, structure=_EIGHT_CONNECTED)
         areas = np.bincount(labels.ravel())
         strong = np.bincount(labels.ravel(), weights=(delta_e > MARK_DELTA_E).ravel(), minlength=len(areas))
         is_mark = (strong >= max(2, round(MARK_PX * scale))) | (areas >= round(FAINT_MARK_PX * scale))
