@@ -61,6 +61,7 @@ from diffrl.models.base import (
 )
 from diffrl.models.batch_invariance import decode_rows, embed_rows_one_at_a_time
 from diffrl.models.components import read_settings
+from diffrl.models.condition_rows import pack_image_rows, unpack_image_rows
 from diffrl.models.qwen_vae import pack_latents
 from diffrl.sampling import randn_per_sample, resolution_mu
 
@@ -338,15 +339,3 @@ class Flux1Family(FamilyAdapter):
         images = decode_rows(lambda rows: self.vae.decode(rows.to(vae_dtype), return_dict=False)[0], grid,
                              per_call=self.vae_decode_batch)
         return (images.float() / 2 + 0.5).clamp(0, 1)
-
-
-def pack_image_rows(tokens: torch.Tensor, width: int) -> torch.Tensor:
-    """`[B, S, C]` image tokens laid row-major into `[B, ceil(S·C / width), width]` rows, zero-padded at the end."""
-    flat = tokens.reshape(tokens.shape[0], -1)
-    flat = torch.nn.functional.pad(flat, (0, -flat.shape[1] % width))
-    return flat.view(tokens.shape[0], -1, width)
-
-
-def unpack_image_rows(rows: torch.Tensor, count: int, channels: int) -> torch.Tensor:
-    """The inverse of `pack_image_rows` for `count` tokens of `channels`: `[B, R, width]` → `[B, count, channels]`."""
-    return rows.reshape(rows.shape[0], -1)[:, : count * channels].view(rows.shape[0], count, channels)

@@ -9,7 +9,9 @@ from collections.abc import Sequence
 
 import torch
 
+from diffrl.models.base import PromptEmbeds
 from diffrl.models.batch_invariance import decode_rows
+from diffrl.models.condition_rows import pack_image_rows, unpack_image_rows
 from diffrl.sampling import randn_per_sample
 
 
@@ -160,9 +162,6 @@ def pack_references(latents: Sequence[torch.Tensor], ids: Sequence[torch.Tensor]
 def fold_references(cond, references: tuple[torch.Tensor, torch.Tensor]):
     """One prompt's conditioning with its references' tokens `[1, S, C]` laid row-major into rows of the text width
     after the text tokens (zero-padded), and their ids after the text's: one tensor carries both."""
-    from diffrl.models.base import PromptEmbeds
-    from diffrl.models.flux1 import pack_image_rows
-
     tokens, ids = references
     width = cond.embeds.shape[-1]
     rows = pack_image_rows(tokens.to(cond.embeds), width).expand(len(cond), -1, -1)
@@ -176,9 +175,6 @@ def split_references(cond, channels: int, text_lengths: Sequence[int]):
     """(the text's conditioning, (reference tokens `[B, S, C]`, ids `[S, 4]`) or None) from a folded conditioning.
     The text length is the one of `text_lengths` (the family's possible windows, ascending) that the row and id
     counts agree on (decided from shapes alone: no read of a device tensor)."""
-    from diffrl.models.base import PromptEmbeds
-    from diffrl.models.flux1 import unpack_image_rows
-
     rows, count, width = cond.embeds.shape[1], cond.ids.shape[0], cond.embeds.shape[-1]
     if rows == count:
         return cond, None
