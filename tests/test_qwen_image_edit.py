@@ -3,6 +3,7 @@ QwenImageEditPipeline and QwenImageEditPlusPipeline, on tiny random checkpoints 
 encoder runs its vision tower on the condition images), and editing runs through the trainer."""
 
 import io
+import json
 from pathlib import Path
 
 import numpy as np
@@ -20,7 +21,7 @@ from diffrl.models.random_checkpoints.qwen_image import save_random_checkpoint
 from diffrl.models.registry import resolve_family
 from diffrl.sampling import make_generators
 
-TOLERANCE = 1e-5  # fp32 on CPU through two code paths
+TOLERANCE = 1e-5  # fp32 on CPU through two code paths (measured: ≤ 3.0e-7, Edit and Plus, with and without CFG)
 HEIGHT, WIDTH = 32, 48
 
 
@@ -191,3 +192,87 @@ def test_qwen_image_edit_recipe_is_flow_factorys_setting(plus_dir, tmp_path):
     assert (r.diffusion_sde_window_range, r.diffusion_num_sde_steps) == ((1, 4), 1)
     assert (r.rollout_batch_size, r.n_samples_per_prompt, o.num_steps_per_rollout, o.lr) == (48, 16, 2, 3e-4)
     validate_config(cfg)
+
+
+def test_edit_2511_zero_cond_t_runs_as_plus(plus_dir, tmp_path):
+    """Qwen-Image-Edit-2511 is a Plus checkpoint whose transformer sets zero_cond_t (the reference tokens modulated at
+    timestep 0): the engine equals QwenImageEditPlusPipeline with true CFG; the option is refused on an Edit
+    checkpoint (whose pipeline predates it)."""
+    import shutil
+
+    from diffrl.errors import ModelLoadError
+
+    folder = tmp_path / "qwen-image-edit-2511-tiny"
+    shutil.copytree(plus_dir, folder)
+    config = folder / "transformer" / "config.json"
+    config.write_text(json.dumps({**json.loads(config.read_text()), "zero_cond_t": True}))
+    family = QwenImageFamily.load(folder)
+    sources = [png(0), png(2, (16, 48))]
+    _, ours, pipeline = _engine_and_pipeline(family, sources, "blurry", 4.0)
+    reference = pipeline(sources)
+    torch.testing.assert_close(ours, reference, rtol=0, atol=TOLERANCE)
+    _, without, _ = _engine_and_pipeline(QwenImageFamily.load(plus_dir), sources, "blurry", 4.0)
+    assert (without - ours).abs().max() > 30 * TOLERANCE  # zero_cond_t changes the images: the check can fail
+    index = folder / "model_index.json"
+    index.write_text(json.dumps({**json.loads(index.read_text()), "_class_name": "QwenImageEditPipeline"}))
+    with pytest.raises(ModelLoadError, match="zero_cond_t"):
+        QwenImageFamily.load(folder)
+
+
+def test_replay_of_an_editing_rollout_equals_the_live_run(edit_dir, tmp_path):
+    from test_flux1_kontext import _train
+
+    prompts = write_editing_set(tmp_path / "data")
+    live, live_state = _train(edit_dir, prompts, tmp_path / "live", "flow_grpo", num_rollout=1,
+                              save_rollout_data=tmp_path / "records")
+    replayed, state = _train(edit_dir, prompts, tmp_path / "replay", "flow_grpo", num_rollout=1,
+                             load_rollout_data=tmp_path / "records")
+    assert all(torch.equal(a, b) for a, b in zip(state, live_state, strict=True))
+    keys = ("train/loss", "train/grad_norm", "rollout/reward/raw_mean")
+    assert [[r.get(k) for k in keys] for r in live] == [[r.get(k) for k in keys] for r in replayed]
+
+
+def test_sample_k_is_the_same_in_any_microgroup(edit):
+    """On CPU an edit's sample k is bit-identical whether its request asks for 1, 2 or 3 outputs."""
+    outputs = {n: Engine(edit, EngineConfig(max_outputs_per_request=4)).generate(
+        _request(num_outputs_per_prompt=n, image_path=[png(0)], negative_prompt="blurry", guidance_scale=4.0))
+        for n in (1, 3)}
+    assert torch.equal(outputs[1][0].generated_output, outputs[3][0].generated_output)
+
+
+def test_an_edit_survives_the_http_wire_bit_for_bit(edit_dir, tmp_path):
+    """Served as `diffrl serve --image-roots DIR` serves it: diffrl's client (bytes) and sglang's `image_path` naming a
+    file under the root (its cond kwargs: the text, img_shapes with the reference grid, condition_latents) give the
+    in-process outputs and conditioning to the bit."""
+    import asyncio
+
+    import httpx
+
+    from diffrl.cli.main import parse
+    from diffrl.rollout.clients import HttpEngineClient
+    from diffrl.serving import sglang
+    from diffrl.serving.server import build_engine, create_app, serving_in_thread
+
+    (tmp_path / "roots").mkdir()
+    source = tmp_path / "roots" / "source.png"
+    source.write_bytes(png(2))
+    engine = build_engine(parse(["serve", "--model-path", str(edit_dir), "--device", "cpu",
+                                 "--max-outputs-per-request", "4", "--image-roots", str(tmp_path / "roots")]))
+    fields = {"negative_prompt": "blurry", "guidance_scale": 4.0, "rollout": True,
+              "rollout_return_denoising_env": True, "rollout_return_dit_trajectory": True}
+    local = engine.generate(_request(image_path=[source.read_bytes()], **fields))
+
+    def same(outputs):
+        assert all(torch.equal(a.generated_output, b.generated_output) for a, b in zip(outputs, local, strict=True))
+        env, want = outputs[0].denoising_env, local[0].denoising_env
+        assert all(torch.equal(env[k], want[k]) for k in ("prompt_embeds", "negative_prompt_embeds"))
+
+    with serving_in_thread(create_app(engine)) as url:
+        client = HttpEngineClient(url)
+        try:
+            same(asyncio.run(client.generate(_request(image_path=[source.read_bytes()], **fields))))
+        finally:
+            client.close()
+        by_path = _request(image_path=[str(source)], **fields)
+        answer = httpx.post(f"{url}/rollout/generate", json=by_path.model_dump(exclude_none=True), timeout=60)
+        same(sglang.decode_response(answer.content, by_path, engine.family))

@@ -43,7 +43,9 @@ Qwen-Image-Edit (a checkpoint whose model_index.json names `QwenImageEditPipelin
   template (its first 64 tokens dropped): Edit shows the VAE-sized image; Plus names each "Picture k:" and shows it
   resized to `vl_image_area` (384²);
 - the output size is the request's (the pipelines default it to the last image's size at 1024²); the schedule, the
-  true CFG with its norm rescale and the decoding are the text-to-image ones.
+  true CFG with its norm rescale and the decoding are the text-to-image ones;
+- Qwen-Image-Edit-2511 (a Plus checkpoint whose transformer sets `zero_cond_t`: the reference tokens are modulated
+  with timestep 0, inside the transformer) runs as Plus.
 The conditioning of an edit is `[B, 1 + R + L, D]`: the header token (channel 0 the text length, 1 the number R of
 rows of reference tokens, 2 the number of images, then each image's token rows and columns), the reference tokens
 laid row-major into R rows of the text width, then the text, zero-padded at the end as above, so padding never
@@ -51,8 +53,8 @@ touches the images. A forward whose rows have reference images of different size
 The edit pipelines take an image: a request to an editing checkpoint without one is refused.
 
 Refused with a `ModelLoadError`: the other image-conditioned variants (Layered, inpainting, image-to-image,
-ControlNet checkpoints, and the transformer options of Edit-2511 and Layered: `zero_cond_t`,
-`use_additional_t_cond`, `use_layer3d_rope`), the guidance-distilled option (`guidance_embeds`), and scheduler
+ControlNet checkpoints, and the transformer options of Layered, `use_additional_t_cond` and `use_layer3d_rope`, and
+Edit-2511's `zero_cond_t` outside a Plus checkpoint), the guidance-distilled option (`guidance_embeds`), and scheduler
 options that change the step (`stochastic_sampling`, `invert_sigmas`). Text-to-image checkpoints refuse
 image-conditioned requests.
 """
@@ -80,7 +82,7 @@ from diffrl.models.base import (
     require_pixel_multiple,
     wire_text_tokens,
 )
-from diffrl.models.batch_invariance import embed_rows_one_at_a_time
+from diffrl.models.batch_invariance import embed_rows_one_at_a_time, rows_share_one_timestep
 from diffrl.models.components import read_settings
 from diffrl.models.flux1 import pack_image_rows, unpack_image_rows
 from diffrl.models.qwen_vae import decode_latents, pack_latents
@@ -285,11 +287,13 @@ class QwenImageFamily(FamilyAdapter):
     def __init__(self, transformer, vae, text_encoder, tokenizer, scheduler, processor=None, *,
                  settings: QwenImageSettings | None = None):
         config = transformer.config
-        variant = [key for key in (*VARIANT_OPTIONS, "guidance_embeds") if config.get(key)]
+        # Edit-2511 (a Plus checkpoint) sets zero_cond_t: the transformer gives the reference tokens timestep 0.
+        allowed = ("zero_cond_t",) if (settings or QwenImageSettings()).edit == "edit_plus" else ()
+        variant = [key for key in (*VARIANT_OPTIONS, "guidance_embeds") if config.get(key) and key not in allowed]
         if variant:
             raise ModelLoadError(f"qwen_image: the transformer sets {variant}, options of the image-conditioned "
-                                 "(Edit, Layered) or guidance-distilled variants; this family is Qwen-Image text "
-                                 "to image")
+                                 "(Edit-2511, Layered) or guidance-distilled variants; this checkpoint's pipeline "
+                                 "does not use them")
         unsupported = [key for key in UNSUPPORTED_SCHEDULER_OPTIONS if scheduler.config.get(key)]
         if unsupported:
             raise ModelLoadError(f"qwen_image: unsupported scheduler options {unsupported} (they change the step "
@@ -566,7 +570,9 @@ class QwenImageFamily(FamilyAdapter):
         # The scheduler's timestep, σ·1000, divided by 1000 as the pipeline does.
         timestep = sigma * self.scheduler.config.num_train_timesteps / 1000
         shapes = [(1, *grid), *((1, r, c) for r, c in grids)]
-        with self.forward_precision():
+        # zero_cond_t (Edit-2511): the transformer adds rows of timestep 0, so its timestep rows are not all one value.
+        zero_cond_t = transformer.config.get("zero_cond_t")
+        with self.forward_precision(), rows_share_one_timestep(False) if zero_cond_t else contextlib.nullcontext():
             return transformer(hidden_states=tokens.to(dtype), timestep=timestep.to(dtype),
                                encoder_hidden_states=text.to(dtype), encoder_hidden_states_mask=mask,
                                img_shapes=[shapes] * x.shape[0], return_dict=False)[0][:, : x.shape[1]].float()
