@@ -84,7 +84,7 @@ from diffrl.models.base import (
 )
 from diffrl.models.batch_invariance import embed_rows_one_at_a_time, rows_share_one_timestep
 from diffrl.models.components import read_settings
-from diffrl.models.flux1 import pack_image_rows, unpack_image_rows
+from diffrl.models.condition_rows import pack_image_rows, unpack_image_rows
 from diffrl.models.qwen_vae import decode_latents, pack_latents
 from diffrl.sampling import randn_per_sample, resolution_mu
 
