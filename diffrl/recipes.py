@@ -14,7 +14,7 @@ import torch
 
 from diffrl.data.ocr.prompts import PROMPT_DIR as OCR_PROMPTS
 from diffrl.errors import AnotherFamilysCheckpoint
-from diffrl.models.demo import SHIPPED_OCR_MODEL
+from diffrl.models.demo import SHIPPED_EDIT_MODEL, SHIPPED_OCR_MODEL
 from diffrl.train.config import TrainConfig
 
 _GPU_BATCH = dict(  # 32 prompts × 16 samples per rollout, 2 optimizer steps of 256 samples
@@ -307,6 +307,19 @@ _OCR_CPU = dict(_OCR, diffusion_num_steps=4, num_rollout=20, rollout_batch_size=
                 rollout_microgroup_size=8, global_batch_size=48, num_steps_per_rollout=1, micro_batch_size=48,
                 eval_interval=10, eval_num_prompts=24, checkpoint_interval=10)
 
+# The editing world (docs/editing-world.md): the editing demo model (pretrained here from the shipped one on the
+# world's train split, `diffrl pretrain --world shapes-edit`), each prompt an edit instruction with its rendered
+# source as the condition image, the shapes_edit reward (partial credit) in training and the strict verifier in
+# evaluation (eval/strict over eval_images_per_category held-out edits of each kind). Starting points taken from
+# the shapes recipes, not yet measured on this world; a rollout carries the source's tokens beside the image's, so
+# the GPU sizes train in micro-batches of 256.
+_EDIT = dict(model_path=SHIPPED_EDIT_MODEL, world="shapes-edit", reward="shapes_edit", use_lora=False,
+             val_images_per_category=0)
+_EDIT_GPU = dict(_EDIT, **{**_GPU_BATCH, "val_images_per_category": 0}, lr_schedule="cosine", lr_min_ratio=0.1)
+_EDIT_CPU = dict(_EDIT, diffusion_num_steps=4, num_rollout=22, rollout_batch_size=6, n_samples_per_prompt=8,
+                 rollout_microgroup_size=8, global_batch_size=48, num_steps_per_rollout=1, micro_batch_size=48,
+                 eval_interval=22, eval_images_per_category=8, checkpoint_interval=11)
+
 SIZED: dict[str, dict[str, dict]] = {
     "sd3-grpo": {"gpu": _SD3_GRPO, "cpu": _SD3_GRPO},  # a real checkpoint has no CPU size
     "sd35-grpo-ocr": {"gpu": (_ocr := dict(_SD35_GRPO, reward="ocr", diffusion_kl_beta=0.04)), "cpu": _ocr},
@@ -367,6 +380,12 @@ SIZED: dict[str, dict[str, dict]] = {
     "ocr-grpo": {"gpu": dict(_OCR_GPU, loss_type="flow_grpo", lr=1e-5, diffusion_guidance_scale=3.0,
                              diffusion_clip_range=1e-3, diffusion_sde_window_range=(0, 4), micro_batch_size=256),
                  "cpu": dict(_OCR_CPU, loss_type="flow_grpo", lr=1e-4)},
+    "shapes-edit-nft": {"gpu": dict(_EDIT_GPU, loss_type="nft", lr=1e-4, num_rollout=60),
+                        "cpu": dict(_EDIT_CPU, loss_type="nft", lr=5e-5)},
+    "shapes-edit-grpo": {"gpu": dict(_EDIT_GPU, loss_type="flow_grpo", lr=1e-5, num_rollout=250,
+                                     diffusion_guidance_scale=3.0, diffusion_clip_range=1e-3,
+                                     diffusion_sde_window_range=(0, 4)),
+                         "cpu": dict(_EDIT_CPU, loss_type="flow_grpo", lr=1e-4)},
     "shapes-grpo": {
         # Flow-GRPO with CFG 3 and 2 SDE steps per rollout inside the first 4 of 10 steps, clip 1e-3,
         # cosine decay over 250 rollouts and adaptive categories (JOURNAL.md). lr 1e-5: on the hardened
@@ -408,6 +427,10 @@ RECIPE_SUMMARIES = {
     "cosmos3-grpo": "Flow-GRPO on Cosmos3",
     "shapes-nft": "DiffusionNFT on the shipped demo model and the shapes world (make demo; CPU-sized on a CPU)",
     "shapes-grpo": "Flow-GRPO on the shipped demo model and the shapes world (CPU-sized on a CPU)",
+    "shapes-edit-nft": "DiffusionNFT on the editing demo model, shapes_edit reward, strict edit verifier "
+                       "(docs/editing-world.md; CPU-sized on a CPU)",
+    "shapes-edit-grpo": "Flow-GRPO on the editing demo model, shapes_edit reward, strict edit verifier "
+                        "(docs/editing-world.md; CPU-sized on a CPU)",
     "ocr-nft": "DiffusionNFT on the OCR demo model, ocr reward, tesseract judge (docs/ocr-world.md; CPU-sized on a CPU)",
     "ocr-grpo": "Flow-GRPO on the OCR demo model, ocr reward, tesseract judge (docs/ocr-world.md; CPU-sized on a CPU)",
 }

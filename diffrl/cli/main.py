@@ -18,7 +18,7 @@ from diffrl.errors import AnotherFamilysCheckpoint, EngineUnavailable, ModelLoad
 # `diffrl recipes` and `diffrl rewards` answer without them.
 SUBCOMMAND_SUMMARIES = {
     "train": "RL post-training of a model (a recipe, a --config file or flags); writes a run folder",
-    "pretrain": "flow-matching fine-tuning (SFT) of the demo model on rendered shapes scenes (--world ocr: text renders)",
+    "pretrain": "flow-matching fine-tuning (SFT) of the demo model on rendered shapes scenes (--world ocr: text renders; shapes-edit: edits)",
     "evaluate": "held-out evaluation of a run folder, a checkpoint or a model (shapes accuracy or a reward)",
     "compare": "a trained run against its base model on the same images, with standard errors and a verdict",
     "serve": "an HTTP engine (sglang-compatible rollout API) for a model or a trained --checkpoint",

@@ -77,12 +77,19 @@ def checkpoint_root(model_path: str | Path) -> Path:
     return root
 
 
+# Demo models the recipes name before they are built here: folder → (what it is, its script, its doc).
+_UNBUILT = {"demo-ocr": ("the OCR demo model", "pretrain_ocr.sh", "ocr-world.md"),
+            "demo-shapes-edit": ("the editing demo model", "pretrain_edit.sh", "editing-world.md")}
+
+
 def unbuilt_hint(root: Path) -> str:
-    """For the OCR demo model's folder before it is built (the ocr-* recipes' default): how to build it; else ''."""
-    if root.name != "demo-ocr" or root.parent.name != "assets":
+    """For a demo model's folder before it is built (the ocr-* and shapes-edit-* recipes' default): how to build it;
+    else ''."""
+    if root.name not in _UNBUILT or root.parent.name != "assets":
         return ""
-    return (" (the OCR demo model is not built in this checkout yet: pretrain it with scripts/device/pretrain_ocr.sh "
-            "as docs/ocr-world.md says, or pass --model-path DIR)")
+    what, script, doc = _UNBUILT[root.name]
+    return (f" ({what} is not built in this checkout yet: pretrain it with scripts/device/{script} "
+            f"as docs/{doc} says, or pass --model-path DIR)")
 
 
 def hub_id_hint(path: str | Path) -> str:

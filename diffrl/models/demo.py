@@ -46,6 +46,9 @@ if TYPE_CHECKING:  # the loaders below import these lazily: diffusers' and trans
 SHIPPED_DEMO_MODEL = Path(__file__).resolve().parents[1] / "assets" / "demo-shapes"
 # The OCR world's demo model (docs/ocr-world.md), shipped once it is pretrained on a GPU.
 SHIPPED_OCR_MODEL = Path(__file__).resolve().parents[1] / "assets" / "demo-ocr"
+# The editing world's demo model (docs/editing-world.md), shipped once it is pretrained on a GPU
+# (`diffrl pretrain --world shapes-edit`, scripts/device/pretrain_edit.sh).
+SHIPPED_EDIT_MODEL = Path(__file__).resolve().parents[1] / "assets" / "demo-shapes-edit"
 
 
 @dataclass

@@ -1,6 +1,12 @@
 """`diffrl pretrain`: flow-matching SFT of a demo model on rendered scenes of its world: shapes scenes (the
 shipped model), or, with `--world ocr`, renders of generated prompts' quoted texts (the OCR world's model,
-48×256 pixels, its quoted text tokenized by character: docs/ocr-world.md).
+48×256 pixels, its quoted text tokenized by character: docs/ocr-world.md), or, with `--world shapes-edit`, the
+editing world's (source, instruction, target) triples of its train split (the editing demo model:
+docs/editing-world.md): the source rendered scene goes in as the condition image through the demo family's
+reference mode, the path the engine takes (`encode_condition_images`, `condition_on_images`), and the loss is on the
+target's tokens, the only ones the transformer predicts. From a text-to-image shapes model (`--init-from
+diffrl/assets/demo-shapes`), `adapt_for_editing` first appends the edit verbs to its tokenizer and starts the
+transformer's reference-mode parts from its image mode's.
 
 x_t = (1 − t)·x0 + t·ε with t drawn logit-normal and then shifted like the sampling schedule,
 target velocity ε − x0, MSE. The text encoder trains with the transformer; 10% of prompts are
@@ -26,12 +32,13 @@ from diffrl.utils.progress import tqdm
 
 from diffrl.algorithms.losses import sft_loss
 from diffrl.data.ocr.scenes import RenderedTexts
-from diffrl.data.scenes import RenderedScenes
+from diffrl.data.scenes import RenderedEdits, RenderedScenes
 from diffrl.evaluation import ocr as ocr_eval
+from diffrl.evaluation import shapes_edit as edit_eval
 from diffrl.evaluation.shapes import sample_grid
 from diffrl.models.base import Latents
-from diffrl.models.demo import DemoConfig, DemoFamily
-from diffrl.models.random_checkpoints.demo import WORLDS, ocr, random_family
+from diffrl.models.demo import DemoConfig, DemoFamily, patchify
+from diffrl.models.random_checkpoints.demo import EDIT_VERBS, WORLDS, ocr, random_family, tokenizer_for
 from diffrl.sampling import noised
 from diffrl.train.ema import ParameterEMA
 from diffrl.utils.device import autocast, resolve_device
@@ -43,8 +50,9 @@ class PretrainConfig:
     output_dir: Path = Path("runs/pretrain")
     """Run folder (created; an existing one is resumed only with --resume)."""
     world: str = "shapes"
-    """What the model learns to draw: shapes (the shipped demo model's world) or ocr (one-line renders of
-    quoted texts at 48×256, the OCR world's model: docs/ocr-world.md)."""
+    """What the model learns to draw: shapes (the shipped demo model's world), ocr (one-line renders of
+    quoted texts at 48×256, the OCR world's model: docs/ocr-world.md) or shapes-edit (edits of a rendered source
+    scene given as the condition image, the editing demo model: docs/editing-world.md)."""
     steps: int | None = None
     """Optimizer steps: 2,000 by default; with --max-minutes and no --steps, as many as the time allows
     (the step budget would otherwise end a time-boxed run early)."""
@@ -83,13 +91,16 @@ class PretrainConfig:
     # Sample grid after each checkpoint.
     sample_steps: int = 10
     sample_guidance_scale: float = 3.0
+    sample_edits_per_kind: int = 6
+    """--world shapes-edit: held-out edits of each kind in each checkpoint's grid (strictly verified; the scores
+    go to metrics.jsonl)."""
 
     def check(self) -> None:
         """Values that would fail later or loop forever, refused naming the flag (--steps 0 trained without end,
         --checkpoint-every 0 divided by zero, --batch-size 0 and --lr -1 stopped in torch with messages naming
         neither flag)."""
-        for name in ("steps", "batch_size", "checkpoint_every", "log_every", "sample_steps", "num_attention_heads",
-                     "attention_head_dim", "num_single_layers", "text_d_model"):
+        for name in ("steps", "batch_size", "checkpoint_every", "log_every", "sample_steps", "sample_edits_per_kind",
+                     "num_attention_heads", "attention_head_dim", "num_single_layers", "text_d_model"):
             value = getattr(self, name)
             if value is not None and value < 1:
                 raise ValueError(f"--{name.replace('_', '-')} must be >= 1, got {value}")
@@ -168,18 +179,70 @@ def refuse_other_size(cfg: PretrainConfig, config: DemoConfig, source: str) -> N
                          "model's; drop --patch-size")
 
 
-def refuse_other_world(world: str, config: DemoConfig, source: str) -> None:
-    """A loaded model of the other world (an OCR model is wide, a shapes model square) is refused naming --world."""
-    has = "ocr" if config.image_width else "shapes"
-    if has != world:
+def model_world(family: DemoFamily) -> str:
+    """The world a demo model was made for: ocr (wide), shapes-edit (its tokenizer knows the edit verbs), shapes."""
+    if family.config.image_width:
+        return "ocr"
+    vocab = family.tokenizer.get_vocab()
+    return "shapes-edit" if all(verb in vocab for verb in EDIT_VERBS) else "shapes"
+
+
+def refuse_other_world(world: str, family: DemoFamily, source: str) -> None:
+    """A loaded model of another world (an OCR model is wide, a shapes model square, an editing model's tokenizer
+    knows the edit verbs) is refused naming --world; a shapes model may start a shapes-edit pretraining."""
+    has = model_world(family)
+    if has != world and (world, has) != ("shapes-edit", "shapes"):
         raise ValueError(f"--world {world}: {source} is a model of the {has} world; pass --world {has}")
 
 
+# The transformer's parts for the reference images (FLUX 3's `image_cond` mode) and the image mode's they start from.
+REFERENCE_PARTS = ("x_embedders", "mode_blocks", "early_stream_modulations", "single_stream_modulations")
+
+
+def adapt_for_editing(family: DemoFamily) -> None:
+    """A text-to-image shapes model made ready for the editing world, in place: (1) its tokenizer gains the edit
+    verbs (`EDIT_VERBS`, after its own words, whose ids stay) and the text encoder an embedding row for each, a
+    copy of the `<unk>` row the verbs mapped to until now; (2) the transformer's reference-mode parts
+    (`REFERENCE_PARTS`' `image_cond` entries: the reference tokens' input projection, their per-mode blocks and both
+    modulation heads) start as copies of the image mode's. A text-to-image model never ran those parts, so they
+    hold their random initialisation; the copy lets the joint blocks read a clean source the way they read the image
+    being denoised near t = 0 (the reference tokens are modulated at timestep 0)."""
+    old = family.tokenizer
+    new = tokenizer_for("shapes-edit", family.config.max_text_len)
+    old_vocab, new_vocab = old.get_vocab(), new.get_vocab()
+    if any(new_vocab.get(word) != i for word, i in old_vocab.items()):
+        raise ValueError("the model's tokenizer is not the shapes world's word tokenizer; it cannot be extended")
+    encoder = family.text_encoder
+    unk = encoder.get_input_embeddings().weight[old.unk_token_id].detach().clone()
+    encoder.resize_token_embeddings(len(new), mean_resizing=False)
+    with torch.no_grad():
+        encoder.get_input_embeddings().weight[len(old_vocab):] = unk
+    family.tokenizer = new
+    state = family.transformer.state_dict()
+    with torch.no_grad():
+        for part in REFERENCE_PARTS:
+            for name, value in state.items():
+                if name.startswith(f"{part}.image_cond."):
+                    value.copy_(state[name.replace(".image_cond.", ".image.", 1)])
+
+
 def training_stream(world: str, seed: int, config: DemoConfig):
-    """The world's endless (prompt, uint8 image) pairs at the model's size."""
+    """The world's endless (prompt, uint8 image) pairs at the model's size; the editing world's (instruction,
+    target, source) triples."""
+    if world == "shapes-edit":
+        return RenderedEdits(seed=seed, image_size=config.image_size)
     if world == "ocr":
         return RenderedTexts(seed=seed, height=config.height, width=config.width)
     return RenderedScenes(seed=seed, image_size=config.image_size)
+
+
+def condition_on_sources(family: DemoFamily, cond, sources: torch.Tensor):
+    """Each row's conditioning with its source image (`uint8 [B, 3, H, W]`) as its one condition image: the engine's
+    path (the family's `encode_condition_images`, then `condition_on_images`) with the batch's tokens made at once,
+    the same tensors as row by row (tests/test_pretrain_edit.py)."""
+    _, ids = family.encode_condition_images(sources[:1])  # one condition image's ids (and its size checked)
+    tokens = patchify(sources.float() / 255 * 2 - 1, family.config.patch_size)  # every row's, as that call makes them
+    return family.condition_on_images(cond, (tokens, ids))
 
 
 def step_budget(cfg: PretrainConfig) -> int | None:
@@ -204,9 +267,13 @@ def pretrain(cfg: PretrainConfig) -> Path:
     if source is not None:
         family = DemoFamily.load(source, batch_invariant=False)
         refuse_other_size(cfg, family.config, flag)
-        refuse_other_world(cfg.world, family.config, flag)
+        refuse_other_world(cfg.world, family, flag)
         if ckpt is None:
             print(f"initialized from {cfg.init_from}")
+        if cfg.world == "shapes-edit" and model_world(family) == "shapes":
+            adapt_for_editing(family)
+            print("a text-to-image model: edit verbs added to its tokenizer, reference-mode blocks copied from the "
+                  "image mode's")
     else:
         family = random_family(cfg.demo_config(), seed=cfg.seed, batch_invariant=False, world=cfg.world)
     out.mkdir(parents=True, exist_ok=True)  # after every refusal: a refused command leaves no folder behind
@@ -250,10 +317,14 @@ def pretrain(cfg: PretrainConfig) -> Path:
              "optimizer": optimizer.state_dict(), "ema": ema.state_dict(), "step": step},
             path / "train_state.pt",
         )
-        grid = ocr_eval.sample_grid if cfg.world == "ocr" else sample_grid
+        grid = {"ocr": ocr_eval.sample_grid, "shapes-edit": edit_eval.sample_grid}.get(cfg.world, sample_grid)
+        size = {"per_kind": cfg.sample_edits_per_kind} if cfg.world == "shapes-edit" else {}
         with ema.swapped_in():
-            grid(family, out / "samples" / f"step-{step:07d}.png",
-                 num_steps=cfg.sample_steps, guidance_scale=cfg.sample_guidance_scale)
+            shown = grid(family, out / "samples" / f"step-{step:07d}.png",
+                         num_steps=cfg.sample_steps, guidance_scale=cfg.sample_guidance_scale, **size)
+        if cfg.world == "shapes-edit":  # the grid's held-out edits, strictly verified
+            metrics.write(json.dumps({"step": step, "guidance_scale": cfg.sample_guidance_scale, **shown}) + "\n")
+            metrics.flush()
         return path
 
     metrics = (out / "metrics.jsonl").open("a")
@@ -261,7 +332,7 @@ def pretrain(cfg: PretrainConfig) -> Path:
     total_steps = step_budget(cfg)
     bar = tqdm(total=total_steps, initial=step, desc="pretrain", dynamic_ncols=True)
     last_log = time.monotonic()
-    for prompts, images in loader:
+    for prompts, images, *sources in loader:
         # Progress is by steps or, with --max-minutes, by wall clock, whichever is further along:
         # a time-boxed run still finishes its learning-rate decay.
         progress = step / total_steps if total_steps else 0.0
@@ -277,6 +348,8 @@ def pretrain(cfg: PretrainConfig) -> Path:
         with autocast(device, cfg.bf16):
             x0 = family.encode_images(images)
             cond = family.encode_tokens(*family.tokenize(prompts))
+            if sources:  # the editing world: the text dropped for CFG, the source kept (as the engine's uncond)
+                cond = condition_on_sources(family, cond, sources[0].to(device, non_blocking=True))
             sigma = sample_training_sigmas(len(prompts), family.config.shift, gen, device)
             noise = torch.randn(x0.shape, generator=gen, device=device)
             loss = flow_matching_loss(family, train_transformer, x0, cond, sigma, noise)

@@ -11,8 +11,12 @@ from diffrl.models.demo import DemoConfig, DemoFamily
 from diffrl.models.random_checkpoints.tokenizers import build_quoted_char_tokenizer, build_word_tokenizer
 
 # The worlds a demo model is made for: the shapes world (square images, word-level prompts) and the OCR world
-# (one-line text renders, the quoted text tokenized character by character; docs/ocr-world.md).
-WORLDS = ("shapes", "ocr")
+# (one-line text renders, the quoted text tokenized character by character; docs/ocr-world.md), and the shapes
+# world's editing world (the shapes vocabulary and the edit verbs, `EDIT_VERBS`; docs/editing-world.md).
+WORLDS = ("shapes", "ocr", "shapes-edit")
+# Words of edit instructions that shapes prompts lack, appended after the shapes vocabulary so that a shapes model's
+# token ids stay the same in an editing model's tokenizer (`diffrl pretrain --world shapes-edit --init-from` it).
+EDIT_VERBS = ("add", "make", "move", "remove")
 
 
 def tiny() -> DemoConfig:
@@ -46,7 +50,8 @@ def tokenizer_for(world: str, max_length: int):
         raise ValueError(f"unknown world {world!r}; known: {', '.join(WORLDS)}")
     if world == "ocr":
         return build_quoted_char_tokenizer(scene_vocabulary(), max_length)
-    return build_word_tokenizer(shapes_vocabulary(), max_length)
+    extra = EDIT_VERBS if world == "shapes-edit" else ()
+    return build_word_tokenizer([*shapes_vocabulary(), *extra], max_length)
 
 
 def shapes_vocabulary() -> list[str]:
