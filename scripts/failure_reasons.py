@@ -1,6 +1,7 @@
-"""Why held-out images fail: from `diffrl evaluate`'s samples.jsonl, the failures by kind (count,
+"""Why held-out images fail: from a shapes `diffrl evaluate` folder's records.jsonl, the failures by kind (count,
 shape, color, relation, noise), the commonest (prompt, failure) pairs, and the shape confusions
-(expected → read as). Usage: failure_reasons.py SAMPLES_JSONL [--top N]"""
+(expected → read as). Usage: failure_reasons.py FOLDER|RECORDS_JSONL [--top N]; a folder written before the one
+naming scheme holds samples.jsonl instead, read the same way (as is such a file named directly)."""
 
 from __future__ import annotations
 
@@ -8,6 +9,9 @@ import argparse
 import collections
 import json
 import re
+from pathlib import Path
+
+from diffrl.utils.output_files import read_records
 
 # The verifier's shape failure: "shape: object 1 expected a red circle, found a blue square"
 _SHAPE = re.compile(r"expected an? (?:\w+ )?(\w+), found an? (?:\w+ )?(\w+)$")
@@ -15,10 +19,12 @@ _SHAPE = re.compile(r"expected an? (?:\w+ )?(\w+), found an? (?:\w+ )?(\w+)$")
 
 def main() -> None:
     parser = argparse.ArgumentParser()
-    parser.add_argument("samples")
+    parser.add_argument("records", type=Path, help="an evaluation folder, or its records.jsonl (samples.jsonl)")
     parser.add_argument("--top", type=int, default=8)
     args = parser.parse_args()
-    failures = [r for r in map(json.loads, open(args.samples)) if not r["strict"]]
+    rows = (read_records(args.records) if args.records.is_dir()
+            else [json.loads(line) for line in args.records.read_text().splitlines() if line.strip()])
+    failures = [r for r in rows if not r["strict"]]
     print("failures by kind:", dict(collections.Counter(r["reason"].split(":")[0] for r in failures).most_common()))
     pairs = collections.Counter((r["prompt"], r["reason"]) for r in failures)
     for (prompt, reason), n in pairs.most_common(args.top):

@@ -70,7 +70,7 @@ def test_evaluate_reads_the_runs_judge_and_the_shapes_world_refuses_one(tiny_mod
     assert main(["evaluate", "--model-path", str(tiny_model_dir), "--prompt-data", str(prompt_dir), "--reward",
                  "rewards_for_tests:darkness", "--eval-reward", "jpeg_compressibility", "--num-steps", "2",
                  "--device", "cpu", "--output-dir", str(out)]) == 0
-    summary = json.loads((out / "summary.json").read_text())
+    summary = json.loads((out / "report.json").read_text())
     assert "eval/judge" in summary and "judge jpeg_compressibility" in capsys.readouterr().out
     with pytest.raises(ValueError, match="--eval-reward judges a --prompt-data run"):
         parse(["train", "--eval-reward", "jpeg_compressibility", "--device", "cpu"]).check()
@@ -81,7 +81,7 @@ def test_compare_judges_every_column(tiny_model_dir, prompt_dir, tmp_path, capsy
     assert main(["compare", "--base", str(tiny_model_dir), "--trained", str(tiny_model_dir), "--prompt-data",
                  str(prompt_dir), "--reward", "rewards_for_tests:darkness", "--eval-reward", "jpeg_compressibility",
                  "--guidance-scale", "2", "--num-steps", "1", "--device", "cpu", "--output-dir", str(out)]) == 0
-    summaries = json.loads((out / "compare.json").read_text())["summaries"]
+    summaries = json.loads((out / "report.json").read_text())["summaries"]
     assert all("eval/judge" in summaries[c] for c in ("base_cfg", "base_nocfg", "trained"))
     assert summaries["base_cfg"]["eval/judge"] == summaries["trained"]["eval/judge"]  # the same model, the same CFG
     assert "judge (--eval-reward jpeg_compressibility)" in capsys.readouterr().out

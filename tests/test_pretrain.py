@@ -85,7 +85,7 @@ def test_evaluate_a_checkpoint_with_the_trainers_balanced_protocol(tiny_model_di
     prompts, seeds = balanced_eval_set(test_prompts(), 2)
     records, _ = evaluate_prompts(load_model(tiny_model_dir, tmp_path / "ckpt"), prompts, num_seeds=seeds,
                                   seed=10_000, num_steps=2, guidance_scale=1.0)
-    samples = [json.loads(line) for line in (tmp_path / "eval" / "samples.jsonl").read_text().splitlines()]
+    samples = [json.loads(line) for line in (tmp_path / "eval" / "records.jsonl").read_text().splitlines()]
     assert len(samples) == sum(seeds) > len(prompts)  # categories with one prompt get several seeds
     assert [(s["prompt"], s["seed"], s["score"]) for s in samples] == [(r.prompt, r.seed, r.score) for r in records]
     assert sum(c["n"] for c in report["categories"].values()) == len(samples)

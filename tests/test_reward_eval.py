@@ -37,7 +37,7 @@ def test_every_image_written_with_its_seed_and_the_summary_is_the_mean(tiny_fami
     assert [r["seed"] for r in rows] == list(range(500, 506))
     assert [r["prompt"] for r in rows] == [p for p in PROMPTS for _ in range(2)]
     assert [r["metadata"] for r in rows] == [{"row": i} for i in range(3) for _ in range(2)]
-    summary = json.loads((out / "summary.json").read_text())
+    summary = json.loads((out / "report.json").read_text())
     assert summary["eval/reward"] == pytest.approx(np.mean([r["reward"] for r in rows]), abs=1e-12)
     assert summary["eval/reward/darkness"] == pytest.approx(np.mean([r["rewards"]["darkness"] for r in rows]))
     assert summary["n_images"] == 6 and summary["n_prompts"] == 3
@@ -99,7 +99,7 @@ def test_an_interrupted_evaluation_leaves_no_records_or_summary(tiny_family, tmp
     tiny_family.transformer.train()
     evaluate_with_reward(tiny_family, _records(1), "rewards_for_tests:darkness", num_steps=STEPS, guidance_scale=1.0,
                          out_dir=out)
-    assert (out / "summary.json").is_file()
+    assert (out / "report.json").is_file()
     calls = []
 
     def fails_on_the_second_batch(images, prompts, metadata=None):
@@ -108,16 +108,18 @@ def test_an_interrupted_evaluation_leaves_no_records_or_summary(tiny_family, tmp
             raise RuntimeError("reward server went away")
         return [0.0] * len(images)
 
+    (out / "summary.json").write_text("{}")  # as a folder written before the one naming scheme holds it
     with pytest.raises(RuntimeError, match="went away"):
         evaluate_with_reward(tiny_family, _records(), fails_on_the_second_batch, num_steps=STEPS, guidance_scale=1.0,
                              batch_size=2, out_dir=out)
-    # The earlier run's finished files are gone and nothing claims the broken run finished.
-    assert not (out / "summary.json").exists() and not (out / "records.jsonl").exists()
+    # The earlier run's finished files are gone (under the old names too) and nothing claims the broken run finished.
+    assert not (out / "report.json").exists() and not (out / "records.jsonl").exists()
+    assert not (out / "summary.json").exists()
     assert (out / "images" / "00001.png").is_file() and not [p for p in out.rglob(".*")]  # the first batch's images
     calls.clear()
     evaluate_with_reward(tiny_family, _records(), fails_on_the_second_batch, num_steps=STEPS, guidance_scale=1.0,
                          batch_size=4, out_dir=out)
-    assert len(_jsonl(out / "records.jsonl")) == 3 and (out / "summary.json").is_file()
+    assert len(_jsonl(out / "records.jsonl")) == 3 and (out / "report.json").is_file()
     evaluate_with_reward(tiny_family, _records(1), "rewards_for_tests:darkness", num_steps=STEPS, guidance_scale=1.0,
                          out_dir=out)  # a shorter rerun into the same folder: only its own images remain
     assert sorted(p.name for p in (out / "images").iterdir()) == ["00000.png"]
@@ -136,7 +138,7 @@ def test_evaluate_command_with_prompt_data(tiny_model_dir, tmp_path, capsys):
     rows = _jsonl(out / "records.jsonl")
     assert [(r["prompt"], r["seed"]) for r in rows] == [(p, 10_000 + k) for k, p in
                                                         enumerate([PROMPTS[0]] * 2 + [PROMPTS[1]] * 2)]
-    summary = json.loads((out / "summary.json").read_text())
+    summary = json.loads((out / "report.json").read_text())
     assert summary["config"]["guidance_scale"] == 2.5
     assert summary["eval/reward/darkness"] == pytest.approx(np.mean([r["rewards"]["darkness"] for r in rows]))
     assert len(list((out / "images").iterdir())) == 4 and (out / "grid.png").is_file()
@@ -168,7 +170,7 @@ def test_compare_command_by_reward(tiny_model_dir, tiny_family, tmp_path):
                      "--n-samples-per-eval-prompt", "2", "--guidance-scale", "3", "--num-steps", str(STEPS),
                      "--device", "cpu", "--output-dir", str(out)])
     assert code == 0
-    report = json.loads((out / "compare.json").read_text())
+    report = json.loads((out / "report.json").read_text())
     assert report["guidance_scales"] == {"base_cfg": 3.0, "base_nocfg": 1.0, "trained": 3.0}
     # Per-prompt means recomputed from each column's own records, and the outcomes they imply.
     means = {}
@@ -189,7 +191,7 @@ def test_compare_command_by_reward(tiny_model_dir, tiny_family, tmp_path):
         assert sum(counts.values()) == 3
         assert counts == {o: sum(r[f"vs_{base}"] == o for r in report["prompts"]) for o in ("win", "tie", "loss")}
     assert {r["vs_base_cfg"] for r in report["prompts"]} == {"win", "tie", "loss"}  # every rule was exercised
-    table = (out / "compare.md").read_text()
+    table = (out / "report.md").read_text()
     assert all(p in table for p in PROMPTS) and f"{report['totals']['vs_base_cfg']['win']} wins" in table
     grid = Image.open(out / "side_by_side.png")
     assert grid.width < grid.height  # three columns, six rows (prompt × seed)
@@ -202,7 +204,7 @@ def test_compare_base_against_itself_ties_with_cfg(tiny_model_dir, tmp_path):
     assert cli_main(["compare", "--base", str(tiny_model_dir), "--trained", str(tiny_model_dir), "--prompt-data",
                      str(data), "--reward", "rewards_for_tests:darkness", "--tie-margin", "0", "--num-steps", str(STEPS),
                      "--device", "cpu", "--output-dir", str(out)]) == 0
-    totals = json.loads((out / "compare.json").read_text())["totals"]
+    totals = json.loads((out / "report.json").read_text())["totals"]
     assert totals["vs_base_cfg"] == {"win": 0, "tie": 2, "loss": 0}  # same model, same CFG, same seeds
     assert totals["mean_reward"]["base_cfg"] == totals["mean_reward"]["trained"]
     assert sum(totals["vs_base_nocfg"].values()) == 2

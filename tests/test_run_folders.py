@@ -70,12 +70,12 @@ def test_a_prompt_set_runs_folder_gives_its_prompts_and_reward(tiny_model_dir, t
                       diffusion_guidance_scale=1.0, val_images_per_category=0))
     out = tmp_path / "eval"
     assert cli_main(["evaluate", str(run), "--device", "cpu", "--output-dir", str(out)]) == 0
-    summary = json.loads((out / "summary.json").read_text())
+    summary = json.loads((out / "report.json").read_text())
     last = [r for r in _records(run) if "eval/reward" in r][-1]
     assert summary["eval/reward"] == pytest.approx(last["eval/reward"], abs=1e-6)
     out = tmp_path / "cmp"
     assert cli_main(["compare", str(run), "--guidance-scale", "2", "--device", "cpu", "--output-dir", str(out)]) == 0
-    report = json.loads((out / "compare.json").read_text())
+    report = json.loads((out / "report.json").read_text())
     assert report["guidance_scales"]["trained"] == 1.0 and report["totals"]["prompts"] == 2
 
 

@@ -395,11 +395,11 @@ def test_evaluate_save_images_writes_every_scored_image_and_its_verdict(tiny_mod
             "--device", "cpu", "--output-dir", str(out), "--save-images"]
     assert cli_main([*args, "--num-seeds", "2"]) == 0
     rows = [json.loads(line) for line in (out / "records.jsonl").read_text().splitlines()]
-    samples = [json.loads(line) for line in (out / "samples.jsonl").read_text().splitlines()]
+    assert not (out / "samples.jsonl").exists()  # one file per sample row: records.jsonl (issue 41's one scheme)
     assert len(rows) == 12 and [r["index"] for r in rows] == list(range(12))
     assert [r["seed"] for r in rows] == list(range(12))
-    keys = ("prompt", "category", "seed", "strict", "score", "reason", "background_delta_e")
-    assert [{k: r[k] for k in keys} for r in rows] == samples
+    keys = ("index", "prompt", "category", "seed", "strict", "score", "reason", "background_delta_e", "file")
+    assert all(sorted(r) == sorted(keys) for r in rows)
     assert sorted(p.name for p in (out / "images").iterdir()) == [f"{k:05d}.png" for k in range(12)]
     assert [r["file"] for r in rows] == [f"images/{k:05d}.png" for k in range(12)]
     again = rescore(out)
@@ -413,7 +413,12 @@ def test_evaluate_save_images_writes_every_scored_image_and_its_verdict(tiny_mod
     assert cli_main([*args, "--num-seeds", "1"]) == 2  # a rerun into a folder holding results is refused…
     assert cli_main([*args, "--num-seeds", "1", "--overwrite"]) == 0  # …unless asked: a shorter rerun replaces it
     assert sorted(p.name for p in (out / "images").iterdir()) == [f"{k:05d}.png" for k in range(6)]
-    assert len((out / "records.jsonl").read_text().splitlines()) == 6
+    saved = [json.loads(line) for line in (out / "records.jsonl").read_text().splitlines()]
+    assert len(saved) == 6
     args.remove("--save-images")
     assert cli_main([*args, "--num-seeds", "1", "--overwrite"]) == 0  # without the flag: no images of another run stay
-    assert not (out / "records.jsonl").exists() and not list((out / "images").iterdir())
+    plain = [json.loads(line) for line in (out / "records.jsonl").read_text().splitlines()]
+    assert len(plain) == 6 and not any("file" in r for r in plain) and not list((out / "images").iterdir())
+    assert [{k: r[k] for k in keys if k != "file"} for r in saved] == plain  # the same rows, no image named
+    with pytest.raises(ValueError, match="--save-images"):
+        rescore(out)  # records without images: refused in one line, not a KeyError

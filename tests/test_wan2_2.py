@@ -402,7 +402,7 @@ def test_a_video_evaluation_writes_every_video_and_a_frame_grid(wan, tmp_path):
     for name in ("00000.png", "00001.png"):
         with Image.open(out / "images" / name) as video:
             assert video.n_frames == FRAMES
-    assert (out / "frames.png").is_file() and (out / "grid.png").is_file() and (out / "summary.json").is_file()
+    assert (out / "frames.png").is_file() and (out / "grid.png").is_file() and (out / "report.json").is_file()
 
 
 def test_non_square_size_and_reward_frames_reach_rollouts_and_evaluation(wan_dir, tmp_path):
@@ -432,7 +432,7 @@ def test_non_square_size_and_reward_frames_reach_rollouts_and_evaluation(wan_dir
     assert last["rollout/reward/raw_mean"] == 2.0 and last["eval/reward"] == 2.0  # 2 of 5 frames, both times
     with Image.open(out / "eval" / "rollout-00001" / "images" / "00000.png") as video:  # written whole
         assert video.size == (WIDTH, HEIGHT) and video.n_frames == FRAMES
-    summary = json.loads((out / "eval" / "rollout-00001" / "summary.json").read_text())
+    summary = json.loads((out / "eval" / "rollout-00001" / "report.json").read_text())
     assert (summary["config"]["height"], summary["config"]["width"], summary["config"]["reward_frames"]) == (
         HEIGHT, WIDTH, 2)
 
@@ -459,7 +459,7 @@ def test_held_out_evaluation_samples_with_the_runs_second_expert_scale(wan, tmp_
 
     assert torch.equal(evaluated, sampled(2.0))
     assert (sampled(4.5) - evaluated).abs().max() > 100 * TOLERANCE  # the comparison can fail
-    summary = json.loads((tmp_path / "eval" / "rollout-00000" / "summary.json").read_text())
+    summary = json.loads((tmp_path / "eval" / "rollout-00000" / "report.json").read_text())
     assert summary["config"]["guidance_scale_2"] == 2.0
 
 
@@ -475,7 +475,7 @@ def test_diffrl_evaluate_takes_the_second_experts_scale(wan_dir, tmp_path):
     for scale in (2.0, None):
         out = tmp_path / f"eval-{scale}"
         evaluate(EvaluateConfig(**common, guidance_scale_2=scale, output_dir=out))
-        summary = json.loads((out / "summary.json").read_text())
+        summary = json.loads((out / "report.json").read_text())
         assert summary["config"]["guidance_scale_2"] == scale
         scores[scale] = summary["eval/reward"]
     assert scores[2.0] != scores[None]
@@ -491,6 +491,6 @@ def test_diffrl_compare_takes_the_second_experts_scale(wan_dir, tmp_path):
     compare(CompareConfig(base=wan_dir, trained=wan_dir, prompt_data=tmp_path / "prompts.txt",
                           reward="temporal_consistency", num_steps=3, guidance_scale=4.5, guidance_scale_2=2.0,
                           height=HEIGHT, width=WIDTH, num_frames=FRAMES, device="cpu", output_dir=out))
-    used = {c: json.loads((out / c / "summary.json").read_text())["config"]["guidance_scale_2"]
+    used = {c: json.loads((out / c / "report.json").read_text())["config"]["guidance_scale_2"]
             for c in ("base_cfg", "base_nocfg", "trained")}
     assert used == {"base_cfg": 2.0, "base_nocfg": None, "trained": 2.0}

@@ -3,7 +3,8 @@
 Two kinds: the shapes world's first test prompts (the default), or, with `--prompt-data PATH --reward
 SPEC`, the first `--num-prompts` prompts of a prompt set through three columns on the same seeds (the
 base with CFG, the base without CFG, the trained model), a win/tie/loss per prompt by mean reward with
-a stated `--tie-margin`, `compare.md`, `compare.json` and a side-by-side grid.
+a stated `--tie-margin`, `report.md`, `report.json` and a side-by-side grid (`compare.md` and `compare.json`
+before the one naming scheme of `diffrl.utils.output_files`).
 """
 
 from __future__ import annotations
@@ -57,7 +58,7 @@ class CompareConfig:
     """With --prompt-data: the reward spec (ocr, pickscore@PATH, multi:A=W,B=W, module:function)."""
     eval_reward: str | None = None
     """With --prompt-data: a judge reward scoring the same images beside --reward (each column's eval/judge in
-    compare.json's summaries); a run's own --eval-reward when comparing a run folder."""
+    report.json's summaries); a run's own --eval-reward when comparing a run folder."""
     tie_margin: float = 0.01
     """With --prompt-data: a prompt is a tie when |trained − base| mean rewards (over its seeds) ≤ this."""
     n_samples_per_eval_prompt: int = 1
@@ -258,11 +259,13 @@ def compare_by_prompt_data(cfg: CompareConfig) -> dict:
         "prompts": rows,
     }
     markdown = reward_markdown(rows, totals, labels)
-    write_text_atomic(out / "compare.md", markdown)
-    write_text_atomic(out / "compare.json", json.dumps(report, indent=2) + "\n")
+    for stale in ("compare.md", "compare.json"):  # an --overwrite of a folder written before the one naming scheme
+        (out / stale).unlink(missing_ok=True)
+    write_text_atomic(out / "report.md", markdown)
+    write_text_atomic(out / "report.json", json.dumps(report, indent=2) + "\n")
     print(markdown, end="")
     if judges:
         print("judge (--eval-reward " + cfg.eval_reward + "): "
               + ", ".join(f"{labels[c]} {evals[c].summary['eval/judge']:.4f}" for c in REWARD_COLUMNS))
-    print(f"report: {out / 'compare.md'}  {out / 'compare.json'}  grid: {grid}")
+    print(f"report: {out / 'report.md'}  {out / 'report.json'}  grid: {grid}")
     return report

@@ -109,8 +109,8 @@ class EvaluateConfig:
     overwrite: bool = False
     """Replace the results already in --output-dir."""
     save_images: bool = False
-    """Shapes world: also write every image (images/00000.png, ...) and records.jsonl (its prompt, seed and
-    verdict: strict, score, reason), so the evaluation can be re-scored (--prompt-data always writes them)."""
+    """Shapes world: also write every image (images/00000.png, ...), named in its records.jsonl row (its prompt,
+    seed and verdict: strict, score, reason), so the evaluation can be re-scored (--prompt-data always writes them)."""
 
 
 # Flags of one kind of evaluation and what the other kind takes instead (None: nothing).
@@ -285,18 +285,20 @@ def evaluate(cfg: EvaluateConfig) -> dict:
     # Every file goes under a temporary name and is renamed; report.json goes last, so a folder
     # without it is an evaluation that did not finish.
     (out / "report.json").unlink(missing_ok=True)
+    (out / "samples.jsonl").unlink(missing_ok=True)  # records.jsonl's name before the one naming scheme
     if cfg.save_images:
-        save_samples(records, images, out)
+        save_samples(records, images, out)  # records.jsonl: each row also names its image
     else:
         clear_samples(out)  # never leave an earlier run's images beside this run's report
+        rows = [{"index": k, **row} for k, row in enumerate(records_as_dicts(records))]
+        write_text_atomic(out / "records.jsonl", "".join(json.dumps(r) + "\n" for r in rows))
     report = {"config": {k: str(v) for k, v in asdict(cfg).items()}, **summary}
-    write_text_atomic(out / "samples.jsonl", "".join(json.dumps(r) + "\n" for r in records_as_dicts(records)))
     with atomic_path(out / "grid.png") as tmp:
         save_records_grid(records, images, tmp, limit=64)
     write_text_atomic(out / "report.json", json.dumps(report, indent=2) + "\n")
     print(format_summary(summary))
-    saved = f"  records: {out / RECORDS_FILE}  images: {out / IMAGES_DIR}" if cfg.save_images else ""
-    print(f"report: {out / 'report.json'}  grid: {out / 'grid.png'}{saved}")
+    saved = f"  images: {out / IMAGES_DIR}" if cfg.save_images else ""
+    print(f"report: {out / 'report.json'}  records: {out / RECORDS_FILE}  grid: {out / 'grid.png'}{saved}")
     return report
 
 
@@ -348,6 +350,6 @@ def evaluate_prompt_data(cfg: EvaluateConfig) -> dict:
     for key, value in result.summary.items():
         print(f"{key:<{width}}  {value:.4f}")
     out = cfg.output_dir
-    print(f"summary: {out / 'summary.json'}  records: {out / 'records.jsonl'}  grid: {out / 'grid.png'}  "
+    print(f"report: {out / 'report.json'}  records: {out / 'records.jsonl'}  grid: {out / 'grid.png'}  "
           f"images: {out / 'images'}")
     return {"config": {k: str(v) for k, v in asdict(cfg).items()}, **result.summary}

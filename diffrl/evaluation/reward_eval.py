@@ -10,8 +10,9 @@ spec is one component) and by their weighted total. The reward sees each record'
 On disk (`out_dir`): `images/00000.png`, … (a video as an animated PNG, lossless, all its frames at
 the family's frame rate, else `VIDEO_FPS`), `records.jsonl` (one line per image), `grid.png` (the first images, a video's first frame,
 captioned with prompt and reward; where records have condition images, each image follows its source), for videos `frames.png` (the first videos one per row, each as
-evenly spaced frames) and `summary.json`. Every file is written under a temporary name and renamed,
-and `summary.json` goes last: a directory without it is an evaluation that did not finish.
+evenly spaced frames) and `report.json` (the summary; `summary.json` before the one naming scheme of
+`diffrl.utils.output_files`). Every file is written under a temporary name and renamed, and `report.json` goes
+last: a directory without it is an evaluation that did not finish.
 """
 
 from __future__ import annotations
@@ -181,7 +182,8 @@ def evaluate_with_reward(
     if out_dir is not None:
         out_dir = Path(out_dir)
         # Never mix an earlier evaluation's files with ours (a shorter rerun would leave its extra images).
-        for stale in ("summary.json", "records.jsonl", "grid.png", "frames.png"):
+        # The old names too: a folder written before the one naming scheme must not keep its summary.json.
+        for stale in ("report.json", "records.jsonl", "grid.png", "frames.png", "summary.json", "samples.jsonl"):
             (out_dir / stale).unlink(missing_ok=True)
         (out_dir / "images").mkdir(parents=True, exist_ok=True)
         for stale in (out_dir / "images").glob("[0-9]*.png"):
@@ -222,7 +224,7 @@ def evaluate_with_reward(
                            "width": width, "num_frames": num_frames, "reward_frames": reward_frames,
                            "negative_prompt": negative_prompt, "sampler": "ode"},
                 "components": {c.name: {"spec": c.spec, "weight": c.weight} for c in components}}
-        write_text_atomic(out_dir / "summary.json", json.dumps(info, indent=2) + "\n")
+        write_text_atomic(out_dir / "report.json", json.dumps(info, indent=2) + "\n")
     return result
 
 

@@ -27,6 +27,7 @@ from diffrl.evaluation.sampling import TEST_SEED, VALIDATION_SEED, generate  # n
 from diffrl.models.base import FamilyAdapter
 from diffrl.utils.atomic import atomic_path, write_text_atomic
 from diffrl.utils.images import save_grid, to_uint8
+from diffrl.utils.output_files import read_records
 
 
 @dataclass
@@ -189,7 +190,9 @@ def saved_samples(out_dir: str | Path) -> list[tuple[dict, np.ndarray]]:
     """Each sample an evaluation saved (`--save-images`): its record as written (with the verdict of the
     verifier at evaluation time) and its image, in record order."""
     out_dir = Path(out_dir)
-    rows = [json.loads(line) for line in (out_dir / RECORDS_FILE).read_text(encoding="utf-8").splitlines()]
+    rows = read_records(out_dir)  # records.jsonl (samples.jsonl in a folder written before the one naming scheme)
+    if any("file" not in row for row in rows):
+        raise ValueError(f"{out_dir} holds no saved images (its records name no file): evaluate with --save-images")
     return [(row, np.asarray(Image.open(out_dir / row["file"]).convert("RGB"))) for row in rows]
 
 

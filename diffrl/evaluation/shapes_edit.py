@@ -26,7 +26,7 @@ from diffrl.utils.device import resolve_device
 def evaluate_edits(family: FamilyAdapter, out_dir: str | Path, *, per_kind: int = 16, num_steps: int = 10,
                    guidance_scale: float = 3.0, size: int = 64) -> dict[str, float]:
     """The task's evaluation: {"eval/strict", "eval/strict/<kind>", "eval/score"}; files under
-    `out_dir/rollout-00000/` (images, records.jsonl, grid.png, summary.json)."""
+    `out_dir/rollout-00000/` (images, records.jsonl, grid.png, report.json)."""
     task = ShapesEditTask(None, SimpleNamespace(eval_images_per_category=per_kind, eval_log_images=0),
                           EvalSettings(num_steps=num_steps, guidance_scale=guidance_scale, resolution=size))
     was_training = family.transformer.training

@@ -2,7 +2,7 @@
 # Held-out evaluations of carried checkpoints on the GPU (carry `.whl` and the checkpoints, e.g. under
 # runs/carry/). Usage on the device: EVALS=scripts/device/evals/NAME.txt bash $0
 # Each line is `label  diffrl-evaluate-flags…`; the evaluations are dealt round-robin over the GPUs and
-# each writes report.json and samples.jsonl under $OUT/evals.tgz (one archive: the device returns few files).
+# each writes report.json and records.jsonl under $OUT/evals.tgz (one archive: the device returns few files).
 set -uo pipefail
 bash scripts/device/install_wheels.sh
 export PYTHONPATH=/tmp/site:$PWD PYTHONUNBUFFERED=1
@@ -23,4 +23,4 @@ for report in sorted(pathlib.Path(sys.argv[1]).glob("*/report.json")):
     cats = " ".join(f"{c[:8]} {v['strict']:.3f}" for c, v in r["categories"].items())
     print(f"{report.parent.name:32s} strict {r['overall_strict']:.3f}  {cats}")
 PY
-(cd "$root" && tar czf "$OUT/evals.tgz" */report.json */samples.jsonl summary.txt *.log)
+(cd "$root" && tar czf "$OUT/evals.tgz" */report.json */records.jsonl summary.txt *.log)

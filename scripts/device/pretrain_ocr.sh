@@ -30,7 +30,7 @@ for ckpt in "$run"/checkpoints/step-*; do
       --prompt-data diffrl/data/ocr/prompts --reward ocr --num-prompts "${EVAL_PROMPTS:-128}" --num-steps 10 \
       --guidance-scale "$g" --output-dir "$out" --no-save-images > /dev/null
     python3 -c "import json, sys; s = json.load(open(sys.argv[1])); print(json.dumps({'checkpoint': sys.argv[2], \
-'guidance_scale': float(sys.argv[3]), 'ocr': s['eval/reward']}))" "$out/summary.json" "$(basename "$ckpt")" "$g" \
+'guidance_scale': float(sys.argv[3]), 'ocr': s['eval/reward']}))" "$out/report.json" "$(basename "$ckpt")" "$g" \
       | tee -a "$run/evals.jsonl"
   done
 done

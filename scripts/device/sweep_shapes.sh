@@ -67,7 +67,7 @@ for run in "$root"/*/; do
   grids=$(cd "$root" && ls "$name"/eval/*.png 2>/dev/null | sort | sed -n '1p;$p' | sort -u)
   (cd "$root" && tar czf "$OUT/$name.tgz" --exclude=train_state.pt \
      "$name"/metrics.jsonl "$name"/config.json "$name"/reward_curve.png "$name"/train.log $grids ${ckpt:+"$ckpt"} \
-     $(ls -d "$name"/eval*-*/{report.json,samples.jsonl,records.jsonl,images} 2>/dev/null))
+     $(ls -d "$name"/eval*-*/{report.json,records.jsonl,images} 2>/dev/null))
   # A larger model's archive passes 16 MiB: split it (here: cat NAME.tgz.part-* | tar xz).
   if (( $(stat -c %s "$OUT/$name.tgz") > 15 * 2**20 )); then
     split -b 15M "$OUT/$name.tgz" "$OUT/$name.tgz.part-" && rm "$OUT/$name.tgz"
