@@ -1,4 +1,5 @@
-"""The `ltx2` family: LTX-2 and LTX-2.3 text to video (diffusers' `LTX2Pipeline`), video out, no audio out.
+"""The `ltx2` family: LTX-2 and LTX-2.3 text to video (diffusers' `LTX2Pipeline`) and image to video
+(`LTX2ImageToVideoPipeline`), video out, no audio out.
 
 A checkpoint is a local diffusers-format directory as `LTX2Pipeline.save_pretrained` writes it: `transformer/`
 (`LTX2VideoTransformer3DModel`), `connectors/` (`LTX2TextConnectors`), `vae/` (`AutoencoderKLLTX2Video`),
@@ -33,9 +34,24 @@ What this adapter reproduces of `LTX2Pipeline` (`tests/test_ltx2.py`, ODE sampli
 - decoding: the video tokens unpacked, `latents · std / scaling_factor + mean` per channel, the VAE at decode
   timestep 0, frames in [0, 1], `[B, 3, F, H, W]`.
 
+Image to video (`tests/test_ltx2_i2v.py`). A checkpoint whose model index names `LTX2ImageToVideoPipeline` (or
+whose `diffrl` block sets `image_to_video: true`: the same weights do both) takes one condition image per request,
+the first frame, at the video's height and width, and needs it. As the pipeline: the image in [-1, 1] through the
+VAE as a one-frame video (its mode), normalized by the VAE's latent mean and std, is the first latent frame,
+clean; the transformer sees it at timestep 0 (per-token timesteps `t·(1 − mask)`), the audio and σ at the step's t;
+the first frame's velocity is dropped and only the later frames (and the audio) are stepped. Here the first
+frame's tokens ride in the conditioning (rows after the text, each token zero-padded to whole rows; the sglang wire
+carries them as `condition_latents`), and the latent state holds only the generated tokens: the video after the
+first frame, then the audio (the noise is still drawn for the whole video, as the pipeline draws it, and the first
+frame's dropped). So every step kind (ODE, SDE, CPS) moves only generated tokens and a log-prob, the mean over the
+state's elements, counts only them, with no change to the sampling math; the trainer and replay get the first frame
+from the denoising env's conditioning. `decode` puts the first frame back before the generated tokens (given, or
+the conditioning last denoised). Not reproduced: the pipeline's H.264 re-compression of the image (`image_crf`;
+this is `image_crf=0`), and a text-to-video checkpoint switching to image to video per request.
+
 Refused: distilled checkpoints (a `distill` in the directory name or the model index: their fixed 8-step
 schedule is not the pipeline's default one), schedulers other than FlowMatchEulerDiscrete, and image
-conditioning (requests with an image are refused by the engine; the checkpoint itself also does image to video).
+conditioning on a text-to-video checkpoint (requests with an image are refused by the engine).
 The frame rate is the checkpoint's setting (`frame_rate`): a request's `fps` must equal it (the engine refuses
 another, which would move the rotary positions).
 """
@@ -63,6 +79,7 @@ from diffrl.models.base import (
     wire_text_tokens,
 )
 from diffrl.models.batch_invariance import decode_rows
+from diffrl.models.condition_rows import pack_image_rows
 from diffrl.models.components import read_settings, scheduler_sigmas
 from diffrl.sampling import randn_per_sample, resolution_mu
 
@@ -76,6 +93,9 @@ class Ltx2Settings:
     default_num_frames: int = 121
     default_height: int = 512
     default_width: int = 768
+    # Image to video (`LTX2ImageToVideoPipeline`): set from the model index's pipeline class, or here for a
+    # checkpoint saved as `LTX2Pipeline` (the same weights do both).
+    image_to_video: bool = False
 
 
 @dataclass(frozen=True)
@@ -152,6 +172,9 @@ class Ltx2Family(FamilyAdapter):
         if tokenizer.pad_token is None:
             tokenizer.pad_token = tokenizer.eos_token
         self.default_num_frames = settings.default_num_frames
+        # Image to video: one condition image, the first frame (module docstring, "Image to video").
+        self.accepts_image_conditioning = bool(settings.image_to_video)
+        self.max_condition_images = 1 if settings.image_to_video else 0
         self.frame_rate = settings.frame_rate
         config = transformer.config
         self.patch, self.patch_t = config.patch_size, config.patch_size_t
@@ -174,7 +197,8 @@ class Ltx2Family(FamilyAdapter):
         if scheduler != "FlowMatchEulerDiscreteScheduler":
             raise ModelLoadError(f"ltx2: scheduler {scheduler!r} in {index_file}; LTX2Pipeline's is "
                                  "FlowMatchEulerDiscreteScheduler")
-        settings = read_settings(Ltx2Settings, index, index_file)
+        settings = read_settings(Ltx2Settings, index, index_file,
+                                 image_to_video=index.get("_class_name") == "LTX2ImageToVideoPipeline")
         if settings.max_sequence_length < 1 or settings.frame_rate <= 0 or settings.default_num_frames < 1:
             raise ModelLoadError(f"{index_file}: max_sequence_length, frame_rate and default_num_frames must be "
                                  "positive")
@@ -192,12 +216,15 @@ class Ltx2Family(FamilyAdapter):
                                  f"{family.audio_channels} channels × {family.audio_mel_bins} mel bins), the "
                                  f"transformer takes {config.audio_in_channels} and a video token is {video_width}; "
                                  "this adapter carries both streams in one tensor and needs them equal")
+        if settings.image_to_video and config.patch_size_t != 1:
+            raise ModelLoadError(f"ltx2: {root}: image to video needs a temporal patch of 1 (the first latent frame "
+                                 f"is its own tokens); the transformer's is {config.patch_size_t}")
         return family
 
     def reference_pipeline(self):
         """diffusers' `LTX2Pipeline` over this family's components; the audio VAE and the vocoder (which only
         its audio output needs) are loaded from the checkpoint for it."""
-        from diffusers import AutoencoderKLLTX2Audio, LTX2Pipeline
+        from diffusers import AutoencoderKLLTX2Audio, LTX2ImageToVideoPipeline, LTX2Pipeline
         from diffusers.pipelines.ltx2.vocoder import LTX2Vocoder
 
         root, dtype = self.root, next(self.transformer.parameters()).dtype
@@ -205,9 +232,10 @@ class Ltx2Family(FamilyAdapter):
                                                            local_files_only=True).to(self.device)
         vocoder = LTX2Vocoder.from_pretrained(root / "vocoder", torch_dtype=dtype, local_files_only=True)
         vocoder.to(self.device)
-        pipe = LTX2Pipeline(scheduler=self.scheduler, vae=self.vae, audio_vae=audio_vae, text_encoder=self.text_encoder,
-                            tokenizer=self.tokenizer, connectors=self.connectors, transformer=self.transformer,
-                            vocoder=vocoder)
+        pipeline_class = LTX2ImageToVideoPipeline if self.settings.image_to_video else LTX2Pipeline
+        pipe = pipeline_class(scheduler=self.scheduler, vae=self.vae, audio_vae=audio_vae,
+                              text_encoder=self.text_encoder, tokenizer=self.tokenizer, connectors=self.connectors,
+                              transformer=self.transformer, vocoder=vocoder)
         pipe.set_progress_bar_config(disable=True)
         return pipe
 
@@ -271,8 +299,10 @@ class Ltx2Family(FamilyAdapter):
 
     def unpack_conditioning(self, embeds: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """(video text tokens, audio text tokens, text mask) of `PromptEmbeds.embeds`. The mask is the connectors':
-        the video text tokens they did not zero (they zero those they mask; diffusers' connectors mask none)."""
+        the video text tokens they did not zero (they zero those they mask; diffusers' connectors mask none).
+        Rows past the text's (image to video: the first frame's tokens) are not text."""
         width = self.transformer.config.cross_attention_dim
+        embeds = embeds[..., : self.settings.max_sequence_length, :]
         video, audio = embeds[..., :width], embeds[..., width:]
         return video, audio, (video != 0).any(dim=-1).long()
 
@@ -280,8 +310,12 @@ class Ltx2Family(FamilyAdapter):
         """The transformer's own names: both streams' text tokens (one-element lists, as sglang sends them), the
         text mask, and the video tokens' positions."""
         video, audio, mask = self.unpack_conditioning(cond.embeds[0])
-        return {"encoder_hidden_states": [video], "audio_encoder_hidden_states": [audio],
+        wire = {"encoder_hidden_states": [video], "audio_encoder_hidden_states": [audio],
                 "encoder_attention_mask": mask, "video_coords": image_ids}
+        first_frame = self.first_frame_tokens(cond.embeds[:1])
+        if first_frame is not None:  # image to video: the first frame's latent tokens, [S, C]
+            wire["condition_latents"] = first_frame[0]
+        return wire
 
     @classmethod
     def cond_kwargs_from_wire(cls, kwargs: dict) -> tuple[PromptEmbeds, torch.Tensor | None]:
@@ -290,7 +324,47 @@ class Ltx2Family(FamilyAdapter):
         if audio.shape[0] != video.shape[0]:
             raise ValueError(f"{video.shape[0]} video text tokens but {audio.shape[0]} audio text tokens")
         cond = PromptEmbeds(torch.cat([video, audio], dim=-1)[None], torch.zeros(video.shape[0], 1))
+        if kwargs.get("condition_latents") is not None:
+            cond = _with_first_frame(cond, torch.as_tensor(kwargs["condition_latents"]).float()[None])
         return cond, kwargs.get("video_coords")
+
+    # ---------------------------------------------------------------- image to video
+    @torch.no_grad()
+    def encode_condition_images(self, images) -> torch.Tensor:
+        """The first frame (`uint8 [3, H, W]`, at the video's size) as `LTX2ImageToVideoPipeline` prepares its
+        `image`: [-1, 1], the VAE's mode as a one-frame video, normalized per channel by the VAE's latent mean and
+        std, packed: `[1, S_frame, C]`. Not reproduced: the pipeline's H.264 re-compression of the image
+        (`image_crf`, CRF 33 by default for Gemma 3 checkpoints); this is the pipeline with `image_crf=0`."""
+        if not self.settings.image_to_video or len(images) != 1:
+            raise RequestError("image_path", f"this LTX-2 checkpoint takes {self.max_condition_images} condition "
+                                             f"images, got {len(images)}")
+        image = images[0]
+        step = self.spatial_ratio * self.patch
+        height, width = image.shape[1:]
+        if not height or not width or height % step or width % step:
+            raise RequestError("image_path", f"the condition image is {width}x{height} pixels; LTX-2 image to video "
+                                             f"takes the first frame at the video's size (multiples of {step})")
+        pixels = (image.float() / 255 * 2 - 1)[None, :, None]  # the video processor's arithmetic, one frame
+        vae_dtype = next(self.vae.parameters()).dtype
+        latents = self.vae.encode(pixels.to(self.device, vae_dtype)).latent_dist.mode().float()
+        shape = (1, -1, 1, 1, 1)
+        mean = self.vae.latents_mean.view(shape).to(latents.device, latents.dtype)
+        std = self.vae.latents_std.view(shape).to(latents.device, latents.dtype)
+        return self._pack_video((latents - mean) / std)
+
+    def condition_on_images(self, cond: PromptEmbeds, encoded: torch.Tensor) -> PromptEmbeds:
+        """The first frame's tokens appended to the conditioning as rows (each token zero-padded to whole rows), so
+        the engine's denoising env, the trainer and replay carry them; the forward unfolds them."""
+        return _with_first_frame(cond, encoded)
+
+    def first_frame_tokens(self, embeds: torch.Tensor) -> torch.Tensor | None:
+        """The first frame's tokens `[B, S_frame, C]` carried in a conditioning, or None (text to video)."""
+        rows = embeds[:, self.settings.max_sequence_length:]
+        if not rows.shape[1]:
+            return None
+        channels = self.transformer.config.in_channels
+        per_token = -(-channels // rows.shape[-1])
+        return rows.reshape(rows.shape[0], rows.shape[1] // per_token, -1)[..., :channels]
 
     # ---------------------------------------------------------------- latents
     def prepare_latents(self, generators, height, width, num_frames: int | None = None) -> Latents:
@@ -303,7 +377,12 @@ class Ltx2Family(FamilyAdapter):
                                  device=device)
         audio = randn_per_sample((batch, self.audio_channels, g.audio_frames, self.audio_mel_bins), generators,
                                  device=device)
-        tokens = torch.cat([self._pack_video(video), audio.transpose(1, 2).flatten(2)], dim=1)
+        video = self._pack_video(video)
+        if self.settings.image_to_video:
+            # The first latent frame is the condition image's, never noised nor moved: the state holds only the
+            # generated tokens (the pipeline draws the first frame's noise too, and overwrites it).
+            video = video[:, (g.height // self.patch) * (g.width // self.patch):]
+        tokens = torch.cat([video, audio.transpose(1, 2).flatten(2)], dim=1)
         coords = self.transformer.rope.prepare_video_coords(1, g.frames, g.height, g.width, device,
                                                             fps=self.settings.frame_rate)
         return Latents(tokens, coords[0].permute(1, 0, 2).flatten(1))  # [S_video, (time, height, width) × 2]
@@ -324,6 +403,8 @@ class Ltx2Family(FamilyAdapter):
     # ---------------------------------------------------------------- the transformer
     def velocity(self, transformer, latents, sigma, cond, uncond, guidance_scale, **guidance_options):
         # The CFG combination works on x0 = x − σ·v, so it needs the latents too.
+        # Image to video: the conditioning of the last rows denoised, whose first frame `decode` puts back.
+        self._last_conditioning = cond.embeds
         return super().velocity(transformer, latents, sigma, cond, uncond, guidance_scale, x=latents.tokens,
                                 **guidance_options)
 
@@ -345,18 +426,45 @@ class Ltx2Family(FamilyAdapter):
         if self._mask_is_full(embeds, mask):
             mask = None  # no token masked: the cross-attentions take no bias (see `_mask_is_full`)
         timestep = sigma * self.timestep_scale  # the scheduler's timestep, fp32; LTX-2.3 also takes it as σ
+        video_timestep, first, video_in = timestep, 0, x[:, :video_tokens]
+        if self.settings.image_to_video:
+            # The first frame's clean tokens before the generated ones, at timestep 0 (the pipeline's
+            # `t · (1 − conditioning_mask)` per token); the audio and σ keep the step's timestep.
+            image = self._first_frame(embeds, coords)
+            first = image.shape[1]
+            video_in = torch.cat([image.to(x), x[:, : video_tokens - first]], dim=1)
+            video_timestep = torch.cat([timestep.new_zeros(batch, first),
+                                        timestep[:, None].expand(batch, video_tokens - first)], dim=1)
         video_coords = coords.to(torch.float32).reshape(video_tokens, 3, 2).permute(1, 0, 2)
         video_coords = video_coords[None].expand(batch, -1, -1, -1)
-        audio_coords = transformer.audio_rope.prepare_audio_coords(batch, x.shape[1] - video_tokens, x.device)
+        audio_tokens = x.shape[1] - (video_tokens - first)
+        audio_coords = transformer.audio_rope.prepare_audio_coords(batch, audio_tokens, x.device)
         with self.forward_precision():
             video, audio = transformer(
-                hidden_states=x[:, :video_tokens].to(dtype).contiguous(),
-                audio_hidden_states=x[:, video_tokens:].to(dtype).contiguous(),
+                hidden_states=video_in.to(dtype).contiguous(),
+                audio_hidden_states=x[:, video_tokens - first:].to(dtype).contiguous(),
                 encoder_hidden_states=text.to(dtype), audio_encoder_hidden_states=audio_text.to(dtype),
-                timestep=timestep, sigma=timestep, encoder_attention_mask=mask, audio_encoder_attention_mask=mask,
-                fps=self.settings.frame_rate, video_coords=video_coords, audio_coords=audio_coords,
-                use_cross_timestep=True, return_dict=False)
-        return torch.cat([video.float(), audio.float()], dim=1)
+                timestep=video_timestep, audio_timestep=timestep, sigma=timestep, encoder_attention_mask=mask,
+                audio_encoder_attention_mask=mask, fps=self.settings.frame_rate, video_coords=video_coords,
+                audio_coords=audio_coords, use_cross_timestep=True, return_dict=False)
+        # Image to video: the first frame's velocity is dropped (the pipeline steps only the later frames).
+        return torch.cat([video[:, first:].float(), audio.float()], dim=1)
+
+    def _first_frame(self, embeds: torch.Tensor, coords: torch.Tensor) -> torch.Tensor:
+        """Image to video: the conditioning's first-frame tokens, checked against the video's first latent frame
+        (its token count read once per position tensor, as `_mask_is_full` reads the mask)."""
+        image = self.first_frame_tokens(embeds)
+        if image is None:
+            raise RequestError("image_path", "this LTX-2 checkpoint is image to video: a request needs one condition "
+                                             "image (image_path), the first frame")
+        last = getattr(self, "_last_coords", None)
+        if last is None or last[0] is not coords:
+            last = self._last_coords = (coords, int((coords[:, 0] == coords[0, 0]).sum()))
+        if image.shape[1] != last[1]:
+            raise RequestError("image_path", f"the condition image is {image.shape[1]} latent tokens, the video's "
+                                             f"first frame {last[1]}: send the first frame at the video's height and "
+                                             "width")
+        return image
 
     def _mask_is_full(self, embeds: torch.Tensor, mask: torch.Tensor) -> bool:
         """Whether the text mask masks nothing (LTX-2.3's connectors fill the padding with their registers, so a
@@ -379,8 +487,22 @@ class Ltx2Family(FamilyAdapter):
         return (x - guided) / s
 
     # ---------------------------------------------------------------- decoding
-    def decode(self, latents: torch.Tensor, height: int, width: int, num_frames: int | None = None) -> torch.Tensor:
+    def decode(self, latents: torch.Tensor, height: int, width: int, num_frames: int | None = None, *,
+               first_frame: torch.Tensor | None = None) -> torch.Tensor:
+        """Image to video: the generated tokens after the first frame's (`first_frame` `[B, S_frame, C]`, by default
+        those of the conditioning last denoised: the engine decodes right after its denoising loop, under its
+        model lock, and the loop's last forward had exactly the rows decoded)."""
         g = self.geometry(height, width, num_frames)
+        if self.settings.image_to_video:
+            frame = (g.height // self.patch) * (g.width // self.patch)
+            if latents.shape[1] == g.video_tokens - frame + g.audio_frames:  # the generated tokens only
+                if first_frame is None:
+                    last = getattr(self, "_last_conditioning", None)
+                    first_frame = None if last is None else self.first_frame_tokens(last)
+                    if first_frame is None or first_frame.shape[1] != frame or len(first_frame) < len(latents):
+                        raise ValueError("image to video: decode needs the first frame's tokens (first_frame)")
+                    first_frame = first_frame[len(first_frame) - len(latents):]  # CFG: unconditional rows first
+                latents = torch.cat([first_frame.to(latents), latents], dim=1)
         video = self._unpack_video(latents[:, :g.video_tokens].float(), g)
         shape = (1, -1, 1, 1, 1)
         mean = self.vae.latents_mean.view(shape).to(video.device, video.dtype)
@@ -394,3 +516,14 @@ class Ltx2Family(FamilyAdapter):
         frames = decode_rows(lambda rows: self.vae.decode(rows.to(vae_dtype), timestep, return_dict=False)[0], video,
                              per_call=self.vae_decode_batch)
         return (frames.float() / 2 + 0.5).clamp(0, 1)  # [B, 3, F, H, W]
+
+
+def _with_first_frame(cond: PromptEmbeds, tokens: torch.Tensor) -> PromptEmbeds:
+    """`tokens` `[1 or B, S, C]` appended to `cond` as rows of its width, each token zero-padded to whole rows
+    (`Ltx2Family.first_frame_tokens` reads them back); their position ids are zeros as the text's."""
+    width = cond.embeds.shape[-1]
+    per_token = -(-tokens.shape[-1] // width)
+    rows = pack_image_rows(torch.nn.functional.pad(tokens, (0, per_token * width - tokens.shape[-1])), width)
+    rows = rows.to(cond.embeds).expand(len(cond), -1, -1)
+    ids = torch.cat([cond.ids, cond.ids.new_zeros(rows.shape[1], cond.ids.shape[1])])
+    return PromptEmbeds(torch.cat([cond.embeds, rows], dim=1), ids)
