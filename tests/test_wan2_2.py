@@ -235,11 +235,12 @@ def test_bad_checkpoints_are_refused(wan_dir, tmp_path):
     index.write_text(json.dumps({**json.loads(index.read_text()), "expand_timesteps": True}))
     with pytest.raises(ModelLoadError, match="TI2V"):
         Wan22Family.load(broken)
-    # Wan2.2 I2V A14B's index (its transformer takes the image latents as extra input channels): it loaded, and
-    # the first request failed in the denoising loop on a shape mismatch.
+    # Wan2.2 I2V A14B's index over a text-to-video transformer (image-to-video's takes the image latents and a
+    # mask as extra input channels): refused at load, not in the denoising loop on a shape mismatch.
     index.write_text(json.dumps({**json.loads(index.read_text()), "expand_timesteps": False,
                                  "_class_name": "WanImageToVideoPipeline", "image_encoder": [None, None]}))
-    with pytest.raises(ModelLoadError, match=r"WanImageToVideoPipeline checkpoint \(image-to-video"):
+    with pytest.raises(ModelLoadError, match=r"WanImageToVideoPipeline checkpoint but its transformer has "
+                                             r"in_channels=4; image-to-video takes 12"):
         Wan22Family.load(broken)
     index.write_text(json.dumps({**json.loads(index.read_text()), "_class_name": "WanPipeline"}))
     shutil.rmtree(broken / "transformer_2")

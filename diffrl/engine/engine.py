@@ -545,23 +545,28 @@ class Engine:
             return compare_tensor_checksums(module_name, module, expected)
 
     def _encode(self, prompts: list[str], images: list[tuple[torch.Tensor, ...]] | None = None,
-                encoded_images: dict[str, object] | None = None) -> list[PromptEmbeds]:
+                encoded_images: dict[str, object] | None = None, size: dict | None = None) -> list[PromptEmbeds]:
         """Each prompt's conditioning, with its request's condition images folded in; a prompt (or prompt and
         images) seen in this batch, or earlier under the same weights, is not encoded again (encoding is
         deterministic, and nothing mutates an encoding once made). `encoded_images`: the batch's condition images
-        by digest, each encoded once (a request's prompt and negative prompt share them)."""
+        by digest, each encoded once (a request's prompt and negative prompt share them). `size`: the output's
+        height, width and num_frames, for a family whose condition images are encoded at the output's size
+        (`condition_images_need_size`; part of the cache key then)."""
+        size_key = f"@{sorted(size.items())}" if size else ""
+        encode_images = (lambda pictures: self.family.encode_condition_images(pictures, **size)) if size else \
+            self.family.encode_condition_images
         out, fresh = [], {}
         images = images if images is not None else [()] * len(prompts)
         encoded_images = encoded_images if encoded_images is not None else {}
         for prompt, pictures in zip(prompts, images, strict=True):
-            digest = _images_digest(pictures) if pictures else None
+            digest = _images_digest(pictures) + size_key if pictures else None
             key = prompt if digest is None else (prompt, digest)
             encoded = fresh.get(key)
             if encoded is None:
                 encoded = self._prompts.get(key, self.weight_version)
             if encoded is None and digest is not None and self.family.prompt_sees_images:
                 if digest not in encoded_images:  # the prompt's encoding reads the images (Qwen-Image-Edit)
-                    encoded_images[digest] = self.family.encode_condition_images(pictures)
+                    encoded_images[digest] = encode_images(pictures)
                     self.image_encodes += 1
                 encoded = fresh[key] = self.family.encode_prompts_with_images([prompt], encoded_images[digest])
                 self.prompt_encodes += 1
@@ -574,7 +579,7 @@ class Engine:
                     self._prompts.put(prompt, encoded)
                 if digest is not None:
                     if digest not in encoded_images:
-                        encoded_images[digest] = self.family.encode_condition_images(pictures)
+                        encoded_images[digest] = encode_images(pictures)
                         self.image_encodes += 1
                     encoded = self.family.condition_on_images(encoded, encoded_images[digest])
                     self._prompts.put(key, encoded)
@@ -604,8 +609,10 @@ class Engine:
         # real text encoder (T5-XXL, Qwen2.5-VL) costs a forward of billions of parameters per prompt.
         with family.text_encoders_on_device():
             images, encoded_images = [t.images for t in batch], {}
-            conds = self._encode([t.req.prompt for t in batch], images, encoded_images)
-            unconds = (self._encode([t.req.negative_prompt for t in batch], images, encoded_images)
+            size = (dict(height=plan.height, width=plan.width, num_frames=plan.num_frames)
+                    if family.condition_images_need_size else None)
+            conds = self._encode([t.req.prompt for t in batch], images, encoded_images, size)
+            unconds = (self._encode([t.req.negative_prompt for t in batch], images, encoded_images, size)
                        if plan.guidance_scale > 1.0 else None)
         if len(batch) > 1 and not (_same_ids(conds) and _same_ids(unconds or [])):
             outputs = []  # text lengths differ: no shared batch, one request at a time

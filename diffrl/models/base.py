@@ -124,6 +124,10 @@ class FamilyAdapter(ABC):
     # that takes condition images sets both, and implements `encode_condition_images` and `condition_on_images`.
     accepts_image_conditioning: bool = False
     max_condition_images: int = 0
+    # A family whose encoded condition images depend on the request's output size (Wan2.2 image-to-video: the first
+    # frame resized to the video's size and VAE-encoded with the video's frame count) gets `height`, `width` and
+    # `num_frames` in `encode_condition_images`, and the engine keys its cache of them by that size too.
+    condition_images_need_size: bool = False
     # A family whose prompt encoding reads the condition images (Qwen-Image-Edit: Qwen2.5-VL sees them) implements
     # `encode_prompts_with_images` instead of `condition_on_images`.
     prompt_sees_images: bool = False

@@ -28,9 +28,18 @@ expert in diffusers layout.
 Sharded by FSDP2 (torchrun), every forward runs both experts on every rank (one row for an expert none
 of the rank's rows need), so ranks whose micro-batches route differently issue the same collectives.
 
+Image-to-video (Wan2.2 A14B I2V: a model index naming `WanImageToVideoPipeline`, without `expand_timesteps`, its
+transformer without an image encoder's `image_dim`) takes one condition image per request (`image_path`), as
+`WanImageToVideoPipeline` does: the image resized to the video's size (Lanczos), followed by `num_frames − 1` black
+frames, VAE-encoded (the mode), normalized per channel, after a 4-channel mask marking the first frame (the
+pipeline's `condition`); each forward concatenates it to the noisy latents on the channel axis (the transformer's
+`in_channels` = noise + mask + image latents). The condition depends on the output's size, so the engine encodes it
+per request at that size (`condition_images_need_size`) and it travels inside the conditioning (rows after the text
+tokens, `diffrl.models.condition_rows`), for the trainer and replay to read unchanged.
+
 Not reproduced: the solver. Our steps are the shared Euler ODE / SDE of `diffrl.sampling`; a checkpoint
 whose scheduler is UniPC (as Wan's published ones) gets UniPC's flow σ's with our steps. Wan2.2 TI2V
-(`expand_timesteps`) and image-to-video are refused.
+(`expand_timesteps`) and Wan2.1 image-to-video (a CLIP image encoder) are refused.
 """
 
 from __future__ import annotations
@@ -57,6 +66,7 @@ from diffrl.models.base import (
     wire_text_tokens,
 )
 from diffrl.models.batch_invariance import decode_rows, embed_rows_one_at_a_time
+from diffrl.models.condition_rows import pack_image_rows, unpack_image_rows
 from diffrl.models.components import read_flow_scheduler, scheduler_sigmas
 from diffrl.models.weights import load_weights
 from diffrl.sampling import randn_per_sample
@@ -70,6 +80,7 @@ class WanSettings:
 
     boundary_ratio: float | None  # None: one expert (Wan2.1-style, or a transformer_2 the pipeline never calls)
     scheduler_class: str
+    image_to_video: bool = False  # WanImageToVideoPipeline (A14B I2V): the first frame's latents as extra channels
 
 
 class WanExperts(PeftAdapterMixin, torch.nn.Module):
@@ -177,8 +188,11 @@ class Wan22Family(FamilyAdapter):
     model_index_required = True
 
     def __init__(self, transformer: WanExperts, vae, text_encoder, tokenizer, scheduler, *,
-                 boundary_ratio: float | None = None, max_sequence_length: int = 512):
+                 boundary_ratio: float | None = None, max_sequence_length: int = 512, image_to_video: bool = False):
         self.transformer = transformer
+        self.image_to_video = image_to_video
+        self.accepts_image_conditioning = self.condition_images_need_size = image_to_video
+        self.max_condition_images = 1 if image_to_video else 0
         if self.device.type == "cpu":
             for expert in transformer.experts:
                 _run_per_sample_layers_row_by_row(expert)
@@ -202,10 +216,11 @@ class Wan22Family(FamilyAdapter):
         return self.transformer.transformer.config
 
     def reference_pipeline(self):
-        """diffusers' `WanPipeline` over this family's own components (no copy), for tests and benchmarks."""
-        from diffusers import WanPipeline
+        """diffusers' `WanPipeline` (image-to-video: `WanImageToVideoPipeline`) over this family's own components (no
+        copy), for tests and benchmarks."""
+        from diffusers import WanImageToVideoPipeline, WanPipeline
 
-        pipe = WanPipeline(tokenizer=self.tokenizer, text_encoder=self.text_encoder, vae=self.vae,
+        pipe = (WanImageToVideoPipeline if self.image_to_video else WanPipeline)(tokenizer=self.tokenizer, text_encoder=self.text_encoder, vae=self.vae,
                            scheduler=self.scheduler, transformer=self.transformer.transformer,
                            transformer_2=self.transformer.transformer_2, boundary_ratio=self.boundary_ratio)
         pipe.set_progress_bar_config(disable=True)
@@ -215,14 +230,24 @@ class Wan22Family(FamilyAdapter):
     @classmethod
     def read_settings(cls, root: Path, index: dict) -> WanSettings:
         pipeline = index.get("_class_name", "WanPipeline")
-        if pipeline != "WanPipeline":  # WanImageToVideoPipeline: its transformer also takes the image's latents
-            raise ModelLoadError(f"wan2_2: {root} is a {pipeline} checkpoint (image-to-video or another conditioned "
-                                 "mode), which this adapter does not sample; it samples WanPipeline's text-to-video")
+        if pipeline not in ("WanPipeline", "WanImageToVideoPipeline"):
+            raise ModelLoadError(f"wan2_2: {root} is a {pipeline} checkpoint (another conditioned mode), which this "
+                                 "adapter does not sample; it samples WanPipeline and WanImageToVideoPipeline")
         if index.get("expand_timesteps"):
             raise ModelLoadError(f"wan2_2: {root} is a TI2V checkpoint (expand_timesteps: per-token timesteps), "
                                  "which this adapter does not reproduce")
-        scheduler_name, _ = read_flow_scheduler("wan2_2", root, SCHEDULERS, "WanPipeline")
-        return WanSettings(index.get("boundary_ratio"), scheduler_name)
+        image_to_video = pipeline == "WanImageToVideoPipeline"
+        if image_to_video:
+            import json
+
+            config = root / "transformer" / "config.json"
+            image_dim = json.loads(config.read_text()).get("image_dim") if config.is_file() else None
+            if image_dim is not None:
+                raise ModelLoadError(f"wan2_2: {config} sets image_dim={image_dim}: a Wan2.1 image-to-video "
+                                     "checkpoint (CLIP image embeddings), which this adapter does not sample; it "
+                                     "samples Wan2.2 A14B image-to-video")
+        scheduler_name, _ = read_flow_scheduler("wan2_2", root, SCHEDULERS, pipeline)
+        return WanSettings(index.get("boundary_ratio"), scheduler_name, image_to_video)
 
     @classmethod
     def checkpoint_components(cls, settings: WanSettings) -> list[Component]:
@@ -241,9 +266,18 @@ class Wan22Family(FamilyAdapter):
             raise ModelLoadError(f"wan2_2: {root / 'model_index.json'} sets boundary_ratio={boundary_ratio} but "
                                  f"there is no {root / 'transformer_2' / 'config.json'} (the low-noise expert)")
         boundary = None if boundary_ratio is None else boundary_ratio * scheduler.config.num_train_timesteps
+        if settings.image_to_video:  # the noise, the first-frame mask and the image's latents on the channel axis
+            vae_config, config = parts["vae"].config, parts["transformer"].config
+            expected = 2 * vae_config.z_dim + vae_config.scale_factor_temporal
+            if config.in_channels != expected:
+                raise ModelLoadError(f"wan2_2: {root} is a WanImageToVideoPipeline checkpoint but its transformer has "
+                                     f"in_channels={config.in_channels}; image-to-video takes {expected} (the VAE's "
+                                     f"{vae_config.z_dim} latent channels twice and a {vae_config.scale_factor_temporal}"
+                                     "-channel first-frame mask)")
         experts = WanExperts(parts["transformer"], parts.get("transformer_2"), boundary)
         return cls(experts, parts["vae"], parts["text_encoder"], parts["tokenizer"], scheduler,
-                   boundary_ratio=boundary_ratio, max_sequence_length=max_sequence_length)
+                   boundary_ratio=boundary_ratio, max_sequence_length=max_sequence_length,
+                   image_to_video=settings.image_to_video)
 
     def save(self, path: str | Path) -> None:
         """Each expert in diffusers layout (`transformer/`, `transformer_2/`), what a full finetune changes."""
@@ -287,13 +321,78 @@ class Wan22Family(FamilyAdapter):
 
     @torch.no_grad()
     def cond_kwargs_to_wire(self, cond: PromptEmbeds, image_ids: torch.Tensor) -> dict:
-        """sglang's Wan cond kwargs: the T5 tokens (zero past the prompt) as a one-element list; no positions."""
-        return {"encoder_hidden_states": [cond.embeds[0]]}
+        """sglang's Wan cond kwargs: the T5 tokens (zero past the prompt) as a one-element list; no positions.
+        Image-to-video: the packed condition rows as diffrl's `condition_rows` [R, D] (unpacked by the forward)."""
+        length = self.max_sequence_length
+        wire = {"encoder_hidden_states": [cond.embeds[0, :length]]}
+        if cond.embeds.shape[1] > length:
+            wire["condition_rows"] = cond.embeds[0, length:]
+        return wire
 
     @classmethod
     def cond_kwargs_from_wire(cls, kwargs: dict) -> tuple[PromptEmbeds, torch.Tensor | None]:
         tokens = wire_text_tokens(kwargs)
-        return PromptEmbeds(tokens[None], torch.zeros(tokens.shape[0], 1)), torch.zeros(0, 1)
+        ids = torch.zeros(tokens.shape[0], 1)
+        rows = kwargs.get("condition_rows")
+        if rows is not None:
+            if not isinstance(rows, torch.Tensor) or rows.dim() != 2 or rows.shape[1] != tokens.shape[1]:
+                raise ValueError("condition_rows: expected [R, D] rows as wide as the text tokens")
+            tokens = torch.cat([tokens, rows.float()])
+        return PromptEmbeds(tokens[None], ids), torch.zeros(0, 1)
+
+    # ---------------------------------------------------------------- image-to-video
+    @torch.no_grad()
+    def encode_condition_images(self, images, height: int | None = None, width: int | None = None,
+                                num_frames: int | None = None) -> torch.Tensor:
+        """Image-to-video: the pipeline's `condition` `[1, 4 + C, F', H', W']` (the first-frame mask, then the latents
+        of the image resized to `height × width` followed by `num_frames − 1` black frames), as
+        `WanImageToVideoPipeline.prepare_latents` makes it."""
+        if not self.image_to_video or len(images) != 1:
+            raise RequestError("image_path", f"this Wan checkpoint takes {self.max_condition_images} condition "
+                                             f"images, got {len(images)}")
+        if height is None or width is None:
+            height, width = self.default_size()
+        num_frames = self.default_num_frames if num_frames is None else num_frames
+        image = images[0]
+        if (height, width) != tuple(image.shape[1:]):  # the pipeline's video processor: PIL, Lanczos
+            import numpy as np
+            from PIL import Image
+
+            pil = Image.fromarray(image.permute(1, 2, 0).numpy()).resize((width, height), Image.Resampling.LANCZOS)
+            image = torch.from_numpy(np.asarray(pil).copy()).permute(2, 0, 1)
+        pixels = (image.float() / 255 * 2 - 1)[None, :, None]  # the image processor's arithmetic; [1, 3, 1, H, W]
+        video = torch.cat([pixels, pixels.new_zeros(1, 3, num_frames - 1, height, width)], dim=2)
+        vae_dtype = next(self.vae.parameters()).dtype
+        latents = self.vae.encode(video.to(self.device, vae_dtype)).latent_dist.mode().float()
+        config = self.vae.config
+        shape = (1, config.z_dim, 1, 1, 1)
+        mean = torch.tensor(config.latents_mean, device=latents.device).view(shape)
+        inv_std = 1.0 / torch.tensor(config.latents_std, device=latents.device).view(shape)
+        latents = (latents - mean) * inv_std
+        t = self.vae_scale_temporal
+        mask = torch.zeros(1, t, latents.shape[2], latents.shape[3], latents.shape[4], device=latents.device)
+        mask[:, :, 0] = 1  # the first frame (repeated t times, as the pipeline's mask) is given, the rest generated
+        return torch.cat([mask, latents], dim=1)
+
+    def condition_on_images(self, cond: PromptEmbeds, encoded: torch.Tensor) -> PromptEmbeds:
+        """Image-to-video: the condition's values laid into rows after the text tokens (`pack_image_rows`)."""
+        rows = pack_image_rows(encoded.reshape(1, 1, -1).to(cond.embeds), cond.embeds.shape[-1])
+        return PromptEmbeds(torch.cat([cond.embeds, rows.expand(len(cond), -1, -1)], dim=1), cond.ids)
+
+    def unpack_conditioning(self, cond: PromptEmbeds, latents: torch.Tensor) -> tuple[torch.Tensor,
+                                                                                     torch.Tensor | None]:
+        """(text tokens `[B, L, D]`, the image-to-video condition `[B, 4 + C, F', H', W']` for latents
+        `[B, C, F', H', W']`, or None without one)."""
+        length = self.max_sequence_length
+        text = cond.embeds[:, :length]
+        if not self.image_to_video:
+            return text, None
+        if cond.embeds.shape[1] <= length:
+            raise RequestError("image_path", "this Wan image-to-video checkpoint needs one condition image")
+        _, channels, *grid = latents.shape
+        count = (self.vae_scale_temporal + channels) * math.prod(grid)
+        condition = unpack_image_rows(cond.embeds[:, length:], 1, count)
+        return text, condition.view(condition.shape[0], -1, *grid)
 
     def encode_prompts(self, prompts: Sequence[str]) -> PromptEmbeds:
         # The pipeline's own text cleaning.
@@ -315,7 +414,8 @@ class Wan22Family(FamilyAdapter):
 
     def prepare_latents(self, generators, height, width, num_frames: int | None = None) -> Latents:
         self.check_size(height, width, self.default_num_frames if num_frames is None else num_frames)
-        shape = (len(generators), self.expert_config.in_channels, self._latent_frames(num_frames),
+        channels = self.vae.config.z_dim if self.image_to_video else self.expert_config.in_channels
+        shape = (len(generators), channels, self._latent_frames(num_frames),
                  height // self.vae_scale_spatial, width // self.vae_scale_spatial)
         # The transformer patchifies and positions the latents itself: no position ids to carry.
         return Latents(randn_per_sample(shape, generators, device=self.device), torch.zeros(0, 1, device=self.device))
@@ -324,9 +424,13 @@ class Wan22Family(FamilyAdapter):
         dtype = transformer.dtype  # not the first parameter's: Wan keeps some modules in fp32
         # WanPipeline's timestep: the scheduler's (σ·num_train_timesteps; an integer for UniPC) in fp32, whatever the
         # weights' dtype.
+        text, condition = self.unpack_conditioning(cond, latents.tokens)
+        hidden = latents.tokens
+        if condition is not None:  # image-to-video: the condition after the noise on the channel axis
+            hidden = torch.cat([hidden, condition.to(hidden)], dim=1)
         with self.forward_precision():
-            return transformer(hidden_states=latents.tokens.to(dtype), timestep=self.model_timesteps(sigma),
-                               encoder_hidden_states=cond.embeds.to(dtype), return_dict=False)[0].float()
+            return transformer(hidden_states=hidden.to(dtype), timestep=self.model_timesteps(sigma),
+                               encoder_hidden_states=text.to(dtype), return_dict=False)[0].float()
 
     def combine_guidance(self, v_uncond, v_cond, guidance_scale, *, transformer, sigma,
                          guidance_scale_2: float | None = None) -> torch.Tensor:

@@ -44,14 +44,17 @@ def real() -> WanSizes:
 def save_random_checkpoint(path: str | Path, sizes: WanSizes | None = None, *, seed: int = 0, two_experts: bool = True,
                            boundary_ratio: float = 0.875, scheduler: str = "euler", shift: float = 3.0,
                            shared_experts: bool = False, device: str | torch.device = "cpu",
-                           dtype: torch.dtype = torch.float32) -> Path:
+                           dtype: torch.dtype = torch.float32, image_to_video: bool = False) -> Path:
     """A Wan checkpoint in diffusers layout with random weights (default sizes: `tiny()`) and a tokenizer made in
     code: two experts switched at `boundary_ratio` (Wan2.2), or one (Wan2.1-style, no boundary). `scheduler`:
     "euler" (FlowMatchEulerDiscreteScheduler) or "unipc" (Wan's published kind, flow σ's). `shared_experts`: the
     low-noise expert's folder is a link to the high-noise expert's, so both load the same weights as two modules:
-    two experts' compute and memory on half the disk (Wan2.2 A14B at real size: 29 GB instead of 58)."""
+    two experts' compute and memory on half the disk (Wan2.2 A14B at real size: 29 GB instead of 58).
+    `image_to_video`: a `WanImageToVideoPipeline` checkpoint (Wan2.2 A14B I2V: the transformer takes the noise, the
+    4-channel first-frame mask and the condition image's latents; no image encoder)."""
     from diffusers import (
         AutoencoderKLWan,
+        WanImageToVideoPipeline,
         WanPipeline,
         WanTransformer3DModel,
     )
@@ -68,13 +71,19 @@ def save_random_checkpoint(path: str | Path, sizes: WanSizes | None = None, *, s
     with torch.device(device):
         text_encoder = stored(UMT5EncoderModel(UMT5Config(vocab_size=len(tokenizer), decoder_start_token_id=0,
                                                           pad_token_id=0, **sizes.text_encoder)))
-        experts = [stored(WanTransformer3DModel(text_dim=width, **sizes.transformer))
+        transformer = dict(sizes.transformer)
+        if image_to_video:  # the noise, the mask (the VAE's temporal factor: 4 channels) and the image's latents
+            z_dim = sizes.vae.get("z_dim", 16)
+            transformer.update(in_channels=2 * z_dim + 4, out_channels=z_dim)
+        experts = [stored(WanTransformer3DModel(text_dim=width, **transformer))
                    for _ in range(2 if two_experts and not shared_experts else 1)]
         vae = stored(AutoencoderKLWan(**sizes.vae))
     sched = flow_scheduler(scheduler, shift)
-    pipe = WanPipeline(tokenizer=tokenizer, text_encoder=text_encoder, vae=vae, scheduler=sched,
-                       transformer=experts[0], transformer_2=experts[1] if len(experts) == 2 else None,
-                       boundary_ratio=boundary_ratio if two_experts else None)
+    extra = {"image_encoder": None, "image_processor": None} if image_to_video else {}
+    pipe = (WanImageToVideoPipeline if image_to_video else WanPipeline)(
+        tokenizer=tokenizer, text_encoder=text_encoder, vae=vae, scheduler=sched, transformer=experts[0],
+        transformer_2=experts[1] if len(experts) == 2 else None, boundary_ratio=boundary_ratio if two_experts else None,
+        **extra)
     pipe.save_pretrained(path, safe_serialization=True)
     path = Path(path)
     if two_experts and shared_experts:

@@ -1,0 +1,169 @@
+"""Wan2.2 A14B image-to-video (the wan2_2 family's image-conditioned mode) against diffusers'
+WanImageToVideoPipeline, and an image-to-video prompt set through training, on a tiny random checkpoint built in
+code."""
+
+import io
+import json
+import shutil
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+from PIL import Image
+
+from diffrl.data.condition_images import CONDITION_IMAGES_KEY
+from diffrl.engine.engine import Engine, EngineConfig
+from diffrl.engine.protocol import RolloutRequest
+from diffrl.errors import ModelLoadError, RequestError
+from diffrl.models.random_checkpoints.wan2_2 import save_random_checkpoint
+from diffrl.models.wan2_2 import Wan22Family
+from diffrl.sampling import make_generators
+
+TOLERANCE = 1e-5  # fp32 on CPU through two code paths (measured: ≤ 1.1e-6)
+HEIGHT, WIDTH, FRAMES = 16, 32, 5  # latents [4, 2, 2, 4]; the transformer takes 4 + 4 + 4 channels
+TEXT_TOKENS = 16
+
+
+@pytest.fixture(scope="module")
+def i2v_dir(tmp_path_factory) -> Path:
+    return save_random_checkpoint(tmp_path_factory.mktemp("models") / "wan2.2-i2v-tiny", image_to_video=True)
+
+
+@pytest.fixture(scope="module")
+def i2v(i2v_dir) -> Wan22Family:
+    return Wan22Family.load(i2v_dir, max_sequence_length=TEXT_TOKENS)
+
+
+@pytest.fixture(autouse=True)
+def _prompt_clean_without_ftfy(monkeypatch):
+    """WanImageToVideoPipeline's prompt cleaning calls ftfy unguarded (WanPipeline's, which ours is, skips it when
+    ftfy is not installed, as here): the same cleaning for ASCII prompts."""
+    from diffusers.pipelines.wan import pipeline_wan, pipeline_wan_i2v
+
+    monkeypatch.setattr(pipeline_wan_i2v, "prompt_clean", pipeline_wan.prompt_clean)
+
+
+def png(seed: int, size=(20, 36)) -> bytes:
+    """A random RGB picture as PNG bytes (20×36, not the video's 16×32: resized as the pipeline resizes it)."""
+    pixels = np.random.default_rng(seed).integers(0, 256, (*size, 3), dtype=np.uint8)
+    buffer = io.BytesIO()
+    Image.fromarray(pixels).save(buffer, format="PNG")
+    return buffer.getvalue()
+
+
+def _request(**fields) -> RolloutRequest:
+    return RolloutRequest(**{"prompt": "a red cat", "seed": 3, "num_outputs_per_prompt": 2, "num_inference_steps": 4,
+                             "height": HEIGHT, "width": WIDTH, "num_frames": FRAMES, **fields})
+
+
+@pytest.mark.parametrize(("negative", "guidance", "guidance_2"), [("", 1.0, None), ("blurry", 4.5, 2.0)],
+                         ids=["no-cfg", "cfg-own-scale-2"])
+def test_engine_reproduces_the_diffusers_image_to_video_pipeline(i2v, negative, guidance, guidance_2):
+    """ODE sampling through our engine gives WanImageToVideoPipeline's videos from the same noise and first frame,
+    both experts running (the boundary falls inside the 4-step schedule), with CFG (the negative half sees the
+    image too) and without."""
+    high = i2v.transformer.high_noise(i2v.sigmas(4, HEIGHT, WIDTH)[:-1] * 1000)
+    assert high.any() and not high.all()
+    engine = Engine(i2v, EngineConfig(max_outputs_per_request=4))
+    outputs = engine.generate(_request(negative_prompt=negative, guidance_scale=guidance, guidance_scale_2=guidance_2,
+                                       image_path=[png(0)]))
+    ours = torch.stack([o.generated_output for o in outputs])
+    noise = i2v.prepare_latents(make_generators([3, 4]), HEIGHT, WIDTH, num_frames=FRAMES).tokens
+
+    def pipeline(source):
+        frames = i2v.reference_pipeline()(
+            image=Image.open(io.BytesIO(source)), prompt="a red cat", negative_prompt=negative if guidance > 1 else None,
+            latents=noise, num_inference_steps=4, guidance_scale=guidance, guidance_scale_2=guidance_2, height=HEIGHT,
+            width=WIDTH, num_frames=FRAMES, num_videos_per_prompt=2, max_sequence_length=TEXT_TOKENS,
+            output_type="pt").frames
+        return frames.permute(0, 2, 1, 3, 4)
+
+    reference = pipeline(png(0))
+    assert ours.shape == reference.shape == (2, 3, FRAMES, HEIGHT, WIDTH)
+    torch.testing.assert_close(ours, reference, rtol=0, atol=TOLERANCE)
+    other = pipeline(png(1))
+    assert (other - reference).abs().max() > 100 * TOLERANCE  # the first frame matters: the check can fail
+    assert engine.image_encodes == 1  # once per request, shared by its outputs and CFG's negative half
+
+
+def test_the_condition_travels_in_the_conditioning_and_on_the_wire(i2v):
+    source = torch.from_numpy(np.array(Image.open(io.BytesIO(png(0))))).permute(2, 0, 1)
+    encoded = i2v.encode_condition_images([source], height=HEIGHT, width=WIDTH, num_frames=FRAMES)
+    assert encoded.shape == (1, 4 + 4, 2, 2, 4)
+    assert encoded[:, :4, 0].eq(1).all() and encoded[:, :4, 1:].eq(0).all()  # the first-frame mask
+    cond = i2v.condition_on_images(i2v.encode_prompts(["a red cat", "a dog"]), encoded)
+    latents = torch.zeros(2, 4, 2, 2, 4)
+    text, condition = i2v.unpack_conditioning(cond, latents)
+    assert text.shape == (2, TEXT_TOKENS, 32) and torch.equal(condition, encoded.expand(2, -1, -1, -1, -1))
+    wire = i2v.cond_kwargs_to_wire(cond, torch.zeros(0, 1))
+    back, _ = Wan22Family.cond_kwargs_from_wire(wire)
+    assert torch.equal(back.embeds, cond.embeds[:1])
+    # Another size is another condition (the engine keys its cache by the output's size).
+    assert i2v.encode_condition_images([source], height=32, width=32, num_frames=FRAMES).shape == (1, 8, 2, 4, 4)
+
+
+def test_requests_without_a_first_frame_or_with_two_are_refused_by_name(i2v):
+    engine = Engine(i2v)
+    with pytest.raises(RequestError, match="needs one condition image") as err:
+        engine.generate(_request())
+    assert err.value.field == "image_path"
+    with pytest.raises(RequestError, match="takes at most 1") as err:
+        engine.generate(_request(image_path=[png(0), png(1)]))
+    assert err.value.field == "image_path"
+
+
+def test_wan21_image_to_video_and_mismatched_transformers_are_refused_at_load(i2v_dir, tmp_path):
+    broken = tmp_path / "wan-i2v-broken"
+    shutil.copytree(i2v_dir, broken)
+    config = broken / "transformer" / "config.json"
+    config.write_text(json.dumps({**json.loads(config.read_text()), "image_dim": 1280}))
+    with pytest.raises(ModelLoadError, match=r"image_dim=1280: a Wan2.1 image-to-video checkpoint \(CLIP"):
+        Wan22Family.load(broken)
+    index = broken / "model_index.json"
+    index.write_text(json.dumps({**json.loads(index.read_text()), "expand_timesteps": True}))
+    with pytest.raises(ModelLoadError, match="TI2V"):
+        Wan22Family.load(broken)
+
+
+SEEN = []
+
+
+def brightness_seeing_the_source(images, prompts, metadata):
+    """A reward that records each sample's first frame (the metadata's condition images) and scores brightness."""
+    SEEN.extend(m[CONDITION_IMAGES_KEY][0].shape for m in metadata)
+    return [float(image.float().mean()) for image in images]
+
+
+def write_image_to_video_set(folder: Path) -> Path:
+    """A tiny image-to-video prompt set: a .jsonl beside its first frames (one under images/)."""
+    (folder / "images").mkdir(parents=True)
+    (folder / "a.png").write_bytes(png(0))
+    (folder / "images" / "b.png").write_bytes(png(1))
+    rows = [{"prompt": "the cat walks", "image": "a.png"}, {"prompt": "the dog runs", "images": ["b.png"]}]
+    path = folder / "i2v.jsonl"
+    path.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    return path
+
+
+def test_flow_grpo_on_an_image_to_video_prompt_set(i2v_dir, tmp_path):
+    """Two rollouts of Flow-GRPO (CFG with the first frame in both halves, LoRA on both experts); the reward sees
+    each prompt's first frame, and the trainer replays the engine's steps from the conditioning."""
+    from diffrl.train.config import TrainConfig
+    from diffrl.train.trainer import Trainer
+
+    SEEN.clear()
+    out = tmp_path / "run"
+    cfg = TrainConfig.flat(
+        output_dir=out, model_path=i2v_dir, prompt_data=write_image_to_video_set(tmp_path / "data"),
+        loss_type="flow_grpo", num_rollout=2, rollout_batch_size=2, n_samples_per_prompt=2, rollout_microgroup_size=2,
+        global_batch_size=4, num_steps_per_rollout=1, micro_batch_size=4, diffusion_num_steps=2, height=HEIGHT,
+        width=WIDTH, num_frames=FRAMES, diffusion_guidance_scale=2.0, diffusion_sde_window_range=(0, 2), lr=1e-3,
+        device="cpu", use_lora=True, lora_rank=2, reward="jpeg_compressibility", eval_images_per_category=0,
+        checkpoint_interval=10)
+    Trainer(cfg, reward_fn=brightness_seeing_the_source).train()
+    records = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+    trained = [r for r in records if "train/loss" in r]
+    assert len(trained) == 2 and all(np.isfinite(r["train/loss"]) for r in trained)
+    assert trained[-1]["train/log_prob_mean_abs_diff"] < 1e-4
+    assert SEEN and all(shape == (3, 20, 36) for shape in SEEN)
