@@ -36,7 +36,8 @@ What this adapter reproduces of `LTX2Pipeline` (`tests/test_ltx2.py`, ODE sampli
 
 Image to video (`tests/test_ltx2_i2v.py`). A checkpoint whose model index names `LTX2ImageToVideoPipeline` (or
 whose `diffrl` block sets `image_to_video: true`: the same weights do both) takes one condition image per request,
-the first frame, at the video's height and width, and needs it. As the pipeline: the image in [-1, 1] through the
+the first frame, and needs it. As the pipeline: the image resized to the video's height and width (PIL, bilinear;
+the engine encodes it per request at the output's size, `condition_images_need_size`), in [-1, 1], through the
 VAE as a one-frame video (its mode), normalized by the VAE's latent mean and std, is the first latent frame,
 clean; the transformer sees it at timestep 0 (per-token timesteps `t·(1 − mask)`), the audio and σ at the step's t;
 the first frame's velocity is dropped and only the later frames (and the audio) are stepped. Here the first
@@ -175,6 +176,7 @@ class Ltx2Family(FamilyAdapter):
         # Image to video: one condition image, the first frame (module docstring, "Image to video").
         self.accepts_image_conditioning = bool(settings.image_to_video)
         self.max_condition_images = 1 if settings.image_to_video else 0
+        self.condition_images_need_size = bool(settings.image_to_video)  # resized to the video's size
         self.frame_rate = settings.frame_rate
         config = transformer.config
         self.patch, self.patch_t = config.patch_size, config.patch_size_t
@@ -330,20 +332,24 @@ class Ltx2Family(FamilyAdapter):
 
     # ---------------------------------------------------------------- image to video
     @torch.no_grad()
-    def encode_condition_images(self, images) -> torch.Tensor:
-        """The first frame (`uint8 [3, H, W]`, at the video's size) as `LTX2ImageToVideoPipeline` prepares its
-        `image`: [-1, 1], the VAE's mode as a one-frame video, normalized per channel by the VAE's latent mean and
-        std, packed: `[1, S_frame, C]`. Not reproduced: the pipeline's H.264 re-compression of the image
-        (`image_crf`, CRF 33 by default for Gemma 3 checkpoints); this is the pipeline with `image_crf=0`."""
+    def encode_condition_images(self, images, height: int | None = None, width: int | None = None,
+                                num_frames: int | None = None) -> torch.Tensor:
+        """The first frame (`uint8 [3, H, W]`) as `LTX2ImageToVideoPipeline` prepares its `image`: resized to the
+        video's `height × width` (the pipeline's video processor: PIL, bilinear), [-1, 1], the VAE's mode as a
+        one-frame video, normalized per channel by the VAE's latent mean and std, packed: `[1, S_frame, C]`. Not
+        reproduced: the pipeline's H.264 re-compression of the image (`image_crf`, CRF 33 by default for Gemma 3
+        checkpoints); this is the pipeline with `image_crf=0`."""
         if not self.settings.image_to_video or len(images) != 1:
             raise RequestError("image_path", f"this LTX-2 checkpoint takes {self.max_condition_images} condition "
                                              f"images, got {len(images)}")
         image = images[0]
-        step = self.spatial_ratio * self.patch
-        height, width = image.shape[1:]
-        if not height or not width or height % step or width % step:
-            raise RequestError("image_path", f"the condition image is {width}x{height} pixels; LTX-2 image to video "
-                                             f"takes the first frame at the video's size (multiples of {step})")
+        if height is None or width is None:
+            height, width = self.default_size()
+        if (height, width) != tuple(image.shape[1:]):
+            from PIL import Image
+
+            pil = Image.fromarray(image.permute(1, 2, 0).numpy()).resize((width, height), Image.Resampling.BILINEAR)
+            image = torch.from_numpy(np.asarray(pil).copy()).permute(2, 0, 1)
         pixels = (image.float() / 255 * 2 - 1)[None, :, None]  # the video processor's arithmetic, one frame
         vae_dtype = next(self.vae.parameters()).dtype
         latents = self.vae.encode(pixels.to(self.device, vae_dtype)).latent_dist.mode().float()
