@@ -6,8 +6,10 @@ import numpy as np
 import pytest
 from PIL import Image, ImageFilter
 
-from diffrl.data.ocr.prompts import (TRAIN_FILE, TRAIN_PROMPTS, TRAIN_SEED, sample_prompt, test_prompts, test_texts,
-                                     training_prompts)
+from diffrl.data.ocr.prompts import TRAIN_FILE, TRAIN_PROMPTS, TRAIN_SEED, sample_prompt, training_prompts
+# Aliased: pytest would collect functions named test_* imported into a test module as tests.
+from diffrl.data.ocr.prompts import test_prompts as held_out_prompts
+from diffrl.data.ocr.prompts import test_texts as held_out_texts
 from diffrl.data.ocr.phrases import normalized
 from diffrl.data.ocr.render import render_clean, render_text
 from diffrl.models.random_checkpoints.demo import ocr, tokenizer_for
@@ -28,7 +30,7 @@ def scores(images, texts):
 
 def test_both_readers_read_clean_renders_of_test_texts():
     """20 texts spread over the split (every 50th); docs/ocr-world.md has the 200-text measurement."""
-    texts = [quoted_text(p) for p in test_prompts()[::50]]
+    texts = [quoted_text(p) for p in held_out_prompts()[::50]]
     for name, values in scores([render_clean(t, HEIGHT, WIDTH) for t in texts], texts).items():
         assert np.mean([v == 1 for v in values]) >= 0.95, (name, values)
 
@@ -63,7 +65,7 @@ def test_renders_are_deterministic_by_seed():
 
 def test_the_tokenizer_spells_the_quoted_text_by_character():
     tokenizer = tokenizer_for("ocr", ocr().max_text_len)
-    for prompt in test_prompts()[:300]:
+    for prompt in held_out_prompts()[:300]:
         text = quoted_text(prompt)
         if not text.isascii():
             continue
@@ -78,7 +80,7 @@ def test_the_tokenizer_spells_the_quoted_text_by_character():
 
 
 def test_no_test_text_is_ever_generated():
-    held_out = test_texts()
+    held_out = held_out_texts()
     rng = np.random.default_rng(0)
     for _ in range(3000):
         prompt, text = sample_prompt(rng)
@@ -86,7 +88,7 @@ def test_no_test_text_is_ever_generated():
     shipped = TRAIN_FILE.read_text(encoding="utf-8").splitlines()
     assert shipped == training_prompts(TRAIN_SEED, TRAIN_PROMPTS)
     assert not {normalized(quoted_text(p)) for p in shipped} & held_out
-    assert len(test_prompts()) == 1018
+    assert len(held_out_prompts()) == 1018
 
 
 def test_a_tiny_ocr_model_pretrains(tmp_path):
