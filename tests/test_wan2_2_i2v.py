@@ -1,6 +1,6 @@
-"""Wan2.2 A14B image-to-video (the wan2_2 family's image-conditioned mode) against diffusers'
-WanImageToVideoPipeline, and an image-to-video prompt set through training, on a tiny random checkpoint built in
-code."""
+"""Wan2.2 A14B image-to-video and TI2V-5B (the wan2_2 family's image-conditioned modes) against diffusers'
+WanImageToVideoPipeline (TI2V: with expand_timesteps), and an image-to-video prompt set through training, on tiny
+random checkpoints built in code."""
 
 import io
 import json
@@ -33,6 +33,16 @@ def i2v_dir(tmp_path_factory) -> Path:
 @pytest.fixture(scope="module")
 def i2v(i2v_dir) -> Wan22Family:
     return Wan22Family.load(i2v_dir, max_sequence_length=TEXT_TOKENS)
+
+
+@pytest.fixture(scope="module")
+def ti2v_dir(tmp_path_factory) -> Path:
+    return save_random_checkpoint(tmp_path_factory.mktemp("models") / "wan2.2-ti2v-tiny", ti2v=True)
+
+
+@pytest.fixture(scope="module")
+def ti2v(ti2v_dir) -> Wan22Family:
+    return Wan22Family.load(ti2v_dir, max_sequence_length=TEXT_TOKENS)
 
 
 @pytest.fixture(autouse=True)
@@ -73,7 +83,8 @@ def test_engine_reproduces_the_diffusers_image_to_video_pipeline(i2v, negative, 
 
     def pipeline(source):
         frames = i2v.reference_pipeline()(
-            image=Image.open(io.BytesIO(source)), prompt="a red cat", negative_prompt=negative if guidance > 1 else None,
+            image=Image.open(io.BytesIO(source)), prompt="a red cat",
+            negative_prompt=negative if guidance > 1 else None,
             latents=noise, num_inference_steps=4, guidance_scale=guidance, guidance_scale_2=guidance_2, height=HEIGHT,
             width=WIDTH, num_frames=FRAMES, num_videos_per_prompt=2, max_sequence_length=TEXT_TOKENS,
             output_type="pt").frames
@@ -85,6 +96,37 @@ def test_engine_reproduces_the_diffusers_image_to_video_pipeline(i2v, negative, 
     other = pipeline(png(1))
     assert (other - reference).abs().max() > 100 * TOLERANCE  # the first frame matters: the check can fail
     assert engine.image_encodes == 1  # once per request, shared by its outputs and CFG's negative half
+
+
+@pytest.mark.parametrize(("image", "negative", "guidance"),
+                         [(True, "", 1.0), (True, "blurry", 4.5), (False, "blurry", 4.5)],
+                         ids=["image-no-cfg", "image-cfg", "text-only-cfg"])
+def test_ti2v_reproduces_the_diffusers_pipelines(ti2v, image, negative, guidance):
+    """TI2V (expand_timesteps, one expert): with a first frame our videos equal WanImageToVideoPipeline(
+    expand_timesteps=True)'s (the image's latents replace the first latent frame at timestep 0), without one
+    WanPipeline's, from the same noise, with CFG and without."""
+    assert ti2v.ti2v and ti2v.transformer.transformer_2 is None
+    engine = Engine(ti2v, EngineConfig(max_outputs_per_request=4))
+    outputs = engine.generate(_request(negative_prompt=negative, guidance_scale=guidance,
+                                       image_path=[png(0)] if image else None))
+    ours = torch.stack([o.generated_output for o in outputs])
+    noise = ti2v.prepare_latents(make_generators([3, 4]), HEIGHT, WIDTH, num_frames=FRAMES).tokens
+
+    def pipeline(source):
+        kwargs = {"image": Image.open(io.BytesIO(source))} if image else {}
+        frames = ti2v.reference_pipeline(with_image=image)(
+            prompt="a red cat", negative_prompt=negative if guidance > 1 else None, latents=noise,
+            num_inference_steps=4, guidance_scale=guidance, height=HEIGHT, width=WIDTH, num_frames=FRAMES,
+            num_videos_per_prompt=2, max_sequence_length=TEXT_TOKENS, output_type="pt", **kwargs).frames
+        return frames.permute(0, 2, 1, 3, 4)
+
+    reference = pipeline(png(0))
+    assert ours.shape == reference.shape == (2, 3, FRAMES, HEIGHT, WIDTH)
+    torch.testing.assert_close(ours, reference, rtol=0, atol=TOLERANCE)
+    assert engine.image_encodes == (1 if image else 0)
+    if image:
+        other = pipeline(png(1))
+        assert (other - reference).abs().max() > 100 * TOLERANCE  # the first frame matters: the check can fail
 
 
 def test_the_condition_travels_in_the_conditioning_and_on_the_wire(i2v):
@@ -146,8 +188,9 @@ def write_image_to_video_set(folder: Path) -> Path:
     return path
 
 
-def test_flow_grpo_on_an_image_to_video_prompt_set(i2v_dir, tmp_path):
-    """Two rollouts of Flow-GRPO (CFG with the first frame in both halves, LoRA on both experts); the reward sees
+@pytest.mark.parametrize("mode", ["a14b-i2v", "ti2v"])
+def test_flow_grpo_on_an_image_to_video_prompt_set(i2v_dir, ti2v_dir, tmp_path, mode):
+    """Two rollouts of Flow-GRPO (CFG with the first frame in both halves, LoRA on every expert); the reward sees
     each prompt's first frame, and the trainer replays the engine's steps from the conditioning."""
     from diffrl.train.config import TrainConfig
     from diffrl.train.trainer import Trainer
@@ -155,7 +198,8 @@ def test_flow_grpo_on_an_image_to_video_prompt_set(i2v_dir, tmp_path):
     SEEN.clear()
     out = tmp_path / "run"
     cfg = TrainConfig.flat(
-        output_dir=out, model_path=i2v_dir, prompt_data=write_image_to_video_set(tmp_path / "data"),
+        output_dir=out, model_path=i2v_dir if mode == "a14b-i2v" else ti2v_dir,
+        prompt_data=write_image_to_video_set(tmp_path / "data"),
         loss_type="flow_grpo", num_rollout=2, rollout_batch_size=2, n_samples_per_prompt=2, rollout_microgroup_size=2,
         global_batch_size=4, num_steps_per_rollout=1, micro_batch_size=4, diffusion_num_steps=2, height=HEIGHT,
         width=WIDTH, num_frames=FRAMES, diffusion_guidance_scale=2.0, diffusion_sde_window_range=(0, 2), lr=1e-3,

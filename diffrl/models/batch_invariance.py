@@ -62,7 +62,8 @@ class _RowWiseTimestepForward(_RowWiseForward):
     def forward(self, sample, *args, **kwargs):
         if getattr(_SHARED_TIMESTEP, "on", False):  # every row equal: the same single-row call, no sync
             one_row = super(_RowWiseForward, self).forward
-            return one_row(sample[:1], *args, **kwargs).expand(sample.shape[0], -1).contiguous()
+            row = one_row(sample[:1], *args, **kwargs)  # [1, …]: a timestep per token too (Wan2.2 TI2V)
+            return row.expand(sample.shape[0], *row.shape[1:]).contiguous()
         return super().forward(sample, *args, **kwargs)
 
 

@@ -37,9 +37,16 @@ pipeline's `condition`); each forward concatenates it to the noisy latents on th
 per request at that size (`condition_images_need_size`) and it travels inside the conditioning (rows after the text
 tokens, `diffrl.models.condition_rows`), for the trainer and replay to read unchanged.
 
+Wan2.2 TI2V-5B (a model index with `expand_timesteps`, one expert) samples text to video as `WanPipeline` does and,
+given one condition image, image to video as `WanImageToVideoPipeline(expand_timesteps=True)` does: the image alone,
+resized and VAE-encoded, replaces the first latent frame of every forward's input, whose tokens get timestep 0 (the
+others the step's); the output's first frame is the image's latents. Our state's first frame is steered there: its
+velocity is `(x − c) / σ` (the x0 it predicts is the image's latents `c`), so the last ODE step lands on `c`, to
+rounding, and the model's own output for those tokens, which the pipeline discards, is not used.
+
 Not reproduced: the solver. Our steps are the shared Euler ODE / SDE of `diffrl.sampling`; a checkpoint
-whose scheduler is UniPC (as Wan's published ones) gets UniPC's flow σ's with our steps. Wan2.2 TI2V
-(`expand_timesteps`) and Wan2.1 image-to-video (a CLIP image encoder) are refused.
+whose scheduler is UniPC (as Wan's published ones) gets UniPC's flow σ's with our steps. Wan2.1 image-to-video
+(a CLIP image encoder) is refused.
 """
 
 from __future__ import annotations
@@ -81,6 +88,7 @@ class WanSettings:
     boundary_ratio: float | None  # None: one expert (Wan2.1-style, or a transformer_2 the pipeline never calls)
     scheduler_class: str
     image_to_video: bool = False  # WanImageToVideoPipeline (A14B I2V): the first frame's latents as extra channels
+    ti2v: bool = False  # expand_timesteps (TI2V-5B): an optional first frame replaces the first latent frame
 
 
 class WanExperts(PeftAdapterMixin, torch.nn.Module):
@@ -188,11 +196,12 @@ class Wan22Family(FamilyAdapter):
     model_index_required = True
 
     def __init__(self, transformer: WanExperts, vae, text_encoder, tokenizer, scheduler, *,
-                 boundary_ratio: float | None = None, max_sequence_length: int = 512, image_to_video: bool = False):
+                 boundary_ratio: float | None = None, max_sequence_length: int = 512, image_to_video: bool = False,
+                 ti2v: bool = False):
         self.transformer = transformer
-        self.image_to_video = image_to_video
-        self.accepts_image_conditioning = self.condition_images_need_size = image_to_video
-        self.max_condition_images = 1 if image_to_video else 0
+        self.image_to_video, self.ti2v = image_to_video, ti2v
+        self.accepts_image_conditioning = self.condition_images_need_size = image_to_video or ti2v
+        self.max_condition_images = 1 if self.accepts_image_conditioning else 0
         if self.device.type == "cpu":
             for expert in transformer.experts:
                 _run_per_sample_layers_row_by_row(expert)
@@ -215,14 +224,17 @@ class Wan22Family(FamilyAdapter):
         """The (high-noise) expert's config: both experts of a checkpoint share the latent layout."""
         return self.transformer.transformer.config
 
-    def reference_pipeline(self):
-        """diffusers' `WanPipeline` (image-to-video: `WanImageToVideoPipeline`) over this family's own components (no
-        copy), for tests and benchmarks."""
+    def reference_pipeline(self, with_image: bool = True):
+        """diffusers' `WanPipeline` (image-to-video: `WanImageToVideoPipeline`; TI2V: that one, or `WanPipeline` for
+        text to video without `with_image`) over this family's own components (no copy), for tests and benchmarks."""
         from diffusers import WanImageToVideoPipeline, WanPipeline
 
-        pipe = (WanImageToVideoPipeline if self.image_to_video else WanPipeline)(tokenizer=self.tokenizer, text_encoder=self.text_encoder, vae=self.vae,
-                           scheduler=self.scheduler, transformer=self.transformer.transformer,
-                           transformer_2=self.transformer.transformer_2, boundary_ratio=self.boundary_ratio)
+        image = self.image_to_video or (self.ti2v and with_image)
+        extra = {"expand_timesteps": True} if self.ti2v else {}
+        pipe = (WanImageToVideoPipeline if image else WanPipeline)(
+            tokenizer=self.tokenizer, text_encoder=self.text_encoder, vae=self.vae, scheduler=self.scheduler,
+            transformer=self.transformer.transformer, transformer_2=self.transformer.transformer_2,
+            boundary_ratio=self.boundary_ratio, **extra)
         pipe.set_progress_bar_config(disable=True)
         return pipe
 
@@ -233,11 +245,12 @@ class Wan22Family(FamilyAdapter):
         if pipeline not in ("WanPipeline", "WanImageToVideoPipeline"):
             raise ModelLoadError(f"wan2_2: {root} is a {pipeline} checkpoint (another conditioned mode), which this "
                                  "adapter does not sample; it samples WanPipeline and WanImageToVideoPipeline")
-        if index.get("expand_timesteps"):
-            raise ModelLoadError(f"wan2_2: {root} is a TI2V checkpoint (expand_timesteps: per-token timesteps), "
-                                 "which this adapter does not reproduce")
-        image_to_video = pipeline == "WanImageToVideoPipeline"
-        if image_to_video:
+        ti2v = bool(index.get("expand_timesteps"))
+        if ti2v and index.get("boundary_ratio") is not None:
+            raise ModelLoadError(f"wan2_2: {root} is a TI2V checkpoint (expand_timesteps: per-token timesteps) with "
+                                 "two experts, which this adapter does not reproduce (TI2V-5B has one)")
+        image_to_video = pipeline == "WanImageToVideoPipeline" and not ti2v
+        if image_to_video or ti2v:
             import json
 
             config = root / "transformer" / "config.json"
@@ -247,7 +260,7 @@ class Wan22Family(FamilyAdapter):
                                      "checkpoint (CLIP image embeddings), which this adapter does not sample; it "
                                      "samples Wan2.2 A14B image-to-video")
         scheduler_name, _ = read_flow_scheduler("wan2_2", root, SCHEDULERS, pipeline)
-        return WanSettings(index.get("boundary_ratio"), scheduler_name, image_to_video)
+        return WanSettings(index.get("boundary_ratio"), scheduler_name, image_to_video, ti2v)
 
     @classmethod
     def checkpoint_components(cls, settings: WanSettings) -> list[Component]:
@@ -272,12 +285,12 @@ class Wan22Family(FamilyAdapter):
             if config.in_channels != expected:
                 raise ModelLoadError(f"wan2_2: {root} is a WanImageToVideoPipeline checkpoint but its transformer has "
                                      f"in_channels={config.in_channels}; image-to-video takes {expected} (the VAE's "
-                                     f"{vae_config.z_dim} latent channels twice and a {vae_config.scale_factor_temporal}"
-                                     "-channel first-frame mask)")
+                                     f"{vae_config.z_dim} latent channels twice and a "
+                                     f"{vae_config.scale_factor_temporal}-channel first-frame mask)")
         experts = WanExperts(parts["transformer"], parts.get("transformer_2"), boundary)
         return cls(experts, parts["vae"], parts["text_encoder"], parts["tokenizer"], scheduler,
                    boundary_ratio=boundary_ratio, max_sequence_length=max_sequence_length,
-                   image_to_video=settings.image_to_video)
+                   image_to_video=settings.image_to_video, ti2v=settings.ti2v)
 
     def save(self, path: str | Path) -> None:
         """Each expert in diffusers layout (`transformer/`, `transformer_2/`), what a full finetune changes."""
@@ -347,7 +360,7 @@ class Wan22Family(FamilyAdapter):
         """Image-to-video: the pipeline's `condition` `[1, 4 + C, F', H', W']` (the first-frame mask, then the latents
         of the image resized to `height × width` followed by `num_frames − 1` black frames), as
         `WanImageToVideoPipeline.prepare_latents` makes it."""
-        if not self.image_to_video or len(images) != 1:
+        if not self.accepts_image_conditioning or len(images) != 1:
             raise RequestError("image_path", f"this Wan checkpoint takes {self.max_condition_images} condition "
                                              f"images, got {len(images)}")
         if height is None or width is None:
@@ -361,7 +374,7 @@ class Wan22Family(FamilyAdapter):
             pil = Image.fromarray(image.permute(1, 2, 0).numpy()).resize((width, height), Image.Resampling.LANCZOS)
             image = torch.from_numpy(np.asarray(pil).copy()).permute(2, 0, 1)
         pixels = (image.float() / 255 * 2 - 1)[None, :, None]  # the image processor's arithmetic; [1, 3, 1, H, W]
-        video = torch.cat([pixels, pixels.new_zeros(1, 3, num_frames - 1, height, width)], dim=2)
+        video = pixels if self.ti2v else torch.cat([pixels, pixels.new_zeros(1, 3, num_frames - 1, height, width)], 2)
         vae_dtype = next(self.vae.parameters()).dtype
         latents = self.vae.encode(video.to(self.device, vae_dtype)).latent_dist.mode().float()
         config = self.vae.config
@@ -369,6 +382,8 @@ class Wan22Family(FamilyAdapter):
         mean = torch.tensor(config.latents_mean, device=latents.device).view(shape)
         inv_std = 1.0 / torch.tensor(config.latents_std, device=latents.device).view(shape)
         latents = (latents - mean) * inv_std
+        if self.ti2v:  # TI2V: the first frame's latents alone [1, C, 1, H', W']
+            return latents
         t = self.vae_scale_temporal
         mask = torch.zeros(1, t, latents.shape[2], latents.shape[3], latents.shape[4], device=latents.device)
         mask[:, :, 0] = 1  # the first frame (repeated t times, as the pipeline's mask) is given, the rest generated
@@ -385,12 +400,14 @@ class Wan22Family(FamilyAdapter):
         `[B, C, F', H', W']`, or None without one)."""
         length = self.max_sequence_length
         text = cond.embeds[:, :length]
-        if not self.image_to_video:
-            return text, None
+        if not self.accepts_image_conditioning or (self.ti2v and cond.embeds.shape[1] <= length):
+            return text, None  # TI2V without an image: text to video
         if cond.embeds.shape[1] <= length:
             raise RequestError("image_path", "this Wan image-to-video checkpoint needs one condition image")
         _, channels, *grid = latents.shape
-        count = (self.vae_scale_temporal + channels) * math.prod(grid)
+        if self.ti2v:  # the first frame's latents
+            grid[0] = 1
+        count = (channels if self.ti2v else self.vae_scale_temporal + channels) * math.prod(grid)
         condition = unpack_image_rows(cond.embeds[:, length:], 1, count)
         return text, condition.view(condition.shape[0], -1, *grid)
 
@@ -425,12 +442,31 @@ class Wan22Family(FamilyAdapter):
         # WanPipeline's timestep: the scheduler's (σ·num_train_timesteps; an integer for UniPC) in fp32, whatever the
         # weights' dtype.
         text, condition = self.unpack_conditioning(cond, latents.tokens)
-        hidden = latents.tokens
+        hidden, timestep = latents.tokens, self.model_timesteps(sigma)
+        if condition is not None and self.ti2v:  # TI2V: the image's latents as the first frame, at timestep 0
+            return self._run_ti2v(transformer, hidden, sigma, timestep, text, condition.to(hidden))
         if condition is not None:  # image-to-video: the condition after the noise on the channel axis
             hidden = torch.cat([hidden, condition.to(hidden)], dim=1)
         with self.forward_precision():
-            return transformer(hidden_states=hidden.to(dtype), timestep=self.model_timesteps(sigma),
+            return transformer(hidden_states=hidden.to(dtype), timestep=timestep,
                                encoder_hidden_states=text.to(dtype), return_dict=False)[0].float()
+
+    def _run_ti2v(self, transformer, latents, sigma, timestep, text, condition) -> torch.Tensor:
+        """`WanImageToVideoPipeline(expand_timesteps=True)`'s forward: the first latent frame replaced by the image's
+        latents, per-token timesteps (0 over the first frame's tokens); the first frame's velocity steers our state to
+        the image's latents (module docstring)."""
+        dtype = transformer.dtype
+        hidden = torch.cat([condition.expand(len(latents), -1, -1, -1, -1), latents[:, :, 1:]], dim=2)
+        _, p_h, p_w = self.expert_config.patch_size
+        frames, height, width = latents.shape[2], latents.shape[3] // p_h, latents.shape[4] // p_w
+        given = torch.ones(frames, height, width, device=latents.device)
+        given[0] = 0
+        per_token = timestep[:, None] * given.flatten()[None]  # the pipeline's mask · t, token by token
+        with self.forward_precision():
+            out = transformer(hidden_states=hidden.to(dtype), timestep=per_token,
+                              encoder_hidden_states=text.to(dtype), return_dict=False)[0].float()
+        first = (latents[:, :, :1] - condition) / sigma.clamp_min(1e-6).view(-1, 1, 1, 1, 1)  # σ > 0 when sampling
+        return torch.cat([first, out[:, :, 1:]], dim=2)
 
     def combine_guidance(self, v_uncond, v_cond, guidance_scale, *, transformer, sigma,
                          guidance_scale_2: float | None = None) -> torch.Tensor:

@@ -44,14 +44,16 @@ def real() -> WanSizes:
 def save_random_checkpoint(path: str | Path, sizes: WanSizes | None = None, *, seed: int = 0, two_experts: bool = True,
                            boundary_ratio: float = 0.875, scheduler: str = "euler", shift: float = 3.0,
                            shared_experts: bool = False, device: str | torch.device = "cpu",
-                           dtype: torch.dtype = torch.float32, image_to_video: bool = False) -> Path:
+                           dtype: torch.dtype = torch.float32, image_to_video: bool = False,
+                           ti2v: bool = False) -> Path:
     """A Wan checkpoint in diffusers layout with random weights (default sizes: `tiny()`) and a tokenizer made in
     code: two experts switched at `boundary_ratio` (Wan2.2), or one (Wan2.1-style, no boundary). `scheduler`:
     "euler" (FlowMatchEulerDiscreteScheduler) or "unipc" (Wan's published kind, flow σ's). `shared_experts`: the
     low-noise expert's folder is a link to the high-noise expert's, so both load the same weights as two modules:
     two experts' compute and memory on half the disk (Wan2.2 A14B at real size: 29 GB instead of 58).
     `image_to_video`: a `WanImageToVideoPipeline` checkpoint (Wan2.2 A14B I2V: the transformer takes the noise, the
-    4-channel first-frame mask and the condition image's latents; no image encoder)."""
+    4-channel first-frame mask and the condition image's latents; no image encoder). `ti2v`: a TI2V-5B-style
+    checkpoint (`WanPipeline` with `expand_timesteps`, one expert; the transformer as text-to-video's)."""
     from diffusers import (
         AutoencoderKLWan,
         WanImageToVideoPipeline,
@@ -61,6 +63,7 @@ def save_random_checkpoint(path: str | Path, sizes: WanSizes | None = None, *, s
     from transformers import UMT5Config, UMT5EncoderModel
 
     sizes = sizes or tiny()
+    two_experts = two_experts and not ti2v
     torch.manual_seed(seed)
     tokenizer = build_word_tokenizer(TOKENIZER_WORDS, 512)
     width = sizes.text_encoder["d_model"]
@@ -80,6 +83,8 @@ def save_random_checkpoint(path: str | Path, sizes: WanSizes | None = None, *, s
         vae = stored(AutoencoderKLWan(**sizes.vae))
     sched = flow_scheduler(scheduler, shift)
     extra = {"image_encoder": None, "image_processor": None} if image_to_video else {}
+    if ti2v:
+        extra = {"expand_timesteps": True}
     pipe = (WanImageToVideoPipeline if image_to_video else WanPipeline)(
         tokenizer=tokenizer, text_encoder=text_encoder, vae=vae, scheduler=sched, transformer=experts[0],
         transformer_2=experts[1] if len(experts) == 2 else None, boundary_ratio=boundary_ratio if two_experts else None,
