@@ -197,11 +197,12 @@ def test_bad_requests_are_refused_by_name(ltx, fields, field):
     assert engine.in_flight == 0
 
 
-def test_image_conditioning_is_refused_as_a_video_family(ltx):
-    """The refusal says what the family does: text to video, not text to image."""
+def test_condition_images_come_as_image_path(ltx):
+    """A request with an image is image to video (tests/test_ltx2_i2v.py); sglang's other image fields are refused
+    naming the one to use."""
     with pytest.raises(RequestError) as err:
         Engine(ltx).generate(RolloutRequest(prompt="a cat", num_inference_steps=2, input_reference="x.png"))
-    assert err.value.field == "input_reference" and "text-to-video only" in str(err.value)
+    assert err.value.field == "input_reference" and "send the condition images as image_path" in str(err.value)
 
 
 def test_the_checkpoints_frame_rate_is_accepted(ltx):

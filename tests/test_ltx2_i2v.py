@@ -78,6 +78,32 @@ def test_engine_reproduces_the_image_to_video_pipeline(i2v, negative, cfg, size)
     assert (torch.stack([o.generated_output for o in other]) - reference).abs().max() > 100 * TOLERANCE
 
 
+@pytest.fixture(scope="module")
+def t2v(tmp_path_factory) -> Ltx2Family:
+    """The same tiny checkpoint saved as LTX2Pipeline (text to video)."""
+    return Ltx2Family.load(save_random_checkpoint(tmp_path_factory.mktemp("models") / "ltx-2.3-tiny"))
+
+
+def test_a_request_with_an_image_is_image_to_video_on_a_text_to_video_checkpoint(t2v):
+    """On a checkpoint saved as LTX2Pipeline, a request with a first frame gives LTX2ImageToVideoPipeline's videos
+    (the state leaves the first frame out), and one without gives LTX2Pipeline's, from the same engine."""
+    engine = Engine(t2v, EngineConfig(max_outputs_per_request=4))
+    ours = torch.stack([o.generated_output for o in engine.generate(_request(guidance_scale=1.0,
+                                                                             image_path=[png(0)]))])
+    reference = t2v.reference_pipeline(image_to_video=True)(
+        image=[Image.fromarray(pixels(0))] * 2, image_crf=0, prompt="a red cat", generator=make_generators([3, 4]),
+        num_videos_per_prompt=2, num_inference_steps=3, guidance_scale=1.0, height=HEIGHT, width=WIDTH,
+        num_frames=FRAMES, max_sequence_length=t2v.settings.max_sequence_length, output_type="pt",
+        **PLAIN_CFG).frames.permute(0, 2, 1, 3, 4)
+    torch.testing.assert_close(ours, reference, rtol=0, atol=TOLERANCE)
+    text_only = torch.stack([o.generated_output for o in engine.generate(_request(guidance_scale=1.0))])
+    reference = t2v.reference_pipeline()(
+        prompt="a red cat", generator=make_generators([3, 4]), num_videos_per_prompt=2, num_inference_steps=3,
+        guidance_scale=1.0, height=HEIGHT, width=WIDTH, num_frames=FRAMES,
+        max_sequence_length=t2v.settings.max_sequence_length, output_type="pt", **PLAIN_CFG).frames
+    torch.testing.assert_close(text_only, reference.permute(0, 2, 1, 3, 4), rtol=0, atol=TOLERANCE)
+
+
 def test_stochastic_steps_never_move_the_first_frame_and_score_only_generated_tokens(i2v):
     """The state holds only the generated tokens (video after the first frame, then audio): a CPS step moves and
     scores those alone, and the first frame rides in the conditioning, unchanged, to the decode."""
@@ -85,8 +111,10 @@ def test_stochastic_steps_never_move_the_first_frame_and_score_only_generated_to
     first = i2v.encode_condition_images([image])
     cond = i2v.condition_on_images(i2v.encode_prompts(["a red cat"]), first).repeat(2)
     assert first.shape == (1, FIRST, 4) and torch.equal(i2v.first_frame_tokens(cond.embeds), first.expand(2, -1, -1))
-    latents = i2v.prepare_latents(make_generators([3, 4]), HEIGHT, WIDTH, num_frames=FRAMES)
+    latents = i2v.prepare_latents(make_generators([3, 4]), HEIGHT, WIDTH, num_frames=FRAMES, cond=cond)
     assert latents.tokens.shape == (2, GENERATED + AUDIO, 4) and latents.ids.shape == (FIRST + GENERATED, 6)
+    assert torch.equal(latents.tokens, i2v.prepare_latents(make_generators([3, 4]), HEIGHT, WIDTH,
+                                                           num_frames=FRAMES).tokens)  # the checkpoint's mode
     sigmas = i2v.sigmas(3, HEIGHT, WIDTH, num_frames=FRAMES)
     v = i2v.velocity(i2v.transformer, latents, sigmas[:1].expand(2), cond, None, 1.0)
     assert v.shape == latents.tokens.shape

@@ -626,7 +626,8 @@ class Engine:
         uncond = _concat([u.repeat(n) for u, n in zip(unconds, sizes)]) if unconds is not None else None
         seeds = [t.req.seed + i for t in batch for i in range(t.req.num_outputs_per_prompt)]
         generators = make_generators(seeds, device=plan.generator_device)
-        latents = family.prepare_latents(generators, plan.height, plan.width, **_frames(plan.num_frames))
+        latents = family.prepare_latents(generators, plan.height, plan.width, **_frames(plan.num_frames),
+                                         **({"cond": cond} if family.latents_need_conditioning else {}))
         sigmas = family.sigmas(req0.num_inference_steps, plan.height, plan.width, **_frames(plan.num_frames))
         live = list(range(len(batch)))  # positions in `batch` of the requests still denoised, in row order
         dropped: dict[int, RequestCancelled] = {}

@@ -128,6 +128,9 @@ class FamilyAdapter(ABC):
     # frame resized to the video's size and VAE-encoded with the video's frame count) gets `height`, `width` and
     # `num_frames` in `encode_condition_images`, and the engine keys its cache of them by that size too.
     condition_images_need_size: bool = False
+    # A family whose latent state depends on the request's conditioning (LTX-2 image to video: the first frame's
+    # tokens are left out of the state) gets the prompt's conditioning as `prepare_latents(..., cond=...)`.
+    latents_need_conditioning: bool = False
     # A family whose prompt encoding reads the condition images (Qwen-Image-Edit: Qwen2.5-VL sees them) implements
     # `encode_prompts_with_images` instead of `condition_on_images`.
     prompt_sees_images: bool = False

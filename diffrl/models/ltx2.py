@@ -34,9 +34,10 @@ What this adapter reproduces of `LTX2Pipeline` (`tests/test_ltx2.py`, ODE sampli
 - decoding: the video tokens unpacked, `latents · std / scaling_factor + mean` per channel, the VAE at decode
   timestep 0, frames in [0, 1], `[B, 3, F, H, W]`.
 
-Image to video (`tests/test_ltx2_i2v.py`). A checkpoint whose model index names `LTX2ImageToVideoPipeline` (or
-whose `diffrl` block sets `image_to_video: true`: the same weights do both) takes one condition image per request,
-the first frame, and needs it. As the pipeline: the image resized to the video's height and width (PIL, bilinear;
+Image to video (`tests/test_ltx2_i2v.py`). A request with one condition image (the first frame) is image to video
+on any LTX-2 checkpoint (the same weights do both); a checkpoint whose model index names
+`LTX2ImageToVideoPipeline` (or whose `diffrl` block sets `image_to_video: true`) needs the image. As the
+pipeline: the image resized to the video's height and width (PIL, bilinear;
 the engine encodes it per request at the output's size, `condition_images_need_size`), in [-1, 1], through the
 VAE as a one-frame video (its mode), normalized by the VAE's latent mean and std, is the first latent frame,
 clean; the transformer sees it at timestep 0 (per-token timesteps `t·(1 − mask)`), the audio and σ at the step's t;
@@ -48,11 +49,11 @@ frame's dropped). So every step kind (ODE, SDE, CPS) moves only generated tokens
 state's elements, counts only them, with no change to the sampling math; the trainer and replay get the first frame
 from the denoising env's conditioning. `decode` puts the first frame back before the generated tokens (given, or
 the conditioning last denoised). Not reproduced: the pipeline's H.264 re-compression of the image (`image_crf`;
-this is `image_crf=0`), and a text-to-video checkpoint switching to image to video per request.
+this is `image_crf=0`).
 
 Refused: distilled checkpoints (a `distill` in the directory name or the model index: their fixed 8-step
-schedule is not the pipeline's default one), schedulers other than FlowMatchEulerDiscrete, and image
-conditioning on a text-to-video checkpoint (requests with an image are refused by the engine).
+schedule is not the pipeline's default one), schedulers other than FlowMatchEulerDiscrete, and more than one
+condition image.
 The frame rate is the checkpoint's setting (`frame_rate`): a request's `fps` must equal it (the engine refuses
 another, which would move the rotary positions).
 """
@@ -94,8 +95,8 @@ class Ltx2Settings:
     default_num_frames: int = 121
     default_height: int = 512
     default_width: int = 768
-    # Image to video (`LTX2ImageToVideoPipeline`): set from the model index's pipeline class, or here for a
-    # checkpoint saved as `LTX2Pipeline` (the same weights do both).
+    # Image to video only (`LTX2ImageToVideoPipeline`: every request needs its first frame): set from the model
+    # index's pipeline class, or here. Any checkpoint does image to video for a request with an image.
     image_to_video: bool = False
 
 
@@ -173,10 +174,12 @@ class Ltx2Family(FamilyAdapter):
         if tokenizer.pad_token is None:
             tokenizer.pad_token = tokenizer.eos_token
         self.default_num_frames = settings.default_num_frames
-        # Image to video: one condition image, the first frame (module docstring, "Image to video").
-        self.accepts_image_conditioning = bool(settings.image_to_video)
-        self.max_condition_images = 1 if settings.image_to_video else 0
-        self.condition_images_need_size = bool(settings.image_to_video)  # resized to the video's size
+        # Image to video: a request's one condition image is the first frame (module docstring, "Image to video"),
+        # resized to the video's size; the latent state then leaves the first frame out.
+        self.accepts_image_conditioning = True
+        self.max_condition_images = 1
+        self.condition_images_need_size = True
+        self.latents_need_conditioning = True
         self.frame_rate = settings.frame_rate
         config = transformer.config
         self.patch, self.patch_t = config.patch_size, config.patch_size_t
@@ -223,9 +226,10 @@ class Ltx2Family(FamilyAdapter):
                                  f"is its own tokens); the transformer's is {config.patch_size_t}")
         return family
 
-    def reference_pipeline(self):
-        """diffusers' `LTX2Pipeline` over this family's components; the audio VAE and the vocoder (which only
-        its audio output needs) are loaded from the checkpoint for it."""
+    def reference_pipeline(self, image_to_video: bool | None = None):
+        """diffusers' `LTX2Pipeline` (`LTX2ImageToVideoPipeline` for image to video; default: the checkpoint's
+        mode) over this family's components; the audio VAE and the vocoder (which only its audio output needs)
+        are loaded from the checkpoint for it."""
         from diffusers import AutoencoderKLLTX2Audio, LTX2ImageToVideoPipeline, LTX2Pipeline
         from diffusers.pipelines.ltx2.vocoder import LTX2Vocoder
 
@@ -234,7 +238,8 @@ class Ltx2Family(FamilyAdapter):
                                                            local_files_only=True).to(self.device)
         vocoder = LTX2Vocoder.from_pretrained(root / "vocoder", torch_dtype=dtype, local_files_only=True)
         vocoder.to(self.device)
-        pipeline_class = LTX2ImageToVideoPipeline if self.settings.image_to_video else LTX2Pipeline
+        image_to_video = self.settings.image_to_video if image_to_video is None else image_to_video
+        pipeline_class = LTX2ImageToVideoPipeline if image_to_video else LTX2Pipeline
         pipe = pipeline_class(scheduler=self.scheduler, vae=self.vae, audio_vae=audio_vae,
                               text_encoder=self.text_encoder, tokenizer=self.tokenizer, connectors=self.connectors,
                               transformer=self.transformer, vocoder=vocoder)
@@ -339,9 +344,11 @@ class Ltx2Family(FamilyAdapter):
         one-frame video, normalized per channel by the VAE's latent mean and std, packed: `[1, S_frame, C]`. Not
         reproduced: the pipeline's H.264 re-compression of the image (`image_crf`, CRF 33 by default for Gemma 3
         checkpoints); this is the pipeline with `image_crf=0`."""
-        if not self.settings.image_to_video or len(images) != 1:
-            raise RequestError("image_path", f"this LTX-2 checkpoint takes {self.max_condition_images} condition "
-                                             f"images, got {len(images)}")
+        if len(images) != 1:
+            raise RequestError("image_path", f"LTX-2 takes 1 condition image (the first frame), got {len(images)}")
+        if self.patch_t != 1:
+            raise RequestError("image_path", f"image to video needs a temporal patch of 1 (the first latent frame is "
+                                             f"its own tokens); this transformer's is {self.patch_t}")
         image = images[0]
         if height is None or width is None:
             height, width = self.default_size()
@@ -373,7 +380,10 @@ class Ltx2Family(FamilyAdapter):
         return rows.reshape(rows.shape[0], rows.shape[1] // per_token, -1)[..., :channels]
 
     # ---------------------------------------------------------------- latents
-    def prepare_latents(self, generators, height, width, num_frames: int | None = None) -> Latents:
+    def prepare_latents(self, generators, height, width, num_frames: int | None = None,
+                        cond: PromptEmbeds | None = None) -> Latents:
+        """`cond` (the engine passes it, `latents_need_conditioning`): with a first frame in it, image to video, and
+        the state leaves the first frame out; without `cond`, the checkpoint's mode."""
         frames = self._frames(num_frames)
         self.check_size(height, width, frames)
         g = self.geometry(height, width, frames)
@@ -384,7 +394,9 @@ class Ltx2Family(FamilyAdapter):
         audio = randn_per_sample((batch, self.audio_channels, g.audio_frames, self.audio_mel_bins), generators,
                                  device=device)
         video = self._pack_video(video)
-        if self.settings.image_to_video:
+        image_to_video = (self.settings.image_to_video if cond is None
+                          else self.first_frame_tokens(cond.embeds) is not None)
+        if image_to_video:
             # The first latent frame is the condition image's, never noised nor moved: the state holds only the
             # generated tokens (the pipeline draws the first frame's noise too, and overwrites it).
             video = video[:, (g.height // self.patch) * (g.width // self.patch):]
@@ -433,7 +445,7 @@ class Ltx2Family(FamilyAdapter):
             mask = None  # no token masked: the cross-attentions take no bias (see `_mask_is_full`)
         timestep = sigma * self.timestep_scale  # the scheduler's timestep, fp32; LTX-2.3 also takes it as σ
         video_timestep, first, video_in = timestep, 0, x[:, :video_tokens]
-        if self.settings.image_to_video:
+        if self.settings.image_to_video or embeds.shape[1] > self.settings.max_sequence_length:
             # The first frame's clean tokens before the generated ones, at timestep 0 (the pipeline's
             # `t · (1 − conditioning_mask)` per token); the audio and σ keep the step's timestep.
             image = self._first_frame(embeds, coords)
@@ -499,16 +511,15 @@ class Ltx2Family(FamilyAdapter):
         those of the conditioning last denoised: the engine decodes right after its denoising loop, under its
         model lock, and the loop's last forward had exactly the rows decoded)."""
         g = self.geometry(height, width, num_frames)
-        if self.settings.image_to_video:
-            frame = (g.height // self.patch) * (g.width // self.patch)
-            if latents.shape[1] == g.video_tokens - frame + g.audio_frames:  # the generated tokens only
-                if first_frame is None:
-                    last = getattr(self, "_last_conditioning", None)
-                    first_frame = None if last is None else self.first_frame_tokens(last)
-                    if first_frame is None or first_frame.shape[1] != frame or len(first_frame) < len(latents):
-                        raise ValueError("image to video: decode needs the first frame's tokens (first_frame)")
-                    first_frame = first_frame[len(first_frame) - len(latents):]  # CFG: unconditional rows first
-                latents = torch.cat([first_frame.to(latents), latents], dim=1)
+        frame = (g.height // self.patch) * (g.width // self.patch)
+        if latents.shape[1] == g.video_tokens - frame + g.audio_frames:  # image to video: the generated tokens only
+            if first_frame is None:
+                last = getattr(self, "_last_conditioning", None)
+                first_frame = None if last is None else self.first_frame_tokens(last)
+                if first_frame is None or first_frame.shape[1] != frame or len(first_frame) < len(latents):
+                    raise ValueError("image to video: decode needs the first frame's tokens (first_frame)")
+                first_frame = first_frame[len(first_frame) - len(latents):]  # CFG: unconditional rows first
+            latents = torch.cat([first_frame.to(latents), latents], dim=1)
         video = self._unpack_video(latents[:, :g.video_tokens].float(), g)
         shape = (1, -1, 1, 1, 1)
         mean = self.vae.latents_mean.view(shape).to(video.device, video.dtype)
