@@ -188,26 +188,51 @@ def write_image_to_video_set(folder: Path) -> Path:
     return path
 
 
-@pytest.mark.parametrize("mode", ["a14b-i2v", "ti2v"])
-def test_flow_grpo_on_an_image_to_video_prompt_set(i2v_dir, ti2v_dir, tmp_path, mode):
-    """Two rollouts of Flow-GRPO (CFG with the first frame in both halves, LoRA on every expert); the reward sees
-    each prompt's first frame, and the trainer replays the engine's steps from the conditioning."""
+def _train(model_dir, prompts, out, loss_type, num_rollout=2, **flags):
     from diffrl.train.config import TrainConfig
     from diffrl.train.trainer import Trainer
 
-    SEEN.clear()
-    out = tmp_path / "run"
     cfg = TrainConfig.flat(
-        output_dir=out, model_path=i2v_dir if mode == "a14b-i2v" else ti2v_dir,
-        prompt_data=write_image_to_video_set(tmp_path / "data"),
-        loss_type="flow_grpo", num_rollout=2, rollout_batch_size=2, n_samples_per_prompt=2, rollout_microgroup_size=2,
-        global_batch_size=4, num_steps_per_rollout=1, micro_batch_size=4, diffusion_num_steps=2, height=HEIGHT,
-        width=WIDTH, num_frames=FRAMES, diffusion_guidance_scale=2.0, diffusion_sde_window_range=(0, 2), lr=1e-3,
-        device="cpu", use_lora=True, lora_rank=2, reward="jpeg_compressibility", eval_images_per_category=0,
-        checkpoint_interval=10)
-    Trainer(cfg, reward_fn=brightness_seeing_the_source).train()
+        output_dir=out, model_path=model_dir, prompt_data=prompts, loss_type=loss_type, num_rollout=num_rollout,
+        rollout_batch_size=2, n_samples_per_prompt=2, rollout_microgroup_size=2, global_batch_size=4,
+        num_steps_per_rollout=1, micro_batch_size=4, diffusion_num_steps=2, height=HEIGHT, width=WIDTH,
+        num_frames=FRAMES, diffusion_guidance_scale=2.0 if loss_type == "flow_grpo" else 1.0, lr=1e-3, device="cpu",
+        use_lora=True, lora_rank=2, reward="jpeg_compressibility", eval_images_per_category=0, checkpoint_interval=10,
+        **({"diffusion_sde_window_range": (0, 2)} if loss_type == "flow_grpo" else {}), **flags)
+    trainer = Trainer(cfg, reward_fn=brightness_seeing_the_source)
+    trainer.train()
     records = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+    return records, [p.detach().clone() for p in trainer.policy.params]
+
+
+@pytest.mark.parametrize(("mode", "loss_type"), [("a14b-i2v", "flow_grpo"), ("ti2v", "flow_grpo"), ("a14b-i2v", "nft"),
+                                                 ("ti2v", "nft")])
+def test_training_on_an_image_to_video_prompt_set(i2v_dir, ti2v_dir, tmp_path, mode, loss_type):
+    """Two rollouts of Flow-GRPO (CFG with the first frame in both halves) and of DiffusionNFT, LoRA on every
+    expert; the reward sees each prompt's first frame, and the trainer replays the engine's steps from the
+    conditioning."""
+    SEEN.clear()
+    model_dir = i2v_dir if mode == "a14b-i2v" else ti2v_dir
+    records, _ = _train(model_dir, write_image_to_video_set(tmp_path / "data"), tmp_path / "run", loss_type)
     trained = [r for r in records if "train/loss" in r]
     assert len(trained) == 2 and all(np.isfinite(r["train/loss"]) for r in trained)
-    assert trained[-1]["train/log_prob_mean_abs_diff"] < 1e-4
+    if loss_type == "flow_grpo":
+        assert trained[-1]["train/log_prob_mean_abs_diff"] < 1e-4
     assert SEEN and all(shape == (3, 20, 36) for shape in SEEN)
+
+
+@pytest.mark.parametrize("mode", ["a14b-i2v", "ti2v"])
+def test_replay_of_an_image_to_video_rollout_equals_the_live_run(i2v_dir, ti2v_dir, tmp_path, mode):
+    model_dir = i2v_dir if mode == "a14b-i2v" else ti2v_dir
+    prompts = write_image_to_video_set(tmp_path / "data")
+    live, live_state = _train(model_dir, prompts, tmp_path / "live", "flow_grpo", num_rollout=1,
+                              save_rollout_data=tmp_path / "records")
+    replayed, state = _train(model_dir, prompts, tmp_path / "replay", "flow_grpo", num_rollout=1,
+                             load_rollout_data=tmp_path / "records")
+    assert all(torch.equal(a, b) for a, b in zip(state, live_state, strict=True))
+    keys = ("train/loss", "train/grad_norm", "rollout/reward/raw_mean")
+    assert [[r.get(k) for k in keys] for r in live] == [[r.get(k) for k in keys] for r in replayed]
+    (tmp_path / "data" / "images" / "b.png").write_bytes(png(5))  # another first frame: refused
+    with pytest.raises(ValueError, match="other condition images"):
+        _train(model_dir, prompts, tmp_path / "again", "flow_grpo", num_rollout=1,
+               load_rollout_data=tmp_path / "records")
