@@ -140,7 +140,8 @@ def test_the_condition_travels_in_the_conditioning_and_on_the_wire(i2v):
     assert text.shape == (2, TEXT_TOKENS, 32) and torch.equal(condition, encoded.expand(2, -1, -1, -1, -1))
     wire = i2v.cond_kwargs_to_wire(cond, torch.zeros(0, 1))
     back, _ = Wan22Family.cond_kwargs_from_wire(wire)
-    assert torch.equal(back.embeds, cond.embeds[:1])
+    assert torch.equal(back.embeds, cond.embeds[:1]) and torch.equal(back.ids, cond.ids)
+    assert len(cond.ids) == cond.embeds.shape[1] > TEXT_TOKENS  # a layout of its own: not batched with text alone
     # Another size is another condition (the engine keys its cache by the output's size).
     assert i2v.encode_condition_images([source], height=32, width=32, num_frames=FRAMES).shape == (1, 8, 2, 4, 4)
 

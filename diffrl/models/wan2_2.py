@@ -345,13 +345,12 @@ class Wan22Family(FamilyAdapter):
     @classmethod
     def cond_kwargs_from_wire(cls, kwargs: dict) -> tuple[PromptEmbeds, torch.Tensor | None]:
         tokens = wire_text_tokens(kwargs)
-        ids = torch.zeros(tokens.shape[0], 1)
         rows = kwargs.get("condition_rows")
         if rows is not None:
             if not isinstance(rows, torch.Tensor) or rows.dim() != 2 or rows.shape[1] != tokens.shape[1]:
                 raise ValueError("condition_rows: expected [R, D] rows as wide as the text tokens")
             tokens = torch.cat([tokens, rows.float()])
-        return PromptEmbeds(tokens[None], ids), torch.zeros(0, 1)
+        return PromptEmbeds(tokens[None], torch.zeros(tokens.shape[0], 1)), torch.zeros(0, 1)
 
     # ---------------------------------------------------------------- image-to-video
     @torch.no_grad()
@@ -390,9 +389,11 @@ class Wan22Family(FamilyAdapter):
         return torch.cat([mask, latents], dim=1)
 
     def condition_on_images(self, cond: PromptEmbeds, encoded: torch.Tensor) -> PromptEmbeds:
-        """Image-to-video: the condition's values laid into rows after the text tokens (`pack_image_rows`)."""
+        """Image-to-video: the condition's values laid into rows after the text tokens (`pack_image_rows`), with an
+        id per row, so that the engine batches only conditionings of one layout (TI2V: with an image or without)."""
         rows = pack_image_rows(encoded.reshape(1, 1, -1).to(cond.embeds), cond.embeds.shape[-1])
-        return PromptEmbeds(torch.cat([cond.embeds, rows.expand(len(cond), -1, -1)], dim=1), cond.ids)
+        return PromptEmbeds(torch.cat([cond.embeds, rows.expand(len(cond), -1, -1)], dim=1),
+                            torch.cat([cond.ids, cond.ids.new_zeros(rows.shape[1], cond.ids.shape[1])]))
 
     def unpack_conditioning(self, cond: PromptEmbeds, latents: torch.Tensor) -> tuple[torch.Tensor,
                                                                                      torch.Tensor | None]:
