@@ -129,6 +129,26 @@ def test_ti2v_reproduces_the_diffusers_pipelines(ti2v, image, negative, guidance
         assert (other - reference).abs().max() > 100 * TOLERANCE  # the first frame matters: the check can fail
 
 
+def test_ti2v_requests_with_and_without_a_first_frame_arriving_together_equal_their_own_runs(ti2v):
+    """A TI2V engine given an image-to-video and a text-to-video request at once: their conditionings differ in
+    layout, so they denoise one at a time, each bit for bit as alone."""
+    import threading
+
+    def video(engine, image):
+        return torch.stack([o.generated_output for o in engine.generate(
+            _request(guidance_scale=1.0, image_path=[png(0)] if image else None))])
+
+    alone = {image: video(Engine(ti2v), image) for image in (True, False)}
+    engine, together = Engine(ti2v, EngineConfig(batch_wait_s=0.5)), {}
+    threads = [threading.Thread(target=lambda image=image: together.__setitem__(image, video(engine, image)))
+               for image in (True, False)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join()
+    assert all(torch.equal(together[image], alone[image]) for image in (True, False))
+
+
 def test_the_condition_travels_in_the_conditioning_and_on_the_wire(i2v):
     source = torch.from_numpy(np.array(Image.open(io.BytesIO(png(0))))).permute(2, 0, 1)
     encoded = i2v.encode_condition_images([source], height=HEIGHT, width=WIDTH, num_frames=FRAMES)
