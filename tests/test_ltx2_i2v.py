@@ -151,26 +151,44 @@ def write_i2v_set(folder: Path) -> Path:
     return path
 
 
+def _train(model_dir, prompts, out, loss_type, num_rollout=2, **flags):
+    from diffrl.train.config import TrainConfig
+    from diffrl.train.trainer import Trainer
+
+    cfg = TrainConfig.flat(
+        model_path=model_dir, output_dir=out, prompt_data=prompts, loss_type=loss_type, num_rollout=num_rollout,
+        rollout_batch_size=2, n_samples_per_prompt=2, rollout_microgroup_size=1, global_batch_size=4,
+        num_steps_per_rollout=1, micro_batch_size=4, diffusion_num_steps=3, diffusion_sde_window_range=(0, 3),
+        diffusion_num_sde_steps=2, diffusion_sde_type="cps", diffusion_noise_level=0.8,
+        diffusion_guidance_scale=1.0, lr=1e-3, eval_images_per_category=0, eval_interval=10,
+        checkpoint_interval=10, device="cpu", use_lora=True, lora_rank=2, height=HEIGHT, width=WIDTH,
+        num_frames=FRAMES, reward="rewards_for_tests:darkness", **flags)
+    trainer = Trainer(cfg)
+    trainer.train()
+    records = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+    return records, [p.detach().clone() for p in trainer.policy.params]
+
+
 @pytest.mark.parametrize("loss_type", ["flow_grpo", "nft"])
 def test_training_on_an_image_to_video_prompt_set(i2v_dir, tmp_path, loss_type):
     """Two rollouts of Flow-GRPO at the published LTX-2.3 settings (CPS at noise 0.8, CFG 1, microgroup 1, LoRA)
     and of DiffusionNFT on first frames from a .jsonl: Flow-GRPO's trainer replays the engine's log-probs exactly
     from the conditioning."""
-    from diffrl.train.config import TrainConfig
-    from diffrl.train.trainer import Trainer
-
-    out = tmp_path / "run"
-    cfg = TrainConfig.flat(
-        model_path=i2v_dir, output_dir=out, prompt_data=write_i2v_set(tmp_path / "data"), loss_type=loss_type,
-        num_rollout=2, rollout_batch_size=2, n_samples_per_prompt=2, rollout_microgroup_size=1, global_batch_size=4,
-        num_steps_per_rollout=1, micro_batch_size=4, diffusion_num_steps=3, diffusion_sde_window_range=(0, 3),
-        diffusion_num_sde_steps=2, diffusion_sde_type="cps", diffusion_noise_level=0.8,
-        diffusion_guidance_scale=1.0, lr=1e-3, eval_images_per_category=0, eval_interval=10,
-        checkpoint_interval=10, device="cpu", use_lora=True, lora_rank=2, height=HEIGHT, width=WIDTH,
-        num_frames=FRAMES, reward="rewards_for_tests:darkness")
-    Trainer(cfg).train()
-    records = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+    records, _ = _train(i2v_dir, write_i2v_set(tmp_path / "data"), tmp_path / "run", loss_type)
     trained = [r for r in records if "train/loss" in r]
     assert len(trained) == 2 and all(np.isfinite(r["train/loss"]) for r in trained)
     if loss_type == "flow_grpo":
         assert trained[-1]["train/log_prob_mean_abs_diff"] == 0.0
+
+
+def test_replay_of_an_image_to_video_rollout_equals_the_live_run(i2v_dir, tmp_path):
+    """A saved image-to-video rollout (the first frame inside its conditioning) trains to the same weights and
+    metrics when replayed."""
+    prompts = write_i2v_set(tmp_path / "data")
+    live, live_state = _train(i2v_dir, prompts, tmp_path / "live", "flow_grpo", num_rollout=1,
+                              save_rollout_data=tmp_path / "records")
+    replayed, state = _train(i2v_dir, prompts, tmp_path / "replay", "flow_grpo", num_rollout=1,
+                             load_rollout_data=tmp_path / "records")
+    assert all(torch.equal(a, b) for a, b in zip(state, live_state, strict=True))
+    keys = ("train/loss", "train/grad_norm", "rollout/reward/raw_mean")
+    assert [[r.get(k) for k in keys] for r in live] == [[r.get(k) for k in keys] for r in replayed]
