@@ -48,7 +48,9 @@ def test_sd3_sends_pooled_projections_unpadded():
 
 def test_wan_and_the_flux_style_default_round_trip():
     tokens = torch.randn(7, 8)
-    wire = _bare(Wan22Family).cond_kwargs_to_wire(PromptEmbeds(tokens[None], torch.zeros(7, 1)), torch.zeros(0, 1))
+    wan = _bare(Wan22Family)
+    wan.max_sequence_length = 7  # the text's rows; image-to-video's condition rows would follow them
+    wire = wan.cond_kwargs_to_wire(PromptEmbeds(tokens[None], torch.zeros(7, 1)), torch.zeros(0, 1))
     assert list(wire) == ["encoder_hidden_states"]
     cond, _ = Wan22Family.cond_kwargs_from_wire(wire)
     assert torch.equal(cond.embeds, tokens[None]) and torch.equal(cond.ids, torch.zeros(7, 1))
