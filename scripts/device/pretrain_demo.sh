@@ -22,20 +22,4 @@ tail -3 "$OUT/$name.log"
 python3 scripts/eval_checkpoints.py "$run" --guidance-scales ${SCALES:-1 2 3 4.5} --out "$run/evals.json"
 # Bring back logs and evals in one archive, and up to 4 checkpoints (evenly spaced, the last included).
 tar -C "$run" -cf "$OUT/$name-logs.tar" config.json metrics.jsonl samples evals.json
-if [[ -n "${PICK:-}" ]]; then
-  pick=$(python3 -c "import json, sys
-rows = [r for r in json.load(open(sys.argv[1])) if r['guidance_scale'] == 1.0]
-print(min(rows, key=lambda r: abs(r['overall_strict'] - float(sys.argv[2])))['checkpoint'])" "$run/evals.json" "$PICK")
-  echo "picked $pick (CFG-1 accuracy closest to $PICK)"
-  tar -C "$run/checkpoints/$pick" -cf - model | split -b 15M - "$OUT/$name-$pick.model.tar.part-"
-  ls -la "$OUT"
-  exit 0
-fi
-mapfile -t ckpts < <(ls -d "$run"/checkpoints/step-* | sort)
-n=${#ckpts[@]}
-for k in 1 2 3 4; do
-  i=$(( (n * k + 3) / 4 - 1 )); [ "$i" -ge 0 ] || continue
-  ckpt_name=$(basename "${ckpts[$i]}")
-  [ -f "$OUT/$ckpt_name.tar" ] || tar -C "${ckpts[$i]}" -cf "$OUT/$ckpt_name.tar" model
-done
-ls -la "$OUT"
+bash scripts/device/bring_back_checkpoints.sh "$run" "$name" "$run/evals.json" overall_strict "held-out accuracy"

@@ -44,21 +44,4 @@ for grid in "$run"/evals/*/cfg*/rollout-00000/grid.png; do
   cp "$grid" "$run/eval-grids/$(basename "$(dirname "$scale_dir")")-$(basename "$scale_dir").png"
 done
 tar -C "$run" -cf "$OUT/$name-logs.tar" config.json metrics.jsonl evals.jsonl eval-grids $(cd "$run" && ls -d samples/*.png)
-if [[ -n "${PICK:-}" ]]; then
-  pick=$(python3 -c "import json, sys
-rows = [json.loads(l) for l in open(sys.argv[1])]
-rows = [r for r in rows if r['guidance_scale'] == 1.0]
-print(min(rows, key=lambda r: abs(r['eval/strict'] - float(sys.argv[2])))['checkpoint'])" "$run/evals.jsonl" "$PICK")
-  echo "picked $pick (CFG-1 held-out strict edit accuracy closest to $PICK)"
-  tar -C "$run/checkpoints/$pick" -cf - model | split -b 15M - "$OUT/$name-$pick.model.tar.part-"
-  ls -la "$OUT"
-  exit 0
-fi
-mapfile -t ckpts < <(ls -d "$run"/checkpoints/step-* | sort)
-n=${#ckpts[@]}
-for k in 1 2 3 4; do
-  i=$(( (n * k + 3) / 4 - 1 )); [ "$i" -ge 0 ] || continue
-  ckpt_name=$(basename "${ckpts[$i]}")
-  [ -f "$OUT/$name-$ckpt_name.tar" ] || tar -C "${ckpts[$i]}" -cf "$OUT/$name-$ckpt_name.tar" model
-done
-ls -la "$OUT"
+bash scripts/device/bring_back_checkpoints.sh "$run" "$name" "$run/evals.jsonl" eval/strict "held-out strict edit accuracy"

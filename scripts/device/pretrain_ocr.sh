@@ -35,20 +35,4 @@ for ckpt in "$run"/checkpoints/step-*; do
   done
 done
 tar -C "$run" -cf "$OUT/$name-logs.tar" config.json metrics.jsonl samples evals.jsonl
-if [[ -n "${PICK:-}" ]]; then
-  pick=$(python3 -c "import json, sys
-rows = [json.loads(l) for l in open(sys.argv[1]) if json.loads(l)['guidance_scale'] == 1.0]
-print(min(rows, key=lambda r: abs(r['ocr'] - float(sys.argv[2])))['checkpoint'])" "$run/evals.jsonl" "$PICK")
-  echo "picked $pick (CFG-1 held-out OCR reward closest to $PICK)"
-  tar -C "$run/checkpoints/$pick" -cf - model | split -b 15M - "$OUT/$name-$pick.model.tar.part-"
-  ls -la "$OUT"
-  exit 0
-fi
-mapfile -t ckpts < <(ls -d "$run"/checkpoints/step-* | sort)
-n=${#ckpts[@]}
-for k in 1 2 3 4; do
-  i=$(( (n * k + 3) / 4 - 1 )); [ "$i" -ge 0 ] || continue
-  ckpt_name=$(basename "${ckpts[$i]}")
-  [ -f "$OUT/$name-$ckpt_name.tar" ] || tar -C "${ckpts[$i]}" -cf "$OUT/$name-$ckpt_name.tar" model
-done
-ls -la "$OUT"
+bash scripts/device/bring_back_checkpoints.sh "$run" "$name" "$run/evals.jsonl" ocr "held-out OCR reward"
