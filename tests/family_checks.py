@@ -57,3 +57,15 @@ def run_training(model_dir: Path, out: Path, loss_type: str, lora: bool, guidanc
         base = load_model(model_dir).transformer.state_dict()
         assert any(not torch.equal(w, base[name]) for name, w in weights.items())
     return records
+
+
+def write_conditioned_prompt_set(folder: Path, name: str, prompts: tuple[str, str], first: bytes, second: bytes) -> Path:
+    """A tiny prompt set whose rows carry condition images: `name`.jsonl beside its two PNGs, the first named by
+    `image`, the second by `images` and found under images/ (Flow-Factory's layout)."""
+    (folder / "images").mkdir(parents=True)
+    (folder / "a.png").write_bytes(first)
+    (folder / "images" / "b.png").write_bytes(second)
+    rows = [{"prompt": prompts[0], "image": "a.png"}, {"prompt": prompts[1], "images": ["b.png"]}]
+    path = folder / f"{name}.jsonl"
+    path.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    return path

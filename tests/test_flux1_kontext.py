@@ -19,6 +19,7 @@ from diffrl.errors import RequestError
 from diffrl.models.flux1 import Flux1Family
 from diffrl.models.random_checkpoints.flux1 import save_random_checkpoint
 from diffrl.sampling import make_generators
+from family_checks import write_conditioned_prompt_set
 
 TOLERANCE = 1e-5  # fp32 on CPU through two code paths (measured: ≤ 8.1e-7)
 HEIGHT, WIDTH = 32, 48
@@ -134,13 +135,8 @@ def test_condition_images_are_decoded_off_the_event_loop(kontext, monkeypatch):
 
 def write_editing_set(folder: Path) -> Path:
     """A tiny editing prompt set: a .jsonl beside its PNGs (one under images/, Flow-Factory's layout)."""
-    (folder / "images").mkdir(parents=True)
-    (folder / "a.png").write_bytes(png(0, (32, 48)))
-    (folder / "images" / "b.png").write_bytes(png(1, (32, 48)))
-    rows = [{"prompt": "make the cat red", "image": "a.png"}, {"prompt": "remove the dog", "images": ["b.png"]}]
-    path = folder / "edits.jsonl"
-    path.write_text("".join(json.dumps(r) + "\n" for r in rows))
-    return path
+    return write_conditioned_prompt_set(folder, "edits", ("make the cat red", "remove the dog"), png(0, (32, 48)),
+                                        png(1, (32, 48)))
 
 
 def test_prompt_rows_carry_condition_images_and_bad_ones_are_one_line_errors(tmp_path):

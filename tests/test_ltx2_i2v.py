@@ -16,6 +16,7 @@ from diffrl.errors import RequestError
 from diffrl.models.ltx2 import Ltx2Family
 from diffrl.models.random_checkpoints.ltx2 import save_random_checkpoint
 from diffrl.sampling import make_generators, transition
+from family_checks import write_conditioned_prompt_set
 
 TOLERANCE = 1e-5  # fp32 on CPU through two code paths, as tests/test_ltx2.py
 HEIGHT, WIDTH, FRAMES = 64, 96, 9  # 2 latent frames of 2 × 3 tokens: 6 first-frame tokens, 6 generated
@@ -142,13 +143,7 @@ def test_image_to_video_requests_are_checked_by_name(i2v):
 
 def write_i2v_set(folder: Path) -> Path:
     """A tiny image-to-video prompt set: a .jsonl beside its first frames (one under images/)."""
-    (folder / "images").mkdir(parents=True)
-    (folder / "a.png").write_bytes(png(0))
-    (folder / "images" / "b.png").write_bytes(png(1))
-    rows = [{"prompt": "the cat runs", "image": "a.png"}, {"prompt": "the dog jumps", "images": ["images/b.png"]}]
-    path = folder / "i2v.jsonl"
-    path.write_text("".join(json.dumps(r) + "\n" for r in rows))
-    return path
+    return write_conditioned_prompt_set(folder, "i2v", ("the cat runs", "the dog jumps"), png(0), png(1))
 
 
 def _train(model_dir, prompts, out, loss_type, num_rollout=2, **flags):

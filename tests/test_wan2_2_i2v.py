@@ -19,6 +19,7 @@ from diffrl.errors import ModelLoadError, RequestError
 from diffrl.models.random_checkpoints.wan2_2 import save_random_checkpoint
 from diffrl.models.wan2_2 import Wan22Family
 from diffrl.sampling import make_generators
+from family_checks import write_conditioned_prompt_set
 
 TOLERANCE = 1e-5  # fp32 on CPU through two code paths (measured: ≤ 1.1e-6)
 HEIGHT, WIDTH, FRAMES = 16, 32, 5  # latents [4, 2, 2, 4]; the transformer takes 4 + 4 + 4 channels
@@ -200,13 +201,7 @@ def brightness_seeing_the_source(images, prompts, metadata):
 
 def write_image_to_video_set(folder: Path) -> Path:
     """A tiny image-to-video prompt set: a .jsonl beside its first frames (one under images/)."""
-    (folder / "images").mkdir(parents=True)
-    (folder / "a.png").write_bytes(png(0))
-    (folder / "images" / "b.png").write_bytes(png(1))
-    rows = [{"prompt": "the cat walks", "image": "a.png"}, {"prompt": "the dog runs", "images": ["b.png"]}]
-    path = folder / "i2v.jsonl"
-    path.write_text("".join(json.dumps(r) + "\n" for r in rows))
-    return path
+    return write_conditioned_prompt_set(folder, "i2v", ("the cat walks", "the dog runs"), png(0), png(1))
 
 
 def _train(model_dir, prompts, out, loss_type, num_rollout=2, **flags):
