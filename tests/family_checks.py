@@ -69,3 +69,14 @@ def write_conditioned_prompt_set(folder: Path, name: str, prompts: tuple[str, st
     path = folder / f"{name}.jsonl"
     path.write_text("".join(json.dumps(r) + "\n" for r in rows))
     return path
+
+
+def save_ltx2_i2v_checkpoint(path: Path) -> Path:
+    """A tiny random LTX-2.3 checkpoint saved as LTX2ImageToVideoPipeline (the model index's pipeline class)."""
+    from diffrl.models.random_checkpoints.ltx2 import save_random_checkpoint
+
+    path = save_random_checkpoint(path)
+    index = json.loads((path / "model_index.json").read_text())
+    index["_class_name"] = "LTX2ImageToVideoPipeline"
+    (path / "model_index.json").write_text(json.dumps(index))
+    return path

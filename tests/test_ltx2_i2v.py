@@ -16,7 +16,7 @@ from diffrl.errors import RequestError
 from diffrl.models.ltx2 import Ltx2Family
 from diffrl.models.random_checkpoints.ltx2 import save_random_checkpoint
 from diffrl.sampling import make_generators, transition
-from family_checks import write_conditioned_prompt_set
+from family_checks import save_ltx2_i2v_checkpoint, write_conditioned_prompt_set
 
 TOLERANCE = 1e-5  # fp32 on CPU through two code paths, as tests/test_ltx2.py
 HEIGHT, WIDTH, FRAMES = 64, 96, 9  # 2 latent frames of 2 × 3 tokens: 6 first-frame tokens, 6 generated
@@ -27,12 +27,7 @@ PLAIN_CFG = {"stg_scale": 0.0, "modality_scale": 1.0, "guidance_rescale": 0.0, "
 
 @pytest.fixture(scope="module")
 def i2v_dir(tmp_path_factory) -> Path:
-    """A tiny LTX-2.3 checkpoint saved as LTX2ImageToVideoPipeline (the model index's pipeline class)."""
-    path = save_random_checkpoint(tmp_path_factory.mktemp("models") / "ltx-2.3-i2v-tiny")
-    index = json.loads((path / "model_index.json").read_text())
-    index["_class_name"] = "LTX2ImageToVideoPipeline"
-    (path / "model_index.json").write_text(json.dumps(index))
-    return path
+    return save_ltx2_i2v_checkpoint(tmp_path_factory.mktemp("models") / "ltx-2.3-i2v-tiny")
 
 
 @pytest.fixture(scope="module")
