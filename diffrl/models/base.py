@@ -47,7 +47,7 @@ from __future__ import annotations
 
 import contextlib
 from abc import ABC, abstractmethod
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any, ClassVar
@@ -244,6 +244,19 @@ class FamilyAdapter(ABC):
     def from_components(cls, root: Path, parts: dict[str, Any], settings: Any, **options) -> FamilyAdapter:
         """The adapter over the loaded components (by folder name): `cls(**parts)`, plus `settings=`."""
         return cls(**parts, **({} if settings is None else {"settings": settings}), **options)
+
+    def adopt_components(self, transformer: torch.nn.Module,
+                         per_sample_layers: Callable[[torch.nn.Module], None] | None = None, **parts: Any) -> None:
+        """The end of a family's `__init__`, once its checks have passed: `transformer` and each of `parts` become
+        attributes of the same name, and on the CPU `per_sample_layers(transformer)` makes the layers whose matmul
+        row count is the batch size run one distinct row at a time, so sample k is bit-identical in any batch
+        (docs/architecture.md, "Rollout contract"). Not on a GPU, where batched kernels differ anyway. The
+        transformer is prepared once here: it is shared with whoever holds it."""
+        self.transformer = transformer
+        for name, part in parts.items():
+            setattr(self, name, part)
+        if per_sample_layers is not None and self.device.type == "cpu":
+            per_sample_layers(transformer)
 
     def reference_pipeline(self) -> Any:
         """diffusers' own pipeline over this family's components (no copies of the weights): what the tests

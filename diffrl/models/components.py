@@ -247,6 +247,15 @@ def read_flow_scheduler(family: str, root: Path, supported: Iterable[str], pipel
     return name, config
 
 
+def refuse_scheduler_options(family: str, scheduler, options: Iterable[str]) -> None:
+    """A ModelLoadError naming those of `options` that the scheduler's config turns on: each changes the step that
+    the family's sampling reproduces."""
+    unsupported = [key for key in options if scheduler.config.get(key)]
+    if unsupported:
+        raise ModelLoadError(f"{family}: unsupported scheduler options {unsupported} (they change the step that the "
+                             "sampling module reproduces)")
+
+
 def scheduler_sigmas(family: str, scheduler, num_steps: int, device: torch.device | str) -> torch.Tensor:
     """A scheduler's σ's after `set_timesteps`, fp32 on `device`, checked to be N steps ending at σ = 0 (the
     shared steps integrate to the terminal σ; a scheduler with another final σ would stop short)."""

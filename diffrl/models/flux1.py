@@ -60,7 +60,7 @@ from diffrl.models.base import (
     wire_text_tokens,
 )
 from diffrl.models.batch_invariance import decode_rows, embed_rows_one_at_a_time
-from diffrl.models.components import read_settings
+from diffrl.models.components import read_settings, refuse_scheduler_options
 from diffrl.models.condition_rows import pack_image_rows, unpack_image_rows
 from diffrl.models.qwen_vae import pack_latents
 from diffrl.sampling import randn_per_sample, resolution_mu
@@ -142,18 +142,10 @@ class Flux1Family(FamilyAdapter):
                                  f"VAE's {latent_channels} latent channels are {4 * latent_channels}")
         if config.pooled_projection_dim > config.joint_attention_dim:
             raise ModelLoadError("flux1: the pooled text vector is wider than the T5 tokens it travels beside")
-        unsupported = [key for key in UNSUPPORTED_SCHEDULER_OPTIONS if scheduler.config.get(key)]
-        if unsupported:
-            raise ModelLoadError(f"flux1: unsupported scheduler options {unsupported} (they change the step that "
-                                 "the sampling module reproduces)")
-        self.transformer = transformer
-        if next(transformer.parameters()).device.type == "cpu":
-            _run_per_sample_layers_row_by_row(transformer)
-        self.vae = vae
-        self.text_encoders = [text_encoder, text_encoder_2]  # [CLIP-L, T5]
-        self.tokenizers = [tokenizer, tokenizer_2]
-        self.scheduler = scheduler
-        self.settings = settings
+        refuse_scheduler_options(self.name, scheduler, UNSUPPORTED_SCHEDULER_OPTIONS)
+        self.adopt_components(transformer, _run_per_sample_layers_row_by_row, vae=vae,
+                              text_encoders=[text_encoder, text_encoder_2],  # [CLIP-L, T5]
+                              tokenizers=[tokenizer, tokenizer_2], scheduler=scheduler, settings=settings)
         if not self.guidance_distilled:  # schnell: timestep-distilled, a few steps
             self.default_num_inference_steps = 4
         self.accepts_image_conditioning = bool(settings.kontext)

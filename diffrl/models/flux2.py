@@ -63,7 +63,7 @@ from diffrl.models.base import (
     require_pixel_multiple,
 )
 from diffrl.models.batch_invariance import embed_rows_one_at_a_time
-from diffrl.models.components import checkpoint_class, read_settings
+from diffrl.models.components import checkpoint_class, read_settings, refuse_scheduler_options
 from diffrl.models.flux2_vae import (
     MAX_REFERENCE_IMAGES,
     crop_reference,
@@ -170,19 +170,10 @@ class Flux2Family(FamilyAdapter):
             if width != config.joint_attention_dim:
                 raise ModelLoadError(f"flux2: {len(settings.text_encoder_out_layers)} stacked text layers are "
                                      f"{width} wide; the transformer reads {config.joint_attention_dim}")
-        unsupported = [key for key in UNSUPPORTED_SCHEDULER_OPTIONS if scheduler.config.get(key)]
-        if unsupported:
-            raise ModelLoadError(f"flux2: unsupported scheduler options {unsupported} (they change the step that "
-                                 "the sampling module reproduces)")
-        self.transformer = transformer
+        refuse_scheduler_options(self.name, scheduler, UNSUPPORTED_SCHEDULER_OPTIONS)
+        self.adopt_components(transformer, _run_per_sample_layers_row_by_row, vae=vae, text_encoder=text_encoder,
+                              tokenizer=tokenizer, scheduler=scheduler, settings=settings)
         self.guidance_distilled = bool(config.guidance_embeds)
-        if next(transformer.parameters()).device.type == "cpu":
-            _run_per_sample_layers_row_by_row(transformer)
-        self.vae = vae
-        self.text_encoder = text_encoder
-        self.tokenizer = tokenizer
-        self.scheduler = scheduler
-        self.settings = settings
         if settings.variant == "klein":
             if settings.distilled:  # step-distilled: its pipeline ignores CFG; sglang's Klein default is 4 steps
                 self.default_num_inference_steps = 4

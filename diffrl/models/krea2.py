@@ -71,7 +71,7 @@ from diffrl.models.base import (
     require_pixel_multiple,
 )
 from diffrl.models.batch_invariance import embed_rows_one_at_a_time
-from diffrl.models.components import read_settings
+from diffrl.models.components import read_settings, refuse_scheduler_options
 from diffrl.models.qwen_vae import decode_latents, pack_latents
 from diffrl.sampling import randn_per_sample, resolution_mu
 
@@ -168,20 +168,10 @@ class Krea2Family(FamilyAdapter):
                 raise ModelLoadError(f"krea2: text_encoder_select_layers {list(layers)} out of range for a text "
                                      f"encoder of {text_config.num_hidden_layers} layers (hidden states 0.."
                                      f"{text_config.num_hidden_layers})")
-        unsupported = [key for key in UNSUPPORTED_SCHEDULER_OPTIONS if scheduler.config.get(key)]
-        if unsupported:
-            raise ModelLoadError(f"krea2: unsupported scheduler options {unsupported} (they change the step that "
-                                 "the sampling module reproduces)")
+        refuse_scheduler_options(self.name, scheduler, UNSUPPORTED_SCHEDULER_OPTIONS)
         _check_template(tokenizer)
-        # Everything checked: now the transformer is prepared (once; it is shared with whoever holds it).
-        self.transformer = transformer
-        if next(transformer.parameters()).device.type == "cpu":
-            _run_per_sample_layers_row_by_row(transformer)
-        self.vae = vae
-        self.text_encoder = text_encoder
-        self.tokenizer = tokenizer
-        self.scheduler = scheduler
-        self.settings = settings
+        self.adopt_components(transformer, _run_per_sample_layers_row_by_row, vae=vae, text_encoder=text_encoder,
+                              tokenizer=tokenizer, scheduler=scheduler, settings=settings)
         if settings.is_distilled:
             self.default_guidance_scale = 1.0  # the few-step checkpoint samples without CFG (g = 0)
             self.default_num_inference_steps = 8  # diffusers' advice for the few-step checkpoint

@@ -83,7 +83,7 @@ from diffrl.models.base import (
     wire_text_tokens,
 )
 from diffrl.models.batch_invariance import embed_rows_one_at_a_time, rows_share_one_timestep
-from diffrl.models.components import read_settings
+from diffrl.models.components import read_settings, refuse_scheduler_options
 from diffrl.models.condition_rows import pack_image_rows, unpack_image_rows
 from diffrl.models.qwen_vae import decode_latents, pack_latents
 from diffrl.sampling import randn_per_sample, resolution_mu
@@ -294,10 +294,7 @@ class QwenImageFamily(FamilyAdapter):
             raise ModelLoadError(f"qwen_image: the transformer sets {variant}, options of the image-conditioned "
                                  "(Edit-2511, Layered) or guidance-distilled variants; this checkpoint's pipeline "
                                  "does not use them")
-        unsupported = [key for key in UNSUPPORTED_SCHEDULER_OPTIONS if scheduler.config.get(key)]
-        if unsupported:
-            raise ModelLoadError(f"qwen_image: unsupported scheduler options {unsupported} (they change the step "
-                                 "that the sampling module reproduces)")
+        refuse_scheduler_options(self.name, scheduler, UNSUPPORTED_SCHEDULER_OPTIONS)
         if config.in_channels != 4 * vae.config.z_dim:
             raise ModelLoadError(f"qwen_image: the transformer takes {config.in_channels} channels, 2x2 patches of "
                                  f"the VAE's {vae.config.z_dim} latent channels are {4 * vae.config.z_dim}")
@@ -318,17 +315,9 @@ class QwenImageFamily(FamilyAdapter):
             _check_template_prefix(processor.tokenizer, EDIT_PROMPT_TEMPLATE, EDIT_TEMPLATE_DROP_TOKENS)
         else:
             _check_template_prefix(tokenizer)
-        # Everything checked: now the transformer is prepared (once; it is shared with whoever holds it).
-        self.transformer = transformer
         _build_rope_on_the_compute_device(transformer)
-        if next(transformer.parameters()).device.type == "cpu":
-            _run_per_sample_layers_row_by_row(transformer)
-        self.vae = vae
-        self.text_encoder = text_encoder
-        self.tokenizer = tokenizer
-        self.scheduler = scheduler
-        self.processor = processor
-        self.settings = settings
+        self.adopt_components(transformer, _run_per_sample_layers_row_by_row, vae=vae, text_encoder=text_encoder,
+                              tokenizer=tokenizer, scheduler=scheduler, processor=processor, settings=settings)
         self.accepts_image_conditioning = self.prompt_sees_images = bool(settings.edit)
         self.max_condition_images = {"edit": 1, "edit_plus": PLUS_MAX_IMAGES}.get(settings.edit, 0)
         self.vae_scale = 2 ** len(vae.config.temperal_downsample)

@@ -82,13 +82,9 @@ class SD3Family(FamilyAdapter):
     )
 
     def __init__(self, transformer, vae, text_encoders, tokenizers, scheduler, *, max_sequence_length: int = 256):
-        self.transformer = transformer
-        if next(transformer.parameters()).device.type == "cpu":
-            _run_per_sample_layers_row_by_row(transformer)
-        self.vae = vae
-        self.text_encoders = text_encoders  # [CLIP-L, CLIP-G, T5 or None]
-        self.tokenizers = tokenizers
-        self.scheduler = scheduler
+        self.adopt_components(transformer, _run_per_sample_layers_row_by_row, vae=vae,
+                              text_encoders=text_encoders,  # [CLIP-L, CLIP-G, T5 or None]
+                              tokenizers=tokenizers, scheduler=scheduler)
         self.max_sequence_length = max_sequence_length
         self.vae_scale = 2 ** (len(vae.config.block_out_channels) - 1)
         if scheduler.config.get("use_dynamic_shifting"):

@@ -163,13 +163,14 @@ class WanExperts(PeftAdapterMixin, torch.nn.Module):
         return out + idle
 
 
-def _run_per_sample_layers_row_by_row(transformer) -> None:
+def _run_per_sample_layers_row_by_row(transformer: WanExperts) -> None:
     """Sample k bit-identical in any batch, on CPU (docs/architecture.md, "Rollout contract"): the timestep MLP and
     its projection to the blocks' modulations are Wan's only matmuls whose row count is the batch size (the blocks
-    add the modulation to a table, without a matmul); they run one distinct row at a time."""
-    embedder = transformer.condition_embedder
-    embed_rows_one_at_a_time(embedder.time_embedder)
-    embed_rows_one_at_a_time(embedder.time_proj)  # its rows are the time embedding's: shared within a step
+    add the modulation to a table, without a matmul); in each expert they run one distinct row at a time."""
+    for expert in transformer.experts:
+        embedder = expert.condition_embedder
+        embed_rows_one_at_a_time(embedder.time_embedder)
+        embed_rows_one_at_a_time(embedder.time_proj)  # its rows are the time embedding's: shared within a step
 
 
 @register_family
@@ -198,17 +199,11 @@ class Wan22Family(FamilyAdapter):
     def __init__(self, transformer: WanExperts, vae, text_encoder, tokenizer, scheduler, *,
                  boundary_ratio: float | None = None, max_sequence_length: int = 512, image_to_video: bool = False,
                  ti2v: bool = False):
-        self.transformer = transformer
+        self.adopt_components(transformer, _run_per_sample_layers_row_by_row, vae=vae, text_encoder=text_encoder,
+                              tokenizer=tokenizer, scheduler=scheduler)
         self.image_to_video, self.ti2v = image_to_video, ti2v
         self.accepts_image_conditioning = self.condition_images_need_size = image_to_video or ti2v
         self.max_condition_images = 1 if self.accepts_image_conditioning else 0
-        if self.device.type == "cpu":
-            for expert in transformer.experts:
-                _run_per_sample_layers_row_by_row(expert)
-        self.vae = vae
-        self.text_encoder = text_encoder
-        self.tokenizer = tokenizer
-        self.scheduler = scheduler
         self.boundary_ratio = boundary_ratio
         self.max_sequence_length = max_sequence_length
         self.uses_guidance_scale_2 = transformer.transformer_2 is not None

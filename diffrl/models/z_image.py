@@ -50,7 +50,7 @@ from diffrl.models.base import (
     wire_text_tokens,
 )
 from diffrl.models.batch_invariance import decode_rows, embed_rows_one_at_a_time
-from diffrl.models.components import read_settings
+from diffrl.models.components import read_settings, refuse_scheduler_options
 from diffrl.sampling import randn_per_sample, resolution_mu
 
 UNSUPPORTED_SCHEDULER_OPTIONS = ("stochastic_sampling", "invert_sigmas", "use_flow_sigmas")
@@ -124,18 +124,9 @@ class ZImageFamily(FamilyAdapter):
             raise ModelLoadError(f"z_image: max_sequence_length {settings.max_sequence_length} needs "
                                  f"{text_positions + 1} positions on the first RoPE axis; the transformer has "
                                  f"{config.axes_lens[0]}")
-        unsupported = [key for key in UNSUPPORTED_SCHEDULER_OPTIONS if scheduler.config.get(key)]
-        if unsupported:
-            raise ModelLoadError(f"z_image: unsupported scheduler options {unsupported} (they change the step that "
-                                 "the sampling module reproduces)")
-        self.transformer = transformer
-        if next(transformer.parameters()).device.type == "cpu":
-            _run_per_sample_layers_row_by_row(transformer)
-        self.vae = vae
-        self.text_encoder = text_encoder
-        self.tokenizer = tokenizer
-        self.scheduler = scheduler
-        self.settings = settings
+        refuse_scheduler_options(self.name, scheduler, UNSUPPORTED_SCHEDULER_OPTIONS)
+        self.adopt_components(transformer, _run_per_sample_layers_row_by_row, vae=vae, text_encoder=text_encoder,
+                              tokenizer=tokenizer, scheduler=scheduler, settings=settings)
         if settings.turbo:
             self.default_guidance_scale = 1.0  # the distilled checkpoint samples without CFG (g = 0)
             self.default_num_inference_steps = 9  # sglang-diffusion's Z-Image-Turbo default
