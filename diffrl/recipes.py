@@ -10,11 +10,9 @@ reward's checkpoint (`--reward pickscore@DIR`). docs/recipes.md lists the comman
 
 from __future__ import annotations
 
-import torch
-
+from diffrl.assets import SHIPPED_EDIT_MODEL, SHIPPED_OCR_MODEL
 from diffrl.data.ocr.prompts import PROMPT_DIR as OCR_PROMPTS
 from diffrl.errors import AnotherFamilysCheckpoint
-from diffrl.models.demo import SHIPPED_EDIT_MODEL, SHIPPED_OCR_MODEL
 from diffrl.train.config import TrainConfig
 
 _GPU_BATCH = dict(  # 32 prompts × 16 samples per rollout, 2 optimizer steps of 256 samples
@@ -446,6 +444,8 @@ def recipe_overrides(name: str, device: str = "auto") -> dict:
     if base not in SIZED:
         raise ValueError(f"unknown recipe {name!r}; known: {', '.join(recipe_names())}")
     if size is None:
+        import torch  # deferred: `diffrl train --help` (no recipe) builds its parser without torch
+
         cuda = device.startswith("cuda") or (device == "auto" and torch.cuda.is_available())
         size = "gpu" if cuda else "cpu"
     return dict(SIZED[base][size])

@@ -54,3 +54,22 @@ def test_top_help_loads_no_model_library():
             "print(sorted(m for m in ('torch', 'diffusers', 'transformers', 'tyro') if m in sys.modules))")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
     assert out.strip().splitlines()[-1] == "[]"
+
+
+# What building `diffrl train`'s parser and printing its help may not import: torch alone took ~2.3 s of the ~5 s
+# `diffrl train --help` took, httpx (the remote rewards' and engines' client) another 0.3 s.
+HELP_MAY_NOT_LOAD = ("torch", "httpx", "diffusers", "transformers", "fastapi")
+
+
+def _loaded_by(argv: list[str]) -> list[str]:
+    code = ("import sys\nfrom diffrl.cli.main import main\n"
+            f"try:\n    main({argv!r})\nexcept SystemExit:\n    pass\n"
+            f"print(' '.join(['loaded:', *(m for m in {HELP_MAY_NOT_LOAD!r} if m in sys.modules)]))")
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert "--loss-type" in done.stdout  # the help was printed
+    return done.stdout.splitlines()[-1].split()[1:]  # after the help text
+
+
+def test_train_help_loads_no_torch():
+    assert _loaded_by(["train", "--help"]) == []

@@ -50,6 +50,7 @@ PLACEMENT: dict[str, tuple[str, str]] = {
     "diffrl.data": ("leaf", "prompt files and the shapes world (grammar, renderer, verifier)"),
     "diffrl.utils": ("leaf", "devices, files, timing and process helpers with no diffrl dependency above"),
     "diffrl.errors": ("leaf", "the exception types every layer raises"),
+    "diffrl.assets": ("leaf", "the shipped demo models' folders, named without loading a model"),
 }
 
 

@@ -23,6 +23,7 @@ from typing import TYPE_CHECKING
 
 import torch
 
+from diffrl.assets import SHIPPED_DEMO_MODEL, SHIPPED_EDIT_MODEL, SHIPPED_OCR_MODEL  # noqa: F401  (re-exported)
 from diffrl.errors import RequestError
 from diffrl.models.base import (
     Component,
@@ -41,14 +42,6 @@ from diffrl.sampling import make_sigmas, randn_per_sample
 if TYPE_CHECKING:  # the loaders below import these lazily: diffusers' and transformers' model packages take seconds
     from diffusers import Flux3Transformer2DModel
     from transformers import PreTrainedTokenizerFast, T5EncoderModel
-
-# The pretrained demo model that ships with the package (the main job's default).
-SHIPPED_DEMO_MODEL = Path(__file__).resolve().parents[1] / "assets" / "demo-shapes"
-# The OCR world's demo model (docs/ocr-world.md), shipped once it is pretrained on a GPU.
-SHIPPED_OCR_MODEL = Path(__file__).resolve().parents[1] / "assets" / "demo-ocr"
-# The editing world's demo model (docs/editing-world.md), shipped once it is pretrained on a GPU
-# (`diffrl pretrain --world shapes-edit`, scripts/device/pretrain_edit.sh).
-SHIPPED_EDIT_MODEL = Path(__file__).resolve().parents[1] / "assets" / "demo-shapes-edit"
 
 
 @dataclass

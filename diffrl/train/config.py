@@ -16,14 +16,14 @@ from pathlib import Path
 from typing import Literal
 
 from diffrl.algorithms.methods import METHODS, SDE_LOSS_TYPES
-from diffrl.models.demo import SHIPPED_DEMO_MODEL
-from diffrl.models.speed import SpeedOptions
-from diffrl.rewards import model_rewards_in, multi_weights
-from diffrl.rewards.groups import is_group_reward
-from diffrl.rewards.schedule import parse_schedule
+from diffrl.assets import SHIPPED_DEMO_MODEL
 from diffrl.rollout.layout import check_batch_invariant
 from diffrl.rollout.settings import RolloutSettings
 from diffrl.utils.size import sample_size, size_flags
+
+# This module imports nothing that imports torch or httpx (tests/test_cli_help.py checks): `diffrl train --help`
+# builds its parser from these dataclasses. The checks that read the rewards' or the models' modules import them
+# where they run (deferred), when a run starts.
 
 
 def _require(ok: bool, message: str) -> None:
@@ -109,6 +109,8 @@ class ModelConfig:
 
     def speed_options(self):
         """The forward's speed settings, as the engine processes and the policy apply them."""
+        from diffrl.models.speed import SpeedOptions  # deferred: the models package imports torch (train --help)
+
         return SpeedOptions.of(self)
 
     def size(self) -> tuple[int, int] | None:
@@ -421,6 +423,10 @@ class TaskConfig:
     """Adaptive sampling: weight of the previous value in each category's exponential average."""
 
     def check(self) -> None:
+        # deferred: the rewards package imports torch and httpx, which `diffrl train --help` should not pay for
+        from diffrl.rewards import model_rewards_in, multi_weights
+        from diffrl.rewards.schedule import parse_schedule
+
         _require(self.reward_workers >= 0, f"--reward-workers must be >= 0, got {self.reward_workers}")
         _require(self.reward_frames is None or self.reward_frames >= 1,
                  f"--reward-frames must be >= 1 (or unset: every frame), got {self.reward_frames}")
@@ -660,6 +666,8 @@ class TrainConfig:
 
     def check(self) -> None:
         """Refuse contradictory settings up front, naming the flags."""
+        from diffrl.rewards.groups import is_group_reward  # deferred: the rewards package imports torch (train --help)
+
         for name in _SECTIONS:
             getattr(self, name).check()
         self.model.speed_options().check(self.deterministic_mode)  # the attention kernels it allows
