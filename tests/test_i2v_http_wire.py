@@ -6,12 +6,14 @@ checkpoint, and malformed ones, are refused by name, and the server serves the n
 checkpoints built in code (the in-process tests against diffusers: tests/test_wan2_2_i2v.py, tests/test_ltx2_i2v.py).
 """
 
+import asyncio
 import base64
-import json
+import dataclasses
 
 import numpy as np
 import pytest
 import torch
+import httpx
 from fastapi.testclient import TestClient
 
 from diffrl.cli.main import parse
@@ -21,7 +23,7 @@ from diffrl.engine.protocol import RolloutRequest
 from diffrl.models.random_checkpoints import ltx2 as random_ltx2
 from diffrl.models.random_checkpoints import wan2_2 as random_wan
 from diffrl.serving import sglang
-from diffrl.serving.server import build_engine, create_app
+from diffrl.serving.server import build_engine, create_app, serving_in_thread
 from diffrl.serving.wire import MEDIA_TYPE, decode_outputs, encode_request
 from family_checks import save_ltx2_i2v_checkpoint
 
@@ -46,20 +48,22 @@ def data_url(data: bytes) -> str:
 
 @pytest.fixture(scope="module", params=list(MODES))
 def served(request, tmp_path_factory):
-    """(mode, the app's client, an in-process engine on the same checkpoint, the request's fields): the app as
+    """(mode, the app's client, an in-process engine on the same checkpoint, the request's fields, the first
+    frame's size, the served engine): the app as
     `diffrl serve --model-path DIR --device cpu` builds it (no image roots: images come as bytes)."""
     save, (height, width, frames), source_size = MODES[request.param]
     model_dir = save(tmp_path_factory.mktemp("models") / request.param)
     cfg = parse(["serve", "--model-path", str(model_dir), "--device", "cpu", "--max-outputs-per-request", "4",
                  "--max-pixels", str(MAX_PIXELS)])
-    app = create_app(build_engine(cfg), limits=cfg.server_limits())
+    engine = build_engine(cfg)
+    app = create_app(engine, limits=cfg.server_limits())
     local = build_engine(cfg)  # the in-process engine, loaded on its own
     fields = dict(prompt="a red cat", seed=3, num_outputs_per_prompt=2, num_inference_steps=3, height=height,
                   width=width, num_frames=frames, negative_prompt="blurry", guidance_scale=3.0, rollout=True,
                   rollout_sde_step_indices=[0, 1], rollout_return_denoising_env=True,
                   rollout_return_dit_trajectory=True)
     with TestClient(app) as client:
-        yield request.param, client, local, fields, source_size
+        yield request.param, client, local, fields, source_size, engine
 
 
 def assert_close_outputs(got, want):
@@ -77,7 +81,7 @@ def assert_close_outputs(got, want):
 
 
 def test_a_first_frame_over_http_gives_the_in_process_videos_in_both_wire_formats(served):
-    mode, client, local, fields, source_size = served
+    mode, client, local, fields, source_size, _ = served
     source = png(0, source_size)
     want = local.generate(RolloutRequest(image_path=[source], **fields))
     as_json = RolloutRequest(image_path=[data_url(source)], **fields)
@@ -105,6 +109,32 @@ def test_a_first_frame_over_http_gives_the_in_process_videos_in_both_wire_format
     assert moved > 100 * TOLERANCE
 
 
+def test_two_clients_first_frames_in_one_batch_each_get_their_own_videos(served, monkeypatch):
+    """Two requests with different first frames arriving together over HTTP (a JSON body with a data: URL and a
+    msgpack one with bytes, both answered in msgpack: one plan) denoise as one batch, each with its own first frame:
+    the videos each gets alone in process. (sglang's JSON answer asks the engine for the whole trajectory: another
+    plan, so it would not share their batch.)"""
+    mode, _, local, fields, source_size, engine = served
+    sources = [png(0, source_size), png(1, source_size)]
+    alone = [local.generate(RolloutRequest(image_path=[source], **fields)) for source in sources]
+    monkeypatch.setattr(engine, "config", dataclasses.replace(engine.config, batch_wait_s=0.5))
+    as_json = RolloutRequest(image_path=[data_url(sources[0])], **fields)
+    batches = engine.denoise_batches
+    with serving_in_thread(create_app(engine)) as url:
+        async def together():
+            async with httpx.AsyncClient(base_url=url, timeout=120) as client:
+                return await asyncio.gather(
+                    client.post("/rollout/generate", json=as_json.model_dump(exclude_none=True),
+                                headers={"accept": MEDIA_TYPE}),
+                    client.post("/rollout/generate", content=encode_request({**fields, "image_path": [sources[1]]}),
+                                headers=COMPACT))
+        first, second = asyncio.run(together())
+    assert first.status_code == second.status_code == 200, (first.text, second.text)
+    assert engine.denoise_batches == batches + 1
+    assert_close_outputs(decode_outputs(first.content), alone[0])
+    assert_close_outputs(decode_outputs(second.content), alone[1])
+
+
 def _refused(answer, status: int, field: str, *words: str) -> None:
     assert answer.status_code == status, answer.text
     error = answer.json()["error"]
@@ -113,7 +143,7 @@ def _refused(answer, status: int, field: str, *words: str) -> None:
 
 
 def test_malformed_first_frames_are_refused_by_name_and_the_server_serves_on(served):
-    mode, client, local, fields, source_size = served
+    mode, client, local, fields, source_size, _ = served
     good = png(0, source_size)
     want = local.generate(RolloutRequest(image_path=[good], **fields))
     body = RolloutRequest(**fields).model_dump(exclude_none=True)
