@@ -5,7 +5,8 @@ each group into one uint8 tensor with sglang's `FlattenedTensorBucket` (metadata
 dataclasses of name, shape, dtype, start_idx, end_idx, numel), wraps it as `{"transformer": {"flattened_tensor",
 "metadata"}}`, and posts its base64 pickle as `{"serialized_named_tensors": [...], "load_format":
 "flattened_bucket", "target_modules": ["transformer"], "weight_version": "N"}`, one request per dtype. The
-bucket here is built the same way from those facts, pickled by value (`pickle.dumps`).
+buckets here are built so by `diffrl.serving.tensor_bucket` (the GPU script's builder too), pickled by value
+(`pickle.dumps`).
 
 What miles really sends is that bucket on its GPU, pickled by sglang's `MultiprocessingSerializer` (torch's
 ForkingPickler) after sglang's `monkey_patch_torch_reductions`: the flattened tensor becomes a call of
@@ -18,14 +19,11 @@ scripts/device/ipc_weight_sync.sh checks on a GPU (not yet run).
 
 from __future__ import annotations
 
-import base64
 import builtins
 import io
 import os
 import pickle
 import sys
-import types
-from dataclasses import dataclass
 
 import pytest
 import torch
@@ -33,7 +31,7 @@ from fastapi.testclient import TestClient
 from torch.multiprocessing import reductions
 
 from diffrl.engine.engine import Engine
-from diffrl.serving import tensor_pickle
+from diffrl.serving import tensor_bucket, tensor_pickle
 from diffrl.serving.server import ServerLimits, check_tensor_updates, create_app
 from diffrl.models.random_checkpoints import demo as random_demo
 
@@ -46,49 +44,14 @@ SAMPLE = {"prompt": "a red circle", "seed": 11, "num_outputs_per_prompt": 2, "wi
 
 
 @pytest.fixture
-def sglang_metadata(monkeypatch):
+def sglang_metadata():
     """sglang's `FlattenedTensorMetadata` under its module name, so that pickle writes that global."""
-    names = ["sglang", "sglang.srt", "sglang.srt.weight_sync", "sglang.srt.weight_sync.tensor_bucket"]
-    for name in names:
-        monkeypatch.setitem(sys.modules, name, types.ModuleType(name))
-
-    @dataclass
-    class FlattenedTensorMetadata:
-        name: str
-        shape: torch.Size
-        dtype: torch.dtype
-        start_idx: int
-        end_idx: int
-        numel: int
-
-    FlattenedTensorMetadata.__module__ = names[-1]
-    FlattenedTensorMetadata.__qualname__ = "FlattenedTensorMetadata"
-    sys.modules[names[-1]].FlattenedTensorMetadata = FlattenedTensorMetadata
-    return FlattenedTensorMetadata
-
-
-def miles_buckets(named: list[tuple[str, torch.Tensor]], metadata_cls) -> list[dict]:
-    """One `{"transformer": {"flattened_tensor", "metadata"}}` per dtype, as miles builds them."""
-    by_dtype: dict[torch.dtype, list] = {}
-    for name, tensor in named:
-        by_dtype.setdefault(tensor.dtype, []).append((name, tensor))
-    buckets = []
-    for group in by_dtype.values():
-        flats, metadata, start = [], [], 0
-        for name, tensor in group:
-            flat = tensor.detach().flatten().view(torch.uint8)
-            metadata.append(metadata_cls(name=name, shape=tensor.shape, dtype=tensor.dtype, start_idx=start,
-                                         end_idx=start + flat.numel(), numel=flat.numel()))
-            flats.append(flat)
-            start += flat.numel()
-        buckets.append({"transformer": {"flattened_tensor": torch.cat(flats), "metadata": metadata}})
-    return buckets
+    with tensor_bucket.sglang_modules():
+        yield tensor_bucket.FlattenedTensorMetadata
 
 
 def body(obj, version: str = "1", data: bytes | None = None) -> dict:
-    serialized = base64.b64encode(pickle.dumps(obj) if data is None else data).decode()
-    return {"serialized_named_tensors": [serialized], "load_format": "flattened_bucket",
-            "target_modules": ["transformer"], "weight_version": version}
+    return tensor_bucket.request_body(pickle.dumps(obj) if data is None else data, version)
 
 
 def client_for(engine: Engine, *, enabled: bool = True, token: str | None = TOKEN, peer: str = "testclient",
@@ -107,6 +70,48 @@ def state(engine: Engine) -> dict[str, torch.Tensor]:
     return {name: t.detach().clone() for name, t in engine.family.transformer.state_dict().items()}
 
 
+def test_the_payload_builder_is_read_back_by_the_parser(sglang_metadata):
+    """`tensor_bucket`'s buckets and request bodies (what these tests and scripts/device/ipc_weight_sync.py send),
+    read by the endpoint's own parser: the named tensors come back, bit for bit, with their names, dtypes and
+    shapes, one bucket per dtype, and the pickle names sglang's metadata class."""
+    import pickletools
+
+    state = random_demo.random_family(random_demo.tiny(), seed=1).transformer.state_dict()
+    named = [(n, t.to(torch.bfloat16) if i % 2 else t) for i, (n, t) in enumerate(state.items())]
+    named.append(("scalar", torch.tensor(3, dtype=torch.int64)))  # a 0-d tensor in a bucket of its own
+    bodies = [tensor_bucket.request_body(pickle.dumps(b), 7) for b in tensor_bucket.flattened_buckets(named)]
+    assert len(bodies) == 3 and all(b["weight_version"] == "7" and b["target_modules"] == ["transformer"]
+                                    and b["load_format"] == "flattened_bucket" for b in bodies)
+    data = tensor_pickle.decode(bodies[0]["serialized_named_tensors"][0])
+    assert isinstance(data["transformer"]["metadata"][0], tensor_pickle.Metadata)
+    strings = {arg for _, arg, _ in pickletools.genops(pickle.dumps(tensor_bucket.flattened_buckets(named[:1])))
+               if isinstance(arg, str)}
+    assert {tensor_bucket.METADATA_MODULE, "FlattenedTensorMetadata"} <= strings
+    read = {}
+    for b in bodies:
+        payload = tensor_pickle.decode(b["serialized_named_tensors"][0])
+        part = tensor_pickle.named_tensors(payload, b["load_format"], {"transformer": ""})
+        assert len({t.dtype for t in part.values()}) == 1
+        read.update(part)
+    assert sorted(read) == sorted(n for n, _ in named)
+    assert all(read[n].dtype == t.dtype and torch.equal(read[n], t) for n, t in named)
+
+
+def test_sglang_stand_ins_are_put_back_on_exit():
+    """`sglang_modules` leaves `sys.modules` as it found it, nested too; outside it pickle cannot write sglang's
+    metadata class by its name."""
+    before = set(sys.modules)
+    with tensor_bucket.sglang_modules():
+        outer = sys.modules[tensor_bucket.METADATA_MODULE]
+        with tensor_bucket.sglang_modules(f=lambda: None) as patch_module:
+            assert sys.modules[tensor_bucket.PATCH_MODULE] is patch_module and patch_module.f.__qualname__ == "f"
+        assert sys.modules[tensor_bucket.METADATA_MODULE] is outer and not hasattr(
+            sys.modules[tensor_bucket.PATCH_MODULE], "f")
+    assert set(sys.modules) == before
+    with pytest.raises(pickle.PicklingError):
+        pickle.dumps(tensor_bucket.flattened_buckets([("w", torch.ones(2))]))
+
+
 def test_a_miles_update_loads_the_weights_as_a_direct_load_does(tiny_family, sglang_metadata):
     engine = Engine(tiny_family)
     client = client_for(engine)
@@ -116,7 +121,7 @@ def test_a_miles_update_loads_the_weights_as_a_direct_load_does(tiny_family, sgl
     names = list(trained)
     named = [(n, trained[n].to(torch.bfloat16) if i % 2 else trained[n]) for i, n in enumerate(names)]
 
-    for bucket in miles_buckets(named, sglang_metadata):
+    for bucket in tensor_bucket.flattened_buckets(named):
         response = client.post("/update_weights_from_tensor", json=body(bucket, version="7"), headers=AUTH)
         assert response.status_code == 200, response.text
         assert response.json()["success"] is True and response.json()["weight_version"] == 7
@@ -153,8 +158,8 @@ def test_hostile_payloads_are_refused_before_they_run(tiny_family, sglang_metada
     engine = Engine(tiny_family)
     client = client_for(engine)
     before, bits = state(engine), sample_bits(client)
-    benign = miles_buckets(list(random_demo.random_family(random_demo.tiny(), seed=1)
-                                .transformer.state_dict().items()), sglang_metadata)[0]
+    benign = tensor_bucket.flattened_buckets(
+        random_demo.random_family(random_demo.tiny(), seed=1).transformer.state_dict().items())[0]
     marks = [tmp_path / f"mark{i}" for i in range(4)]
     hostile = {
         "os.system": _Reduces(os.system, f"touch {marks[0]}"),
@@ -192,7 +197,7 @@ def test_a_bad_bucket_changes_nothing(tiny_family, sglang_metadata):
     client = client_for(engine)
     before = state(engine)
     named = list(random_demo.random_family(random_demo.tiny(), seed=1).transformer.state_dict().items())
-    bucket = miles_buckets(named, sglang_metadata)[0]
+    bucket = tensor_bucket.flattened_buckets(named)[0]
     meta = bucket["transformer"]["metadata"]
     cases = {
         "beyond the bucket": [*meta[:-1], sglang_metadata(**{**meta[-1].__dict__, "end_idx": meta[-1].end_idx + 4})],
@@ -212,8 +217,8 @@ def test_a_bad_bucket_changes_nothing(tiny_family, sglang_metadata):
 
 def test_off_by_default_then_a_loopback_peer_or_the_token(tiny_family, sglang_metadata, tmp_path):
     engine = Engine(tiny_family)
-    bucket = miles_buckets(list(random_demo.random_family(random_demo.tiny(), seed=1)
-                                .transformer.state_dict().items()), sglang_metadata)[0]
+    bucket = tensor_bucket.flattened_buckets(
+        random_demo.random_family(random_demo.tiny(), seed=1).transformer.state_dict().items())[0]
     mark = tmp_path / "mark"
     payload = body({**bucket, "trap": _Reduces(builtins.open, str(mark), "w")})
     good = body(bucket)
@@ -251,20 +256,14 @@ REF_COUNTER = b"/torch_4242_1234567_0"
 
 
 @pytest.fixture
-def sglang_patch(monkeypatch, sglang_metadata):
+def sglang_patch(sglang_metadata):
     """sglang's `patch_torch` module with its `_rebuild_cuda_tensor_modified`, so that pickle writes that global
     (miles calls `monkey_patch_torch_reductions`, which puts it where torch's `rebuild_cuda_tensor` was)."""
-    names = ["sglang.srt.utils", "sglang.srt.utils.patch_torch"]
-    for name in names:
-        monkeypatch.setitem(sys.modules, name, types.ModuleType(name))
-
     def _rebuild_cuda_tensor_modified(*args):
         raise AssertionError("the server must never call the sender's function")
 
-    _rebuild_cuda_tensor_modified.__module__ = names[-1]
-    _rebuild_cuda_tensor_modified.__qualname__ = "_rebuild_cuda_tensor_modified"
-    sys.modules[names[-1]]._rebuild_cuda_tensor_modified = _rebuild_cuda_tensor_modified
-    return _rebuild_cuda_tensor_modified
+    with tensor_bucket.sglang_modules(_rebuild_cuda_tensor_modified=_rebuild_cuda_tensor_modified):
+        yield _rebuild_cuda_tensor_modified
 
 
 class _SharedOnGpu:
@@ -288,13 +287,13 @@ def ipc_handle(i: int) -> bytes:
     return b"\x02c" + bytes([i]) * 64
 
 
-def miles_ipc_payload(named, metadata_cls, rebuild, **overrides) -> tuple[list[bytes], dict[bytes, torch.Tensor]]:
+def miles_ipc_payload(named, rebuild, **overrides) -> tuple[list[bytes], dict[bytes, torch.Tensor]]:
     """miles' `update_bucket_weights`: per dtype a FlattenedTensorBucket, `{"transformer": {"flattened_tensor",
     "metadata"}}`, pickled by ForkingPickler (MultiprocessingSerializer). Also what each handle maps to."""
     from multiprocessing.reduction import ForkingPickler
 
     payloads, memory = [], {}
-    for i, bucket in enumerate(miles_buckets(named, metadata_cls)):
+    for i, bucket in enumerate(tensor_bucket.flattened_buckets(named)):
         flat = bucket["transformer"]["flattened_tensor"]
         handle = ipc_handle(i)
         memory[handle] = flat
@@ -319,8 +318,7 @@ def test_miles_cuda_ipc_payload_is_read_as_records_and_loads_the_weights(tiny_fa
 
     named = list(random_demo.random_family(random_demo.tiny(), seed=1).transformer.state_dict().items())
     named = [(n, t.to(torch.bfloat16) if i % 2 else t) for i, (n, t) in enumerate(named)]
-    payloads, memory = miles_ipc_payload(named, sys.modules["sglang.srt.weight_sync.tensor_bucket"]
-                                         .FlattenedTensorMetadata, sglang_patch)
+    payloads, memory = miles_ipc_payload(named, sglang_patch)
     strings = {arg for op, arg, _ in pickletools.genops(payloads[0]) if isinstance(arg, str)}
     assert {"sglang.srt.utils.patch_torch", "_rebuild_cuda_tensor_modified", "TypedStorage"} <= strings
 
@@ -341,15 +339,13 @@ def test_miles_cuda_ipc_payload_is_read_as_records_and_loads_the_weights(tiny_fa
     direct.update_weights(dict(named))
     assert all(torch.equal(a, b) for a, b in zip(state(engine).values(), state(direct).values()))
     # torch's own reduction (a sender without sglang's patch) names the device by index: read the same way
-    plain, _ = miles_ipc_payload(named[:2], sys.modules["sglang.srt.weight_sync.tensor_bucket"].FlattenedTensorMetadata,
-                                 reductions.rebuild_cuda_tensor, device=0)
+    plain, _ = miles_ipc_payload(named[:2], reductions.rebuild_cuda_tensor, device=0)
     assert tensor_pickle.loads(plain[0])["transformer"]["flattened_tensor"].device == 0
 
 
 def test_cuda_ipc_only_for_a_loopback_peer_and_only_with_cuda(tiny_family, sglang_patch, monkeypatch):
     named = list(random_demo.random_family(random_demo.tiny(), seed=1).transformer.state_dict().items())
-    payloads, memory = miles_ipc_payload(named, sys.modules["sglang.srt.weight_sync.tensor_bucket"]
-                                         .FlattenedTensorMetadata, sglang_patch)
+    payloads, memory = miles_ipc_payload(named, sglang_patch)
     engine = Engine(tiny_family)
     before = state(engine)
     # A token holder from another host: by-value pickles are read, CUDA IPC handles are not opened.

@@ -2,27 +2,26 @@
 
 The server (this process): a tiny demo engine on cuda:0 behind `create_app(..., tensor_updates=True)`, no token, on
 127.0.0.1. The sender (a child process, `--send URL`): what miles' `DiffusionUpdateWeightFromTensor` does, with
-sglang's pieces written out here (sglang is not installed): `monkey_patch_torch_reductions` (the device travels as
-its UUID, through `sglang.srt.utils.patch_torch._rebuild_cuda_tensor_modified`), `FlattenedTensorBucket` per dtype,
-`MultiprocessingSerializer` (ForkingPickler, base64), a plain POST without a token. It also sends payloads that must
+sglang's pieces written out (sglang is not installed): `monkey_patch_torch_reductions` here (the device travels as
+its UUID, through `sglang.srt.utils.patch_torch._rebuild_cuda_tensor_modified`), `FlattenedTensorBucket` per dtype
+and the request body by `diffrl.serving.tensor_bucket` (the tests' builder too), `MultiprocessingSerializer`
+(ForkingPickler, base64), a plain POST without a token. It also sends payloads that must
 be refused on a real GPU (a storage offset beyond the allocation, an unknown device UUID), then a good one again.
 The server process then checks its weights against a direct load of the same tensors. Exit status 0: all held.
 """
 
 from __future__ import annotations
 
-import base64
-import io
 import json
 import os
 import subprocess
 import sys
-import types
 import urllib.error
 import urllib.request
-from dataclasses import dataclass
 
 import torch
+
+from diffrl.serving import tensor_bucket
 
 
 def _post(url: str, payload: dict) -> tuple[int, dict]:
@@ -35,27 +34,10 @@ def _post(url: str, payload: dict) -> tuple[int, dict]:
         return err.code, json.loads(err.read())
 
 
-def _sglang_modules():
-    """sglang's FlattenedTensorMetadata and monkey_patch_torch_reductions under their module names."""
+def _sglang_patch():
+    """sglang's patch_torch functions by name (for `tensor_bucket.sglang_modules`) and its
+    monkey_patch_torch_reductions."""
     from torch.multiprocessing import reductions
-
-    names = ["sglang", "sglang.srt", "sglang.srt.weight_sync", "sglang.srt.weight_sync.tensor_bucket",
-             "sglang.srt.utils", "sglang.srt.utils.patch_torch"]
-    for name in names:
-        sys.modules[name] = types.ModuleType(name)
-    bucket_module, patch_module = sys.modules[names[3]], sys.modules[names[5]]
-
-    @dataclass
-    class FlattenedTensorMetadata:
-        name: str
-        shape: torch.Size
-        dtype: torch.dtype
-        start_idx: int
-        end_idx: int
-        numel: int
-
-    FlattenedTensorMetadata.__module__, FlattenedTensorMetadata.__qualname__ = names[3], "FlattenedTensorMetadata"
-    bucket_module.FlattenedTensorMetadata = FlattenedTensorMetadata
 
     def _device_from_maybe_uuid(device):
         if isinstance(device, int):
@@ -72,10 +54,6 @@ def _sglang_modules():
     def _rebuild_cuda_tensor_modified(*args):
         return reductions._rebuild_cuda_tensor_original(*args[:6], _device_from_maybe_uuid(args[6]), *args[7:])
 
-    for fn in (_reduce_tensor_modified, _rebuild_cuda_tensor_modified):
-        fn.__module__, fn.__qualname__ = names[5], fn.__name__
-        setattr(patch_module, fn.__name__, fn)
-
     def monkey_patch_torch_reductions():
         if hasattr(reductions, "_reduce_tensor_original"):
             return
@@ -85,7 +63,8 @@ def _sglang_modules():
         reductions.rebuild_cuda_tensor = _rebuild_cuda_tensor_modified
         reductions.init_reductions()
 
-    return FlattenedTensorMetadata, monkey_patch_torch_reductions
+    functions = {fn.__name__: fn for fn in (_reduce_tensor_modified, _rebuild_cuda_tensor_modified)}
+    return functions, monkey_patch_torch_reductions
 
 
 def named_update() -> list[tuple[str, torch.Tensor]]:
@@ -98,34 +77,22 @@ def named_update() -> list[tuple[str, torch.Tensor]]:
 
 
 def send(url: str) -> int:
+    functions, monkey_patch_torch_reductions = _sglang_patch()
+    with tensor_bucket.sglang_modules(**functions):  # pickle writes sglang's names
+        return _send(url, monkey_patch_torch_reductions)
+
+
+def _send(url: str, monkey_patch_torch_reductions) -> int:
     from multiprocessing.reduction import ForkingPickler
 
     import torch.multiprocessing  # noqa: F401  registers torch's reductions, as sglang's import does
     from torch.multiprocessing import reductions
 
-    metadata_cls, monkey_patch_torch_reductions = _sglang_modules()
     monkey_patch_torch_reductions()  # miles' update_bucket_weights calls it first
-    by_dtype: dict[torch.dtype, list] = {}
-    for name, tensor in named_update():
-        by_dtype.setdefault(tensor.dtype, []).append((name, tensor.cuda()))
-    buckets = []
-    for group in by_dtype.values():  # FlattenedTensorBucket(named_tensors=...)
-        flats, metadata, start = [], [], 0
-        for name, tensor in group:
-            flat = tensor.flatten().view(torch.uint8)
-            metadata.append(metadata_cls(name, tensor.shape, tensor.dtype, start, start + flat.numel(), flat.numel()))
-            flats.append(flat)
-            start += flat.numel()
-        buckets.append({"transformer": {"flattened_tensor": torch.cat(flats), "metadata": metadata}})
+    buckets = tensor_bucket.flattened_buckets((name, tensor.cuda()) for name, tensor in named_update())
 
-    def serialize(obj) -> str:  # MultiprocessingSerializer.serialize(obj, output_str=True)
-        stream = io.BytesIO()
-        ForkingPickler(stream).dump(obj)
-        return base64.b64encode(stream.getvalue()).decode()
-
-    def request(data: str, version: int) -> dict:
-        return {"serialized_named_tensors": [data], "load_format": "flattened_bucket",
-                "target_modules": ["transformer"], "weight_version": str(version)}
+    def request(obj, version: int) -> dict:  # MultiprocessingSerializer.serialize(obj, output_str=True), posted
+        return tensor_bucket.request_body(ForkingPickler.dumps(obj), version)
 
     failures = 0
     fn, args = reductions.reduce_tensor(buckets[0]["transformer"]["flattened_tensor"])
@@ -148,12 +115,12 @@ def send(url: str) -> int:
                "device index out of range": Tampered(6, lambda _: 7)}
     for what, shared in hostile.items():
         payload = {"transformer": {**buckets[0]["transformer"], "flattened_tensor": shared}}
-        status, answer = _post(url, request(serialize(payload), 99))
+        status, answer = _post(url, request(payload, 99))
         ok = 400 <= status < 500
         failures += not ok
         print(f"sender: {what}: {status} {answer.get('message', answer)[:200]}{'' if ok else '  <-- expected 4xx'}")
     for bucket in buckets:
-        status, answer = _post(url, request(serialize(bucket), 5))
+        status, answer = _post(url, request(bucket, 5))
         failures += status != 200
         print(f"sender: bucket of {len(bucket['transformer']['metadata'])} tensors, "
               f"{bucket['transformer']['flattened_tensor'].numel()} bytes: {status} {answer}")
