@@ -18,9 +18,7 @@ from fastapi.testclient import TestClient
 
 from diffrl.cli.main import parse
 from diffrl.data.condition_images import encode_png
-from diffrl.engine.engine import Engine, EngineConfig
 from diffrl.engine.protocol import RolloutRequest
-from diffrl.models.random_checkpoints import ltx2 as random_ltx2
 from diffrl.models.random_checkpoints import wan2_2 as random_wan
 from diffrl.serving import sglang
 from diffrl.serving.server import build_engine, create_app, serving_in_thread
