@@ -10,10 +10,10 @@ import asyncio
 import base64
 import dataclasses
 
+import httpx
 import numpy as np
 import pytest
 import torch
-import httpx
 from fastapi.testclient import TestClient
 
 from diffrl.cli.main import parse
@@ -47,8 +47,8 @@ def data_url(data: bytes) -> str:
 @pytest.fixture(scope="module", params=list(MODES))
 def served(request, tmp_path_factory):
     """(mode, the app's client, an in-process engine on the same checkpoint, the request's fields, the first
-    frame's size, the served engine): the app as
-    `diffrl serve --model-path DIR --device cpu` builds it (no image roots: images come as bytes)."""
+    frame's size, the served engine): the app as `diffrl serve --model-path DIR --device cpu` builds it (no image
+    roots: images come as bytes)."""
     save, (height, width, frames), source_size = MODES[request.param]
     model_dir = save(tmp_path_factory.mktemp("models") / request.param)
     cfg = parse(["serve", "--model-path", str(model_dir), "--device", "cpu", "--max-outputs-per-request", "4",
