@@ -96,3 +96,13 @@ def test_flow_grpo_trains_a_tiny_kontext_on_the_editing_world(tmp_path):
     assert len(rewards) == 2 and all(0.0 <= x <= 1.0 for x in rewards)
     evaluated = [r for r in records if "eval/strict" in r]
     assert evaluated and {"eval/score", "eval/strict/recolor", "eval/strict/add"} <= evaluated[-1].keys()
+
+
+def test_an_undecodable_image_gets_the_same_one_line_error_each_time():
+    # PIL's own message names the buffer's memory address; the error a client sees must not change per call.
+    errors = set()
+    for _ in range(3):
+        with pytest.raises(ValueError, match="^image: not a decodable image") as caught:
+            decode_image(b"certainly not an image", "image")
+        errors.add(str(caught.value))
+    assert len(errors) == 1 and "0x" not in errors.pop()

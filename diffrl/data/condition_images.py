@@ -63,7 +63,9 @@ def decode_image(data: bytes, what: str, max_pixels: int | None = MAX_IMAGE_PIXE
                 raise ValueError(f"{what}: {image.width}x{image.height} pixels, above the limit of {max_pixels}")
             image.load()
             rgb = image.convert("RGB")
-    except (UnidentifiedImageError, OSError, SyntaxError, Image.DecompressionBombError) as err:
+    except UnidentifiedImageError:  # PIL's message names the in-memory buffer's address: the same bytes, new words
+        raise ValueError(f"{what}: not a decodable image (no image format recognized)") from None
+    except (OSError, SyntaxError, Image.DecompressionBombError) as err:
         raise ValueError(f"{what}: not a decodable image ({str(err)[:120]})") from None
     return torch.from_numpy(np.asarray(rgb).copy()).permute(2, 0, 1).contiguous()
 
