@@ -209,3 +209,12 @@ def test_a_first_frame_on_a_text_to_video_checkpoint_is_refused_by_name(text_to_
     assert info["has_image_understanding"] is False and info["task_type"] == "T2V"
     answer = text_to_video.post("/rollout/generate", content=encode_request(fields), headers=COMPACT)
     assert answer.status_code == 200 and len(decode_outputs(answer.content)) == 2  # text alone: served
+
+
+def test_model_info_names_each_mode_as_sglang_does(served):
+    # sglang-diffusion's ModelTaskType: Wan2.2 I2V A14B is I2V, TI2V-5B is TI2V; an LTX-2 checkpoint saved as
+    # LTX2ImageToVideoPipeline requires its first frame (I2V).
+    mode, client, *_ = served
+    info = client.get("/model_info").json()
+    want = {"wan2.2-a14b-i2v": "I2V", "wan2.2-ti2v-5b": "TI2V", "ltx-2.3-i2v": "I2V"}[mode]
+    assert info["task_type"] == want and info["has_image_understanding"] is True and info["is_image_gen"] is False

@@ -343,7 +343,8 @@ def test_model_and_server_info_answer_sglangs_keys(tiny_family):
     assert model.status_code == 200 and set(model.json()) == {
         "model_path", "is_generation", "model_type", "architectures", "has_image_understanding",
         "has_audio_understanding", "task_type", "is_image_gen"}
-    assert model.json()["task_type"] == "T2I" and model.json()["is_image_gen"] is True
+    # The demo family takes condition images (the editing world) without requiring them: sglang's TI2I.
+    assert model.json()["task_type"] == "TI2I" and model.json()["is_image_gen"] is True
     assert model.json()["model_type"] == "diffusion" and model.json()["model_path"] == "/models/demo"
     assert server.status_code == 200 and set(server.json()) == {"model_path", "served_model_name", "tp_size",
                                                                "dp_size", "version"}

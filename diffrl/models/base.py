@@ -124,6 +124,8 @@ class FamilyAdapter(ABC):
     # that takes condition images sets both, and implements `encode_condition_images` and `condition_on_images`.
     accepts_image_conditioning: bool = False
     max_condition_images: int = 0
+    # A checkpoint that cannot run without one (image-to-video, Qwen-Image-Edit) refuses text-only requests.
+    requires_image_conditioning: bool = False
     # A family whose encoded condition images depend on the request's output size (Wan2.2 image-to-video: the first
     # frame resized to the video's size and VAE-encoded with the video's frame count) gets `height`, `width` and
     # `num_frames` in `encode_condition_images`, and the engine keys its cache of them by that size too.
@@ -403,6 +405,15 @@ class FamilyAdapter(ABC):
         if ids.shape[0] != text.shape[0]:
             raise ValueError(f"txt_ids has {ids.shape[0]} rows for {text.shape[0]} text tokens")
         return PromptEmbeds(text[None], ids), kwargs.get("img_ids")
+
+    @property
+    def task_type(self) -> str:
+        """What the checkpoint does, in sglang-diffusion's words (its `ModelTaskType` names, which `/model_info`
+        reports): text to image or video, with a condition image it requires (I2I, I2V) or accepts (TI2I, TI2V)."""
+        kind = "V" if self.generates_video else "I"
+        if self.requires_image_conditioning:
+            return f"I2{kind}"
+        return f"TI2{kind}" if self.accepts_image_conditioning else f"T2{kind}"
 
     @property
     def device(self) -> torch.device:

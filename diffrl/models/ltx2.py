@@ -177,6 +177,7 @@ class Ltx2Family(FamilyAdapter):
         # Image to video: a request's one condition image is the first frame (module docstring, "Image to video"),
         # resized to the video's size; the latent state then leaves the first frame out.
         self.accepts_image_conditioning = True
+        self.requires_image_conditioning = settings.image_to_video
         self.max_condition_images = 1
         self.condition_images_need_size = True
         self.latents_need_conditioning = True

@@ -318,7 +318,7 @@ class QwenImageFamily(FamilyAdapter):
         _build_rope_on_the_compute_device(transformer)
         self.adopt_components(transformer, _run_per_sample_layers_row_by_row, vae=vae, text_encoder=text_encoder,
                               tokenizer=tokenizer, scheduler=scheduler, processor=processor, settings=settings)
-        self.accepts_image_conditioning = self.prompt_sees_images = bool(settings.edit)
+        self.accepts_image_conditioning = self.requires_image_conditioning = self.prompt_sees_images = bool(settings.edit)
         self.max_condition_images = {"edit": 1, "edit_plus": PLUS_MAX_IMAGES}.get(settings.edit, 0)
         self.vae_scale = 2 ** len(vae.config.temperal_downsample)
         self.pixels_per_token = self.vae_scale * 2  # the VAE's downsampling, then the 2x2 patches

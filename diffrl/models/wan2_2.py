@@ -203,6 +203,7 @@ class Wan22Family(FamilyAdapter):
                               tokenizer=tokenizer, scheduler=scheduler)
         self.image_to_video, self.ti2v = image_to_video, ti2v
         self.accepts_image_conditioning = self.condition_images_need_size = image_to_video or ti2v
+        self.requires_image_conditioning = image_to_video
         self.max_condition_images = 1 if self.accepts_image_conditioning else 0
         self.boundary_ratio = boundary_ratio
         self.max_sequence_length = max_sequence_length

@@ -322,7 +322,7 @@ def create_app(engine: Engine, *, update_token: str | None = None, exposed: bool
         video = engine.family.generates_video
         return {"model_path": model_path, "is_generation": True, "model_type": "diffusion", "architectures": None,
                 "has_image_understanding": engine.family.accepts_image_conditioning, "has_audio_understanding": False,
-                "task_type": "T2V" if video else "T2I", "is_image_gen": not video}
+                "task_type": engine.family.task_type, "is_image_gen": not video}
 
     @app.get("/server_info")
     async def server_info() -> dict:
