@@ -20,12 +20,11 @@ from __future__ import annotations
 import asyncio
 import json
 import time
-from dataclasses import asdict, dataclass
-from pathlib import Path
-from typing import Literal
+from dataclasses import asdict
 
 import torch
 
+from diffrl.cli.configs import BenchConfig
 from diffrl.engine.spec import EngineSpec, build_engine
 from diffrl.models import resolve_family
 from diffrl.models.compile import uncompiled_block_kinds
@@ -39,60 +38,6 @@ from diffrl.utils.flops import flop_counter
 from diffrl.utils.size import sample_size
 
 PROMPT = "a blue square to the left of a yellow circle"
-
-
-@dataclass
-class BenchConfig:
-    model_path: Path | None = None
-    """Local diffusers-format model directory (default: the shipped demo model)."""
-    diffusion_model_family: str | None = None
-    device: str = "auto"
-    dtype: str = "bfloat16"
-    """Weights' dtype for the benchmark (float32 or bfloat16)."""
-    resolution: int | None = None
-    """Square image side; None: --height/--width, else the family's default size."""
-    height: int | None = None
-    """With --width, instead of --resolution: a size that is not square (e.g. video at 512 × 768)."""
-    width: int | None = None
-    num_frames: int | None = None
-    """Video families: frames per sample (None: the family's default); refused for image families."""
-    n: int = 16
-    """Samples in the timed group (and the transformer's larger batch)."""
-    ms: tuple[int, ...] = (1, 8, 16)
-    """Microgroup sizes to time the group at."""
-    steps: int = 10
-    guidance_scale: float | None = None
-    """None: the family's default."""
-    repeats: int = 2
-    """Timed groups per microgroup size (median), after one warm-up group."""
-    peak_tflops: float = 790.0
-    """Dense bf16 peak of the GPU for MFU (H200: 790)."""
-    compile: bool = False
-    """Regional torch.compile of the family's blocks (as `diffrl train --compile`)."""
-    eager_numerics: bool = False
-    """With --compile: keep eager's bf16 roundings (the trainer's default; costs a few percent)."""
-    compile_mode: Literal["default", "reduce-overhead", "max-autotune-no-cudagraphs"] = "default"
-    """With --compile: torch.compile's mode (as `diffrl train --compile-mode`; reduce-overhead is refused: CUDA
-    graphs fail under per-block compilation, each block's replay overwriting the previous block's output)."""
-    attention_backend: Literal["auto", "flash", "cudnn", "efficient", "math"] = "auto"
-    """SDPA kernel of the transformer's forwards (as `diffrl train --attention-backend`)."""
-    fuse_qkv: bool = False
-    """SD3: q/k/v projections as one matmul per stream (as `diffrl train --fuse-qkv`)."""
-    vae_decode_batch: int | None = None
-    """Images per VAE decode call in the family's decode; 0: all at once (as `diffrl train --vae-decode-batch`)."""
-    float8: bool = False
-    """The blocks' linear layers as FP8 matmuls, in the engine and the pipeline alike (as `diffrl train
-    --float8`)."""
-    lora_rank: int = 0
-    """Time the model as a LoRA training run's engine holds it: an adapter of this rank (α = 2·rank, fp32 factors, the
-    family's LoRA targets) on the weights; 0: none. With --autocast, the LoRA loop's rollout forward."""
-    autocast: bool = False
-    """Run the forwards under bf16 autocast, as the training loop does on a GPU (`--mixed-precision`); with
-    `--dtype float32` that is a full finetune's rollout forward over fp32 masters."""
-    reference_pipeline: bool = True
-    """Also time diffusers' pipeline on the same weights, when the family has one."""
-    out: Path | None = None
-    """Write the results as JSON here."""
 
 
 def _sync(device: torch.device) -> None:

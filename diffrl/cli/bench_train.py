@@ -19,13 +19,13 @@ import json
 import os
 import statistics
 import tempfile
-from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
 
 from diffrl.algorithms.methods import METHODS
 from diffrl.cli.bench import transformer_gflop
+from diffrl.cli.configs import BenchTrainConfig
 from diffrl.train.config import TrainConfig
 from diffrl.train.metrics import read_metrics
 from diffrl.train.objectives import OBJECTIVES
@@ -33,22 +33,6 @@ from diffrl.train.parallel import finish_parallel
 from diffrl.train.trainer import Trainer
 
 # What bench-train changes in `diffrl train`'s defaults (a recipe's included); flags override them again.
-BENCH_TRAIN_DEFAULTS = dict(num_rollout=3, eval_images_per_category=0, val_images_per_category=0, eval_num_prompts=0)
-
-
-@dataclass
-class BenchTrainConfig:
-    """Time `diffrl train` with these flags for a few rollouts and print what the loop costs per sample."""
-
-    train: TrainConfig = field(default_factory=TrainConfig)
-    out: Path | None = None
-    """Write the table, the FLOP estimate and the run's records as JSON here."""
-    peak_tflops: float = 790.0
-    """Dense bf16 peak of the GPU, for the MFU estimate (H200: 790)."""
-    checkpoints: bool = False
-    """Save checkpoints as `diffrl train` does (their time is outside the table either way)."""
-
-
 def _median(values) -> float | None:
     values = [v for v in values if v is not None]
     return statistics.median(values) if values else None

@@ -11,11 +11,10 @@ from __future__ import annotations
 
 import gc
 import json
-from dataclasses import asdict, dataclass, replace
+from dataclasses import asdict, replace
 from pathlib import Path
 
-import tyro
-
+from diffrl.cli.configs import CompareConfig
 from diffrl.cli.evaluate import (check_family_values, check_shapes_family, check_values, eval_prompts, refuse_other_mode,
                                  run_prompt_set, run_settings)
 from diffrl.cli.runs import find_run, held_out_protocol
@@ -32,82 +31,6 @@ from diffrl.rewards import default_device
 from diffrl.utils.atomic import write_text_atomic
 from diffrl.utils.device import resolve_device
 from diffrl.utils.folders import check_fresh_output_dir, stamped_output_dir
-
-
-@dataclass
-class CompareConfig:
-    run: tyro.conf.Positional[Path | None] = None
-    """The trained run folder (its newest checkpoint) or a checkpoint inside one; same as --trained."""
-    trained: Path | None = None
-    """A run folder, a run checkpoint (…/checkpoints/rollout-N: model/, lora/ or transformer/) or a model
-    directory. From a run folder (or a checkpoint in one) the base model, family, size, steps and CFG are the
-    run's (its config.json); flags given override them."""
-    base: Path | None = None
-    """The base model (also what a LoRA or transformer-only checkpoint is applied to); default: the run's
-    --model-path, else the shipped demo model."""
-    base_checkpoint: Path | None = None
-    """Compare two checkpoints: this one is applied to --base for the left column."""
-    diffusion_model_family: str | None = None
-    """The model family; default: the run's, else detected from the model folder."""
-    prompt_data: Path | None = None
-    """Compare on this prompt set (.txt, .jsonl, or a directory: its test split) scored by --reward,
-    instead of the shapes world."""
-    input_key: str = "prompt"
-    """The prompt's key in a .jsonl prompt set; the other keys are metadata passed to the reward."""
-    reward: str | None = None
-    """With --prompt-data: the reward spec (ocr, pickscore@PATH, multi:A=W,B=W, module:function)."""
-    eval_reward: str | None = None
-    """With --prompt-data: a judge reward scoring the same images beside --reward (each column's eval/judge in
-    report.json's summaries); a run's own --eval-reward when comparing a run folder."""
-    tie_margin: float = 0.01
-    """With --prompt-data: a prompt is a tie when |trained − base| mean rewards (over its seeds) ≤ this."""
-    n_samples_per_eval_prompt: int = 1
-    """With --prompt-data: images (seeds) per prompt; image k of the expanded list uses seed `seed + k`."""
-    reward_device: str = "auto"
-    """With --prompt-data: where model rewards load and score (auto: CUDA when present; cpu, cuda, cuda:N)."""
-    negative_prompt: str = ""
-    """With --prompt-data: the unconditional side of CFG."""
-    resolution: int | None = None
-    """Side in pixels of the square images (default: the run's size, else the family's)."""
-    height: int | None = None
-    """With --width, instead of --resolution: a size that is not square."""
-    width: int | None = None
-    """With --height: the width in pixels."""
-    reward_frames: int | None = None
-    """With --prompt-data, video: the reward sees this many evenly spaced frames of each video (default: all)."""
-    num_frames: int | None = None
-    """With --prompt-data, video families: frames per sample (default: the family's)."""
-    batch_size: int = 16
-    num_prompts: int | None = None
-    """The first N prompts (default: every prompt of --prompt-data; the shapes world: --images-per-category)."""
-    num_seeds: int | None = None
-    """Shapes world, with --num-prompts: images per prompt (default 1), instead of --images-per-category."""
-    images_per_category: int | None = None
-    """Shapes world: at least this many images of each category, shared out over its test prompts (the trainer's
-    held-out protocol); default: the run's --eval-images-per-category, at least 8 (without a run, 16)."""
-    seed: int | None = None
-    """First seed (default: 10000, the trainer's held-out seeds; 0 for the shapes world's --num-prompts)."""
-    num_steps: int | None = None
-    """ODE steps per sample (default: the run's held-out evaluation steps, else 10)."""
-    guidance_scale: float | None = None
-    """Shapes world: CFG for both models (default: the run's held-out CFG, else 1.0). --prompt-data: the base-with-CFG column's scale
-    (default: the family's); the base-without-CFG column runs at 1."""
-    guidance_scale_2: float | None = None
-    """With --prompt-data: the CFG scale of a second (low-noise) expert (Wan2.2, as a run's
-    --diffusion-guidance-scale-2) in the columns with CFG; default: their CFG scale."""
-    base_guidance_scale: float | None = None
-    """Shapes world: the base model's CFG, overriding --guidance-scale."""
-    trained_guidance_scale: float | None = None
-    """The trained model's CFG (default: the run's held-out CFG, so a run that samples without CFG, e.g.
-    DiffusionNFT, is judged without it; else --guidance-scale)."""
-    device: str = "auto"
-    """Where the models run: auto (CUDA when present), cpu, cuda, cuda:N."""
-    output_dir: Path | None = None
-    """Where the results go (default: runs/compare-<run name>-<date-time>, a new folder each time). A folder that
-    already holds results is refused unless --overwrite is given."""
-    overwrite: bool = False
-    """Replace the results already in --output-dir."""
-    """Where the report and the side-by-side grid go."""
 
 
 def resolve_run(cfg: CompareConfig) -> CompareConfig:

@@ -9,12 +9,10 @@ set (a directory's `test` split), every image written to disk (see `diffrl.evalu
 from __future__ import annotations
 
 import json
-from dataclasses import asdict, dataclass, replace
+from dataclasses import asdict, replace
 from pathlib import Path
-from typing import Literal
 
-import tyro
-
+from diffrl.cli.configs import EvaluateConfig
 from diffrl.cli.runs import Run, describe, fill_from_run, find_run
 from diffrl.data.prompts import PromptRecord, check_input_key, load_prompts, prompt_file
 from diffrl.data.shapes import prompts_by_category, test_prompts, train_prompts
@@ -34,83 +32,6 @@ from diffrl.utils.folders import check_fresh_output_dir, stamped_output_dir
 from diffrl.utils.size import sample_size, size_flags
 
 SHAPES_GUIDANCE_SCALE = 3.0  # the shapes evaluation's CFG when --guidance-scale is left unset
-
-
-@dataclass
-class EvaluateConfig:
-    run: tyro.conf.Positional[Path | None] = None
-    """A run folder (its newest checkpoint) or a checkpoint inside one: the model, family, size, steps, CFG and
-    held-out images are the run's (its config.json); any flag given overrides them. Same as --checkpoint."""
-    model_path: Path | None = None
-    """Local diffusers-format model directory (default: the run's base model, else the shipped demo model)."""
-    checkpoint: Path | None = None
-    """A run folder or a run checkpoint (…/checkpoints/rollout-N: model/, lora/ or transformer/) applied to
-    --model-path; a checkpoint outside any run folder takes its settings from the flags alone."""
-    diffusion_model_family: str | None = None
-    """The model family (sd3, flux3_image, wan2_2, …); default: the run's, else detected from the model folder."""
-    prompt_data: Path | None = None
-    """Evaluate on this prompt set (.txt, .jsonl, or a directory: its test split) scored by --reward,
-    instead of the shapes world."""
-    input_key: str = "prompt"
-    """The prompt's key in a .jsonl prompt set; the other keys are metadata passed to the reward."""
-    reward: str | None = None
-    """With --prompt-data: the reward spec (ocr, pickscore@PATH, multi:A=W,B=W, module:function)."""
-    eval_reward: str | None = None
-    """With --prompt-data: a judge reward scoring the same images beside --reward (eval/judge); a run's own
-    --eval-reward when evaluating a run folder."""
-    num_prompts: int | None = None
-    """With --prompt-data: the first K prompts (default: all)."""
-    n_samples_per_eval_prompt: int = 1
-    """With --prompt-data: images (seeds) per prompt; image k of the expanded list uses seed `seed + k`."""
-    reward_device: str = "auto"
-    """With --prompt-data: where model rewards load and score (auto: CUDA when present; cpu, cuda, cuda:N)."""
-    negative_prompt: str = ""
-    """With --prompt-data: the unconditional side of CFG."""
-    num_frames: int | None = None
-    """Video families: frames per sample (default: the family's)."""
-    split: Literal["test", "train"] = "test"
-    """Shapes world: which split's prompts."""
-    max_prompts_per_category: int | None = None
-    """Shapes world: at most this many prompts of each category."""
-    num_seeds: int | None = None
-    """Shapes world: images per prompt (default 4); image k of the expanded prompt list uses seed `seed + k`."""
-    images_per_category: int | None = None
-    """Shapes world, instead of --num-seeds: at least this many images per category, shared out over its prompts
-    (the trainer's held-out protocol, --eval-images-per-category; with --seed 10000 the same images)."""
-    seed: int | None = None
-    """First seed (default: 0 for the shapes world, 10000 for --prompt-data, the trainer's held-out seeds)."""
-    num_steps: int | None = None
-    """ODE steps per sample (default: the run's held-out evaluation steps, else 10)."""
-    guidance_scale: float | None = None
-    """CFG scale (default: the run's held-out CFG, i.e. its rollouts' unless it set --eval-guidance-scale; without
-    a run 3.0 for the shapes world, the family's default for --prompt-data)."""
-    guidance_scale_2: float | None = None
-    """With --prompt-data: the CFG scale of a second (low-noise) expert (Wan2.2, as a run's
-    --diffusion-guidance-scale-2); default: --guidance-scale."""
-    resolution: int | None = None
-    """Side in pixels of the square images (default: the run's size, else the family's)."""
-    height: int | None = None
-    """With --width, instead of --resolution: a size that is not square (e.g. video at 512 × 768)."""
-    width: int | None = None
-    """With --height: the width in pixels."""
-    reward_frames: int | None = None
-    """With --prompt-data, video: the reward sees this many evenly spaced frames of each video (as the trained
-    run's --reward-frames); default every frame."""
-    batch_size: int = 64
-    """Images sampled per forward batch (memory, not results)."""
-    device: str = "auto"
-    """Where the model runs: auto (CUDA when present), cpu, cuda, cuda:N."""
-    float8: bool = False
-    """The transformer blocks' linear layers as FP8 matmuls (as `diffrl train --float8`): evaluates what a run
-    trained with it samples, or how far FP8 moves a model trained without it."""
-    output_dir: Path | None = None
-    """Where the results go (default: runs/eval-<run name>-<date-time>, a new folder each time). A folder that
-    already holds results is refused unless --overwrite is given."""
-    overwrite: bool = False
-    """Replace the results already in --output-dir."""
-    save_images: bool = False
-    """Shapes world: also write every image (images/00000.png, ...), named in its records.jsonl row (its prompt,
-    seed and verdict: strict, score, reason), so the evaluation can be re-scored (--prompt-data always writes them)."""
 
 
 # Flags of one kind of evaluation and what the other kind takes instead (None: nothing).

@@ -6,6 +6,7 @@
 from __future__ import annotations
 
 import dataclasses
+import importlib
 import json
 import os
 import sys
@@ -37,19 +38,20 @@ configuration as JSON (usable as --config) and exits."""
 
 
 
-def _subcommands() -> dict:
-    # deferred: the subcommands' modules load torch, diffusers and fastapi; `diffrl --help`, `recipes` and
-    # `rewards` answer without them
-    from diffrl.cli.bench import BenchConfig
-    from diffrl.cli.bench_train import BenchTrainConfig
-    from diffrl.cli.compare import CompareConfig
-    from diffrl.cli.evaluate import EvaluateConfig
-    from diffrl.serving.server import ServeConfig
-    from diffrl.train.config import TrainConfig
-    from diffrl.train.pretrain import PretrainConfig
+# Each subcommand's flags: the dataclass and its module. Those modules import no torch (`serve`'s, the server's own,
+# does: torch and fastapi), so `diffrl SUBCOMMAND --help` parses without it; the modules that run a subcommand load
+# in `run`.
+_CONFIGS = {"train": ("diffrl.train.config", "TrainConfig"), "pretrain": ("diffrl.train.pretrain_config", "PretrainConfig"),
+            "evaluate": ("diffrl.cli.configs", "EvaluateConfig"), "compare": ("diffrl.cli.configs", "CompareConfig"),
+            "serve": ("diffrl.serving.server", "ServeConfig"), "bench": ("diffrl.cli.configs", "BenchConfig"),
+            "bench-train": ("diffrl.cli.configs", "BenchTrainConfig")}
 
-    return {"train": TrainConfig, "pretrain": PretrainConfig, "evaluate": EvaluateConfig, "compare": CompareConfig,
-            "serve": ServeConfig, "bench": BenchConfig, "bench-train": BenchTrainConfig}
+
+def _subcommands(only: str | None = None) -> dict:
+    """Each subcommand's flags' dataclass by name; `only` (a subcommand's name): that one's alone, importing only its
+    module (deferred, by name: `serve`'s loads torch and fastapi, which the others' --help need not)."""
+    names = [only] if only in _CONFIGS else list(_CONFIGS)
+    return {name: getattr(importlib.import_module(_CONFIGS[name][0]), _CONFIGS[name][1]) for name in names}
 
 
 def quiet_third_party_loading() -> None:
@@ -72,7 +74,7 @@ def top_help() -> str:
 
 
 def list_recipes() -> str:
-    # deferred: recipes build train configs (torch, diffusers); `diffrl --help` answers without them
+    # deferred: the recipes build train configs (the config tree, numpy); `diffrl --help` answers without them
     from diffrl.recipes import RECIPE_SUMMARIES, recipe_names
 
     names = recipe_names()
@@ -139,8 +141,7 @@ _SDE = ("flow_grpo", "grpo_guard")
 
 
 def _only_for() -> tuple:
-    # deferred: the train config loads torch and diffusers; `diffrl --help`, `recipes` and `rewards` answer
-    # without them
+    # deferred: the config tree; `diffrl --help`, `recipes` and `rewards` answer without it
     from diffrl.train.config import AwmConfig, CrdConfig, DgpoConfig, DpoConfig, GrpoGuardConfig
 
     return (
@@ -212,8 +213,7 @@ def read_config_file(path: Path) -> dict:
 def _train_defaults(args: list[str]) -> TrainConfig:
     """What the flags of `diffrl train` apply to: a recipe's values, then a --config file's (or, for `--resume` of a
     run folder holding a config.json, the run's own settings), so the flags given override both."""
-    # deferred: recipes and the train config load torch and diffusers; `diffrl --help`, `recipes` and `rewards`
-    # answer without them
+    # deferred: the recipes and the config tree (numpy); `diffrl --help`, `recipes` and `rewards` answer without them
     from diffrl.recipes import recipe_config
     from diffrl.train.config import TrainConfig
 
@@ -233,10 +233,11 @@ def _train_defaults(args: list[str]) -> TrainConfig:
 
 
 def parse(argv: list[str]):
-    # deferred: tyro, and the train config's torch and diffusers; `diffrl --help`, `recipes` and `rewards`
+    # deferred: tyro and the configs (no torch: tests/test_cli_help.py); `diffrl --help`, `recipes` and `rewards`
     # answer without them
     import tyro
 
+    from diffrl.cli.configs import BENCH_TRAIN_DEFAULTS, BenchTrainConfig
     from diffrl.train.config import TrainConfig
 
     if argv[:1] in (["train"], ["bench-train"]):
@@ -245,8 +246,7 @@ def parse(argv: list[str]):
         default = _train_defaults(args)
         args, _ = _take_flag(args, "--config", with_value=True)
         if argv[0] == "bench-train":
-            from diffrl.cli.bench_train import BENCH_TRAIN_DEFAULTS, BenchTrainConfig  # deferred: torch and diffusers
-  # `train`'s flags, its defaults but a short run, and the benchmark's own
+            # `train`'s flags, its defaults but a short run, and the benchmark's own
             config = tyro.cli(BenchTrainConfig, default=BenchTrainConfig(train=default.replace(**BENCH_TRAIN_DEFAULTS)),
                               args=args, prog="diffrl bench-train", config=(tyro.conf.OmitArgPrefixes,))
             refuse_other_objectives_flags(args, config.train.algorithm.loss_type)
@@ -261,16 +261,18 @@ def parse(argv: list[str]):
             for note in miles.notes:
                 print(f"miles-diffusion flag {note}")
         return config
-    return tyro.extras.subcommand_cli_from_dict(
-        _subcommands(), args=argv, description="diffrl: RL post-training for flow-matching diffusion models")
+    return tyro.extras.subcommand_cli_from_dict(  # a known subcommand's flags alone: its --help loads only its module
+        _subcommands(argv[0] if argv else None), args=argv,
+        description="diffrl: RL post-training for flow-matching diffusion models")
 
 
 def run(config) -> None:
-    """Run a parsed subcommand. `diffrl train` imports the trainer only (or Ray's launcher), not the server's
-    fastapi nor the benchmarks and evaluation; the other subcommands' configs, parsed by `_subcommands`, have
-    imported their modules already."""
+    """Run a parsed subcommand, importing only its module: `diffrl train` the trainer (or Ray's launcher), not the
+    server's fastapi nor the benchmarks and evaluation."""
     # deferred: each subcommand's module loads only when it runs
+    from diffrl.cli.configs import BenchConfig, BenchTrainConfig, CompareConfig, EvaluateConfig
     from diffrl.train.config import TrainConfig
+    from diffrl.train.pretrain_config import PretrainConfig
 
     if isinstance(config, TrainConfig):
         if config.uses_ray():
@@ -282,26 +284,31 @@ def run(config) -> None:
 
             train(config)
         return
-    # deferred: as above (imported already by `_subcommands` when they parsed the command line)
-    from diffrl.cli.bench import BenchConfig, bench
-    from diffrl.cli.bench_train import BenchTrainConfig, bench_train
-    from diffrl.cli.compare import CompareConfig, compare
-    from diffrl.cli.evaluate import evaluate
-    from diffrl.serving.server import ServeConfig, serve
-    from diffrl.train.pretrain import PretrainConfig, pretrain
-
+    # deferred, each: the subcommand's module (torch, diffusers; fastapi for serve) loads only when it runs
     if isinstance(config, PretrainConfig):
+        from diffrl.train.pretrain import pretrain  # deferred: torch
+
         pretrain(config)
-    elif isinstance(config, ServeConfig):
-        serve(config)
     elif isinstance(config, CompareConfig):
+        from diffrl.cli.compare import compare  # deferred: as above
+
         compare(config)
     elif isinstance(config, BenchConfig):
+        from diffrl.cli.bench import bench  # deferred: as above
+
         bench(config)
     elif isinstance(config, BenchTrainConfig):
+        from diffrl.cli.bench_train import bench_train  # deferred: as above
+
         bench_train(config)
-    else:
+    elif isinstance(config, EvaluateConfig):
+        from diffrl.cli.evaluate import evaluate  # deferred: as above
+
         evaluate(config)
+    else:
+        from diffrl.serving.server import serve  # deferred: as above (torch and fastapi)
+
+        serve(config)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -312,7 +319,7 @@ def main(argv: list[str] | None = None) -> int:
     if argv[0] in ("recipes", "rewards"):
         print(list_recipes() if argv[0] == "recipes" else list_rewards())
         return 0
-    # deferred: recipes load torch; `diffrl --help`, `recipes` and `rewards` answer without them
+    # deferred: the recipes (the config tree, numpy); `diffrl --help`, `recipes` and `rewards` answer without them
     from diffrl.recipes import another_familys_message
 
     try:

@@ -1,0 +1,106 @@
+"""The flags of `diffrl pretrain` (run by `pretrain.py`): apart from it, and importing nothing that imports torch,
+so that `diffrl pretrain --help` builds its parser without loading torch (tests/test_cli_help.py checks)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from diffrl.models.demo import DemoConfig
+
+
+@dataclass
+class PretrainConfig:
+    output_dir: Path = Path("runs/pretrain")
+    """Run folder (created; an existing one is resumed only with --resume)."""
+    world: str = "shapes"
+    """What the model learns to draw: shapes (the shipped demo model's world), ocr (one-line renders of
+    quoted texts at 48×256, the OCR world's model: docs/ocr-world.md) or shapes-edit (edits of a rendered source
+    scene given as the condition image, the editing demo model: docs/editing-world.md)."""
+    steps: int | None = None
+    """Optimizer steps: 2,000 by default; with --max-minutes and no --steps, as many as the time allows
+    (the step budget would otherwise end a time-boxed run early)."""
+    batch_size: int = 64
+    lr: float = 3e-4
+    warmup_steps: int = 200
+    weight_decay: float = 0.0
+    grad_clip: float = 1.0
+    ema_decay: float = 0.999
+    cfg_dropout: float = 0.1
+    """Fraction of prompts replaced by "" (trains the unconditional branch for CFG)."""
+    seed: int = 0
+    device: str = "auto"
+    bf16: bool = True
+    """bf16 autocast on CUDA; fp32 master weights."""
+    num_workers: int = -1
+    """Render workers; -1 = one per CPU core minus one."""
+    log_every: int = 50
+    checkpoint_every: int = 1000
+    max_minutes: float | None = None
+    """Stop (and checkpoint) after this much wall-clock training time."""
+    resume: bool = False
+    init_from: Path | None = None
+    """Start from a saved demo model directory (its weights and size) instead of random weights."""
+    compile: bool = False
+    """torch.compile the transformer (CUDA; falls back to eager where dynamo cannot compile)."""
+    # Model size (the shipped demo model uses these defaults).
+    num_attention_heads: int = 4
+    attention_head_dim: int = 32
+    num_layers: int = 2
+    num_single_layers: int = 6
+    text_d_model: int = 128
+    patch_size: int | None = None
+    """Pixels per side of an image token; None: 4, the shipped model's (the OCR world at 8: 192 tokens instead of 768,
+    about 4× cheaper a step and the model 4× coarser)."""
+    # Sample grid after each checkpoint.
+    sample_steps: int = 10
+    sample_guidance_scale: float = 3.0
+    sample_edits_per_kind: int = 6
+    """--world shapes-edit: held-out edits of each kind in each checkpoint's grid (strictly verified; the scores
+    go to metrics.jsonl)."""
+
+    def check(self) -> None:
+        """Values that would fail later or loop forever, refused naming the flag (--steps 0 trained without end,
+        --checkpoint-every 0 divided by zero, --batch-size 0 and --lr -1 stopped in torch with messages naming
+        neither flag)."""
+        # deferred: the demo model's module imports torch; `diffrl pretrain --help` builds its parser without it
+        from diffrl.models.random_checkpoints.demo import WORLDS
+
+        for name in ("steps", "batch_size", "checkpoint_every", "log_every", "sample_steps", "sample_edits_per_kind",
+                     "num_attention_heads", "attention_head_dim", "num_single_layers", "text_d_model"):
+            value = getattr(self, name)
+            if value is not None and value < 1:
+                raise ValueError(f"--{name.replace('_', '-')} must be >= 1, got {value}")
+        for name, lo, hi in (("lr", 0, None), ("weight_decay", 0, None), ("warmup_steps", 0, None),
+                             ("num_layers", 0, None), ("cfg_dropout", 0, 1), ("ema_decay", 0, 1)):
+            value = getattr(self, name)
+            if value < lo or (hi is not None and value > hi):
+                bounds = f">= {lo}" if hi is None else f"in [{lo}, {hi}]"
+                raise ValueError(f"--{name.replace('_', '-')} must be {bounds}, got {value}")
+        if self.max_minutes is not None and self.max_minutes <= 0:
+            raise ValueError(f"--max-minutes must be > 0, got {self.max_minutes}")
+        if self.world not in WORLDS:
+            raise ValueError(f"--world {self.world}: known worlds are {', '.join(WORLDS)}")
+        if self.patch_size is not None and (self.patch_size < 1 or 48 % self.patch_size or 64 % self.patch_size):
+            raise ValueError(f"--patch-size must divide the image's sides (shapes 64, ocr 48x256), got {self.patch_size}")
+        if self.attention_head_dim % 4:
+            raise ValueError(f"--attention-head-dim must be a multiple of 4 (its 4 RoPE axes share it), got "
+                             f"{self.attention_head_dim}")
+
+    def demo_config(self) -> DemoConfig:
+        # deferred: the demo model's modules import torch; `diffrl pretrain --help` builds its parser without them
+        from diffrl.models.demo import DemoConfig
+        from diffrl.models.random_checkpoints.demo import ocr
+
+        config = DemoConfig()
+        config.transformer.update(
+            num_attention_heads=self.num_attention_heads, attention_head_dim=self.attention_head_dim,
+            num_layers=self.num_layers, num_single_layers=self.num_single_layers,
+            axes_dims_rope=(self.attention_head_dim // 4,) * 4,
+        )
+        config.text_encoder.update(d_model=self.text_d_model, d_ff=2 * self.text_d_model)
+        config = ocr(config) if self.world == "ocr" else config
+        config.patch_size = self.patch_size or config.patch_size
+        return config
