@@ -8,7 +8,10 @@ emitted, so no held-out text is ever rendered for pretraining or drawn for RL.
 
 from __future__ import annotations
 
-import numpy as np
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:  # only annotations here: the recipes import this package for its prompt folder (train --help)
+    import numpy as np
 
 ADJECTIVES = (
     "big new old red blue green gold silver dark bright quiet wild free fresh hot cold sweet happy lucky "

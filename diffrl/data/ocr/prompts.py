@@ -16,10 +16,12 @@ from __future__ import annotations
 import functools
 import re
 from pathlib import Path
-
-import numpy as np
+from typing import TYPE_CHECKING
 
 from diffrl.data.ocr.phrases import normalized, phrase, vocabulary
+
+if TYPE_CHECKING:
+    import numpy as np
 
 PROMPT_DIR = Path(__file__).resolve().parent / "prompts"
 TEST_FILE = PROMPT_DIR / "test.txt"
@@ -77,6 +79,8 @@ def sample_prompt(rng: np.random.Generator) -> tuple[str, str]:
 
 
 def training_prompts(seed: int, count: int) -> list[str]:
+    import numpy as np  # deferred: the recipes import this module for PROMPT_DIR; `diffrl train --help` loads no numpy
+
     rng = np.random.default_rng(seed)
     return [sample_prompt(rng)[0] for _ in range(count)]
 
