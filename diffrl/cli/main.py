@@ -38,18 +38,17 @@ configuration as JSON (usable as --config) and exits."""
 
 
 
-# Each subcommand's flags: the dataclass and its module. Those modules import no torch (`serve`'s, the server's own,
-# does: torch and fastapi), so `diffrl SUBCOMMAND --help` parses without it; the modules that run a subcommand load
-# in `run`.
+# Each subcommand's flags: the dataclass and its module. Those modules import no torch (nor fastapi), so
+# `diffrl SUBCOMMAND --help` parses without it; the modules that run a subcommand load in `run`.
 _CONFIGS = {"train": ("diffrl.train.config", "TrainConfig"), "pretrain": ("diffrl.train.pretrain_config", "PretrainConfig"),
             "evaluate": ("diffrl.cli.configs", "EvaluateConfig"), "compare": ("diffrl.cli.configs", "CompareConfig"),
-            "serve": ("diffrl.serving.server", "ServeConfig"), "bench": ("diffrl.cli.configs", "BenchConfig"),
+            "serve": ("diffrl.serving.config", "ServeConfig"), "bench": ("diffrl.cli.configs", "BenchConfig"),
             "bench-train": ("diffrl.cli.configs", "BenchTrainConfig")}
 
 
 def _subcommands(only: str | None = None) -> dict:
     """Each subcommand's flags' dataclass by name; `only` (a subcommand's name): that one's alone, importing only its
-    module (deferred, by name: `serve`'s loads torch and fastapi, which the others' --help need not)."""
+    module (deferred, by name: the config modules import tyro and the config tree, which `diffrl --help` need not)."""
     names = [only] if only in _CONFIGS else list(_CONFIGS)
     return {name: getattr(importlib.import_module(_CONFIGS[name][0]), _CONFIGS[name][1]) for name in names}
 
