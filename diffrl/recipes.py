@@ -149,6 +149,35 @@ _LTX23_GRPO = dict(diffusion_model_family="ltx2", loss_type="flow_grpo", reward=
                    diffusion_kl_beta=0.0, mixed_precision="bf16", gradient_checkpointing=True, deterministic_mode=True,
                    num_rollout=200, eval_interval=20, checkpoint_interval=10, eval_images_per_category=0)
 
+# Image to video: --prompt-data rows name each prompt's first frame under `image` (or `images`), Flow-Factory's
+# layout (a path relative to the .jsonl or its images/ folder); a row without one is refused on an image-to-video
+# checkpoint, a first frame on a text-to-video-only one (Wan2.2 T2V): each in one line.
+#
+# Flow-GRPO image to video on Wan2.2-I2V-A14B with PickScore, the mean over every frame (as Flow-Factory's video
+# PickScore and wan22-grpo-pickscore score video): X-GenGroup/Flow-Factory's examples/grpo/lora/wan22/i2v.yaml: 5
+# frames of 480², 8 steps (28 to evaluate) with CFG 3.5 for both experts, SDE at noise 0.9 on step 1, 48 prompts
+# × 16 samples in 2 optimizer steps, per-prompt mean and std, no KL, clip 1e-4, advantage clip 5, LoRA r64/α128,
+# bf16 forward, lr 1e-4, AdamW β2 0.999, weight decay 1e-4, grad clip 1, micro-batches of one sample, evaluations and
+# checkpoints every 20 rollouts. Not expressed here: its adapters on the high-noise expert alone (here on both, the
+# targets of wan22-grpo-pickscore), its EMA for evaluation and its 21-frame 720² evaluations. Microgroups of 8 (as
+# wan22-grpo-pickscore) and the 300 rollouts are ours.
+_WAN22_I2V_GRPO = dict(_WAN22_GRPO, num_frames=5, diffusion_num_steps=8, eval_num_steps=28,
+                       diffusion_guidance_scale=3.5, diffusion_guidance_scale_2=None, diffusion_noise_level=0.9,
+                       diffusion_sde_window_range=(1, 2), diffusion_num_sde_steps=1, globalize_reward_std=False,
+                       diffusion_adv_clip_max=5.0, diffusion_kl_beta=0.0, rollout_batch_size=48,
+                       n_samples_per_prompt=16, rollout_microgroup_size=8, global_batch_size=384,
+                       num_steps_per_rollout=2, micro_batch_size=1, lr=1e-4, grad_clip=1.0, num_rollout=300,
+                       eval_interval=20, checkpoint_interval=20)
+# Flow-GRPO image to video on LTX-2.3 with PickScore: ltx23-grpo-pickscore's settings (miles_diffusion's LTX-2.3
+# run, above: 57 frames of 512 × 768, 24 steps, CPS at noise 0.8 on 3 steps drawn from steps 0-9, CFG 1, 8 × 8,
+# microgroup 1, PickScore on 3 frames), the first frame from each row: on LTX2ImageToVideoPipeline's checkpoint or
+# LTX2Pipeline's (the same weights do both; there a row without a first frame would be text to video). Flow-Factory's image-to-video LTX example
+# (examples/grpo/lora/ltx2/i2av.yaml) is not followed: it trains LTX-2 (not 2.3) on audio rewards (CLAP, ImageBind)
+# rather than PickScore, with Flow-SDE steps, and its authors mark it not fully tested. On a GPU as published too: the
+# text-to-video recipe's GPU batching and compilation (8 videos per request, micro-batches of 4, compiled) are
+# measured for text to video only; `--rollout-microgroup-size 8 --micro-batch-size 4 --compile` asks for them.
+_LTX23_I2V_GRPO = dict(_LTX23_GRPO)
+
 # Flow-GRPO on Cosmos3 with PickScore, text-to-image: radixark/miles_diffusion's
 # scripts/run_diffusion_grpo_cosmos3_pickscore_t2i_4gpu.py (Cosmos3-Nano, LoRA on the generation tower): one frame
 # of 480 × 832, 16 steps with CFG 4.0, SDE at noise 0.7 on 2 steps drawn per rollout from steps 8-11 (the
@@ -351,6 +380,8 @@ SIZED: dict[str, dict[str, dict]] = {
     # share of the step) up to batch-dependent rounding; first-pass |Δ log p| 6.7e-7 (BENCHMARKS.md, as above).
     "ltx23-grpo-pickscore": {"gpu": dict(_LTX23_GRPO, rollout_microgroup_size=8, micro_batch_size=4, compile=True),
                              "cpu": _LTX23_GRPO},
+    "wan22-i2v-grpo-pickscore": {"gpu": _WAN22_I2V_GRPO, "cpu": _WAN22_I2V_GRPO},
+    "ltx23-i2v-grpo-pickscore": {"gpu": _LTX23_I2V_GRPO, "cpu": _LTX23_I2V_GRPO},
     # On a GPU micro-batches of 16 pairs (one prompt's rows batched): 0.78 s per sample against 2.32 at micro-batch 1.
     "cosmos3-grpo": {"gpu": dict(_COSMOS3_GRPO, micro_batch_size=16), "cpu": _COSMOS3_GRPO},
     "shapes-nft": {
@@ -422,6 +453,10 @@ RECIPE_SUMMARIES = {
     "flux2-dev-grpo-pickscore": "Flow-GRPO on FLUX.2 [dev] with PickScore (Flow-Factory's flux2 t2i example)",
     "flux2-dev-edit-grpo-pickscore": "Flow-GRPO editing on FLUX.2 [dev] with PickScore (Flow-Factory's flux2 i2i)",
     "ltx23-grpo-pickscore": "Flow-GRPO on LTX-2.3 video with PickScore",
+    "wan22-i2v-grpo-pickscore": "Flow-GRPO image to video on Wan2.2 I2V A14B with PickScore (Flow-Factory's wan22 "
+                                "i2v; rows name a first frame)",
+    "ltx23-i2v-grpo-pickscore": "Flow-GRPO image to video on LTX-2.3 with PickScore (ltx23-grpo-pickscore's settings; "
+                                "rows name a first frame)",
     "cosmos3-grpo": "Flow-GRPO on Cosmos3",
     "shapes-nft": "DiffusionNFT on the shipped demo model and the shapes world (make demo; CPU-sized on a CPU)",
     "shapes-grpo": "Flow-GRPO on the shipped demo model and the shapes world (CPU-sized on a CPU)",
