@@ -101,6 +101,41 @@ def image_position_ids(h: int, w: int, device=None) -> torch.Tensor:
     return torch.stack([torch.zeros_like(rows), rows, cols], dim=1)
 
 
+# The FLUX.1 layout that Chroma (`chroma.py`, a FLUX.1 [schnell] derivative) shares: the schedule, the packed noise
+# and the decode of `FluxPipeline` and `ChromaPipeline`.
+def flux_sigmas(scheduler, num_steps: int, image_tokens: int, device) -> torch.Tensor:
+    """The scheduler's own sigmas `[N + 1]` for `linspace(1, 1/N, N)` with μ linear in the number of image tokens
+    (the scheduler's `base/max_image_seq_len` and `base/max_shift`, defaults 256, 4096, 0.5, 1.15); a static-shift
+    scheduler ignores μ, as in the pipelines."""
+    config = scheduler.config
+    mu = resolution_mu(image_tokens, config.get("base_image_seq_len", 256), config.get("max_image_seq_len", 4096),
+                       config.get("base_shift", 0.5), config.get("max_shift", 1.15))
+    scheduler = copy.deepcopy(scheduler)  # set_timesteps changes the scheduler's state
+    scheduler.set_timesteps(sigmas=np.linspace(1.0, 1 / num_steps, num_steps), mu=mu, device="cpu")
+    return scheduler.sigmas.to(device=device, dtype=torch.float32)
+
+
+def packed_noise(generators, latent_channels: int, h: int, w: int, device) -> Latents:
+    """The pipeline's noise `[B, C, 2h, 2w]` (one stream per sample) packed into 2×2 patches `[B, h·w, 4C]`, with
+    the image tokens' ids `(0, row, column)`."""
+    shape = (len(generators), latent_channels, 2 * h, 2 * w)  # what the pipeline draws
+    tokens = pack_latents(randn_per_sample(shape, generators, device=device), 2)
+    return Latents(tokens, image_position_ids(h, w, device=device))
+
+
+def decode_packed(vae, latents: torch.Tensor, h: int, w: int, *, per_call: int | None) -> torch.Tensor:
+    """Packed latents `[B, h·w, 4C]` → images `[B, 3, H, W]` in [0, 1]: unpacked, `latents / scaling_factor +
+    shift_factor`, decoded (`decode_rows`), `x/2 + 0.5` clamped."""
+    batch, _, channels = latents.shape
+    grid = latents.view(batch, h, w, channels // 4, 2, 2).permute(0, 3, 1, 4, 2, 5)
+    grid = grid.reshape(batch, channels // 4, 2 * h, 2 * w)
+    config = vae.config
+    grid = grid / config.scaling_factor + config.shift_factor
+    vae_dtype = next(vae.parameters()).dtype
+    images = decode_rows(lambda rows: vae.decode(rows.to(vae_dtype), return_dict=False)[0], grid, per_call=per_call)
+    return (images.float() / 2 + 0.5).clamp(0, 1)
+
+
 @register_family
 class Flux1Family(FamilyAdapter):
     name = "flux1"
@@ -195,13 +230,8 @@ class Flux1Family(FamilyAdapter):
         require_pixel_multiple("FLUX.1", self.pixels_per_token, height=height, width=width)
 
     def sigmas(self, num_steps: int, height: int, width: int) -> torch.Tensor:
-        config = self.scheduler.config
         image_tokens = (height // self.pixels_per_token) * (width // self.pixels_per_token)
-        mu = resolution_mu(image_tokens, config.get("base_image_seq_len", 256), config.get("max_image_seq_len", 4096),
-                           config.get("base_shift", 0.5), config.get("max_shift", 1.15))
-        scheduler = copy.deepcopy(self.scheduler)  # set_timesteps changes the scheduler's state
-        scheduler.set_timesteps(sigmas=np.linspace(1.0, 1 / num_steps, num_steps), mu=mu, device="cpu")
-        return scheduler.sigmas.to(device=self.device, dtype=torch.float32)
+        return flux_sigmas(self.scheduler, num_steps, image_tokens, self.device)
 
     @torch.no_grad()
     def encode_prompts(self, prompts: Sequence[str]) -> PromptEmbeds:
@@ -299,10 +329,8 @@ class Flux1Family(FamilyAdapter):
 
     def prepare_latents(self, generators, height, width) -> Latents:
         self.check_size(height, width)
-        h, w = height // self.pixels_per_token, width // self.pixels_per_token
-        shape = (len(generators), self.vae.config.latent_channels, 2 * h, 2 * w)  # what the pipeline draws
-        tokens = pack_latents(randn_per_sample(shape, generators, device=self.device), 2)
-        return Latents(tokens, image_position_ids(h, w, device=self.device))
+        return packed_noise(generators, self.vae.config.latent_channels, height // self.pixels_per_token,
+                            width // self.pixels_per_token, self.device)
 
     def run_transformer(self, transformer, latents, sigma, cond) -> torch.Tensor:
         dtype = next(transformer.parameters()).dtype
@@ -321,13 +349,5 @@ class Flux1Family(FamilyAdapter):
                                return_dict=False)[0][:, :generated].float()
 
     def decode(self, latents: torch.Tensor, height: int, width: int) -> torch.Tensor:
-        h, w = height // self.pixels_per_token, width // self.pixels_per_token
-        batch, _, channels = latents.shape
-        grid = latents.view(batch, h, w, channels // 4, 2, 2).permute(0, 3, 1, 4, 2, 5)
-        grid = grid.reshape(batch, channels // 4, 2 * h, 2 * w)
-        config = self.vae.config
-        grid = grid / config.scaling_factor + config.shift_factor
-        vae_dtype = next(self.vae.parameters()).dtype
-        images = decode_rows(lambda rows: self.vae.decode(rows.to(vae_dtype), return_dict=False)[0], grid,
+        return decode_packed(self.vae, latents, height // self.pixels_per_token, width // self.pixels_per_token,
                              per_call=self.vae_decode_batch)
-        return (images.float() / 2 + 0.5).clamp(0, 1)
