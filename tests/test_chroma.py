@@ -161,6 +161,22 @@ def test_conditioning_round_trips_the_wire(chroma):
         ChromaFamily.cond_kwargs_from_wire({**wire, "prompt_attention_mask": wire["prompt_attention_mask"][:3]})
 
 
+
+def test_rollout_conditioning_survives_the_json_wire(chroma):
+    """A rollout's conditioning (T5 tokens and text mask, both CFG halves) in sglang's JSON response format and back:
+    the same tensors, so a trainer behind HTTP replays the engine's forward."""
+    from diffrl.serving import sglang
+
+    req = RolloutRequest(prompt=PROMPT, negative_prompt="blurry", seed=1, num_outputs_per_prompt=2, height=32, width=32,
+                         num_inference_steps=2, guidance_scale=3.0, rollout=True, rollout_return_dit_trajectory=True,
+                         rollout_return_denoising_env=True)
+    ran = Engine(chroma, EngineConfig(max_outputs_per_request=4)).generate(sglang.engine_request(req))
+    got = sglang.decode_response(sglang.encode_response(ran, req, chroma, "r"), req, ChromaFamily)
+    sent = ran[0].denoising_env
+    for key in ("prompt_embeds", "negative_prompt_embeds", "text_ids", "image_ids"):
+        assert torch.equal(got[0].denoising_env[key], sent[key]), key
+
+
 @pytest.mark.parametrize(("loss_type", "lora"), [("flow_grpo", True), ("nft", False)], ids=["grpo-lora", "nft-full"])
 def test_training_runs_on_chroma(chroma_dir, tmp_path, loss_type, lora):
     """Two rollouts of Flow-GRPO (LoRA, CFG 2 with the empty negative prompt) and of DiffusionNFT (full)."""
