@@ -5,7 +5,8 @@
 
 One family with a LoRA (the trainer's setup: bf16 forward, gradient checkpointing, regional compile) computes the
 CFG velocity of the same `--n` latents at one σ of the schedule in the ways a Flow-GRPO run does:
-- `engine`: no gradients, the whole microgroup in one batch (the rollout's call), first, as a rollout is;
+- `engine`: no gradients (with `--engine-graph training`: gradients on, as `--engine-forward-graph training`
+  samples), the whole microgroup in one batch (the rollout's call), first, as a rollout is;
 - `trainer`: gradients on, in micro-batches of `--micro-batch` (the first pass's replay);
 - `nograd_micro`: no gradients at the trainer's micro-batch (the batch shape alone);
 - `grad_whole`: gradients on at the engine's batch (the grad mode alone);
@@ -57,6 +58,8 @@ def main(argv: list[str] | None = None) -> dict:
     parser.add_argument("--guidance-scale", type=float, default=4.5)
     parser.add_argument("--lora-rank", type=int, default=32)
     parser.add_argument("--no-gradient-checkpointing", action="store_true")
+    parser.add_argument("--engine-graph", choices=["inference", "training"], default="inference",
+                        help="the engine's calls without gradients, or in the trainer's graph (--engine-forward-graph)")
     parser.add_argument("--variant", action="append", default=[], help="NAME:SECTION.KEY=VALUE,...")
     parser.add_argument("--tiny", action="store_true", help="tiny random weights (a dry run)")
     parser.add_argument("--out", default=None)
@@ -106,11 +109,12 @@ def main(argv: list[str] | None = None) -> dict:
                           sigma_max=float(sigmas[1]), generators=generators, next_latents=next_latents)
 
     def ways() -> dict:
-        engine = velocity(args.n, grad=False)
+        in_training_graph = args.engine_graph == "training"
+        engine = velocity(args.n, grad=in_training_graph)
         drawn = step(engine)
         results = {}
         for way, (batch, grad) in {"trainer": (args.micro_batch, True), "nograd_micro": (args.micro_batch, False),
-                                   "grad_whole": (args.n, True), "engine_again": (args.n, False)}.items():
+                                   "grad_whole": (args.n, True), "engine_again": (args.n, in_training_graph)}.items():
             v = velocity(batch, grad)
             replay = step(v, next_latents=drawn.next_latents)
             results[way] = {
@@ -124,6 +128,7 @@ def main(argv: list[str] | None = None) -> dict:
         return results
 
     report = {"family": args.family, "n": args.n, "micro_batch": args.micro_batch, "size": [height, width],
+              "engine_graph": args.engine_graph,
               "gradient_checkpointing": not args.no_gradient_checkpointing, "ways": {}}
     print("eager", flush=True)
     report["ways"]["eager"] = ways()

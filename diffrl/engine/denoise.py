@@ -8,6 +8,7 @@ steps (`keep_rows`): the engine drops the outputs of a request that was abandone
 
 from __future__ import annotations
 
+import contextlib
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field, replace
 
@@ -48,8 +49,12 @@ def denoise(
     transformer: torch.nn.Module | None = None,
     guidance_scale_2: float | None = None,
     keep_rows: Callable[[], Sequence[int] | None] | None = None,
+    training_graph: bool = False,
 ) -> DenoiseResult:
     """`guidance_scale_2` (families with a second expert only) is passed on to `family.velocity` when set.
+    `training_graph`: each velocity is computed with gradients enabled (for the parameters that require them) and
+    detached at once, so compiled blocks run the graph a trainer's replay of the step runs, not the no-gradient
+    one, which the compiler fuses and rounds differently (`EngineConfig.forward_graph`).
     `keep_rows` is asked before every step: None goes on with every row; otherwise the positions (in the
     current batch) of the rows to go on with. The others leave everything the loop carries and are not
     computed again, so the result holds only the kept rows, in order; keeping none raises `DenoiseStopped`."""
@@ -85,7 +90,9 @@ def denoise(
         if i in keep:
             trajectory[i] = x.clone()
         sigma = sigmas[i].expand(batch)
-        v = family.velocity(transformer, Latents(x, latents.ids), sigma, cond, uncond, guidance_scale, **second)
+        with torch.enable_grad() if training_graph else contextlib.nullcontext():
+            v = family.velocity(transformer, Latents(x, latents.ids), sigma, cond, uncond, guidance_scale, **second)
+        v = v.detach()  # the autograd graph (checkpointed blocks' inputs) goes with it
         stochastic = i in sde_steps and sde_type != "ode"
         out = transition(
             sde_type if stochastic else "ode", x, v, sigmas[i], sigmas[i + 1],

@@ -34,6 +34,7 @@ import time
 from collections import OrderedDict
 from concurrent.futures import Future, InvalidStateError, ThreadPoolExecutor
 from dataclasses import dataclass, field, replace
+from typing import Literal
 
 import torch
 
@@ -98,6 +99,13 @@ class EngineConfig:
     prompt_cache_bytes: int = 256 << 20
     """Encoded prompts kept for later requests of the same weights (least recently used out first; 0: none).
     A group's microgroups, and every group of a prompt within a rollout, share its encoding."""
+    forward_graph: Literal["inference", "training"] = "inference"
+    """Which compiled graph the denoising forward runs: inference (no gradients), or training: gradients on for the
+    parameters that require them, outputs detached at once. An in-process engine whose trainer replays its steps
+    (Flow-GRPO's ratio) samples in the trainer's graph so that the replay gives the rollout's log-probs: the
+    compiler fuses the two graphs differently (BENCHMARKS.md, "Where a compiled replay parts from the rollout").
+    Costs the checkpointed blocks' inputs while a step runs; eager gives the same numbers either way."""
+
 
 
 INT64_MAX = 2**63 - 1  # weight versions travel as int64 (msgpack, JSON clients)
@@ -172,6 +180,8 @@ class Engine:
     def __init__(self, family: FamilyAdapter, config: EngineConfig | None = None):
         self.family = family
         self.config = config or EngineConfig()
+        if self.config.forward_graph not in ("inference", "training"):
+            raise ValueError(f"forward_graph {self.config.forward_graph!r}: expected inference or training")
         self.weight_version = 0
         self._model_lock = threading.Lock()  # one denoise at a time on this model
         self._count_lock = threading.Lock()  # guards _in_flight and _waiting
@@ -654,7 +664,7 @@ class Engine:
             sde_type=plan.sde_type, noise_level=req0.rollout_noise_level, sde_step_indices=plan.sde_steps,
             return_step_indices=plan.return_steps if req0.rollout_return_dit_trajectory else (),
             log_prob_no_const=req0.rollout_log_prob_no_const, guidance_scale_2=plan.guidance_scale_2,
-            keep_rows=keep_rows,
+            keep_rows=keep_rows, training_graph=self.config.forward_graph == "training",
         )
         # Both queued before either is read back: the decode starts without waiting for the host.
         finite = torch.isfinite(result.latents).flatten(1).all(1)

@@ -150,6 +150,13 @@ class EnginePoolConfig:
     memory; the engine's norm and modulation weights are then bf16-rounded, a drift of bf16 rounding from the
     trainer's forward; needs a bf16 forward), auto: float32 unless it would take over 40% of the GPU, then bfloat16.
     A LoRA's copy is the base as loaded (bf16 with a bf16 forward) and the adapters in fp32."""
+    engine_forward_graph: Literal["auto", "inference", "training"] = "auto"
+    """The graph the in-process engine's denoising forward runs: inference (no gradients) or training (gradients on
+    for the trained parameters, detached at once: the graph the trainer replays a rollout step in, so a compiled
+    replay gives the rollout's log-probs; `EngineConfig.forward_graph`). auto: training when the blocks are compiled
+    (--compile), the loss replays rollout steps (flow_grpo, grpo_guard), gradient checkpointing is on (a step then
+    keeps only the blocks' inputs) and one process trains; inference otherwise. Eager gives the same numbers."""
+
 
     def check(self) -> None:
         _require(self.engine_concurrency >= 1, f"--engine-concurrency must be >= 1, got {self.engine_concurrency}")
@@ -367,9 +374,6 @@ class OptimConfig:
                  f"--adam-beta1/--adam-beta2 must be in [0, 1) (got {self.adam_beta1}, {self.adam_beta2})")
 
 
-_TEXT_TO_IMAGE_SHAPES_REWARDS = ("shapes", "shapes_strict", "shapes_balanced", "shapes_exact_count", "shapes_crisp")
-
-
 @dataclass
 class TaskConfig:
     prompt_data: Path | None = None
@@ -424,7 +428,7 @@ class TaskConfig:
 
     def check(self) -> None:
         # deferred: the rewards package imports torch and httpx, which `diffrl train --help` should not pay for
-        from diffrl.rewards import model_rewards_in, multi_weights
+        from diffrl.rewards import SHAPES_TEXT_TO_IMAGE_REWARDS, model_rewards_in, multi_weights
         from diffrl.rewards.schedule import parse_schedule
 
         _require(self.reward_workers >= 0, f"--reward-workers must be >= 0, got {self.reward_workers}")
@@ -440,7 +444,7 @@ class TaskConfig:
                  "verifier (eval/strict)")
         if self.world == "shapes-edit":
             _require(self.prompt_data is None, "--world shapes-edit draws its own prompts; drop --prompt-data")
-            _require(self.reward not in _TEXT_TO_IMAGE_SHAPES_REWARDS, f"--reward {self.reward} judges text-to-image "
+            _require(self.reward not in SHAPES_TEXT_TO_IMAGE_REWARDS, f"--reward {self.reward} judges text-to-image "
                      "shapes prompts; the editing world's are edits: pass --reward shapes_edit (or shapes_edit_strict)")
             _require(not self.train_categories, "--train-categories picks text-to-image shapes categories; "
                      "--world shapes-edit has edit kinds")

@@ -93,6 +93,9 @@ class Objective:
         self.rollout_weights = ParameterEMA(policy.params) if needs_snapshot else None
 
     uses_rollout_weights = False  # whether the loss compares with the weights that sampled (see rollout_weights)
+    # Whether the loss replays rollout steps against the engine's log-probs (a ratio whose first pass must be 1): its
+    # in-process engine then samples in the trainer's compiled graph (`EnginePoolConfig.engine_forward_graph`).
+    replays_rollout_steps = False
 
     @classmethod
     def needs_ema(cls, cfg) -> bool:

@@ -45,6 +45,7 @@ def sde_window(cfg, k: int) -> list[int]:
 
 class FlowGrpo(Objective):
     name = "flow_grpo"
+    replays_rollout_steps = True
 
     def sde_window(self, k: int) -> list[int]:
         return sde_window(self.cfg, k)

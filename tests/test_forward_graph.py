@@ -1,0 +1,69 @@
+"""`EngineConfig.forward_graph`: an in-process engine whose trainer replays its steps samples in the trainer's
+graph (gradients on for the trained parameters, outputs detached), so that compiled blocks run one graph for the
+rollout and its replay. Eager, both graphs give the same numbers; the graph with gradients must leave nothing
+behind (no parameter gradient, no autograd graph on what the engine returns)."""
+
+import pytest
+import torch
+
+from diffrl.engine.engine import Engine, EngineConfig
+from diffrl.engine.protocol import RolloutRequest
+from diffrl.models.base import repeated_blocks
+from diffrl.models.lora import LoraSpec, add_lora
+from diffrl.train.trainer import Trainer
+from test_trainer import tiny_config
+
+REQUEST = dict(prompt="a red circle", seed=5, num_outputs_per_prompt=3, num_inference_steps=3, guidance_scale=2.0,
+               rollout=True, rollout_sde_step_indices=[0, 1], rollout_return_dit_trajectory=True)
+
+
+def test_the_training_graph_samples_what_the_inference_graph_does_and_leaves_no_graph(tiny_family):
+    family = tiny_family
+    add_lora(family.transformer, LoraSpec(rank=4, alpha=4.0, target_modules=list(family.lora_target_modules)))
+    lora = [p for n, p in family.transformer.named_parameters() if "lora_" in n]
+    for p in lora:
+        p.requires_grad_(True)
+        if p.dim() == 2:
+            torch.nn.init.normal_(p, std=0.05)  # a trained adapter: its path changes the velocity
+    grad_modes = []
+    block = repeated_blocks(family.transformer, family.block_lists)[0]
+    block.register_forward_pre_hook(lambda module, args: grad_modes.append(torch.is_grad_enabled()))
+
+    outputs = {}
+    for graph in ("inference", "training"):
+        grad_modes.clear()
+        outputs[graph] = Engine(family, EngineConfig(forward_graph=graph)).generate(RolloutRequest(**REQUEST))
+        assert set(grad_modes) == {graph == "training"}  # the blocks ran in the graph asked for
+    assert all(p.grad is None for p in lora)
+    for a, b in zip(outputs["inference"], outputs["training"], strict=True):
+        assert torch.equal(a.rollout_log_probs, b.rollout_log_probs)
+        assert torch.equal(a.dit_trajectory.latents, b.dit_trajectory.latents)
+        assert torch.equal(a.generated_output, b.generated_output)
+        assert b.dit_trajectory.latents.grad_fn is None and not b.rollout_log_probs.requires_grad
+
+
+def test_an_unknown_forward_graph_is_refused(tiny_family):
+    with pytest.raises(ValueError, match="forward_graph 'train'"):
+        Engine(tiny_family, EngineConfig(forward_graph="train"))
+
+
+@pytest.mark.parametrize(("flags", "want"), [
+    (dict(compile=True, gradient_checkpointing=True), "training"),  # Flow-GRPO replays its steps
+    (dict(compile=True, gradient_checkpointing=True, loss_type="nft"), "inference"),  # no ratio to the rollout
+    (dict(compile=False, gradient_checkpointing=True), "inference"),  # eager: one set of numbers either way
+    (dict(compile=True, gradient_checkpointing=False), "inference"),  # a step would keep every activation
+    (dict(compile=False, engine_forward_graph="training"), "training"),  # asked for
+    (dict(compile=True, gradient_checkpointing=True, engine_forward_graph="inference"), "inference"),
+])
+def test_the_in_process_engine_picks_its_graph(tiny_model_dir, tmp_path, flags, want):
+    trainer = Trainer(tiny_config(tiny_model_dir, tmp_path / "run", use_lora=True, **flags))
+    assert trainer.engine.config.forward_graph == want
+
+
+def test_a_flow_grpo_run_sampling_in_the_training_graph_replays_its_rollout_exactly(tiny_model_dir, tmp_path):
+    cfg = tiny_config(tiny_model_dir, tmp_path / "run", use_lora=True, gradient_checkpointing=True,
+                      engine_forward_graph="training", num_steps_per_rollout=1, global_batch_size=6)
+    trainer = Trainer(cfg)
+    record = trainer.rollout_and_update(0)
+    assert record["train/log_prob_mean_abs_diff"] == 0.0 and record["train/first_pass_clipfrac"] == 0.0
+    assert record["train/grad_norm"] > 0
