@@ -305,6 +305,8 @@ def main(argv: list[str] | None = None) -> dict:
             "end_to_end_mfu": (rollout_forwards + pairs * per_pair) * flops / (rollout_s + train_s) / peak,
             "peak_gib": record.get("memory/peak_gib"), "reward_mean": record["rollout/reward/raw_mean"],
             "loss": record.get("train/loss"), "log_prob_mean_abs_diff": record.get("train/log_prob_mean_abs_diff")}
+        if "memory/engine_released_gib" in record:  # --colocate: what the engine's last sleep gave the device
+            row["engine_released_gib"] = record["memory/engine_released_gib"]
         if "compile/uncompiled_block_kinds" in record:  # --compile: blocks that ran eager anyway (0: all compiled)
             row["uncompiled_block_kinds"] = record["compile/uncompiled_block_kinds"]
         if "compile/block_kinds_at_recompile_limit" in record:  # --compile: kinds past dynamo's cache (then eager)

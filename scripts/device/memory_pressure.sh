@@ -10,7 +10,7 @@
 # passes the card, and the device's own peak. CARD_GIB (default 79.6, an H100 80GB's usable memory): on a larger card
 # a ballast process holds the rest, so the run has an 80 GB card's memory whichever card comes; it is left out of
 # the per-process peaks. Results in $OUT: pressure_<mode>.json (benchmarks/recipe_runs.py),
-# metrics_<mode>.jsonl (the run's records: memory/engine_released_gib per rollout), apps_<mode>.csv and device_<mode>.csv (the samples), summary.txt.
+# (per rollout: engine_released_gib, what the engine's sleep gave the device), apps_<mode>.csv and device_<mode>.csv (the samples), summary.txt.
 set -uo pipefail
 bash scripts/device/install_wheels.sh || exit 1
 export PYTHONPATH=/tmp/site:$PWD PYTHONUNBUFFERED=1 OMP_NUM_THREADS=8
@@ -50,7 +50,6 @@ for mode in ${MODES:-colocated embedded}; do
     --num-rollout "${ROLLOUTS:-3}" --reward jpeg_compressibility --flags "{$flags}" --work-dir "$work" \
     --out "$OUT/pressure_$mode.json") 2>&1 | quiet | grep -v '^    \|^[{}]' | tail -6 | tee -a "$OUT/summary.txt"
   kill "$sampler" "$device_sampler"
-  cp "$(ls "$work"/*/metrics.jsonl "$work"/metrics.jsonl 2>/dev/null | head -1)" "$OUT/metrics_$mode.jsonl" 2>/dev/null
   python3 - "$OUT/apps_$mode.csv" "$mode" "$OUT/device_$mode.csv" "$ballast" <<'PY' | tee -a "$OUT/summary.txt"
 import collections, subprocess, sys
 peak = collections.defaultdict(int)
