@@ -64,6 +64,7 @@ def _import_builtin_families() -> None:
     import diffrl.models.flux1  # noqa: F401
     import diffrl.models.flux2  # noqa: F401
     import diffrl.models.flux3_image  # noqa: F401
+    import diffrl.models.hunyuan_video15  # noqa: F401
     import diffrl.models.krea2  # noqa: F401
     import diffrl.models.ltx2  # noqa: F401
     import diffrl.models.qwen_image  # noqa: F401
