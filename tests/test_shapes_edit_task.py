@@ -73,6 +73,29 @@ def test_the_world_is_chosen_by_flag_and_refuses_text_to_image_rewards(tmp_path)
         TaskConfig(world="shapes-edit").check()
 
 
+def test_the_world_refuses_exactly_the_registrys_text_to_image_shapes_rewards():
+    """The config keeps no list of its own: `--world shapes-edit` refuses the rewards the registry scores with the
+    shapes verifier on text-to-image prompts (`SHAPES_TEXT_TO_IMAGE_REWARDS`), and those are every registered reward
+    that reads the verifier's verdicts, so a shapes reward added to one place and not the other fails here."""
+    import inspect
+
+    from diffrl import rewards
+
+    verifier_scored = {name for name, fn in rewards._REWARDS.items() if "_shapes_verdicts(" in inspect.getsource(fn)}
+    assert verifier_scored == rewards.SHAPES_TEXT_TO_IMAGE_REWARDS
+    assert {"shapes", "shapes_strict", "white_background"} <= verifier_scored
+
+    def refused(name: str) -> bool:
+        try:
+            TaskConfig(world="shapes-edit", reward=name).check()
+        except ValueError as err:
+            return "judges text-to-image" in str(err)
+        return False
+
+    assert {name for name in rewards._REWARDS if refused(name)} == verifier_scored
+    assert not refused("shapes_edit") and not refused("shapes_edit_strict")
+
+
 def test_flow_grpo_trains_a_tiny_kontext_on_the_editing_world(tmp_path):
     """Two rollouts of Flow-GRPO on a tiny random FLUX.1 Kontext, rewarded by the edit verifier against each
     prompt's source; a held-out evaluation scores one example of each edit kind strictly."""

@@ -332,6 +332,10 @@ def _shapes_prompt(prompt: str) -> None:
 for _shapes in (shapes_reward, shapes_balanced_reward, shapes_exact_count_reward, shapes_crisp_reward,
                 shapes_strict_reward, white_background_reward):
     _shapes.check_prompt = _shapes_prompt
+# The rewards the shapes verifier scores text-to-image shapes prompts with, by name: `--world shapes-edit` (whose
+# prompts are edits) refuses them (`TaskConfig.check` reads this where it runs; the config tree imports no torch).
+SHAPES_TEXT_TO_IMAGE_REWARDS = frozenset(name for name, fn in _REWARDS.items()
+                                         if getattr(fn, "check_prompt", None) is _shapes_prompt)
 
 
 def _split_multi(spec: str) -> list[str]:
