@@ -118,8 +118,11 @@ def test_stochastic_steps_never_move_the_first_frame_and_score_only_generated_to
                      generators=make_generators([5, 6]))
     expected = -((out.next_latents - out.mean) ** 2).flatten(1).mean(1)  # the mean over generated tokens only
     torch.testing.assert_close(out.log_prob, expected, rtol=0, atol=0)
-    # The decode puts the conditioning's first frame back before the generated tokens.
-    video = i2v.decode(out.next_latents, HEIGHT, WIDTH, num_frames=FRAMES)
+    # The decode puts the conditioning's first frame back before the generated tokens; it is handed over, never
+    # remembered from the last forward.
+    with pytest.raises(ValueError, match="first-frame tokens"):
+        i2v.decode(out.next_latents, HEIGHT, WIDTH, num_frames=FRAMES)
+    video = i2v.decode(out.next_latents, HEIGHT, WIDTH, num_frames=FRAMES, cond=cond)
     explicit = i2v.decode(out.next_latents, HEIGHT, WIDTH, num_frames=FRAMES, first_frame=first.expand(2, -1, -1))
     assert torch.equal(video, explicit) and video.shape == (2, 3, FRAMES, HEIGHT, WIDTH)
     # The wire carries the first frame: the conditioning comes back bit for bit.

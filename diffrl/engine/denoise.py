@@ -29,6 +29,7 @@ class DenoiseResult:
     log_probs: torch.Tensor  # [B, len(sde_step_indices)], ascending step order
     # step index i → latents x_{σ_i} entering step i (index N is the final latent)
     trajectory: dict[int, torch.Tensor] = field(default_factory=dict)
+    rows: list[int] = field(default_factory=list)  # the rows of the batch as it came in that `latents` holds
 
 
 @torch.no_grad()
@@ -72,6 +73,7 @@ def denoise(
     sigma_max = sigmas[1]
     x = latents.tokens.float()
     batch = x.shape[0]
+    kept = list(range(batch))
     log_probs = []
     trajectory: dict[int, torch.Tensor] = {}
     second = {} if guidance_scale_2 is None else {"guidance_scale_2": guidance_scale_2}
@@ -82,6 +84,7 @@ def denoise(
             # Each row has its own conditioning and generator, so the kept rows go on exactly as before.
             idx = torch.as_tensor(rows, dtype=torch.long, device=x.device)
             x, batch = x[idx], len(rows)
+            kept = [kept[r] for r in rows]
             cond = replace(cond, embeds=cond.embeds[idx])
             uncond = None if uncond is None else replace(uncond, embeds=uncond.embeds[idx])
             generators = [generators[r] for r in rows]
@@ -105,4 +108,4 @@ def denoise(
     if num_steps in keep:
         trajectory[num_steps] = x.clone()
     stacked = torch.stack(log_probs, dim=1) if log_probs else x.new_zeros(batch, 0)
-    return DenoiseResult(latents=x, sigmas=sigmas, log_probs=stacked, trajectory=trajectory)
+    return DenoiseResult(latents=x, sigmas=sigmas, log_probs=stacked, trajectory=trajectory, rows=kept)

@@ -668,7 +668,10 @@ class Engine:
         )
         # Both queued before either is read back: the decode starts without waiting for the host.
         finite = torch.isfinite(result.latents).flatten(1).all(1)
-        images = family.decode(result.latents, plan.height, plan.width, **_frames(plan.num_frames)).cpu()
+        decode_cond = {}
+        if family.latents_need_conditioning:  # the conditioning of the rows the loop kept
+            decode_cond["cond"] = replace(cond, embeds=cond.embeds[torch.as_tensor(result.rows, device=cond.embeds.device)])
+        images = family.decode(result.latents, plan.height, plan.width, **_frames(plan.num_frames), **decode_cond).cpu()
         finite = finite.cpu()
         elapsed = time.perf_counter() - start
         peak_mb = _peak_memory_mb(device)

@@ -131,7 +131,8 @@ class FamilyAdapter(ABC):
     # `num_frames` in `encode_condition_images`, and the engine keys its cache of them by that size too.
     condition_images_need_size: bool = False
     # A family whose latent state depends on the request's conditioning (LTX-2 image to video: the first frame's
-    # tokens are left out of the state) gets the prompt's conditioning as `prepare_latents(..., cond=...)`.
+    # tokens are left out of the state) gets the prompt's conditioning as `prepare_latents(..., cond=...)`, and the
+    # conditioning of the rows decoded as `decode(..., cond=...)`.
     latents_need_conditioning: bool = False
     # A family whose prompt encoding reads the condition images (Qwen-Image-Edit: Qwen2.5-VL sees them) implements
     # `encode_prompts_with_images` instead of `condition_on_images`.

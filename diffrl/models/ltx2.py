@@ -422,8 +422,6 @@ class Ltx2Family(FamilyAdapter):
     # ---------------------------------------------------------------- the transformer
     def velocity(self, transformer, latents, sigma, cond, uncond, guidance_scale, **guidance_options):
         # The CFG combination works on x0 = x − σ·v, so it needs the latents too.
-        # Image to video: the conditioning of the last rows denoised, whose first frame `decode` puts back.
-        self._last_conditioning = cond.embeds
         return super().velocity(transformer, latents, sigma, cond, uncond, guidance_scale, x=latents.tokens,
                                 **guidance_options)
 
@@ -507,19 +505,16 @@ class Ltx2Family(FamilyAdapter):
 
     # ---------------------------------------------------------------- decoding
     def decode(self, latents: torch.Tensor, height: int, width: int, num_frames: int | None = None, *,
-               first_frame: torch.Tensor | None = None) -> torch.Tensor:
-        """Image to video: the generated tokens after the first frame's (`first_frame` `[B, S_frame, C]`, by default
-        those of the conditioning last denoised: the engine decodes right after its denoising loop, under its
-        model lock, and the loop's last forward had exactly the rows decoded)."""
+               cond: PromptEmbeds | None = None, first_frame: torch.Tensor | None = None) -> torch.Tensor:
+        """Image to video: the generated tokens after the first frame's: `first_frame` `[B, S_frame, C]`, or those in
+        `cond`, the decoded rows' conditioning (the engine passes it: `latents_need_conditioning`)."""
         g = self.geometry(height, width, num_frames)
         frame = (g.height // self.patch) * (g.width // self.patch)
         if latents.shape[1] == g.video_tokens - frame + g.audio_frames:  # image to video: the generated tokens only
-            if first_frame is None:
-                last = getattr(self, "_last_conditioning", None)
-                first_frame = None if last is None else self.first_frame_tokens(last)
-                if first_frame is None or first_frame.shape[1] != frame or len(first_frame) < len(latents):
-                    raise ValueError("image to video: decode needs the first frame's tokens (first_frame)")
-                first_frame = first_frame[len(first_frame) - len(latents):]  # CFG: unconditional rows first
+            if first_frame is None and cond is not None:
+                first_frame = self.first_frame_tokens(cond.embeds)
+            if first_frame is None or first_frame.shape[1] != frame or len(first_frame) != len(latents):
+                raise ValueError("image to video: decode needs each row's first-frame tokens (cond or first_frame)")
             latents = torch.cat([first_frame.to(latents), latents], dim=1)
         video = self._unpack_video(latents[:, :g.video_tokens].float(), g)
         shape = (1, -1, 1, 1, 1)
