@@ -70,7 +70,7 @@ def _run_per_sample_layers_row_by_row(transformer) -> None:
     """Sample k bit-identical in any batch, on CPU (docs/architecture.md, "Rollout contract"): the layers whose matmul
     row count is the batch size run one distinct row at a time: the timestep MLP, every block's AdaLN modulations and
     the output's (their input is the timestep embedding alone), and the text refiner's timestep and pooled-text MLPs
-    and its blocks' gates (their input differs per prompt)."""
+    and its blocks' gates (their input differs per prompt), the latents' patch embedding and the ByT5 projection."""
     embed_rows_one_at_a_time(transformer.time_embed.timestep_embedder)
     refiner = transformer.context_embedder
     embed_rows_one_at_a_time(refiner.time_text_embed.timestep_embedder)
@@ -81,6 +81,10 @@ def _run_per_sample_layers_row_by_row(transformer) -> None:
         embed_rows_one_at_a_time(block.norm1.linear)
         embed_rows_one_at_a_time(block.norm1_context.linear)
     embed_rows_one_at_a_time(transformer.norm_out.linear)
+    # Measured to round differently by batch size too, where a forward has few tokens per sample (a test's video): the
+    # latents' patch embedding (a Conv3d) and the ByT5 projection (its 2,048-wide MLP over the glyph tokens).
+    embed_rows_one_at_a_time(transformer.x_embedder, timestep=False)
+    embed_rows_one_at_a_time(transformer.context_embedder_2, timestep=False)
 
 
 def pack_text(text: torch.Tensor, mask: torch.Tensor, glyphs: torch.Tensor, glyph_mask: torch.Tensor) -> torch.Tensor:
