@@ -51,8 +51,8 @@ def tiny() -> HunyuanVideo15Sizes:
 
 
 def real() -> HunyuanVideo15Sizes:
-    """The transformer and VAE at their defaults; Qwen2.5-VL-7B's width (3,584) and ByT5-small's (1,472) with
-    2 layers each."""
+    """The transformer and VAE at their defaults (8.3 B); Qwen2.5-VL-7B's width (3,584) with 3 layers (the pipeline
+    reads the third-to-last hidden state) and ByT5's (1,472) with 2."""
     return HunyuanVideo15Sizes(transformer={"task_type": "t2v"}, text_hidden=3584, text_layers=3, text_heads=28,
                                byt5={"d_model": 1472, "d_kv": 64, "d_ff": 3584, "num_layers": 2, "num_heads": 6},
                                vae={})
