@@ -3,6 +3,8 @@ graph (gradients on for the trained parameters, outputs detached), so that compi
 rollout and its replay. Eager, both graphs give the same numbers; the graph with gradients must leave nothing
 behind (no parameter gradient, no autograd graph on what the engine returns)."""
 
+import shutil
+
 import pytest
 import torch
 
@@ -13,6 +15,8 @@ from diffrl.models.lora import LoraSpec, add_lora
 from diffrl.train.trainer import Trainer
 from test_trainer import tiny_config
 
+needs_compiler = pytest.mark.skipif(not (shutil.which("cc") or shutil.which("gcc")),
+                                    reason="inductor needs a C compiler on CPU")
 REQUEST = dict(prompt="a red circle", seed=5, num_outputs_per_prompt=3, num_inference_steps=3, guidance_scale=2.0,
                rollout=True, rollout_sde_step_indices=[0, 1], rollout_return_dit_trajectory=True)
 
@@ -67,3 +71,37 @@ def test_a_flow_grpo_run_sampling_in_the_training_graph_replays_its_rollout_exac
     record = trainer.rollout_and_update(0)
     assert record["train/log_prob_mean_abs_diff"] == 0.0 and record["train/first_pass_clipfrac"] == 0.0
     assert record["train/grad_norm"] > 0
+
+
+def _graphs_per_kind(family) -> dict[str, int]:
+    from torch._C._dynamo.eval_frame import _debug_get_cache_entry_list
+
+    return {kind: sum(len(_debug_get_cache_entry_list(code)) for code in codes)
+            for kind, codes in family.compiled_units().items()}
+
+
+@pytest.mark.parametrize("graph", ["training", pytest.param("inference", marks=pytest.mark.slow)])
+@needs_compiler
+def test_compiled_rollout_and_replay_share_their_graphs_only_in_the_training_graph(tiny_model_dir, tmp_path, graph):
+    """Compiled with `--engine-forward-graph training`, the blocks are compiled for every batch size from the first
+    call and the engine samples with gradients on: the trainer's replay, at another batch size, runs the graphs the
+    rollout compiled and compiles none of its own. Sampling without gradients, the replay compiles its own (the
+    graphs whose kernels drift apart on a GPU)."""
+    torch._dynamo.reset()
+    trainer = Trainer(tiny_config(tiny_model_dir, tmp_path / "run", use_lora=True, compile=True,
+                                  gradient_checkpointing=True, engine_forward_graph=graph, num_steps_per_rollout=1,
+                                  global_batch_size=6, micro_batch_size=4))
+    family, update = trainer.policy.family, trainer.update
+    after_rollout = {}
+
+    def counted_update(*args, **kwargs):
+        after_rollout.update(_graphs_per_kind(family))
+        return update(*args, **kwargs)
+
+    trainer.update = counted_update
+    record = trainer.rollout_and_update(0)
+    assert record["train/log_prob_mean_abs_diff"] == 0.0 and after_rollout
+    if graph == "training":
+        assert _graphs_per_kind(family) == after_rollout
+    else:
+        assert all(_graphs_per_kind(family)[kind] > n for kind, n in after_rollout.items())

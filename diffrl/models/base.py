@@ -450,10 +450,12 @@ class FamilyAdapter(ABC):
             for module in modules:
                 module.to("cpu")
 
-    def compile(self, *, mode: str | None = None, eager_numerics: bool = True) -> int:
-        """`--compile`: compile what the family's forward runs, regionally (`models/compile.py`): by default its
-        repeated blocks; returns how many. A family whose forward bypasses its blocks' calls compiles that too."""
-        return compile_blocks(self.transformer, self.block_lists, mode=mode, eager_numerics=eager_numerics)
+    def compile(self, *, mode: str | None = None, eager_numerics: bool = True, dynamic: bool = False) -> int:
+        """`--compile`: compile what the family's forward runs, regionally (`models/compile.py`; `dynamic`: symbolic
+        sizes from the first call): by default its repeated blocks; returns how many. A family whose forward
+        bypasses its blocks' calls compiles that too."""
+        return compile_blocks(self.transformer, self.block_lists, mode=mode, eager_numerics=eager_numerics,
+                              dynamic=dynamic)
 
     def compiled_units(self) -> dict[str, list]:
         """Per kind of compiled block, the code objects that dynamo's graphs for it are cached on (any one with

@@ -51,7 +51,7 @@ def check_compile_mode(mode: str | None) -> None:
 
 
 def compile_blocks(transformer: torch.nn.Module, block_lists: Sequence[str], *, mode: str | None = None,
-                   eager_numerics: bool = True) -> int:
+                   eager_numerics: bool = True, dynamic: bool = False) -> int:
     """Compile every block named by `block_lists` (see `repeated_blocks`) in `mode` (one of `COMPILE_MODES`;
     None: default); returns how many.
 
@@ -61,7 +61,11 @@ def compile_blocks(transformer: torch.nn.Module, block_lists: Sequence[str], *, 
     on SD3.5-M at 512² the first pass's mean |Δlogp| was 2.2e-4 (36% of pairs clipped at Flow-GRPO's clip
     range 1e-4) and 4.5e-5 with it (14%), for 7% of the training speed (BENCHMARKS.md). Eager: 1.6e-8. Those
     figures predate `compile_settings`: the setting then held only in the thread that compiled the blocks, not
-    in the engine's worker threads, and on a CPU the remaining drift (5.8e-5) went to exactly 0 once it did."""
+    in the engine's worker threads, and on a CPU the remaining drift (5.8e-5) went to exactly 0 once it did.
+
+    `dynamic`: every block's graph takes symbolic sizes from its first call (`torch.compile(dynamic=True)`), so a
+    rollout at one batch size and its replay at another run one graph; otherwise the first call's sizes are baked
+    in and the next batch size recompiles, with other kernels (BENCHMARKS.md, "Where a compiled replay parts")."""
     check_compile_mode(mode)
     require_compile_settings(dynamo={"recompile_limit": max(compile_setting("dynamo", "recompile_limit"), RECOMPILE_LIMIT)},
                              inductor={"emulate_precision_casts": eager_numerics})
@@ -69,7 +73,7 @@ def compile_blocks(transformer: torch.nn.Module, block_lists: Sequence[str], *, 
     if not blocks:
         raise ValueError(f"no blocks to compile under {list(block_lists)}")
     for block in blocks:
-        block.compile(mode=None if mode == "default" else mode)
+        block.compile(mode=None if mode == "default" else mode, dynamic=True if dynamic else None)
     return len(blocks)
 
 

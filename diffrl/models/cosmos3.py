@@ -189,13 +189,14 @@ class Cosmos3Family(FamilyAdapter):
         self.text_cache = TextPathwayCache()
         self.video_layer = _video_layer  # the video pathway's per-layer step; compiled by `compile`
 
-    def compile(self, *, mode: str | None = None, eager_numerics: bool = True) -> int:
+    def compile(self, *, mode: str | None = None, eager_numerics: bool = True, dynamic: bool = False) -> int:
         """The layers (the transformer's whole forward: under FSDP2, a full finetune, adapters on the text pathway)
         and the video pathway's per-layer step, which bypasses the layers' calls: one graph serves every layer, as
         one compiled block does (their parameters are graph inputs). The text pathway runs once per prompt and
         weights, eager."""
-        count = super().compile(mode=mode, eager_numerics=eager_numerics)
-        self.video_layer = torch.compile(_video_layer, mode=None if mode == "default" else mode)
+        count = super().compile(mode=mode, eager_numerics=eager_numerics, dynamic=dynamic)
+        self.video_layer = torch.compile(_video_layer, mode=None if mode == "default" else mode,
+                                         dynamic=True if dynamic else None)
         return count
 
     def compiled_units(self) -> dict[str, list]:

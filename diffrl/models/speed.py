@@ -78,9 +78,10 @@ class SpeedOptions:
                              "drop --fuse-qkv")
         return streams
 
-    def compile_family(self, family) -> int:
+    def compile_family(self, family, dynamic: bool = False) -> int:
         """Compile what the family's forward runs (`FamilyAdapter.compile`: its repeated blocks, and a pathway that
-        bypasses them) when `compile` is set; returns how many blocks (0 when not)."""
+        bypasses them; `dynamic`: symbolic sizes from the first call) when `compile` is set; returns how many blocks
+        (0 when not)."""
         if not self.compile:
             return 0
-        return family.compile(mode=self.compile_mode, eager_numerics=self.compile_eager_numerics)
+        return family.compile(mode=self.compile_mode, eager_numerics=self.compile_eager_numerics, dynamic=dynamic)

@@ -79,6 +79,19 @@ def engine_copy_dtype(choice: str, full_finetune: bool, bf16: bool, transformer:
     return None  # bf16: the weights as loaded for a bf16 forward (modules a checkpoint keeps in fp32 stay so)
 
 
+def in_process_forward_graph(cfg, several_processes: bool) -> str:
+    """The in-process engine's `EngineConfig.forward_graph` (--engine-forward-graph; auto: training when compiled
+    blocks would otherwise give the rollout and its replay different graphs that the loss compares: --compile, a
+    loss that replays rollout steps, gradient checkpointing, one process; see the flag's help)."""
+    choice = cfg.engine.engine_forward_graph
+    if choice != "auto":
+        return choice
+    m = cfg.model
+    replays = OBJECTIVES[cfg.algorithm.loss_type].replays_rollout_steps
+    compiled = m.speed_options().compile
+    return "training" if compiled and replays and m.gradient_checkpointing and not several_processes else "inference"
+
+
 class Policy:
     def __init__(self, cfg, family, parallel: Parallel, device: torch.device):
         m, a, o = cfg.model, cfg.algorithm, cfg.optim
@@ -121,9 +134,12 @@ class Policy:
                 kind = "float32" if dtype == torch.float32 else "bfloat16, as loaded"
                 print(f"engine copy of the transformer on each rank: {kind} (--engine-copy-dtype "
                       f"{cfg.engine.engine_copy_dtype})")
-        # Compiled after LoRA (it replaces layers inside the blocks), before FSDP2 shards them.
+        # Compiled after LoRA (it replaces layers inside the blocks), before FSDP2 shards them. An engine sampling in
+        # the trainer's graph gets it for every batch size from the start: the rollout's batch and the replay's
+        # micro-batch then share one graph, the first rollout included.
+        self.engine_forward_graph = in_process_forward_graph(cfg, parallel.enabled)
         for f in self.families():
-            speed.compile_family(f)
+            speed.compile_family(f, dynamic=self.engine_forward_graph == "training")
         if parallel.enabled:
             shard_transformer(transformer, family.block_lists, parallel.mesh,
                               dtype=None if m.use_lora else torch.float32)

@@ -46,7 +46,7 @@ from diffrl.train.config import TrainConfig
 from diffrl.train.engines import engine_spec
 from diffrl.train.metrics import MetricsLogger
 from diffrl.train.next_steps import next_commands
-from diffrl.train.objectives import OBJECTIVES, build_objective, rollout_conditioning
+from diffrl.train.objectives import build_objective, rollout_conditioning
 from diffrl.train.parallel import (
     Parallel,
     all_gather_rows,
@@ -230,7 +230,7 @@ class Trainer:
         (the in-process one still evaluates)."""
         e, r = self.cfg.engine, self.cfg.rollout
         spec = self._engine_spec(family)
-        spec = dataclasses.replace(spec, limits={**spec.limits, "forward_graph": self._local_forward_graph()})
+        spec = dataclasses.replace(spec, limits={**spec.limits, "forward_graph": self.policy.engine_forward_graph})
         engine = build_engine(spec, family=self.policy.engine_family)
         self.policy.local_engine = engine
         # The family decodes conditioning sent in sglang's format by a server that is not diffrl's.
@@ -248,17 +248,6 @@ class Trainer:
             r, reward_fn=reward_fn, engine_concurrency=e.engine_concurrency, reward_name=self.reward_name,
         )
         return engine, manager
-
-    def _local_forward_graph(self) -> str:
-        """The in-process engine's `forward_graph` (--engine-forward-graph; auto: see its help)."""
-        cfg = self.cfg
-        choice = cfg.engine.engine_forward_graph
-        if choice != "auto":
-            return choice
-        replays = OBJECTIVES[cfg.algorithm.loss_type].replays_rollout_steps
-        compiled = cfg.model.speed_options().compile
-        alone = not self.policy.parallel.enabled  # under torchrun the engine samples with a copy of its own
-        return "training" if compiled and replays and cfg.model.gradient_checkpointing and alone else "inference"
 
     def _engine_spec(self, family) -> EngineSpec:
         """What every engine of this run is built from: the in-process one (which samples with the policy's own
