@@ -60,6 +60,8 @@ def main(argv: list[str] | None = None) -> dict:
     parser.add_argument("--no-gradient-checkpointing", action="store_true")
     parser.add_argument("--engine-graph", choices=["inference", "training"], default="inference",
                         help="the engine's calls without gradients, or in the trainer's graph (--engine-forward-graph)")
+    parser.add_argument("--dynamic", action="store_true",
+                        help="blocks compiled for symbolic sizes from their first call (as --engine-forward-graph training)")
     parser.add_argument("--variant", action="append", default=[], help="NAME:SECTION.KEY=VALUE,...")
     parser.add_argument("--tiny", action="store_true", help="tiny random weights (a dry run)")
     parser.add_argument("--out", default=None)
@@ -128,11 +130,11 @@ def main(argv: list[str] | None = None) -> dict:
         return results
 
     report = {"family": args.family, "n": args.n, "micro_batch": args.micro_batch, "size": [height, width],
-              "engine_graph": args.engine_graph,
+              "engine_graph": args.engine_graph, "dynamic": args.dynamic,
               "gradient_checkpointing": not args.no_gradient_checkpointing, "ways": {}}
     print("eager", flush=True)
     report["ways"]["eager"] = ways()
-    family.compile()  # the family's own settings (eager's bf16 roundings), recorded for every thread
+    family.compile(dynamic=args.dynamic)  # the family's own settings (eager's bf16 roundings), recorded for every thread
     baseline = {section: dict(values) for section, values in _SETTINGS.items()}
     for name, settings in [("compiled", {"dynamo": {}, "inductor": {}}), *map(parse_variant, args.variant)]:
         torch._dynamo.reset()  # every variant compiles from scratch, under the baseline plus its own settings
