@@ -53,7 +53,7 @@ from diffrl.models.base import (
 )
 from diffrl.models.batch_invariance import embed_rows_one_at_a_time
 from diffrl.models.components import refuse_scheduler_options
-from diffrl.models.flux1 import UNSUPPORTED_SCHEDULER_OPTIONS, decode_packed, flux_sigmas, packed_noise
+from diffrl.models.flux1 import UNSUPPORTED_SCHEDULER_OPTIONS, Flux1Family, decode_packed, flux_sigmas, packed_noise
 
 
 @dataclass
@@ -80,12 +80,9 @@ class ChromaFamily(FamilyAdapter):
     default_guidance_scale = 5.0  # ChromaPipeline's default guidance_scale (real CFG)
     default_num_inference_steps = 35  # diffusers' ChromaPipeline default (sglang-diffusion has no Chroma)
     timestep_scale = 1000.0  # reported timesteps are the scheduler's (σ·1000); the transformer takes σ
-    # FLUX.1's LoRA targets (the same blocks): both streams' attention projections and MLPs of the double blocks;
-    # peft matches by suffix, so `attn.to_q/k/v` also cover the single blocks' attention.
-    lora_target_modules = ("attn.to_k", "attn.to_q", "attn.to_v", "attn.to_out.0", "attn.add_k_proj",
-                           "attn.add_q_proj", "attn.add_v_proj", "attn.to_add_out", "ff.net.0.proj", "ff.net.2",
-                           "ff_context.net.0.proj", "ff_context.net.2")
-    block_lists = ("transformer_blocks", "single_transformer_blocks")
+    # FLUX.1's blocks under the same names, so FLUX.1's LoRA targets and block lists.
+    lora_target_modules = Flux1Family.lora_target_modules
+    block_lists = Flux1Family.block_lists
     components = (
         Component("transformer", "diffusers:ChromaTransformer2DModel"),
         Component("vae", "diffusers:AutoencoderKL"),
