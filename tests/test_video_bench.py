@@ -38,7 +38,9 @@ def _run(script, tmp_path, recipe, *extra):
     return json.loads(out.read_text())
 
 
-@pytest.mark.parametrize("recipe", sorted(TINY))
+# LTX-2.3's run (about 2 minutes on 2 cores) is the costly one: its recipe runs in tests/test_ltx2.py by default.
+@pytest.mark.parametrize("recipe", [pytest.param(r, marks=pytest.mark.slow) if r.startswith("ltx") else r
+                                    for r in sorted(TINY)])
 def test_a_video_recipe_runs_end_to_end_at_tiny_size(recipe_runs, tmp_path, recipe):
     report = _run(recipe_runs, tmp_path, recipe)
     rows = report["rollouts"]
