@@ -489,6 +489,14 @@ def wire_text_tokens(kwargs: dict) -> torch.Tensor:
     return torch.cat(parts).float() if len(parts) > 1 else parts[0].float()
 
 
+def require_frame_multiple(label: str, step: int, num_frames: int, note: str = "") -> None:
+    """A `RequestError` on `num_frames` unless it is `step`·k + 1 (a video VAE's temporal compression keeps the first
+    frame and packs `step` frames per latent frame); `label` names the model, `note` ends the list of examples."""
+    if num_frames < 1 or (num_frames - 1) % step:
+        raise RequestError("num_frames", f"num_frames={num_frames}: {label} needs {step}k + 1 frames (1, {step + 1}, "
+                                         f"{2 * step + 1}, …{note})")
+
+
 def require_pixel_multiple(label: str, step: int, **sizes: int) -> None:
     """A `RequestError` naming the first of `sizes` (height=…, width=…) that is not a positive multiple of
     `step` pixels; `label` names the model in the message."""

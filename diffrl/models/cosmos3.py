@@ -62,7 +62,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from diffrl.errors import ModelLoadError, RequestError
+from diffrl.errors import ModelLoadError
 from diffrl.models.base import (
     Component,
     FamilyAdapter,
@@ -70,6 +70,7 @@ from diffrl.models.base import (
     PromptEmbeds,
     read_json,
     register_family,
+    require_frame_multiple,
     require_pixel_multiple,
 )
 from diffrl.models.components import (
@@ -267,10 +268,7 @@ class Cosmos3Family(FamilyAdapter):
     def check_size(self, height: int, width: int, num_frames: int | None = None) -> None:
         require_pixel_multiple("Cosmos3", self.vae_scale_spatial, height=height, width=width)
         if num_frames is not None:
-            t = self.vae_scale_temporal
-            if num_frames < 1 or (num_frames - 1) % t:
-                raise RequestError("num_frames", f"num_frames={num_frames}: Cosmos3 needs {t}k + 1 frames (1, "
-                                                 f"{t + 1}, {2 * t + 1}, …; 1 is an image)")
+            require_frame_multiple("Cosmos3", self.vae_scale_temporal, num_frames, note="; 1 is an image")
 
     def sigmas(self, num_steps: int, height: int, width: int, num_frames: int | None = None) -> torch.Tensor:
         scheduler = copy.deepcopy(self.scheduler)  # set_timesteps changes the scheduler's state

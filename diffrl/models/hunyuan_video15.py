@@ -37,7 +37,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from diffrl.errors import ModelLoadError, RequestError
+from diffrl.errors import ModelLoadError
 from diffrl.models.base import (
     Component,
     FamilyAdapter,
@@ -45,6 +45,7 @@ from diffrl.models.base import (
     PromptEmbeds,
     read_json,
     register_family,
+    require_frame_multiple,
     require_pixel_multiple,
     wire_text_tokens,
 )
@@ -221,10 +222,7 @@ class HunyuanVideo15Family(FamilyAdapter):
     def check_size(self, height: int, width: int, num_frames: int | None = None) -> None:
         require_pixel_multiple("HunyuanVideo 1.5", self.pixels_per_token, height=height, width=width)
         if num_frames is not None:
-            t = self.vae_scale_temporal
-            if num_frames < 1 or (num_frames - 1) % t:
-                raise RequestError("num_frames", f"num_frames={num_frames}: HunyuanVideo 1.5 needs {t}k + 1 frames "
-                                                 f"(1, {t + 1}, {2 * t + 1}, …)")
+            require_frame_multiple("HunyuanVideo 1.5", self.vae_scale_temporal, num_frames)
 
     def sigmas(self, num_steps: int, height: int, width: int, num_frames: int | None = None) -> torch.Tensor:
         scheduler = copy.deepcopy(self.scheduler)  # set_timesteps changes the scheduler's state

@@ -77,6 +77,7 @@ from diffrl.models.base import (
     PromptEmbeds,
     read_json,
     register_family,
+    require_frame_multiple,
     require_pixel_multiple,
     wire_text_tokens,
 )
@@ -274,9 +275,7 @@ class Ltx2Family(FamilyAdapter):
                                              f"needs at least {2 * self.spatial_ratio} pixels")
         if num_frames is not None:
             t = self.temporal_ratio
-            if num_frames < 1 or (num_frames - 1) % t:
-                raise RequestError("num_frames", f"num_frames={num_frames}: LTX-2 needs {t}k + 1 frames (1, {t + 1}, "
-                                                 f"{2 * t + 1}, …)")
+            require_frame_multiple("LTX-2", t, num_frames)
             if ((num_frames - 1) // t + 1) % self.patch_t:
                 raise RequestError("num_frames", f"num_frames={num_frames}: the latent frames do not fill the "
                                                  f"temporal patch {self.patch_t}")

@@ -69,6 +69,7 @@ from diffrl.models.base import (
     Latents,
     PromptEmbeds,
     register_family,
+    require_frame_multiple,
     require_pixel_multiple,
     wire_text_tokens,
 )
@@ -314,10 +315,7 @@ class Wan22Family(FamilyAdapter):
                 raise RequestError(name, f"{name}={value}: more patches than the model's rotary table "
                                          f"({self.expert_config.rope_max_seq_len})")
         if num_frames is not None:
-            t = self.vae_scale_temporal
-            if num_frames < 1 or (num_frames - 1) % t:
-                raise RequestError("num_frames", f"num_frames={num_frames}: Wan needs {t}k + 1 frames (1, {t + 1}, "
-                                                 f"{2 * t + 1}, …)")
+            require_frame_multiple("Wan", self.vae_scale_temporal, num_frames)
             latent, p_t = self._latent_frames(num_frames), self.expert_config.patch_size[0]
             if latent % p_t or latent // p_t > self.expert_config.rope_max_seq_len:
                 raise RequestError("num_frames", f"num_frames={num_frames}: {latent} latent frames do not fit the "
