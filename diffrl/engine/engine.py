@@ -107,7 +107,6 @@ class EngineConfig:
     Costs the checkpointed blocks' inputs while a step runs; eager gives the same numbers either way."""
 
 
-
 INT64_MAX = 2**63 - 1  # weight versions travel as int64 (msgpack, JSON clients)
 
 
@@ -670,7 +669,8 @@ class Engine:
         finite = torch.isfinite(result.latents).flatten(1).all(1)
         decode_cond = {}
         if family.latents_need_conditioning:  # the conditioning of the rows the loop kept
-            decode_cond["cond"] = replace(cond, embeds=cond.embeds[torch.as_tensor(result.rows, device=cond.embeds.device)])
+            kept = torch.as_tensor(result.rows, device=cond.embeds.device)
+            decode_cond["cond"] = replace(cond, embeds=cond.embeds[kept])
         images = family.decode(result.latents, plan.height, plan.width, **_frames(plan.num_frames), **decode_cond).cpu()
         finite = finite.cpu()
         elapsed = time.perf_counter() - start
