@@ -3,20 +3,18 @@ graph (gradients on for the trained parameters, outputs detached), so that compi
 rollout and its replay. Eager, both graphs give the same numbers; the graph with gradients must leave nothing
 behind (no parameter gradient, no autograd graph on what the engine returns)."""
 
-import shutil
-
 import pytest
 import torch
 
 from diffrl.engine.engine import Engine, EngineConfig
 from diffrl.engine.protocol import RolloutRequest
 from diffrl.models.base import repeated_blocks
+from diffrl.models.compile import cached_graphs
 from diffrl.models.lora import LoraSpec, add_lora
 from diffrl.train.trainer import Trainer
+from test_compile import needs_compiler
 from test_trainer import tiny_config
 
-needs_compiler = pytest.mark.skipif(not (shutil.which("cc") or shutil.which("gcc")),
-                                    reason="inductor needs a C compiler on CPU")
 REQUEST = dict(prompt="a red circle", seed=5, num_outputs_per_prompt=3, num_inference_steps=3, guidance_scale=2.0,
                rollout=True, rollout_sde_step_indices=[0, 1], rollout_return_dit_trajectory=True)
 
@@ -74,10 +72,7 @@ def test_a_flow_grpo_run_sampling_in_the_training_graph_replays_its_rollout_exac
 
 
 def _graphs_per_kind(family) -> dict[str, int]:
-    from torch._C._dynamo.eval_frame import _debug_get_cache_entry_list
-
-    return {kind: sum(len(_debug_get_cache_entry_list(code)) for code in codes)
-            for kind, codes in family.compiled_units().items()}
+    return {kind: sum(counts) for kind, counts in cached_graphs(family).items()}
 
 
 @pytest.mark.parametrize("graph", ["training", pytest.param("inference", marks=pytest.mark.slow)])

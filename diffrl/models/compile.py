@@ -77,23 +77,26 @@ def compile_blocks(transformer: torch.nn.Module, block_lists: Sequence[str], *, 
     return len(blocks)
 
 
+def cached_graphs(family) -> dict[str, list[int]]:
+    """Per kind of compiled block (`family.compiled_units()`), how many graphs dynamo holds on each of its code
+    objects (graphs are cached on code objects, shared by a class's instances)."""
+    from torch._C._dynamo.eval_frame import _debug_get_cache_entry_list
+
+    return {name: [len(_debug_get_cache_entry_list(code)) for code in codes]
+            for name, codes in family.compiled_units().items()}
+
+
 def block_kinds_at_recompile_limit(family) -> list[str]:
     """The kinds of compiled block (`family.compiled_units()`) whose dynamo cache is full: a call whose shapes or
     state no cached graph accepts then runs eager, silently, for the rest of the process. Checked after each update,
     because a run meets new shapes late (a prompt's text length, a smaller last microgroup)."""
-    from torch._C._dynamo.eval_frame import _debug_get_cache_entry_list
-
     limit = compile_setting("dynamo", "recompile_limit")
-    return sorted(name for name, codes in family.compiled_units().items()
-                  if any(len(_debug_get_cache_entry_list(code)) >= limit for code in codes))
+    return sorted(name for name, counts in cached_graphs(family).items() if any(n >= limit for n in counts))
 
 
 def uncompiled_block_kinds(family) -> list[str]:
     """The kinds of compiled block (`family.compiled_units()`) for which dynamo holds no graph, once every block has
     run at least once: those run eager, silently. Dynamo skips a compiled module for good when its first call comes
     under a dispatch mode (a FLOP counter, a profiler's mode), which once left benchmark runs that asked for
-    --compile eager (BENCHMARKS.md, FLUX 3). Graphs are cached on code objects, shared by a class's instances."""
-    from torch._C._dynamo.eval_frame import _debug_get_cache_entry_list
-
-    return sorted(name for name, codes in family.compiled_units().items()
-                  if not any(_debug_get_cache_entry_list(code) for code in codes))
+    --compile eager (BENCHMARKS.md, FLUX 3)."""
+    return sorted(name for name, counts in cached_graphs(family).items() if not any(counts))
