@@ -347,11 +347,18 @@ _EDIT_CPU = dict(_EDIT, diffusion_num_steps=4, num_rollout=22, rollout_batch_siz
                  rollout_microgroup_size=8, global_batch_size=48, num_steps_per_rollout=1, micro_batch_size=48,
                  eval_interval=22, eval_images_per_category=8, checkpoint_interval=11)
 
+# On a GPU the SD3.5 recipes compile their blocks with gradient checkpointing, so the in-process engine samples in
+# the trainer's own compiled graph (--engine-forward-graph auto → training): on one H100, 0.558 s per sample against
+# 0.83 eager, first-pass |Δ log p| 1.6e-8 and clipfrac 0 (BENCHMARKS.md, "One compiled graph for the rollout and
+# its replay"). --no-compile or --no-gradient-checkpointing gives the eager or the faster but drifting setting back.
+_SD3_GPU = dict(compile=True, gradient_checkpointing=True)
+
 SIZED: dict[str, dict[str, dict]] = {
-    "sd3-grpo": {"gpu": _SD3_GRPO, "cpu": _SD3_GRPO},  # a real checkpoint has no CPU size
-    "sd35-grpo-ocr": {"gpu": (_ocr := dict(_SD35_GRPO, reward="ocr", diffusion_kl_beta=0.04)), "cpu": _ocr},
-    "sd35-grpo-pickscore": {"gpu": (_pick := dict(_SD35_GRPO, reward="pickscore", diffusion_kl_beta=0.01)),
-                            "cpu": _pick},
+    "sd3-grpo": {"gpu": dict(_SD3_GRPO, **_SD3_GPU), "cpu": _SD3_GRPO},  # a real checkpoint has no CPU size
+    "sd35-grpo-ocr": {"gpu": dict(_ocr := dict(_SD35_GRPO, reward="ocr", diffusion_kl_beta=0.04), **_SD3_GPU),
+                      "cpu": _ocr},
+    "sd35-grpo-pickscore": {"gpu": dict(_pick := dict(_SD35_GRPO, reward="pickscore", diffusion_kl_beta=0.01),
+                                        **_SD3_GPU), "cpu": _pick},
     # Compiled on a GPU: 1.19 s per sample against 1.79 eager on one H200, first-pass |Δ log p| 1.5e-6 (eager 1e-6 to
     # 1.4e-5); the first two rollouts pay the compilation, the second for the prompts' new text length
     # (BENCHMARKS.md, "Qwen-Image, LTX-2.3 and Cosmos3: compiled and larger micro-batches").

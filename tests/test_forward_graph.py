@@ -100,3 +100,19 @@ def test_compiled_rollout_and_replay_share_their_graphs_only_in_the_training_gra
         assert _graphs_per_kind(family) == after_rollout
     else:
         assert all(_graphs_per_kind(family)[kind] > n for kind, n in after_rollout.items())
+
+
+def test_every_compiled_gpu_recipe_that_replays_its_rollout_samples_in_the_training_graph():
+    """A GPU recipe that compiles and whose loss compares the trainer's log-prob with the rollout's must resolve
+    --engine-forward-graph auto to the trainer's graph: otherwise its first pass clips on compiler rounding."""
+    from diffrl.train.objectives import OBJECTIVES
+    from diffrl.recipes import recipe_config, recipe_names
+    from diffrl.train.policy import in_process_forward_graph
+
+    compiled = {}
+    for name in recipe_names():
+        cfg = recipe_config(name, "cuda")
+        if cfg.model.compile and OBJECTIVES[cfg.algorithm.loss_type].replays_rollout_steps:
+            compiled[name] = in_process_forward_graph(cfg, several_processes=False)
+    assert {"sd3-grpo", "sd35-grpo-pickscore", "flux3-klein-grpo-hps"} <= set(compiled)
+    assert {name for name, graph in compiled.items() if graph != "training"} == set()

@@ -35,6 +35,9 @@ GPU_SPEED = {
     "qwen-image-grpo-pickscore": {"compile": True},
     "flux3-klein-nft-pickscore": {"compile": True},
     "flux3-klein-grpo-hps": {"compile": True},
+    # compiled with gradient checkpointing: the engine samples in the trainer's graph (exact first pass)
+    "sd35-grpo-ocr": {"compile": True},
+    "sd35-grpo-pickscore": {"compile": True},
 }
 # video recipe → (frames, SDE type, noise level, SDE step strategy, frames the reward sees)
 VIDEO = {
