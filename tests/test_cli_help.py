@@ -87,6 +87,54 @@ def test_train_help_with_a_config_file_loads_no_torch(tmp_path):
     assert _loaded_by(["train", "--config", str(tmp_path / "run.yaml"), "--help"]) == []
 
 
+@pytest.mark.parametrize("argv", [["train", "--recipe", "sd3-grpo", "--help"],
+                                  ["train", "--recipe", "shapes-nft", "--device", "cpu", "--help"],
+                                  ["bench-train", "--recipe", "shapes-grpo", "--help"]])
+def test_help_with_a_recipe_loads_no_torch(argv):
+    """The recipe's size (GPU or CPU) for --device auto comes from a look at the driver's files, not from
+    torch.cuda.is_available(): importing torch made `diffrl train --recipe NAME --help` take ~2 s instead of ~0.5."""
+    assert _loaded_by(argv) == []
+
+
+def test_help_shows_the_recipe_size_a_run_on_that_device_would_use(monkeypatch):
+    from diffrl.cli import main as cli
+    from diffrl.recipes import SIZED, recipe_config
+
+    for name in SIZED:
+        for device in ("cpu", "cuda", "cuda:1"):
+            assert cli._recipe_for_help(name, device, "diffrl train")[0] == recipe_config(name, device), (name, device)
+        for seen, device in ((True, "cuda"), (False, "cpu")):
+            monkeypatch.setattr(cli, "cuda_device_seen", lambda seen=seen: (seen, "as the test says"))
+            shown, note = cli._recipe_for_help(name, "auto", "diffrl train")
+            assert shown == recipe_config(name, device), (name, device)
+            if SIZED[name]["gpu"] != SIZED[name]["cpu"]:  # the note names the size shown and how to see the other
+                size, other, flag = ("GPU", "CPU", "--device cpu") if seen else ("CPU", "GPU", "--device cuda")
+                assert f"defaults below are its {size} size" in note and "as the test says" in note
+                assert f"diffrl train --recipe {name} {flag} --help` shows its {other} size" in note
+            else:  # one size: nothing to explain
+                assert note == ""
+
+
+def test_sd3_grpo_help_names_the_size_it_shows(capsys, monkeypatch):
+    from diffrl.cli import main as cli
+
+    monkeypatch.setattr(cli, "cuda_device_seen", lambda: (True, "/dev/nvidia0 exists"))
+    with pytest.raises(SystemExit):
+        main(["train", "--recipe", "sd3-grpo", "--help"])
+    out = " ".join(capsys.readouterr().out.split())
+    assert "The defaults below are its GPU size: --device auto, and a CUDA device seems present: /dev/nvidia0" in out
+    assert "--recipe sd3-grpo --device cpu --help` shows its CPU size" in out
+    assert "differ in --compile, --gradient-checkpointing" in out
+
+
+@pytest.mark.parametrize("visible", ["", "-1", " -1,0", "none"])
+def test_cuda_visible_devices_hiding_every_device_means_none(monkeypatch, visible):
+    from diffrl.cli.main import cuda_device_seen
+
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", visible)
+    assert cuda_device_seen() == (False, f"CUDA_VISIBLE_DEVICES={visible!r} hides every device")
+
+
 def test_every_subcommand_is_checked():
     assert sorted(_subcommands()) == sorted(CHECKED)
 

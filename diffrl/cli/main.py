@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import dataclasses
 import importlib
+import inspect
 import json
 import os
 import sys
@@ -209,15 +210,70 @@ def read_config_file(path: Path) -> dict:
         raise ValueError(f"--config {path}: not valid JSON ({err}); YAML files end in .yaml or .yml") from None
 
 
-def _train_defaults(args: list[str]) -> TrainConfig:
+def cuda_device_seen() -> tuple[bool, str]:
+    """Whether this machine looks as if it has a CUDA device, and what says so, without importing torch (about 1.5 s
+    of a 2 s `diffrl train --recipe NAME --help`). A guess for the help text alone: the driver's device files can
+    exist where torch finds no usable device, so a run asks `torch.cuda.is_available()` instead."""
+    visible = os.environ.get("CUDA_VISIBLE_DEVICES")
+    if visible is not None:
+        first = visible.split(",")[0].strip()
+        # CUDA reads the list up to its first invalid entry: empty, -1 or junk first hides every device
+        if not (first.isdigit() or first.startswith(("GPU-", "MIG-"))):
+            return False, f"CUDA_VISIBLE_DEVICES={visible!r} hides every device"
+    gpus = Path("/proc/driver/nvidia/gpus")
+    if gpus.is_dir() and any(gpus.iterdir()):
+        return True, f"the NVIDIA driver lists a GPU in {gpus}"
+    nodes = sorted(p.name for p in Path("/dev").glob("nvidia[0-9]*"))
+    if nodes:
+        return True, f"/dev/{nodes[0]} exists"
+    return False, "neither /proc/driver/nvidia/gpus nor /dev/nvidia0 exists"
+
+
+def _asks_for_help(args: list[str]) -> bool:
+    return any(arg in ("-h", "--help") for arg in args)
+
+
+def _recipe_for_help(name: str, device: str, prog: str) -> tuple[TrainConfig, str]:
+    """The recipe's values for `--help` without torch, and a note saying which of its sizes they are and how to see
+    the other. The run itself sizes the recipe with `recipe_config` (torch's answer for --device auto)."""
+    # deferred: the recipes and the config tree (numpy); `diffrl --help`, `recipes` and `rewards` answer without them
+    from diffrl.recipes import SIZED, recipe_config
+    from diffrl.train.config import TrainConfig
+
+    if name.endswith("-gpu") or name not in SIZED:  # one size, or an unknown name's error: neither needs torch
+        return recipe_config(name, device), ""
+    sizes = SIZED[name]
+    if sizes["gpu"] == sizes["cpu"]:
+        return TrainConfig.flat(recipe=name, **sizes["gpu"]), ""
+    if device == "auto":
+        cuda, evidence = cuda_device_seen()
+        why = (f"--device auto, and {'a' if cuda else 'no'} CUDA device seems present: {evidence}. That check reads "
+               f"the driver's files, not torch, and serves this help alone; a run asks torch.cuda.is_available()")
+    else:
+        cuda, why = device.startswith("cuda"), f"--device {device}"
+    size, other = ("GPU", "CPU") if cuda else ("CPU", "GPU")
+    gpu, cpu = sizes["gpu"], sizes["cpu"]
+    differ = sorted(k for k in {*gpu, *cpu} if k not in gpu or k not in cpu or gpu[k] != cpu[k])
+    note = (f"--recipe {name} has a GPU size and a CPU size. The defaults below are its {size} size: {why}. "
+            f"`{prog} --recipe {name} --device {'cuda' if other == 'GPU' else 'cpu'} --help` shows its {other} size. "
+            f"The two sizes differ in {', '.join('--' + k.replace('_', '-') for k in differ)}.")
+    return TrainConfig.flat(recipe=name, **sizes[size.lower()]), note
+
+
+def _train_defaults(args: list[str], prog: str = "diffrl train") -> tuple[TrainConfig, str]:
     """What the flags of `diffrl train` apply to: a recipe's values, then a --config file's (or, for `--resume` of a
-    run folder holding a config.json, the run's own settings), so the flags given override both."""
+    run folder holding a config.json, the run's own settings), so the flags given override both; and, for --help, a
+    note saying which size of the recipe those values are ("" when there is nothing to say)."""
     # deferred: the recipes and the config tree (numpy); `diffrl --help`, `recipes` and `rewards` answer without them
     from diffrl.recipes import recipe_config
     from diffrl.train.config import TrainConfig
 
     args, config_file = _take_flag(args, "--config", with_value=True)
-    default = recipe_config(_flag_value(args, "--recipe"), _flag_value(args, "--device") or "auto")
+    recipe, device, note = _flag_value(args, "--recipe"), _flag_value(args, "--device") or "auto", ""
+    if recipe is not None and _asks_for_help(args):
+        default, note = _recipe_for_help(recipe, device, prog)
+    else:
+        default = recipe_config(recipe, device)
     output_dir = _flag_value(args, "--output-dir")
     if config_file is None and "--resume" in args and output_dir and (Path(output_dir) / "config.json").is_file():
         config_file = Path(output_dir) / "config.json"
@@ -228,7 +284,7 @@ def _train_defaults(args: list[str]) -> TrainConfig:
             settings = settings.replace(output_dir=None, resume=False)
         built_in = TrainConfig().as_flat_dict()
         default = default.replace(**{k: v for k, v in settings.as_flat_dict().items() if v != built_in[k]})
-    return _size_from_flags(default, args)
+    return _size_from_flags(default, args), note
 
 
 def parse(argv: list[str]):
@@ -242,16 +298,19 @@ def parse(argv: list[str]):
     if argv[:1] in (["train"], ["bench-train"]):
         miles = translate(argv[1:])
         args, print_config = _take_flag(published_spellings(miles.args), "--print-config", with_value=False)
-        default = _train_defaults(args)
+        default, size_note = _train_defaults(args, f"diffrl {argv[0]}")
         args, _ = _take_flag(args, "--config", with_value=True)
         if argv[0] == "bench-train":
             # `train`'s flags, its defaults but a short run, and the benchmark's own
+            description = "\n\n".join(filter(None, [inspect.cleandoc(BenchTrainConfig.__doc__), size_note]))
             config = tyro.cli(BenchTrainConfig, default=BenchTrainConfig(train=default.replace(**BENCH_TRAIN_DEFAULTS)),
-                              args=args, prog="diffrl bench-train", config=(tyro.conf.OmitArgPrefixes,))
+                              args=args, prog="diffrl bench-train", config=(tyro.conf.OmitArgPrefixes,),
+                              description=description)
             refuse_other_objectives_flags(args, config.train.algorithm.loss_type)
             return config
         config = tyro.cli(TrainConfig, default=default, args=args, prog="diffrl train",
-                          config=(tyro.conf.OmitArgPrefixes,), description=TRAIN_DESCRIPTION)
+                          config=(tyro.conf.OmitArgPrefixes,),
+                          description="\n\n".join(filter(None, [TRAIN_DESCRIPTION, size_note])))
         refuse_other_objectives_flags(args, config.algorithm.loss_type)
         if print_config:
             print(json.dumps({"tree": dataclasses.asdict(config), "flags": config.as_flat_dict()}, default=str, indent=2))
