@@ -7,3 +7,13 @@ their depth does not change what a benchmark of sampling and training measures),
 and returns its path. The demo model is built in memory instead (`demo.random_family(sizes)`;
 `family.save(path)` writes it).
 """
+
+import torch
+
+
+@torch.no_grad()
+def fill_normal_(param: torch.Tensor, std: float, generator: torch.Generator) -> None:
+    """Fill `param` with N(0, std²) drawn by the CPU `generator` and copied to wherever `param` lives: the same
+    seed gives the same weights whether the checkpoint is built on the CPU or a GPU (a CPU generator cannot draw
+    into a CUDA tensor, and a CUDA generator would draw other numbers)."""
+    param.copy_(torch.randn(param.shape, generator=generator, device="cpu", dtype=torch.float32).mul_(std))

@@ -11,7 +11,7 @@ from pathlib import Path
 import torch
 
 from diffrl.models.krea2 import Krea2Family
-from diffrl.models.random_checkpoints import qwen_vl
+from diffrl.models.random_checkpoints import fill_normal_, qwen_vl
 from diffrl.models.random_checkpoints.tokenizers import build_qwen_word_tokenizer
 
 # Words of Krea 2's prompt template and of the tests' prompts (cased as the template writes them).
@@ -81,17 +81,18 @@ def save_random_checkpoint(path: str | Path, sizes: Krea2Sizes | None = None, *,
             vision_config=qwen_vl.vision_config(sizes.text_hidden, deepstack_visual_indexes=[0])))
         z_dim = sizes.vae.get("z_dim", 16)
         generator = torch.Generator().manual_seed(seed)
-        latents_mean = (0.5 * torch.randn(z_dim, generator=generator)).tolist()
-        latents_std = (0.5 + 1.5 * torch.rand(z_dim, generator=generator)).tolist()
+        # Drawn on the CPU (the generator's device) whatever `device` builds the modules.
+        latents_mean = (0.5 * torch.randn(z_dim, generator=generator, device="cpu")).tolist()
+        latents_std = (0.5 + 1.5 * torch.rand(z_dim, generator=generator, device="cpu")).tolist()
         vae = AutoencoderKLQwenImage(latents_mean=latents_mean, latents_std=latents_std, **sizes.vae)
         transformer = Krea2Transformer2DModel(in_channels=4 * z_dim, text_hidden_dim=sizes.text_hidden,
                                               num_text_layers=len(sizes.select_layers), **sizes.transformer)
         with torch.no_grad():  # at init the tables and norm scales are zeros; the text's effect is then faint
             for name, p in transformer.named_parameters():
                 if name.endswith("scale_shift_table"):
-                    p.normal_(0, 1.0, generator=generator)
+                    fill_normal_(p, 1.0, generator)
                 elif "norm" in name:
-                    p.normal_(0, 0.1, generator=generator)
+                    fill_normal_(p, 0.1, generator)
     for module, folder in ((transformer, "transformer"), (vae, "vae"), (text_encoder, "text_encoder")):
         (module if dtype == torch.float32 else module.to(dtype)).save_pretrained(path / folder, safe_serialization=True)
     tokenizer.save_pretrained(path / "tokenizer")

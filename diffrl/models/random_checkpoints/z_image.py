@@ -10,6 +10,7 @@ from pathlib import Path
 
 import torch
 
+from diffrl.models.random_checkpoints import fill_normal_
 from diffrl.models.random_checkpoints.tokenizers import build_chat_tokenizer
 from diffrl.models.z_image import ZImageFamily
 
@@ -74,7 +75,7 @@ def save_random_checkpoint(path: str | Path, sizes: ZImageSizes | None = None, *
         with torch.no_grad():  # zeros at init: the pad tokens would all look alike
             for name, p in transformer.named_parameters():
                 if name.endswith("pad_token"):
-                    p.normal_(0, 1.0, generator=generator)
+                    fill_normal_(p, 1.0, generator)
     for module, folder in ((transformer, "transformer"), (vae, "vae"), (text_encoder, "text_encoder")):
         (module if dtype == torch.float32 else module.to(dtype)).save_pretrained(path / folder, safe_serialization=True)
     tokenizer.save_pretrained(path / "tokenizer")
