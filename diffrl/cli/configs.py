@@ -137,6 +137,8 @@ class CompareConfig:
     num_frames: int | None = None
     """With --prompt-data, video families: frames per sample (default: the family's)."""
     batch_size: int = 16
+    """With --prompt-data: images sampled, and scored by --reward (and --eval-reward), per batch (memory, not
+    results); the shapes world samples 64 at a time."""
     num_prompts: int | None = None
     """The first N prompts (default: every prompt of --prompt-data; the shapes world: --images-per-category)."""
     num_seeds: int | None = None
@@ -166,7 +168,6 @@ class CompareConfig:
     already holds results is refused unless --overwrite is given."""
     overwrite: bool = False
     """Replace the results already in --output-dir."""
-    """Where the report and the side-by-side grid go."""
 
 
 @dataclass
@@ -174,7 +175,9 @@ class BenchConfig:
     model_path: Path | None = None
     """Local diffusers-format model directory (default: the shipped demo model)."""
     diffusion_model_family: str | None = None
+    """The model family (sd3, flux3_image, wan2_2, …); default: detected from the model folder."""
     device: str = "auto"
+    """Where the model runs: auto (CUDA when present), cpu, cuda, cuda:N."""
     dtype: str = "bfloat16"
     """Weights' dtype for the benchmark (float32 or bfloat16)."""
     resolution: int | None = None
@@ -182,6 +185,7 @@ class BenchConfig:
     height: int | None = None
     """With --width, instead of --resolution: a size that is not square (e.g. video at 512 × 768)."""
     width: int | None = None
+    """With --height: the width in pixels."""
     num_frames: int | None = None
     """Video families: frames per sample (None: the family's default); refused for image families."""
     n: int = 16
@@ -189,6 +193,8 @@ class BenchConfig:
     ms: tuple[int, ...] = (1, 8, 16)
     """Microgroup sizes to time the group at."""
     steps: int = 10
+    """Denoising steps of each timed sample: the engine's requests and the reference pipeline's calls (the
+    transformer-alone figures are per step, the VAE's per image)."""
     guidance_scale: float | None = None
     """None: the family's default."""
     repeats: int = 2

@@ -64,6 +64,7 @@ class ServeConfig:
     max_weights_bytes: int | None = None
     """Largest /update_weights body (default: 8 bytes per transformer element, plus header room)."""
     max_prompt_chars: int = 16384
+    """Longest `prompt` or `negative_prompt` of a request (characters; tokenizers truncate far below it anyway)."""
     max_output_steps: int = 4096
     """Largest num_outputs_per_prompt × num_inference_steps of one request."""
     max_num_frames: int = 1025
@@ -76,8 +77,12 @@ class ServeConfig:
     request_timeout_s: float = 600.0
     """A request still unanswered this long after it arrived is abandoned (HTTP 503)."""
     max_guidance_scale: float = 100.0
+    """Largest `guidance_scale`, `guidance_scale_2` or `true_cfg_scale` of a request (each must lie in 0 … this)."""
     max_noise_level: float = 10.0
+    """Largest `rollout_noise_level` (the SDE steps' noise) of a request (it must lie in 0 … this)."""
     max_lora_rank: int = 256
+    """Largest rank of the LoRA adapter a POST /lora_adapter may install (a pushing trainer's --lora-rank); above
+    it, HTTP 400."""
     max_pending_requests: int = 1024
     """Requests in flight (waiting or running); more get HTTP 429."""
     worker_threads: int = 4

@@ -23,40 +23,66 @@ class PretrainConfig:
     """Optimizer steps: 2,000 by default; with --max-minutes and no --steps, as many as the time allows
     (the step budget would otherwise end a time-boxed run early)."""
     batch_size: int = 64
+    """Rendered (prompt, image) pairs per optimizer step."""
     lr: float = 3e-4
+    """AdamW's peak learning rate (transformer and text encoder): reached after --warmup-steps, then cosine-decayed
+    to 0.1 × lr by the end of the run (its steps or, with --max-minutes, its time, whichever is further along)."""
     warmup_steps: int = 200
+    """Optimizer steps of linear learning-rate warm-up from lr / warmup-steps to --lr (0: none)."""
     weight_decay: float = 0.0
+    """AdamW's decoupled weight decay."""
     grad_clip: float = 1.0
+    """Largest global L2 norm of the gradients (transformer and text encoder together); larger ones are scaled
+    down to it."""
     ema_decay: float = 0.999
+    """Decay of the weights' EMA, per step (early steps use less: min(decay, (1 + step) / (10 + step))). The EMA is
+    what is saved (checkpoints' model/, final/) and what draws the sample grids."""
     cfg_dropout: float = 0.1
     """Fraction of prompts replaced by "" (trains the unconditional branch for CFG)."""
     seed: int = 0
+    """Seeds the random initial weights (without --init-from or --resume), the rendered training scenes, and the
+    timesteps, noise and CFG dropout drawn each step."""
     device: str = "auto"
+    """Where the model trains: auto (CUDA when present), cpu, cuda, cuda:N."""
     bf16: bool = True
     """bf16 autocast on CUDA; fp32 master weights."""
     num_workers: int = -1
     """Render workers; -1 = one per CPU core minus one."""
     log_every: int = 50
+    """Every N optimizer steps: a metrics.jsonl row (loss, gradient norm, learning rate, samples per second)."""
     checkpoint_every: int = 1000
+    """Every N optimizer steps: a checkpoint (checkpoints/step-N: the EMA model/ and train_state.pt) and its sample
+    grid (samples/step-N.png); the run's end writes one more."""
     max_minutes: float | None = None
     """Stop (and checkpoint) after this much wall-clock training time."""
     resume: bool = False
+    """Continue --output-dir from its newest checkpoint (weights, optimizer, EMA, step); the model's size is the
+    checkpoint's. Without it, an --output-dir that is not empty is refused."""
     init_from: Path | None = None
     """Start from a saved demo model directory (its weights and size) instead of random weights."""
     compile: bool = False
     """torch.compile the transformer (CUDA; falls back to eager where dynamo cannot compile)."""
     # Model size (the shipped demo model uses these defaults).
+    # With --resume or --init-from the size is the loaded model's: a size flag that differs is refused.
     num_attention_heads: int = 4
+    """Attention heads of the transformer (its width: heads × --attention-head-dim)."""
     attention_head_dim: int = 32
+    """Width of each attention head; a multiple of 4 (the four RoPE axes share it)."""
     num_layers: int = 2
+    """Per-mode transformer blocks: a stack for each kind of token (text, image, condition image), each attending
+    within its own tokens (0: none)."""
     num_single_layers: int = 6
+    """Joint transformer blocks after the per-mode ones, over the text and image tokens together."""
     text_d_model: int = 128
+    """Width of the text encoder (a small T5; its feed-forward is twice this)."""
     patch_size: int | None = None
     """Pixels per side of an image token; None: 4, the shipped model's (the OCR world at 8: 192 tokens instead of 768,
     about 4× cheaper a step and the model 4× coarser)."""
     # Sample grid after each checkpoint.
     sample_steps: int = 10
+    """ODE steps of each sample in the checkpoints' sample grids."""
     sample_guidance_scale: float = 3.0
+    """CFG scale of the checkpoints' sample grids (and of the shapes-edit scores in metrics.jsonl)."""
     sample_edits_per_kind: int = 6
     """--world shapes-edit: held-out edits of each kind in each checkpoint's grid (strictly verified; the scores
     go to metrics.jsonl)."""
