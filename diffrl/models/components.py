@@ -78,13 +78,11 @@ def checkpoint_root(model_path: str | Path) -> Path:
 
 
 # Demo models the recipes name before they are built here: folder → (what it is, its script, its doc).
-_UNBUILT = {"demo-ocr": ("the OCR demo model", "pretrain_ocr.sh", "ocr-world.md"),
-            "demo-shapes-edit": ("the editing demo model", "pretrain_edit.sh", "editing-world.md")}
+_UNBUILT = {"demo-ocr": ("the OCR demo model", "pretrain_ocr.sh", "ocr-world.md")}
 
 
 def unbuilt_hint(root: Path) -> str:
-    """For a demo model's folder before it is built (the ocr-* and shapes-edit-* recipes' default): how to build it;
-    else ''."""
+    """For a demo model's folder before it is built (the ocr-* recipes' default): how to build it; else ''."""
     if root.name not in _UNBUILT or root.parent.name != "assets":
         return ""
     what, script, doc = _UNBUILT[root.name]
