@@ -1,12 +1,13 @@
 """The image-to-video recipes (issue 44): `wan22-i2v-grpo-pickscore` and `ltx23-i2v-grpo-pickscore` resolve to the
 settings they cite, run two rollouts on the CPU (their CPU variants, shrunk by flags) on a tiny random checkpoint of
 their image-to-video mode with a `.jsonl` set of first frames, where the reward sees each prompt's own first frame,
-and stop in one line where a checkpoint or a prompt set cannot give image to video."""
+and stop at start-up in one line, naming the prompt file's row, where a checkpoint or a prompt set cannot give image
+to video (a row without a first frame under an image-to-video run, a first frame on a text-to-video checkpoint)."""
 
-import dataclasses
 import io
 import json
 from pathlib import Path
+from types import SimpleNamespace
 
 import numpy as np
 import pytest
@@ -16,6 +17,7 @@ from PIL import Image
 from diffrl.cli.main import main as cli_main
 from diffrl.cli.main import parse
 from diffrl.data.condition_images import CONDITION_IMAGES_KEY
+from diffrl.models.random_checkpoints.ltx2 import save_random_checkpoint as save_ltx_checkpoint
 from diffrl.models.random_checkpoints.wan2_2 import save_random_checkpoint as save_wan_checkpoint
 from diffrl.recipes import recipe_config
 from family_checks import save_ltx2_i2v_checkpoint, write_conditioned_prompt_set
@@ -124,27 +126,110 @@ def test_the_recipes_have_the_settings_they_cite():
         assert wan.task.reward_frames is None  # PickScore's mean over every frame
         ltx, t2v = recipe_config("ltx23-i2v-grpo-pickscore", device), recipe_config("ltx23-grpo-pickscore", "cpu")
         ltx.check()
-        assert dataclasses.replace(ltx, recipe=None) == dataclasses.replace(t2v, recipe=None)
+        # Text to video's settings; only the rows' first frames (and the run's saying it needs them) differ.
+        assert ltx.replace(recipe=None, condition_images="auto") == t2v.replace(recipe=None)
         r = ltx.rollout
         assert (r.diffusion_sde_type, r.diffusion_guidance_scale, r.rollout_microgroup_size) == ("cps", 1.0, 1)
 
 
 def test_a_text_to_video_only_checkpoint_or_a_set_without_first_frames_stops_in_one_line(wan_i2v_dir, ltx_i2v_dir,
                                                                                        tmp_path, capsys):
-    """wan22-i2v on a Wan2.2 text-to-video checkpoint (no image conditioning): refused in one line, as an editing
-    recipe on a text-to-image checkpoint. A prompt set without first frames on an image-to-video checkpoint: the
-    same."""
+    """wan22-i2v on a Wan2.2 text-to-video checkpoint (no image conditioning): refused in one line naming the file's
+    first row with a first frame, as an editing recipe on a text-to-image checkpoint. A .txt prompt set (text only)
+    on an image-to-video checkpoint: the same, naming its first line and the .jsonl layout to write. Neither writes
+    the run folder: both are refused at start-up, not at the first rollout."""
     prompts, _ = _first_frames(tmp_path / "data", (20, 36))
     t2v_dir = save_wan_checkpoint(tmp_path / "wan2.2-t2v-tiny")
     code, err = _train(capsys, "wan22-i2v-grpo-pickscore", t2v_dir, prompts, tmp_path / "t2v", WAN_SIZE)
-    assert code == 2 and _one_error_line(err) == ("error: image_path: the wan2_2 family is text-to-video only; "
-                                                  "image conditioning is refused")
+    assert code == 2 and _one_error_line(err) == (
+        f"error: prompt data {prompts}:1: this row names a condition image (a.png), but the wan2_2 checkpoint at "
+        "--model-path is text-to-video only and takes none; drop the row's image/images key, or train a checkpoint "
+        "that takes condition images")
+    assert not (tmp_path / "t2v").exists()
     text_only = tmp_path / "text.txt"
     text_only.write_text("\n".join(PROMPTS) + "\n")
-    for recipe, model_dir, size in (("wan22-i2v-grpo-pickscore", wan_i2v_dir, WAN_SIZE),
-                                    ("ltx23-i2v-grpo-pickscore", ltx_i2v_dir, LTX_SIZE)):
-        code, err = _train(capsys, recipe, model_dir, text_only, tmp_path / recipe, size)
-        assert code == 2 and _one_error_line(err).startswith("error: image_path: "), err
+    for recipe, model_dir, size, family in (("wan22-i2v-grpo-pickscore", wan_i2v_dir, WAN_SIZE, "wan2_2"),
+                                            ("ltx23-i2v-grpo-pickscore", ltx_i2v_dir, LTX_SIZE, "ltx2")):
+        # auto: what the checkpoint says (the run's own --condition-images required: the next test)
+        code, err = _train(capsys, recipe, model_dir, text_only, tmp_path / recipe,
+                           [*size, "--condition-images", "auto"])
+        assert code == 2 and _one_error_line(err).startswith(
+            f"error: prompt data {text_only}:1: this row has no condition image, and the {family} checkpoint at "
+            "--model-path is image to video and cannot run without one; a .txt prompt file holds text only: write "
+            "the prompts as a .jsonl file"), err
+        assert not (tmp_path / recipe).exists()
+
+
+def _second_row_without_a_frame(folder: Path) -> Path:
+    """A .jsonl set whose first row names its first frame and whose second does not."""
+    folder.mkdir(parents=True)
+    (folder / "a.png").write_bytes(png(0, (60, 100)))
+    path = folder / "i2v.jsonl"
+    path.write_text(json.dumps({"prompt": PROMPTS[0], "image": "a.png"}) + "\n\n"
+                    + json.dumps({"prompt": PROMPTS[1]}) + "\n")
+    return path
+
+
+@pytest.mark.parametrize("checkpoint", ["ltx-t2v", "wan-i2v"])
+def test_an_image_to_video_run_refuses_a_row_without_a_first_frame_naming_it(checkpoint, wan_i2v_dir, tmp_path,
+                                                                            capsys):
+    """Issue 44: a row without a first frame under an image-to-video run stops it at start-up in one line naming
+    the file, the row's line (a blank line counts) and the key to add; the run folder is never made. On LTX-2's
+    text-to-video checkpoint (LTX2Pipeline: it takes a first frame but does not need one) the run says it is image
+    to video by --condition-images required, and is refused before the model loads; on a Wan2.2 I2V checkpoint
+    the checkpoint says so."""
+    prompts = _second_row_without_a_frame(tmp_path / "data")
+    if checkpoint == "ltx-t2v":
+        model_dir = save_ltx_checkpoint(tmp_path / "ltx-2.3-tiny")
+        recipe, size, why = ("ltx23-i2v-grpo-pickscore", [*LTX_SIZE, "--condition-images", "required"],
+                             "the run needs one in every row (--condition-images required, as the image-to-video "
+                             "recipes set)")
+        what = "its condition image"
+    else:
+        model_dir, recipe, size = wan_i2v_dir, "wan22-i2v-grpo-pickscore", [*WAN_SIZE, "--condition-images", "auto"]
+        why = "the wan2_2 checkpoint at --model-path is image to video and cannot run without one"
+        what = "its first frame"
+    code, err = _train(capsys, recipe, model_dir, prompts, tmp_path / "run", size)
+    assert code == 2 and _one_error_line(err) == (
+        f'error: prompt data {prompts}:3: this row has no condition image, and {why}; add an "image" key naming '
+        f"{what}, a path relative to {prompts.parent} (or to its images/ folder)")
+    assert not (tmp_path / "run").exists()
+    if checkpoint == "ltx-t2v":  # the same rows, each with its first frame, train under --condition-images required
+        prompts, _ = _first_frames(tmp_path / "framed", (60, 100))
+        code, err = _train(capsys, recipe, model_dir, prompts, tmp_path / "run", size)
+        assert code == 0, err
+        trained = [json.loads(line) for line in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
+        assert len([r for r in trained if "train/loss" in r]) == 2
+        assert json.loads((tmp_path / "run" / "config.json").read_text())["flags"]["condition_images"] == "required"
+
+
+def test_held_out_rows_and_too_many_condition_images_are_refused_at_start_up(tmp_path):
+    """The held-out rows a run evaluates are checked as the training rows; a row with more condition images than
+    the checkpoint takes (LTX-2: one first frame) is refused naming it; --condition-images required needs rows."""
+    from diffrl.tasks import build_task
+
+    train, _ = _first_frames(tmp_path / "train", (20, 36))
+    held_out = tmp_path / "held_out.jsonl"
+    held_out.write_text(json.dumps({"prompt": "a held-out cat", "image": "train/a.png"}) + "\n"
+                        + json.dumps({"prompt": "a held-out dog"}) + "\n")
+    flags = ["train", "--prompt-data", str(train), "--eval-prompt-data", str(held_out), "--eval-num-prompts", "2",
+             "--reward", "test_i2v_recipes:brightness_seeing_the_first_frame"]
+    with pytest.raises(ValueError, match=rf"^prompt data {held_out}:2: this row has no condition image, and the run "):
+        build_task(parse([*flags, "--condition-images", "required"]))
+    task = build_task(parse(flags))  # auto: what the checkpoint needs
+    ltx = SimpleNamespace(name="ltx2", generates_video=True, requires_image_conditioning=False,
+                          accepts_image_conditioning=True, max_condition_images=1)
+    task.check_family(ltx)  # takes a first frame, needs none: both rows pass
+    with pytest.raises(ValueError, match=rf"^prompt data {held_out}:2: this row has no condition image, and the "
+                                         "ltx2 checkpoint at --model-path is image to video and cannot"):
+        task.check_family(SimpleNamespace(**{**vars(ltx), "requires_image_conditioning": True}))
+    two = tmp_path / "two.jsonl"
+    two.write_text(json.dumps({"prompt": "a cat", "images": ["train/a.png", "train/images/b.png"]}) + "\n")
+    with pytest.raises(ValueError, match=rf"^prompt data {two}:1: this row names 2 condition images; the ltx2 "
+                                         "checkpoint at --model-path takes at most 1$"):
+        build_task(parse(["train", "--prompt-data", str(two), "--reward", flags[-1]])).check_family(ltx)
+    with pytest.raises(ValueError, match="--condition-images required checks the rows of --prompt-data"):
+        build_task(parse(["train", "--condition-images", "required"]))
 
 
 def test_the_recipes_parse_with_a_checkpoint_and_prompt_set(wan_i2v_dir, tmp_path):

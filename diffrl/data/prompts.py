@@ -42,6 +42,9 @@ class PromptRecord:
     metadata: dict = field(default_factory=dict)
     images: tuple[ConditionImage, ...] = ()
     """The prompt's condition images (an edit's source), in the row's order; () for text-only prompts."""
+    line: int | None = field(default=None, compare=False)
+    """The line of its prompt file (from 1), for errors that name a row; None when not read from a file. Not part of
+    the record's identity: the same prompt moved to another line is the same prompt."""
 
 
 def load_prompts(path: str | Path, split: Split = "train", input_key: str = DEFAULT_INPUT_KEY) -> list[PromptRecord]:
@@ -50,7 +53,8 @@ def load_prompts(path: str | Path, split: Split = "train", input_key: str = DEFA
     if path.suffix == ".jsonl":
         records = _read_jsonl(path, input_key)
     elif path.suffix == ".txt":
-        records = [PromptRecord(line.strip()) for line in _read_lines(path) if line.strip()]
+        records = [PromptRecord(line.strip(), line=number)
+                   for number, line in enumerate(_read_lines(path), start=1) if line.strip()]
     else:
         raise ValueError(f"prompt data {path}: expected a .txt file (one prompt per line), a .jsonl file "
                          "or a directory holding train.txt/test.txt or train_metadata.jsonl/test_metadata.jsonl")
@@ -118,7 +122,7 @@ def _read_jsonl(path: Path, input_key: str) -> list[PromptRecord]:
             raise ValueError(f"prompt data {path}:{number}: metadata key {taken[0]!r} is set by diffrl for each "
                              "sample (keys it sets: " + ", ".join(SAMPLE_KEYS) + "); rename it in the file")
         images = row_images(row, path.parent, f"prompt data {path}:{number}")
-        records.append(PromptRecord(prompt, row, images))
+        records.append(PromptRecord(prompt, row, images, number))
     return records
 
 

@@ -24,4 +24,8 @@ def build_task(cfg) -> Task:
         return PromptSetTask(cfg.task, cfg.eval, settings, seed=cfg.seed)
     if cfg.task.world == "shapes-edit":
         return ShapesEditTask(cfg.task, cfg.eval, settings, seed=cfg.seed)
+    # Here, not in the config's check: an image-to-video recipe that sets it is checked alone, without --prompt-data.
+    if cfg.task.condition_images == "required":
+        raise ValueError("--condition-images required checks the rows of --prompt-data; the shapes world's prompts are "
+                         "text only (pass --prompt-data FILE.jsonl whose rows name their condition images)")
     return ShapesTask(cfg.task, cfg.eval, settings, seed=cfg.seed)

@@ -12,6 +12,7 @@ from __future__ import annotations
 import re
 from collections import defaultdict
 from collections.abc import Sequence
+from pathlib import Path
 
 import numpy as np
 
@@ -36,6 +37,16 @@ def reward_identity(spec: str) -> str:
 
 def kind_of(record: PromptRecord) -> str | None:
     return next((record.metadata[k] for k in KIND_KEYS if isinstance(record.metadata.get(k), str)), None)
+
+
+def _first_row(sources, predicate) -> tuple[Path, PromptRecord] | None:
+    """The first record (with its file) of `sources` (file, records) that `predicate` holds for; None when none."""
+    return next(((file, r) for file, records in sources for r in records if predicate(r)), None)
+
+
+def _row(file: Path, record: PromptRecord) -> str:
+    """How errors name a prompt's row, as the prompt loader does: `prompt data FILE:LINE`."""
+    return f"prompt data {file}" + (f":{record.line}" if record.line is not None else "")
 
 
 class PromptSetTask:
@@ -69,9 +80,15 @@ class PromptSetTask:
             self.eval_records = records[: eval_cfg.eval_num_prompts]
             self.eval_fingerprint = fingerprint(records)
         files = {f"--prompt-data {path}": prompt_file(path, "train")}
+        # Each file read with the records taken from it: what the condition-image checks walk, naming file and row.
+        self.sources = [(files[f"--prompt-data {path}"], self.train.records)]
         if self.eval_records:
             files[self.eval_source] = prompt_file(held_out or path, "test")
+            self.sources.append((files[self.eval_source], self.eval_records))
         check_input_key(task_cfg.input_key, files)
+        if task_cfg.condition_images == "required":  # known from the flags: refused before the model loads
+            self._require_condition_images("the run needs one in every row (--condition-images required, as the "
+                                           "image-to-video recipes set)", "its condition image")
         self.evaluates = bool(self.eval_records)
         # Said once at the start of a run: a single file trains without a held-out evaluation, which a user
         # asking for --eval-interval would otherwise only notice by its absence.
@@ -86,7 +103,40 @@ class PromptSetTask:
                           f"--eval-reward {self.judge}: prompt data {held_out or path} (held-out prompts)")
 
     def check_family(self, family) -> None:
-        pass  # rewards score video as the mean over its frames
+        """Rows whose condition images the checkpoint cannot take, refused before anything is written: the engine
+        would refuse them only at the first rollout, and a checkpoint that takes a first frame without needing one
+        (LTX-2) would train text to video on a row without (`--condition-images required` guards that). Rewards
+        score video as the mean over its frames, so nothing else is refused."""
+        checkpoint = f"the {family.name} checkpoint at --model-path"
+        if family.requires_image_conditioning:
+            need = "image to video" if family.generates_video else "image editing"
+            self._require_condition_images(f"{checkpoint} is {need} and cannot run without one",
+                                           "its first frame" if family.generates_video else "its source image")
+        found = _first_row(self.sources, lambda r: len(r.images) > family.max_condition_images)
+        if found is None:
+            return
+        count = len(found[1].images)
+        if not family.accepts_image_conditioning:
+            media = "video" if family.generates_video else "image"
+            raise ValueError(f"{_row(*found)}: this row names a condition image ({found[1].images[0].path.name}), "
+                             f"but {checkpoint} is text-to-{media} only and takes none; drop the row's image/images "
+                             "key, or train a checkpoint that takes condition images")
+        raise ValueError(f"{_row(*found)}: this row names {count} condition images; {checkpoint} takes at most "
+                         f"{family.max_condition_images}")
+
+    def _require_condition_images(self, why: str, what: str) -> None:
+        """A ValueError naming the first row (of the training file, then of the held-out one) without a condition
+        image: `why` says what needs one, `what` what to name under `image`."""
+        found = _first_row(self.sources, lambda r: not r.images)
+        if found is None:
+            return
+        file = found[0]
+        if file.suffix == ".txt":
+            fix = ("a .txt prompt file holds text only: write the prompts as a .jsonl file, one "
+                   '{"prompt": ..., "image": PATH} object per line, each PATH relative to the file\'s folder')
+        else:
+            fix = f'add an "image" key naming {what}, a path relative to {file.parent} (or to its images/ folder)'
+        raise ValueError(f"{_row(*found)}: this row has no condition image, and {why}; {fix}")
 
     def draw(self, k: int, batch: int) -> list[PromptRecord]:
         return self.train.take(batch)

@@ -411,6 +411,14 @@ class TaskConfig:
     """Without --prompt-data: the shapes world (text to image), or its editing world (shapes-edit: an instruction and
     its rendered source scene per prompt, for an image-conditioned family, judged by --reward shapes_edit or
     shapes_edit_strict; docs/editing-world.md)."""
+    condition_images: Literal["auto", "required"] = "auto"
+    """Whether every prompt must carry a condition image (image to video's first frame, an edit's source).
+    required: every row of --prompt-data (and of the held-out prompts evaluated) names one under `image` or
+    `images`, else the run stops at start-up naming the file and the first row without one; what an
+    image-to-video recipe sets, as a checkpoint that also makes video from text alone (LTX-2) would otherwise
+    train text to video on such rows. auto: what the checkpoint needs (one that cannot run without a condition
+    image, e.g. Wan2.2 I2V, requires one in every row the same way). Either way a row with more condition images
+    than the checkpoint takes (any, on a text-only one) is refused at start-up."""
     train_categories: tuple[str, ...] = ()
     """Shapes categories to draw train prompts from (default: all six)."""
     category_sampling: Literal["uniform", "adaptive"] = "uniform"
