@@ -67,6 +67,7 @@ def _import_builtin_families() -> None:
     import diffrl.models.hunyuan_video15  # noqa: F401
     import diffrl.models.krea2  # noqa: F401
     import diffrl.models.ltx2  # noqa: F401
+    import diffrl.models.lumina2  # noqa: F401
     import diffrl.models.qwen_image  # noqa: F401
     import diffrl.models.sd3  # noqa: F401
     import diffrl.models.wan2_2  # noqa: F401
