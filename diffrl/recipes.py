@@ -167,7 +167,7 @@ _WAN22_I2V_GRPO = dict(_WAN22_GRPO, num_frames=5, diffusion_num_steps=8, eval_nu
                        diffusion_adv_clip_max=5.0, diffusion_kl_beta=0.0, rollout_batch_size=48,
                        n_samples_per_prompt=16, rollout_microgroup_size=8, global_batch_size=384,
                        num_steps_per_rollout=2, micro_batch_size=1, lr=1e-4, grad_clip=1.0, num_rollout=300,
-                       eval_interval=20, checkpoint_interval=20)
+                       eval_interval=20, checkpoint_interval=20, condition_images="required")
 # Flow-GRPO image to video on LTX-2.3 with PickScore: ltx23-grpo-pickscore's settings (miles_diffusion's LTX-2.3
 # run, above: 57 frames of 512 × 768, 24 steps, CPS at noise 0.8 on 3 steps drawn from steps 0-9, CFG 1, 8 × 8,
 # microgroup 1, PickScore on 3 frames), the first frame from each row: on LTX2ImageToVideoPipeline's checkpoint or
@@ -176,7 +176,7 @@ _WAN22_I2V_GRPO = dict(_WAN22_GRPO, num_frames=5, diffusion_num_steps=8, eval_nu
 # rather than PickScore, with Flow-SDE steps, and its authors mark it not fully tested. On a GPU as published too: the
 # text-to-video recipe's GPU batching and compilation (8 videos per request, micro-batches of 4, compiled) are
 # measured for text to video only; `--rollout-microgroup-size 8 --micro-batch-size 4 --compile` asks for them.
-_LTX23_I2V_GRPO = dict(_LTX23_GRPO)
+_LTX23_I2V_GRPO = dict(_LTX23_GRPO, condition_images="required")
 
 # Flow-GRPO on Cosmos3 with PickScore, text-to-image: radixark/miles_diffusion's
 # scripts/run_diffusion_grpo_cosmos3_pickscore_t2i_4gpu.py (Cosmos3-Nano, LoRA on the generation tower): one frame
@@ -229,7 +229,8 @@ _QWEN_EDIT_GRPO = dict(_QWEN_GRPO, resolution=384, diffusion_noise_level=1.0, di
                        diffusion_num_sde_steps=1, globalize_reward_std=False, diffusion_adv_clip_max=5.0,
                        diffusion_kl_beta=0.0, rollout_batch_size=48, n_samples_per_prompt=16,
                        rollout_microgroup_size=16, global_batch_size=384, micro_batch_size=1, grad_clip=1.0,
-                       eval_num_steps=40, num_rollout=300, eval_interval=30, checkpoint_interval=30)
+                       eval_num_steps=40, num_rollout=300, eval_interval=30, checkpoint_interval=30,
+                       condition_images="required")
 
 # Flow-GRPO on FLUX.1 Kontext (instruction editing; --prompt-data rows name each edit's source under `image`) with
 # PickScore: X-GenGroup/Flow-Factory's examples/grpo/lora/flux1_kontext/default.yaml: 384² outputs from 384² sources
@@ -247,7 +248,7 @@ _FLUX1_KONTEXT_GRPO = dict(diffusion_model_family="flux1", loss_type="flow_grpo"
                            rollout_microgroup_size=16, global_batch_size=384, num_steps_per_rollout=2,
                            micro_batch_size=1, lr=3e-4, adam_beta2=0.999, weight_decay=1e-4, grad_clip=1.0,
                            mixed_precision="bf16", gradient_checkpointing=True, num_rollout=300, eval_interval=30,
-                           checkpoint_interval=30, eval_images_per_category=0)
+                           checkpoint_interval=30, eval_images_per_category=0, condition_images="required")
 
 # Flow-GRPO on Z-Image with PickScore: X-GenGroup/Flow-Factory's examples/grpo/lora/z_image/default.yaml: 512², 10
 # steps with CFG g = 4 in Z-Image's form (our scale s = g + 1 = 5), SDE at noise 0.7 on one step drawn per rollout
@@ -302,7 +303,8 @@ _FLUX2_DEV_GRPO = dict(_FLUX2_KLEIN_GRPO, resolution=512, diffusion_num_steps=8,
 # alone; everything else as the t2i recipe above. Its sources are resized to at most 384² (512² to evaluate): resize
 # them beforehand, the engine takes a reference at its own size (downscaled only above 1024², as the pipeline).
 # Flow-Factory has no FLUX.2 [klein] editing example: the klein recipes apply to an editing prompt set as they are.
-_FLUX2_DEV_EDIT_GRPO = dict(_FLUX2_DEV_GRPO, resolution=384, diffusion_num_steps=10, eval_num_steps=28)
+_FLUX2_DEV_EDIT_GRPO = dict(_FLUX2_DEV_GRPO, resolution=384, diffusion_num_steps=10, eval_num_steps=28,
+                            condition_images="required")
 # DiffusionNFT on FLUX.2 [klein] base with PickScore (examples/nft/lora/flux2_klein_base/default.yaml): 384², 8-step
 # ODE rollouts with CFG 4 under the EMA old policy (ramp 0.001 up to 0.5, no flat rollouts), NFT β 0.1, advantage
 # clip 5, 48 prompts × 16 samples in one optimizer step, LoRA r64/α128, lr 1e-4, AdamW β2 0.999, weight decay 1e-4,
@@ -368,6 +370,12 @@ SIZED: dict[str, dict[str, dict]] = {
     # 2.95 eager, first-pass |Δ log p| 3.7e-7; NFT 6.93 s against 10.4 (BENCHMARKS.md, "FLUX 3 Klein at 1024²,
     # compiled"). The first rollout pays the compilation (about a minute).
     "flux3-klein-nft-pickscore": {"gpu": dict(_FLUX3_NFT, compile=True), "cpu": _FLUX3_NFT},
+    # FLUX 3 Image Klein's own editing mode (its transformer's reference images): the family's NFT recipe above on a
+    # prompt set whose rows name their sources (`image`/`images`); no peer publishes FLUX 3 editing settings. The
+    # peers' NFT editing run (Flow-Factory's examples/nft/lora/flux1_kontext/rational_rewards_edit.yaml) judges edits
+    # with a VLM: pass --reward vlm@URL for that; PickScore judges the output alone, not whether the edit was done.
+    "flux3-klein-edit-nft-pickscore": {"gpu": dict(_FLUX3_NFT, compile=True, condition_images="required"),
+                                       "cpu": dict(_FLUX3_NFT, condition_images="required")},
     "flux3-klein-grpo-hps": {"gpu": dict(_FLUX3_GRPO, compile=True), "cpu": _FLUX3_GRPO},
     "flux1-grpo-pickscore": {"gpu": _FLUX1_GRPO, "cpu": _FLUX1_GRPO},
     "flux1-kontext-grpo-pickscore": {"gpu": _FLUX1_KONTEXT_GRPO, "cpu": _FLUX1_KONTEXT_GRPO},
@@ -447,6 +455,8 @@ RECIPE_SUMMARIES = {
     "qwen-image-grpo-pickscore": "Flow-GRPO on Qwen-Image with PickScore (flow_grpo's pickscore_qwenimage)",
     "flux3-klein-nft-pickscore": "DiffusionNFT on FLUX 3 Klein with PickScore",
     "flux3-klein-grpo-hps": "Flow-GRPO on FLUX 3 Klein with HPSv2",
+    "flux3-klein-edit-nft-pickscore": "DiffusionNFT editing on FLUX 3 Image Klein's reference mode with PickScore "
+                                      "(the family's NFT recipe; rows name their sources)",
     "flux1-grpo-pickscore": "Flow-GRPO on FLUX.1 [dev] with PickScore (flow_grpo's pickscore_flux)",
     "flux1-kontext-grpo-pickscore": "Flow-GRPO editing on FLUX.1 Kontext with PickScore (Flow-Factory's example)",
     "qwen-image-edit-grpo-pickscore": "Flow-GRPO editing on Qwen-Image-Edit Plus with PickScore (Flow-Factory's example)",

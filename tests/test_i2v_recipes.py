@@ -130,6 +130,22 @@ def test_the_recipes_have_the_settings_they_cite():
         assert ltx.replace(recipe=None, condition_images="auto") == t2v.replace(recipe=None)
         r = ltx.rollout
         assert (r.diffusion_sde_type, r.diffusion_guidance_scale, r.rollout_microgroup_size) == ("cps", 1.0, 1)
+        assert wan.task.condition_images == ltx.task.condition_images == "required"
+
+
+def test_every_image_conditioned_real_model_recipe_requires_condition_images():
+    """An editing or image-to-video recipe on rows without sources would train text-to-image (or -video) on a
+    checkpoint that can do both: each says it needs a condition image in every row, on both sizes."""
+    from diffrl.recipes import recipe_names
+
+    conditioned = [n for n in recipe_names() if any(k in n for k in ("edit", "i2v", "kontext"))
+                   and not n.startswith("shapes-") and not n.endswith(("-gpu", "-cpu"))]
+    assert {"wan22-i2v-grpo-pickscore", "ltx23-i2v-grpo-pickscore", "flux1-kontext-grpo-pickscore",
+            "qwen-image-edit-grpo-pickscore", "flux2-dev-edit-grpo-pickscore",
+            "flux3-klein-edit-nft-pickscore"} <= set(conditioned)
+    for name in conditioned:
+        for device in ("cpu", "cuda"):
+            assert recipe_config(name, device).task.condition_images == "required", (name, device)
 
 
 def test_a_text_to_video_only_checkpoint_or_a_set_without_first_frames_stops_in_one_line(wan_i2v_dir, ltx_i2v_dir,
