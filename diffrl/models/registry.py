@@ -69,6 +69,7 @@ def _import_builtin_families() -> None:
     import diffrl.models.ltx2  # noqa: F401
     import diffrl.models.lumina2  # noqa: F401
     import diffrl.models.qwen_image  # noqa: F401
+    import diffrl.models.sana  # noqa: F401
     import diffrl.models.sd3  # noqa: F401
     import diffrl.models.wan2_2  # noqa: F401
     import diffrl.models.z_image  # noqa: F401
