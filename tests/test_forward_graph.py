@@ -53,13 +53,51 @@ def test_an_unknown_forward_graph_is_refused(tiny_family):
     (dict(compile=True, gradient_checkpointing=True), "training"),  # Flow-GRPO replays its steps
     (dict(compile=True, gradient_checkpointing=True, loss_type="nft"), "inference"),  # no ratio to the rollout
     (dict(compile=False, gradient_checkpointing=True), "inference"),  # eager: one set of numbers either way
-    (dict(compile=True, gradient_checkpointing=False), "inference"),  # a step would keep every activation
+    (dict(compile=True, gradient_checkpointing=False), "training"),  # a micro-batch's activations at a time
+    (dict(compile=True, gradient_checkpointing=True, torchrun=True), "inference"),  # not the in-process trainer's
     (dict(compile=False, engine_forward_graph="training"), "training"),  # asked for
     (dict(compile=True, gradient_checkpointing=True, engine_forward_graph="inference"), "inference"),
 ])
 def test_the_in_process_engine_picks_its_graph(tiny_model_dir, tmp_path, flags, want):
-    trainer = Trainer(tiny_config(tiny_model_dir, tmp_path / "run", use_lora=True, **flags))
+    if flags.pop("torchrun", False):  # several processes: each rank's engine is a copy, not the trained module
+        from diffrl.train.policy import in_process_forward_graph
+
+        assert in_process_forward_graph(tiny_config(tiny_model_dir, tmp_path / "run", use_lora=True, **flags),
+                                        several_processes=True) == want
+        return
+    trainer = Trainer(tiny_config(tiny_model_dir, tmp_path / "run", use_lora=True, micro_batch_size=2, **flags))
     assert trainer.engine.config.forward_graph == want
+    # Without checkpointing a forward with gradients keeps its activations: the trainer's micro-batch at a time.
+    rows = 2 if want == "training" and not flags.get("gradient_checkpointing") else None
+    assert trainer.engine.config.training_graph_rows == rows
+
+
+def test_the_training_graph_in_pieces_samples_what_the_whole_batch_does(tiny_family):
+    """`training_graph_rows`: the velocity in pieces of the trainer's micro-batch (uneven: 3 outputs in pieces of 2)
+    gives every output what the whole batch gives, bit for bit on a CPU, and leaves no graph."""
+    family = tiny_family
+    pieces = []
+    velocity = family.velocity
+
+    def counted(transformer, latents, *args, **kwargs):
+        pieces.append(latents.tokens.shape[0])
+        return velocity(transformer, latents, *args, **kwargs)
+
+    outputs = {}
+    for rows in (None, 2):
+        pieces.clear()
+        family.velocity = counted
+        try:
+            engine = Engine(family, EngineConfig(forward_graph="training", training_graph_rows=rows))
+            outputs[rows] = engine.generate(RolloutRequest(**REQUEST))
+        finally:
+            del family.velocity
+        assert pieces == [3] * 3 if rows is None else pieces == [2, 1] * 3  # 3 steps
+    for a, b in zip(outputs[None], outputs[2], strict=True):
+        assert torch.equal(a.rollout_log_probs, b.rollout_log_probs)
+        assert torch.equal(a.generated_output, b.generated_output)
+    with pytest.raises(ValueError, match="training_graph_rows must be >= 1"):
+        Engine(family, EngineConfig(forward_graph="training", training_graph_rows=0))
 
 
 def test_a_flow_grpo_run_sampling_in_the_training_graph_replays_its_rollout_exactly(tiny_model_dir, tmp_path):

@@ -8,7 +8,6 @@ steps (`keep_rows`): the engine drops the outputs of a request that was abandone
 
 from __future__ import annotations
 
-import contextlib
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field, replace
 
@@ -51,11 +50,14 @@ def denoise(
     guidance_scale_2: float | None = None,
     keep_rows: Callable[[], Sequence[int] | None] | None = None,
     training_graph: bool = False,
+    training_graph_rows: int | None = None,
 ) -> DenoiseResult:
     """`guidance_scale_2` (families with a second expert only) is passed on to `family.velocity` when set.
     `training_graph`: each velocity is computed with gradients enabled (for the parameters that require them) and
     detached at once, so compiled blocks run the graph a trainer's replay of the step runs, not the no-gradient
-    one, which the compiler fuses and rounds differently (`EngineConfig.forward_graph`).
+    one, which the compiler fuses and rounds differently (`EngineConfig.forward_graph`). `training_graph_rows`: that
+    velocity is computed for at most this many rows at a time (the trainer's micro-batch), so each forward has the
+    replay's shape and holds one micro-batch's activations, not the whole batch's.
     `keep_rows` is asked before every step: None goes on with every row; otherwise the positions (in the
     current batch) of the rows to go on with. The others leave everything the loop carries and are not
     computed again, so the result holds only the kept rows, in order; keeping none raises `DenoiseStopped`."""
@@ -93,9 +95,11 @@ def denoise(
         if i in keep:
             trajectory[i] = x.clone()
         sigma = sigmas[i].expand(batch)
-        with torch.enable_grad() if training_graph else contextlib.nullcontext():
+        if training_graph:
+            v = _velocity_with_gradients(family, transformer, Latents(x, latents.ids), sigma, cond, uncond,
+                                         guidance_scale, second, training_graph_rows)
+        else:
             v = family.velocity(transformer, Latents(x, latents.ids), sigma, cond, uncond, guidance_scale, **second)
-        v = v.detach()  # the autograd graph (checkpointed blocks' inputs) goes with it
         stochastic = i in sde_steps and sde_type != "ode"
         out = transition(
             sde_type if stochastic else "ode", x, v, sigmas[i], sigmas[i + 1],
@@ -109,3 +113,25 @@ def denoise(
         trajectory[num_steps] = x.clone()
     stacked = torch.stack(log_probs, dim=1) if log_probs else x.new_zeros(batch, 0)
     return DenoiseResult(latents=x, sigmas=sigmas, log_probs=stacked, trajectory=trajectory, rows=kept)
+
+
+def _velocity_with_gradients(family: FamilyAdapter, transformer: torch.nn.Module, latents: Latents,
+                             sigma: torch.Tensor, cond: PromptEmbeds, uncond: PromptEmbeds | None,
+                             guidance_scale: float, second: dict, rows: int | None) -> torch.Tensor:
+    """The velocity in the training graph, detached piece by piece: `rows` at a time when set (each piece's autograd
+    graph, holding its activations, is freed before the next runs). A conditioning that packs both CFG halves in
+    one tensor (a `PromptEmbeds` subclass) cannot be cut by rows and runs whole."""
+    batch = latents.tokens.shape[0]
+    if rows is None or rows >= batch or type(cond) is not PromptEmbeds:
+        with torch.enable_grad():
+            return family.velocity(transformer, latents, sigma, cond, uncond, guidance_scale, **second).detach()
+    pieces = []
+    for start in range(0, batch, rows):
+        part = slice(start, start + rows)
+        with torch.enable_grad():
+            v = family.velocity(transformer, Latents(latents.tokens[part], latents.ids), sigma[part],
+                                replace(cond, embeds=cond.embeds[part]),
+                                None if uncond is None else replace(uncond, embeds=uncond.embeds[part]),
+                                guidance_scale, **second)
+        pieces.append(v.detach())
+    return torch.cat(pieces)

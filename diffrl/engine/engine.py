@@ -105,6 +105,10 @@ class EngineConfig:
     (Flow-GRPO's ratio) samples in the trainer's graph so that the replay gives the rollout's log-probs: the
     compiler fuses the two graphs differently (BENCHMARKS.md, "Where a compiled replay parts from the rollout").
     Costs the checkpointed blocks' inputs while a step runs; eager gives the same numbers either way."""
+    training_graph_rows: int | None = None
+    """With forward_graph training: outputs per velocity forward at most (the trainer's micro-batch), so that without
+    gradient checkpointing a step holds one micro-batch's activations, and each forward has the replay's shape.
+    None: the whole batch in one forward."""
 
 
 INT64_MAX = 2**63 - 1  # weight versions travel as int64 (msgpack, JSON clients)
@@ -181,6 +185,8 @@ class Engine:
         self.config = config or EngineConfig()
         if self.config.forward_graph not in ("inference", "training"):
             raise ValueError(f"forward_graph {self.config.forward_graph!r}: expected inference or training")
+        if self.config.training_graph_rows is not None and self.config.training_graph_rows < 1:
+            raise ValueError(f"training_graph_rows must be >= 1 or None, got {self.config.training_graph_rows}")
         self.weight_version = 0
         self._model_lock = threading.Lock()  # one denoise at a time on this model
         self._count_lock = threading.Lock()  # guards _in_flight and _waiting
@@ -664,6 +670,7 @@ class Engine:
             return_step_indices=plan.return_steps if req0.rollout_return_dit_trajectory else (),
             log_prob_no_const=req0.rollout_log_prob_no_const, guidance_scale_2=plan.guidance_scale_2,
             keep_rows=keep_rows, training_graph=self.config.forward_graph == "training",
+            training_graph_rows=self.config.training_graph_rows,
         )
         # Both queued before either is read back: the decode starts without waiting for the host.
         finite = torch.isfinite(result.latents).flatten(1).all(1)

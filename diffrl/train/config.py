@@ -154,8 +154,9 @@ class EnginePoolConfig:
     """The graph the in-process engine's denoising forward runs: inference (no gradients) or training (gradients on
     for the trained parameters, detached at once: the graph the trainer replays a rollout step in, so a compiled
     replay gives the rollout's log-probs; `EngineConfig.forward_graph`). auto: training when the blocks are compiled
-    (--compile), the loss replays rollout steps (flow_grpo, grpo_guard), gradient checkpointing is on (a step then
-    keeps only the blocks' inputs) and one process trains; inference otherwise. Eager gives the same numbers."""
+    (--compile), the loss replays rollout steps (flow_grpo, grpo_guard) and one process trains; inference otherwise.
+    Without gradient checkpointing the engine then runs --micro-batch-size outputs per forward (a forward with
+    gradients keeps its activations until detached). Eager gives the same numbers either way."""
 
 
     def check(self) -> None:

@@ -82,14 +82,22 @@ def engine_copy_dtype(choice: str, full_finetune: bool, bf16: bool, transformer:
 def in_process_forward_graph(cfg, several_processes: bool) -> str:
     """The in-process engine's `EngineConfig.forward_graph` (--engine-forward-graph; auto: training when compiled
     blocks would otherwise give the rollout and its replay different graphs that the loss compares: --compile, a
-    loss that replays rollout steps, gradient checkpointing, one process; see the flag's help)."""
+    loss that replays rollout steps, one process; see the flag's help)."""
     choice = cfg.engine.engine_forward_graph
     if choice != "auto":
         return choice
-    m = cfg.model
     replays = OBJECTIVES[cfg.algorithm.loss_type].replays_rollout_steps
-    compiled = m.speed_options().compile
-    return "training" if compiled and replays and m.gradient_checkpointing and not several_processes else "inference"
+    compiled = cfg.model.speed_options().compile
+    return "training" if compiled and replays and not several_processes else "inference"
+
+
+def in_process_training_graph_rows(cfg, graph: str) -> int | None:
+    """`EngineConfig.training_graph_rows`: without gradient checkpointing a forward in the training graph keeps every
+    activation until its velocity is detached, so the engine runs the trainer's micro-batch at a time (the memory the
+    trainer's own step needs); with checkpointing a step keeps only the blocks' inputs and the batch runs whole."""
+    if graph != "training" or cfg.model.gradient_checkpointing:
+        return None
+    return cfg.optim.micro_batch_size
 
 
 class Policy:

@@ -57,7 +57,7 @@ from diffrl.train.parallel import (
     rank_device,
     rank_reward_device,
 )
-from diffrl.train.policy import Policy, bf16_forward
+from diffrl.train.policy import Policy, bf16_forward, in_process_training_graph_rows
 from diffrl.train.replay import (
     RolloutRecord,
     check_load_dir,
@@ -230,7 +230,9 @@ class Trainer:
         (the in-process one still evaluates)."""
         e, r = self.cfg.engine, self.cfg.rollout
         spec = self._engine_spec(family)
-        spec = dataclasses.replace(spec, limits={**spec.limits, "forward_graph": self.policy.engine_forward_graph})
+        graph = self.policy.engine_forward_graph
+        spec = dataclasses.replace(spec, limits={**spec.limits, "forward_graph": graph,
+                                                 "training_graph_rows": in_process_training_graph_rows(self.cfg, graph)})
         engine = build_engine(spec, family=self.policy.engine_family)
         self.policy.local_engine = engine
         # The family decodes conditioning sent in sglang's format by a server that is not diffrl's.
