@@ -123,7 +123,7 @@ class SanaFamily(FamilyAdapter):
         if config.guidance_embeds:
             raise ModelLoadError("sana: the transformer embeds a guidance scale (SANA-Sprint, a distilled few-step "
                                  "model with its own pipeline and scheduler), which this adapter does not sample")
-        if not 1 <= settings.max_sequence_length:
+        if settings.max_sequence_length < 1:
             raise ModelLoadError(f"sana: max_sequence_length must be positive, got {settings.max_sequence_length}")
         latent_channels = vae.config.latent_channels
         if config.in_channels != latent_channels:
