@@ -24,7 +24,7 @@ What this adapter reproduces of diffusers' `Lumina2Pipeline` (checked by `tests/
   decoded as `latents / scaling_factor + shift_factor`;
 - schedule: the scheduler's own sigmas for `linspace(1, 1/N, N)` with μ from `calculate_shift` of the pipeline's
   `latents.shape[1]` — for these unpacked latents that is the channel count, not the token count; only a
-  dynamically shifting scheduler reads μ (Lumina-Image 2.0's shifts statically). The transformer's timestep is
+  dynamically shifting scheduler reads μ (a static shift ignores it). The transformer's timestep is
   `1 − t/1000` of the scheduler's t = σ·1000 (Lumina counts time from noise to image) and its output is the
   negated velocity;
 - CFG: `uncond + s·(cond − uncond)` above s = 1 with the negative prompt (the empty prompt by default), then, as

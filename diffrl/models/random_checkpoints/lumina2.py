@@ -72,8 +72,9 @@ def build_gemma_word_tokenizer(words, max_length: int):
 def save_random_checkpoint(path: str | Path, sizes: Lumina2Sizes | None = None, *, seed: int = 0,
                            device: str | torch.device = "cpu", dtype: torch.dtype = torch.float32) -> Path:
     """A Lumina-Image 2.0 checkpoint in diffusers layout with random weights (default sizes: `tiny()`), a Gemma-style
-    tokenizer made in code (padding on the left, as Gemma's: the family pads on the right, as the pipeline) and a
-    statically shifted scheduler (shift 6, Lumina-Image 2.0's). Built on `device`, stored in `dtype`."""
+    tokenizer made in code (padding on the left, which the family turns to the right as the pipeline does) and a
+    statically shifted scheduler (shift 6; the family takes whatever the checkpoint's scheduler says). Built on
+    `device`, stored in `dtype`."""
     from diffusers import AutoencoderKL, FlowMatchEulerDiscreteScheduler, Lumina2Transformer2DModel
     from transformers import Gemma2Config, Gemma2Model
 
