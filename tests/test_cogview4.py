@@ -17,7 +17,7 @@ from diffrl.models.random_checkpoints.cogview4 import save_random_checkpoint
 from diffrl.models.registry import resolve_family
 from diffrl.sampling import make_generators
 
-# fp32 on CPU through two code paths (measured: ≤ 1.4e-6; the pipeline runs CFG as two forwards, we run one, and
+# fp32 on CPU through two code paths (measured: ≤ 1.5e-6; the pipeline runs CFG as two forwards, we run one, and
 # we recover its unshifted timestep from σ).
 TOLERANCE = 1e-5
 PROMPT = "a red cat"  # [gMASK] <sop> + 3 words: 11 pads on the left to 16 tokens
@@ -164,6 +164,22 @@ def test_conditioning_round_trips_the_wire(cogview4):
     padded = PromptEmbeds(torch.nn.functional.pad(cond.embeds, (0, 0, 0, 16)), torch.zeros(32, 1))
     assert torch.equal(cogview4.cond_kwargs_to_wire(padded, torch.zeros(0, 1))["encoder_hidden_states"][0],
                        wire["encoder_hidden_states"][0])  # a trainer's zero padding stays off the wire
+
+
+def test_rollout_conditioning_survives_the_json_wire(cogview4):
+    """A rollout's conditioning (a 32-token prompt and a 16-token negative prompt) in sglang's JSON response format
+    and back: the same tensors, so a trainer behind HTTP replays the engine's forward."""
+    from diffrl.serving import sglang
+
+    req = RolloutRequest(prompt=LONG_PROMPT, negative_prompt="blurry", seed=1, num_outputs_per_prompt=2, height=32,
+                         width=32, num_inference_steps=2, guidance_scale=3.0, rollout=True,
+                         rollout_return_dit_trajectory=True, rollout_return_denoising_env=True)
+    ran = Engine(cogview4, EngineConfig(max_outputs_per_request=4)).generate(sglang.engine_request(req))
+    got = sglang.decode_response(sglang.encode_response(ran, req, cogview4, "r"), req, CogView4Family)
+    sent = ran[0].denoising_env
+    assert sent["prompt_embeds"].shape[1] == 32 and sent["negative_prompt_embeds"].shape[1] == 16
+    for key in ("prompt_embeds", "negative_prompt_embeds", "text_ids"):
+        assert torch.equal(got[0].denoising_env[key], sent[key]), key
 
 
 @pytest.mark.parametrize(("loss_type", "lora"), [("flow_grpo", True), ("nft", False)], ids=["grpo-lora", "nft-full"])
