@@ -6,9 +6,9 @@ and against diffusers' own pipeline on the same weights in the same run.
 
 A missing `--checkpoint` folder is first filled with random weights at the family's real size, built in
 code (no download; `REAL_SIZES` below: SD3.5-Medium, FLUX 3 Klein's class defaults, FLUX.2 [klein] 4B, Krea-2,
-Qwen-Image, Wan2.2 A14B, LTX-2.3, Cosmos3, Z-Image, Lumina-Image 2.0, SANA 1600M), with shallow text encoders where
-the family's builder makes them (a prompt is encoded once per request). Video families take `--num-frames` and
-`--height/--width`.
+Qwen-Image, Wan2.2 A14B, LTX-2.3, Cosmos3, Z-Image, Lumina-Image 2.0, SANA 1600M, CogView4-6B), with shallow text
+encoders where the family's builder makes them (a prompt is encoded once per request). Video families take
+`--num-frames` and `--height/--width`.
 
 What it measures is `diffrl bench` (`diffrl/cli/bench.py` says what; the baseline is diffusers' own
 pipeline on the same weights, in the same run, for families with a `reference_pipeline()`).
@@ -51,6 +51,7 @@ REAL_SIZES = {
     "ltx2": RealSize({"text_layers": 2}, {}, 45),
     "cosmos3": RealSize({}, {}, 32),  # Cosmos3OmniTransformer's defaults (15.2 B) and a 48-channel Wan VAE (0.70 B)
     "z_image": RealSize({}, {}, 14),  # the 6.15 B transformer, a 2-layer text encoder of Qwen3-4B's width, the VAE
+    "cogview4": RealSize({}, {}, 14),  # the 6.37 B transformer, a 2-layer GLM of GLM-4-9B's width (0.41 B), the VAE
     # Lumina-Image 2.0: the 2.61 B transformer, a 2-layer Gemma2 of Gemma-2-2B's width (0.16 B), the VAE (0.08 B).
     "lumina2": RealSize({}, {}, 6),
     # SANA 1600M: the 1.60 B transformer, a 2-layer Gemma2 of Gemma-2-2B's width (0.16 B), the f32c32 DC-AE (0.31 B),
