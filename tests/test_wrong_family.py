@@ -26,7 +26,8 @@ def test_another_familys_checkpoint_is_named_first_then_the_fix(flux3_dir, tmp_p
     err = capsys.readouterr().err.strip()
     assert err == (f"error: {flux3_dir} is a checkpoint of the flux3_image family (transformer/ holds "
                    "Flux3Transformer2DModel), not of SD3 (which loads SD3Transformer2DModel): pass a recipe of the "
-                   "flux3_image family (flux3-klein-nft-pickscore, flux3-klein-grpo-hps) or --diffusion-model-family "
+                   "flux3_image family (flux3-klein-nft-pickscore, flux3-klein-edit-nft-pickscore, flux3-klein-grpo-hps) "
+                   "or --diffusion-model-family "
                    "flux3_image")
 
 
@@ -42,7 +43,8 @@ def test_a_shared_transformer_class_is_told_apart_by_the_rest_of_the_checkpoint(
         get_family("flux3_image").load(shapes)
 
 
-@pytest.mark.parametrize("family", ["demo", "qwen_image", "ltx2", "krea2", "wan2_2", "cosmos3", "chroma"])
+@pytest.mark.parametrize("family", ["demo", "qwen_image", "ltx2", "krea2", "wan2_2", "cosmos3", "chroma", "sana",
+                                    "lumina2", "cogview4"])
 def test_every_family_names_a_flux3_checkpoint_before_reading_its_settings(flux3_dir, family):
     """Families read their settings (model index, scheduler) first: on a FLUX 3 checkpoint they said "corrupt file:
     …/model_index.json (bad 'diffrl' block …)", "the scheduler uses dynamic shifting" or "a Flux3ModularPipeline
