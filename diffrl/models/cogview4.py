@@ -104,8 +104,8 @@ class CogView4Family(FamilyAdapter):
     default_num_inference_steps = 50  # CogView4Pipeline's default
     timestep_scale = 1000.0  # reported timesteps are the scheduler's σ·1000 (the transformer's t: run_transformer)
     pads_text = True  # conditionings of different lengths share a batch, zero-padded (see the module docstring)
-    # The joint attention's projections (text and image tokens share them in CogView4's blocks): what diffusers'
-    # CogView4 LoRA training targets (no peer RL framework publishes a CogView4 recipe).
+    # The joint attention's four projections (text and image tokens share them in CogView4's blocks), as Flow-GRPO
+    # targets SD3's attention; no peer RL framework publishes CogView4 targets.
     lora_target_modules = ("attn1.to_q", "attn1.to_k", "attn1.to_v", "attn1.to_out.0")
     block_lists = ("transformer_blocks",)
     components = (
@@ -200,7 +200,8 @@ class CogView4Family(FamilyAdapter):
         return PromptEmbeds(embeds, torch.zeros(embeds.shape[1], 1, device=embeds.device))
 
     def cond_kwargs_to_wire(self, cond: PromptEmbeds, image_ids: torch.Tensor) -> dict:
-        """The prompt's own GLM tokens (no mask channel, no padding); sglang-diffusion's names."""
+        """The prompt's own GLM tokens (no mask channel, no padding) as the transformer's `encoder_hidden_states`
+        (sglang-diffusion serves no CogView4: the name is the diffusers forward's)."""
         length = int(text_lengths(cond.embeds[:1])[0])
         return {"encoder_hidden_states": [cond.embeds[0, :length, :-1]]}
 
