@@ -53,12 +53,11 @@ from diffrl.models.base import (
     PromptEmbeds,
     register_family,
     require_pixel_multiple,
-    wire_text_tokens,
 )
 from diffrl.models.batch_invariance import decode_rows, embed_rows_one_at_a_time
 from diffrl.models.components import refuse_scheduler_options
 from diffrl.models.flux1 import UNSUPPORTED_SCHEDULER_OPTIONS
-from diffrl.models.z_image import pad_rows, text_lengths
+from diffrl.models.masked_text import MaskedTextWire, masked_text_conditioning, text_lengths, with_mask_channel
 from diffrl.sampling import randn_per_sample
 
 TEXT_MULTIPLE = 16  # the pipeline left-pads GLM's tokens to a multiple of 16
@@ -96,7 +95,7 @@ def cogview4_mu(scheduler, image_tokens: int) -> float:
 
 
 @register_family
-class CogView4Family(FamilyAdapter):
+class CogView4Family(MaskedTextWire, FamilyAdapter):
     name = "cogview4"
     name_patterns = ("cogview4", "cogview-4")
     display_name = "CogView4"
@@ -187,8 +186,8 @@ class CogView4Family(FamilyAdapter):
                              truncation=True, add_special_tokens=True, return_tensors="pt").input_ids
         pad = -ids.shape[1] % TEXT_MULTIPLE
         ids = torch.nn.functional.pad(ids, (pad, 0), value=self.tokenizer.pad_token_id)  # on the left
-        tokens = self.text_encoder(ids.to(device), output_hidden_states=True).hidden_states[-2][0].float()
-        return torch.cat([tokens, tokens.new_ones(tokens.shape[0], 1)], dim=1)
+        hidden = self.text_encoder(ids.to(device), output_hidden_states=True).hidden_states[-2]
+        return with_mask_channel(hidden[0].float())
 
     @torch.no_grad()
     def encode_prompts(self, prompts: Sequence[str]) -> PromptEmbeds:
@@ -196,20 +195,7 @@ class CogView4Family(FamilyAdapter):
         if self.text_encoder is None:
             raise RuntimeError("this CogView4 model was loaded without its text encoder")
         device = next(self.text_encoder.parameters()).device
-        embeds = pad_rows([self._encode_one(p, device) for p in prompts])
-        return PromptEmbeds(embeds, torch.zeros(embeds.shape[1], 1, device=embeds.device))
-
-    def cond_kwargs_to_wire(self, cond: PromptEmbeds, image_ids: torch.Tensor) -> dict:
-        """The prompt's own GLM tokens (no mask channel, no padding) as the transformer's `encoder_hidden_states`
-        (sglang-diffusion serves no CogView4: the name is the diffusers forward's)."""
-        length = int(text_lengths(cond.embeds[:1])[0])
-        return {"encoder_hidden_states": [cond.embeds[0, :length, :-1]]}
-
-    @classmethod
-    def cond_kwargs_from_wire(cls, kwargs: dict) -> tuple[PromptEmbeds, torch.Tensor | None]:
-        text = wire_text_tokens(kwargs)
-        embeds = torch.cat([text, text.new_ones(text.shape[0], 1)], dim=1)[None]
-        return PromptEmbeds(embeds, torch.zeros(embeds.shape[1], 1)), None
+        return masked_text_conditioning([self._encode_one(p, device) for p in prompts])
 
     def prepare_latents(self, generators, height, width) -> Latents:
         self.check_size(height, width)

@@ -47,10 +47,17 @@ from diffrl.models.base import (
     PromptEmbeds,
     register_family,
     require_pixel_multiple,
-    wire_text_tokens,
 )
 from diffrl.models.batch_invariance import decode_rows, embed_rows_one_at_a_time
 from diffrl.models.components import read_settings, refuse_scheduler_options
+from diffrl.models.masked_text import (  # noqa: F401 (pad_rows: still importable from z_image, its first home)
+    MaskedTextWire,
+    masked_text_conditioning,
+    pad_rows,
+    pad_to,
+    text_lengths,
+    with_mask_channel,
+)
 from diffrl.sampling import randn_per_sample, resolution_mu
 
 UNSUPPORTED_SCHEDULER_OPTIONS = ("stochastic_sampling", "invert_sigmas", "use_flow_sigmas")
@@ -75,13 +82,8 @@ def _run_per_sample_layers_row_by_row(transformer) -> None:
             embed_rows_one_at_a_time(module)
 
 
-def text_lengths(embeds: torch.Tensor) -> torch.Tensor:
-    """Each row's number of real text tokens (the mask channel's sum) `[B]`."""
-    return (embeds[..., -1] > 0.5).sum(dim=1)
-
-
 @register_family
-class ZImageFamily(FamilyAdapter):
+class ZImageFamily(MaskedTextWire, FamilyAdapter):
     name = "z_image"
     name_patterns = ("z-image", "zimage", "z_image")
     display_name = "Z-Image"
@@ -196,8 +198,7 @@ class ZImageFamily(FamilyAdapter):
         device = next(self.text_encoder.parameters()).device
         ids, mask = ids.to(device), mask.to(device)
         hidden = self.text_encoder(input_ids=ids, attention_mask=mask, output_hidden_states=True).hidden_states[-2]
-        tokens = hidden[0][mask[0]].float()
-        return torch.cat([tokens, tokens.new_ones(tokens.shape[0], 1)], dim=1)
+        return with_mask_channel(hidden[0][mask[0]].float())
 
     @torch.no_grad()
     def encode_prompts(self, prompts: Sequence[str]) -> PromptEmbeds:
@@ -205,26 +206,13 @@ class ZImageFamily(FamilyAdapter):
         zero-padded to its longest."""
         if self.text_encoder is None:
             raise RuntimeError("this Z-Image model was loaded without its text encoder")
-        texts = [self._encode_one(p) for p in prompts]
-        embeds = pad_rows(texts)
-        return PromptEmbeds(embeds, torch.zeros(embeds.shape[1], 1, device=embeds.device))
+        return masked_text_conditioning([self._encode_one(p) for p in prompts])
 
     def pair_conditionings(self, uncond: PromptEmbeds, cond: PromptEmbeds) -> PromptEmbeds:
         """Always one forward, as the pipeline's CFG: the shorter text is zero-padded (masked out) to the longer."""
         length = max(cond.embeds.shape[1], uncond.embeds.shape[1])
-        both = torch.cat([_pad_to(uncond.embeds, length), _pad_to(cond.embeds, length)])
+        both = torch.cat([pad_to(uncond.embeds, length), pad_to(cond.embeds, length)])
         return PromptEmbeds(both, torch.zeros(length, 1, device=both.device))
-
-    def cond_kwargs_to_wire(self, cond: PromptEmbeds, image_ids: torch.Tensor) -> dict:
-        """sglang's Z-Image cond kwargs: the prompt's own text tokens (no mask channel, no padding)."""
-        length = int(text_lengths(cond.embeds[:1])[0])
-        return {"encoder_hidden_states": [cond.embeds[0, :length, :-1]]}
-
-    @classmethod
-    def cond_kwargs_from_wire(cls, kwargs: dict) -> tuple[PromptEmbeds, torch.Tensor | None]:
-        text = wire_text_tokens(kwargs)
-        embeds = torch.cat([text, text.new_ones(text.shape[0], 1)], dim=1)[None]
-        return PromptEmbeds(embeds, torch.zeros(embeds.shape[1], 1)), None
 
     def prepare_latents(self, generators, height, width) -> Latents:
         self.check_size(height, width)
@@ -256,13 +244,3 @@ class ZImageFamily(FamilyAdapter):
         images = decode_rows(lambda rows: self.vae.decode(rows, return_dict=False)[0], latents,
                              per_call=self.vae_decode_batch)
         return (images.float() / 2 + 0.5).clamp(0, 1)
-
-
-def _pad_to(embeds: torch.Tensor, length: int) -> torch.Tensor:
-    return torch.nn.functional.pad(embeds, (0, 0, 0, length - embeds.shape[1]))
-
-
-def pad_rows(texts: Sequence[torch.Tensor]) -> torch.Tensor:
-    """Rows `[n_i, D + 1]` zero-padded at the end into one `[B, max n_i, D + 1]` batch."""
-    longest = max(t.shape[0] for t in texts)
-    return torch.stack([_pad_to(t[None], longest)[0] for t in texts])
