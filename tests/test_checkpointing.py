@@ -26,14 +26,15 @@ def checkpoints(tmp_path_factory):
         root / f"{name}-tiny") for name in FAMILIES}
 
 
-def _gradients_and_saved_bytes(name: str, model_dir, interval: int | None) -> tuple[dict, int, list]:
+def _gradients_and_saved_bytes(name: str, model_dir, interval: int | None, keep: str = "inputs"
+                               ) -> tuple[dict, int, list]:
     """One CFG velocity and its backward on a freshly loaded model, with checkpointing off (None) or one block in
     `interval`: the transformer's parameter gradients, the bytes autograd kept for the backward, and the model's
     repeated blocks."""
     family = resolve_family(name, model_dir).load(model_dir)
     transformer = family.transformer
     if interval is not None:
-        enable_gradient_checkpointing(transformer, family.block_lists, interval)
+        enable_gradient_checkpointing(transformer, family.block_lists, interval, keep=keep)
     transformer.train().requires_grad_(True)
     if family.generates_video:  # two latent frames of a few tokens (the video families' test size)
         latents = family.prepare_latents(make_generators([1, 2]), 16, 32, num_frames=5)
@@ -83,6 +84,54 @@ def test_every_other_block_checkpointed_gives_the_same_gradients_in_less_memory(
     assert checkpointed(blocks) == {i for i in ran if i % 2 == 0}
     assert 0 < len({i for i in ran if i % 2 == 0}) < len(ran)
     assert every_bytes < half_bytes < plain_bytes
+
+
+def _backward_matmuls(name: str, model_dir, interval: int | None, keep: str = "inputs") -> tuple[dict, int]:
+    """One CFG velocity and its backward as above; the parameter gradients and how many matmuls the backward ran
+    (a checkpointed block's recompute of its forward adds its own)."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    matmuls = {torch.ops.aten.mm.default, torch.ops.aten.addmm.default, torch.ops.aten.bmm.default}
+
+    class CountMatmuls(TorchDispatchMode):
+        count = 0
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            CountMatmuls.count += func in matmuls
+            return func(*args, **(kwargs or {}))
+
+    family = resolve_family(name, model_dir).load(model_dir)
+    transformer = family.transformer
+    if interval is not None:
+        enable_gradient_checkpointing(transformer, family.block_lists, interval, keep=keep)
+    transformer.train().requires_grad_(True)
+    latents = family.prepare_latents(make_generators([1, 2]), *family.default_size())
+    cond, uncond = family.encode_prompts(["a red circle", "a blue square"]), family.encode_prompts(["", ""])
+    v = family.velocity(transformer, latents, torch.tensor(0.6), cond, uncond, 2.0)
+    with CountMatmuls():
+        v.square().mean().backward()
+    return {n: p.grad.clone() for n, p in transformer.named_parameters() if p.grad is not None}, CountMatmuls.count
+
+
+@pytest.mark.parametrize("name", ["sd3", "flux3_image"])
+def test_blocks_keeping_their_matmuls_recompute_none_and_give_the_same_gradients(checkpoints, name):
+    """`--gradient-checkpointing-keeps matmuls`: every block checkpointed, each keeping its matmuls' and attention's
+    outputs: the plain forward's gradients, and the backward runs the plain backward's matmuls and no more (only the
+    elementwise and norm work is recomputed), where keeping inputs alone recomputes every block's matmuls."""
+    plain, plain_mm = _backward_matmuls(name, checkpoints[name], None)
+    _, inputs_mm = _backward_matmuls(name, checkpoints[name], 1)
+    kept, kept_mm = _backward_matmuls(name, checkpoints[name], 1, keep="matmuls")
+    assert plain.keys() == kept.keys()
+    for n in plain:
+        torch.testing.assert_close(kept[n], plain[n], rtol=1e-5, atol=1e-7)
+    assert kept_mm == plain_mm < inputs_mm
+
+
+def test_an_unknown_keep_and_keeping_matmuls_without_checkpointing_are_refused(tmp_path):
+    with pytest.raises(ValueError, match="--gradient-checkpointing-keeps must be one of inputs, matmuls"):
+        enable_gradient_checkpointing(torch.nn.Module(), [], 1, keep="everything")
+    with pytest.raises(ValueError, match="--gradient-checkpointing-keeps matmuls needs --gradient-checkpointing"):
+        TrainConfig.flat(gradient_checkpointing_keeps="matmuls", output_dir=tmp_path).check()
 
 
 def test_the_chosen_blocks_are_the_first_and_then_one_in_n():

@@ -54,6 +54,8 @@ def test_an_unknown_forward_graph_is_refused(tiny_family):
     (dict(compile=True, gradient_checkpointing=True, loss_type="nft"), "inference"),  # no ratio to the rollout
     (dict(compile=False, gradient_checkpointing=True), "inference"),  # eager: one set of numbers either way
     (dict(compile=True, gradient_checkpointing=False), "training"),  # a micro-batch's activations at a time
+    (dict(compile=True, gradient_checkpointing=True, gradient_checkpointing_keeps="matmuls"), "training"),
+    (dict(compile=True, gradient_checkpointing=True, gradient_checkpointing_interval=2), "training"),
     (dict(compile=True, gradient_checkpointing=True, torchrun=True), "inference"),  # not the in-process trainer's
     (dict(compile=False, engine_forward_graph="training"), "training"),  # asked for
     (dict(compile=True, gradient_checkpointing=True, engine_forward_graph="inference"), "inference"),
@@ -68,7 +70,10 @@ def test_the_in_process_engine_picks_its_graph(tiny_model_dir, tmp_path, flags, 
     trainer = Trainer(tiny_config(tiny_model_dir, tmp_path / "run", use_lora=True, micro_batch_size=2, **flags))
     assert trainer.engine.config.forward_graph == want
     # Without checkpointing a forward with gradients keeps its activations: the trainer's micro-batch at a time.
-    rows = 2 if want == "training" and not flags.get("gradient_checkpointing") else None
+    # Only blocks that all keep their inputs alone let the whole batch run with gradients on in little memory.
+    fully = (flags.get("gradient_checkpointing") and flags.get("gradient_checkpointing_interval", 1) == 1
+             and flags.get("gradient_checkpointing_keeps", "inputs") == "inputs")
+    rows = 2 if want == "training" and not fully else None
     assert trainer.engine.config.training_graph_rows == rows
 
 

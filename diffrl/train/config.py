@@ -68,6 +68,11 @@ class ModelConfig:
     gradient_checkpointing_interval: int = 1
     """With --gradient-checkpointing: recompute one block in every N (1: every block). A larger N keeps more
     activations and recomputes fewer blocks, trading memory for speed (models/checkpointing.py)."""
+    gradient_checkpointing_keeps: Literal["inputs", "matmuls"] = "inputs"
+    """With --gradient-checkpointing: what a checkpointed block keeps for the backward. inputs: nothing else (the
+    whole block is recomputed); matmuls: also every matmul's and attention's output, so the backward recomputes only
+    the elementwise and norm work between them (torch's selective activation checkpointing: more memory than
+    inputs, far less than no checkpointing; models/checkpointing.py)."""
     compile: bool = False
     """torch.compile the transformer's repeated blocks (regional; engine and trainer share them). The
     first rollout and the first training step pay the compilation; samples change by kernel rounding."""
@@ -106,6 +111,8 @@ class ModelConfig:
         self.speed_options().check()
         _require(self.gradient_checkpointing_interval >= 1,
                  f"--gradient-checkpointing-interval must be >= 1 (got {self.gradient_checkpointing_interval})")
+        _require(self.gradient_checkpointing or self.gradient_checkpointing_keeps == "inputs",
+                 "--gradient-checkpointing-keeps matmuls needs --gradient-checkpointing")
 
     def speed_options(self):
         """The forward's speed settings, as the engine processes and the policy apply them."""

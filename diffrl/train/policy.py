@@ -92,10 +92,14 @@ def in_process_forward_graph(cfg, several_processes: bool) -> str:
 
 
 def in_process_training_graph_rows(cfg, graph: str) -> int | None:
-    """`EngineConfig.training_graph_rows`: without gradient checkpointing a forward in the training graph keeps every
-    activation until its velocity is detached, so the engine runs the trainer's micro-batch at a time (the memory the
-    trainer's own step needs); with checkpointing a step keeps only the blocks' inputs and the batch runs whole."""
-    if graph != "training" or cfg.model.gradient_checkpointing:
+    """`EngineConfig.training_graph_rows`: a forward in the training graph keeps what the backward would need until
+    its velocity is detached, so unless every block is checkpointed keeping its inputs alone, the engine runs the
+    trainer's micro-batch at a time (the memory the trainer's own step needs); fully checkpointed, the batch runs
+    whole."""
+    m = cfg.model
+    fully_checkpointed = (m.gradient_checkpointing and m.gradient_checkpointing_interval == 1
+                          and m.gradient_checkpointing_keeps == "inputs")
+    if graph != "training" or fully_checkpointed:
         return None
     return cfg.optim.micro_batch_size
 
@@ -111,7 +115,8 @@ class Policy:
         if not m.use_lora and not parallel.enabled:
             transformer.float()  # a full finetune trains fp32 masters (the family may load in bf16)
         if m.gradient_checkpointing:  # active only when gradients are (training)
-            enable_gradient_checkpointing(transformer, family.block_lists, m.gradient_checkpointing_interval)
+            enable_gradient_checkpointing(transformer, family.block_lists, m.gradient_checkpointing_interval,
+                                          keep=m.gradient_checkpointing_keeps)
         targets = list(m.lora_target_modules or family.lora_target_modules)
         self.lora = LoraSpec(rank=m.lora_rank, alpha=m.lora_alpha, target_modules=targets) if m.use_lora else None
         if self.lora is not None:
