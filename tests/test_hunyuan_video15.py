@@ -120,12 +120,14 @@ def test_bad_requests_are_refused_by_name(family, fields, field):
     assert err.value.field == field
 
 
-def test_image_to_video_and_other_guiders_are_refused_at_load(model_dir, tmp_path):
+def test_other_pipelines_and_other_guiders_are_refused_at_load(model_dir, tmp_path):
+    """Another pipeline class (HunyuanVideo 1.0's) and a guider the family does not reproduce. Image to video
+    (HunyuanVideo15ImageToVideoPipeline) is tests/test_hunyuan_video15_i2v.py's."""
     broken = tmp_path / "hunyuanvideo-1.5-broken"
     shutil.copytree(model_dir, broken)
     index = broken / "model_index.json"
-    index.write_text(json.dumps({**json.loads(index.read_text()), "_class_name": "HunyuanVideo15ImageToVideoPipeline"}))
-    with pytest.raises(ModelLoadError, match="image to video is not supported"):
+    index.write_text(json.dumps({**json.loads(index.read_text()), "_class_name": "HunyuanVideoPipeline"}))
+    with pytest.raises(ModelLoadError, match="a HunyuanVideoPipeline checkpoint; the family samples text to video"):
         HunyuanVideo15Family.load(broken)
     index.write_text(json.dumps({**json.loads(index.read_text()), "_class_name": "HunyuanVideo15Pipeline"}))
     guider = broken / "guider" / "guider_config.json"

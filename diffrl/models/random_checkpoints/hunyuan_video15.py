@@ -3,7 +3,9 @@ download): `tiny()` for tests (the VAE's real factors, 16 in space and 4 in time
 Qwen2.5-VL text model, a 1-layer ByT5-style T5 encoder and the ByT5 byte tokenizer), `real()` (the transformer and
 VAE at the diffusers classes' defaults, HunyuanVideo 1.5's 8.3 B transformer, with shallow text encoders of the real
 widths) for benchmarks. The tiny preset also shortens the pipeline's token counts (the `diffrl` block of its model
-index), so that a CPU test does not attend over 2,000 text and image tokens. Text to video (`HunyuanVideo15Pipeline`), the scheduler's shift 5 and CFG 6 (the guider)."""
+index), so that a CPU test does not attend over 2,000 text and image tokens. Text to video (`HunyuanVideo15Pipeline`),
+or with `image_to_video` image to video (`HunyuanVideo15ImageToVideoPipeline`: a SigLIP vision encoder and its image
+processor besides, the transformer's `task_type` "i2v"); the scheduler's shift 5 and CFG 6 (the guider)."""
 
 from __future__ import annotations
 
@@ -37,6 +39,9 @@ class HunyuanVideo15Sizes:
     vae: dict  # AutoencoderKLHunyuanVideo15 keywords
     # The `diffrl` block's token counts (text_tokens, glyph_tokens, image_tokens); empty: the pipeline's 1000, 256, 729.
     tokens: dict = field(default_factory=dict)
+    # Image to video: SiglipVisionConfig keywords (hidden_size is the transformer's image_embed_dim) and the image
+    # processor's square input size; its (image_size / patch_size)² patches are the image tokens.
+    vision: dict = field(default_factory=dict)
 
 
 def tiny() -> HunyuanVideo15Sizes:
@@ -47,7 +52,9 @@ def tiny() -> HunyuanVideo15Sizes:
         text_hidden=32, text_layers=3, text_heads=2,
         byt5={"d_model": 16, "d_kv": 8, "d_ff": 32, "num_layers": 1, "num_heads": 2},
         vae={"latent_channels": 4, "block_out_channels": (8, 8, 8, 16, 16), "layers_per_block": 1},
-        tokens={"text_tokens": 24, "glyph_tokens": 8, "image_tokens": 8})
+        tokens={"text_tokens": 24, "glyph_tokens": 8, "image_tokens": 8},
+        vision={"intermediate_size": 16, "num_hidden_layers": 1, "num_attention_heads": 2, "image_size": 16,
+                "patch_size": 8})
 
 
 def real() -> HunyuanVideo15Sizes:
@@ -55,7 +62,8 @@ def real() -> HunyuanVideo15Sizes:
     reads the third-to-last hidden state) and ByT5's (1,472) with 2."""
     return HunyuanVideo15Sizes(transformer={"task_type": "t2v"}, text_hidden=3584, text_layers=3, text_heads=28,
                                byt5={"d_model": 1472, "d_kv": 64, "d_ff": 3584, "num_layers": 2, "num_heads": 6},
-                               vae={})
+                               vae={}, vision={"intermediate_size": 4304, "num_hidden_layers": 2,
+                                               "num_attention_heads": 16, "image_size": 384, "patch_size": 14})
 
 
 def build_tokenizer():
@@ -72,18 +80,29 @@ def build_tokenizer():
 
 
 def save_random_checkpoint(path: str | Path, sizes: HunyuanVideo15Sizes | None = None, *, seed: int = 0,
-                           shift: float = 5.0, guidance_scale: float = 6.0, device: str | torch.device = "cpu",
-                           dtype: torch.dtype = torch.float32) -> Path:
-    """A HunyuanVideo 1.5 text-to-video checkpoint in diffusers layout with random weights (default sizes: `tiny()`),
-    built on `device`, stored in `dtype`; its scheduler shifted by `shift`, its guider at `guidance_scale`."""
+                           shift: float = 5.0, guidance_scale: float = 6.0, image_to_video: bool = False,
+                           device: str | torch.device = "cpu", dtype: torch.dtype = torch.float32) -> Path:
+    """A HunyuanVideo 1.5 text-to-video checkpoint (with `image_to_video`: image-to-video, a SigLIP encoder of
+    `sizes.vision` besides) in diffusers layout with random weights (default sizes: `tiny()`), built on `device`,
+    stored in `dtype`; its scheduler shifted by `shift`, its guider at `guidance_scale`."""
     from diffusers import (
         AutoencoderKLHunyuanVideo15,
         ClassifierFreeGuidance,
         FlowMatchEulerDiscreteScheduler,
+        HunyuanVideo15ImageToVideoPipeline,
         HunyuanVideo15Pipeline,
         HunyuanVideo15Transformer3DModel,
     )
-    from transformers import ByT5Tokenizer, Qwen2_5_VLTextConfig, Qwen2_5_VLTextModel, T5Config, T5EncoderModel
+    from transformers import (
+        ByT5Tokenizer,
+        Qwen2_5_VLTextConfig,
+        Qwen2_5_VLTextModel,
+        SiglipImageProcessor,
+        SiglipVisionConfig,
+        SiglipVisionModel,
+        T5Config,
+        T5EncoderModel,
+    )
 
     sizes = sizes or tiny()
     torch.manual_seed(seed)
@@ -96,17 +115,30 @@ def save_random_checkpoint(path: str | Path, sizes: HunyuanVideo15Sizes | None =
                                                  pad_token_id=0, **sizes.byt5))
         vae = AutoencoderKLHunyuanVideo15(**sizes.vae)
         latent = vae.config.latent_channels
+        transformer_sizes = {**sizes.transformer, **({"task_type": "i2v"} if image_to_video else {})}
         transformer = HunyuanVideo15Transformer3DModel(
             in_channels=2 * latent + 1, out_channels=latent, text_embed_dim=sizes.text_hidden,
-            text_embed_2_dim=sizes.byt5["d_model"], **sizes.transformer)
-    pipe = HunyuanVideo15Pipeline(
-        text_encoder=text_encoder.to(dtype), tokenizer=tokenizer, transformer=transformer.to(dtype),
-        vae=vae.to(dtype), scheduler=FlowMatchEulerDiscreteScheduler(shift=shift),
-        text_encoder_2=text_encoder_2.to(dtype), tokenizer_2=tokenizer_2,
-        guider=ClassifierFreeGuidance(guidance_scale=guidance_scale))
+            text_embed_2_dim=sizes.byt5["d_model"], **transformer_sizes)
+        if image_to_video:
+            image_encoder = SiglipVisionModel(SiglipVisionConfig(
+                hidden_size=transformer.config.image_embed_dim, **sizes.vision))
+    parts = dict(text_encoder=text_encoder.to(dtype), tokenizer=tokenizer, transformer=transformer.to(dtype),
+                 vae=vae.to(dtype), scheduler=FlowMatchEulerDiscreteScheduler(shift=shift),
+                 text_encoder_2=text_encoder_2.to(dtype), tokenizer_2=tokenizer_2,
+                 guider=ClassifierFreeGuidance(guidance_scale=guidance_scale))
+    tokens = dict(sizes.tokens)
+    if image_to_video:
+        side = sizes.vision["image_size"]
+        # Image to video reads the encoder's patches, not the zero image tokens of text to video.
+        tokens["image_tokens"] = (side // sizes.vision["patch_size"]) ** 2
+        pipe = HunyuanVideo15ImageToVideoPipeline(
+            **parts, image_encoder=image_encoder.to(dtype),
+            feature_extractor=SiglipImageProcessor(size={"height": side, "width": side}))
+    else:
+        pipe = HunyuanVideo15Pipeline(**parts)
     pipe.save_pretrained(path, safe_serialization=True)
     path = Path(path)
     index = json.loads((path / "model_index.json").read_text())
-    index["diffrl"] = {"family": "hunyuan_video15", **sizes.tokens}
+    index["diffrl"] = {"family": "hunyuan_video15", **tokens}
     (path / "model_index.json").write_text(json.dumps(index, indent=2) + "\n")
     return path
