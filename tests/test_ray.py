@@ -12,22 +12,31 @@ from test_trainer import tiny_config
 ray = pytest.importorskip("ray", reason="Ray is part of the test extras")
 
 
-@pytest.mark.parametrize("use_lora", [pytest.param(False, marks=pytest.mark.slow), True], ids=["full", "lora"])
-def test_ray_places_two_engines_and_a_trainer_and_completes_a_step(tiny_model_dir, tmp_path, use_lora):
-    """LoRA: each engine actor hosts the adapter and receives only its tensors. Full: two reward
-    workers score the microgroups, and the run equals one without Ray (same seeds, same samples)."""
+# `lora-one-engine` is the default run's check of placement through Ray: every actor is a process importing diffrl,
+# and on a loaded 2-core machine a second engine actor (with an evaluation at rollout 1) made the LoRA run ~1.7x as
+# long. Spreading requests over engines is test_rollout_manager's (default run); two Ray engines are the slow variants'.
+@pytest.mark.parametrize(("use_lora", "engines"), [pytest.param(False, 2, marks=pytest.mark.slow),
+                                                   pytest.param(True, 2, marks=pytest.mark.slow), (True, 1)],
+                         ids=["full", "lora", "lora-one-engine"])
+def test_ray_places_two_engines_and_a_trainer_and_completes_a_step(tiny_model_dir, tmp_path, use_lora, engines):
+    """LoRA: each engine actor hosts the adapter and receives only its tensors (rollout 2's exact log-probs:
+    the update reached the engines). Full: two reward workers score the microgroups, and the run equals one
+    without Ray (same seeds, same samples)."""
     out = tmp_path / "run"
+    # Evaluated before training and after the last rollout; one at rollout 1 as well checked nothing more.
     flags = dict(num_rollout=2, reward="shapes", rollout_microgroup_size=1, engine_concurrency=2,
-                 use_lora=use_lora, lora_rank=2)
+                 use_lora=use_lora, lora_rank=2, eval_interval=2)
     workers = 0 if use_lora else 2
-    cfg = tiny_config(tiny_model_dir, out, ray_engines=2, local_engine=False, ray_reward_workers=workers, **flags)
+    cfg = tiny_config(tiny_model_dir, out, ray_engines=engines, local_engine=False, ray_reward_workers=workers,
+                      **flags)
     ray.init(num_cpus=6, include_dashboard=False, log_to_driver=False)
     try:
         last = launch(cfg)
     finally:
         ray.shutdown()
     assert last["train/pairs"] == 2 * 3 * 2 and last["train/log_prob_mean_abs_diff"] == 0.0
-    assert all(batches > 0 for batches in last["ray/engine_batches"])  # both engines served requests
+    assert len(last["ray/engine_batches"]) == engines
+    assert all(batches > 0 for batches in last["ray/engine_batches"])  # every engine served requests
     assert len(last["ray/reward_batches"]) == workers and all(b > 0 for b in last["ray/reward_batches"])
     records = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
     assert [r["rollout"] for r in records] == [0, 1, 2] and (out / "checkpoints" / "rollout-00002").is_dir()
