@@ -159,3 +159,20 @@ def test_every_compiled_gpu_recipe_that_replays_its_rollout_samples_in_the_train
             compiled[name] = in_process_forward_graph(cfg, several_processes=False)
     assert {"sd3-grpo", "sd35-grpo-pickscore", "flux3-klein-grpo-hps"} <= set(compiled)
     assert {name for name, graph in compiled.items() if graph != "training"} == set()
+
+
+@pytest.mark.slow  # inductor on 2 cores; the uncompiled mechanism is in the default run above
+@needs_compiler
+@pytest.mark.parametrize("flags", [dict(gradient_checkpointing=True, gradient_checkpointing_keeps="matmuls"),
+                                   dict(gradient_checkpointing=False)], ids=["keeps-matmuls", "no-checkpointing"])
+def test_a_compiled_run_replays_exactly_when_the_engine_runs_the_training_graph_in_pieces(tiny_model_dir, tmp_path,
+                                                                                       flags):
+    """Compiled, with blocks that keep more than their inputs (selective checkpointing, or none), the engine samples
+    in the training graph in pieces of the micro-batch, and the first pass replays the rollout exactly."""
+    torch._dynamo.reset()
+    trainer = Trainer(tiny_config(tiny_model_dir, tmp_path / "run", use_lora=True, compile=True,
+                                  num_steps_per_rollout=1, global_batch_size=6, micro_batch_size=4, **flags))
+    assert (trainer.engine.config.forward_graph, trainer.engine.config.training_graph_rows) == ("training", 4)
+    record = trainer.rollout_and_update(0)
+    assert record["train/log_prob_mean_abs_diff"] == 0.0 and record["train/first_pass_clipfrac"] == 0.0
+    assert record["train/grad_norm"] > 0
