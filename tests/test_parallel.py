@@ -66,8 +66,8 @@ def test_shares_must_divide():
 def test_two_rank_training_run_matches_one_process(tiny_model_dir, tmp_path, loss_type, lora):
     """`diffrl train` under torchrun with two gloo ranks: same rollouts and rewards, the same losses
     and final weights (to rounding) as one process; only rank 0 writes the run folder. LoRA: the
-    sharded blocks hold frozen base weights and trained adapters side by side. Full weights: resumed from
-    its rollout-1 checkpoint, a copy of the two-rank run ends as the run did (each rank's shards come back)."""
+    sharded blocks hold frozen base weights and trained adapters side by side. Resumed from its rollout-1
+    checkpoint, a copy of the two-rank run ends as the run did (each rank's shards come back), LoRA or not."""
     flags = ["train", "--model-path", str(tiny_model_dir), "--loss-type", loss_type, "--num-rollout", "2",
              "--rollout-batch-size", "2", "--n-samples-per-prompt", "3", "--rollout-microgroup-size", "2",
              "--global-batch-size", "6", "--num-steps-per-rollout", "1", "--micro-batch-size", "64",
@@ -123,11 +123,8 @@ def test_two_rank_training_run_matches_one_process(tiny_model_dir, tmp_path, los
 
     # The default run's check of a two-rank resume, on the run just made: one more launch instead of the two of
     # test_two_rank_run_resumes_from_its_sharded_checkpoint. The copy "killed" after rollout 1 loses rollout 2's
-    # checkpoint and metrics line; resumed, rollout 2 and the final weights must equal the two-rank run's.
-    # Not LoRA: a two-rank LoRA run does not resume yet (load_train_state loads its adapters-only model state
-    # strictly, and the FSDP model reports every base weight missing).
-    if lora:
-        return
+    # checkpoint and metrics line; resumed, rollout 2 and the final weights must equal the two-rank run's (LoRA: its
+    # sharded state holds the adapters alone, the frozen base coming from the model folder).
     split = tmp_path / "split"
     shutil.copytree(tmp_path / "ranks", split)
     shutil.rmtree(split / "checkpoints" / "rollout-00002")

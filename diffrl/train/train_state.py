@@ -85,8 +85,10 @@ def load_train_state(path: Path, *, transformer: torch.nn.Module, params: list[t
                  planner=dcp.DefaultLoadPlanner(allow_partial_load=True))
     except (CheckpointException, OSError, RuntimeError, ValueError) as err:
         raise ValueError(f"--resume: {path / SHARDED_DIR} does not load ({_first_line(err)})") from None
+    # Not strict: the model state holds the trained parameters alone (a LoRA run's adapters, not the frozen base
+    # weights, which come from the checkpoint's model folder), exactly the keys get_state_dict gave above.
     set_state_dict(transformer, optimizer, model_state_dict=state["model"], optim_state_dict=state["optimizer"],
-                   options=StateDictOptions(ignore_frozen_params=True))
+                   options=StateDictOptions(ignore_frozen_params=True, strict=False))
     with torch.no_grad():
         for name, ema in emas.items():
             for shadow, loaded in zip(ema.shadow, (state[name][n] for n in names), strict=True):
