@@ -54,11 +54,11 @@ from diffrl.models.base import (
     register_family,
     require_pixel_multiple,
 )
-from diffrl.models.batch_invariance import decode_rows, embed_rows_one_at_a_time
+from diffrl.models.batch_invariance import embed_rows_one_at_a_time
 from diffrl.models.components import refuse_scheduler_options
 from diffrl.models.flux1 import UNSUPPORTED_SCHEDULER_OPTIONS
 from diffrl.models.masked_text import MaskedTextWire, masked_text_conditioning, text_lengths, with_mask_channel
-from diffrl.sampling import randn_per_sample
+from diffrl.models.vae_latents import decode_images, latent_noise
 
 TEXT_MULTIPLE = 16  # the pipeline left-pads GLM's tokens to a multiple of 16
 PIPELINE_PIXEL_MULTIPLE = 16  # CogView4Pipeline.check_inputs: height and width divisible by 16
@@ -199,9 +199,8 @@ class CogView4Family(MaskedTextWire, FamilyAdapter):
 
     def prepare_latents(self, generators, height, width) -> Latents:
         self.check_size(height, width)
-        shape = (len(generators), self.vae.config.latent_channels, height // self.vae_scale, width // self.vae_scale)
-        # The transformer patchifies and positions the latents itself: no position ids to carry.
-        return Latents(randn_per_sample(shape, generators, device=self.device), torch.zeros(0, 1, device=self.device))
+        shape = (self.vae.config.latent_channels, height // self.vae_scale, width // self.vae_scale)
+        return latent_noise(generators, shape, self.device)
 
     def run_transformer(self, transformer, latents, sigma, cond) -> torch.Tensor:
         dtype = next(transformer.parameters()).dtype
@@ -229,6 +228,4 @@ class CogView4Family(MaskedTextWire, FamilyAdapter):
     def decode(self, latents: torch.Tensor, height: int, width: int) -> torch.Tensor:
         vae_dtype = next(self.vae.parameters()).dtype
         latents = latents.to(vae_dtype) / self.vae.config.scaling_factor
-        images = decode_rows(lambda rows: self.vae.decode(rows, return_dict=False)[0], latents,
-                             per_call=self.vae_decode_batch)
-        return (images.float() / 2 + 0.5).clamp(0, 1)
+        return decode_images(self.vae, latents, per_call=self.vae_decode_batch)

@@ -81,8 +81,8 @@ from diffrl.models.components import (
     refuse_another_familys,
     scheduler_sigmas,
 )
+from diffrl.models.vae_latents import latent_noise
 from diffrl.models.wan2_2 import decode_wan_latents
-from diffrl.sampling import randn_per_sample
 
 SCHEDULERS = ("FlowMatchEulerDiscreteScheduler", "UniPCMultistepScheduler")
 FPS = 24.0  # the pipeline's default frame rate: it enters the prompt's duration sentence and the rotary positions
@@ -352,10 +352,9 @@ class Cosmos3Family(FamilyAdapter):
     def prepare_latents(self, generators, height, width, num_frames: int | None = None) -> Latents:
         num_frames = self.default_num_frames if num_frames is None else num_frames
         self.check_size(height, width, num_frames)
-        shape = (len(generators), self.config.latent_channel, (num_frames - 1) // self.vae_scale_temporal + 1,
+        shape = (self.config.latent_channel, (num_frames - 1) // self.vae_scale_temporal + 1,
                  height // self.vae_scale_spatial, width // self.vae_scale_spatial)
-        # The transformer patchifies and positions the latents itself: no position ids to carry.
-        return Latents(randn_per_sample(shape, generators, device=self.device), torch.zeros(0, 1, device=self.device))
+        return latent_noise(generators, shape, self.device)
 
     def pair_conditionings(self, uncond: PromptEmbeds, cond: PromptEmbeds) -> GuidancePair:
         """Both halves as one conditioning (zero padding to the longer is harmless), the negative rows marked.

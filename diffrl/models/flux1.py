@@ -59,10 +59,11 @@ from diffrl.models.base import (
     require_pixel_multiple,
     wire_text_tokens,
 )
-from diffrl.models.batch_invariance import decode_rows, embed_rows_one_at_a_time
+from diffrl.models.batch_invariance import embed_rows_one_at_a_time
 from diffrl.models.components import read_settings, refuse_scheduler_options
 from diffrl.models.condition_rows import pack_image_rows, unpack_image_rows
 from diffrl.models.qwen_vae import pack_latents
+from diffrl.models.vae_latents import decode_images
 from diffrl.sampling import randn_per_sample, resolution_mu
 
 CLIP_TOKENS = 77
@@ -131,9 +132,7 @@ def decode_packed(vae, latents: torch.Tensor, h: int, w: int, *, per_call: int |
     grid = grid.reshape(batch, channels // 4, 2 * h, 2 * w)
     config = vae.config
     grid = grid / config.scaling_factor + config.shift_factor
-    vae_dtype = next(vae.parameters()).dtype
-    images = decode_rows(lambda rows: vae.decode(rows.to(vae_dtype), return_dict=False)[0], grid, per_call=per_call)
-    return (images.float() / 2 + 0.5).clamp(0, 1)
+    return decode_images(vae, grid, per_call=per_call)
 
 
 @register_family

@@ -10,8 +10,8 @@ from collections.abc import Sequence
 import torch
 
 from diffrl.models.base import PromptEmbeds
-from diffrl.models.batch_invariance import decode_rows
 from diffrl.models.condition_rows import pack_image_rows, unpack_image_rows
+from diffrl.models.vae_latents import decode_images
 from diffrl.sampling import randn_per_sample
 
 
@@ -51,9 +51,7 @@ def decode_latents(vae, tokens: torch.Tensor, height_tokens: int, width_tokens: 
     grid = grid * std + mean
     grid = grid.reshape(batch, channels // 4, 2, 2, height_tokens, width_tokens).permute(0, 1, 4, 2, 5, 3)
     grid = grid.reshape(batch, channels // 4, height_tokens * 2, width_tokens * 2)
-    vae_dtype = next(vae.parameters()).dtype
-    images = decode_rows(lambda rows: vae.decode(rows.to(vae_dtype), return_dict=False)[0], grid, per_call=per_call)
-    return (images.float() / 2 + 0.5).clamp(0, 1)
+    return decode_images(vae, grid, per_call=per_call)
 
 
 # ---------------------------------------------------------------- reference images (image-conditioned requests)

@@ -55,10 +55,10 @@ from diffrl.models.base import (
     require_pixel_multiple,
     wire_text_tokens,
 )
-from diffrl.models.batch_invariance import decode_rows, embed_rows_one_at_a_time
+from diffrl.models.batch_invariance import embed_rows_one_at_a_time
 from diffrl.models.components import refuse_scheduler_options
 from diffrl.models.flux1 import flux_sigmas
-from diffrl.sampling import randn_per_sample
+from diffrl.models.vae_latents import decode_images, latent_noise
 
 UNSUPPORTED_SCHEDULER_OPTIONS = ("stochastic_sampling", "invert_sigmas", "use_flow_sigmas")
 # Lumina2Pipeline's system prompt, word for word (its `system_prompt` attribute).
@@ -238,9 +238,8 @@ class Lumina2Family(FamilyAdapter):
 
     def prepare_latents(self, generators, height, width) -> Latents:
         self.check_size(height, width)
-        shape = (len(generators), self.vae.config.latent_channels, height // self.vae_scale, width // self.vae_scale)
-        # The transformer patchifies and positions the latents itself: no position ids to carry.
-        return Latents(randn_per_sample(shape, generators, device=self.device), torch.zeros(0, 1, device=self.device))
+        shape = (self.vae.config.latent_channels, height // self.vae_scale, width // self.vae_scale)
+        return latent_noise(generators, shape, self.device)
 
     def run_transformer(self, transformer, latents, sigma, cond) -> torch.Tensor:
         dtype = next(transformer.parameters()).dtype
@@ -261,8 +260,5 @@ class Lumina2Family(FamilyAdapter):
 
     def decode(self, latents: torch.Tensor, height: int, width: int) -> torch.Tensor:
         config = self.vae.config
-        vae_dtype = next(self.vae.parameters()).dtype
         latents = latents / config.scaling_factor + config.shift_factor
-        images = decode_rows(lambda rows: self.vae.decode(rows.to(vae_dtype), return_dict=False)[0], latents,
-                             per_call=self.vae_decode_batch)
-        return (images.float() / 2 + 0.5).clamp(0, 1)
+        return decode_images(self.vae, latents, per_call=self.vae_decode_batch)

@@ -60,9 +60,9 @@ from diffrl.models.base import (
     require_pixel_multiple,
     wire_text_tokens,
 )
-from diffrl.models.batch_invariance import decode_rows, embed_rows_one_at_a_time
+from diffrl.models.batch_invariance import embed_rows_one_at_a_time
 from diffrl.models.components import read_flow_scheduler, read_settings, refuse_scheduler_options, scheduler_sigmas
-from diffrl.sampling import randn_per_sample
+from diffrl.models.vae_latents import decode_images, latent_noise
 
 SCHEDULERS = ("DPMSolverMultistepScheduler", "FlowMatchEulerDiscreteScheduler")
 UNSUPPORTED_SCHEDULER_OPTIONS = ("stochastic_sampling", "invert_sigmas", "use_karras_sigmas", "use_exponential_sigmas",
@@ -276,10 +276,8 @@ class SanaFamily(FamilyAdapter):
 
     def prepare_latents(self, generators, height, width) -> Latents:
         self.check_size(height, width)
-        shape = (len(generators), self.transformer.config.in_channels, height // self.vae_scale,
-                 width // self.vae_scale)
-        # The transformer patchifies and positions the latents itself: no position ids to carry.
-        return Latents(randn_per_sample(shape, generators, device=self.device), torch.zeros(0, 1, device=self.device))
+        shape = (self.transformer.config.in_channels, height // self.vae_scale, width // self.vae_scale)
+        return latent_noise(generators, shape, self.device)
 
     def run_transformer(self, transformer, latents, sigma, cond) -> torch.Tensor:
         dtype = next(transformer.parameters()).dtype
@@ -299,7 +297,4 @@ class SanaFamily(FamilyAdapter):
 
     def decode(self, latents: torch.Tensor, height: int, width: int) -> torch.Tensor:
         latents = latents / self.vae.config.scaling_factor
-        vae_dtype = next(self.vae.parameters()).dtype
-        images = decode_rows(lambda rows: self.vae.decode(rows.to(vae_dtype), return_dict=False)[0], latents,
-                             per_call=self.vae_decode_batch)
-        return (images.float() / 2 + 0.5).clamp(0, 1)
+        return decode_images(self.vae, latents, per_call=self.vae_decode_batch)

@@ -36,8 +36,8 @@ from diffrl.models.base import (
     require_pixel_multiple,
     wire_text_tokens,
 )
-from diffrl.models.batch_invariance import decode_rows, embed_rows_one_at_a_time
-from diffrl.sampling import randn_per_sample
+from diffrl.models.batch_invariance import embed_rows_one_at_a_time
+from diffrl.models.vae_latents import decode_images, latent_noise
 
 CLIP_TOKENS = 77
 TEXT_ENCODERS = ("text_encoder", "text_encoder_2", "text_encoder_3")  # CLIP-L, CLIP-G, T5
@@ -184,9 +184,8 @@ class SD3Family(FamilyAdapter):
 
     def prepare_latents(self, generators, height, width) -> Latents:
         self.check_size(height, width)
-        shape = (len(generators), self.transformer.config.in_channels, height // self.vae_scale, width // self.vae_scale)
-        # The transformer patchifies and positions the latents itself: no position ids to carry.
-        return Latents(randn_per_sample(shape, generators, device=self.device), torch.zeros(0, 1, device=self.device))
+        shape = (self.transformer.config.in_channels, height // self.vae_scale, width // self.vae_scale)
+        return latent_noise(generators, shape, self.device)
 
     def run_transformer(self, transformer, latents, sigma, cond) -> torch.Tensor:
         dtype = next(transformer.parameters()).dtype
@@ -199,7 +198,4 @@ class SD3Family(FamilyAdapter):
     def decode(self, latents: torch.Tensor, height: int, width: int) -> torch.Tensor:
         config = self.vae.config
         latents = latents / config.scaling_factor + (config.shift_factor or 0.0)
-        vae_dtype = next(self.vae.parameters()).dtype
-        images = decode_rows(lambda rows: self.vae.decode(rows.to(vae_dtype), return_dict=False)[0], latents,
-                             per_call=self.vae_decode_batch)
-        return (images.float() / 2 + 0.5).clamp(0, 1)
+        return decode_images(self.vae, latents, per_call=self.vae_decode_batch)

@@ -73,11 +73,11 @@ from diffrl.models.base import (
     require_pixel_multiple,
     wire_text_tokens,
 )
-from diffrl.models.batch_invariance import decode_rows, embed_rows_one_at_a_time
+from diffrl.models.batch_invariance import embed_rows_one_at_a_time
 from diffrl.models.condition_rows import pack_image_rows, unpack_image_rows
 from diffrl.models.components import read_flow_scheduler, scheduler_sigmas
+from diffrl.models.vae_latents import decode_images, latent_noise
 from diffrl.models.weights import load_weights
-from diffrl.sampling import randn_per_sample
 
 SCHEDULERS = ("FlowMatchEulerDiscreteScheduler", "UniPCMultistepScheduler")
 
@@ -427,10 +427,9 @@ class Wan22Family(FamilyAdapter):
     def prepare_latents(self, generators, height, width, num_frames: int | None = None) -> Latents:
         self.check_size(height, width, self.default_num_frames if num_frames is None else num_frames)
         channels = self.vae.config.z_dim if self.image_to_video else self.expert_config.in_channels
-        shape = (len(generators), channels, self._latent_frames(num_frames),
+        shape = (channels, self._latent_frames(num_frames),
                  height // self.vae_scale_spatial, width // self.vae_scale_spatial)
-        # The transformer patchifies and positions the latents itself: no position ids to carry.
-        return Latents(randn_per_sample(shape, generators, device=self.device), torch.zeros(0, 1, device=self.device))
+        return latent_noise(generators, shape, self.device)
 
     def run_transformer(self, transformer, latents, sigma, cond) -> torch.Tensor:
         dtype = transformer.dtype  # not the first parameter's: Wan keeps some modules in fp32
@@ -485,10 +484,8 @@ def decode_wan_latents(vae, latents: torch.Tensor, per_call: int | None = None) 
     AutoencoderKLWan (Wan2.2's VAE, also Cosmos3's), rows per call as `decode_rows` says (`per_call`: the family's
     `vae_decode_batch`), with the pipelines' arithmetic."""
     config = vae.config
-    vae_dtype = next(vae.parameters()).dtype
     shape = (1, config.z_dim, 1, 1, 1)
     mean = torch.tensor(config.latents_mean, device=latents.device).view(shape)
     inv_std = 1.0 / torch.tensor(config.latents_std, device=latents.device).view(shape)
     latents = latents / inv_std + mean  # the pipeline's arithmetic, to the rounding
-    videos = decode_rows(lambda rows: vae.decode(rows.to(vae_dtype), return_dict=False)[0], latents, per_call=per_call)
-    return (videos.float() / 2 + 0.5).clamp(0, 1)
+    return decode_images(vae, latents, per_call=per_call)

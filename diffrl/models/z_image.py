@@ -48,7 +48,7 @@ from diffrl.models.base import (
     register_family,
     require_pixel_multiple,
 )
-from diffrl.models.batch_invariance import decode_rows, embed_rows_one_at_a_time
+from diffrl.models.batch_invariance import embed_rows_one_at_a_time
 from diffrl.models.components import read_settings, refuse_scheduler_options
 from diffrl.models.masked_text import (  # noqa: F401 (pad_rows: still importable from z_image, its first home)
     MaskedTextWire,
@@ -58,7 +58,8 @@ from diffrl.models.masked_text import (  # noqa: F401 (pad_rows: still importabl
     text_lengths,
     with_mask_channel,
 )
-from diffrl.sampling import randn_per_sample, resolution_mu
+from diffrl.models.vae_latents import decode_images, latent_noise
+from diffrl.sampling import resolution_mu
 
 UNSUPPORTED_SCHEDULER_OPTIONS = ("stochastic_sampling", "invert_sigmas", "use_flow_sigmas")
 
@@ -216,9 +217,8 @@ class ZImageFamily(MaskedTextWire, FamilyAdapter):
 
     def prepare_latents(self, generators, height, width) -> Latents:
         self.check_size(height, width)
-        shape = (len(generators), self.vae.config.latent_channels, height // self.vae_scale, width // self.vae_scale)
-        # The transformer patchifies and positions the latents itself: no position ids to carry.
-        return Latents(randn_per_sample(shape, generators, device=self.device), torch.zeros(0, 1, device=self.device))
+        shape = (self.vae.config.latent_channels, height // self.vae_scale, width // self.vae_scale)
+        return latent_noise(generators, shape, self.device)
 
     def run_transformer(self, transformer, latents, sigma, cond) -> torch.Tensor:
         dtype = next(transformer.parameters()).dtype
@@ -241,6 +241,4 @@ class ZImageFamily(MaskedTextWire, FamilyAdapter):
         config = self.vae.config
         vae_dtype = next(self.vae.parameters()).dtype
         latents = latents.to(vae_dtype) / config.scaling_factor + config.shift_factor
-        images = decode_rows(lambda rows: self.vae.decode(rows, return_dict=False)[0], latents,
-                             per_call=self.vae_decode_batch)
-        return (images.float() / 2 + 0.5).clamp(0, 1)
+        return decode_images(self.vae, latents, per_call=self.vae_decode_batch)
