@@ -59,6 +59,7 @@ def _import_builtin_families() -> None:
     # Importing a family module registers it. Deferred to the first lookup: the family modules import diffusers and
     # transformers (about 5 s on a CPU), which `import diffrl.models` should not pay for.
     import diffrl.models.chroma  # noqa: F401
+    import diffrl.models.hidream  # noqa: F401
     import diffrl.models.cogview4  # noqa: F401
     import diffrl.models.cosmos3  # noqa: F401
     import diffrl.models.demo  # noqa: F401
