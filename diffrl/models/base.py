@@ -46,6 +46,7 @@ engine gives `reference_pipeline()`'s images from the same noise.
 from __future__ import annotations
 
 import contextlib
+import copy
 from abc import ABC, abstractmethod
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, replace
@@ -266,6 +267,19 @@ class FamilyAdapter(ABC):
         check the engine against and `diffrl bench` times it against. None when diffusers has none to call
         the same way (the demo model)."""
         return None
+
+    def pipeline_over_components(self, pipeline_class: type, **parts: Any) -> Any:
+        """`pipeline_class` (a diffusers pipeline) over this family's own transformer, VAE, text encoder and
+        tokenizer and a copy of its scheduler, its progress bar off: what most families' `reference_pipeline` is.
+        The copy because the pipeline's `set_timesteps` and steps rewrite the scheduler's state, and the family's
+        scheduler is the engine's. `parts`: the pipeline's other arguments by its names; ones that name a text
+        encoder replace the family's one `text_encoder` and `tokenizer` (FLUX.1's two)."""
+        if "text_encoder" not in parts:
+            parts = {"text_encoder": self.text_encoder, "tokenizer": self.tokenizer, **parts}
+        pipe = pipeline_class(transformer=self.transformer, vae=self.vae, scheduler=copy.deepcopy(self.scheduler),
+                              **parts)
+        pipe.set_progress_bar_config(disable=True)
+        return pipe
 
     def reference_guidance_scale(self, guidance_scale: float) -> float:
         """A request's CFG scale in the reference pipeline's own terms (the same number unless the pipeline counts

@@ -115,10 +115,7 @@ class ChromaFamily(FamilyAdapter):
         sampling changes); call it with `reference_pipeline_kwargs()`."""
         from diffusers import ChromaPipeline
 
-        pipe = ChromaPipeline(scheduler=copy.deepcopy(self.scheduler), vae=self.vae, text_encoder=self.text_encoder,
-                              tokenizer=self.tokenizer, transformer=self.transformer)
-        pipe.set_progress_bar_config(disable=True)
-        return pipe
+        return self.pipeline_over_components(ChromaPipeline)
 
     def reference_pipeline_kwargs(self) -> dict:
         return {"max_sequence_length": self.settings.max_sequence_length}

@@ -143,10 +143,7 @@ class CogView4Family(MaskedTextWire, FamilyAdapter):
         sampling changes); call it with `reference_pipeline_kwargs()`."""
         from diffusers import CogView4Pipeline
 
-        pipe = CogView4Pipeline(tokenizer=self.tokenizer, text_encoder=self.text_encoder, vae=self.vae,
-                                transformer=self.transformer, scheduler=copy.deepcopy(self.scheduler))
-        pipe.set_progress_bar_config(disable=True)
-        return pipe
+        return self.pipeline_over_components(CogView4Pipeline)
 
     def reference_pipeline_kwargs(self) -> dict:
         return {"max_sequence_length": self.settings.max_sequence_length}

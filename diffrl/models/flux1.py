@@ -209,11 +209,9 @@ class Flux1Family(FamilyAdapter):
         from diffusers import FluxKontextPipeline, FluxPipeline
 
         (clip, t5), (clip_tokenizer, t5_tokenizer) = self.text_encoders, self.tokenizers
-        pipe = (FluxKontextPipeline if self.settings.kontext else FluxPipeline)(
-            scheduler=copy.deepcopy(self.scheduler), vae=self.vae, text_encoder=clip, tokenizer=clip_tokenizer,
-            text_encoder_2=t5, tokenizer_2=t5_tokenizer, transformer=self.transformer)
-        pipe.set_progress_bar_config(disable=True)
-        return pipe
+        return self.pipeline_over_components(FluxKontextPipeline if self.settings.kontext else FluxPipeline,
+                                             text_encoder=clip, tokenizer=clip_tokenizer, text_encoder_2=t5,
+                                             tokenizer_2=t5_tokenizer)
 
     def reference_pipeline_kwargs(self) -> dict:
         """The checkpoint's embedded guidance and T5 window: inputs of each pipeline call (Kontext: the condition

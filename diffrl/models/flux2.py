@@ -216,14 +216,9 @@ class Flux2Family(FamilyAdapter):
         `reference_pipeline_kwargs()`."""
         from diffusers import Flux2KleinPipeline, Flux2Pipeline
 
-        parts = {"scheduler": copy.deepcopy(self.scheduler), "vae": self.vae, "text_encoder": self.text_encoder,
-                 "tokenizer": self.tokenizer, "transformer": self.transformer}
         if self.settings.variant == "klein":
-            pipe = Flux2KleinPipeline(**parts, is_distilled=self.settings.distilled)
-        else:
-            pipe = Flux2Pipeline(**parts)
-        pipe.set_progress_bar_config(disable=True)
-        return pipe
+            return self.pipeline_over_components(Flux2KleinPipeline, is_distilled=self.settings.distilled)
+        return self.pipeline_over_components(Flux2Pipeline)
 
     def reference_pipeline_kwargs(self) -> dict:
         """The checkpoint's text window and layers (and dev's embedded guidance): inputs of each pipeline call."""

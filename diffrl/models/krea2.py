@@ -183,12 +183,9 @@ class Krea2Family(FamilyAdapter):
         sampling changes): what the tests check the engine against."""
         from diffusers import Krea2Pipeline
 
-        pipe = Krea2Pipeline(scheduler=copy.deepcopy(self.scheduler), vae=self.vae, text_encoder=self.text_encoder,
-                             tokenizer=self.tokenizer, transformer=self.transformer,
-                             text_encoder_select_layers=self.settings.text_encoder_select_layers,
-                             is_distilled=self.settings.is_distilled, patch_size=self.settings.patch_size)
-        pipe.set_progress_bar_config(disable=True)
-        return pipe
+        return self.pipeline_over_components(Krea2Pipeline,
+                                             text_encoder_select_layers=self.settings.text_encoder_select_layers,
+                                             is_distilled=self.settings.is_distilled, patch_size=self.settings.patch_size)
 
     @classmethod
     def read_settings(cls, root: Path, index: dict) -> Krea2Settings:

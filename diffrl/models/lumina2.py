@@ -142,10 +142,7 @@ class Lumina2Family(FamilyAdapter):
         sampling changes); call it with `reference_pipeline_kwargs()`."""
         from diffusers import Lumina2Pipeline
 
-        pipe = Lumina2Pipeline(scheduler=copy.deepcopy(self.scheduler), vae=self.vae, text_encoder=self.text_encoder,
-                               tokenizer=self.tokenizer, transformer=self.transformer)
-        pipe.set_progress_bar_config(disable=True)
-        return pipe
+        return self.pipeline_over_components(Lumina2Pipeline)
 
     def reference_pipeline_kwargs(self) -> dict:
         return {"max_sequence_length": self.settings.max_sequence_length, "system_prompt": self.settings.system_prompt,

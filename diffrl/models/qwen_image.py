@@ -329,17 +329,10 @@ class QwenImageFamily(FamilyAdapter):
         on only when a negative prompt is given (its `guidance_scale` is the guidance-distilled variant's)."""
         from diffusers import QwenImageEditPipeline, QwenImageEditPlusPipeline, QwenImagePipeline
 
-        # A copy of the scheduler: the pipeline's set_timesteps and steps rewrite its state (timesteps, σ's,
-        # step index), and the family's scheduler is the engine's.
-        parts = {"scheduler": copy.deepcopy(self.scheduler), "vae": self.vae, "text_encoder": self.text_encoder,
-                 "tokenizer": self.tokenizer, "transformer": self.transformer}
         if self.settings.edit:
             pipeline = QwenImageEditPlusPipeline if self.settings.edit == "edit_plus" else QwenImageEditPipeline
-            pipe = pipeline(processor=self.processor, **parts)
-        else:
-            pipe = QwenImagePipeline(**parts)
-        pipe.set_progress_bar_config(disable=True)
-        return pipe
+            return self.pipeline_over_components(pipeline, processor=self.processor)
+        return self.pipeline_over_components(QwenImagePipeline)
 
     @contextlib.contextmanager
     def reference_image_areas(self):

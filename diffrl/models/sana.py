@@ -169,10 +169,7 @@ class SanaFamily(FamilyAdapter):
         sampling changes); call it with `reference_pipeline_kwargs()`."""
         from diffusers import SanaPipeline
 
-        pipe = SanaPipeline(tokenizer=self.tokenizer, text_encoder=self.text_encoder, vae=self.vae,
-                            transformer=self.transformer, scheduler=copy.deepcopy(self.scheduler))
-        pipe.set_progress_bar_config(disable=True)
-        return pipe
+        return self.pipeline_over_components(SanaPipeline)
 
     def reference_pipeline_kwargs(self) -> dict:
         """The checkpoint's window and instruction, and no resolution binning (the engine samples the requested

@@ -155,10 +155,7 @@ class ZImageFamily(MaskedTextWire, FamilyAdapter):
         sampling changes). Its `guidance_scale` is Z-Image's g: the engine's scale s is g + 1."""
         from diffusers import ZImagePipeline
 
-        pipe = ZImagePipeline(scheduler=copy.deepcopy(self.scheduler), vae=self.vae, text_encoder=self.text_encoder,
-                              tokenizer=self.tokenizer, transformer=self.transformer)
-        pipe.set_progress_bar_config(disable=True)
-        return pipe
+        return self.pipeline_over_components(ZImagePipeline)
 
     def reference_pipeline_kwargs(self) -> dict:
         return {"max_sequence_length": self.settings.max_sequence_length}
