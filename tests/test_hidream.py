@@ -32,38 +32,39 @@ def hidream(hidream_dir) -> HiDreamFamily:
     return HiDreamFamily.load(hidream_dir)
 
 
-def _diffusers_images(family, prompt, negative, cfg, noise, steps, size):
+def _diffusers_images(family, prompt, negative, cfg, noise, steps, height, width):
     """HiDreamImagePipeline's images: its `guidance_scale` is the engine's CFG scale (on above 1, with the negative
     prompt; the empty one when none is given)."""
     return family.reference_pipeline()(
         prompt=prompt, negative_prompt=negative if cfg > 1 else None, guidance_scale=cfg, latents=noise,
-        num_inference_steps=steps, height=size, width=size, num_images_per_prompt=len(noise), output_type="pt",
+        num_inference_steps=steps, height=height, width=width, num_images_per_prompt=len(noise), output_type="pt",
         **family.reference_pipeline_kwargs()).images
 
 
-def _engine_images(family, prompt, negative, cfg, seed, steps, size):
+def _engine_images(family, prompt, negative, cfg, seed, steps, height, width):
     engine = Engine(family, EngineConfig(max_outputs_per_request=4))
     outputs = engine.generate(RolloutRequest(prompt=prompt, negative_prompt=negative, seed=seed,
                                              num_outputs_per_prompt=2, num_inference_steps=steps,
-                                             guidance_scale=cfg, height=size, width=size))
+                                             guidance_scale=cfg, height=height, width=width))
     return torch.stack([o.generated_output for o in outputs])
 
 
-@pytest.mark.parametrize(("prompt", "negative", "cfg"), [
-    (PROMPT, "blurry", 4.0),  # CFG with a negative prompt
-    (PROMPT, "", 1.0),  # CFG off: one conditional forward per step
-    (LONG_PROMPT, "", 5.0),  # a prompt filling every window, CFG against the empty prompt (the pipeline's default)
-], ids=["cfg", "no-cfg", "long-prompt"])
-def test_engine_reproduces_the_diffusers_pipeline(hidream, prompt, negative, cfg):
-    """ODE sampling through our engine gives HiDreamImagePipeline's images from the same initial noise, at the
-    checkpoint's default size (the pipeline rescales other sizes to its area)."""
-    size, steps, seed = hidream.default_size()[0], 4, 3
-    ours = _engine_images(hidream, prompt, negative, cfg, seed, steps, size)
-    noise = hidream.prepare_latents(make_generators([seed, seed + 1]), size, size).tokens  # output i: seed + i
-    reference = _diffusers_images(hidream, prompt, negative or None, cfg, noise, steps, size)
-    assert ours.shape == reference.shape == (2, 3, size, size)
+@pytest.mark.parametrize(("prompt", "negative", "cfg", "height", "width"), [
+    (PROMPT, "blurry", 4.0, 32, 32),  # CFG with a negative prompt
+    (PROMPT, "", 1.0, 32, 32),  # CFG off: one conditional forward per step
+    (LONG_PROMPT, "", 5.0, 32, 32),  # a prompt filling every window, CFG against the empty prompt (the default)
+    (PROMPT, "", 3.0, 16, 64),  # non-square: the forward pads the patches to max_seq and masks them
+], ids=["cfg", "no-cfg", "long-prompt", "non-square"])
+def test_engine_reproduces_the_diffusers_pipeline(hidream, prompt, negative, cfg, height, width):
+    """ODE sampling through our engine gives HiDreamImagePipeline's images from the same initial noise, at sizes of
+    the checkpoint's default area (the pipeline rescales other sizes to that area)."""
+    steps, seed = 4, 3
+    ours = _engine_images(hidream, prompt, negative, cfg, seed, steps, height, width)
+    noise = hidream.prepare_latents(make_generators([seed, seed + 1]), height, width).tokens  # output i: seed + i
+    reference = _diffusers_images(hidream, prompt, negative or None, cfg, noise, steps, height, width)
+    assert ours.shape == reference.shape == (2, 3, height, width)
     torch.testing.assert_close(ours, reference, rtol=0, atol=TOLERANCE)
-    other = _diffusers_images(hidream, "a green dog", negative or None, cfg, noise, steps, size)
+    other = _diffusers_images(hidream, "a green dog", negative or None, cfg, noise, steps, height, width)
     assert (other - reference).abs().max() > 100 * TOLERANCE  # the comparison can fail
 
 
@@ -153,6 +154,9 @@ def test_bad_requests_are_refused(hidream):
     engine = Engine(hidream, EngineConfig(max_outputs_per_request=4))
     with pytest.raises(RequestError, match="height=30: HiDream-I1 needs a positive multiple of 4"):
         engine.generate(RolloutRequest(prompt="a cat", height=30, width=32))  # 16 at real size
+    with pytest.raises(RequestError, match="32x160: this HiDream-I1 checkpoint makes non-square images of at most 256"):
+        engine.generate(RolloutRequest(prompt="a cat", height=32, width=160))  # padded to max_seq patches: too many
+    assert engine.generate(RolloutRequest(prompt="a cat", height=32, width=48, num_inference_steps=1))  # fits
     with pytest.raises(RequestError) as err:
         engine.generate(RolloutRequest(prompt="a cat", image="data:image/png;base64,AAAA", height=32, width=32))
     assert err.value.field == "image"

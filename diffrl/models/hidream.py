@@ -34,7 +34,8 @@ What this adapter reproduces of diffusers' `HiDreamImagePipeline` (checked by `t
 
 The pipeline rescales every requested size to the area of its default size (1024² at real size) before sampling;
 diffrl samples the size a request names, so the two agree at the default area (any aspect ratio whose rescale is the
-identity). The transformer's mixture-of-experts feed-forwards run, in eval mode, diffusers' `moe_infer`, which has no
+identity). A non-square image is zero-padded by the forward to `max_seq` patches (its config's `max_resolution`,
+128² latents at real size) and the padding's keys masked: a non-square request of more patches is refused. The transformer's mixture-of-experts feed-forwards run, in eval mode, diffusers' `moe_infer`, which has no
 gradient: this adapter replaces it with the same computation kept differentiable (`_DifferentiableMoE`), so
 trained adapters and weights inside the experts and the router get gradients. Image-conditioned requests are refused
 (text to image only); a scheduler other than FlowMatchEulerDiscreteScheduler (HiDream-I1-Full ships UniPC) is
@@ -49,7 +50,7 @@ from dataclasses import dataclass
 
 import torch
 
-from diffrl.errors import ModelLoadError
+from diffrl.errors import ModelLoadError, RequestError
 from diffrl.models.base import (
     Component,
     FamilyAdapter,
@@ -209,6 +210,12 @@ class HiDreamFamily(FamilyAdapter):
 
     def check_size(self, height: int, width: int) -> None:
         require_pixel_multiple("HiDream-I1", self.pixels_per_token, height=height, width=width)
+        patches = (height // self.pixels_per_token) * (width // self.pixels_per_token)
+        if height != width and patches > self.transformer.max_seq:
+            # A non-square image is zero-padded to `max_seq` patches (its config's max_resolution) by the forward.
+            raise RequestError("height", f"{height}x{width}: this HiDream-I1 checkpoint makes non-square images of at "
+                                         f"most {self.transformer.max_seq} patches of {self.pixels_per_token} pixels "
+                                         f"(its max_resolution); this size has {patches}")
 
     def sigmas(self, num_steps: int, height: int, width: int) -> torch.Tensor:
         from diffusers.pipelines.hidream_image.pipeline_hidream_image import calculate_shift

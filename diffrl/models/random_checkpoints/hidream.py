@@ -39,7 +39,7 @@ def tiny() -> HiDreamSizes:
     return HiDreamSizes(
         transformer={"patch_size": 2, "num_layers": 1, "num_single_layers": 1, "attention_head_dim": 16,
                      "num_attention_heads": 2, "caption_channels": [32, 24], "num_routed_experts": 4,
-                     "num_activated_experts": 2, "axes_dims_rope": (8, 4, 4), "max_resolution": (16, 16),
+                     "num_activated_experts": 2, "axes_dims_rope": (8, 4, 4), "max_resolution": (32, 32),
                      "llama_layers": [2, 0]},
         clip_widths=(8, 16), clip_layers=2, clip_positions=32, t5=flux.t5,
         llama={"intermediate_size": 48, "num_hidden_layers": 3, "num_attention_heads": 2, "num_key_value_heads": 1},
