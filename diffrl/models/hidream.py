@@ -193,12 +193,9 @@ class HiDreamFamily(FamilyAdapter):
         default size this checkpoint's (the pipeline rescales every request to that area)."""
         from diffusers import HiDreamImagePipeline
 
-        encoders = dict(zip(TEXT_ENCODERS, self.text_encoders, strict=True))
-        tokenizers = dict(zip(TOKENIZERS, self.tokenizers, strict=True))
-        pipe = HiDreamImagePipeline(scheduler=copy.deepcopy(self.scheduler), vae=self.vae,
-                                    transformer=self.transformer, **encoders, **tokenizers)
+        pipe = self.pipeline_over_components(HiDreamImagePipeline, **dict(zip(TEXT_ENCODERS, self.text_encoders)),
+                                             **dict(zip(TOKENIZERS, self.tokenizers)))
         pipe.default_sample_size = self.settings.default_size // self.vae_scale
-        pipe.set_progress_bar_config(disable=True)
         return pipe
 
     def reference_pipeline_kwargs(self) -> dict:
