@@ -156,7 +156,8 @@ def test_served_engine_compiles_and_hosts_a_lora_adapter_afterwards(tiny_model_d
 # Each family's Flow-GRPO settings as its own training test runs them: CFG scale, video size, rollout step kind.
 FAMILY_RUNS = {
     "sd3": (4.5, None, ()), "flux3_image": (2.0, None, ()), "qwen_image": (4.0, None, ()), "krea2": (2.0, None, ()),
-    "chroma": (2.0, None, ()),
+    "chroma": (2.0, None, ()), "sana": (2.0, None, ()), "lumina2": (2.0, None, ()), "cogview4": (2.0, None, ()),
+    "hidream": (2.0, None, ()),
     "wan2_2": (4.5, dict(resolution=16, num_frames=5, diffusion_guidance_scale_2=2.0), ()),
     "cosmos3": (4.0, dict(resolution=16, num_frames=5), ()),
     "ltx2": (1.0, dict(height=64, width=96, num_frames=9),

@@ -63,9 +63,9 @@ def compile_blocks(transformer: torch.nn.Module, block_lists: Sequence[str], *, 
     figures predate `compile_settings`: the setting then held only in the thread that compiled the blocks, not
     in the engine's worker threads, and on a CPU the remaining drift (5.8e-5) went to exactly 0 once it did.
 
-    `dynamic`: every block's graph takes symbolic sizes from its first call (`torch.compile(dynamic=True)`), so a
-    rollout at one batch size and its replay at another run one graph; otherwise the first call's sizes are baked
-    in and the next batch size recompiles, with other kernels (BENCHMARKS.md, "Where a compiled replay parts")."""
+    `dynamic`: every block's graph takes a symbolic batch size from its first call (`batch_dynamic`), so a rollout
+    at one batch size and its replay at another run one graph; otherwise the first call's sizes are baked in and the
+    next batch size recompiles, with other kernels (BENCHMARKS.md, "Where a compiled replay parts")."""
     check_compile_mode(mode)
     require_compile_settings(dynamo={"recompile_limit": max(compile_setting("dynamo", "recompile_limit"), RECOMPILE_LIMIT)},
                              inductor={"emulate_precision_casts": eager_numerics})
@@ -73,8 +73,40 @@ def compile_blocks(transformer: torch.nn.Module, block_lists: Sequence[str], *, 
     if not blocks:
         raise ValueError(f"no blocks to compile under {list(block_lists)}")
     for block in blocks:
-        block.compile(mode=None if mode == "default" else mode, dynamic=True if dynamic else None)
+        block.compile(mode=None if mode == "default" else mode)
+        if dynamic:
+            block._compiled_call_impl = batch_dynamic(block._compiled_call_impl)
     return len(blocks)
+
+
+def batch_dynamic(compiled):
+    """`compiled` (a torch.compile'd callable) with the batch dimension of its tensor arguments marked dynamic
+    before each call: the leading dimension of every tensor whose leading size is the first tensor's (the rows), so
+    one graph serves every batch size from the first call. Only the batch: `torch.compile(dynamic=True)` makes
+    every size symbolic, and inductor fails on some blocks' spatial arithmetic (SANA's, on a CPU) that static sizes
+    keep simple. The marks are made here, outside the compiled frame, where dynamo reads them."""
+    def call(*args, **kwargs):
+        tensors = [t for t in _tensors((args, kwargs)) if t.dim() > 0]
+        if tensors:
+            rows = tensors[0].shape[0]
+            for t in tensors:
+                if t.shape[0] == rows:
+                    torch._dynamo.maybe_mark_dynamic(t, 0)
+        return compiled(*args, **kwargs)
+
+    call.__wrapped__ = compiled
+    return call
+
+
+def _tensors(value):
+    if isinstance(value, torch.Tensor):
+        yield value
+    elif isinstance(value, (list, tuple)):
+        for item in value:
+            yield from _tensors(item)
+    elif isinstance(value, dict):
+        for item in value.values():
+            yield from _tensors(item)
 
 
 def cached_graphs(family) -> dict[str, list[int]]:

@@ -73,6 +73,7 @@ from diffrl.models.base import (
     require_frame_multiple,
     require_pixel_multiple,
 )
+from diffrl.models.compile import batch_dynamic
 from diffrl.models.components import (
     checkpoint_root,
     load_components,
@@ -196,8 +197,9 @@ class Cosmos3Family(FamilyAdapter):
         one compiled block does (their parameters are graph inputs). The text pathway runs once per prompt and
         weights, eager."""
         count = super().compile(mode=mode, eager_numerics=eager_numerics, dynamic=dynamic)
-        self.video_layer = torch.compile(_video_layer, mode=None if mode == "default" else mode,
-                                         dynamic=True if dynamic else None)
+        self.video_layer = torch.compile(_video_layer, mode=None if mode == "default" else mode)
+        if dynamic:
+            self.video_layer = batch_dynamic(self.video_layer)
         return count
 
     def compiled_units(self) -> dict[str, list]:
