@@ -60,16 +60,18 @@ REAL_SIZES = {
 }
 
 
-def make_checkpoint(family: str, path: Path, device: torch.device, tiny: bool = False) -> None:
+def make_checkpoint(family: str, path: Path, device: torch.device, tiny: bool = False,
+                    size: RealSize | None = None) -> None:
     """A random checkpoint at the family's real size in bf16, built on `device` (the GPU: a minute, not the CPU's
-    many); `tiny`: the module's `tiny()` sizes in fp32 instead (CPU tests of the benchmark scripts)."""
+    many); `tiny`: the module's `tiny()` sizes in fp32 instead (CPU tests of the benchmark scripts). `size`: in
+    place of `REAL_SIZES[family]` (another variant of the family: an image-conditioned one)."""
     import gc
     import importlib
     import shutil
 
     if family not in REAL_SIZES:
         raise SystemExit(f"--family {family}: this benchmark makes random checkpoints for {', '.join(REAL_SIZES)}")
-    size = REAL_SIZES[family]
+    size = size or REAL_SIZES[family]
     module = importlib.import_module(f"diffrl.models.random_checkpoints.{family}")
     start = time.perf_counter()
     # Written beside, then renamed: a run stopped while writing leaves no checkpoint that looks whole.

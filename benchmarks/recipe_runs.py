@@ -30,6 +30,11 @@ per sample end to end of each M (the main rollouts after the first stand for the
 limit), `--sweep-stop-by` an earlier one for the sweep; the JSON is rewritten after every rollout, so what
 ran is kept. `--tiny`: the family's tiny random
 checkpoint and a tiny PickScore, for a CPU run of these paths.
+
+Image-conditioned recipes (editing, image to video: `condition_images="required"`) run on their family's
+image-conditioned checkpoint where the weights differ (`VARIANTS`: Wan2.2 I2V A14B, FLUX.1 Kontext,
+Qwen-Image-Edit Plus, FLUX.2 [dev]), kept under its own folder name (`checkpoint_name`), and on a `prompts.jsonl`
+whose rows each name one generated condition image (rendered scenes at the run's size, one per prompt).
 """
 
 from __future__ import annotations
@@ -42,7 +47,7 @@ import time
 from pathlib import Path
 
 import torch
-from family_rollout import make_checkpoint
+from family_rollout import REAL_SIZES, RealSize, make_checkpoint
 from report import emit
 
 from diffrl.cli.bench_train import train_forward_equivalents, trains_with_cfg
@@ -55,6 +60,111 @@ PROMPTS = ['a neon sign that says "OPEN LATE" above a diner door', "a red fox sl
            'a chalkboard menu reading "soup of the day"', "an astronaut riding a horse on the moon, film photo",
            "a bowl of ramen with a soft egg, overhead shot", 'a coffee mug printed with "diffrl"',
            "a lighthouse on a cliff during a storm, oil painting", "two cats playing chess in a library"]
+# Editing recipes' rows: an instruction beside its source image.
+EDIT_PROMPTS = ["make the sky a sunset orange", 'add a sign that says "OPEN LATE" above the door',
+                "turn the scene into an oil painting", "remove the red shape", "make it snow",
+                "replace the circle with a sleeping fox", "change the season to autumn", "make it night, lit by a lamp"]
+
+
+@dataclasses.dataclass(frozen=True)
+class Variant:
+    """The image-conditioned checkpoint an image-conditioned recipe needs: what its random checkpoint adds to the
+    family's `REAL_SIZES` entry (`save` keywords, at --tiny too; `real` ones replace the family's), and the pipeline
+    class its model_index.json names (a checkpoint already at --checkpoint is checked against it)."""
+
+    name: str  # the checkpoint folder's part after the family: runs/<family>-<name>-random
+    pipeline: str
+    save: dict = dataclasses.field(default_factory=dict)
+    real: dict = dataclasses.field(default_factory=dict)
+    disk_gb: float | None = None  # None: the family's
+
+    def size(self, family: str) -> RealSize:
+        base = REAL_SIZES[family]
+        return RealSize({**base.real, **self.real}, {**base.save, **self.save}, self.disk_gb or base.disk_gb)
+
+
+# Image-conditioned recipes by name (their -gpu/-cpu aliases alike). One that requires condition images and is absent
+# here runs on its family's own checkpoint: LTX-2.3's weights do text and image to video alike (the run's
+# condition_images="required" makes it image to video), and FLUX 3 Klein's reference mode is in its one transformer.
+VARIANTS = {
+    # Wan2.2 I2V A14B: the transformer also takes the first-frame mask and the image's latents (36 input channels).
+    "wan22-i2v-grpo-pickscore": Variant("i2v", "WanImageToVideoPipeline", save={"image_to_video": True}),
+    "flux1-kontext-grpo-pickscore": Variant("kontext", "FluxKontextPipeline", save={"kontext": True}),
+    # Qwen-Image-Edit Plus (2509), the recipe's model; its vision tower reads the sources at the pipeline's own areas.
+    "qwen-image-edit-grpo-pickscore": Variant("edit-plus", "QwenImageEditPlusPipeline",
+                                              save={"edit": "QwenImageEditPlusPipeline"}),
+    # FLUX.2 [dev]: the 32.2 B transformer and a 3-layer text encoder of Mistral Small's width, about 66 GB on disk.
+    "flux2-dev-edit-grpo-pickscore": Variant("dev", "Flux2Pipeline", real={"model": "dev"}, disk_gb=66),
+}
+
+
+def recipe_variant(recipe: str) -> Variant | None:
+    """The image-conditioned checkpoint `recipe` needs, or None: the family's own (`REAL_SIZES`)."""
+    for suffix in ("-gpu", "-cpu"):
+        recipe = recipe.removesuffix(suffix)
+    return VARIANTS.get(recipe)
+
+
+def checkpoint_name(recipe: str) -> str:
+    """The random checkpoint's folder name for `recipe` (scripts/device/bench_recipes.sh keeps them in runs/):
+    `<family>-random`, or `<family>-<variant>-random` for an image-conditioned variant, so that a text-only
+    checkpoint of the family is never taken for it, nor it for one."""
+    family = recipe_overrides(recipe, "cuda")["diffusion_model_family"]
+    variant = recipe_variant(recipe)
+    return f"{family}-{variant.name}-random" if variant else f"{family}-random"
+
+
+def check_variant(path: Path, variant: Variant) -> None:
+    """A checkpoint already at --checkpoint is the image-conditioned one the recipe needs (its model index's class)."""
+    index = path / "model_index.json"
+    found = json.loads(index.read_text()).get("_class_name") if index.exists() else None
+    if found != variant.pipeline:
+        raise SystemExit(f"--checkpoint {path} holds a {found} checkpoint; this recipe needs a {variant.pipeline} one "
+                         "(name a missing folder and it is built)")
+
+
+def scene_png(seed: int, height: int, width: int) -> bytes:
+    """A rendered scene drawn from `seed` (sky and ground gradients, a sun, a few shapes) as PNG: a condition image
+    with edges and flat areas, as a photo has, rather than noise."""
+    import io
+
+    import numpy as np
+    from PIL import Image, ImageDraw
+
+    rng = np.random.default_rng(seed)
+    horizon = int(height * rng.uniform(0.45, 0.7))
+    sky, ground = rng.integers(40, 230, (2, 3))
+    rows = np.linspace(0.0, 1.0, height)[:, None, None]
+    pixels = np.where(np.arange(height)[:, None, None] < horizon, sky * (1.1 - 0.4 * rows), ground * (0.6 + 0.4 * rows))
+    image = Image.fromarray(np.broadcast_to(pixels, (height, width, 3)).clip(0, 255).astype(np.uint8))
+    draw = ImageDraw.Draw(image)
+    side = min(height, width)
+    r = max(int(side * rng.uniform(0.05, 0.12)), 1)
+    x, y = int(width * rng.uniform(0.1, 0.9)), int(horizon * rng.uniform(0.15, 0.6))
+    draw.ellipse((x - r, y - r, x + r, y + r), fill=(250, 220, 120))
+    for _ in range(int(rng.integers(2, 5))):
+        w, h = (max(int(side * f), 1) for f in rng.uniform(0.1, 0.35, 2))
+        x0 = int(rng.integers(0, max(width - w, 1)))
+        y0 = int(rng.integers(max(horizon - h // 2, 0), max(height - h, horizon) + 1))
+        shape = draw.rectangle if rng.random() < 0.5 else draw.ellipse
+        shape((x0, y0, x0 + w, y0 + h), fill=tuple(int(c) for c in rng.integers(0, 256, 3)))
+    buffer = io.BytesIO()
+    image.save(buffer, format="PNG")
+    return buffer.getvalue()
+
+
+def write_conditioned_prompts(folder: Path, prompts: list[str], height: int, width: int) -> Path:
+    """`prompts.jsonl` in `folder`: one row per prompt naming its own condition image under `image` (a path from the
+    file's folder), each a distinct rendered scene of `height × width`."""
+    (folder / "images").mkdir(parents=True, exist_ok=True)
+    rows = []
+    for i, prompt in enumerate(prompts):
+        name = f"images/condition_{i}.png"
+        (folder / name).write_bytes(scene_png(i, height, width))
+        rows.append({"prompt": prompt, "image": name})
+    path = folder / "prompts.jsonl"
+    path.write_text("".join(json.dumps(row) + "\n" for row in rows))
+    return path
 
 
 def small_clip_tokenizer(path: Path) -> None:
@@ -152,8 +262,10 @@ def reward_spec(reward: str, root: Path, tiny: bool = False) -> str:
     return reward
 
 
-def forward_flops(trainer: Trainer, prompt: str) -> float:
-    """FLOPs of one transformer forward for one sample at the run's size (conditional branch only)."""
+def forward_flops(trainer: Trainer, prompt: str, image: torch.Tensor | None = None) -> float:
+    """FLOPs of one transformer forward for one sample at the run's size (conditional branch only); `image`
+    (`uint8 [3, H, W]`): with this condition image folded into the conditioning as the engine folds it (an editing
+    family's reference tokens lengthen the sequence)."""
     from diffrl.sampling import make_generators
     from diffrl.utils.flops import flop_counter
 
@@ -161,7 +273,16 @@ def forward_flops(trainer: Trainer, prompt: str) -> float:
     height, width = cfg.model.size() or family.default_size()
     frames = {"num_frames": cfg.model.num_frames} if family.generates_video else {}  # None: the family's default
     with torch.no_grad():
-        cond = family.encode_prompts([prompt])
+        if image is None:
+            cond = family.encode_prompts([prompt])
+        else:
+            size = (dict(height=height, width=width, num_frames=cfg.model.num_frames)
+                    if family.condition_images_need_size else {})
+            encoded = family.encode_condition_images([image], **size)
+            cond = (family.encode_prompts_with_images([prompt], encoded) if family.prompt_sees_images
+                    else family.condition_on_images(family.encode_prompts([prompt]), encoded))
+            if family.latents_need_conditioning:  # LTX-2 image to video: the first frame's tokens leave the state
+                frames["cond"] = cond
         latents = family.prepare_latents(make_generators([0], device="cpu"), height, width, **frames)
         sigma = torch.full((1,), 0.5, device=family.device)
         counter = flop_counter()
@@ -220,13 +341,13 @@ def main(argv: list[str] | None = None) -> dict:
         os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
     args.work_dir.mkdir(parents=True, exist_ok=True)
     cuda = args.device == "cuda"
+    variant = recipe_variant(args.recipe)
     if not args.checkpoint.exists():
-        make_checkpoint(family, args.checkpoint, torch.device(args.device), tiny=args.tiny)
+        make_checkpoint(family, args.checkpoint, torch.device(args.device), tiny=args.tiny,
+                        size=variant.size(family) if variant else None)
+    elif variant:
+        check_variant(args.checkpoint, variant)
     reward = args.reward or overrides["reward"]
-    prompts = args.work_dir / "prompts.txt"
-    # The OCR reward scores the text a prompt quotes, so its runs draw only the prompts that quote some.
-    usable = [p for p in PROMPTS if '"' in p] if reward == "ocr" else PROMPTS
-    prompts.write_text("\n".join(usable) + "\n")
     run_dir = args.work_dir / f"{args.recipe}-{time.strftime('%H%M%S')}"
     if args.rollout_batch_size is not None:
         changed["rollout_batch_size"] = args.rollout_batch_size
@@ -235,6 +356,17 @@ def main(argv: list[str] | None = None) -> dict:
     if args.height is not None:  # a recipe's square --resolution gives way to the size asked for
         changed.update(resolution=None, height=args.height, width=args.width)
     fields = {**overrides, **changed}
+    conditioned = fields.get("condition_images") == "required"
+    if conditioned:  # each row names its own source (editing) or first frame (image to video), at the run's size
+        usable = PROMPTS if family == "ltx2" or "i2v" in args.recipe else EDIT_PROMPTS
+        side = fields.get("resolution") or 512  # a fallback only: every such recipe names its size
+        image_size = (fields.get("height") or side, fields.get("width") or side)
+        prompts = write_conditioned_prompts(args.work_dir, usable, *image_size)
+    else:
+        # The OCR reward scores the text a prompt quotes, so its runs draw only the prompts that quote some.
+        usable = [p for p in PROMPTS if '"' in p] if reward == "ocr" else PROMPTS
+        prompts = args.work_dir / "prompts.txt"
+        prompts.write_text("\n".join(usable) + "\n")
     samples = fields["rollout_batch_size"] * fields["n_samples_per_prompt"]
     fields["global_batch_size"] = samples // fields["num_steps_per_rollout"]  # the optimizer steps stay the recipe's
     sweep = [m for m in dict.fromkeys(args.microgroups) if m <= fields["n_samples_per_prompt"]]
@@ -249,7 +381,12 @@ def main(argv: list[str] | None = None) -> dict:
     load_s = time.perf_counter() - start
     if cuda:
         torch.cuda.reset_peak_memory_stats()
-    flops = forward_flops(trainer, PROMPTS[0])
+    first_image = None
+    if conditioned:
+        from diffrl.data.condition_images import decode_image
+
+        first_image = decode_image((args.work_dir / "images" / "condition_0.png").read_bytes(), "condition image")
+    flops = forward_flops(trainer, usable[0], first_image)
     r, m = cfg.rollout, cfg.model
     rollout_guidance = trainer.objective.request(0)["guidance_scale"]  # what the engine is asked for
     rollout_forwards = samples * r.diffusion_num_steps * (2 if rollout_guidance > 1 else 1)
@@ -268,7 +405,12 @@ def main(argv: list[str] | None = None) -> dict:
         "load_s": load_s, "gflop_per_forward": flops / 1e9,
         "transformer_params_b": sum(p.numel() for p in trainer.policy.transformer.parameters()) / 1e9,
         "trained_params_m": sum(p.numel() for p in trainer.policy.params) / 1e6,
-        "max_memory_gib": None, "rollouts": [], "stopped": None}
+        "max_memory_gib": None, "rollouts": [], "stopped": None,
+        # The image-conditioned checkpoint built for the recipe (None: the family's own), and the prompt set's
+        # condition images: per row, distinct in all, and their size.
+        "checkpoint_variant": dataclasses.asdict(variant) if variant else None,
+        "condition_images_per_row": 1 if conditioned else 0, "condition_images": len(usable) if conditioned else 0,
+        "condition_image_size": list(image_size) if conditioned else None}
 
     def save() -> None:  # after every rollout: a call stopped at its limit keeps what ran
         results["max_memory_gib"] = torch.cuda.max_memory_allocated() / 2**30 if cuda else None

@@ -8,6 +8,12 @@
 # on a warm machine; a family's checkpoint is removed when a job of another family needs the disk (KEEP=1 keeps).
 # An OCR recipe (sd35-grpo-ocr) scores with RapidOCR: carry [".whl", ".whl-ocr"], with results/ moved out of the
 # checkout for that call (both wheel sets and results/ together pass the 64 MiB a call may carry).
+# Image-conditioned recipes run as they are: recipe_runs.py builds the variant their family needs (Wan2.2 I2V,
+# FLUX.1 Kontext, Qwen-Image-Edit Plus, FLUX.2 [dev]) in its own runs/<family>-<variant>-random and writes a
+# prompts.jsonl of generated condition images, e.g.
+#   JOBS="wan22-i2v-grpo-pickscore:2 flux1-kontext-grpo-pickscore:4 qwen-image-edit-grpo-pickscore:2 \
+#         flux3-klein-edit-nft-pickscore:2 ltx23-i2v-grpo-pickscore:1" ROLLOUTS=2
+# flux2-dev-edit-grpo-pickscore:2 alone: its 66 GB checkpoint needs nvidia-h200-x2's disk and an H200's memory.
 set -uo pipefail
 bash scripts/device/install_wheels.sh || exit 1
 export PYTHONPATH=/tmp/site:$PWD PYTHONUNBUFFERED=1 OMP_NUM_THREADS=8 PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True
@@ -16,10 +22,12 @@ df -h . | tail -1
 quiet() { tr '\r' '\n' | grep -v "Loading\|float32\|torchvision\|^ *$\|Writing model\|^train " ; }
 for job in ${JOBS:?JOBS=recipe:groups ...}; do
   recipe=${job%%:*}; groups=${job##*:}
-  family=$(python3 -c "from diffrl.recipes import recipe_overrides; print(recipe_overrides('$recipe', 'cuda')['diffusion_model_family'])")
-  ckpt=$PWD/runs/$family-random
-  if [[ -z ${KEEP:-} ]]; then
-    for other in runs/*-random; do [[ -d $other && $other != runs/$family-random ]] && rm -rf "$other"; done
+  # <family>-random, or <family>-<variant>-random for an image-conditioned variant (never a text-only one's)
+  name=$(cd benchmarks && python3 -c "from recipe_runs import checkpoint_name; print(checkpoint_name('$recipe'))")
+  [[ -n $name ]] || { echo "== $recipe: no checkpoint name (unknown recipe?)" | tee -a "$OUT/log.txt"; continue; }
+  ckpt=$PWD/runs/$name
+  if [[ -z ${KEEP:-} ]]; then  # a stopped build's .partial folder too
+    for other in runs/*-random runs/*-random.partial; do [[ -d $other && $other != runs/$name ]] && rm -rf "$other"; done
   fi
   echo "== $recipe ($groups groups) $(date +%T)"
   (cd benchmarks && python3 recipe_runs.py --recipe "$recipe" --checkpoint "$ckpt" --rollout-batch-size "$groups" \
