@@ -44,7 +44,7 @@ def test_a_shared_transformer_class_is_told_apart_by_the_rest_of_the_checkpoint(
 
 
 @pytest.mark.parametrize("family", ["demo", "qwen_image", "ltx2", "krea2", "wan2_2", "cosmos3", "chroma", "sana",
-                                    "lumina2", "cogview4"])
+                                    "lumina2", "cogview4", "hidream"])
 def test_every_family_names_a_flux3_checkpoint_before_reading_its_settings(flux3_dir, family):
     """Families read their settings (model index, scheduler) first: on a FLUX 3 checkpoint they said "corrupt file:
     …/model_index.json (bad 'diffrl' block …)", "the scheduler uses dynamic shifting" or "a Flux3ModularPipeline
