@@ -52,7 +52,7 @@ from diffrl.models.base import (
     wire_text_tokens,
 )
 from diffrl.models.batch_invariance import embed_rows_one_at_a_time
-from diffrl.models.components import refuse_scheduler_options
+from diffrl.models.components import check_max_sequence_length, refuse_scheduler_options
 from diffrl.models.flux1 import UNSUPPORTED_SCHEDULER_OPTIONS, Flux1Family, decode_packed, flux_sigmas, packed_noise
 
 
@@ -95,9 +95,7 @@ class ChromaFamily(FamilyAdapter):
     def __init__(self, transformer, vae, scheduler, tokenizer, text_encoder, *, settings: ChromaSettings | None = None):
         settings = copy.copy(settings or ChromaSettings())
         config = transformer.config
-        if not 1 <= settings.max_sequence_length <= 512:
-            raise ModelLoadError(f"chroma: max_sequence_length must be in 1..512 (ChromaPipeline's limit), got "
-                                 f"{settings.max_sequence_length}")
+        check_max_sequence_length("chroma", settings.max_sequence_length, limit=512, pipeline="ChromaPipeline")
         latent_channels = vae.config.latent_channels
         if config.in_channels != 4 * latent_channels:
             raise ModelLoadError(f"chroma: the transformer takes {config.in_channels} channels; 2x2 patches of the "

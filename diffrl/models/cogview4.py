@@ -55,7 +55,7 @@ from diffrl.models.base import (
     require_pixel_multiple,
 )
 from diffrl.models.batch_invariance import embed_rows_one_at_a_time
-from diffrl.models.components import refuse_scheduler_options
+from diffrl.models.components import check_max_sequence_length, refuse_scheduler_options
 from diffrl.models.flux1 import UNSUPPORTED_SCHEDULER_OPTIONS
 from diffrl.models.masked_text import MaskedTextWire, masked_text_conditioning, text_lengths, with_mask_channel
 from diffrl.models.vae_latents import decode_images, latent_noise
@@ -120,8 +120,7 @@ class CogView4Family(MaskedTextWire, FamilyAdapter):
                  settings: CogView4Settings | None = None):
         settings = copy.copy(settings or CogView4Settings())
         config = transformer.config
-        if settings.max_sequence_length < 1:
-            raise ModelLoadError(f"cogview4: max_sequence_length must be positive, got {settings.max_sequence_length}")
+        check_max_sequence_length("cogview4", settings.max_sequence_length)
         latent_channels = vae.config.latent_channels
         if config.in_channels != latent_channels:
             raise ModelLoadError(f"cogview4: the transformer takes {config.in_channels} channels; the VAE's latents "

@@ -245,6 +245,19 @@ def read_flow_scheduler(family: str, root: Path, supported: Iterable[str], pipel
     return name, config
 
 
+def check_max_sequence_length(family: str, length: int, *, limit: int | None = None,
+                              pipeline: str | None = None) -> None:
+    """A ModelLoadError unless a checkpoint's text window `length` (its `max_sequence_length` setting) is one its
+    pipeline takes: in 1..`limit` (FLUX.1, FLUX.2, Chroma, Lumina 2: `pipeline`'s limit, when it names one), or any
+    positive count without a limit (CogView4, SANA)."""
+    if limit is None:
+        if length < 1:
+            raise ModelLoadError(f"{family}: max_sequence_length must be positive, got {length}")
+    elif not 1 <= length <= limit:
+        whose = f" ({pipeline}'s limit)" if pipeline else ""
+        raise ModelLoadError(f"{family}: max_sequence_length must be in 1..{limit}{whose}, got {length}")
+
+
 def refuse_scheduler_options(family: str, scheduler, options: Iterable[str]) -> None:
     """A ModelLoadError naming those of `options` that the scheduler's config turns on: each changes the step that
     the family's sampling reproduces."""

@@ -60,7 +60,7 @@ from diffrl.models.base import (
     wire_text_tokens,
 )
 from diffrl.models.batch_invariance import embed_rows_one_at_a_time
-from diffrl.models.components import read_settings, refuse_scheduler_options
+from diffrl.models.components import check_max_sequence_length, read_settings, refuse_scheduler_options
 from diffrl.models.condition_rows import pack_image_rows, unpack_image_rows
 from diffrl.models.qwen_vae import pack_latents
 from diffrl.models.vae_latents import decode_images
@@ -68,6 +68,8 @@ from diffrl.sampling import randn_per_sample, resolution_mu
 
 CLIP_TOKENS = 77
 DEFAULT_GUIDANCE = 3.5  # FluxPipeline's guidance_scale default, and flow_grpo's FLUX.1 [dev] setting
+# The FlowMatchEulerDiscreteScheduler options that change the step; every family over that scheduler with no option
+# of its own to refuse reads them from here (FLUX.1, FLUX.2, Chroma, Z-Image, Lumina 2, CogView4).
 UNSUPPORTED_SCHEDULER_OPTIONS = ("stochastic_sampling", "invert_sigmas", "use_flow_sigmas")
 
 
@@ -167,9 +169,7 @@ class Flux1Family(FamilyAdapter):
         self.guidance_distilled = bool(config.guidance_embeds)
         if settings.max_sequence_length is None:
             settings.max_sequence_length = 512 if self.guidance_distilled else 256
-        if not 1 <= settings.max_sequence_length <= 512:
-            raise ModelLoadError(f"flux1: max_sequence_length must be in 1..512 (FluxPipeline's limit), got "
-                                 f"{settings.max_sequence_length}")
+        check_max_sequence_length("flux1", settings.max_sequence_length, limit=512, pipeline="FluxPipeline")
         latent_channels = vae.config.latent_channels
         if config.in_channels != 4 * latent_channels:
             raise ModelLoadError(f"flux1: the transformer takes {config.in_channels} channels; 2x2 patches of the "

@@ -63,7 +63,13 @@ from diffrl.models.base import (
     require_pixel_multiple,
 )
 from diffrl.models.batch_invariance import embed_rows_one_at_a_time
-from diffrl.models.components import checkpoint_class, read_settings, refuse_scheduler_options
+from diffrl.models.components import (
+    check_max_sequence_length,
+    checkpoint_class,
+    read_settings,
+    refuse_scheduler_options,
+)
+from diffrl.models.flux1 import UNSUPPORTED_SCHEDULER_OPTIONS
 from diffrl.models.flux2_vae import (
     MAX_REFERENCE_IMAGES,
     crop_reference,
@@ -84,7 +90,6 @@ DEFAULT_GUIDANCE = 4.0  # Flux2Pipeline's guidance_scale default, sglang-diffusi
 # The text encoder class of each variant, and the layers its pipeline stacks.
 TEXT_ENCODERS = {"dev": "Mistral3ForConditionalGeneration", "klein": "Qwen3ForCausalLM"}
 TEXT_LAYERS = {"dev": (10, 20, 30), "klein": (9, 18, 27)}
-UNSUPPORTED_SCHEDULER_OPTIONS = ("stochastic_sampling", "invert_sigmas", "use_flow_sigmas")
 
 
 @dataclass
@@ -102,8 +107,7 @@ class Flux2Settings:
         if self.variant not in TEXT_ENCODERS:
             raise ModelLoadError(f"flux2: unknown variant {self.variant!r}; expected one of {sorted(TEXT_ENCODERS)}")
         self.text_encoder_out_layers = tuple(self.text_encoder_out_layers or TEXT_LAYERS[self.variant])
-        if not 1 <= self.max_sequence_length <= 512:
-            raise ModelLoadError(f"flux2: max_sequence_length must be in 1..512, got {self.max_sequence_length}")
+        check_max_sequence_length("flux2", self.max_sequence_length, limit=512)
 
 
 def _load_tokenizer(folder: Path, dtype: torch.dtype):

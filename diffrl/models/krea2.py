@@ -183,9 +183,10 @@ class Krea2Family(FamilyAdapter):
         sampling changes): what the tests check the engine against."""
         from diffusers import Krea2Pipeline
 
-        return self.pipeline_over_components(Krea2Pipeline,
-                                             text_encoder_select_layers=self.settings.text_encoder_select_layers,
-                                             is_distilled=self.settings.is_distilled, patch_size=self.settings.patch_size)
+        settings = self.settings
+        return self.pipeline_over_components(Krea2Pipeline, is_distilled=settings.is_distilled,
+                                             text_encoder_select_layers=settings.text_encoder_select_layers,
+                                             patch_size=settings.patch_size)
 
     @classmethod
     def read_settings(cls, root: Path, index: dict) -> Krea2Settings:

@@ -56,11 +56,10 @@ from diffrl.models.base import (
     wire_text_tokens,
 )
 from diffrl.models.batch_invariance import embed_rows_one_at_a_time
-from diffrl.models.components import refuse_scheduler_options
-from diffrl.models.flux1 import flux_sigmas
+from diffrl.models.components import check_max_sequence_length, refuse_scheduler_options
+from diffrl.models.flux1 import UNSUPPORTED_SCHEDULER_OPTIONS, flux_sigmas
 from diffrl.models.vae_latents import decode_images, latent_noise
 
-UNSUPPORTED_SCHEDULER_OPTIONS = ("stochastic_sampling", "invert_sigmas", "use_flow_sigmas")
 # Lumina2Pipeline's system prompt, word for word (its `system_prompt` attribute).
 SYSTEM_PROMPT = ("You are an assistant designed to generate superior images with the superior degree of image-text "
                  "alignment based on textual prompts or user prompts.")
@@ -113,9 +112,7 @@ class Lumina2Family(FamilyAdapter):
                  settings: Lumina2Settings | None = None):
         settings = copy.copy(settings or Lumina2Settings())
         config = transformer.config
-        if not 1 <= settings.max_sequence_length <= 512:
-            raise ModelLoadError(f"lumina2: max_sequence_length must be in 1..512 (Lumina2Pipeline's limit), got "
-                                 f"{settings.max_sequence_length}")
+        check_max_sequence_length("lumina2", settings.max_sequence_length, limit=512, pipeline="Lumina2Pipeline")
         if settings.max_sequence_length >= config.axes_lens[0]:
             # The image tokens sit at position (text length) on the first RoPE axis.
             raise ModelLoadError(f"lumina2: max_sequence_length {settings.max_sequence_length} needs "

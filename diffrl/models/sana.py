@@ -61,7 +61,13 @@ from diffrl.models.base import (
     wire_text_tokens,
 )
 from diffrl.models.batch_invariance import embed_rows_one_at_a_time
-from diffrl.models.components import read_flow_scheduler, read_settings, refuse_scheduler_options, scheduler_sigmas
+from diffrl.models.components import (
+    check_max_sequence_length,
+    read_flow_scheduler,
+    read_settings,
+    refuse_scheduler_options,
+    scheduler_sigmas,
+)
 from diffrl.models.vae_latents import decode_images, latent_noise
 
 SCHEDULERS = ("DPMSolverMultistepScheduler", "FlowMatchEulerDiscreteScheduler")
@@ -123,8 +129,7 @@ class SanaFamily(FamilyAdapter):
         if config.guidance_embeds:
             raise ModelLoadError("sana: the transformer embeds a guidance scale (SANA-Sprint, a distilled few-step "
                                  "model with its own pipeline and scheduler), which this adapter does not sample")
-        if settings.max_sequence_length < 1:
-            raise ModelLoadError(f"sana: max_sequence_length must be positive, got {settings.max_sequence_length}")
+        check_max_sequence_length("sana", settings.max_sequence_length)
         latent_channels = vae.config.latent_channels
         if config.in_channels != latent_channels:
             raise ModelLoadError(f"sana: the transformer takes {config.in_channels} channels, the VAE's latents have "

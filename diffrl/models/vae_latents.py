@@ -7,9 +7,10 @@ layout, and the decode of latents the family has already un-normalized.
   pipeline draws.
 - `decode_images`: SD3, SANA, Lumina 2, Z-Image, CogView4, FLUX.1 and Chroma (`flux1.decode_packed`), FLUX.2 and
   FLUX 3 (`flux2_vae.decode_latents`), Wan2.2 and Cosmos3 (`wan2_2.decode_wan_latents`) end a decode the same way:
-  the VAE in its own dtype over groups of rows (`decode_rows`), then the pipelines' `x/2 + 0.5` clamped to [0, 1]. What comes before it (unpacking, the scaling and shift factors
-  or the per-channel statistics, and whether the latents are cast to the VAE's dtype before or after that
-  arithmetic) follows each pipeline to the bit and stays in the family.
+  the VAE in its own dtype over groups of rows (`decode_rows`), then the pipelines' `x/2 + 0.5` clamped to [0, 1].
+  What comes before it (unpacking, the scaling and shift factors or the per-channel statistics, and whether the
+  latents are cast to the VAE's dtype before or after that arithmetic) follows each pipeline to the bit and stays
+  in the family.
 """
 
 from __future__ import annotations

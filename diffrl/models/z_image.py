@@ -50,6 +50,7 @@ from diffrl.models.base import (
 )
 from diffrl.models.batch_invariance import embed_rows_one_at_a_time
 from diffrl.models.components import read_settings, refuse_scheduler_options
+from diffrl.models.flux1 import UNSUPPORTED_SCHEDULER_OPTIONS
 from diffrl.models.masked_text import (  # noqa: F401 (pad_rows: still importable from z_image, its first home)
     MaskedTextWire,
     masked_text_conditioning,
@@ -61,7 +62,6 @@ from diffrl.models.masked_text import (  # noqa: F401 (pad_rows: still importabl
 from diffrl.models.vae_latents import decode_images, latent_noise
 from diffrl.sampling import resolution_mu
 
-UNSUPPORTED_SCHEDULER_OPTIONS = ("stochastic_sampling", "invert_sigmas", "use_flow_sigmas")
 
 
 @dataclass
