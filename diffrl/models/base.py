@@ -78,7 +78,8 @@ from diffrl.utils.compile_settings import compile_settings
 
 # What family modules import from here (`ModelLoadError`, `Component` and `read_json` are re-exported).
 __all__ = ["Component", "FamilyAdapter", "Latents", "ModelLoadError", "PromptEmbeds", "read_json", "register_family",
-           "registered_families", "repeated_blocks", "require_pixel_multiple", "wire_text_tokens"]
+           "registered_families", "repeated_blocks", "require_pixel_multiple", "require_rope_positions",
+           "wire_text_tokens"]
 
 
 @dataclass
@@ -517,3 +518,15 @@ def require_pixel_multiple(label: str, step: int, **sizes: int) -> None:
     for name, value in sizes.items():
         if value < step or value % step:
             raise RequestError(name, f"{name}={value}: {label} needs a positive multiple of {step} pixels")
+
+
+def require_rope_positions(label: str, step: int, axes_lens: Sequence[int], *, height: int, width: int) -> None:
+    """`require_pixel_multiple`, then a `RequestError` naming `height` or `width` when it needs more positions than
+    the transformer's RoPE table holds on that axis (`axes_lens[1]`, `axes_lens[2]`; one position per `step`
+    pixels): the limit of the NextDiT transformers of Lumina 2 and Z-Image, which position image tokens from it."""
+    require_pixel_multiple(label, step, height=height, width=width)
+    for name, value, axis in (("height", height, 1), ("width", width, 2)):
+        largest = axes_lens[axis] * step
+        if value > largest:
+            raise RequestError(name, f"{name}={value}: this {label} checkpoint makes at most {largest} pixels a side "
+                                     f"({axes_lens[axis]} positions × {step} pixels)")

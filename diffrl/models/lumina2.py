@@ -45,14 +45,14 @@ from dataclasses import dataclass
 
 import torch
 
-from diffrl.errors import ModelLoadError, RequestError
+from diffrl.errors import ModelLoadError
 from diffrl.models.base import (
     Component,
     FamilyAdapter,
     Latents,
     PromptEmbeds,
     register_family,
-    require_pixel_multiple,
+    require_rope_positions,
     wire_text_tokens,
 )
 from diffrl.models.batch_invariance import embed_rows_one_at_a_time
@@ -151,14 +151,8 @@ class Lumina2Family(FamilyAdapter):
         return size, size
 
     def check_size(self, height: int, width: int) -> None:
-        step = self.pixels_per_token
-        require_pixel_multiple("Lumina-Image 2.0", step, height=height, width=width)
-        for name, value, axis in (("height", height, 1), ("width", width, 2)):
-            largest = self.transformer.config.axes_lens[axis] * step  # the RoPE table's positions on that axis
-            if value > largest:
-                raise RequestError(name, f"{name}={value}: this Lumina-Image 2.0 checkpoint makes at most {largest} "
-                                         f"pixels a side ({self.transformer.config.axes_lens[axis]} positions × "
-                                         f"{step} pixels)")
+        require_rope_positions("Lumina-Image 2.0", self.pixels_per_token, self.transformer.config.axes_lens,
+                               height=height, width=width)
 
     def sigmas(self, num_steps: int, height: int, width: int) -> torch.Tensor:
         # μ of the pipeline's `latents.shape[1]`: the latent channel count (module docstring).

@@ -39,14 +39,14 @@ from pathlib import Path
 
 import torch
 
-from diffrl.errors import ModelLoadError, RequestError
+from diffrl.errors import ModelLoadError
 from diffrl.models.base import (
     Component,
     FamilyAdapter,
     Latents,
     PromptEmbeds,
     register_family,
-    require_pixel_multiple,
+    require_rope_positions,
 )
 from diffrl.models.batch_invariance import embed_rows_one_at_a_time
 from diffrl.models.components import read_settings, refuse_scheduler_options
@@ -165,13 +165,8 @@ class ZImageFamily(MaskedTextWire, FamilyAdapter):
         return self.settings.default_size, self.settings.default_size
 
     def check_size(self, height: int, width: int) -> None:
-        step = self.pixels_per_token
-        require_pixel_multiple("Z-Image", step, height=height, width=width)
-        for name, value, axis in (("height", height, 1), ("width", width, 2)):
-            largest = self.transformer.config.axes_lens[axis] * step  # the RoPE table's positions on that axis
-            if value > largest:
-                raise RequestError(name, f"{name}={value}: this Z-Image checkpoint makes at most {largest} pixels a "
-                                         f"side ({self.transformer.config.axes_lens[axis]} positions × {step} pixels)")
+        require_rope_positions("Z-Image", self.pixels_per_token, self.transformer.config.axes_lens, height=height,
+                               width=width)
 
     def sigmas(self, num_steps: int, height: int, width: int) -> torch.Tensor:
         config = self.scheduler.config
