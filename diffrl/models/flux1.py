@@ -105,7 +105,7 @@ def image_position_ids(h: int, w: int, device=None) -> torch.Tensor:
 
 
 # The FLUX.1 layout that Chroma (`chroma.py`, a FLUX.1 [schnell] derivative) shares: the schedule, the packed noise
-# and the decode of `FluxPipeline` and `ChromaPipeline`.
+# and the decode of `FluxPipeline` and `ChromaPipeline`. The schedule is also Lumina 2's and Qwen-Image's.
 def flux_sigmas(scheduler, num_steps: int, image_tokens: int, device) -> torch.Tensor:
     """The scheduler's own sigmas `[N + 1]` for `linspace(1, 1/N, N)` with μ linear in the number of image tokens
     (the scheduler's `base/max_image_seq_len` and `base/max_shift`, defaults 256, 4096, 0.5, 1.15); a static-shift

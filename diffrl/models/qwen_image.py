@@ -62,7 +62,6 @@ image-conditioned requests.
 from __future__ import annotations
 
 import contextlib
-import copy
 import functools
 import math
 from collections.abc import Sequence
@@ -85,8 +84,9 @@ from diffrl.models.base import (
 from diffrl.models.batch_invariance import embed_rows_one_at_a_time, rows_share_one_timestep
 from diffrl.models.components import read_settings, refuse_scheduler_options
 from diffrl.models.condition_rows import pack_image_rows, unpack_image_rows
+from diffrl.models.flux1 import flux_sigmas
 from diffrl.models.qwen_vae import decode_latents, pack_latents
-from diffrl.sampling import randn_per_sample, resolution_mu
+from diffrl.sampling import randn_per_sample
 
 # The prompt template Qwen-Image was trained with; the tokens before the prompt (34 with Qwen's
 # tokenizer) are dropped from the conditioning, as the pipeline does.
@@ -377,13 +377,8 @@ class QwenImageFamily(FamilyAdapter):
         require_pixel_multiple("Qwen-Image", step, height=height, width=width)
 
     def sigmas(self, num_steps: int, height: int, width: int) -> torch.Tensor:
-        config = self.scheduler.config
         image_tokens = (height // self.pixels_per_token) * (width // self.pixels_per_token)
-        mu = resolution_mu(image_tokens, config.get("base_image_seq_len", 256), config.get("max_image_seq_len", 4096),
-                           config.get("base_shift", 0.5), config.get("max_shift", 1.15))
-        scheduler = copy.deepcopy(self.scheduler)  # set_timesteps changes the scheduler's state
-        scheduler.set_timesteps(sigmas=np.linspace(1.0, 1 / num_steps, num_steps), mu=mu, device="cpu")
-        return scheduler.sigmas.to(device=self.device, dtype=torch.float32)
+        return flux_sigmas(self.scheduler, num_steps, image_tokens, self.device)  # QwenImagePipeline's, to the bit
 
     def _encode_one(self, prompt: str) -> torch.Tensor:
         """One prompt's text tokens `[L, D]` (fp32): the template's prefix dropped, at most max_sequence_length."""

@@ -174,6 +174,8 @@ class ZImageFamily(MaskedTextWire, FamilyAdapter):
         mu = resolution_mu(image_tokens, config.get("base_image_seq_len", 256), config.get("max_image_seq_len", 4096),
                            config.get("base_shift", 0.5), config.get("max_shift", 1.15))
         scheduler = copy.deepcopy(self.scheduler)  # set_timesteps changes the scheduler's state
+        # torch's fp32 linspace, as ZImagePipeline writes it: not `flux1.flux_sigmas`, whose float64 numpy linspace
+        # rounds differently.
         scheduler.set_timesteps(sigmas=torch.linspace(1.0, 1 / num_steps, num_steps).tolist(), mu=mu, device="cpu")
         return scheduler.sigmas.to(device=self.device, dtype=torch.float32)
 
