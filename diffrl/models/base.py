@@ -37,8 +37,12 @@ settings, one-line errors; the `__init__` receives the components by folder name
 `from_components`), `velocity` (the shared-timestep context, σ as fp32 [B], CFG: both halves in one
 forward when `pair_conditionings` can batch them, else two, combined by `combine_guidance`, by default
 `uncond + s·(cond − uncond)`), the wire conditioning, text-encoder offload and saving. A family may still
-override `load` or `velocity` whole. Random checkpoints for its tests and benchmarks go in
-`diffrl/models/random_checkpoints/<name>.py` (size presets `tiny()` and `real()`,
+override `load` or `velocity` whole. What several families share has one place to reuse it from:
+`pipeline_over_components` (the reference pipeline), `require_pixel_multiple` and `require_rope_positions` (size
+checks), `components.check_max_sequence_length` and `refuse_scheduler_options` (load checks), `vae_latents`
+(unpositioned latent noise, the decode's end), `masked_text` (a per-prompt-length text conditioning with its mask
+channel, and its wire form) and flux1's `flux_sigmas`, `packed_noise` and `decode_packed`. Random checkpoints for
+its tests and benchmarks go in `diffrl/models/random_checkpoints/<name>.py` (size presets `tiny()` and `real()`,
 `save_random_checkpoint(path, sizes)`), and `tests/test_<name>.py` checks that ODE sampling through the
 engine gives `reference_pipeline()`'s images from the same noise.
 """
