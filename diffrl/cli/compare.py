@@ -15,12 +15,13 @@ from dataclasses import asdict, replace
 from pathlib import Path
 
 from diffrl.cli.configs import CompareConfig
+from diffrl.cli.edit_world import EDIT_WORLD, edits_per_kind, folder_world, run_world
 from diffrl.cli.evaluate import (check_family_values, check_shapes_family, check_values, eval_prompts, refuse_other_mode,
                                  run_prompt_set, run_settings)
 from diffrl.cli.runs import find_run, held_out_protocol
 from diffrl.data.shapes import test_prompts
 from diffrl.evaluation.compare import (MEASURABLE_SE, REWARD_COLUMNS, compare_by_reward, compare_models, format_paired,
-                                       paired_strict, reward_markdown, rows_as_dicts, save_reward_side_by_side,
+                                       paired_groups, paired_strict, reward_markdown, rows_as_dicts, save_reward_side_by_side,
                                        save_side_by_side, tally)
 from diffrl.evaluation.reward_eval import evaluate_with_reward, reward_components
 from diffrl.evaluation.sampling import TEST_SEED
@@ -28,7 +29,7 @@ from diffrl.evaluation.shapes import balanced_eval_set, summarize
 from diffrl.models.checkpoint import check_checkpoint, check_fits, load_model
 from diffrl.models.demo import SHIPPED_DEMO_MODEL
 from diffrl.rewards import default_device
-from diffrl.utils.atomic import write_text_atomic
+from diffrl.utils.atomic import atomic_path, write_text_atomic
 from diffrl.utils.device import resolve_device
 from diffrl.utils.folders import check_fresh_output_dir, stamped_output_dir
 
@@ -53,7 +54,13 @@ def resolve_run(cfg: CompareConfig) -> CompareConfig:
         cfg = run_settings(cfg, run, prompt_data, skip=("guidance_scale",))  # with --base: that model's family
         if own_base and run.get("model_path"):
             cfg = replace(cfg, base=Path(run.get("model_path")))
-        if (not prompt_data and cfg.images_per_category is None and cfg.num_prompts is None
+    if not prompt_data:
+        world = run_world(cfg, run) or folder_world(cfg.base or SHIPPED_DEMO_MODEL, cfg.diffusion_model_family)
+        cfg = replace(cfg, world=world)
+        if world == EDIT_WORLD:  # the run's held-out edits of each kind, or more
+            cfg = edits_per_kind(cfg, run, least=8)
+    if run.folder is not None:
+        if (not prompt_data and cfg.world != EDIT_WORLD and cfg.images_per_category is None and cfg.num_prompts is None
                 and cfg.num_seeds is None):  # the run's held-out images, or more
             cfg = replace(cfg, images_per_category=max(8, run.get("eval_images_per_category", 0)))
     return replace(cfg, base=cfg.base or SHIPPED_DEMO_MODEL, num_steps=10 if cfg.num_steps is None else cfg.num_steps)
@@ -73,10 +80,14 @@ def compare(cfg: CompareConfig) -> dict:
         refuse_other_mode(cfg, {"num_seeds": "--n-samples-per-eval-prompt", "images_per_category": "--num-prompts",
                                 "base_guidance_scale": "--guidance-scale (the base with CFG; without CFG it runs at 1)"},
                           prompt_data=True)
+        if cfg.world is not None:
+            raise ValueError(f"--world {cfg.world} is the world compared without --prompt-data; pass one of them")
         return compare_by_prompt_data(cfg)
     refuse_other_mode(cfg, {"input_key": None, "tie_margin": None, "n_samples_per_eval_prompt": "--num-seeds",
                             "reward_device": None, "negative_prompt": None, "reward_frames": None,
                             "num_frames": None}, prompt_data=False)
+    if cfg.world == EDIT_WORLD:
+        return compare_edit_world(cfg)
     check_shapes_family(cfg.diffusion_model_family, cfg.base, "compare", cfg.guidance_scale_2)
     device = resolve_device(cfg.device)
     base = load_model(cfg.base, cfg.base_checkpoint, family=cfg.diffusion_model_family, device=device)
@@ -130,6 +141,85 @@ def compare(cfg: CompareConfig) -> dict:
           f"a difference is called beyond {MEASURABLE_SE:g} standard errors"
           + ("; more images: --images-per-category N)" if s["verdict"] == "no measurable difference" else ")"))
     print(f"report: {out / 'report.json'}  grid: {grid}")
+    return report
+
+
+def compare_edit_world(cfg: CompareConfig) -> dict:
+    """The editing world: both models on the task's held-out edits (--images-per-category of each kind, its fixed
+    seeds, the run's steps, CFG and size), each image strictly verified against its source; strict accuracy per
+    edit kind, per sample and over kinds, each with counts, standard errors and a verdict only beyond
+    MEASURABLE_SE of them (`paired_groups`, as the shapes world's `paired_strict`). Each model's evaluation in
+    base/ and trained/ (records.jsonl, images, grid.png, report.json); report.json, report.md and side_by_side.png."""
+    import torch
+
+    from diffrl.cli.edit_world import edit_size, refuse_shapes_flags
+    from diffrl.cli.evaluate import check_edit_family
+    from diffrl.evaluation.reward_eval import with_sources
+    from diffrl.tasks.shapes_edit import DEFAULT_SIZE, evaluate_held_out
+    from diffrl.utils.images import save_grid
+
+    refuse_shapes_flags(cfg, {"num_prompts": None, "num_seeds": None, "seed": None})
+    check_shapes_family(cfg.diffusion_model_family, cfg.base, "compare", cfg.guidance_scale_2)
+    size = edit_size(cfg) or DEFAULT_SIZE
+    guidance = 1.0 if cfg.guidance_scale is None else cfg.guidance_scale
+    scales = {"base": guidance if cfg.base_guidance_scale is None else cfg.base_guidance_scale,
+              "trained": guidance if cfg.trained_guidance_scale is None else cfg.trained_guidance_scale}
+    per_kind, device, out = cfg.images_per_category, resolve_device(cfg.device), cfg.output_dir
+    negative_prompt = held_out_protocol(find_run(cfg.trained)).get("negative_prompt", "")  # the run's, if any
+    total = 4 * per_kind
+    print(f"comparing {cfg.trained} with {cfg.base_checkpoint or cfg.base} on the editing world's held-out edits, "
+          f"{per_kind} of each kind ({total} images, seeds {TEST_SEED}…{TEST_SEED + total - 1}) at {size}x{size}, "
+          f"{cfg.num_steps} ODE steps, CFG base {scales['base']:g} / trained {scales['trained']:g}")
+    results, metrics = {}, {}
+    for column, checkpoint in (("base", cfg.base_checkpoint), ("trained", cfg.trained)):
+        # One model at a time: a large family's base and trained copies need not fit together.
+        family = load_model(cfg.base, checkpoint, family=cfg.diffusion_model_family, device=device)
+        check_edit_family(family)
+        check_family_values(replace(cfg, resolution=size, height=None, width=None), family)
+        metrics[column], results[column] = evaluate_held_out(
+            family, per_kind, size, num_steps=cfg.num_steps, guidance_scale=scales[column],
+            negative_prompt=negative_prompt, out_dir=out / column, batch_size=cfg.batch_size, progress=True)
+        del family
+        gc.collect()
+    base_rows, trained_rows = results["base"].rows, results["trained"].rows
+    kinds = [r["metadata"]["edit_kind"] for r in base_rows]
+    paired = paired_groups(kinds, [float(r["rewards"]["strict"]) for r in base_rows],
+                           [float(r["rewards"]["strict"]) for r in trained_rows])
+    score = paired_groups(kinds, [float(r["rewards"]["score"]) for r in base_rows],
+                          [float(r["rewards"]["score"]) for r in trained_rows])
+    shown = min(32, total)
+    cells = torch.stack([image for k in range(shown) for image in (results["base"].images[k],
+                                                                   results["trained"].images[k])])
+    captions = [f"{column} {'ok' if rows[k]['rewards']['strict'] else 'X'} {rows[k]['rewards']['score']:.2f} | "
+                f"{rows[k]['prompt']}" for k in range(shown)
+                for column, rows in (("base", base_rows), ("trained", trained_rows))]
+    cells, captions = with_sources(cells, captions, results["trained"].sources, columns=2)
+    grid = out / "side_by_side.png"
+    with atomic_path(grid) as tmp:
+        save_grid(cells, tmp, ncols=6, captions=captions, caption_lines=3)
+    table = format_paired(paired, group="kind")
+    s = paired["per_sample"]
+    verdict_line = (f"verdict over {s['n']} edits: {s['verdict']} (trained − base {s['difference']:+.3f} ± "
+                    f"{s['difference_se']:.3f}; a difference is called beyond {MEASURABLE_SE:g} standard errors"
+                    + ("; more edits: --images-per-category N)" if s["verdict"] == "no measurable difference" else ")"))
+    report = {
+        "config": {k: str(v) for k, v in asdict(cfg).items()},
+        "world": "shapes-edit",
+        "images": total,
+        "size": size,
+        "guidance_scales": scales,
+        "strict": paired,  # "categories": the edit kinds
+        "score": score,
+        "base": metrics["base"],
+        "trained": metrics["trained"],
+    }
+    write_text_atomic(out / "report.md", f"# {cfg.trained} vs {cfg.base_checkpoint or cfg.base}: editing world\n\n"
+                      f"```\n{table}\n```\n\n{verdict_line}\n")
+    write_text_atomic(out / "report.json", json.dumps(report, indent=2) + "\n")
+    print(table)
+    print(verdict_line)
+    print(f"report: {out / 'report.md'}  {out / 'report.json'}  grid: {grid}  evaluations: {out / 'base'}, "
+          f"{out / 'trained'}")
     return report
 
 

@@ -28,6 +28,11 @@ class EvaluateConfig:
     --model-path; a checkpoint outside any run folder takes its settings from the flags alone."""
     diffusion_model_family: str | None = None
     """The model family (sd3, flux3_image, wan2_2, …); default: the run's, else detected from the model folder."""
+    world: Literal["shapes", "shapes-edit"] | None = None
+    """Without --prompt-data: the shapes world (text to image) or its editing world (shapes-edit: the task's
+    held-out edits, --images-per-category of each kind at its fixed seeds, strict accuracy per edit kind;
+    docs/editing-world.md). Default: the run's --world, else shapes-edit for a demo model that knows the edit verbs
+    (diffrl/assets/demo-shapes-edit), else shapes."""
     prompt_data: Path | None = None
     """Evaluate on this prompt set (.txt, .jsonl, or a directory: its test split) scored by --reward,
     instead of the shapes world."""
@@ -56,7 +61,8 @@ class EvaluateConfig:
     """Shapes world: images per prompt (default 4); image k of the expanded prompt list uses seed `seed + k`."""
     images_per_category: int | None = None
     """Shapes world, instead of --num-seeds: at least this many images per category, shared out over its prompts
-    (the trainer's held-out protocol, --eval-images-per-category; with --seed 10000 the same images)."""
+    (the trainer's held-out protocol, --eval-images-per-category; with --seed 10000 the same images). Editing
+    world: held-out edits of each kind (default: the run's --eval-images-per-category, else 16)."""
     seed: int | None = None
     """First seed (default: 0 for the shapes world, 10000 for --prompt-data, the trainer's held-out seeds)."""
     num_steps: int | None = None
@@ -108,6 +114,11 @@ class CompareConfig:
     """Compare two checkpoints: this one is applied to --base for the left column."""
     diffusion_model_family: str | None = None
     """The model family; default: the run's, else detected from the model folder."""
+    world: Literal["shapes", "shapes-edit"] | None = None
+    """Without --prompt-data: the shapes world (text to image) or its editing world (shapes-edit: the task's
+    held-out edits, --images-per-category of each kind at its fixed seeds, strict accuracy per edit kind;
+    docs/editing-world.md). Default: the run's --world, else shapes-edit for a demo model that knows the edit verbs
+    (diffrl/assets/demo-shapes-edit), else shapes."""
     prompt_data: Path | None = None
     """Compare on this prompt set (.txt, .jsonl, or a directory: its test split) scored by --reward,
     instead of the shapes world."""
@@ -145,7 +156,8 @@ class CompareConfig:
     """Shapes world, with --num-prompts: images per prompt (default 1), instead of --images-per-category."""
     images_per_category: int | None = None
     """Shapes world: at least this many images of each category, shared out over its test prompts (the trainer's
-    held-out protocol); default: the run's --eval-images-per-category, at least 8 (without a run, 16)."""
+    held-out protocol); default: the run's --eval-images-per-category, at least 8 (without a run, 16). Editing
+    world: held-out edits of each kind, with the same default."""
     seed: int | None = None
     """First seed (default: 10000, the trainer's held-out seeds; 0 for the shapes world's --num-prompts)."""
     num_steps: int | None = None

@@ -13,7 +13,8 @@ from dataclasses import asdict, replace
 from pathlib import Path
 
 from diffrl.cli.configs import EvaluateConfig
-from diffrl.cli.runs import Run, describe, fill_from_run, find_run
+from diffrl.cli.edit_world import EDIT_WORLD, edit_size, edits_per_kind, folder_world, refuse_shapes_flags, run_world
+from diffrl.cli.runs import Run, describe, fill_from_run, find_run, held_out_protocol
 from diffrl.data.prompts import PromptRecord, check_input_key, load_prompts, prompt_file
 from diffrl.data.shapes import prompts_by_category, test_prompts, train_prompts
 from diffrl.evaluation.reward_eval import evaluate_with_reward, reward_components
@@ -156,6 +157,13 @@ def resolve_run(cfg: EvaluateConfig) -> tuple[EvaluateConfig, Run]:
     cfg = run_prompt_set(cfg, run)
     prompt_data = cfg.prompt_data is not None or cfg.reward is not None
     cfg = run_settings(cfg, run, prompt_data)
+    if not prompt_data:
+        world = run_world(cfg, run) or folder_world(cfg.model_path or SHIPPED_DEMO_MODEL, cfg.diffusion_model_family)
+        cfg = replace(cfg, world=world)
+        if world == EDIT_WORLD:  # the task's fixed held-out edits: only their number is the run's
+            cfg = edits_per_kind(cfg, run)
+            return replace(cfg, model_path=cfg.model_path or SHIPPED_DEMO_MODEL,
+                           num_steps=10 if cfg.num_steps is None else cfg.num_steps), run
     shapes_protocol_given = any(v is not None for v in (cfg.num_seeds, cfg.images_per_category,
                                                         cfg.max_prompts_per_category, cfg.seed))
     if run.folder is not None and not prompt_data and not shapes_protocol_given and cfg.split == "test":
@@ -173,8 +181,12 @@ def evaluate(cfg: EvaluateConfig) -> dict:
     check_values(cfg)
     if cfg.prompt_data is not None or cfg.reward is not None:
         refuse_other_mode(cfg, _SHAPES_ONLY, prompt_data=True)
+        if cfg.world is not None:
+            raise ValueError(f"--world {cfg.world} is the world evaluated without --prompt-data; pass one of them")
         return evaluate_prompt_data(cfg)
     refuse_other_mode(cfg, _PROMPT_DATA_ONLY, prompt_data=False)
+    if cfg.world == EDIT_WORLD:
+        return evaluate_edit_world(cfg, run)
     if cfg.images_per_category is not None and cfg.num_seeds is not None:
         raise ValueError("--images-per-category sets the seeds per prompt itself: pass it or --num-seeds, not both")
     check_shapes_family(cfg.diffusion_model_family, cfg.model_path, "evaluate", cfg.guidance_scale_2)
@@ -220,6 +232,64 @@ def evaluate(cfg: EvaluateConfig) -> dict:
     print(format_summary(summary))
     saved = f"  images: {out / IMAGES_DIR}" if cfg.save_images else ""
     print(f"report: {out / 'report.json'}  records: {out / RECORDS_FILE}  grid: {out / 'grid.png'}{saved}")
+    return report
+
+
+def check_edit_family(family) -> None:
+    """The editing world gives every prompt a source image: a family that takes none is refused by name."""
+    if not family.accepts_image_conditioning:
+        raise ValueError(f"--world shapes-edit gives every prompt a source image; the {family.name} family at this "
+                         "checkpoint takes none (use an editing model, e.g. diffrl/assets/demo-shapes-edit)")
+
+
+def kind_figures(rows: list[dict]) -> dict[str, dict]:
+    """Per edit kind: its held-out images, strict accuracy with its standard error, and mean partial credit."""
+    from diffrl.data.shapes import EDIT_KINDS
+    from diffrl.evaluation.shapes import mean_se
+
+    figures = {}
+    for kind in EDIT_KINDS:
+        mine = [r for r in rows if r["metadata"]["edit_kind"] == kind]
+        if mine:
+            strict, strict_se = mean_se([float(r["rewards"]["strict"]) for r in mine])
+            figures[kind] = {"n": len(mine), "strict": strict, "strict_se": strict_se,
+                             "score": sum(r["rewards"]["score"] for r in mine) / len(mine)}
+    return figures
+
+
+def evaluate_edit_world(cfg: EvaluateConfig, run: Run) -> dict:
+    """The editing world's held-out evaluation (`ShapesEditTask.evaluate`'s, the same function): the run's
+    --eval-images-per-category edits of each kind at the task's seeds, its steps, CFG, size and negative prompt,
+    so a run's figures come back exactly. Files as any prompt-set evaluation's (report.json last)."""
+    from diffrl.tasks.shapes_edit import DEFAULT_SIZE, evaluate_held_out
+
+    refuse_shapes_flags(cfg, {"split": "test", "max_prompts_per_category": None, "num_seeds": None, "seed": None})
+    check_shapes_family(cfg.diffusion_model_family, cfg.model_path, "evaluate", cfg.guidance_scale_2)
+    size = edit_size(cfg) or DEFAULT_SIZE
+    cfg = replace(cfg, guidance_scale=SHAPES_GUIDANCE_SCALE if cfg.guidance_scale is None else cfg.guidance_scale)
+    negative_prompt = held_out_protocol(run).get("negative_prompt", "")
+    device = resolve_device(cfg.device)
+    family = load_model(cfg.model_path, cfg.checkpoint, family=cfg.diffusion_model_family, device=device)
+    check_edit_family(family)
+    check_family_values(replace(cfg, resolution=size, height=None, width=None), family)
+    SpeedOptions(float8=cfg.float8).apply(family)
+    per_kind = cfg.images_per_category
+    print(f"evaluating {describe(run) if cfg.checkpoint else cfg.model_path} on the editing world's held-out edits, "
+          f"{per_kind} of each kind at {size}x{size} ({cfg.num_steps} ODE steps, CFG {cfg.guidance_scale}, {device})")
+    out = cfg.output_dir
+    metrics, result = evaluate_held_out(family, per_kind, size, num_steps=cfg.num_steps,
+                                        guidance_scale=cfg.guidance_scale, negative_prompt=negative_prompt,
+                                        out_dir=out, batch_size=cfg.batch_size, progress=True)
+    kinds = kind_figures(result.rows)
+    report = {"config": {k: str(v) for k, v in asdict(cfg).items()}, "world": EDIT_WORLD, "size": size,
+              "negative_prompt": negative_prompt, "n_images": len(result.rows), **metrics, "kinds": kinds}
+    write_text_atomic(out / "report.json", json.dumps(report, indent=2) + "\n")  # replaces the sampler's own
+    print(f"{'edit kind':<10} {'n':>5}  {'strict':>15}  {'score':>6}")
+    for kind, k in kinds.items():
+        print(f"{kind:<10} {k['n']:>5}  {k['strict']:>6.3f} ± {k['strict_se']:.3f}  {k['score']:>6.3f}")
+    print(f"{'all':<10} {len(result.rows):>5}  {metrics['eval/strict']:>6.3f}{'':>8}  {metrics['eval/score']:>6.3f}")
+    print(f"report: {out / 'report.json'}  records: {out / 'records.jsonl'}  grid: {out / 'grid.png'}  "
+          f"images: {out / 'images'}")
     return report
 
 

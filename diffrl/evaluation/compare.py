@@ -111,10 +111,18 @@ def paired_strict(base: Sequence[SampleRecord], trained: Sequence[SampleRecord])
     for b, t in zip(base, trained, strict=True):
         if (b.prompt, b.seed) != (t.prompt, t.seed):
             raise ValueError("the base and trained records are not of the same images")
+    return paired_groups([r.category for r in base], [float(r.strict) for r in base],
+                         [float(r.strict) for r in trained])
+
+
+def paired_groups(groups: Sequence[str], base: Sequence[float], trained: Sequence[float]) -> dict:
+    """`paired_strict`'s figures from per-image values of both models on the same images and each image's group
+    (the shapes world's category, the editing world's edit kind): per sample, per group (in first-seen order, under
+    "categories") and the mean over groups, each with its count, standard errors and verdict."""
     per_category = {}
-    for cat in dict.fromkeys(r.category for r in base):
-        pairs = [(b, t) for b, t in zip(base, trained, strict=True) if b.category == cat]
-        per_category[cat] = _paired([float(b.strict) for b, _ in pairs], [float(t.strict) for _, t in pairs])
+    for cat in dict.fromkeys(groups):
+        pairs = [(b, t) for g, b, t in zip(groups, base, trained, strict=True) if g == cat]
+        per_category[cat] = _paired([b for b, _ in pairs], [t for _, t in pairs])
     k = len(per_category)
     mean = {key: sum(c[key] for c in per_category.values()) / k for key in ("base", "trained", "difference")}
     se = {key: sum(c[key] ** 2 for c in per_category.values()) ** 0.5 / k
@@ -122,13 +130,14 @@ def paired_strict(base: Sequence[SampleRecord], trained: Sequence[SampleRecord])
     category_mean = {"n": k, **mean, **se}
     category_mean["verdict"] = verdict(mean["difference"], se["difference_se"],
                                        min((c["n"] for c in per_category.values()), default=0))
-    return {"per_sample": _paired([float(r.strict) for r in base], [float(r.strict) for r in trained]),
+    return {"per_sample": _paired(list(base), list(trained)),
             "categories": per_category, "category_mean": category_mean, "measurable_se": MEASURABLE_SE}
 
 
-def format_paired(paired: dict) -> str:
-    """The table `diffrl compare` prints: rows per category, per sample and the category mean; n, each model's
-    strict accuracy ± its standard error, the difference ± its standard error and the verdict."""
+def format_paired(paired: dict, group: str = "category") -> str:
+    """The table `diffrl compare` prints: rows per category (`group`: the editing world's edit kind), per sample
+    and the mean over groups; n, each model's strict accuracy ± its standard error, the difference ± its standard
+    error and the verdict."""
     lines = [f"{'strict accuracy':<16} {'n':>5}  {'base':>13}  {'trained':>13}  {'trained − base':>15}  verdict"]
 
     def row(label, c):
@@ -138,7 +147,7 @@ def format_paired(paired: dict) -> str:
     for cat, c in paired["categories"].items():
         lines.append(row(cat, c))
     lines.append(row("per sample", paired["per_sample"]))
-    lines.append(row("category mean", paired["category_mean"]))
+    lines.append(row(f"{group} mean", paired["category_mean"]))
     return "\n".join(lines)
 
 

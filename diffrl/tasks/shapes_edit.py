@@ -19,7 +19,7 @@ import numpy as np
 from diffrl.data.condition_images import ConditionImage, encode_png
 from diffrl.data.prompts import PromptRecord
 from diffrl.data.shapes import EDIT_KINDS, EditExample, edits_by_kind, make_example, sample_example
-from diffrl.evaluation.reward_eval import RewardComponent, evaluate_with_reward
+from diffrl.evaluation.reward_eval import RewardComponent, RewardEval, evaluate_with_reward
 from diffrl.evaluation.sampling import TEST_SEED
 from diffrl.rewards.shapes_edit import shapes_edit_reward, shapes_edit_strict_reward
 from diffrl.tasks.base import EvalOutcome, EvalSettings
@@ -43,6 +43,30 @@ def held_out_records(per_kind: int, size: int) -> list[PromptRecord]:
             example = make_example(instructions[j % len(instructions)], TEST_SEED + j, size)
             records.append(edit_record(example, f"shapes-edit test {kind} {j}"))
     return records
+
+
+def edit_metrics(rows: Sequence[dict]) -> dict[str, float]:
+    """{"eval/strict", "eval/score", "eval/strict/<kind>"} of scored held-out rows (`evaluate_with_reward`'s)."""
+    metrics = {"eval/strict": float(np.mean([r["rewards"]["strict"] for r in rows])),
+               "eval/score": float(np.mean([r["rewards"]["score"] for r in rows]))}
+    for kind in EDIT_KINDS:
+        mine = [r["rewards"]["strict"] for r in rows if r["metadata"]["edit_kind"] == kind]
+        if mine:
+            metrics[f"eval/strict/{kind}"] = float(np.mean(mine))
+    return metrics
+
+
+def evaluate_held_out(family, per_kind: int, size: int, *, num_steps: int, guidance_scale: float,
+                      negative_prompt: str = "", out_dir=None, batch_size: int = 16,
+                      progress: bool = False) -> tuple[dict[str, float], RewardEval]:
+    """The world's held-out evaluation (`held_out_records`, ODE at seeds TEST_SEED + k, scored strictly and by
+    partial credit): its metrics and the scored rows and images; files under `out_dir` when given. One function
+    for the trainer's evaluation and `diffrl evaluate`/`compare`, so their figures are the same."""
+    result = evaluate_with_reward(family, held_out_records(per_kind, size), _EVAL_COMPONENTS, seeds_per_prompt=1,
+                                  seed=TEST_SEED, num_steps=num_steps, guidance_scale=guidance_scale, height=size,
+                                  width=size, negative_prompt=negative_prompt, out_dir=out_dir,
+                                  batch_size=batch_size, progress=progress)
+    return edit_metrics(result.rows), result
 
 
 class ShapesEditTask:
@@ -74,17 +98,10 @@ class ShapesEditTask:
 
     def evaluate(self, family, k: int, out_dir) -> EvalOutcome:
         s = self.settings
-        result = evaluate_with_reward(family, held_out_records(self.eval_cfg.eval_images_per_category, self.size),
-                                      _EVAL_COMPONENTS, seeds_per_prompt=1, seed=TEST_SEED, num_steps=s.num_steps,
-                                      guidance_scale=s.guidance_scale, height=self.size, width=self.size,
-                                      negative_prompt=s.negative_prompt, out_dir=out_dir / f"rollout-{k:05d}")
+        metrics, result = evaluate_held_out(family, self.eval_cfg.eval_images_per_category, self.size,
+                                            num_steps=s.num_steps, guidance_scale=s.guidance_scale,
+                                            negative_prompt=s.negative_prompt, out_dir=out_dir / f"rollout-{k:05d}")
         rows = result.rows
-        metrics = {"eval/strict": float(np.mean([r["rewards"]["strict"] for r in rows])),
-                   "eval/score": float(np.mean([r["rewards"]["score"] for r in rows]))}
-        for kind in EDIT_KINDS:
-            mine = [r["rewards"]["strict"] for r in rows if r["metadata"]["edit_kind"] == kind]
-            if mine:
-                metrics[f"eval/strict/{kind}"] = float(np.mean(mine))
         shown = min(self.eval_cfg.eval_log_images, len(rows))
         return EvalOutcome(metrics=metrics, images=result.images[:shown],
                            captions=[("ok " if r["rewards"]["strict"] else "X ") + r["prompt"] for r in rows[:shown]])
