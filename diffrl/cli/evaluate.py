@@ -1,6 +1,7 @@
 """`diffrl evaluate`: held-out evaluation of a model, plus a grid.
 
-Two kinds: the shapes world's strict accuracy (the default; with `--save-images`, every image and its
+Three kinds: the editing world's held-out edits (`--world shapes-edit`, an editing run's or an editing model's
+world: strict accuracy per edit kind, `evaluate_edit_world`), the shapes world's strict accuracy (the default; with `--save-images`, every image and its
 verdict on disk, see `diffrl.evaluation.shapes.save_samples`), or, with `--prompt-data PATH --reward SPEC`,
 the mean reward (and each reward component's mean) on the first `--num-prompts` prompts of a prompt
 set (a directory's `test` split), every image written to disk (see `diffrl.evaluation.reward_eval`).
