@@ -15,23 +15,26 @@ from dataclasses import asdict, replace
 from pathlib import Path
 
 from diffrl.cli.configs import CompareConfig
-from diffrl.cli.edit_world import EDIT_WORLD, edits_per_kind, folder_world, run_world
-from diffrl.cli.evaluate import (check_family_values, check_shapes_family, check_values, eval_prompts, refuse_other_mode,
-                                 run_prompt_set, run_settings)
+from diffrl.cli.edit_world import (EDIT_WORLD, edit_size, edits_per_kind, folder_world, refuse_shapes_flags,
+                                   run_world)
+from diffrl.cli.evaluate import (check_edit_family, check_family_values, check_shapes_family, check_values, eval_prompts,
+                                 refuse_other_mode, run_prompt_set, run_settings)
 from diffrl.cli.runs import find_run, held_out_protocol
 from diffrl.data.shapes import test_prompts
 from diffrl.evaluation.compare import (MEASURABLE_SE, REWARD_COLUMNS, compare_by_reward, compare_models, format_paired,
                                        paired_groups, paired_strict, reward_markdown, rows_as_dicts, save_reward_side_by_side,
                                        save_side_by_side, tally)
-from diffrl.evaluation.reward_eval import evaluate_with_reward, reward_components
+from diffrl.evaluation.reward_eval import evaluate_with_reward, reward_components, with_sources
 from diffrl.evaluation.sampling import TEST_SEED
 from diffrl.evaluation.shapes import balanced_eval_set, summarize
 from diffrl.models.checkpoint import check_checkpoint, check_fits, load_model
 from diffrl.models.demo import SHIPPED_DEMO_MODEL
 from diffrl.rewards import default_device
+from diffrl.tasks.shapes_edit import DEFAULT_SIZE, evaluate_held_out
 from diffrl.utils.atomic import atomic_path, write_text_atomic
 from diffrl.utils.device import resolve_device
 from diffrl.utils.folders import check_fresh_output_dir, stamped_output_dir
+from diffrl.utils.images import save_grid
 
 
 def resolve_run(cfg: CompareConfig) -> CompareConfig:
@@ -151,12 +154,6 @@ def compare_edit_world(cfg: CompareConfig) -> dict:
     MEASURABLE_SE of them (`paired_groups`, as the shapes world's `paired_strict`). Each model's evaluation in
     base/ and trained/ (records.jsonl, images, grid.png, report.json); report.json, report.md and side_by_side.png."""
     import torch
-
-    from diffrl.cli.edit_world import edit_size, refuse_shapes_flags
-    from diffrl.cli.evaluate import check_edit_family
-    from diffrl.evaluation.reward_eval import with_sources
-    from diffrl.tasks.shapes_edit import DEFAULT_SIZE, evaluate_held_out
-    from diffrl.utils.images import save_grid
 
     refuse_shapes_flags(cfg, {"num_prompts": None, "num_seeds": None, "seed": None})
     check_shapes_family(cfg.diffusion_model_family, cfg.base, "compare", cfg.guidance_scale_2)

@@ -13,6 +13,8 @@ from dataclasses import replace
 from pathlib import Path
 
 from diffrl.cli.runs import Run
+from diffrl.models.random_checkpoints.demo import EDIT_VERBS
+from diffrl.models.registry import resolve_family
 
 EDIT_WORLD = "shapes-edit"
 DEFAULT_EDITS_PER_KIND = 16  # without a run: `evaluate_edits`'s default
@@ -20,9 +22,6 @@ DEFAULT_EDITS_PER_KIND = 16  # without a run: `evaluate_edits`'s default
 
 def folder_world(model_path: Path | None, family: str | None) -> str:
     """shapes-edit for a demo model folder whose tokenizer holds the edit verbs, else shapes."""
-    from diffrl.models.random_checkpoints.demo import EDIT_VERBS
-    from diffrl.models.registry import resolve_family
-
     if model_path is None:
         return "shapes"
     try:

@@ -17,17 +17,19 @@ from diffrl.cli.configs import EvaluateConfig
 from diffrl.cli.edit_world import EDIT_WORLD, edit_size, edits_per_kind, folder_world, refuse_shapes_flags, run_world
 from diffrl.cli.runs import Run, describe, fill_from_run, find_run, held_out_protocol
 from diffrl.data.prompts import PromptRecord, check_input_key, load_prompts, prompt_file
-from diffrl.data.shapes import prompts_by_category, test_prompts, train_prompts
+from diffrl.data.shapes import EDIT_KINDS, prompts_by_category, test_prompts, train_prompts
 from diffrl.evaluation.reward_eval import evaluate_with_reward, reward_components
 from diffrl.evaluation.sampling import TEST_SEED
 from diffrl.evaluation.shapes import (IMAGES_DIR, RECORDS_FILE, balanced_eval_set, clear_samples, evaluate_prompts,
-                                     format_summary, records_as_dicts, save_records_grid, save_samples, summarize)
+                                     format_summary, mean_se, records_as_dicts, save_records_grid, save_samples,
+                                     summarize)
 from diffrl.errors import RequestError
 from diffrl.models.checkpoint import load_model
 from diffrl.models.demo import SHIPPED_DEMO_MODEL
 from diffrl.models.registry import resolve_family
 from diffrl.models.speed import SpeedOptions
 from diffrl.rewards import check_prompts, default_device
+from diffrl.tasks.shapes_edit import DEFAULT_SIZE, evaluate_held_out
 from diffrl.utils.atomic import atomic_path, write_text_atomic
 from diffrl.utils.device import resolve_device
 from diffrl.utils.folders import check_fresh_output_dir, stamped_output_dir
@@ -245,9 +247,6 @@ def check_edit_family(family) -> None:
 
 def kind_figures(rows: list[dict]) -> dict[str, dict]:
     """Per edit kind: its held-out images, strict accuracy with its standard error, and mean partial credit."""
-    from diffrl.data.shapes import EDIT_KINDS
-    from diffrl.evaluation.shapes import mean_se
-
     figures = {}
     for kind in EDIT_KINDS:
         mine = [r for r in rows if r["metadata"]["edit_kind"] == kind]
@@ -262,8 +261,6 @@ def evaluate_edit_world(cfg: EvaluateConfig, run: Run) -> dict:
     """The editing world's held-out evaluation (`ShapesEditTask.evaluate`'s, the same function): the run's
     --eval-images-per-category edits of each kind at the task's seeds, its steps, CFG, size and negative prompt,
     so a run's figures come back exactly. Files as any prompt-set evaluation's (report.json last)."""
-    from diffrl.tasks.shapes_edit import DEFAULT_SIZE, evaluate_held_out
-
     refuse_shapes_flags(cfg, {"split": "test", "max_prompts_per_category": None, "num_seeds": None, "seed": None})
     check_shapes_family(cfg.diffusion_model_family, cfg.model_path, "evaluate", cfg.guidance_scale_2)
     size = edit_size(cfg) or DEFAULT_SIZE
