@@ -80,3 +80,25 @@ def save_ltx2_i2v_checkpoint(path: Path) -> Path:
     index["_class_name"] = "LTX2ImageToVideoPipeline"
     (path / "model_index.json").write_text(json.dumps(index))
     return path
+
+
+def assert_registry_finds(family_cls, checkpoint_dir: Path, tmp_path: Path, names: tuple[str, ...], monkeypatch) -> None:
+    """The registry picks `family_cls` for its checkpoint; for empty folders named as its checkpoints are (the name
+    alone decides); for a copy under a name no family matches, its model index naming no family (the transformer
+    class decides); and by its own name."""
+    import shutil
+
+    from diffrl.models.registry import resolve_family
+
+    monkeypatch.delenv("DIFFRL_MODEL_FAMILY", raising=False)
+    assert resolve_family(None, checkpoint_dir) is family_cls
+    for name in names:
+        (tmp_path / name).mkdir()
+        assert resolve_family(None, tmp_path / name) is family_cls
+    neutral = tmp_path / "my-model"
+    shutil.copytree(checkpoint_dir, neutral)
+    index = json.loads((neutral / "model_index.json").read_text())
+    index.get("diffrl", {}).pop("family", None)
+    (neutral / "model_index.json").write_text(json.dumps(index))
+    assert resolve_family(None, neutral) is family_cls
+    assert resolve_family(family_cls.name) is family_cls

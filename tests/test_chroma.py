@@ -1,20 +1,17 @@
 """The chroma family (Chroma) against diffusers' ChromaPipeline, on a tiny random checkpoint built in code."""
 
-import shutil
 from pathlib import Path
 
 import pytest
 import torch
-from family_checks import assert_sample_k_is_the_same_in_any_microgroup, run_training
+from family_checks import assert_registry_finds, assert_sample_k_is_the_same_in_any_microgroup, run_training
 
 from diffrl.engine.engine import Engine, EngineConfig
 from diffrl.engine.protocol import RolloutRequest
-from diffrl.errors import ModelLoadError, RequestError
+from diffrl.errors import RequestError
 from diffrl.models.base import Latents, PromptEmbeds
 from diffrl.models.chroma import ChromaFamily
-from diffrl.models.flux1 import Flux1Family
 from diffrl.models.random_checkpoints.chroma import save_random_checkpoint
-from diffrl.models.registry import resolve_family
 from diffrl.sampling import make_generators
 
 # fp32 on CPU through two code paths (measured: ≤ 1.1e-6; the pipeline runs CFG as two forwards, we run one).
@@ -125,17 +122,7 @@ def test_trainer_batch_of_mixed_timesteps_is_row_wise(chroma):
 
 
 def test_registry_finds_the_family_by_name_and_by_transformer_class(chroma_dir, tmp_path, monkeypatch):
-    monkeypatch.delenv("DIFFRL_MODEL_FAMILY", raising=False)
-    assert resolve_family(None, chroma_dir) is ChromaFamily
-    for name in ("Chroma1-HD", "chroma1-base"):
-        (tmp_path / name).mkdir()
-        assert resolve_family(None, tmp_path / name) is ChromaFamily
-    neutral = tmp_path / "my-model"  # no family's name: the transformer class decides
-    shutil.copytree(chroma_dir, neutral)
-    assert resolve_family(None, neutral) is ChromaFamily
-    assert resolve_family("chroma") is ChromaFamily
-    with pytest.raises(ModelLoadError, match="checkpoint of the chroma family"):
-        Flux1Family.load(neutral)  # the FLUX.1 family names Chroma's checkpoint instead of loading it
+    assert_registry_finds(ChromaFamily, chroma_dir, tmp_path, ("Chroma1-HD", "chroma1-base"), monkeypatch)
 
 
 def test_bad_requests_are_refused(chroma):

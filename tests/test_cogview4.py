@@ -6,7 +6,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
-from family_checks import assert_sample_k_is_the_same_in_any_microgroup, run_training
+from family_checks import assert_registry_finds, assert_sample_k_is_the_same_in_any_microgroup, run_training
 
 from diffrl.engine.engine import Engine, EngineConfig
 from diffrl.engine.protocol import RolloutRequest
@@ -14,7 +14,6 @@ from diffrl.errors import ModelLoadError, RequestError
 from diffrl.models.base import Latents, PromptEmbeds
 from diffrl.models.cogview4 import CogView4Family
 from diffrl.models.random_checkpoints.cogview4 import save_random_checkpoint
-from diffrl.models.registry import resolve_family
 from diffrl.sampling import make_generators
 
 # fp32 on CPU through two code paths (measured: ≤ 1.5e-6; the pipeline runs CFG as two forwards, we run one, and
@@ -127,15 +126,7 @@ def test_trainer_batch_of_mixed_lengths_and_timesteps_is_row_wise(cogview4):
 
 
 def test_registry_finds_the_family_by_name_and_by_transformer_class(cogview4_dir, tmp_path, monkeypatch):
-    monkeypatch.delenv("DIFFRL_MODEL_FAMILY", raising=False)
-    assert resolve_family(None, cogview4_dir) is CogView4Family
-    for name in ("CogView4-6B", "cogview-4-finetune"):
-        (tmp_path / name).mkdir()
-        assert resolve_family(None, tmp_path / name) is CogView4Family
-    neutral = tmp_path / "my-model"  # no family's name: the transformer class decides
-    shutil.copytree(cogview4_dir, neutral)
-    assert resolve_family(None, neutral) is CogView4Family
-    assert resolve_family("cogview4") is CogView4Family
+    assert_registry_finds(CogView4Family, cogview4_dir, tmp_path, ("CogView4-6B", "cogview-4-finetune"), monkeypatch)
 
 
 def test_bad_requests_and_checkpoints_are_refused(cogview4, cogview4_dir, tmp_path):

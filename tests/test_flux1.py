@@ -1,12 +1,11 @@
 """The flux1 family (FLUX.1 [dev] and [schnell]) against diffusers' FluxPipeline, on tiny random checkpoints built
 in code."""
 
-import shutil
 from pathlib import Path
 
 import pytest
 import torch
-from family_checks import assert_sample_k_is_the_same_in_any_microgroup, run_training
+from family_checks import assert_registry_finds, assert_sample_k_is_the_same_in_any_microgroup, run_training
 
 from diffrl.engine.engine import Engine, EngineConfig
 from diffrl.engine.protocol import RolloutRequest
@@ -14,7 +13,6 @@ from diffrl.errors import RequestError
 from diffrl.models.base import Latents
 from diffrl.models.flux1 import Flux1Family
 from diffrl.models.random_checkpoints.flux1 import save_random_checkpoint
-from diffrl.models.registry import resolve_family
 from diffrl.sampling import make_generators
 
 # fp32 on CPU through two code paths (measured: ≤ 8.4e-7; the pipeline runs true CFG as two forwards, we run one).
@@ -135,14 +133,8 @@ def test_trainer_batch_of_mixed_timesteps_is_row_wise(dev):
         torch.testing.assert_close(together[i : i + 1], alone, rtol=0, atol=1e-6)
 
 
-def test_registry_finds_the_family_by_name_and_by_transformer_class(dev_dir, tmp_path):
-    assert resolve_family(None, dev_dir) is Flux1Family
-    for name in ("FLUX.1-dev", "flux1-schnell"):
-        (tmp_path / name).mkdir()
-        assert resolve_family(None, tmp_path / name) is Flux1Family
-    neutral = tmp_path / "my-model"  # no family's name: the transformer class decides
-    shutil.copytree(dev_dir, neutral)
-    assert resolve_family(None, neutral) is Flux1Family
+def test_registry_finds_the_family_by_name_and_by_transformer_class(dev_dir, tmp_path, monkeypatch):
+    assert_registry_finds(Flux1Family, dev_dir, tmp_path, ("FLUX.1-dev", "flux1-schnell"), monkeypatch)
 
 
 def test_bad_requests_are_refused(dev):

@@ -1,11 +1,10 @@
 """The hidream family (HiDream-I1) against diffusers' HiDreamImagePipeline, on a tiny random checkpoint built in code."""
 
-import shutil
 from pathlib import Path
 
 import pytest
 import torch
-from family_checks import assert_sample_k_is_the_same_in_any_microgroup, run_training
+from family_checks import assert_registry_finds, assert_sample_k_is_the_same_in_any_microgroup, run_training
 
 from diffrl.engine.engine import Engine, EngineConfig
 from diffrl.engine.protocol import RolloutRequest
@@ -13,7 +12,6 @@ from diffrl.errors import RequestError
 from diffrl.models.base import Latents, PromptEmbeds
 from diffrl.models.hidream import HiDreamFamily
 from diffrl.models.random_checkpoints.hidream import save_random_checkpoint
-from diffrl.models.registry import resolve_family
 from diffrl.sampling import make_generators
 
 # fp32 on CPU through two code paths (measured: ≤ 7e-7; the experts see other row counts than the pipeline's).
@@ -138,14 +136,7 @@ def test_trainer_batch_of_mixed_timesteps_is_row_wise(hidream):
 
 
 def test_registry_finds_the_family_by_name_and_by_transformer_class(hidream_dir, tmp_path, monkeypatch):
-    monkeypatch.delenv("DIFFRL_MODEL_FAMILY", raising=False)
-    assert resolve_family(None, hidream_dir) is HiDreamFamily
-    (tmp_path / "HiDream-I1-Dev").mkdir()
-    assert resolve_family(None, tmp_path / "HiDream-I1-Dev") is HiDreamFamily
-    neutral = tmp_path / "my-model"  # no family's name: the transformer class decides
-    shutil.copytree(hidream_dir, neutral)
-    assert resolve_family(None, neutral) is HiDreamFamily
-    assert resolve_family("hidream") is HiDreamFamily
+    assert_registry_finds(HiDreamFamily, hidream_dir, tmp_path, ("HiDream-I1-Dev",), monkeypatch)
 
 
 def test_bad_requests_are_refused(hidream):

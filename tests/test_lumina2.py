@@ -2,13 +2,12 @@
 code."""
 
 import copy
-import shutil
 from dataclasses import replace
 from pathlib import Path
 
 import pytest
 import torch
-from family_checks import assert_sample_k_is_the_same_in_any_microgroup, run_training
+from family_checks import assert_registry_finds, assert_sample_k_is_the_same_in_any_microgroup, run_training
 
 from diffrl.engine.engine import Engine, EngineConfig
 from diffrl.engine.protocol import RolloutRequest
@@ -16,7 +15,6 @@ from diffrl.errors import RequestError
 from diffrl.models.base import Latents, PromptEmbeds
 from diffrl.models.lumina2 import Lumina2Family
 from diffrl.models.random_checkpoints.lumina2 import save_random_checkpoint
-from diffrl.models.registry import resolve_family
 from diffrl.sampling import make_generators
 
 # fp32 on CPU through two code paths (measured: ≤ 9.6e-7; the pipeline runs CFG as two forwards, we run one in which
@@ -140,15 +138,7 @@ def test_trainer_batch_of_mixed_timesteps_is_row_wise(lumina2):
 
 
 def test_registry_finds_the_family_by_name_and_by_transformer_class(lumina2_dir, tmp_path, monkeypatch):
-    monkeypatch.delenv("DIFFRL_MODEL_FAMILY", raising=False)
-    assert resolve_family(None, lumina2_dir) is Lumina2Family
-    for name in ("Lumina-Image-2.0", "lumina2-sft"):
-        (tmp_path / name).mkdir()
-        assert resolve_family(None, tmp_path / name) is Lumina2Family
-    neutral = tmp_path / "my-model"  # no family's name: the transformer class decides
-    shutil.copytree(lumina2_dir, neutral)
-    assert resolve_family(None, neutral) is Lumina2Family
-    assert resolve_family("lumina2") is Lumina2Family
+    assert_registry_finds(Lumina2Family, lumina2_dir, tmp_path, ("Lumina-Image-2.0", "lumina2-sft"), monkeypatch)
 
 
 def test_bad_requests_are_refused(lumina2):

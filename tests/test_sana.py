@@ -6,14 +6,13 @@ from pathlib import Path
 
 import pytest
 import torch
-from family_checks import assert_sample_k_is_the_same_in_any_microgroup, run_training
+from family_checks import assert_registry_finds, assert_sample_k_is_the_same_in_any_microgroup, run_training
 
 from diffrl.engine.engine import Engine, EngineConfig
 from diffrl.engine.protocol import RolloutRequest
 from diffrl.errors import ModelLoadError, RequestError
 from diffrl.models.base import Latents, PromptEmbeds
 from diffrl.models.random_checkpoints.sana import save_random_checkpoint
-from diffrl.models.registry import resolve_family
 from diffrl.models.sana import SanaFamily
 from diffrl.sampling import make_generators
 
@@ -151,18 +150,7 @@ def test_trainer_batch_of_mixed_timesteps_is_row_wise(sana):
 
 
 def test_registry_finds_the_family_by_name_and_by_transformer_class(sana_dir, tmp_path, monkeypatch):
-    monkeypatch.delenv("DIFFRL_MODEL_FAMILY", raising=False)
-    assert resolve_family(None, sana_dir) is SanaFamily
-    for name in ("Sana_1600M_1024px_diffusers", "SANA1.5_4.8B_1024px_diffusers"):
-        (tmp_path / name).mkdir()
-        assert resolve_family(None, tmp_path / name) is SanaFamily
-    neutral = tmp_path / "my-model"  # no family's name: the transformer class decides
-    shutil.copytree(sana_dir, neutral)
-    index = json.loads((neutral / "model_index.json").read_text())
-    del index["diffrl"]["family"]
-    (neutral / "model_index.json").write_text(json.dumps(index))
-    assert resolve_family(None, neutral) is SanaFamily
-    assert resolve_family("sana") is SanaFamily
+    assert_registry_finds(SanaFamily, sana_dir, tmp_path, ("Sana_1600M_1024px_diffusers", "SANA1.5_4.8B_1024px_diffusers"), monkeypatch)
 
 
 def test_other_sana_pipelines_are_refused(sana_dir, tmp_path):

@@ -1,19 +1,17 @@
 """The z_image family (Z-Image and Z-Image-Turbo) against diffusers' ZImagePipeline, on tiny random checkpoints
 built in code."""
 
-import shutil
 from pathlib import Path
 
 import pytest
 import torch
-from family_checks import assert_sample_k_is_the_same_in_any_microgroup, run_training
+from family_checks import assert_registry_finds, assert_sample_k_is_the_same_in_any_microgroup, run_training
 
 from diffrl.engine.engine import Engine, EngineConfig
 from diffrl.engine.protocol import RolloutRequest
 from diffrl.errors import RequestError
 from diffrl.models.base import Latents, PromptEmbeds
 from diffrl.models.random_checkpoints.z_image import save_random_checkpoint
-from diffrl.models.registry import resolve_family
 from diffrl.models.z_image import ZImageFamily, text_lengths
 from diffrl.sampling import make_generators
 
@@ -135,14 +133,8 @@ def test_trainer_batch_of_mixed_timesteps_is_row_wise(z_image):
         torch.testing.assert_close(together[i : i + 1], alone, rtol=0, atol=1e-5)
 
 
-def test_registry_finds_the_family_by_name_and_by_transformer_class(z_dir, tmp_path):
-    assert resolve_family(None, z_dir) is ZImageFamily
-    for name in ("Z-Image-Turbo", "zimage"):
-        (tmp_path / name).mkdir()
-        assert resolve_family(None, tmp_path / name) is ZImageFamily
-    neutral = tmp_path / "my-model"  # no family's name: the transformer class decides
-    shutil.copytree(z_dir, neutral)
-    assert resolve_family(None, neutral) is ZImageFamily
+def test_registry_finds_the_family_by_name_and_by_transformer_class(z_dir, tmp_path, monkeypatch):
+    assert_registry_finds(ZImageFamily, z_dir, tmp_path, ("Z-Image-Turbo", "zimage"), monkeypatch)
 
 
 def test_bad_requests_are_refused(z_image):
