@@ -446,7 +446,8 @@ def main(argv: list[str] | None = None) -> dict:
             # Rollout and training together over the rollout's whole wall: what a sample costs against the peak.
             "end_to_end_mfu": (rollout_forwards + pairs * per_pair) * flops / (rollout_s + train_s) / peak,
             "peak_gib": record.get("memory/peak_gib"), "reward_mean": record["rollout/reward/raw_mean"],
-            "loss": record.get("train/loss"), "log_prob_mean_abs_diff": record.get("train/log_prob_mean_abs_diff")}
+            "loss": record.get("train/loss"), "log_prob_mean_abs_diff": record.get("train/log_prob_mean_abs_diff"),
+            "first_pass_clipfrac": record.get("train/first_pass_clipfrac")}
         if "memory/engine_released_gib" in record:  # --colocate: what the engine's last sleep gave the device
             row["engine_released_gib"] = record["memory/engine_released_gib"]
         if "compile/uncompiled_block_kinds" in record:  # --compile: blocks that ran eager anyway (0: all compiled)
