@@ -350,11 +350,12 @@ _EDIT_CPU = dict(_EDIT, diffusion_num_steps=4, num_rollout=22, rollout_batch_siz
                  rollout_microgroup_size=8, global_batch_size=48, num_steps_per_rollout=1, micro_batch_size=48,
                  eval_interval=22, eval_images_per_category=8, checkpoint_interval=11)
 
-# On a GPU the SD3.5 recipes compile their blocks with gradient checkpointing, so the in-process engine samples in
-# the trainer's own compiled graph (--engine-forward-graph auto → training): on one H100, 0.558 s per sample against
-# 0.83 eager, first-pass |Δ log p| 1.6e-8 and clipfrac 0 (BENCHMARKS.md, "One compiled graph for the rollout and
-# its replay"). --no-compile or --no-gradient-checkpointing gives the eager or the faster but drifting setting back.
-_SD3_GPU = dict(compile=True, gradient_checkpointing=True)
+# On a GPU the SD3.5 recipes compile their blocks and the in-process engine samples in the trainer's own compiled
+# graph (--engine-forward-graph auto → training), in pieces of the trainer's micro-batch since nothing is
+# checkpointed: on one H100, 0.416 s per sample against the published code's 0.808 in the same call, first-pass
+# |Δ log p| 1.5e-8 and clipfrac 0, 55.8 GiB (BENCHMARKS.md, "One compiled graph for the rollout and its replay").
+# --gradient-checkpointing trades speed for memory (0.558 s, 26.8 GiB); --no-compile gives eager back (0.83 s).
+_SD3_GPU = dict(compile=True, gradient_checkpointing=False)
 
 SIZED: dict[str, dict[str, dict]] = {
     "sd3-grpo": {"gpu": dict(_SD3_GRPO, **_SD3_GPU), "cpu": _SD3_GRPO},  # a real checkpoint has no CPU size
@@ -377,14 +378,17 @@ SIZED: dict[str, dict[str, dict]] = {
     "flux3-klein-edit-nft-pickscore": {"gpu": dict(_FLUX3_NFT, compile=True, condition_images="required"),
                                        "cpu": dict(_FLUX3_NFT, condition_images="required")},
     "flux3-klein-grpo-hps": {"gpu": dict(_FLUX3_GRPO, compile=True), "cpu": _FLUX3_GRPO},
-    "flux1-grpo-pickscore": {"gpu": _FLUX1_GRPO, "cpu": _FLUX1_GRPO},
+    # Compiled on a GPU (--no-compile turns it off): on one H100 1.02 s per sample, rollout MFU 61%, first-pass
+    # clipfrac 0 at clip 1e-4 (|Δ log p| 0.8-3.7e-6); Z-Image 0.82 s once its third rollout is compiled, clipfrac 0
+    # (|Δ log p| 1.5e-8 on the first rollout, 2.6-3.1e-5 after an update) (BENCHMARKS.md, "FLUX.1 [dev] and Z-Image").
+    "flux1-grpo-pickscore": {"gpu": dict(_FLUX1_GRPO, compile=True), "cpu": _FLUX1_GRPO},
     "flux1-kontext-grpo-pickscore": {"gpu": _FLUX1_KONTEXT_GRPO, "cpu": _FLUX1_KONTEXT_GRPO},
     "qwen-image-edit-grpo-pickscore": {"gpu": _QWEN_EDIT_GRPO, "cpu": _QWEN_EDIT_GRPO},
     "krea2-nft-ocr": {"gpu": _KREA2_NFT, "cpu": _KREA2_NFT},
     "krea2-nft-pickscore": {"gpu": (_krea_pick := dict(_KREA2_NFT, reward="pickscore")), "cpu": _krea_pick},
     "wan22-grpo-pickscore": {"gpu": _WAN22_GRPO, "cpu": _WAN22_GRPO},
-    "z-image-grpo-pickscore": {"gpu": _Z_IMAGE_GRPO, "cpu": _Z_IMAGE_GRPO},
-    "z-image-turbo-grpo-pickscore": {"gpu": _Z_IMAGE_TURBO_GRPO, "cpu": _Z_IMAGE_TURBO_GRPO},
+    "z-image-grpo-pickscore": {"gpu": dict(_Z_IMAGE_GRPO, compile=True), "cpu": _Z_IMAGE_GRPO},
+    "z-image-turbo-grpo-pickscore": {"gpu": dict(_Z_IMAGE_TURBO_GRPO, compile=True), "cpu": _Z_IMAGE_TURBO_GRPO},
     "flux2-klein-grpo-pickscore": {"gpu": _FLUX2_KLEIN_GRPO, "cpu": _FLUX2_KLEIN_GRPO},
     "flux2-klein-base-grpo-pickscore": {"gpu": _FLUX2_KLEIN_BASE_GRPO, "cpu": _FLUX2_KLEIN_BASE_GRPO},
     "flux2-klein-base-nft-pickscore": {"gpu": _FLUX2_KLEIN_BASE_NFT, "cpu": _FLUX2_KLEIN_BASE_NFT},
