@@ -98,11 +98,16 @@ def test_a_tiny_ocr_model_pretrains(tmp_path):
     out = tmp_path / "run"
     assert cli_main(["pretrain", "--world", "ocr", "--patch-size", "8", "--output-dir", str(out), "--steps", "2",
                      "--batch-size", "2", "--num-workers", "0", "--checkpoint-every", "2", "--sample-steps", "1", "--log-every", "1",
-                     "--num-attention-heads", "2", "--attention-head-dim", "8", "--num-layers", "1",
+                     "--num-attention-heads", "2", "--attention-head-dim", "96", "--num-layers", "1",
                      "--num-single-layers", "1", "--text-d-model", "16"]) == 0
     model = DemoFamily.load(out / "final")
     assert model.default_size() == (HEIGHT, WIDTH) and (out / "samples" / "step-0000002.png").is_file()
     assert model.prepare_ids().shape[0] == (HEIGHT // 8) * (WIDTH // 8)  # --patch-size 8: 6 x 32 tokens
+    # A patch of more pixel values (3 x 8 x 8 = 192) than transformer channels (2 x 8) is refused before anything runs.
+    narrow = tmp_path / "narrow"
+    assert cli_main(["pretrain", "--world", "ocr", "--patch-size", "8", "--output-dir", str(narrow), "--steps", "1",
+                     "--num-attention-heads", "2", "--attention-head-dim", "8"]) == 2
+    assert not narrow.exists()
     # A shapes model is refused as the start of an OCR pretraining, naming the flag.
     assert cli_main(["pretrain", "--world", "shapes", "--init-from", str(out / "final"),
                      "--output-dir", str(tmp_path / "other"), "--steps", "1"]) == 2

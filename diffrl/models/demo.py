@@ -24,6 +24,8 @@ from typing import TYPE_CHECKING
 import torch
 
 from diffrl.assets import SHIPPED_DEMO_MODEL, SHIPPED_EDIT_MODEL, SHIPPED_OCR_MODEL  # noqa: F401  (re-exported)
+from diffrl.data.ocr.glyph_grid import GlyphGrid
+from diffrl.data.ocr.quotes import first_quoted
 from diffrl.errors import RequestError
 from diffrl.models.base import (
     Component,
@@ -36,6 +38,7 @@ from diffrl.models.base import (
 from diffrl.models.batch_invariance import embed_rows_one_at_a_time
 from diffrl.models.flux2_vae import MAX_REFERENCE_IMAGES, fold_references, split_references
 from diffrl.models.flux3_image import run_flux3_transformer
+from diffrl.models.random_checkpoints.tokenizers import SPACE_IN_QUOTES
 from diffrl.models.weights import load_weights, read_weights
 from diffrl.sampling import make_sigmas, randn_per_sample
 
@@ -53,6 +56,10 @@ class DemoConfig:
     patch_size: int = 4
     max_text_len: int = 16
     shift: float = 3.0
+    glyph_grid: bool = False
+    """The OCR world's grid layout (`diffrl.data.ocr.glyph_grid`): one conditioning token per cell of the grid,
+    holding the character the prompt's quoted text puts there, ahead of the prompt's tokens and at the cell's
+    place in the image."""
     # Flux3Transformer2DModel keyword arguments (in_channels and joint_attention_dim are derived).
     transformer: dict = field(default_factory=lambda: {
         "num_layers": 2, "num_single_layers": 6, "attention_head_dim": 32, "num_attention_heads": 4,
@@ -103,6 +110,15 @@ def text_position_ids(length: int, device=None) -> torch.Tensor:
     l = torch.arange(length, device=device)
     zeros = torch.zeros_like(l)
     return torch.stack([zeros, zeros, zeros, l], dim=-1)
+
+
+def glyph_grid_ids(config: DemoConfig, device=None) -> torch.Tensor:
+    """(t, h, w, l) ids of a glyph-grid model's cell tokens: (h, w) each cell's centre in image patches, in the image
+    ids' units (a patch's id is its top-left corner), so a cell and the patches it covers are near in RoPE."""
+    centres = GlyphGrid(config.width).patch_centres(config.patch_size)
+    hw = torch.tensor(centres, dtype=torch.float32, device=device)
+    zeros = torch.zeros(len(centres), 1, device=device)
+    return torch.cat([zeros, hw, zeros], dim=-1)
 
 
 def _load_transformer(folder: Path, dtype: torch.dtype) -> Flux3Transformer2DModel:
@@ -200,12 +216,32 @@ class DemoFamily(FamilyAdapter):
     def sigmas(self, num_steps: int, height: int, width: int) -> torch.Tensor:
         return make_sigmas(num_steps, shift=self.config.shift, device=self.device)
 
+    @property
+    def text_length(self) -> int:
+        """Conditioning tokens per prompt: the prompt's window, after the glyph grid's cells for a grid model."""
+        cells = GlyphGrid(self.config.width).slots if self.config.glyph_grid else 0
+        return cells + self.config.max_text_len
+
     def tokenize(self, prompts: Sequence[str]) -> tuple[torch.Tensor, torch.Tensor]:
         batch = self.tokenizer(
             list(prompts), padding="max_length", truncation=True, max_length=self.config.max_text_len,
             return_tensors="pt",
         )
-        return batch["input_ids"], batch["attention_mask"]
+        if not self.config.glyph_grid:
+            return batch["input_ids"], batch["attention_mask"]
+        cells, mask = self._grid_tokens(prompts)
+        return torch.cat([cells, batch["input_ids"]], 1), torch.cat([mask, batch["attention_mask"]], 1)
+
+    def _grid_tokens(self, prompts: Sequence[str]) -> tuple[torch.Tensor, torch.Tensor]:
+        """Each prompt's glyph-grid cells as token ids (a character's own token, `▁` for a space) and a mask that is
+        0 on empty cells, which the text encoder then skips and which carry nothing (zeroed, as padding is)."""
+        grid = GlyphGrid(self.config.width)
+        layouts = [grid.layout(first_quoted(p)) for p in prompts]
+        space = self.tokenizer.convert_tokens_to_ids(SPACE_IN_QUOTES)
+        ids = [[0 if c is None else space if c == " " else self.tokenizer.convert_tokens_to_ids(c) for c in cells]
+               for cells in layouts]
+        mask = [[0 if c is None else 1 for c in cells] for cells in layouts]
+        return torch.tensor(ids, dtype=torch.long), torch.tensor(mask, dtype=torch.long)
 
     def encode_tokens(self, input_ids: torch.Tensor, attention_mask: torch.Tensor) -> PromptEmbeds:
         """Token ids → conditioning; differentiable, so pretraining can train the encoder with it."""
@@ -216,7 +252,11 @@ class DemoFamily(FamilyAdapter):
         hidden = self.text_encoder(input_ids=input_ids, attention_mask=attention_mask).last_hidden_state
         # Padding positions are zeroed: the transformer has no text mask, so they must carry nothing.
         hidden = hidden * attention_mask.unsqueeze(-1).to(hidden.dtype)
-        return PromptEmbeds(hidden, text_position_ids(hidden.shape[1], device=device))
+        if not self.config.glyph_grid:
+            return PromptEmbeds(hidden, text_position_ids(hidden.shape[1], device=device))
+        cells = glyph_grid_ids(self.config, device)
+        prompt = text_position_ids(hidden.shape[1] - len(cells), device=device).float()
+        return PromptEmbeds(hidden, torch.cat([cells, prompt]))
 
     @torch.no_grad()
     def encode_prompts(self, prompts: Sequence[str]) -> PromptEmbeds:
@@ -252,7 +292,7 @@ class DemoFamily(FamilyAdapter):
     def run_transformer(self, transformer, latents, sigma, cond) -> torch.Tensor:
         """The same diffusers transformer class as flux3_image, with the condition images' tokens in its reference
         mode when the conditioning holds them."""
-        cond, references = split_references(cond, self.config.in_channels, (self.config.max_text_len,))
+        cond, references = split_references(cond, self.config.in_channels, (self.text_length,))
         return run_flux3_transformer(self, transformer, latents, sigma, cond, references)
 
     def decode(self, latents: torch.Tensor, height: int, width: int) -> torch.Tensor:

@@ -14,25 +14,19 @@ unrelated text scores 0. A video `[B, C, F, H, W]` scores as the mean over its f
 from __future__ import annotations
 
 import functools
-import re
 
-from diffrl.rewards.registry import register_reward
+from diffrl.data.ocr.quotes import first_quoted
 from diffrl.rewards.frames import mean_over_frames
+from diffrl.rewards.registry import register_reward
 from diffrl.utils.images import to_uint8
-
-_DOUBLE_QUOTED = re.compile(r'"([^"]+)"|“([^”]+)”')
-# An apostrophe (kid's, Don't) sits between letters: a single quote opens or closes only beside a non-letter.
-_SINGLE_QUOTED = re.compile(r"(?<!\w)'(.+?)'(?!\w)|‘(.+?)’(?!\w)")
 
 
 def quoted_text(prompt: str) -> str:
-    """The first double-quoted span of `prompt`, else its first single-quoted one: double quotes first, so an
-    apostrophe before them ("a kid's drawing labeled "Mom's house"") cannot open a span. A prompt without
-    one has nothing for OCR to check."""
-    match = _DOUBLE_QUOTED.search(prompt) or _SINGLE_QUOTED.search(prompt)
-    if match is None:
+    """The prompt's quoted text (`first_quoted`); a prompt without one has nothing for OCR to check."""
+    text = first_quoted(prompt)
+    if text is None:
         raise ValueError(f"ocr reward: the prompt quotes no text to render: {prompt!r}")
-    return next(group for group in match.groups() if group is not None)
+    return text
 
 
 def _normalized(text: str) -> str:

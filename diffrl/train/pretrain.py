@@ -89,6 +89,9 @@ def refuse_other_size(cfg: PretrainConfig, config: DemoConfig, source: str) -> N
     if cfg.patch_size is not None and cfg.patch_size != config.patch_size:
         raise ValueError(f"--patch-size {cfg.patch_size}: {source} has {config.patch_size}, and its size is the "
                          "model's; drop --patch-size")
+    if cfg.glyph_grid and not config.glyph_grid:
+        raise ValueError(f"--glyph-grid: {source} was pretrained without the glyph grid, and its layout is the "
+                         "model's; drop --glyph-grid")
 
 
 def model_world(family: DemoFamily) -> str:
@@ -144,7 +147,7 @@ def training_stream(world: str, seed: int, config: DemoConfig):
     if world == "shapes-edit":
         return RenderedEdits(seed=seed, image_size=config.image_size)
     if world == "ocr":
-        return RenderedTexts(seed=seed, height=config.height, width=config.width)
+        return RenderedTexts(seed=seed, height=config.height, width=config.width, glyph_grid=config.glyph_grid)
     return RenderedScenes(seed=seed, image_size=config.image_size)
 
 

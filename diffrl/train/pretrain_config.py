@@ -77,7 +77,11 @@ class PretrainConfig:
     """Width of the text encoder (a small T5; its feed-forward is twice this)."""
     patch_size: int | None = None
     """Pixels per side of an image token; None: 4, the shipped model's (the OCR world at 8: 192 tokens instead of 768,
-    about 4× cheaper a step and the model 4× coarser)."""
+    about 4× cheaper a step, and a patch of 192 values needs at least 192 transformer channels, e.g. 6 heads × 32)."""
+    glyph_grid: bool = False
+    """--world ocr: the glyph-grid layout (docs/ocr-world.md): each character of the quoted text drawn centred in a
+    16-pixel cell of three rows, and the model conditioned on one token per cell at the cell's place in the image,
+    so its attention starts out relating each patch to the character drawn over it."""
     # Sample grid after each checkpoint.
     sample_steps: int = 10
     """ODE steps of each sample in the checkpoints' sample grids."""
@@ -111,6 +115,16 @@ class PretrainConfig:
             raise ValueError(f"--world {self.world}: known worlds are {', '.join(WORLDS)}")
         if self.patch_size is not None and (self.patch_size < 1 or 48 % self.patch_size or 64 % self.patch_size):
             raise ValueError(f"--patch-size must divide the image's sides (shapes 64, ocr 48x256), got {self.patch_size}")
+        width = self.num_attention_heads * self.attention_head_dim
+        if self.patch_size is not None and 3 * self.patch_size ** 2 > width:
+            # The output layer maps each token's `width` channels to its patch's pixels: with fewer channels than
+            # values it can reach only part of the noise it must predict (a --patch-size 8 run at width 128 on the
+            # GPU plateaued at loss 0.44 and sampled noise).
+            raise ValueError(f"--patch-size {self.patch_size}: a patch holds 3 x {self.patch_size}^2 = "
+                             f"{3 * self.patch_size ** 2} pixel values, more than the transformer's {width} channels "
+                             f"(--num-attention-heads x --attention-head-dim); widen it or lower --patch-size")
+        if self.glyph_grid and self.world != "ocr":
+            raise ValueError(f"--glyph-grid lays out the OCR world's quoted texts; --world {self.world} has none")
         if self.attention_head_dim % 4:
             raise ValueError(f"--attention-head-dim must be a multiple of 4 (its 4 RoPE axes share it), got "
                              f"{self.attention_head_dim}")
@@ -129,4 +143,5 @@ class PretrainConfig:
         config.text_encoder.update(d_model=self.text_d_model, d_ff=2 * self.text_d_model)
         config = ocr(config) if self.world == "ocr" else config
         config.patch_size = self.patch_size or config.patch_size
+        config.glyph_grid = self.glyph_grid
         return config

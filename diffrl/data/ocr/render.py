@@ -2,7 +2,9 @@
 
 `render_clean` is the reference render (black on white, the largest size that fits, centred) at which the
 world's resolution was chosen; `render_text` varies font, size, colours, background and placement, drawn
-from a numpy generator so a seed fixes the image. Fonts: Pillow's built-in one (FreeType's Aileron, at any
+from a numpy generator so a seed fixes the image. `render_grid` / `render_grid_text` draw a text the way a
+glyph-grid model is taught to (`glyph_grid`): each character centred in its cell, Pillow's built-in font, the
+same colours, backgrounds and blur as `render_text`. Fonts: Pillow's built-in one (FreeType's Aileron, at any
 size) and every TrueType font found on the machine at run time (`system_fonts`), so two machines with other
 fonts render other images from one seed; a text may wrap onto two lines where the image is tall enough.
 """
@@ -14,6 +16,8 @@ from pathlib import Path
 
 import numpy as np
 from PIL import Image, ImageDraw, ImageFilter, ImageFont
+
+from diffrl.data.ocr.glyph_grid import FONT_SIZE, HEIGHT, GlyphGrid
 
 FONT_DIRS = ("/usr/share/fonts", "/usr/local/share/fonts", "/Library/Fonts", "/System/Library/Fonts",
              "C:/Windows/Fonts", str(Path.home() / ".fonts"))
@@ -134,6 +138,31 @@ def render_text(text: str, rng: np.random.Generator, height: int, width: int) ->
     ink, paper = _colors(rng)
     background = _background(paper, rng, height, width)
     image = _draw(lines, font_name, size, height, width, ink, background, rng.uniform(0, 1, size=2))
+    if rng.random() < 0.2:
+        image = image.filter(ImageFilter.GaussianBlur(rng.uniform(0.3, 0.7)))
+    return np.asarray(image)
+
+
+def render_grid(text: str, width: int, ink=(0, 0, 0), background: np.ndarray | None = None) -> np.ndarray:
+    """`text` laid out on the glyph grid (each character centred in its cell, on its row's baseline), in `ink` on
+    `background` (an [H, W, 3] uint8 array; white when None): [H, W, 3] uint8."""
+    grid = GlyphGrid(width)
+    if background is None:
+        background = np.full((HEIGHT, width, 3), 255, np.uint8)
+    image = Image.fromarray(background)
+    draw = ImageDraw.Draw(image)
+    font = load_font(BUILTIN, FONT_SIZE)
+    cap_top = font.getbbox("H", anchor="ls")[1]  # negative: the capital height above the baseline
+    for char, y, x in grid.placed(text):
+        draw.text((x, y - cap_top / 2), char, font=font, fill=tuple(int(c) for c in ink), anchor="ms")
+    return np.asarray(image)
+
+
+def render_grid_text(text: str, rng: np.random.Generator, width: int) -> np.ndarray:
+    """A glyph-grid render of `text` with `render_text`'s varied ink, background and occasional blur (the layout
+    and font are the grid's, fixed by the text). [H, W, 3] uint8."""
+    ink, paper = _colors(rng)
+    image = Image.fromarray(render_grid(text, width, ink, _background(paper, rng, HEIGHT, width)))
     if rng.random() < 0.2:
         image = image.filter(ImageFilter.GaussianBlur(rng.uniform(0.3, 0.7)))
     return np.asarray(image)
