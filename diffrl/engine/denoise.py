@@ -9,7 +9,7 @@ steps (`keep_rows`): the engine drops the outputs of a request that was abandone
 from __future__ import annotations
 
 from collections.abc import Callable, Iterable, Sequence
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, field
 
 import torch
 
@@ -87,8 +87,8 @@ def denoise(
             idx = torch.as_tensor(rows, dtype=torch.long, device=x.device)
             x, batch = x[idx], len(rows)
             kept = [kept[r] for r in rows]
-            cond = replace(cond, embeds=cond.embeds[idx])
-            uncond = None if uncond is None else replace(uncond, embeds=uncond.embeds[idx])
+            cond = cond.rows(idx)
+            uncond = None if uncond is None else uncond.rows(idx)
             generators = [generators[r] for r in rows]
             log_probs = [lp[idx] for lp in log_probs]
             trajectory = {s: t[idx] for s, t in trajectory.items()}
@@ -130,8 +130,7 @@ def _velocity_with_gradients(family: FamilyAdapter, transformer: torch.nn.Module
         part = slice(start, start + rows)
         with torch.enable_grad():
             v = family.velocity(transformer, Latents(latents.tokens[part], latents.ids), sigma[part],
-                                replace(cond, embeds=cond.embeds[part]),
-                                None if uncond is None else replace(uncond, embeds=uncond.embeds[part]),
+                                cond.rows(part), None if uncond is None else uncond.rows(part),
                                 guidance_scale, **second)
         pieces.append(v.detach())
     return torch.cat(pieces)

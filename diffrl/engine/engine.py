@@ -677,7 +677,7 @@ class Engine:
         decode_cond = {}
         if family.latents_need_conditioning:  # the conditioning of the rows the loop kept
             kept = torch.as_tensor(result.rows, device=cond.embeds.device)
-            decode_cond["cond"] = replace(cond, embeds=cond.embeds[kept])
+            decode_cond["cond"] = cond.rows(kept)
         images = family.decode(result.latents, plan.height, plan.width, **_frames(plan.num_frames), **decode_cond).cpu()
         finite = finite.cpu()
         elapsed = time.perf_counter() - start

@@ -96,6 +96,10 @@ class PromptEmbeds:
     def __len__(self) -> int:
         return self.embeds.shape[0]
 
+    def rows(self, index) -> PromptEmbeds:
+        """The conditioning of some of the batch's rows (an index, slice or mask), ids unchanged."""
+        return replace(self, embeds=self.embeds[index])
+
     def repeat(self, n: int) -> PromptEmbeds:
         """Each prompt's conditioning repeated n times in place (prompt-major), without re-encoding."""
         return replace(self, embeds=self.embeds.repeat_interleave(n, dim=0))
