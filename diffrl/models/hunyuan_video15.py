@@ -64,10 +64,10 @@ from diffrl.models.base import (
     require_pixel_multiple,
     wire_text_tokens,
 )
-from diffrl.models.batch_invariance import decode_rows, embed_rows_one_at_a_time
+from diffrl.models.batch_invariance import embed_rows_one_at_a_time
 from diffrl.models.components import read_settings, refuse_scheduler_options, scheduler_sigmas
 from diffrl.models.condition_rows import pack_image_rows, unpack_image_rows
-from diffrl.sampling import randn_per_sample
+from diffrl.models.vae_latents import decode_images, latent_noise
 
 PIPELINE = "HunyuanVideo15Pipeline"
 I2V_PIPELINE = "HunyuanVideo15ImageToVideoPipeline"
@@ -404,10 +404,9 @@ class HunyuanVideo15Family(FamilyAdapter):
     # ---------------------------------------------------------------- sampling
     def prepare_latents(self, generators, height, width, num_frames: int | None = None) -> Latents:
         self.check_size(height, width, self.default_num_frames if num_frames is None else num_frames)
-        shape = (len(generators), self.vae.config.latent_channels, self._latent_frames(num_frames),
+        shape = (self.vae.config.latent_channels, self._latent_frames(num_frames),
                  height // self.vae_scale_spatial, width // self.vae_scale_spatial)
-        # The transformer patchifies and positions the latents itself: no position ids to carry.
-        return Latents(randn_per_sample(shape, generators, device=self.device), torch.zeros(0, 1, device=self.device))
+        return latent_noise(generators, shape, self.device)
 
     def run_transformer(self, transformer, latents, sigma, cond) -> torch.Tensor:
         dtype = next(transformer.parameters()).dtype
@@ -436,6 +435,5 @@ class HunyuanVideo15Family(FamilyAdapter):
     def decode(self, latents: torch.Tensor, height: int, width: int, num_frames: int | None = None) -> torch.Tensor:
         """Latents → videos `[B, 3, F, H, W]` in [0, 1], one video per VAE call (see the module docstring)."""
         vae_dtype = next(self.vae.parameters()).dtype
-        latents = latents.to(vae_dtype) / self.vae.config.scaling_factor  # the pipeline's arithmetic
-        videos = decode_rows(lambda rows: self.vae.decode(rows, return_dict=False)[0], latents, per_call=1)
-        return (videos.float() / 2 + 0.5).clamp(0, 1)
+        latents = latents.to(vae_dtype) / self.vae.config.scaling_factor  # the pipeline's arithmetic, in the VAE's dtype
+        return decode_images(self.vae, latents, per_call=1)

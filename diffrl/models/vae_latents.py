@@ -1,12 +1,13 @@
 """The two ends of sampling that most families share around their VAE: the initial noise in the VAE's own latent
 layout, and the decode of latents the family has already un-normalized.
 
-- `latent_noise`: SD3, SANA, Lumina 2, Z-Image, CogView4, Wan2.2 and Cosmos3 hand their transformer the VAE's
+- `latent_noise`: SD3, SANA, Lumina 2, Z-Image, CogView4, HiDream, Wan2.2, HunyuanVideo 1.5 and Cosmos3 hand their transformer the VAE's
   latents as they are (`[B, C, h, w]`, or `[B, C, f, h, w]` for video); the transformer patchifies and positions
   them itself, so the latent state carries no position ids. Each family says which channel count and grid its
   pipeline draws.
 - `decode_images`: SD3, SANA, Lumina 2, Z-Image, CogView4, FLUX.1 and Chroma (`flux1.decode_packed`), FLUX.2 and
-  FLUX 3 (`flux2_vae.decode_latents`), Wan2.2 and Cosmos3 (`wan2_2.decode_wan_latents`) end a decode the same way:
+  FLUX 3 (`flux2_vae.decode_latents`), HiDream, HunyuanVideo 1.5, Wan2.2 and Cosmos3 (`wan2_2.decode_wan_latents`)
+  end a decode the same way:
   the VAE in its own dtype over groups of rows (`decode_rows`), then the pipelines' `x/2 + 0.5` clamped to [0, 1].
   What comes before it (unpacking, the scaling and shift factors or the per-channel statistics, and whether the
   latents are cast to the VAE's dtype before or after that arithmetic) follows each pipeline to the bit and stays
