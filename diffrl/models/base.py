@@ -271,11 +271,19 @@ class FamilyAdapter(ABC):
         if per_sample_layers is not None and self.device.type == "cpu":
             per_sample_layers(transformer)
 
+    # The diffusers pipeline class, by name, that the default `reference_pipeline` builds over the family's own
+    # components; a family whose pipeline needs more (several text encoders, a variant's class) overrides the method.
+    reference_pipeline_class: ClassVar[str | None] = None
+
     def reference_pipeline(self) -> Any:
-        """diffusers' own pipeline over this family's components (no copies of the weights): what the tests
-        check the engine against and `diffrl bench` times it against. None when diffusers has none to call
-        the same way (the demo model)."""
-        return None
+        """diffusers' own pipeline over this family's components (no copies of the weights, a copy of the
+        scheduler): what the tests check the engine against and `diffrl bench` times it against; call it with
+        `reference_pipeline_kwargs()`. None when diffusers has none to call the same way (the demo model)."""
+        if self.reference_pipeline_class is None:
+            return None
+        import diffusers  # deferred: diffusers' pipelines take seconds to import
+
+        return self.pipeline_over_components(getattr(diffusers, self.reference_pipeline_class))
 
     def pipeline_over_components(self, pipeline_class: type, **parts: Any) -> Any:
         """`pipeline_class` (a diffusers pipeline) over this family's own transformer, VAE, text encoder and

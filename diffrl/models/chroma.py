@@ -76,6 +76,7 @@ def _run_per_sample_layers_row_by_row(transformer) -> None:
 class ChromaFamily(FamilyAdapter):
     name = "chroma"
     name_patterns = ("chroma",)
+    reference_pipeline_class = "ChromaPipeline"
     display_name = "Chroma"
     default_guidance_scale = 5.0  # ChromaPipeline's default guidance_scale (real CFG)
     default_num_inference_steps = 35  # diffusers' ChromaPipeline default (sglang-diffusion has no Chroma)
@@ -107,13 +108,6 @@ class ChromaFamily(FamilyAdapter):
         self.adopt_components(transformer, _run_per_sample_layers_row_by_row, vae=vae, text_encoder=text_encoder,
                               tokenizer=tokenizer, scheduler=scheduler, settings=settings)
         self.pixels_per_token = 2 ** (len(vae.config.block_out_channels) - 1) * 2
-
-    def reference_pipeline(self):
-        """diffusers' `ChromaPipeline` over this family's own components (a copy of the scheduler, whose state
-        sampling changes); call it with `reference_pipeline_kwargs()`."""
-        from diffusers import ChromaPipeline
-
-        return self.pipeline_over_components(ChromaPipeline)
 
     def reference_pipeline_kwargs(self) -> dict:
         return {"max_sequence_length": self.settings.max_sequence_length}

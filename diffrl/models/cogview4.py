@@ -98,6 +98,7 @@ def cogview4_mu(scheduler, image_tokens: int) -> float:
 class CogView4Family(MaskedTextWire, FamilyAdapter):
     name = "cogview4"
     name_patterns = ("cogview4", "cogview-4")
+    reference_pipeline_class = "CogView4Pipeline"
     display_name = "CogView4"
     default_guidance_scale = 5.0  # CogView4Pipeline's default guidance_scale
     default_num_inference_steps = 50  # CogView4Pipeline's default
@@ -136,13 +137,6 @@ class CogView4Family(MaskedTextWire, FamilyAdapter):
                               tokenizer=tokenizer, scheduler=scheduler, settings=settings)
         self.vae_scale = 2 ** (len(vae.config.block_out_channels) - 1)
         self.pixels_per_token = self.vae_scale * config.patch_size
-
-    def reference_pipeline(self):
-        """diffusers' `CogView4Pipeline` over this family's own components (a copy of the scheduler, whose state
-        sampling changes); call it with `reference_pipeline_kwargs()`."""
-        from diffusers import CogView4Pipeline
-
-        return self.pipeline_over_components(CogView4Pipeline)
 
     def reference_pipeline_kwargs(self) -> dict:
         return {"max_sequence_length": self.settings.max_sequence_length}

@@ -90,6 +90,7 @@ def _run_per_sample_layers_row_by_row(transformer) -> None:
 class Lumina2Family(FamilyAdapter):
     name = "lumina2"
     name_patterns = ("lumina-image-2", "lumina2", "lumina-2", "lumina_2", "lumina-image2")
+    reference_pipeline_class = "Lumina2Pipeline"
     display_name = "Lumina-Image 2.0"
     default_guidance_scale = 4.0  # Lumina2Pipeline's default guidance_scale
     default_num_inference_steps = 30  # diffusers' Lumina2Pipeline default (sglang-diffusion serves no Lumina 2)
@@ -133,13 +134,6 @@ class Lumina2Family(FamilyAdapter):
                               tokenizer=tokenizer, scheduler=scheduler, settings=settings)
         self.vae_scale = 2 ** (len(vae.config.block_out_channels) - 1)
         self.pixels_per_token = self.vae_scale * config.patch_size
-
-    def reference_pipeline(self):
-        """diffusers' `Lumina2Pipeline` over this family's own components (a copy of the scheduler, whose state
-        sampling changes); call it with `reference_pipeline_kwargs()`."""
-        from diffusers import Lumina2Pipeline
-
-        return self.pipeline_over_components(Lumina2Pipeline)
 
     def reference_pipeline_kwargs(self) -> dict:
         return {"max_sequence_length": self.settings.max_sequence_length, "system_prompt": self.settings.system_prompt,

@@ -106,6 +106,7 @@ def _run_per_sample_layers_row_by_row(transformer) -> None:
 class SanaFamily(FamilyAdapter):
     name = "sana"
     name_patterns = ("sana",)
+    reference_pipeline_class = "SanaPipeline"
     display_name = "SANA"
     default_guidance_scale = 4.5  # SanaPipeline's default guidance_scale (real CFG)
     default_num_inference_steps = 20  # SanaPipeline's default
@@ -168,13 +169,6 @@ class SanaFamily(FamilyAdapter):
         """The scheduler of the checkpoint's class (DPM-Solver on flow σ's or FlowMatch Euler)."""
         return [c if c.folder != "scheduler" else Component("scheduler", f"diffusers:{settings.scheduler_class}",
                                                             kind="scheduler") for c in cls.components]
-
-    def reference_pipeline(self):
-        """diffusers' `SanaPipeline` over this family's own components (a copy of the scheduler, whose state
-        sampling changes); call it with `reference_pipeline_kwargs()`."""
-        from diffusers import SanaPipeline
-
-        return self.pipeline_over_components(SanaPipeline)
 
     def reference_pipeline_kwargs(self) -> dict:
         """The checkpoint's window and instruction, and no resolution binning (the engine samples the requested

@@ -87,6 +87,7 @@ def _run_per_sample_layers_row_by_row(transformer) -> None:
 class ZImageFamily(MaskedTextWire, FamilyAdapter):
     name = "z_image"
     name_patterns = ("z-image", "zimage", "z_image")
+    reference_pipeline_class = "ZImagePipeline"
     display_name = "Z-Image"
     default_guidance_scale = 6.0  # the pipeline's default g = 5 in Z-Image's form (s = 1 + g)
     default_num_inference_steps = 50  # sglang-diffusion's and diffusers' Z-Image default
@@ -149,13 +150,6 @@ class ZImageFamily(MaskedTextWire, FamilyAdapter):
     def from_components(cls, root, parts, settings) -> ZImageFamily:
         return cls(parts["transformer"], parts["vae"], parts["text_encoder"], parts["tokenizer"], parts["scheduler"],
                    settings=settings)
-
-    def reference_pipeline(self):
-        """diffusers' `ZImagePipeline` over this family's own components (a copy of the scheduler, whose state
-        sampling changes). Its `guidance_scale` is Z-Image's g: the engine's scale s is g + 1."""
-        from diffusers import ZImagePipeline
-
-        return self.pipeline_over_components(ZImagePipeline)
 
     def reference_pipeline_kwargs(self) -> dict:
         return {"max_sequence_length": self.settings.max_sequence_length}
