@@ -125,3 +125,23 @@ def test_glyph_grid_flags_are_refused_where_they_do_not_apply(grid_model, tmp_pa
                      "--text-d-model", "16"]) == 0
     assert cli_main(["pretrain", "--world", "ocr", "--glyph-grid", "--init-from", str(plain / "final"),
                      "--output-dir", str(tmp_path / "b"), "--steps", "1"]) == 2
+
+
+def test_flow_grpo_on_a_grid_model_replays_its_rollout_exactly(grid_model, tmp_path):
+    """The cell tokens travel with the rollout and come back in training as they went out."""
+    import json
+
+    from diffrl.cli.main import main as cli_main
+    from diffrl.data.ocr.prompts import PROMPT_DIR
+
+    out = tmp_path / "grpo"
+    path, _ = grid_model
+    assert cli_main(["train", "--model-path", str(path / "final"), "--diffusion-model-family", "demo",
+                     "--prompt-data", str(PROMPT_DIR), "--reward", "jpeg_compressibility",
+                     "--loss-type", "flow_grpo", "--num-rollout", "2", "--rollout-batch-size", "2",
+                     "--n-samples-per-prompt", "4", "--global-batch-size", "8", "--num-steps-per-rollout", "1",
+                     "--diffusion-num-steps", "3", "--diffusion-guidance-scale", "2", "--eval-interval", "2",
+                     "--eval-num-prompts", "2", "--output-dir", str(out)]) == 0
+    rows = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+    diffs = [row["train/log_prob_mean_abs_diff"] for row in rows if "train/log_prob_mean_abs_diff" in row]
+    assert len(diffs) == 2 and all(d == 0.0 for d in diffs)
