@@ -4,7 +4,7 @@
 # device tool with [".whl", ".whl-ocr"] carried (scripts/device/fetch_wheels.sh makes both; .whl-ocr holds
 # RapidOCR, which scores the checkpoints; the tesseract judge is run here afterwards, on the CPU).
 #   MINUTES      wall-clock training budget (default 6.5)
-#   EXTRA        extra flags for `diffrl pretrain`
+#   EXTRA        extra flags for `diffrl pretrain` (e.g. --glyph-grid: the grid-layout model, docs/ocr-world.md)
 #   SCALES       CFG scales of the checkpoint evaluations (default "1 3")
 #   EVAL_PROMPTS held-out test prompts per evaluation, one image each (default 128)
 #   PICK         instead of four checkpoints, bring back the one whose CFG-1 held-out OCR reward is closest to
