@@ -135,3 +135,14 @@ def test_values_that_fail_late_or_never_end_are_refused(tmp_path, capsys, flag, 
     assert cli_main(["pretrain", "--output-dir", str(out), flag, value, "--device", "cpu"]) == 2
     assert capsys.readouterr().err.strip().startswith(f"error: {message}")
     assert not out.exists()
+
+
+def test_profile_steps_write_where_a_step_goes(tmp_path):
+    from diffrl.cli.main import main as cli_main
+
+    out = tmp_path / "run"
+    assert cli_main(["pretrain", "--output-dir", str(out), "--steps", "22", "--profile-steps", "2", *TINY,
+                     "--batch-size", "2", "--num-workers", "0", "--sample-steps", "1", "--device", "cpu",
+                     "--checkpoint-every", "100"]) == 0
+    text = (out / "profile.txt").read_text()
+    assert text.startswith("2 optimizer steps") and "aten::mm" in text and "Optimizer.step" in text

@@ -43,6 +43,9 @@ from diffrl.train.ema import ParameterEMA
 from diffrl.train.pretrain_config import PretrainConfig
 from diffrl.utils.device import autocast, resolve_device
 from diffrl.utils.folders import check_output_dir
+from diffrl.utils.step_profile import StepProfile
+
+PROFILE_AFTER_STEPS = 20  # --profile-steps: compilation and the render workers' start come first
 
 
 def sample_training_sigmas(batch: int, shift: float, generator: torch.Generator, device) -> torch.Tensor:
@@ -247,7 +250,10 @@ def pretrain(cfg: PretrainConfig) -> Path:
     total_steps = step_budget(cfg)
     bar = tqdm(total=total_steps, initial=step, desc="pretrain", dynamic_ncols=True)
     last_log = time.monotonic()
+    profile = StepProfile(device) if cfg.profile_steps else None
     for prompts, images, *sources in loader:
+        if profile is not None and step == PROFILE_AFTER_STEPS:
+            profile.start()
         # Progress is by steps or, with --max-minutes, by wall clock, whichever is further along:
         # a time-boxed run still finishes its learning-rate decay.
         progress = step / total_steps if total_steps else 0.0
@@ -275,6 +281,9 @@ def pretrain(cfg: PretrainConfig) -> Path:
         ema.update(min(cfg.ema_decay, (1 + step) / (10 + step)))  # short warm-up: early EMAs not stale
         step += 1
         bar.update(1)
+        if profile is not None and step == PROFILE_AFTER_STEPS + cfg.profile_steps:
+            profile.stop(out / "profile.txt", cfg.profile_steps)
+            profile = None
         if step % cfg.log_every == 0:
             now = time.monotonic()
             record = {"step": step, "loss": loss.item(), "grad_norm": float(grad_norm),

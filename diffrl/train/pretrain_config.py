@@ -53,6 +53,9 @@ class PretrainConfig:
     checkpoint_every: int = 1000
     """Every N optimizer steps: a checkpoint (checkpoints/step-N: the EMA model/ and train_state.pt) and its sample
     grid (samples/step-N.png); the run's end writes one more."""
+    profile_steps: int = 0
+    """Profile this many optimizer steps after the first 20 (compilation and the render workers' start) with
+    torch.profiler and write profile.txt to --output-dir: operators and kernels by device and host time. 0: off."""
     max_minutes: float | None = None
     """Stop (and checkpoint) after this much wall-clock training time."""
     resume: bool = False
@@ -103,7 +106,7 @@ class PretrainConfig:
             value = getattr(self, name)
             if value is not None and value < 1:
                 raise ValueError(f"--{name.replace('_', '-')} must be >= 1, got {value}")
-        for name, lo, hi in (("lr", 0, None), ("weight_decay", 0, None), ("warmup_steps", 0, None),
+        for name, lo, hi in (("lr", 0, None), ("weight_decay", 0, None), ("warmup_steps", 0, None), ("profile_steps", 0, None),
                              ("num_layers", 0, None), ("cfg_dropout", 0, 1), ("ema_decay", 0, 1)):
             value = getattr(self, name)
             if value < lo or (hi is not None and value > hi):

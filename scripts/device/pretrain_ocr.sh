@@ -4,7 +4,8 @@
 # device tool with [".whl", ".whl-ocr"] carried (scripts/device/fetch_wheels.sh makes both; .whl-ocr holds
 # RapidOCR, which scores the checkpoints; the tesseract judge is run here afterwards, on the CPU).
 #   MINUTES      wall-clock training budget (default 6.5)
-#   EXTRA        extra flags for `diffrl pretrain` (e.g. --glyph-grid: the grid-layout model, docs/ocr-world.md)
+#   EXTRA        extra flags for `diffrl pretrain` (e.g. --glyph-grid: the grid-layout model, docs/ocr-world.md;
+#                --profile-steps 5: where a step's time goes, profile.txt in the logs tar)
 #   SCALES       CFG scales of the checkpoint evaluations (default "1 3")
 #   EVAL_PROMPTS held-out test prompts per evaluation, one image each (default 128)
 #   PICK         instead of four checkpoints, bring back the one whose CFG-1 held-out OCR reward is closest to
@@ -34,5 +35,5 @@ for ckpt in "$run"/checkpoints/step-*; do
       | tee -a "$run/evals.jsonl"
   done
 done
-tar -C "$run" -cf "$OUT/$name-logs.tar" config.json metrics.jsonl samples evals.jsonl
+tar -C "$run" -cf "$OUT/$name-logs.tar" config.json metrics.jsonl samples evals.jsonl $(cd "$run" && ls profile.txt 2>/dev/null)
 bash scripts/device/bring_back_checkpoints.sh "$run" "$name" "$run/evals.jsonl" ocr "held-out OCR reward"
