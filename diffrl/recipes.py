@@ -342,7 +342,7 @@ _OCR_CPU = dict(_OCR, diffusion_num_steps=4, num_rollout=20, rollout_batch_size=
 # evaluation (eval/strict over eval_images_per_category held-out edits of each kind). Hyperparameters taken from the
 # shapes recipes; a rollout carries the source's tokens beside the image's, so the GPU sizes train in micro-batches
 # of 256. shapes-edit-nft on one H100: held-out strict 0.707 → 0.816 in 40 rollouts, 335 s (docs/editing-world.md);
-# shapes-edit-grpo and the CPU sizes are not measured yet.
+# both CPU sizes are measured there; shapes-edit-grpo's GPU size is not measured yet.
 _EDIT = dict(model_path=SHIPPED_EDIT_MODEL, world="shapes-edit", reward="shapes_edit", use_lora=False,
              val_images_per_category=0)
 _EDIT_GPU = dict(_EDIT, **{**_GPU_BATCH, "val_images_per_category": 0}, lr_schedule="cosine", lr_min_ratio=0.1)
@@ -434,7 +434,10 @@ SIZED: dict[str, dict[str, dict]] = {
     "shapes-edit-grpo": {"gpu": dict(_EDIT_GPU, loss_type="flow_grpo", lr=1e-5, num_rollout=250,
                                      diffusion_guidance_scale=3.0, diffusion_clip_range=1e-3,
                                      diffusion_sde_window_range=(0, 4)),
-                         "cpu": dict(_EDIT_CPU, loss_type="flow_grpo", lr=1e-4)},
+                         # lr 1e-5 on a CPU too: at 1e-4 the 22 rollouts left every held-out edit with a speckled
+                         # background (strict 0.594 → 0.000); at 1e-5 0.594 → 0.531 (32 edits), clean (2-core CPU,
+                         # 2026-12-06; docs/editing-world.md).
+                         "cpu": dict(_EDIT_CPU, loss_type="flow_grpo", lr=1e-5)},
     "shapes-grpo": {
         # Flow-GRPO with CFG 3 and 2 SDE steps per rollout inside the first 4 of 10 steps, clip 1e-3,
         # cosine decay over 250 rollouts and adaptive categories (JOURNAL.md). lr 1e-5: on the hardened
