@@ -25,7 +25,8 @@ def _rollouts(run):
 
 def test_flow_grpo_table_is_the_runs_own_metrics(tmp_path, capsys):
     run, out = tmp_path / "run", tmp_path / "bench.json"
-    assert cli_main(["bench-train", "--recipe", "shapes-grpo", *TINY, "--diffusion-num-sde-steps", "2",
+    assert cli_main(["bench-train", "--recipe", "shapes-grpo", *TINY, "--diffusion-sde-window-range", "0,3",
+                     "--diffusion-num-sde-steps", "2",
                      "--diffusion-guidance-scale", "2", "--use-lora", "--output-dir", str(run), "--out", str(out)]) == 0
     printed = capsys.readouterr().out
     results = json.loads(out.read_text())
