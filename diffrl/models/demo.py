@@ -113,8 +113,8 @@ def text_position_ids(length: int, device=None) -> torch.Tensor:
 
 
 def glyph_grid_ids(config: DemoConfig, device=None) -> torch.Tensor:
-    """(t, h, w, l) ids of a glyph-grid model's cell tokens: (h, w) each cell's centre in image patches, in the image
-    ids' units (a patch's id is its top-left corner), so a cell and the patches it covers are near in RoPE."""
+    """(t, h, w, l) ids of a glyph-grid model's cell tokens: (h, w) each cell's centre in the image ids' units (patch k
+    has id k and its centre at pixel p·k + p/2), so a cell and the patches it covers are near in RoPE."""
     centres = GlyphGrid(config.width).patch_centres(config.patch_size)
     hw = torch.tensor(centres, dtype=torch.float32, device=device)
     zeros = torch.zeros(len(centres), 1, device=device)
@@ -237,8 +237,8 @@ class DemoFamily(FamilyAdapter):
         0 on empty cells, which the text encoder then skips and which carry nothing (zeroed, as padding is)."""
         grid = GlyphGrid(self.config.width)
         layouts = [grid.layout(first_quoted(p)) for p in prompts]
-        space = self.tokenizer.convert_tokens_to_ids(SPACE_IN_QUOTES)
-        ids = [[0 if c is None else space if c == " " else self.tokenizer.convert_tokens_to_ids(c) for c in cells]
+        pad, space = self.tokenizer.pad_token_id, self.tokenizer.convert_tokens_to_ids(SPACE_IN_QUOTES)
+        ids = [[pad if c is None else space if c == " " else self.tokenizer.convert_tokens_to_ids(c) for c in cells]
                for cells in layouts]
         mask = [[0 if c is None else 1 for c in cells] for cells in layouts]
         return torch.tensor(ids, dtype=torch.long), torch.tensor(mask, dtype=torch.long)
