@@ -23,6 +23,24 @@ def assert_sample_k_is_the_same_in_any_microgroup(family, **request) -> None:
         assert torch.equal(alone.rollout_log_probs, output.rollout_log_probs)
 
 
+def engine_images(family, prompt, negative, cfg, seed, steps, height, width) -> torch.Tensor:
+    """Two outputs of one engine request (seeds `seed`, `seed + 1`): the engine's side of a pipeline-equality test."""
+    engine = Engine(family, EngineConfig(max_outputs_per_request=4))
+    outputs = engine.generate(RolloutRequest(prompt=prompt, negative_prompt=negative, seed=seed,
+                                             num_outputs_per_prompt=2, num_inference_steps=steps,
+                                             guidance_scale=cfg, height=height, width=width))
+    return torch.stack([o.generated_output for o in outputs])
+
+
+def pipeline_images(family, prompt, negative, cfg, noise, steps, height, width) -> torch.Tensor:
+    """The family's diffusers pipeline from the same initial `noise`, for a pipeline whose `guidance_scale` is the
+    engine's CFG scale (on above 1, with the negative prompt): the other side of a pipeline-equality test."""
+    return family.reference_pipeline()(
+        prompt=prompt, negative_prompt=negative if cfg > 1 else None, guidance_scale=cfg, latents=noise,
+        num_inference_steps=steps, height=height, width=width, num_images_per_prompt=len(noise), output_type="pt",
+        **family.reference_pipeline_kwargs()).images
+
+
 def run_training(model_dir: Path, out: Path, loss_type: str, lora: bool, guidance: float,
                  video: dict | None = None, extra_flags: tuple[str, ...] = ()) -> list[dict]:
     """`diffrl train` on a tiny checkpoint of any family: one rollout, one update, a checkpoint that

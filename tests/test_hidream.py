@@ -4,7 +4,10 @@ from pathlib import Path
 
 import pytest
 import torch
-from family_checks import assert_registry_finds, assert_sample_k_is_the_same_in_any_microgroup, run_training
+from family_checks import (
+    assert_registry_finds, assert_sample_k_is_the_same_in_any_microgroup, engine_images,
+    pipeline_images, run_training,
+)
 
 from diffrl.engine.engine import Engine, EngineConfig
 from diffrl.engine.protocol import RolloutRequest
@@ -30,23 +33,6 @@ def hidream(hidream_dir) -> HiDreamFamily:
     return HiDreamFamily.load(hidream_dir)
 
 
-def _diffusers_images(family, prompt, negative, cfg, noise, steps, height, width):
-    """HiDreamImagePipeline's images: its `guidance_scale` is the engine's CFG scale (on above 1, with the negative
-    prompt; the empty one when none is given)."""
-    return family.reference_pipeline()(
-        prompt=prompt, negative_prompt=negative if cfg > 1 else None, guidance_scale=cfg, latents=noise,
-        num_inference_steps=steps, height=height, width=width, num_images_per_prompt=len(noise), output_type="pt",
-        **family.reference_pipeline_kwargs()).images
-
-
-def _engine_images(family, prompt, negative, cfg, seed, steps, height, width):
-    engine = Engine(family, EngineConfig(max_outputs_per_request=4))
-    outputs = engine.generate(RolloutRequest(prompt=prompt, negative_prompt=negative, seed=seed,
-                                             num_outputs_per_prompt=2, num_inference_steps=steps,
-                                             guidance_scale=cfg, height=height, width=width))
-    return torch.stack([o.generated_output for o in outputs])
-
-
 @pytest.mark.parametrize(("prompt", "negative", "cfg", "height", "width"), [
     (PROMPT, "blurry", 4.0, 32, 32),  # CFG with a negative prompt
     (PROMPT, "", 1.0, 32, 32),  # CFG off: one conditional forward per step
@@ -57,12 +43,12 @@ def test_engine_reproduces_the_diffusers_pipeline(hidream, prompt, negative, cfg
     """ODE sampling through our engine gives HiDreamImagePipeline's images from the same initial noise, at sizes of
     the checkpoint's default area (the pipeline rescales other sizes to that area)."""
     steps, seed = 4, 3
-    ours = _engine_images(hidream, prompt, negative, cfg, seed, steps, height, width)
+    ours = engine_images(hidream, prompt, negative, cfg, seed, steps, height, width)
     noise = hidream.prepare_latents(make_generators([seed, seed + 1]), height, width).tokens  # output i: seed + i
-    reference = _diffusers_images(hidream, prompt, negative or None, cfg, noise, steps, height, width)
+    reference = pipeline_images(hidream, prompt, negative or None, cfg, noise, steps, height, width)
     assert ours.shape == reference.shape == (2, 3, height, width)
     torch.testing.assert_close(ours, reference, rtol=0, atol=TOLERANCE)
-    other = _diffusers_images(hidream, "a green dog", negative or None, cfg, noise, steps, height, width)
+    other = pipeline_images(hidream, "a green dog", negative or None, cfg, noise, steps, height, width)
     assert (other - reference).abs().max() > 100 * TOLERANCE  # the comparison can fail
 
 

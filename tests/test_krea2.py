@@ -7,7 +7,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
-from family_checks import assert_sample_k_is_the_same_in_any_microgroup, run_training
+from family_checks import assert_sample_k_is_the_same_in_any_microgroup, engine_images, run_training
 
 from diffrl.engine.engine import Engine, EngineConfig
 from diffrl.engine.protocol import RolloutRequest
@@ -41,14 +41,6 @@ def _diffusers_images(pipe, family, prompt, negative, guidance, noise, steps, he
                 max_sequence_length=family.settings.max_sequence_length, output_type="pt").images
 
 
-def _engine_images(family, prompt, negative, guidance, seed, steps, height, width):
-    engine = Engine(family, EngineConfig(max_outputs_per_request=4))
-    outputs = engine.generate(RolloutRequest(prompt=prompt, negative_prompt=negative, seed=seed,
-                                             num_outputs_per_prompt=2, num_inference_steps=steps,
-                                             guidance_scale=guidance, height=height, width=width))
-    return torch.stack([o.generated_output for o in outputs])
-
-
 @pytest.mark.parametrize(("prompt", "negative", "guidance"), [
     (PROMPT, "blurry", 5.5),  # CFG at the pipeline's default g = 4.5: both halves in one forward
     (PROMPT, "", 1.0),  # CFG off (g = 0): one conditional forward per step
@@ -57,7 +49,7 @@ def _engine_images(family, prompt, negative, guidance, seed, steps, height, widt
 def test_engine_reproduces_the_diffusers_pipeline(krea2, prompt, negative, guidance):
     """ODE sampling through our engine gives Krea2Pipeline's images from the same initial noise."""
     height, width, steps, seed = 32, 48, 4, 3
-    ours = _engine_images(krea2, prompt, negative, guidance, seed, steps, height, width)
+    ours = engine_images(krea2, prompt, negative, guidance, seed, steps, height, width)
     # The engine's initial noise (output i has seed + i), packed as the pipeline takes `latents`.
     noise = krea2.prepare_latents(make_generators([seed, seed + 1]), height, width).tokens
     pipe = krea2.reference_pipeline()
@@ -80,7 +72,7 @@ def test_diffusers_reads_the_checkpoint_as_krea2(krea2, krea2_dir):
     assert pipe.config.is_distilled is False and pipe.config.patch_size == krea2.settings.patch_size
     noise = krea2.prepare_latents(make_generators([5, 6]), 32, 32).tokens
     reference = _diffusers_images(pipe, krea2, PROMPT, "blurry", 5.5, noise, 2, 32, 32)
-    torch.testing.assert_close(_engine_images(krea2, PROMPT, "blurry", 5.5, 5, 2, 32, 32), reference,
+    torch.testing.assert_close(engine_images(krea2, PROMPT, "blurry", 5.5, 5, 2, 32, 32), reference,
                                rtol=0, atol=TOLERANCE)
 
 

@@ -7,7 +7,10 @@ from pathlib import Path
 
 import pytest
 import torch
-from family_checks import assert_registry_finds, assert_sample_k_is_the_same_in_any_microgroup, run_training
+from family_checks import (
+    assert_registry_finds, assert_sample_k_is_the_same_in_any_microgroup, engine_images,
+    pipeline_images, run_training,
+)
 
 from diffrl.engine.engine import Engine, EngineConfig
 from diffrl.engine.protocol import RolloutRequest
@@ -34,23 +37,6 @@ def lumina2(lumina2_dir) -> Lumina2Family:
     return Lumina2Family.load(lumina2_dir)
 
 
-def _diffusers_images(family, prompt, negative, cfg, noise, steps, height, width):
-    """Lumina2Pipeline's images: its `guidance_scale` is the engine's CFG scale (on above 1, with the negative
-    prompt); its CFG renormalization is the checkpoint's setting (the pipeline's default, on)."""
-    return family.reference_pipeline()(
-        prompt=prompt, negative_prompt=negative if cfg > 1 else None, guidance_scale=cfg, latents=noise,
-        num_inference_steps=steps, height=height, width=width, num_images_per_prompt=len(noise), output_type="pt",
-        **family.reference_pipeline_kwargs()).images
-
-
-def _engine_images(family, prompt, negative, cfg, seed, steps, height, width):
-    engine = Engine(family, EngineConfig(max_outputs_per_request=4))
-    outputs = engine.generate(RolloutRequest(prompt=prompt, negative_prompt=negative, seed=seed,
-                                             num_outputs_per_prompt=2, num_inference_steps=steps,
-                                             guidance_scale=cfg, height=height, width=width))
-    return torch.stack([o.generated_output for o in outputs])
-
-
 @pytest.mark.parametrize(("prompt", "negative", "cfg", "normalized"), [
     (PROMPT, "blurry", 4.0, True),  # CFG with a negative prompt, renormalized (the pipeline's default)
     (PROMPT, "", 1.0, True),  # CFG off: one conditional forward per step
@@ -64,16 +50,16 @@ def test_engine_reproduces_the_diffusers_pipeline(lumina2, prompt, negative, cfg
         family = copy.copy(lumina2)  # the same components, another setting
         family.settings = replace(lumina2.settings, cfg_normalization=False)
     height, width, steps, seed = 32, 48, 4, 3
-    ours = _engine_images(family, prompt, negative, cfg, seed, steps, height, width)
+    ours = engine_images(family, prompt, negative, cfg, seed, steps, height, width)
     # The engine's initial noise (output i has seed + i), as the pipeline takes `latents`.
     noise = family.prepare_latents(make_generators([seed, seed + 1]), height, width).tokens
-    reference = _diffusers_images(family, prompt, negative, cfg, noise, steps, height, width)
+    reference = pipeline_images(family, prompt, negative, cfg, noise, steps, height, width)
     assert ours.shape == reference.shape == (2, 3, height, width)
     torch.testing.assert_close(ours, reference, rtol=0, atol=TOLERANCE)
-    other = _diffusers_images(family, "a green dog", negative, cfg, noise, steps, height, width)
+    other = pipeline_images(family, "a green dog", negative, cfg, noise, steps, height, width)
     assert (other - reference).abs().max() > 100 * TOLERANCE  # the comparison can fail
     if not normalized:  # the setting reaches the guidance
-        renormalized = _diffusers_images(lumina2, prompt, negative, cfg, noise, steps, height, width)
+        renormalized = pipeline_images(lumina2, prompt, negative, cfg, noise, steps, height, width)
         assert (renormalized - reference).abs().max() > 100 * TOLERANCE
 
 

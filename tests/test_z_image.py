@@ -5,7 +5,10 @@ from pathlib import Path
 
 import pytest
 import torch
-from family_checks import assert_registry_finds, assert_sample_k_is_the_same_in_any_microgroup, run_training
+from family_checks import (
+    assert_registry_finds, assert_sample_k_is_the_same_in_any_microgroup, engine_images,
+    run_training,
+)
 
 from diffrl.engine.engine import Engine, EngineConfig
 from diffrl.engine.protocol import RolloutRequest
@@ -49,14 +52,6 @@ def _diffusers_images(family, prompt, negative, guidance, noise, steps, height, 
         output_type="pt", **family.reference_pipeline_kwargs()).images
 
 
-def _engine_images(family, prompt, negative, guidance, seed, steps, height, width):
-    engine = Engine(family, EngineConfig(max_outputs_per_request=4))
-    outputs = engine.generate(RolloutRequest(prompt=prompt, negative_prompt=negative, seed=seed,
-                                             num_outputs_per_prompt=2, num_inference_steps=steps,
-                                             guidance_scale=guidance, height=height, width=width))
-    return torch.stack([o.generated_output for o in outputs])
-
-
 @pytest.mark.parametrize(("variant", "prompt", "negative", "guidance"), [
     ("z_image", PROMPT, "blurry", 5.0),  # CFG (g = 4): both halves in one forward, texts of different lengths
     ("z_image", PROMPT, "", 1.0),  # CFG off (g = 0): one forward per step
@@ -67,7 +62,7 @@ def test_engine_reproduces_the_diffusers_pipeline(request, variant, prompt, nega
     """ODE sampling through our engine gives ZImagePipeline's images from the same initial noise."""
     family = request.getfixturevalue(variant)
     height, width, steps, seed = 32, 48, 4, 3
-    ours = _engine_images(family, prompt, negative, guidance, seed, steps, height, width)
+    ours = engine_images(family, prompt, negative, guidance, seed, steps, height, width)
     noise = family.prepare_latents(make_generators([seed, seed + 1]), height, width).tokens
     reference = _diffusers_images(family, prompt, negative, guidance, noise, steps, height, width)
     assert ours.shape == reference.shape == (2, 3, height, width)
