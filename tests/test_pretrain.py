@@ -146,3 +146,30 @@ def test_profile_steps_write_where_a_step_goes(tmp_path):
                      "--checkpoint-every", "100"]) == 0
     text = (out / "profile.txt").read_text()
     assert text.startswith("2 optimizer steps") and "aten::mm" in text and "Optimizer.step" in text
+
+
+def test_the_transformer_trains_in_the_precision_pretraining_asks_for(tmp_path, monkeypatch):
+    """`velocity` runs the transformer in the family's own precision context, which replaces any autocast around
+    it: pretraining must set bf16 on the family, or a --bf16 run on a GPU computes every matmul in fp32 (as the
+    OCR model's first GPU runs did: fp32 attention and SIMT GEMMs in their profile)."""
+    import diffrl.train.pretrain as pretrain_module
+    from diffrl.train.pretrain import training_autocast_dtype
+
+    assert training_autocast_dtype(torch.device("cuda"), True) is torch.bfloat16
+    assert training_autocast_dtype(torch.device("cuda"), False) is None
+    assert training_autocast_dtype(torch.device("cpu"), True) is None
+    # The wiring, on the CPU: whatever precision the run resolves is what the transformer's linears compute in.
+    seen = []
+    monkeypatch.setattr(pretrain_module, "training_autocast_dtype", lambda device, bf16: torch.bfloat16)
+    original = torch.nn.functional.linear
+
+    def recording_linear(x, weight, bias=None):
+        y = original(x, weight, bias)
+        seen.append(y.dtype)
+        return y
+
+    monkeypatch.setattr(torch.nn.functional, "linear", recording_linear)
+    pretrain(PretrainConfig(output_dir=tmp_path / "run", steps=1, batch_size=2, num_workers=0, checkpoint_every=100,
+                            sample_steps=1, device="cpu", num_attention_heads=2, attention_head_dim=8, num_layers=1,
+                            num_single_layers=1, text_d_model=16))
+    assert seen and torch.bfloat16 in seen

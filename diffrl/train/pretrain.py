@@ -61,6 +61,13 @@ def flow_matching_loss(family: DemoFamily, transformer, x0, cond, sigma, noise) 
     return sft_loss(v, x0, noise)
 
 
+def training_autocast_dtype(device: torch.device, bf16: bool) -> torch.dtype | None:
+    """The transformer's forward precision (`FamilyAdapter.autocast_dtype`): bf16 with --bf16 on CUDA, else the
+    weights' fp32. It must be set on the family: `velocity` runs the transformer in the family's own precision
+    context, which replaces an autocast around it (pretraining once ran all in fp32 on the GPU that way)."""
+    return torch.bfloat16 if bf16 and device.type == "cuda" else None
+
+
 def _lr_factor(step: int, warmup: int, progress: float) -> float:
     """Linear warm-up, then cosine from 1 to 0.1 over `progress` ∈ [0, 1]."""
     if step < warmup:
@@ -197,6 +204,9 @@ def pretrain(cfg: PretrainConfig) -> Path:
     out.mkdir(parents=True, exist_ok=True)  # after every refusal: a refused command leaves no folder behind
     (out / "config.json").write_text(json.dumps(dataclasses.asdict(cfg), default=str, indent=2) + "\n")
     family.transformer.to(device).train().requires_grad_(True)
+    family.autocast_dtype = training_autocast_dtype(device, cfg.bf16)
+    if device.type == "cuda":
+        torch.set_float32_matmul_precision("high")  # what stays fp32 under autocast takes TF32
     family.text_encoder.to(device).train().requires_grad_(True)
     modules = [family.transformer, family.text_encoder]
     params = [p for m in modules for p in m.parameters()]
