@@ -21,7 +21,9 @@ from dataclasses import dataclass
 
 CELL_WIDTH = 16  # pixels; a multiple of the model's 4-pixel patches, so cell centres fall on whole patch ids
 HEIGHT = 48  # the only height the grid is laid out for (the OCR world's)
-FONT_SIZE = 20  # Pillow's built-in font: glyphs ~10-19 px wide, read as well as proportional text (docs)
+FONT_SIZE = 22  # Pillow's built-in font: glyphs up to ~16 px wide, read as well as proportional text (docs)
+BOLD_PIXELS = 1  # each glyph drawn again 1 px to the right: vertical strokes 2 px wide, which a small pixel-space
+                 # model draws more easily than 1-px ones (the readers read them as well: docs/ocr-world.md)
 ROWS = 3  # top, middle, bottom
 
 

@@ -3,8 +3,8 @@
 `render_clean` is the reference render (black on white, the largest size that fits, centred) at which the
 world's resolution was chosen; `render_text` varies font, size, colours, background and placement, drawn
 from a numpy generator so a seed fixes the image. `render_grid` / `render_grid_text` draw a text the way a
-glyph-grid model is taught to (`glyph_grid`): each character centred in its cell, Pillow's built-in font, the
-same colours, backgrounds and blur as `render_text`. Fonts: Pillow's built-in one (FreeType's Aileron, at any
+glyph-grid model is taught to (`glyph_grid`): each character centred in its cell, Pillow's built-in font drawn
+bold, the same colours and blur as `render_text` on flat or gradient backgrounds. Fonts: Pillow's built-in one (FreeType's Aileron, at any
 size) and every TrueType font found on the machine at run time (`system_fonts`), so two machines with other
 fonts render other images from one seed; a text may wrap onto two lines where the image is tall enough.
 """
@@ -17,7 +17,7 @@ from pathlib import Path
 import numpy as np
 from PIL import Image, ImageDraw, ImageFilter, ImageFont
 
-from diffrl.data.ocr.glyph_grid import FONT_SIZE, HEIGHT, GlyphGrid
+from diffrl.data.ocr.glyph_grid import BOLD_PIXELS, FONT_SIZE, HEIGHT, GlyphGrid
 
 FONT_DIRS = ("/usr/share/fonts", "/usr/local/share/fonts", "/Library/Fonts", "/System/Library/Fonts",
              "C:/Windows/Fonts", str(Path.home() / ".fonts"))
@@ -112,9 +112,10 @@ def _colors(rng: np.random.Generator) -> tuple[np.ndarray, np.ndarray]:
             return ink, paper
 
 
-def _background(paper: np.ndarray, rng: np.random.Generator, height: int, width: int) -> np.ndarray:
-    """Flat, a gentle gradient toward a nearby colour, or flat with faint noise."""
-    kind = rng.integers(3)
+def _background(paper: np.ndarray, rng: np.random.Generator, height: int, width: int,
+                noise: bool = True) -> np.ndarray:
+    """Flat, a gentle gradient toward a nearby colour, or (with `noise`) flat with faint noise."""
+    kind = rng.integers(3 if noise else 2)
     base = np.broadcast_to(paper.astype(np.float32), (height, width, 3)).copy()
     if kind == 1:
         other = np.clip(paper + rng.integers(-40, 41, size=3), 0, 255)
@@ -143,7 +144,8 @@ def render_text(text: str, rng: np.random.Generator, height: int, width: int) ->
     return np.asarray(image)
 
 
-def render_grid(text: str, width: int, ink=(0, 0, 0), background: np.ndarray | None = None) -> np.ndarray:
+def render_grid(text: str, width: int, ink=(0, 0, 0), background: np.ndarray | None = None,
+                bold: int = BOLD_PIXELS, font_size: int = FONT_SIZE) -> np.ndarray:
     """`text` laid out on the glyph grid (each character centred in its cell, on its row's baseline), in `ink` on
     `background` (an [H, W, 3] uint8 array; white when None): [H, W, 3] uint8."""
     grid = GlyphGrid(width)
@@ -151,18 +153,21 @@ def render_grid(text: str, width: int, ink=(0, 0, 0), background: np.ndarray | N
         background = np.full((HEIGHT, width, 3), 255, np.uint8)
     image = Image.fromarray(background)
     draw = ImageDraw.Draw(image)
-    font = load_font(BUILTIN, FONT_SIZE)
+    font = load_font(BUILTIN, font_size)
     cap_top = font.getbbox("H", anchor="ls")[1]  # negative: the capital height above the baseline
     for char, y, x in grid.placed(text):
-        draw.text((x, y - cap_top / 2), char, font=font, fill=tuple(int(c) for c in ink), anchor="ms")
+        for dx in range(bold + 1):  # drawn again `bold` pixels to the right, the pair centred on the cell
+            draw.text((x + dx - bold / 2, y - cap_top / 2), char, font=font, fill=tuple(int(c) for c in ink),
+                      anchor="ms")
     return np.asarray(image)
 
 
 def render_grid_text(text: str, rng: np.random.Generator, width: int) -> np.ndarray:
-    """A glyph-grid render of `text` with `render_text`'s varied ink, background and occasional blur (the layout
-    and font are the grid's, fixed by the text). [H, W, 3] uint8."""
+    """A glyph-grid render of `text` with `render_text`'s varied ink, flat or gradient background and occasional
+    blur (the layout and font are the grid's, fixed by the text; no noisy backgrounds: a pixel-space model that
+    must draw them spends its capacity on texture). [H, W, 3] uint8."""
     ink, paper = _colors(rng)
-    image = Image.fromarray(render_grid(text, width, ink, _background(paper, rng, HEIGHT, width)))
+    image = Image.fromarray(render_grid(text, width, ink, _background(paper, rng, HEIGHT, width, noise=False)))
     if rng.random() < 0.2:
         image = image.filter(ImageFilter.GaussianBlur(rng.uniform(0.3, 0.7)))
     return np.asarray(image)
