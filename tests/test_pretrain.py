@@ -127,6 +127,7 @@ def test_size_flags_that_the_loaded_model_overrides_are_refused(tmp_path, capsys
     ("--checkpoint-every", "0", "--checkpoint-every must be >= 1, got 0"), ("--lr", "-1", "--lr must be >= 0, got -1.0"),
     ("--cfg-dropout", "2", "--cfg-dropout must be in [0, 1], got 2.0"), ("--max-minutes", "0", "--max-minutes must be > 0"),
     ("--attention-head-dim", "6", "--attention-head-dim must be a multiple of 4"),
+    ("--rope-theta", "1", "--rope-theta must be > 1, got 1"),
 ])
 def test_values_that_fail_late_or_never_end_are_refused(tmp_path, capsys, flag, value, message):
     """--steps 0 trained without end; --checkpoint-every 0 divided by zero; --batch-size 0 and --lr -1 stopped in
@@ -173,3 +174,17 @@ def test_the_transformer_trains_in_the_precision_pretraining_asks_for(tmp_path, 
                             sample_steps=1, device="cpu", num_attention_heads=2, attention_head_dim=8, num_layers=1,
                             num_single_layers=1, text_d_model=16))
     assert seen and torch.bfloat16 in seen
+
+
+def test_rope_theta_is_the_saved_models_and_a_loaded_model_keeps_its_own(tmp_path, capsys):
+    run = tmp_path / "run"
+    assert cli_main(["pretrain", "--output-dir", str(run), "--steps", "1", "--rope-theta", "100", *TINY,
+                     "--batch-size", "2", "--num-workers", "0", "--sample-steps", "1", "--device", "cpu"]) == 0
+    assert DemoFamily.load(run / "final").transformer.pos_embed.theta == 100
+    # The shipped model was saved without the key: it has diffusers' default, and another value is refused.
+    out = tmp_path / "init"
+    assert cli_main(["pretrain", "--output-dir", str(out), "--steps", "1", "--init-from", str(SHIPPED_DEMO_MODEL),
+                     "--rope-theta", "100", "--device", "cpu"]) == 2
+    assert capsys.readouterr().err.strip().splitlines()[-1] == (
+        f"error: --rope-theta 100: --init-from {SHIPPED_DEMO_MODEL} has 10000, and its size is the model's; "
+        "drop --rope-theta")

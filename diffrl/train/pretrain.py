@@ -85,7 +85,8 @@ _SIZE_FLAGS = (("--num-attention-heads", "num_attention_heads", "transformer", "
                ("--attention-head-dim", "attention_head_dim", "transformer", "attention_head_dim"),
                ("--num-layers", "num_layers", "transformer", "num_layers"),
                ("--num-single-layers", "num_single_layers", "transformer", "num_single_layers"),
-               ("--text-d-model", "text_d_model", "text_encoder", "d_model"))
+               ("--text-d-model", "text_d_model", "text_encoder", "d_model"),
+               ("--rope-theta", "rope_theta", "transformer", "rope_theta"))
 
 
 def refuse_other_size(cfg: PretrainConfig, config: DemoConfig, source: str) -> None:
@@ -93,7 +94,8 @@ def refuse_other_size(cfg: PretrainConfig, config: DemoConfig, source: str) -> N
     `source` loads has: the flag would be ignored."""
     defaults = PretrainConfig()
     for flag, name, part, key in _SIZE_FLAGS:
-        value, has = getattr(cfg, name), getattr(config, part).get(key)
+        value = getattr(cfg, name)
+        has = getattr(config, part).get(key, getattr(defaults, name))  # a model saved without it has the default
         if value != getattr(defaults, name) and value != has:
             raise ValueError(f"{flag} {value}: {source} has {has}, and its size is the model's; drop {flag}")
     if cfg.patch_size is not None and cfg.patch_size != config.patch_size:

@@ -76,6 +76,11 @@ class PretrainConfig:
     within its own tokens (0: none)."""
     num_single_layers: int = 6
     """Joint transformer blocks after the per-mode ones, over the text and image tokens together."""
+    rope_theta: int = 10000
+    """Base of the transformer's rotary position frequencies. Each RoPE axis of a head (a quarter of
+    --attention-head-dim) turns at theta^(-2i/axis) radians per position id: with 8 dims and 10,000 (diffusers'
+    default, the shipped model's) at 1, 0.1, 0.01 and 0.001, so along a 256-px OCR image the fastest turn repeats
+    every 6.3 patches, under every third 16-px glyph cell at 8×8 patches; 100 gives 1, 0.32, 0.1 and 0.03."""
     text_d_model: int = 128
     """Width of the text encoder (a small T5; its feed-forward is twice this)."""
     patch_size: int | None = None
@@ -106,6 +111,8 @@ class PretrainConfig:
             value = getattr(self, name)
             if value is not None and value < 1:
                 raise ValueError(f"--{name.replace('_', '-')} must be >= 1, got {value}")
+        if self.rope_theta <= 1:
+            raise ValueError(f"--rope-theta must be > 1, got {self.rope_theta}")
         for name, lo, hi in (("lr", 0, None), ("weight_decay", 0, None), ("warmup_steps", 0, None), ("profile_steps", 0, None),
                              ("num_layers", 0, None), ("cfg_dropout", 0, 1), ("ema_decay", 0, 1)):
             value = getattr(self, name)
@@ -141,7 +148,7 @@ class PretrainConfig:
         config.transformer.update(
             num_attention_heads=self.num_attention_heads, attention_head_dim=self.attention_head_dim,
             num_layers=self.num_layers, num_single_layers=self.num_single_layers,
-            axes_dims_rope=(self.attention_head_dim // 4,) * 4,
+            axes_dims_rope=(self.attention_head_dim // 4,) * 4, rope_theta=self.rope_theta,
         )
         config.text_encoder.update(d_model=self.text_d_model, d_ff=2 * self.text_d_model)
         config = ocr(config) if self.world == "ocr" else config
