@@ -188,3 +188,26 @@ def test_rope_theta_is_the_saved_models_and_a_loaded_model_keeps_its_own(tmp_pat
     assert capsys.readouterr().err.strip().splitlines()[-1] == (
         f"error: --rope-theta 100: --init-from {SHIPPED_DEMO_MODEL} has 10000, and its size is the model's; "
         "drop --rope-theta")
+
+
+@pytest.mark.parametrize("world, glyph_grid", [("shapes", False), ("ocr", True)])
+def test_workers_tokenize_and_dropped_prompts_get_the_empty_prompts_tokens(world, glyph_grid):
+    """The render workers tokenize (TokenizedBatches, with the family's picklable tokenizer); CFG dropout then swaps
+    rows for the empty prompt's tokens: the same ids and mask as tokenizing the prompts with the dropped ones blank."""
+    import pickle
+
+    from diffrl.train.pretrain import TokenizedBatches, cfg_dropped, random_family, training_stream
+
+    cfg = PretrainConfig(world=world, glyph_grid=glyph_grid, num_attention_heads=2, attention_head_dim=8,
+                         num_layers=1, num_single_layers=1, text_d_model=16)
+    family = random_family(cfg.demo_config(), seed=0, batch_invariant=False, world=world)
+    stream = iter(training_stream(world, 0, family.config))
+    rows = [next(stream) for _ in range(6)]
+    collate = pickle.loads(pickle.dumps(TokenizedBatches(family.prompt_tokenizer())))  # as a spawned worker has it
+    prompts, images, ids, mask = collate(rows)
+    assert images.shape[0] == 6 and ids.shape == mask.shape and ids.shape[0] == 6
+    keep = torch.tensor([True, False, True, True, False, True])
+    got = cfg_dropped(ids, mask, keep, *family.tokenize([""]))
+    want = family.tokenize([p if k else "" for p, k in zip(prompts, keep.tolist())])
+    assert all(torch.equal(g, w) for g, w in zip(got, want))
+    assert not torch.equal(got[0], ids)  # something was dropped

@@ -15,8 +15,9 @@ small T5 encoder over a word-level tokenizer built in code from the shapes vocab
 
 from __future__ import annotations
 
+import functools
 import json
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING
@@ -121,6 +122,28 @@ def glyph_grid_ids(config: DemoConfig, device=None) -> torch.Tensor:
     return torch.cat([zeros, hw, zeros], dim=-1)
 
 
+def tokenize_prompts(tokenizer, config: DemoConfig, prompts: Sequence[str]) -> tuple[torch.Tensor, torch.Tensor]:
+    """Prompts → (token ids, attention mask) `[B, L]`; a glyph-grid model's cell tokens first (`_grid_tokens`)."""
+    batch = tokenizer(list(prompts), padding="max_length", truncation=True, max_length=config.max_text_len,
+                      return_tensors="pt")
+    if not config.glyph_grid:
+        return batch["input_ids"], batch["attention_mask"]
+    cells, mask = _grid_tokens(tokenizer, config, prompts)
+    return torch.cat([cells, batch["input_ids"]], 1), torch.cat([mask, batch["attention_mask"]], 1)
+
+
+def _grid_tokens(tokenizer, config: DemoConfig, prompts: Sequence[str]) -> tuple[torch.Tensor, torch.Tensor]:
+    """Each prompt's glyph-grid cells as token ids (a character's own token, `▁` for a space) and a mask that is
+    0 on empty cells, which the text encoder then skips and which carry nothing (zeroed, as padding is)."""
+    grid = GlyphGrid(config.width)
+    layouts = [grid.layout(first_quoted(p)) for p in prompts]
+    pad, space = tokenizer.pad_token_id, tokenizer.convert_tokens_to_ids(SPACE_IN_QUOTES)
+    ids = [[pad if c is None else space if c == " " else tokenizer.convert_tokens_to_ids(c) for c in cells]
+           for cells in layouts]
+    mask = [[0 if c is None else 1 for c in cells] for cells in layouts]
+    return torch.tensor(ids, dtype=torch.long), torch.tensor(mask, dtype=torch.long)
+
+
 def _load_transformer(folder: Path, dtype: torch.dtype) -> Flux3Transformer2DModel:
     """Built from its config, then every weight loaded strictly (a missing or extra name names the file)."""
     from diffusers import Flux3Transformer2DModel  # lazy: diffusers' transformer package takes seconds to import
@@ -223,25 +246,11 @@ class DemoFamily(FamilyAdapter):
         return cells + self.config.max_text_len
 
     def tokenize(self, prompts: Sequence[str]) -> tuple[torch.Tensor, torch.Tensor]:
-        batch = self.tokenizer(
-            list(prompts), padding="max_length", truncation=True, max_length=self.config.max_text_len,
-            return_tensors="pt",
-        )
-        if not self.config.glyph_grid:
-            return batch["input_ids"], batch["attention_mask"]
-        cells, mask = self._grid_tokens(prompts)
-        return torch.cat([cells, batch["input_ids"]], 1), torch.cat([mask, batch["attention_mask"]], 1)
+        return tokenize_prompts(self.tokenizer, self.config, prompts)
 
-    def _grid_tokens(self, prompts: Sequence[str]) -> tuple[torch.Tensor, torch.Tensor]:
-        """Each prompt's glyph-grid cells as token ids (a character's own token, `▁` for a space) and a mask that is
-        0 on empty cells, which the text encoder then skips and which carry nothing (zeroed, as padding is)."""
-        grid = GlyphGrid(self.config.width)
-        layouts = [grid.layout(first_quoted(p)) for p in prompts]
-        pad, space = self.tokenizer.pad_token_id, self.tokenizer.convert_tokens_to_ids(SPACE_IN_QUOTES)
-        ids = [[pad if c is None else space if c == " " else self.tokenizer.convert_tokens_to_ids(c) for c in cells]
-               for cells in layouts]
-        mask = [[0 if c is None else 1 for c in cells] for cells in layouts]
-        return torch.tensor(ids, dtype=torch.long), torch.tensor(mask, dtype=torch.long)
+    def prompt_tokenizer(self) -> Callable[[Sequence[str]], tuple[torch.Tensor, torch.Tensor]]:
+        """`tokenize` without the family's models: picklable, for data-loader workers."""
+        return functools.partial(tokenize_prompts, self.tokenizer, self.config)
 
     def encode_tokens(self, input_ids: torch.Tensor, attention_mask: torch.Tensor) -> PromptEmbeds:
         """Token ids → conditioning; differentiable, so pretraining can train the encoder with it."""
