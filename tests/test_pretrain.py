@@ -127,7 +127,7 @@ def test_size_flags_that_the_loaded_model_overrides_are_refused(tmp_path, capsys
     ("--checkpoint-every", "0", "--checkpoint-every must be >= 1, got 0"), ("--lr", "-1", "--lr must be >= 0, got -1.0"),
     ("--cfg-dropout", "2", "--cfg-dropout must be in [0, 1], got 2.0"), ("--max-minutes", "0", "--max-minutes must be > 0"),
     ("--attention-head-dim", "6", "--attention-head-dim must be a multiple of 4"),
-    ("--rope-theta", "1", "--rope-theta must be > 1, got 1"),
+    ("--rope-theta", "1", "--rope-theta must be > 1, got 1"), ("--shift", "0", "--shift must be > 0, got 0.0"),
 ])
 def test_values_that_fail_late_or_never_end_are_refused(tmp_path, capsys, flag, value, message):
     """--steps 0 trained without end; --checkpoint-every 0 divided by zero; --batch-size 0 and --lr -1 stopped in
@@ -211,3 +211,17 @@ def test_workers_tokenize_and_dropped_prompts_get_the_empty_prompts_tokens(world
     want = family.tokenize([p if k else "" for p, k in zip(prompts, keep.tolist())])
     assert all(torch.equal(g, w) for g, w in zip(got, want))
     assert not torch.equal(got[0], ids)  # something was dropped
+
+
+def test_shift_is_the_saved_models_schedule_and_a_loaded_model_keeps_its_own(tmp_path, capsys):
+    run = tmp_path / "run"
+    assert cli_main(["pretrain", "--output-dir", str(run), "--steps", "1", "--shift", "1", *TINY,
+                     "--batch-size", "2", "--num-workers", "0", "--sample-steps", "1", "--device", "cpu"]) == 0
+    family = DemoFamily.load(run / "final")
+    assert family.config.shift == 1.0
+    assert torch.allclose(family.sigmas(10, 64, 64)[:-1], torch.linspace(1, 0.1, 10))  # unshifted: the sampler's steps too
+    out = tmp_path / "init"
+    assert cli_main(["pretrain", "--output-dir", str(out), "--steps", "1", "--init-from", str(SHIPPED_DEMO_MODEL),
+                     "--shift", "1", "--device", "cpu"]) == 2
+    assert capsys.readouterr().err.strip().splitlines()[-1] == (
+        f"error: --shift 1.0: --init-from {SHIPPED_DEMO_MODEL} has 3.0, and its schedule is the model's; drop --shift")

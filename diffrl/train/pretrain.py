@@ -101,6 +101,9 @@ def refuse_other_size(cfg: PretrainConfig, config: DemoConfig, source: str) -> N
     if cfg.patch_size is not None and cfg.patch_size != config.patch_size:
         raise ValueError(f"--patch-size {cfg.patch_size}: {source} has {config.patch_size}, and its size is the "
                          "model's; drop --patch-size")
+    if cfg.shift is not None and cfg.shift != config.shift:
+        raise ValueError(f"--shift {cfg.shift}: {source} has {config.shift}, and its schedule is the model's; "
+                         "drop --shift")
     if cfg.glyph_grid and not config.glyph_grid:
         raise ValueError(f"--glyph-grid: {source} was pretrained without the glyph grid, and its layout is the "
                          "model's; drop --glyph-grid")
