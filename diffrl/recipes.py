@@ -27,7 +27,9 @@ _GPU_BATCH = dict(  # 32 prompts × 16 samples per rollout, 2 optimizer steps of
 # Flow-GRPO on SD3.5-Medium at the published recipe's sampling settings (flow_grpo's SD3 configs;
 # miles-diffusion scripts/run-diffusion-grpo-sd3-ocr-sglang.sh: 512², 10 steps, CFG 4.5, noise 0.7,
 # LoRA r32/α64, clip 1e-4, every step but the last trained, 64 samples per optimizer step), the
-# setting BENCHMARKS.md measured on one H200. Give it a reward (`--reward`).
+# setting BENCHMARKS.md measured on one H200. Give it a reward (`--reward`). CFG's unconditional half is
+# differentiated, as miles-diffusion's actor does; flow_grpo's train_sd3.py detaches it (`--detach-uncond`, which
+# also spares its backward; not yet measured on a GPU).
 _SD3_GRPO = dict(diffusion_model_family="sd3", loss_type="flow_grpo", use_lora=True, lora_rank=32, lora_alpha=64.0,
                  resolution=512, diffusion_num_steps=10, diffusion_guidance_scale=4.5, diffusion_noise_level=0.7,
                  diffusion_sde_window_range=(0, 9), diffusion_num_sde_steps=9, diffusion_clip_range=1e-4,

@@ -41,6 +41,9 @@ class EngineSpec:
     """The transformer's dtype after loading when it differs (a full finetune's fp32 masters)."""
     autocast_dtype: str | None = None
     """The family's forward precision (`FamilyAdapter.autocast_dtype`)."""
+    detach_uncond: bool = False
+    """CFG's halves as two forwards, the unconditional one detached (`FamilyAdapter.detach_uncond`): a trainer's
+    `--detach-uncond`, so the engine's forward is the replay's."""
     offload_text_encoder: bool = False
     compile: bool = False
     compile_eager_numerics: bool = True
@@ -91,6 +94,7 @@ def load_family(spec: EngineSpec, device: torch.device | str | None = None) -> F
         family.transformer.to(DTYPES[spec.transformer_dtype])
     if spec.autocast_dtype is not None:
         family.autocast_dtype = DTYPES[spec.autocast_dtype]
+    family.detach_uncond = spec.detach_uncond
     if spec.offload_text_encoder:
         family.offload_text_encoders_to_cpu()
     speed = spec.speed()

@@ -206,6 +206,10 @@ class FamilyAdapter(ABC):
     # The SDPA kernel of every transformer call (`diffrl.models.attention.ATTENTION_BACKENDS`; auto: torch's
     # choice), set once on the shared object like `autocast_dtype`.
     attention_backend: str = "auto"
+    # CFG's unconditional half as a forward of its own whose output carries no gradient (flow_grpo's SD3 train step
+    # detaches it): the backward then covers the conditional rows only. Set once on the shared object (and through
+    # `EngineSpec.detach_uncond` on an engine elsewhere), so rollouts run the two halves apart as the replay does.
+    detach_uncond: bool = False
     # Images (or videos) the VAE decodes per call: None = the default (one per call on CPU, where it keeps
     # sample k's image independent of its batch; a pixel budget per call on a GPU), 0 = all at once, N = N.
     vae_decode_batch: int | None = None
@@ -358,9 +362,11 @@ class FamilyAdapter(ABC):
                 return self.run_transformer(transformer, latents, sigma, cond)
             if uncond is None:
                 raise ValueError("guidance_scale > 1 needs the unconditional (negative) conditioning")
-            both = self.pair_conditionings(uncond, cond)
+            both = None if self.detach_uncond else self.pair_conditionings(uncond, cond)
             if both is None:
                 v_uncond = self.run_transformer(transformer, latents, sigma, uncond)
+                if self.detach_uncond:
+                    v_uncond = v_uncond.detach()  # its graph is freed here: no backward through these rows
                 v_cond = self.run_transformer(transformer, latents, sigma, cond)
             else:
                 doubled = Latents(torch.cat([latents.tokens, latents.tokens]), latents.ids)

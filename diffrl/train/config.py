@@ -195,6 +195,11 @@ class AlgorithmConfig:
     """Advantages are clipped to [−this, this]."""
     diffusion_kl_beta: float = 0.0
     """Weight of the KL term to the reference (--kl-reference); 0: none."""
+    detach_uncond: bool = False
+    """With CFG, the unconditional half carries no gradient, as in flow_grpo's SD3 train step (`noise_pred_uncond.detach()`;
+    its Qwen-Image step and Flow-Factory differentiate both halves, the default). The halves then run as two
+    forwards, in the rollouts too (the replay must be their forward), and the backward covers the conditional rows
+    only: a quarter (LoRA) to a third (full finetune) less training work per pair."""
     kl_type: Literal["x-based", "v-based"] | None = None
     """What --diffusion-kl-beta measures: x-based = the SDE step's means, mean((μ_θ − μ_ref)²)/(2σ²) (Flow-GRPO);
     v-based = the velocities, mean((v_θ − v_ref)²) (DanceGRPO). None: x-based for the SDE methods; the methods

@@ -112,6 +112,7 @@ class Policy:
         transformer = family.transformer
         bf16 = bf16_forward(m, device)
         family.autocast_dtype = torch.bfloat16 if bf16 else None  # the engine shares the family
+        family.detach_uncond = a.detach_uncond  # likewise: rollouts run CFG's halves as the replay does
         if not m.use_lora and not parallel.enabled:
             transformer.float()  # a full finetune trains fp32 masters (the family may load in bf16)
         if m.gradient_checkpointing:  # active only when gradients are (training)

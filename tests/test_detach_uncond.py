@@ -1,0 +1,76 @@
+"""`--detach-uncond`: CFG's unconditional half runs as a forward of its own and carries no gradient (flow_grpo's SD3
+train step), in the rollouts as in the replay, so the first pass still replays the rollout exactly."""
+
+import pytest
+import torch
+
+from diffrl.engine.spec import EngineSpec, load_family
+from diffrl.models.base import Latents
+from diffrl.train.engines import engine_spec
+from diffrl.train.trainer import Trainer
+from test_compile import needs_compiler
+from test_trainer import tiny_config
+
+
+def _inputs(family, batch=3, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    latents = family.prepare_latents([torch.Generator().manual_seed(seed + i) for i in range(batch)], 64, 64)
+    cond = family.encode_prompts(["a red circle", "two blue squares", "a green triangle"][:batch])
+    uncond = family.encode_prompts([""] * batch)
+    sigma = torch.full((batch,), 0.7)
+    weights = torch.randn(latents.tokens.shape, generator=g)
+    return latents, sigma, cond, uncond, weights
+
+
+def _grads(family, loss) -> list[torch.Tensor]:
+    params = [p for p in family.transformer.parameters() if p.requires_grad]
+    return list(torch.autograd.grad(loss, params, allow_unused=True))
+
+
+def test_the_velocity_is_the_same_and_only_the_conditional_half_has_a_gradient(tiny_family):
+    family = tiny_family
+    family.transformer.requires_grad_(True)
+    latents, sigma, cond, uncond, w = _inputs(family)
+    scale = 3.0
+    joint = family.velocity(family.transformer, latents, sigma, cond, uncond, scale)
+    family.detach_uncond = True
+    apart = family.velocity(family.transformer, latents, sigma, cond, uncond, scale)
+    assert torch.allclose(apart, joint, atol=1e-6, rtol=0)  # one forward of 2B rows or two of B: the same CFG
+    # The gradient is the conditional half's alone, scaled by CFG: ∂(u + s·(c − u)) = s·∂c with u detached.
+    got = _grads(family, (apart * w).sum())
+    cond_only = family.run_transformer(family.transformer, latents, sigma.float(), cond)
+    want = _grads(family, (scale * cond_only * w).sum())
+    both = _grads(family, (joint * w).sum())
+    assert all((a is None and b is None) or torch.allclose(a, b, atol=1e-5, rtol=1e-4) for a, b in zip(got, want))
+    assert any(a is not None and not torch.allclose(a, b, atol=1e-5, rtol=1e-4) for a, b in zip(got, both))
+
+
+def test_the_runs_engine_takes_the_setting(tiny_model_dir, tmp_path):
+    cfg = tiny_config(tiny_model_dir, tmp_path / "run", detach_uncond=True)
+    spec = engine_spec(cfg, torch.device("cpu"))
+    assert spec.detach_uncond and EngineSpec.from_json(spec.to_json()).detach_uncond
+    assert load_family(spec).detach_uncond  # an engine process elsewhere runs CFG's halves apart too
+
+
+@pytest.mark.parametrize("use_lora", [False, True])
+def test_a_run_with_detached_uncond_replays_its_rollout_exactly(tiny_model_dir, tmp_path, use_lora):
+    trainer = Trainer(tiny_config(tiny_model_dir, tmp_path / "run", detach_uncond=True, use_lora=use_lora,
+                                  num_steps_per_rollout=1, global_batch_size=6))
+    assert trainer.policy.family.detach_uncond and trainer.engine.family is trainer.policy.family
+    record = trainer.rollout_and_update(0)
+    assert record["train/log_prob_mean_abs_diff"] == 0.0 and record["train/clipfrac"] == 0.0
+    assert record["train/grad_norm"] > 0
+
+
+@pytest.mark.slow  # inductor on 2 cores
+@needs_compiler
+def test_a_compiled_run_with_detached_uncond_replays_exactly(tiny_model_dir, tmp_path):
+    """Compiled without checkpointing (the SD3.5 GPU recipes' way), the engine samples in the training graph in pieces
+    of the micro-batch, each CFG half as its own forward as the replay runs them: the first pass is exact."""
+    torch._dynamo.reset()
+    trainer = Trainer(tiny_config(tiny_model_dir, tmp_path / "run", use_lora=True, compile=True, detach_uncond=True,
+                                  gradient_checkpointing=False, num_steps_per_rollout=1, global_batch_size=6,
+                                  micro_batch_size=4))
+    assert trainer.engine.config.forward_graph == "training"
+    record = trainer.rollout_and_update(0)
+    assert record["train/log_prob_mean_abs_diff"] == 0.0 and record["train/first_pass_clipfrac"] == 0.0
