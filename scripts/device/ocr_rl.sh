@@ -18,7 +18,7 @@ if [[ -n ${BASE:-} ]]; then
   base=$BASE; echo "{\"model\": \"$base\"}" > "$OUT/base.json"
 else
   runs=${RUNS:-$(dirname $(ls /tmp/*-run/evals.jsonl))}
-  base=$(python3 - "${PICK:-0.5}" $runs <<'PY'
+  base=$(python3 - "${PICK:-0.5}" $runs 2> "$OUT/base.json" <<'PY'
 import json, sys
 pick, rows = float(sys.argv[1]), []
 for run in sys.argv[2:]:
@@ -30,7 +30,7 @@ best = min(rows, key=lambda r: abs(r["ocr"] - pick))
 print(f"{best['run']}/checkpoints/{best['checkpoint']}/model")
 print(json.dumps({**best, "candidates": rows}), file=sys.stderr)
 PY
-  2> "$OUT/base.json")
+  )
 fi
 echo "base: $base"; cat "$OUT/base.json"
 [[ -f $base/model_index.json ]] || { echo "no model at $base"; exit 1; }
