@@ -139,3 +139,26 @@ def test_a_reference_kept_on_the_host_trains_the_same(method, tiny_model_dir, tm
 def test_offload_reference_is_refused_with_lora():
     with pytest.raises(ValueError, match="--offload-reference"):
         parse(["train", "--offload-reference", "--use-lora", "--device", "cpu"]).check()
+
+
+# The image-conditioned path: every method on the editing world (the shipped editing model, its rendered sources as
+# condition images). Two in the default run, one per rollout kind; the rest slow.
+@pytest.mark.parametrize("method", [m if m in ("flow-grpo", "nft") else pytest.param(m, marks=pytest.mark.slow)
+                                    for m in sorted(BENCH_LINES)])
+def test_each_bench_method_trains_with_the_condition_images(method, tmp_path):
+    """Every forward with gradients (the replay of a Flow-GRPO step, each ODE method's loss) carries the source
+    image's tokens: a method that lost them would train an editing model as a text-to-image one."""
+    from diffrl.models.demo import SHIPPED_EDIT_MODEL
+
+    flags = [*_small(BENCH_LINES[method], SHIPPED_EDIT_MODEL, tmp_path / "run"), "--world", "shapes-edit",
+             "--reward", "shapes_edit", "--num-rollout", "1"]
+    trainer = Trainer(parse(flags))
+    forwards = []
+    trainer.policy.family.transformer.register_forward_pre_hook(
+        lambda module, args, kwargs: forwards.append((torch.is_grad_enabled(), "image_cond_hidden_states" in kwargs)),
+        with_kwargs=True)
+    record = trainer.rollout_and_update(0)
+    assert math.isfinite(record["train/loss"]), record
+    with_gradients = [has_source for grad, has_source in forwards if grad]
+    assert with_gradients and all(with_gradients)
+    assert all(has_source for _, has_source in forwards)  # the rollouts' too
