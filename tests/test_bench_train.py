@@ -122,6 +122,8 @@ def test_model_flops_per_pair_count_what_the_model_needs_not_the_recompute():
         return train_forward_equivalents(parse(["train", *flags]))
 
     assert forwards("--recipe", "sd3-grpo") == 2  # LoRA Flow-GRPO without KL
+    assert forwards("--recipe", "sd3-grpo", "--detach-uncond") == 1.5  # no backward through CFG's unconditional half
+    assert forwards("--recipe", "flux3-klein-nft-pickscore", "--detach-uncond") == 3  # NFT trains without CFG
     assert forwards("--recipe", "sd35-grpo-ocr") == 3  # + the KL reference
     assert forwards("--recipe", "flux3-klein-grpo-hps") == 3  # full finetune: a backward of 2
     assert forwards("--recipe", "flux3-klein-nft-pickscore") == 3  # LoRA + NFT's old policy

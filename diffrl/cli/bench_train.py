@@ -89,7 +89,13 @@ def train_forward_equivalents(cfg: TrainConfig) -> float:
     pair 2, a group row its group). Gradient checkpointing's recomputed forward is not counted, by MFU's
     convention (it is work the hardware does, not work the model needs)."""
     samples = OBJECTIVES[cfg.algorithm.loss_type].pair_size(cfg)
-    return samples * (1 + backward_factor(cfg) + no_grad_forwards_per_pair(cfg))
+    return samples * (1 + trained_backward(cfg) + no_grad_forwards_per_pair(cfg))
+
+
+def trained_backward(cfg: TrainConfig) -> float:
+    """A train pair's backward in forwards of its velocity: the backward factor, halved when CFG's unconditional
+    half is detached (`--detach-uncond`: no backward runs through it)."""
+    return backward_factor(cfg) * (0.5 if cfg.algorithm.detach_uncond and trains_with_cfg(cfg) else 1.0)
 
 
 def trains_with_cfg(cfg: TrainConfig) -> bool:
@@ -107,13 +113,14 @@ def estimate_flops(cfg: TrainConfig, family) -> dict:
     rollout_cfg = a.nft_rollout_guidance_scale if a.loss_type == "nft" else r.diffusion_guidance_scale
     train_cfg = r.diffusion_guidance_scale if trains_with_cfg(cfg) else 1.0
     gflop = {g: transformer_gflop(family, 1, size, g, frames) for g in {rollout_cfg, train_cfg}}  # counted eager
-    backward, no_grad = backward_factor(cfg), no_grad_forwards_per_pair(cfg)
+    backward, no_grad = trained_backward(cfg), no_grad_forwards_per_pair(cfg)
     train_pair = gflop[train_cfg] * train_forward_equivalents(cfg)
     step = "CFG step (cond + uncond)" if rollout_cfg > 1 else "step"
     how = (f"{r.diffusion_num_steps} rollout steps × {_gflop(gflop[rollout_cfg])} per {step} + each trained step "
            f"× {_gflop(train_pair)} (its forward, {_gflop(gflop[train_cfg])}, and a backward of ≈ {backward:g}× the "
            + ("forward: LoRA, input gradients only" if m.use_lora
               else "forward: full finetune, input and weight gradients")
+           + (", through CFG's conditional half alone" if backward < backward_factor(cfg) else "")
            + (f"; and {no_grad:g} forward(s) without gradients" if no_grad else "")
            + "); the transformer alone, counted at batch 1 by torch's FlopCounterMode (text encoders, VAE, reward "
              "and gradient checkpointing's recompute not counted)")
