@@ -225,3 +225,31 @@ def test_shift_is_the_saved_models_schedule_and_a_loaded_model_keeps_its_own(tmp
                      "--shift", "1", "--device", "cpu"]) == 2
     assert capsys.readouterr().err.strip().splitlines()[-1] == (
         f"error: --shift 1.0: --init-from {SHIPPED_DEMO_MODEL} has 3.0, and its schedule is the model's; drop --shift")
+
+
+def test_a_model_saved_in_bf16_loads_as_its_rounded_weights_at_half_the_bytes(tmp_path):
+    """A shipped model's weights may be stored in bf16 (half the bytes in the repository and on the device's way);
+    loading casts them back to fp32, each weight the bf16 rounding of the saved one."""
+    from safetensors import safe_open
+
+    from diffrl.train.pretrain import random_family
+
+    cfg = PretrainConfig(world="ocr", glyph_grid=True, num_attention_heads=2, attention_head_dim=8, num_layers=1,
+                         num_single_layers=1, text_d_model=16)
+    family = random_family(cfg.demo_config(), seed=0, batch_invariant=False, world="ocr")
+    family.save(tmp_path / "fp32")
+    family.save(tmp_path / "bf16", weights_dtype=torch.bfloat16)
+    sizes = {}
+    for kind in ("fp32", "bf16"):
+        files = sorted((tmp_path / kind).rglob("*.safetensors"))
+        sizes[kind] = sum(f.stat().st_size for f in files)
+    with safe_open(str(tmp_path / "bf16" / "transformer" / "diffusion_pytorch_model.safetensors"), "pt") as f:
+        assert {f.get_tensor(k).dtype for k in f.keys()} == {torch.bfloat16}
+    assert sizes["bf16"] < 0.55 * sizes["fp32"]
+    loaded = DemoFamily.load(tmp_path / "bf16")
+    assert loaded.config.glyph_grid and loaded.config.width == family.config.width
+    for module, original in ((loaded.transformer, family.transformer), (loaded.text_encoder, family.text_encoder)):
+        want = original.state_dict()
+        for name, value in module.state_dict().items():
+            assert value.dtype == torch.float32
+            assert torch.equal(value, want[name].to(torch.bfloat16).float()), name

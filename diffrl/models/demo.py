@@ -23,6 +23,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 import torch
+from safetensors.torch import save_file
 
 from diffrl.assets import SHIPPED_DEMO_MODEL, SHIPPED_EDIT_MODEL, SHIPPED_OCR_MODEL  # noqa: F401  (re-exported)
 from diffrl.data.ocr.glyph_grid import GlyphGrid
@@ -203,13 +204,20 @@ class DemoFamily(FamilyAdapter):
             embed_rows_one_at_a_time(transformer.timestep_embedder)
 
     # ---------------------------------------------------------------- save, load
-    def save(self, path: str | Path) -> None:
+    def save(self, path: str | Path, weights_dtype: torch.dtype | None = None) -> None:
+        """The model in diffusers layout at `path`. `weights_dtype` (e.g. bfloat16, half the bytes of a shipped
+        model): the weights' files in that dtype; loading casts them back to the dtype asked for."""
         path = Path(path)
         path.mkdir(parents=True, exist_ok=True)
-        self.transformer.save_pretrained(path / "transformer", safe_serialization=True)
         if self.text_encoder is None:
             raise ValueError("cannot save a demo model loaded without its text encoder")
-        self.text_encoder.save_pretrained(path / "text_encoder", safe_serialization=True)
+        for name, module in (("transformer", self.transformer), ("text_encoder", self.text_encoder)):
+            module.save_pretrained(path / name, safe_serialization=True)
+            if weights_dtype is not None:
+                for file in (path / name).glob("*.safetensors"):
+                    tensors = {k: v.to(weights_dtype) if v.is_floating_point() else v
+                               for k, v in read_weights(file, check_finite=False).items()}
+                    save_file(tensors, file, metadata={"format": "pt"})
         self.tokenizer.save_pretrained(path / "tokenizer")
         index = {
             "_class_name": "DiffrlDemoPipeline",
