@@ -74,3 +74,38 @@ def test_a_compiled_run_with_detached_uncond_replays_exactly(tiny_model_dir, tmp
     assert trainer.engine.config.forward_graph == "training"
     record = trainer.rollout_and_update(0)
     assert record["train/log_prob_mean_abs_diff"] == 0.0 and record["train/first_pass_clipfrac"] == 0.0
+
+
+# The families whose CFG pairing rewrites the unconditional half (SANA, Lumina 2 and Cosmos3 pick the negative
+# prompt's own encoding) and two that batch the halves as they are, in the default run; the rest slow.
+_DEFAULT_RUN = ("sana", "lumina2", "cosmos3", "sd3", "qwen_image")
+_FAMILIES = ("sd3", "flux1", "qwen_image", "cosmos3", "wan2_2", "ltx2", "krea2", "flux2", "flux3_image", "z_image", "sana",
+             "lumina2", "cogview4", "hidream", "chroma", "hunyuan_video15")
+
+
+@pytest.mark.parametrize("name", [n if n in _DEFAULT_RUN else pytest.param(n, marks=pytest.mark.slow)
+                                  for n in _FAMILIES])
+def test_every_family_samples_the_same_with_the_halves_apart(name, tmp_path):
+    """With the halves apart each runs with the conditioning the family's pairing gives it: the engine's samples are
+    the batched CFG's (bit for bit where the family's forward is batch-invariant on the CPU)."""
+    import importlib
+
+    from diffrl.engine.engine import Engine, EngineConfig
+    from diffrl.engine.protocol import RolloutRequest
+    from diffrl.models.registry import resolve_family
+
+    path = importlib.import_module(f"diffrl.models.random_checkpoints.{name}").save_random_checkpoint(
+        tmp_path / f"{name}-tiny")
+    family = resolve_family(None, path).load(path)
+    size = dict(height=64, width=64)
+    if family.generates_video:
+        size["num_frames"] = 5 if name in ("cosmos3", "wan2_2") else 9
+    request = RolloutRequest(**size, prompt="a red cat", negative_prompt="blurry", seed=3, num_outputs_per_prompt=2,
+                             num_inference_steps=2, guidance_scale=3.0, rollout=True, rollout_sde_step_indices=[0])
+    outputs = []
+    for detach in (False, True):
+        family.detach_uncond = detach
+        outputs.append(Engine(family, EngineConfig(max_outputs_per_request=4)).generate(request))
+    for joint, apart in zip(*outputs, strict=True):
+        assert torch.allclose(joint.generated_output, apart.generated_output, atol=1e-5, rtol=0)
+        assert torch.allclose(joint.rollout_log_probs, apart.rollout_log_probs, atol=1e-4, rtol=0)

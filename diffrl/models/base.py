@@ -362,7 +362,10 @@ class FamilyAdapter(ABC):
                 return self.run_transformer(transformer, latents, sigma, cond)
             if uncond is None:
                 raise ValueError("guidance_scale > 1 needs the unconditional (negative) conditioning")
-            both = None if self.detach_uncond else self.pair_conditionings(uncond, cond)
+            both = self.pair_conditionings(uncond, cond)
+            if both is not None and self.detach_uncond:  # the halves as the family pairs them, run apart
+                uncond, cond = self.split_pair(both, latents.tokens.shape[0])
+                both = None
             if both is None:
                 v_uncond = self.run_transformer(transformer, latents, sigma, uncond)
                 if self.detach_uncond:
@@ -393,6 +396,11 @@ class FamilyAdapter(ABC):
         if uncond.embeds.shape[1:] != cond.embeds.shape[1:] or not self._same_ids(uncond.ids, cond.ids):
             return None
         return replace(uncond, embeds=torch.cat([uncond.embeds, cond.embeds]))
+
+    def split_pair(self, both: PromptEmbeds, rows: int) -> tuple[PromptEmbeds, PromptEmbeds]:
+        """`pair_conditionings`' result back into its two halves (unconditional first), each as the family reads it
+        (a family whose pair rewrites the negative's encoding keeps the rewrite)."""
+        return replace(both, embeds=both.embeds[:rows]), replace(both, embeds=both.embeds[rows:])
 
     def _same_ids(self, a: torch.Tensor, b: torch.Tensor) -> bool:
         """torch.equal of two position-id tensors, remembered for the last pair compared: a denoising loop

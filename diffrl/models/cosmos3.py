@@ -56,7 +56,7 @@ import functools
 import threading
 import weakref
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 import numpy as np
@@ -374,6 +374,10 @@ class Cosmos3Family(FamilyAdapter):
                             cond.ids.new_zeros(length, cond.ids.shape[1]), negative_rows=len(uncond))
         self._last_pair = (uncond.embeds, cond.embeds, pair)  # holding the tensors keeps their identity
         return pair
+
+    def split_pair(self, both: GuidancePair, rows: int) -> tuple[GuidancePair, GuidancePair]:
+        negative, positive = super().split_pair(both, rows)
+        return replace(negative, negative_rows=rows), replace(positive, negative_rows=0)
 
     def _row_texts(self, embeds: torch.Tensor) -> list[bytes]:
         """Each conditioning row's prompt bytes, remembered for the last tensor decoded: decoding reads the
