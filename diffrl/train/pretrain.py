@@ -64,7 +64,7 @@ def flow_matching_loss(family: DemoFamily, transformer, x0, cond, sigma, noise) 
 def training_autocast_dtype(device: torch.device, bf16: bool) -> torch.dtype | None:
     """The transformer's forward precision (`FamilyAdapter.autocast_dtype`): bf16 with --bf16 on CUDA, else the
     weights' fp32. It must be set on the family: `velocity` runs the transformer in the family's own precision
-    context, which replaces an autocast around it (pretraining once ran all in fp32 on the GPU that way)."""
+    context, which replaces an autocast around it (without this, a --bf16 run computes every matmul in fp32)."""
     return torch.bfloat16 if bf16 and device.type == "cuda" else None
 
 
@@ -168,8 +168,8 @@ def training_stream(world: str, seed: int, config: DemoConfig):
 
 class TokenizedBatches:
     """The render workers' collate: the batch as torch's default collate makes it, then its prompts' token ids and
-    mask, so that the training loop does not tokenize (a glyph-grid batch of 256 took about 55 ms on one core,
-    more than the OCR model's whole bf16 step)."""
+    mask, so that the training loop does not tokenize (a glyph-grid batch of 256 takes about 55 ms on one core:
+    a large share of a small model's step, spent in the one process that feeds the GPU)."""
 
     def __init__(self, tokenize):
         self.tokenize = tokenize
