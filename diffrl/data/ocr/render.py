@@ -144,22 +144,46 @@ def render_text(text: str, rng: np.random.Generator, height: int, width: int) ->
     return np.asarray(image)
 
 
+@functools.cache
+def glyph_coverage(char: str, font_size: int = FONT_SIZE, bold: int = BOLD_PIXELS) -> tuple[np.ndarray, int, int]:
+    """How much of each pixel `char` covers as the glyph grid draws it (0-1, float32; drawn `bold` pixels wider),
+    cropped to its ink, and where that crop's top-left corner sits relative to the cell's centre. Cell centres are
+    whole pixels, so a glyph looks the same in every cell: drawn once, then placed."""
+    font = load_font(BUILTIN, font_size)
+    cap_top = font.getbbox("H", anchor="ls")[1]  # negative: the capital height above the baseline
+    pad = 2 * font_size  # the cell's centre on the canvas
+    canvas = Image.new("L", (2 * pad, 2 * pad), 0)
+    draw = ImageDraw.Draw(canvas)
+    for dx in range(bold + 1):  # drawn again `bold` pixels to the right, the pair centred on the cell
+        draw.text((pad + dx - bold / 2, pad - cap_top / 2), char, font=font, fill=255, anchor="ms")
+    coverage = np.asarray(canvas, np.float32) / 255
+    rows, columns = np.nonzero(coverage)
+    if rows.size == 0:
+        return np.zeros((0, 0), np.float32), 0, 0
+    top, left = rows.min(), columns.min()
+    return coverage[top : rows.max() + 1, left : columns.max() + 1], int(top) - pad, int(left) - pad
+
+
 def render_grid(text: str, width: int, ink=(0, 0, 0), background: np.ndarray | None = None,
                 bold: int = BOLD_PIXELS, font_size: int = FONT_SIZE) -> np.ndarray:
     """`text` laid out on the glyph grid (each character centred in its cell, on its row's baseline), in `ink` on
-    `background` (an [H, W, 3] uint8 array; white when None): [H, W, 3] uint8."""
+    `background` (an [H, W, 3] uint8 array; white when None): [H, W, 3] uint8. Each glyph's coverage is drawn once
+    (`glyph_coverage`) and blended as drawing it in place would: what no glyph covers keeps the background."""
     grid = GlyphGrid(width)
     if background is None:
         background = np.full((HEIGHT, width, 3), 255, np.uint8)
-    image = Image.fromarray(background)
-    draw = ImageDraw.Draw(image)
-    font = load_font(BUILTIN, font_size)
-    cap_top = font.getbbox("H", anchor="ls")[1]  # negative: the capital height above the baseline
+    uncovered = np.ones((HEIGHT, width), np.float32)
     for char, y, x in grid.placed(text):
-        for dx in range(bold + 1):  # drawn again `bold` pixels to the right, the pair centred on the cell
-            draw.text((x + dx - bold / 2, y - cap_top / 2), char, font=font, fill=tuple(int(c) for c in ink),
-                      anchor="ms")
-    return np.asarray(image)
+        coverage, top, left = glyph_coverage(char, font_size, bold)
+        y0, x0 = int(y) + top, int(x) + left
+        y1, x1 = y0 + coverage.shape[0], x0 + coverage.shape[1]
+        cy0, cx0 = max(0, -y0), max(0, -x0)  # what falls outside the image is cut
+        y0, x0, y1, x1 = max(y0, 0), max(x0, 0), min(y1, HEIGHT), min(x1, width)
+        if y1 > y0 and x1 > x0:
+            uncovered[y0:y1, x0:x1] *= 1 - coverage[cy0 : cy0 + y1 - y0, cx0 : cx0 + x1 - x0]
+    ink = np.asarray(ink, np.float32)
+    image = background.astype(np.float32) * uncovered[..., None] + ink * (1 - uncovered[..., None])
+    return np.rint(image).clip(0, 255).astype(np.uint8)
 
 
 def render_grid_text(text: str, rng: np.random.Generator, width: int) -> np.ndarray:
