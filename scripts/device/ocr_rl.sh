@@ -4,15 +4,21 @@
 # card. Carry [".whl", ".whl-ocr"] (the tracked tree lightened as docs/ocr-world.md says).
 #   RUNS     pretraining run folders on this machine (default: /tmp/*-run holding evals.jsonl), or BASE=DIR a model
 #   PICK     the base: the checkpoint whose CFG-1 held-out OCR reward is closest to PICK (default 0.5)
-#   RECIPE   default ocr-nft-gpu; SEEDS (default "0 1"); ROLLOUTS (default 40); SECONDS_LIMIT per run (default 420)
+#   RECIPES  default ocr-nft-gpu; several run side by side, each with SEEDS (default "0 1") or its own seeds
+#            after a colon, e.g. RECIPES="ocr-nft-gpu:0,1 ocr-grpo-gpu:0"
+#   ROLLOUTS per run (default 40); SECONDS_LIMIT per run (default 420)
 #   WORKERS  reward worker processes per run (default: the cores shared out); EXTRA more `diffrl train` flags
 # Back through $OUT: each run's metrics.jsonl, config.json and first/last evaluation grids as NAME-seedS-*, the
 # base's evals line (base.json) and the base model as base.model.tar.part-* (15 MB parts).
 set -uo pipefail
 bash scripts/device/install_wheels.sh > /dev/null
 export PYTHONPATH=/tmp/site:$PWD PYTHONUNBUFFERED=1
-recipe=${RECIPE:-ocr-nft-gpu}
-seeds=(${SEEDS:-0 1})
+jobs=()  # recipe:seed
+for item in ${RECIPES:-ocr-nft-gpu}; do
+  seeds=${SEEDS:-0 1}; [[ $item == *:* ]] && seeds=${item#*:}
+  for s in ${seeds//,/ }; do jobs+=("${item%%:*}:$s"); done
+done
+runs_at_once=${#jobs[@]}
 nvidia-smi --query-gpu=name,memory.total --format=csv,noheader
 if [[ -n ${BASE:-} ]]; then
   base=$BASE; echo "{\"model\": \"$base\"}" > "$OUT/base.json"
@@ -35,15 +41,17 @@ fi
 echo "base: $base"; cat "$OUT/base.json"
 [[ -f $base/model_index.json ]] || { echo "no model at $base"; exit 1; }
 tar -C "$(dirname "$base")" -cf - "$(basename "$base")" | split -b 15M - "$OUT/base.model.tar.part-"
-workers=${WORKERS:-$(( ($(nproc) - ${#seeds[@]}) / ${#seeds[@]} ))}
-for s in "${seeds[@]}"; do
+workers=${WORKERS:-$(( ($(nproc) - runs_at_once) / runs_at_once ))}
+for job in "${jobs[@]}"; do
+  recipe=${job%%:*} s=${job##*:}
   run=/tmp/ocr-rl-$recipe-seed$s; rm -rf "$run"
   timeout "${SECONDS_LIMIT:-420}" python3 -m diffrl.cli.main train --recipe "$recipe" --model-path "$base" \
     --seed "$s" --num-rollout "${ROLLOUTS:-40}" --reward-workers "$workers" --output-dir "$run" ${EXTRA:-} \
     2>&1 | tr '\r' '\n' | grep -v "^train\|Loading\|Writing\|^ *$" > "$OUT/$recipe-seed$s.log" &
 done
 wait
-for s in "${seeds[@]}"; do
+for job in "${jobs[@]}"; do
+  recipe=${job%%:*} s=${job##*:}
   run=/tmp/ocr-rl-$recipe-seed$s
   cp "$run/metrics.jsonl" "$OUT/$recipe-seed$s-metrics.jsonl"; cp "$run/config.json" "$OUT/$recipe-seed$s-config.json"
   evals=($(ls -d "$run"/eval/rollout-* 2>/dev/null | sort))
@@ -54,6 +62,6 @@ for s in "${seeds[@]}"; do
 for l in open(sys.argv[1]):
     r = json.loads(l)
     if 'eval/reward' in r: print(sys.argv[2], r['rollout'], {k: round(v, 3) for k, v in r.items() if k.startswith('eval/')})" \
-    "$run/metrics.jsonl" "seed$s"
+    "$run/metrics.jsonl" "$recipe seed$s"
 done
 ls -la "$OUT"
