@@ -8,11 +8,7 @@
 set -uo pipefail
 run=$1 name=$2 evals=$3 metric=$4 what=$5
 if [[ -n "${PICK:-}" ]]; then
-  pick=$(python3 -c "import json, sys
-text = open(sys.argv[1]).read()
-rows = json.loads(text) if text.lstrip().startswith('[') else [json.loads(l) for l in text.splitlines() if l.strip()]
-rows = [r for r in rows if r['guidance_scale'] == 1.0]
-print(min(rows, key=lambda r: abs(r[sys.argv[2]] - float(sys.argv[3])))['checkpoint'])" "$evals" "$metric" "$PICK")
+  pick=$(basename "$(python3 "$(dirname "$0")/pick_checkpoint.py" "$metric" "$PICK" "$evals")")
   echo "picked $pick (CFG-1 $what closest to $PICK)"
   tar -C "$run/checkpoints/$pick" -cf - model | split -b 15M - "$OUT/$name-$pick.model.tar.part-"
 else

@@ -24,19 +24,8 @@ if [[ -n ${BASE:-} ]]; then
   base=$BASE; echo "{\"model\": \"$base\"}" > "$OUT/base.json"
 else
   runs=${RUNS:-$(dirname $(ls /tmp/*-run/evals.jsonl))}
-  base=$(python3 - "${PICK:-0.5}" $runs 2> "$OUT/base.json" <<'PY'
-import json, sys
-pick, rows = float(sys.argv[1]), []
-for run in sys.argv[2:]:
-    for line in open(f"{run}/evals.jsonl"):
-        r = json.loads(line)
-        if r["guidance_scale"] == 1.0:
-            rows.append({**r, "run": run})
-best = min(rows, key=lambda r: abs(r["ocr"] - pick))
-print(f"{best['run']}/checkpoints/{best['checkpoint']}/model")
-print(json.dumps({**best, "candidates": rows}), file=sys.stderr)
-PY
-  )
+  evals=$(for run in $runs; do echo "$run/evals.jsonl"; done)
+  base=$(python3 scripts/device/pick_checkpoint.py ocr "${PICK:-0.5}" $evals --record "$OUT/base.json")/model
 fi
 echo "base: $base"; cat "$OUT/base.json"
 [[ -f $base/model_index.json ]] || { echo "no model at $base"; exit 1; }
