@@ -17,7 +17,8 @@
 # ROLLOUTS (train, default 3), BASELINE_ITERATIONS (baseline, measured after one warm-up, default 2),
 # PROFILE_GROUPS (profile: prompt groups of 16 per rollout; default 2, to stay near 3 minutes; the recipe's: 4);
 # TRAIN_FLAGS / ROLLOUT_FLAGS / BASELINE_FLAGS / PROFILE_FLAGS: more flags for one or another
-# (e.g. TRAIN_FLAGS=--no-compile-eager-numerics, ROLLOUT_FLAGS=--eager-numerics). Results land in $OUT (JSON / metrics JSONL per job).
+# (e.g. TRAIN_FLAGS=--no-compile-eager-numerics, ROLLOUT_FLAGS=--eager-numerics). Results land in $OUT (JSON / metrics JSONL per job);
+# TAG (e.g. -cudnn) is appended to every result's name, so two variants can run in one call.
 set -uo pipefail
 bash scripts/device/install_wheels.sh || exit 1
 export PYTHONPATH=/tmp/site:$PWD PYTHONUNBUFFERED=1 OMP_NUM_THREADS=8
@@ -33,6 +34,7 @@ for job in ${JOBS:-rollout:0 rollout:1 train:0 train:1 baseline:0}; do
   stage=${job%%:*}; compiled=${job##*:}
   flag=(); tag=eager
   if [[ $compiled == 1 ]]; then flag=(--compile); tag=compiled; fi
+  tag+=${TAG:-}
   echo "== $stage ($tag) $(date +%T)"
   case $stage in
     rollout)
