@@ -253,3 +253,37 @@ def test_a_model_saved_in_bf16_loads_as_its_rounded_weights_at_half_the_bytes(tm
         for name, value in module.state_dict().items():
             assert value.dtype == torch.float32
             assert torch.equal(value, want[name].to(torch.bfloat16).float()), name
+
+
+def test_an_image_predicting_model_gives_the_velocity_of_its_image_and_is_the_saved_models(tmp_path, capsys):
+    """--prediction image: the transformer's output is read as the clean image x0 and `velocity` returns
+    (x_t − x0)/σ (σ held at ≥ 0.05), so an ODE step to σ = 0 lands on the predicted image; saved and loaded with it."""
+    from diffrl.models.base import Latents
+    from diffrl.models.flux3_image import run_flux3_transformer
+
+    run = tmp_path / "run"
+    assert cli_main(["pretrain", "--output-dir", str(run), "--steps", "1", "--prediction", "image", *TINY,
+                     "--batch-size", "2", "--num-workers", "0", "--sample-steps", "1", "--device", "cpu"]) == 0
+    family = DemoFamily.load(run / "final")
+    assert family.config.prediction == "image"
+    g = torch.Generator().manual_seed(0)
+    x_t = torch.randn(3, 256, family.config.in_channels, generator=g)
+    latents = Latents(x_t, family.prepare_ids())
+    cond = family.encode_prompts(["a red circle", "two squares", "a blue triangle"])
+    sigma = torch.tensor([0.9, 0.3, 0.01])
+    x0 = run_flux3_transformer(family, family.transformer, latents, sigma, cond)
+    v = family.velocity(family.transformer, latents, sigma, cond, None, 1.0)
+    torch.testing.assert_close(v, (x_t - x0) / torch.tensor([0.9, 0.3, 0.05]).view(3, 1, 1))
+    torch.testing.assert_close(x_t[:2] - sigma[:2].view(2, 1, 1) * v[:2], x0[:2])  # one ODE step to σ = 0
+    # A model's output is its own: another --prediction on --init-from is refused, and so is an unknown one.
+    out = tmp_path / "init"
+    assert cli_main(["pretrain", "--output-dir", str(out), "--steps", "1", "--init-from", str(SHIPPED_DEMO_MODEL),
+                     "--prediction", "image", "--device", "cpu"]) == 2
+    assert capsys.readouterr().err.strip().splitlines()[-1] == (
+        f"error: --prediction image: --init-from {SHIPPED_DEMO_MODEL} predicts velocity, and its output is the "
+        "model's; drop --prediction")
+    index = json.loads((run / "final" / "model_index.json").read_text())
+    index["diffrl"]["prediction"] = "noise"
+    (run / "final" / "model_index.json").write_text(json.dumps(index))
+    with pytest.raises(ValueError, match="prediction 'noise': a demo model predicts one of velocity, image"):
+        DemoFamily.load(run / "final")

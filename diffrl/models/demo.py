@@ -49,6 +49,10 @@ if TYPE_CHECKING:  # the loaders below import these lazily: diffusers' and trans
     from transformers import PreTrainedTokenizerFast, T5EncoderModel
 
 
+PREDICTIONS = ("velocity", "image")
+IMAGE_PREDICTION_MIN_SIGMA = 0.05  # below it (x_t − x0)/σ would magnify the image error without bound
+
+
 @dataclass
 class DemoConfig:
     image_size: int = 64
@@ -62,6 +66,12 @@ class DemoConfig:
     """The OCR world's grid layout (`diffrl.data.ocr.glyph_grid`): one conditioning token per cell of the grid,
     holding the character the prompt's quoted text puts there, ahead of the prompt's tokens and at the cell's
     place in the image."""
+    prediction: str = "velocity"
+    """What the transformer outputs: "velocity" (ε − x0, the shipped models') or "image" (the clean image x0, turned
+    into the velocity (x_t − x0)/σ with σ held at ≥ 0.05, so that everything downstream still sees a velocity).
+    A pixel-space patch of many values (an 8×8 patch: 192) is far easier to predict as the image, which lies near a
+    low-dimensional set, than as noise, which fills every dimension and which a transformer no wider than the patch
+    cannot carry (Li & He 2025, "Back to Basics: Let Denoising Generative Models Denoise")."""
     # Flux3Transformer2DModel keyword arguments (in_channels and joint_attention_dim are derived).
     transformer: dict = field(default_factory=lambda: {
         "num_layers": 2, "num_single_layers": 6, "attention_head_dim": 32, "num_attention_heads": 4,
@@ -72,6 +82,10 @@ class DemoConfig:
         "d_model": 128, "d_kv": 32, "d_ff": 256, "num_layers": 2, "num_heads": 4,
         "relative_attention_num_buckets": 8, "relative_attention_max_distance": 16, "dropout_rate": 0.0,
     })
+
+    def __post_init__(self):
+        if self.prediction not in PREDICTIONS:
+            raise ValueError(f"prediction {self.prediction!r}: a demo model predicts one of {', '.join(PREDICTIONS)}")
 
     @property
     def height(self) -> int:
@@ -310,7 +324,11 @@ class DemoFamily(FamilyAdapter):
         """The same diffusers transformer class as flux3_image, with the condition images' tokens in its reference
         mode when the conditioning holds them."""
         cond, references = split_references(cond, self.config.in_channels, (self.text_length,))
-        return run_flux3_transformer(self, transformer, latents, sigma, cond, references)
+        out = run_flux3_transformer(self, transformer, latents, sigma, cond, references)
+        if self.config.prediction == "velocity":
+            return out
+        sigma = sigma.float().clamp(min=IMAGE_PREDICTION_MIN_SIGMA).view(-1, *(1,) * (out.dim() - 1))
+        return (latents.tokens.float() - out) / sigma
 
     def decode(self, latents: torch.Tensor, height: int, width: int) -> torch.Tensor:
         images = unpatchify(latents.float(), height, width, self.config.patch_size)

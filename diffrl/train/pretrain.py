@@ -104,6 +104,9 @@ def refuse_other_size(cfg: PretrainConfig, config: DemoConfig, source: str) -> N
     if cfg.shift is not None and cfg.shift != config.shift:
         raise ValueError(f"--shift {cfg.shift}: {source} has {config.shift}, and its schedule is the model's; "
                          "drop --shift")
+    if cfg.prediction is not None and cfg.prediction != config.prediction:
+        raise ValueError(f"--prediction {cfg.prediction}: {source} predicts {config.prediction}, and its output is "
+                         "the model's; drop --prediction")
     if cfg.glyph_grid and not config.glyph_grid:
         raise ValueError(f"--glyph-grid: {source} was pretrained without the glyph grid, and its layout is the "
                          "model's; drop --glyph-grid")

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Literal
 
 if TYPE_CHECKING:
     from diffrl.models.demo import DemoConfig
@@ -92,6 +92,10 @@ class PretrainConfig:
     shift above 1 spends both on high noise, right for flat shapes; fine detail such as 1-2 px letter strokes is
     settled at low noise, which at 3 gets about 1.4% of the training draws below σ = 0.25 and the last of 10
     sampling steps jumps from σ = 0.25 to the image (at 1: 14%, from 0.1)."""
+    prediction: Literal["velocity", "image"] | None = None
+    """What the transformer learns to output: velocity (ε − x0, the shipped models') or image (the clean image,
+    turned into the velocity for sampling and RL: pixel-space patches of many values, such as the OCR world's 8×8
+    of 192, are easier to predict as the image than as noise; docs/ocr-world.md). None: velocity."""
     glyph_grid: bool = False
     """--world ocr: the glyph-grid layout (docs/ocr-world.md): each character of the quoted text drawn centred in a
     16-pixel cell of three rows, and the model conditioned on one token per cell at the cell's place in the image,
@@ -119,6 +123,8 @@ class PretrainConfig:
                 raise ValueError(f"--{name.replace('_', '-')} must be >= 1, got {value}")
         if self.shift is not None and self.shift <= 0:
             raise ValueError(f"--shift must be > 0, got {self.shift}")
+        if self.prediction is not None and self.prediction not in ("velocity", "image"):
+            raise ValueError(f"--prediction must be velocity or image, got {self.prediction}")
         if self.rope_theta <= 1:
             raise ValueError(f"--rope-theta must be > 1, got {self.rope_theta}")
         for name, lo, hi in (("lr", 0, None), ("weight_decay", 0, None), ("warmup_steps", 0, None), ("profile_steps", 0, None),
@@ -163,4 +169,5 @@ class PretrainConfig:
         config.patch_size = self.patch_size or config.patch_size
         config.shift = config.shift if self.shift is None else self.shift
         config.glyph_grid = self.glyph_grid
+        config.prediction = self.prediction or config.prediction
         return config
