@@ -4,6 +4,7 @@ character by character; no held-out text is ever generated; a tiny OCR demo mode
 
 import numpy as np
 import pytest
+import torch
 from PIL import Image, ImageFilter
 
 from diffrl.data.ocr.prompts import TRAIN_FILE, TRAIN_PROMPTS, TRAIN_SEED, sample_prompt, training_prompts
@@ -53,6 +54,21 @@ def test_corrupted_renders_score_lower_on_both():
     for kind, images in corrupted.items():
         for name, values in scores(images, texts).items():
             assert np.mean(values) < np.mean(clean[name]) - 0.2, (kind, name, values, clean[name])
+
+
+def _reader_threads_in_a_worker(_):
+    torch.set_num_threads(1)  # what a reward worker sets (diffrl.rewards.workers)
+    sessions = (ppocr._reader().text_det.infer.session, ppocr._reader().text_rec.session.session)
+    return [s.get_session_options().intra_op_num_threads for s in sessions]
+
+
+def test_the_ocr_reader_takes_one_thread_in_a_reward_worker():
+    """ONNX Runtime would take a thread per core in every worker of a pool: the reader follows torch's threads."""
+    import multiprocessing
+
+    pytest.importorskip("rapidocr_onnxruntime")
+    with multiprocessing.get_context("spawn").Pool(1) as pool:
+        assert pool.map(_reader_threads_in_a_worker, [0]) == [[1, 1]]
 
 
 def test_renders_are_deterministic_by_seed():

@@ -14,6 +14,9 @@ unrelated text scores 0. A video `[B, C, F, H, W]` scores as the mean over its f
 from __future__ import annotations
 
 import functools
+import os
+
+import torch
 
 from diffrl.data.ocr.quotes import first_quoted
 from diffrl.rewards.frames import mean_over_frames
@@ -65,7 +68,17 @@ def _reader():
     # shrinks an image whose longer side passes 960 px and never enlarges one, and no angle classifier.
     # RapidOCR's defaults instead enlarge every image to a 736 px shorter side: on a 64×256 text render that is
     # a 736×2944 detection, 30–70× slower on a CPU and less accurate (docs/ocr-world.md, "The readers").
-    return RapidOCR(det_limit_type="max", det_limit_side_len=960, use_cls=False)
+    # ONNX Runtime's sessions otherwise take a thread per core each: a pool of reward workers (one torch thread
+    # each, `rewards/workers.py`) then runs workers × cores threads. Two workers on 2 cores read a 48×256 render
+    # in 0.030 s each with one thread against 0.061 s with the default (2026-12-07); three runs of 4 workers on a
+    # 16-core GPU machine took 48 s to score a 512-image rollout.
+    return RapidOCR(det_limit_type="max", det_limit_side_len=960, use_cls=False,
+                    intra_op_num_threads=reader_threads(), inter_op_num_threads=1)
+
+
+def reader_threads() -> int:
+    """ONNX Runtime threads of this process's reader: torch's (1 in a reward worker, the cores in-process)."""
+    return max(1, min(torch.get_num_threads(), os.cpu_count() or 1))
 
 
 def read_text(pixels) -> str:
