@@ -73,21 +73,8 @@ class Component:
 def checkpoint_root(model_path: str | Path) -> Path:
     root = Path(model_path)
     if not root.is_dir():
-        raise ModelLoadError(f"model directory not found: {root}{hub_id_hint(model_path)}{unbuilt_hint(root)}")
+        raise ModelLoadError(f"model directory not found: {root}{hub_id_hint(model_path)}")
     return root
-
-
-# Demo models the recipes name before they are built here: folder → (what it is, its script, its doc).
-_UNBUILT = {"demo-ocr": ("the OCR demo model", "pretrain_ocr.sh", "ocr-world.md")}
-
-
-def unbuilt_hint(root: Path) -> str:
-    """For a demo model's folder before it is built (the ocr-* recipes' default): how to build it; else ''."""
-    if root.name not in _UNBUILT or root.parent.name != "assets":
-        return ""
-    what, script, doc = _UNBUILT[root.name]
-    return (f" ({what} is not built in this checkout yet: pretrain it with scripts/device/{script} "
-            f"as docs/{doc} says, or pass --model-path DIR)")
 
 
 def hub_id_hint(path: str | Path) -> str:

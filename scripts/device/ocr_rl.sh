@@ -8,11 +8,11 @@
 #            after a colon, e.g. RECIPES="ocr-nft-gpu:0,1 ocr-grpo-gpu:0"
 #   ROLLOUTS per run (default 40); SECONDS_LIMIT per run (default 420)
 #   WORKERS  reward worker processes per run (default: the cores shared out); EXTRA more `diffrl train` flags
-# Back through $OUT: each run's metrics.jsonl, config.json and first/last evaluation grids as NAME-seedS-*, the
+# Back through $OUT (packed into results.tgz by pack_out.sh): each run's metrics.jsonl, config.json and first/last evaluation grids as NAME-seedS-*, the
 # base's evals line (base.json) and the base model as base.model.tar.part-* (15 MB parts).
 set -uo pipefail
 bash scripts/device/install_wheels.sh > /dev/null
-export PYTHONPATH=/tmp/site:$PWD PYTHONUNBUFFERED=1
+export PYTHONPATH=/tmp/site:$PWD PYTHONUNBUFFERED=1 TESSDATA_PREFIX=/tmp/site/share/tessdata
 jobs=()  # recipe:seed
 for item in ${RECIPES:-ocr-nft-gpu}; do
   seeds=${SEEDS:-0 1}; [[ $item == *:* ]] && seeds=${item#*:}
@@ -53,4 +53,4 @@ for l in open(sys.argv[1]):
     if 'eval/reward' in r: print(sys.argv[2], r['rollout'], {k: round(v, 3) for k, v in r.items() if k.startswith('eval/')})" \
     "$run/metrics.jsonl" "$recipe seed$s"
 done
-ls -la "$OUT"
+bash scripts/device/pack_out.sh  # a call brings back at most 8 files

@@ -14,7 +14,7 @@
 #   NAME         prefix of the run folder and of every returned file (default pretrain-ocr)
 set -euo pipefail
 bash scripts/device/install_wheels.sh
-export PYTHONPATH=/tmp/site:$PWD PYTHONUNBUFFERED=1
+export PYTHONPATH=/tmp/site:$PWD PYTHONUNBUFFERED=1 TESSDATA_PREFIX=/tmp/site/share/tessdata
 name=${NAME:-pretrain-ocr}
 run=/tmp/$name-run
 rm -rf "$run"
