@@ -9,7 +9,7 @@
 #   ROLLOUTS per run (default 40); SECONDS_LIMIT per run (default 420)
 #   WORKERS  reward worker processes per run (default: the cores shared out); EXTRA more `diffrl train` flags
 # Back through $OUT (packed into results.tgz by pack_out.sh): each run's metrics.jsonl, config.json and first/last evaluation grids as NAME-seedS-*, the
-# base's evals line (base.json) and the base model as base.model.tar.part-* (15 MB parts).
+# base's evals line (base.json) and, when picked here, the base model as base.model.tar.part-* (15 MB parts).
 set -uo pipefail
 bash scripts/device/install_wheels.sh > /dev/null
 export PYTHONPATH=/tmp/site:$PWD PYTHONUNBUFFERED=1 TESSDATA_PREFIX=/tmp/site/share/tessdata
@@ -29,7 +29,7 @@ else
 fi
 echo "base: $base"; cat "$OUT/base.json"
 [[ -f $base/model_index.json ]] || { echo "no model at $base"; exit 1; }
-tar -C "$(dirname "$base")" -cf - "$(basename "$base")" | split -b 15M - "$OUT/base.model.tar.part-"
+[[ -n ${BASE:-} ]] || tar -C "$(dirname "$base")" -cf - "$(basename "$base")" | split -b 15M - "$OUT/base.model.tar.part-"
 workers=${WORKERS:-$(( ($(nproc) - runs_at_once) / runs_at_once ))}
 for job in "${jobs[@]}"; do
   recipe=${job%%:*} s=${job##*:}
