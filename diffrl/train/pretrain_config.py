@@ -114,6 +114,7 @@ class PretrainConfig:
         --checkpoint-every 0 divided by zero, --batch-size 0 and --lr -1 stopped in torch with messages naming
         neither flag)."""
         # deferred: the demo model's module imports torch; `diffrl pretrain --help` builds its parser without it
+        from diffrl.models.demo import PREDICTIONS
         from diffrl.models.random_checkpoints.demo import WORLDS
 
         for name in ("steps", "batch_size", "checkpoint_every", "log_every", "sample_steps", "sample_edits_per_kind",
@@ -123,8 +124,8 @@ class PretrainConfig:
                 raise ValueError(f"--{name.replace('_', '-')} must be >= 1, got {value}")
         if self.shift is not None and self.shift <= 0:
             raise ValueError(f"--shift must be > 0, got {self.shift}")
-        if self.prediction is not None and self.prediction not in ("velocity", "image"):
-            raise ValueError(f"--prediction must be velocity or image, got {self.prediction}")
+        if self.prediction is not None and self.prediction not in PREDICTIONS:
+            raise ValueError(f"--prediction must be one of {', '.join(PREDICTIONS)}, got {self.prediction}")
         if self.rope_theta <= 1:
             raise ValueError(f"--rope-theta must be > 1, got {self.rope_theta}")
         for name, lo, hi in (("lr", 0, None), ("weight_decay", 0, None), ("warmup_steps", 0, None), ("profile_steps", 0, None),
