@@ -29,7 +29,7 @@ ROOT = Path(__file__).resolve().parents[1]
 PACKAGE = ROOT / "diffrl"
 
 # Layers, top to bottom: a module may import its own layer or any layer below it.
-LAYERS = ["cli", "recipes-launch", "train", "rollout-tasks-evaluation", "rewards", "serving", "engine", "models", "leaf"]
+LAYERS = ["cli", "recipes-launch", "train", "rollout-tasks", "evaluation", "rewards", "serving", "engine", "models", "leaf"]
 
 # Where each top-level module or package of diffrl/ sits, and why. Longest prefix wins.
 PLACEMENT: dict[str, tuple[str, str]] = {
@@ -38,9 +38,9 @@ PLACEMENT: dict[str, tuple[str, str]] = {
     "diffrl.recipes": ("recipes-launch", "named flag sets for published runs; build train configs"),
     "diffrl.launch": ("recipes-launch", "Ray placement starts trainers and engine actors on a cluster"),
     "diffrl.train": ("train", "the loop, policy, objectives, checkpoints and the config tree"),
-    "diffrl.rollout": ("rollout-tasks-evaluation", "the rollout manager and engine clients the trainer drives"),
-    "diffrl.tasks": ("rollout-tasks-evaluation", "where prompts come from and how a model is judged"),
-    "diffrl.evaluation": ("rollout-tasks-evaluation", "sampling at fixed seeds and scoring for evaluate/compare"),
+    "diffrl.rollout": ("rollout-tasks", "the rollout manager and engine clients the trainer drives"),
+    "diffrl.tasks": ("rollout-tasks", "where prompts come from and which evaluation judges a model"),
+    "diffrl.evaluation": ("evaluation", "sampling at fixed seeds and scoring: what tasks, evaluate and compare call"),
     "diffrl.rewards": ("rewards", "scorers over decoded images; no engine or trainer state"),
     "diffrl.serving": ("serving", "HTTP, wire formats, sglang compatibility, the colocated engine process"),
     "diffrl.engine": ("engine", "request validation, prompt encoding, batched denoising, weight updates"),

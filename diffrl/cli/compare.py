@@ -30,7 +30,7 @@ from diffrl.evaluation.shapes import balanced_eval_set, summarize
 from diffrl.models.checkpoint import check_checkpoint, check_fits, load_model
 from diffrl.models.demo import SHIPPED_DEMO_MODEL
 from diffrl.rewards import default_device
-from diffrl.tasks.shapes_edit import DEFAULT_SIZE, evaluate_held_out
+from diffrl.evaluation.shapes_edit import DEFAULT_SIZE, evaluate_held_out
 from diffrl.utils.atomic import atomic_path, write_text_atomic
 from diffrl.utils.device import resolve_device
 from diffrl.utils.folders import check_fresh_output_dir, stamped_output_dir

@@ -29,7 +29,7 @@ from diffrl.models.demo import SHIPPED_DEMO_MODEL
 from diffrl.models.registry import resolve_family
 from diffrl.models.speed import SpeedOptions
 from diffrl.rewards import check_prompts, default_device
-from diffrl.tasks.shapes_edit import DEFAULT_SIZE, evaluate_held_out
+from diffrl.evaluation.shapes_edit import DEFAULT_SIZE, evaluate_held_out
 from diffrl.utils.atomic import atomic_path, write_text_atomic
 from diffrl.utils.device import resolve_device
 from diffrl.utils.folders import check_fresh_output_dir, stamped_output_dir

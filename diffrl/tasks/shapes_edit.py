@@ -16,58 +16,10 @@ from collections.abc import Sequence
 
 import numpy as np
 
-from diffrl.data.condition_images import ConditionImage, encode_png
 from diffrl.data.prompts import PromptRecord
-from diffrl.data.shapes import EDIT_KINDS, EditExample, edits_by_kind, make_example, sample_example
-from diffrl.evaluation.reward_eval import RewardComponent, RewardEval, evaluate_with_reward
-from diffrl.evaluation.sampling import TEST_SEED
-from diffrl.rewards.shapes_edit import shapes_edit_reward, shapes_edit_strict_reward
+from diffrl.data.shapes import sample_example
+from diffrl.evaluation.shapes_edit import DEFAULT_SIZE, edit_record, evaluate_held_out
 from diffrl.tasks.base import EvalOutcome, EvalSettings
-
-DEFAULT_SIZE = 64  # the shapes world's canvas
-_EVAL_COMPONENTS = [RewardComponent("strict", "shapes_edit_strict", 1.0, shapes_edit_strict_reward),
-                    RewardComponent("score", "shapes_edit", 0.0, shapes_edit_reward)]
-
-
-def edit_record(example: EditExample, name: str) -> PromptRecord:
-    """An example as a prompt: the instruction, its kind as metadata, the rendered source as its condition image."""
-    source = ConditionImage.in_memory(encode_png(example.source_image()), name)
-    return PromptRecord(example.instruction, {"edit_kind": example.edit.kind}, (source,))
-
-
-def held_out_records(per_kind: int, size: int) -> list[PromptRecord]:
-    """`per_kind` examples of each edit kind: its test instructions in turn, scene j drawn from seed TEST_SEED + j."""
-    records = []
-    for kind, instructions in edits_by_kind("test").items():
-        for j in range(per_kind):
-            example = make_example(instructions[j % len(instructions)], TEST_SEED + j, size)
-            records.append(edit_record(example, f"shapes-edit test {kind} {j}"))
-    return records
-
-
-def edit_metrics(rows: Sequence[dict]) -> dict[str, float]:
-    """{"eval/strict", "eval/score", "eval/strict/<kind>"} of scored held-out rows (`evaluate_with_reward`'s)."""
-    metrics = {"eval/strict": float(np.mean([r["rewards"]["strict"] for r in rows])),
-               "eval/score": float(np.mean([r["rewards"]["score"] for r in rows]))}
-    for kind in EDIT_KINDS:
-        mine = [r["rewards"]["strict"] for r in rows if r["metadata"]["edit_kind"] == kind]
-        if mine:
-            metrics[f"eval/strict/{kind}"] = float(np.mean(mine))
-    return metrics
-
-
-def evaluate_held_out(family, per_kind: int, size: int, *, num_steps: int, guidance_scale: float,
-                      negative_prompt: str = "", out_dir=None, batch_size: int = 16,
-                      progress: bool = False) -> tuple[dict[str, float], RewardEval]:
-    """The world's held-out evaluation (`held_out_records`, ODE at seeds TEST_SEED + k, scored strictly and by
-    partial credit): its metrics and the scored rows and images; files under `out_dir` when given. One function
-    for the trainer's evaluation and `diffrl evaluate`/`compare`, so their figures are the same."""
-    result = evaluate_with_reward(family, held_out_records(per_kind, size), _EVAL_COMPONENTS, seeds_per_prompt=1,
-                                  seed=TEST_SEED, num_steps=num_steps, guidance_scale=guidance_scale, height=size,
-                                  width=size, negative_prompt=negative_prompt, out_dir=out_dir,
-                                  batch_size=batch_size, progress=progress)
-    return edit_metrics(result.rows), result
-
 
 class ShapesEditTask:
     name = "shapes_edit"
