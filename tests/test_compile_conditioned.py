@@ -71,18 +71,12 @@ CASES = {
 }
 
 
-# Qwen-Image's modulation (`img_mod`) is wrapped row-wise (models/batch_invariance.py): the rollout's rows share one
-# timestep and take the single-row path, the replay's micro-batches mix trained steps and take the per-distinct-row
-# path, a graph of its own. Exact on a CPU; on a GPU the kind of graph that drifts (qwen-image-grpo-pickscore's first
-# pass: |Δ log p| 1.5e-6, BENCHMARKS.md). Micro-batches of one trained step each would close it.
-KNOWN_OWN_REPLAY_GRAPH = {"qwen-image-edit-plus"}
-
-
+# Qwen-Image wraps its modulation (`img_mod`) row-wise (models/batch_invariance.py): one path for rows that share a
+# timestep, another for mixed ones. Its replay ran the second (a graph of its own) until the trainer's micro-batches
+# held one trained step each (`Objective.micro_batch_key`); this case is the check.
 @pytest.mark.slow  # about a minute of inductor per family on 2 cores
 @needs_compiler
-@pytest.mark.parametrize("case", [pytest.param(c, marks=pytest.mark.xfail(
-    strict=True, reason="the replay's mixed-timestep micro-batches compile a graph of their own"))
-    if c in KNOWN_OWN_REPLAY_GRAPH else c for c in sorted(CASES)])
+@pytest.mark.parametrize("case", sorted(CASES))
 def test_compiled_conditioned_replay_is_exact(case, tmp_path):
     build, size, flags = CASES[case]
     torch._dynamo.reset()

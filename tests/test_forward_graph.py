@@ -176,3 +176,37 @@ def test_a_compiled_run_replays_exactly_when_the_engine_runs_the_training_graph_
     record = trainer.rollout_and_update(0)
     assert record["train/log_prob_mean_abs_diff"] == 0.0 and record["train/first_pass_clipfrac"] == 0.0
     assert record["train/grad_norm"] > 0
+
+
+def test_micro_batch_bounds_cut_at_size_and_where_the_key_changes():
+    from diffrl.algorithms.pairs import micro_batch_bounds
+
+    assert micro_batch_bounds(None, 4, 10) == [(0, 4), (4, 8), (8, 10)]
+    keys = torch.tensor([0.9, 0.9, 0.9, 0.7, 0.7, 0.7, 0.7, 0.7, 0.7, 0.5])
+    assert micro_batch_bounds(keys, 4) == [(0, 3), (3, 7), (7, 9), (9, 10)]
+    assert micro_batch_bounds(torch.tensor([0.5]), 4) == [(0, 1)]
+
+
+def test_flow_grpo_micro_batches_hold_one_trained_step_and_every_pair_once(tiny_model_dir, tmp_path):
+    """Each micro-batch the trainer hands Flow-GRPO's loss holds one σ (the rollout's per-step path through per-row
+    timestep layers: the same graphs as the rollout), every pair of the optimizer step is in exactly one of them, and
+    the loss passes σ on as one value (stride 0)."""
+    trainer = Trainer(tiny_config(tiny_model_dir, tmp_path / "run", use_lora=True, num_steps_per_rollout=1,
+                                  global_batch_size=6, micro_batch_size=4))
+    seen, loss, velocity = [], trainer.objective.loss, trainer.objective._velocity
+    strides = []
+
+    def recording_loss(batch, env, step):
+        seen.append(batch.sigma.clone())
+        return loss(batch, env, step)
+
+    def recording_velocity(x, sigma, *args):
+        strides.append(sigma.stride(0))
+        return velocity(x, sigma, *args)
+
+    trainer.objective.loss, trainer.objective._velocity = recording_loss, recording_velocity
+    trainer.rollout_and_update(0)
+    window = trainer.objective.window
+    assert len(window) > 1 and all(len(s.unique()) == 1 and len(s) <= 4 for s in seen)
+    assert sum(len(s) for s in seen) == 6 * len(window)  # 6 samples × the trained steps, each pair once
+    assert strides and set(strides) == {0}

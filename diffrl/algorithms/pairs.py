@@ -41,6 +41,16 @@ class PairBatch:
         return len(getattr(self, fields(self)[0].name))
 
 
+def micro_batch_bounds(keys: torch.Tensor | None, size: int, n: int | None = None) -> list[tuple[int, int]]:
+    """[start, stop) of each micro-batch over `n` pairs (len(keys)) in order: at most `size` pairs, and cut where
+    `keys` (sorted, so equal keys sit together) changes value; keys None: every `size` pairs."""
+    n = len(keys) if n is None else n
+    cuts = [0, n]
+    if keys is not None and n > 1:
+        cuts = [0, *(torch.nonzero(keys[1:] != keys[:-1]).flatten() + 1).tolist(), n]
+    return [(start, min(start + size, stop)) for begin, stop in zip(cuts, cuts[1:]) for start in range(begin, stop, size)]
+
+
 @dataclass
 class GrpoPairs(PairBatch):
     x: torch.Tensor

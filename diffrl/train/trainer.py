@@ -28,6 +28,7 @@ import torch
 from diffrl.utils.progress import tqdm
 
 from diffrl.algorithms.advantages import compute_advantages
+from diffrl.algorithms.pairs import micro_batch_bounds
 from diffrl.serving.colocated import ColocatedEngineClient
 from diffrl.engine.engine import Engine
 from diffrl.engine.spec import EngineSpec, build_engine
@@ -465,6 +466,9 @@ class Trainer:
             # where each prompt's samples sit together, fill a micro-batch with one prompt's rows instead of a mix
             # that runs one forward per row. The step's gradient is the same sum in any order.
             chunks = [c.sort().values for c in chunks]
+        shared = self.objective.micro_batch_key(pairs)  # what each micro-batch's pairs must share, if anything
+        if shared is not None:  # stable: within one value, the order above
+            chunks = [c[torch.sort(shared[c], stable=True).indices] for c in chunks]
         totals: dict[str, float | torch.Tensor] = {}
         self.objective.start_update()
         # --micro-batch-size counts samples; a pair of a preference or group method holds several.
@@ -478,8 +482,8 @@ class Trainer:
             part = pairs.select(chunk)
             if self.device.type == "cuda":
                 part = part.pin_memory()
-            for start in range(0, len(chunk), size):
-                batch = part.rows(start, start + size).to(self.device, non_blocking=True)
+            for start, stop in micro_batch_bounds(None if shared is None else shared[chunk], size, len(chunk)):
+                batch = part.rows(start, stop).to(self.device, non_blocking=True)
                 weight = len(batch) / len(chunk)
                 loss, stats = self.objective.loss(batch, env, step)
                 bad = ~torch.isfinite(loss.detach())

@@ -162,6 +162,12 @@ class Objective:
             request.update(negative_prompt=r.negative_prompt)
         return request
 
+    def micro_batch_key(self, pairs) -> torch.Tensor | None:
+        """Per pair, a host value the trainer keeps constant within a micro-batch (it orders each optimizer step's
+        pairs by it and cuts where it changes: `micro_batch_bounds`), so `loss` may treat it as one value; None: any
+        mix of pairs."""
+        return None
+
     def start_update(self) -> None:
         """Before a rollout's optimizer steps (subclasses call it: it keeps the rollout's weights when needed)."""
         if self.rollout_weights is not None:
