@@ -122,8 +122,12 @@ def trainer_syncs(model_dir: Path, out: Path, **overrides) -> dict:
         trainer.rollout_and_update(0)
     # A micro-batch is its loss plus what the loop does with it (backward, statistics); the optimizer step is
     # `policy.step`; what update() does besides is per micro-batch too (it has no per-update work of its own).
-    micro = (update["syncs"] - step["syncs"]) / loss["calls"]
-    return {"per_micro_batch": micro, "per_loss": loss["syncs"] / loss["calls"],
+    # Cutting micro-batches where a trained step ends reads the pairs' σ (`micro_batch_bounds`): the pairs live on the
+    # host on every device (the trainer pins them and copies each micro-batch over), so on a GPU no wait for it; a CPU
+    # run counts them, at that site, apart.
+    host_pair_reads = sum(1 for e in counter.events if e.where.endswith("(micro_batch_bounds)"))
+    micro = (update["syncs"] - step["syncs"] - host_pair_reads) / loss["calls"]
+    return {"per_micro_batch": micro, "host_pair_reads": host_pair_reads, "per_loss": loss["syncs"] / loss["calls"],
             "per_optimizer_step": step["syncs"] / max(step["calls"], 1), "micro_batches": loss["calls"],
             "optimizer_steps": step["calls"], "rollout_bookkeeping": counter.total - update["syncs"],
             "counter": counter}

@@ -75,19 +75,23 @@ class FlowGrpo(Objective):
         super().start_update()
         self._first_pass_diff, self._first_pass_clipped, self._first_pass_n = 0.0, 0.0, 0
 
-    def micro_batch_key(self, pairs: GrpoPairs) -> torch.Tensor:
-        # One trained step per micro-batch: its σ goes to the family as one value for every row, as the rollout's
-        # step did, so per-row timestep layers take the rollout's path (`models/batch_invariance.py`) and a
-        # compiled replay runs the rollout's own graphs instead of compiling a mixed-σ graph of its own.
-        return pairs.sigma
+    def one_step_micro_batches(self) -> bool:
+        """One trained step per micro-batch: its σ goes to the family as one value for every row, as the rollout's
+        step did, so per-row timestep layers take the rollout's path (`models/batch_invariance.py`, no search for
+        distinct rows) and a compiled replay runs the rollout's own graphs instead of a mixed-σ graph of its own.
+        A family that batches only one prompt's rows (cosmos3) keeps its prompt-ordered micro-batches instead."""
+        return not self.policy.family.one_sample_per_forward
+
+    def micro_batch_key(self, pairs: GrpoPairs) -> torch.Tensor | None:
+        return pairs.sigma if self.one_step_micro_batches() else None
 
     def loss(self, batch: GrpoPairs, env: dict, step: int) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
         r, a, dev = self.cfg.rollout, self.cfg.algorithm, self.device
         guidance = r.diffusion_guidance_scale
         x, x_next = batch.x.to(dev), batch.x_next.to(dev)
-        # The trainer's micro-batches share one σ (`micro_batch_key`): expanded from its first row, known as one
-        # value without reading the device.
-        sigma, sigma_next = (v.to(dev)[:1].expand(len(batch)) for v in (batch.sigma, batch.sigma_next))
+        sigma, sigma_next = batch.sigma.to(dev), batch.sigma_next.to(dev)
+        if self.one_step_micro_batches():  # the trainer keeps σ constant within a micro-batch (`micro_batch_key`):
+            sigma, sigma_next = (v[:1].expand(len(batch)) for v in (sigma, sigma_next))  # one value, no device read
         cond = env["cond_rows"][batch.cond.to(dev)]
         uncond = env["uncond_rows"][batch.uncond.to(dev)] if guidance > 1.0 else None
 
