@@ -466,14 +466,18 @@ class Trainer:
             # where each prompt's samples sit together, fill a micro-batch with one prompt's rows instead of a mix
             # that runs one forward per row. The step's gradient is the same sum in any order.
             chunks = [c.sort().values for c in chunks]
-        shared = self.objective.micro_batch_key(pairs)  # what each micro-batch's pairs must share, if anything
-        if shared is not None:  # stable: within one value, the order above
-            chunks = [c[torch.sort(shared[c], stable=True).indices] for c in chunks]
-        totals: dict[str, float | torch.Tensor] = {}
-        self.objective.start_update()
         # --micro-batch-size counts samples; a pair of a preference or group method holds several.
         size = max(1, cfg.optim.micro_batch_size // self.objective.samples_per_pair)
-        for step, chunk in enumerate(chunks):
+        shared = self.objective.micro_batch_key(pairs)  # what each micro-batch's pairs must share, if anything
+        if shared is None:
+            bounds = [micro_batch_bounds(None, size, len(c)) for c in chunks]
+        else:  # stable: within one value, the order above
+            by_key = [torch.sort(shared[c], stable=True) for c in chunks]
+            chunks = [c[s.indices] for c, s in zip(chunks, by_key, strict=True)]
+            bounds = [micro_batch_bounds(s.values, size) for s in by_key]
+        totals: dict[str, float | torch.Tensor] = {}
+        self.objective.start_update()
+        for step, (chunk, micro_batches) in enumerate(zip(chunks, bounds, strict=True)):
             policy.optimizer.zero_grad(set_to_none=True)
             step_stats: dict[str, float | torch.Tensor] = {}
             nonfinite_loss = None  # on the device: whether a micro-batch's loss was not finite
@@ -482,7 +486,7 @@ class Trainer:
             part = pairs.select(chunk)
             if self.device.type == "cuda":
                 part = part.pin_memory()
-            for start, stop in micro_batch_bounds(None if shared is None else shared[chunk], size, len(chunk)):
+            for start, stop in micro_batches:
                 batch = part.rows(start, stop).to(self.device, non_blocking=True)
                 weight = len(batch) / len(chunk)
                 loss, stats = self.objective.loss(batch, env, step)
