@@ -7,7 +7,8 @@
 #   RECIPES  default ocr-nft-gpu; several run side by side, each with SEEDS (default "0 1") or its own seeds
 #            after a colon, e.g. RECIPES="ocr-nft-gpu:0,1 ocr-grpo-gpu:0"
 #   ROLLOUTS per run (default 40); SECONDS_LIMIT per run (default 420)
-#   WORKERS  reward worker processes per run (default: the cores shared out); EXTRA more `diffrl train` flags
+#   WORKERS  reward worker processes per run (default: the cores shared out); EXTRA more `diffrl train` flags for
+#            every run, EXTRA_<recipe with _ for -> for one recipe's runs (e.g. EXTRA_ocr_grpo_gpu="--lr 3e-5")
 # Back through $OUT (packed into results.tgz by pack_out.sh): each run's metrics.jsonl, config.json and first/last evaluation grids as NAME-seedS-*, the
 # base's evals line (base.json) and, when picked here, the base model as base.model.tar.part-* (15 MB parts).
 set -uo pipefail
@@ -34,8 +35,9 @@ workers=${WORKERS:-$(( ($(nproc) - runs_at_once) / runs_at_once ))}
 for job in "${jobs[@]}"; do
   recipe=${job%%:*} s=${job##*:}
   run=/tmp/ocr-rl-$recipe-seed$s; rm -rf "$run"
+  own_extra=EXTRA_${recipe//-/_}
   timeout "${SECONDS_LIMIT:-420}" python3 -m diffrl.cli.main train --recipe "$recipe" --model-path "$base" \
-    --seed "$s" --num-rollout "${ROLLOUTS:-40}" --reward-workers "$workers" --output-dir "$run" ${EXTRA:-} \
+    --seed "$s" --num-rollout "${ROLLOUTS:-40}" --reward-workers "$workers" --output-dir "$run" ${EXTRA:-} ${!own_extra:-} \
     2>&1 | tr '\r' '\n' | grep -v "^train\|Loading\|Writing\|^ *$" > "$OUT/$recipe-seed$s.log" &
 done
 wait
