@@ -104,7 +104,7 @@ def test_the_seeds_flags_resolve_to_the_documented_setting(miles, diffrl):
     (["--train-backend", "megatron"], "diffrl accepts fsdp here"),
     (["--fsdp-master-dtype", "bf16"], "fp32 masters"),
     (["--diffusion-init-lora-weight", "kaiming"], "start Gaussian"),
-    (["--diffusion-task", "i2v"], "image-conditioned tasks are not built yet"),
+    (["--diffusion-task", "i2v"], "reads each prompt row's condition images from --prompt-data"),
     (["--diffusion-true-cfg-scale", "4", "--diffusion-guidance-scale", "3"], "one CFG scale"),
     (["--rm-type", "hps", "--diffusion-reward", "ocr:1"], "names no reward"),
     (["--wandb-key", "secret"], "set WANDB_API_KEY"),

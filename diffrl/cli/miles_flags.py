@@ -57,7 +57,9 @@ FLAGS: dict[str, MilesFlag] = {
                                                  "order (diffrl shuffles them)", accept=("sample_major",
                                                                                           "timestep_major")),
     "--diffusion-init-lora-weight": MilesFlag(1, "diffrl's LoRA adapters start Gaussian (B = 0)", accept=("gaussian",)),
-    "--diffusion-task": MilesFlag(1, "text-to-image and text-to-video; image-conditioned tasks are not built yet",
+    "--diffusion-task": MilesFlag(1, "text-to-image and text-to-video; an image-conditioned run (editing, image to "
+                                     "video) reads each prompt row's condition images from --prompt-data instead "
+                                     "(--condition-images required to insist on them)",
                                   accept=("t2i", "t2v")),
     "--diffusion-step-strategy-path": MilesFlag(
         1, "flow_grpo's SDE window is diffrl's --diffusion-sde-step-strategy window (the default)",
