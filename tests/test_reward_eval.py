@@ -59,7 +59,8 @@ def test_every_image_written_with_its_seed_and_the_summary_is_the_mean(tiny_fami
 def test_multi_reward_reports_each_component_and_the_weighted_total(tiny_family):
     spec = "multi:rewards_for_tests:darkness=2,jpeg_compressibility=0.5"
     result = evaluate_with_reward(tiny_family, _records(2), spec, num_steps=STEPS, guidance_scale=1.0, out_dir=None)
-    assert set(result.summary) == {"eval/reward", "eval/reward/darkness", "eval/reward/jpeg_compressibility"}
+    assert set(result.summary) == {"eval/reward", "eval/reward/darkness", "eval/reward/jpeg_compressibility",
+                                   "eval/hue_spread", "eval/chroma"}
     for row in result.rows:
         parts = row["rewards"]
         assert row["reward"] == pytest.approx(2 * parts["darkness"] + 0.5 * parts["jpeg_compressibility"])

@@ -32,6 +32,7 @@ from diffrl.utils.progress import tqdm
 
 from diffrl.data.condition_images import CONDITION_IMAGES_KEY, with_condition_images
 from diffrl.data.prompts import PromptRecord
+from diffrl.evaluation.diversity import palette
 from diffrl.evaluation.sampling import TEST_SEED, generate
 from diffrl.models.base import FamilyAdapter
 from diffrl.rewards import _parse_weights, checked_rewards, get_reward
@@ -209,6 +210,8 @@ def evaluate_with_reward(
     if judges:
         summary["eval/judge"] = _mean(r["judge"] for r in rows)
         summary.update({f"eval/judge/{c.name}": _mean(r["judges"][c.name] for r in rows) for c in judges})
+    # A palette collapse, which neither reward may see (evaluation/diversity.py).
+    summary.update({f"eval/{key}": value for key, value in palette(images).items()})
     if all(s is None for s in sources):
         sources = []
     result = RewardEval(summary, rows, images, components, out_dir, sources)

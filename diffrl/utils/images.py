@@ -89,3 +89,23 @@ def save_grid(
     path.parent.mkdir(parents=True, exist_ok=True)
     grid.save(path)
     return path
+
+
+def grid_cells(path: str | Path, *, n: int, ncols: int, height: int, width: int, scale: int = 2,
+               caption_lines: int = 2, captioned: bool = True) -> np.ndarray:
+    """The first `n` images of a grid `save_grid` wrote (cells of `height` × `width` images, its `ncols`, `scale`
+    and caption settings) as [n, height, width, 3] uint8: exactly the images it was given, its nearest upscale undone."""
+    grid = np.asarray(Image.open(path).convert("RGB"))
+    pad, cell_w, cell_h = 2, width * scale, height * scale
+    caption_h = 11 * caption_lines + 2 if captioned else 0
+    cells = []
+    for k in range(n):
+        row, col = divmod(k, ncols)
+        x0, y0 = pad + col * (cell_w + pad), pad + row * (cell_h + caption_h + pad)
+        cell = grid[y0 : y0 + cell_h : scale, x0 : x0 + cell_w : scale]
+        if cell.shape[:2] != (height, width):
+            raise ValueError(f"{path}: no cell {k} of {height}×{width} at {ncols} columns (the grid is "
+                             f"{grid.shape[1]}×{grid.shape[0]} px)")
+        cells.append(cell)
+    return np.stack(cells)
+
