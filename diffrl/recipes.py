@@ -334,7 +334,7 @@ _OCR = dict(model_path=SHIPPED_OCR_MODEL, prompt_data=OCR_PROMPTS, reward="ocr",
 # raised the held-out reward by 0.09 / 0.01 (two seeds); at 4 the same budget buys 0.23-0.31 (docs/ocr-world.md).
 _OCR_GPU = dict(_OCR, num_rollout=60, diffusion_num_steps=4, rollout_batch_size=32, n_samples_per_prompt=16,
                 rollout_microgroup_size=16, global_batch_size=256, num_steps_per_rollout=2, engine_concurrency=32,
-                engine_max_batch_outputs=512, eval_interval=20, checkpoint_interval=20, eval_num_prompts=256,
+                engine_max_batch_outputs=512, eval_interval=30, checkpoint_interval=20, eval_num_prompts=256,
                 reward_workers=12, mixed_precision="no", lr_schedule="cosine", lr_min_ratio=0.1)
 _OCR_CPU = dict(_OCR, diffusion_num_steps=4, num_rollout=16, rollout_batch_size=6, n_samples_per_prompt=8,
                 rollout_microgroup_size=8, global_batch_size=48, num_steps_per_rollout=1, micro_batch_size=48,
