@@ -210,3 +210,38 @@ def test_flow_grpo_micro_batches_hold_one_trained_step_and_every_pair_once(tiny_
     assert len(window) > 1 and all(len(s.unique()) == 1 and len(s) <= 4 for s in seen)
     assert sum(len(s) for s in seen) == 6 * len(window)  # 6 samples × the trained steps, each pair once
     assert strides and set(strides) == {0}
+
+
+def test_flow_grpo_optimizer_steps_take_whole_samples(tiny_model_dir, tmp_path):
+    """Two optimizer steps per rollout split the samples, each sample with all its trained steps (flow_grpo's and
+    miles-diffusion's split), so each step holds the same number of pairs at every σ and its one-step micro-batches
+    come out whole; every pair is trained once."""
+    trainer = Trainer(tiny_config(tiny_model_dir, tmp_path / "run", use_lora=True, num_steps_per_rollout=2,
+                                  global_batch_size=3, micro_batch_size=3))
+    built, seen = {}, []
+    make_pairs, loss = trainer.objective.pairs, trainer.objective.loss
+
+    def recording_pairs(*args, **kwargs):
+        built["pairs"] = make_pairs(*args, **kwargs)
+        return built["pairs"]
+
+    def recording_loss(batch, env, step):
+        seen.append((step, batch.old_log_prob.clone(), batch.sigma.clone()))
+        return loss(batch, env, step)
+
+    trainer.objective.pairs, trainer.objective.loss = recording_pairs, recording_loss
+    trainer.rollout_and_update(0)
+    pairs, steps_per_sample = built["pairs"], len(trainer.objective.window)
+    assert steps_per_sample > 1 and trainer.objective.pairs_per_sample(pairs) == steps_per_sample
+    # Each pair's old log-prob names it (continuous values): which sample it came from, which step trained it.
+    index = {float(v): i for i, v in enumerate(pairs.old_log_prob)}
+    assert len(index) == len(pairs)
+    step_of_pair = {index[float(v)]: step for step, values, _ in seen for v in values}
+    assert sorted(step_of_pair) == list(range(len(pairs)))  # every pair once
+    for sample in range(len(pairs) // steps_per_sample):
+        pair_steps = {step_of_pair[sample * steps_per_sample + j] for j in range(steps_per_sample)}
+        assert len(pair_steps) == 1  # a sample's pairs are trained in one optimizer step
+    for step in (0, 1):
+        counts = torch.cat([s for st, _, s in seen if st == step]).unique(return_counts=True)[1]
+        assert len(set(counts.tolist())) == 1 and int(counts[0]) == 3  # 3 samples a step, at every σ
+    assert all(len(s) == 3 for _, _, s in seen)  # micro-batches of 3 pairs: none cut short

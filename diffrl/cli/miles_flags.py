@@ -54,8 +54,8 @@ FLAGS: dict[str, MilesFlag] = {
     "--fsdp-master-dtype": MilesFlag(1, "diffrl keeps the trained weights as fp32 masters", accept=("fp32", "float32")),
     "--fsdp-reduce-dtype": MilesFlag(1, "gradients are reduced in the masters' dtype, fp32", accept=("fp32", "float32")),
     "--diffusion-train-iter-order": MilesFlag(1, "an optimizer step's gradient is the mean over its pairs in any "
-                                                 "order (diffrl shuffles them)", accept=("sample_major",
-                                                                                          "timestep_major")),
+                                                 "order; each step takes whole samples, as miles's does",
+                                              accept=("sample_major", "timestep_major")),
     "--diffusion-init-lora-weight": MilesFlag(1, "diffrl's LoRA adapters start Gaussian (B = 0)", accept=("gaussian",)),
     "--diffusion-task": MilesFlag(1, "text-to-image and text-to-video; an image-conditioned run (editing, image to "
                                      "video) reads each prompt row's condition images from --prompt-data instead "

@@ -448,7 +448,8 @@ class Trainer:
               "(--n-samples-per-prompt) or a graded reward give it spread")
 
     def update(self, pairs, env: dict) -> dict:
-        """--num-steps-per-rollout optimizer steps over a random split of the pairs, each accumulated
+        """--num-steps-per-rollout optimizer steps over a random split of the pairs (of the samples, with all their
+        pairs, where the objective keeps a sample's pairs together: `Objective.pairs_per_sample`), each accumulated
         over micro-batches of --micro-batch-size; a non-finite loss or gradient skips its step.
 
         Nothing here waits for the device per micro-batch: the pairs go to it without waiting (page-locked),
@@ -459,8 +460,12 @@ class Trainer:
         lr = learning_rate(cfg, self.rollout_index)  # a function of the rollout: a resumed run agrees
         policy.set_lr(lr)
         gen = torch.Generator().manual_seed(cfg.seed * 1_000_003 + self.rollout_index)
-        order = torch.randperm(len(pairs), generator=gen)
-        chunks = [c for c in order.chunk(cfg.optim.num_steps_per_rollout) if len(c)]
+        per_sample = self.objective.pairs_per_sample(pairs)  # consecutive pairs of one sample, kept in one step
+        if len(pairs) % per_sample:
+            raise RuntimeError(f"{len(pairs)} train pairs do not split into samples of {per_sample} pairs each")
+        samples = torch.randperm(len(pairs) // per_sample, generator=gen)
+        chunks = [(c[:, None] * per_sample + torch.arange(per_sample)).flatten()
+                  for c in samples.chunk(cfg.optim.num_steps_per_rollout) if len(c)]
         if policy.family.one_sample_per_forward:
             # Such a family batches only the rows of one prompt (models/cosmos3.py): a step's pairs in rollout order,
             # where each prompt's samples sit together, fill a micro-batch with one prompt's rows instead of a mix

@@ -162,6 +162,11 @@ class Objective:
             request.update(negative_prompt=r.negative_prompt)
         return request
 
+    def pairs_per_sample(self, pairs) -> int:
+        """How many consecutive pairs one sample made, kept together in one optimizer step (the trainer splits a
+        rollout's optimizer steps by samples then); 1: any pair may go to any step."""
+        return 1
+
     def micro_batch_key(self, pairs) -> torch.Tensor | None:
         """Per pair, a host value the trainer keeps constant within a micro-batch (it orders each optimizer step's
         pairs by it and cuts where it changes: `micro_batch_bounds`), so `loss` may treat it as one value; None: any

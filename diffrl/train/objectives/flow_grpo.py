@@ -82,6 +82,12 @@ class FlowGrpo(Objective):
         A family that batches only one prompt's rows (cosmos3) keeps its prompt-ordered micro-batches instead."""
         return not self.policy.family.one_sample_per_forward
 
+    def pairs_per_sample(self, pairs: GrpoPairs) -> int:
+        """The rollout's trained steps (`pairs` made one per sample and step of the window, a sample's together): an
+        optimizer step takes whole samples, as flow_grpo's and miles-diffusion's training loops split a rollout, so
+        every step holds the same number of pairs at each σ and its one-step micro-batches come out whole."""
+        return len(self.window)
+
     def micro_batch_key(self, pairs: GrpoPairs) -> torch.Tensor | None:
         return pairs.sigma if self.one_step_micro_batches() else None
 
