@@ -74,3 +74,13 @@ def test_report_cost_wording_fits_every_run_length(tmp_path):
     assert "Medians of rollouts 2–3 (rollout 1 holds the warm-up and is left out):" in three
     assert "| rollout seconds | 25.00 |" in three
     assert all("2–2" not in t and "Medians of rollouts" not in t for t in (one, two))
+
+
+def test_report_names_a_narrowing_of_the_held_out_images_hues(tmp_path):
+    records = [{"rollout": 0, "eval/reward": 0.3, "eval/hue_spread": 0.64, "eval/chroma": 17.0}]
+    records += [{"rollout": k, "rollout/reward/raw_mean": 0.4, "time/elapsed_s": 10.0 * k} for k in (1, 2)]
+    records[-1].update({"eval/reward": 0.6, "eval/hue_spread": 0.07, "eval/chroma": 67.0})
+    text = write_report(_run_folder(tmp_path, records, {"num_rollout": 2})).read_text()
+    assert "`eval/hue_spread` 0.64 → 0.07" in text and "| `eval/chroma` |" in text
+    records[-1]["eval/hue_spread"] = 0.5  # a little narrower: nothing to say
+    assert "hues narrowed" not in write_report(_run_folder(tmp_path, records, {"num_rollout": 2})).read_text()

@@ -94,6 +94,10 @@ def render_report(run_dir: Path, flags: dict, records: list[dict]) -> str:
         lines.append(f"since the first evaluation, in units of its spread: reward {last['eval/reward_gain_sd']:+.2f}, "
                      f"judge {last['eval/judge_gain_sd']:+.2f}, gap {last['eval/hacking_gap_sd']:+.2f} (a gap well "
                      "above 0: the reward rose where the judge did not)")
+    hues = [r["eval/hue_spread"] for r in records if "eval/hue_spread" in r]
+    if len(hues) >= 2 and hues[-1] < 0.5 * hues[0]:  # evaluation/diversity.py
+        lines.append(f"the held-out images' hues narrowed: `eval/hue_spread` {hues[0]:.2f} → {hues[-1]:.2f} (one "
+                     "palette no reward asked for; look at the grids)")
     best = best_by_selection(records, "val/strict")
     if best is not None:
         lines += ["", f"`checkpoints/best` holds rollout {best['rollout']} (highest validation accuracy)."]
