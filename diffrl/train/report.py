@@ -44,7 +44,7 @@ _COSTS = (
 
 
 # Held-out columns shown first in the report's table, in this order; the rest follow by name.
-_HEADLINE_EVAL_KEYS = ("eval/strict", "eval/score", "eval/reward", "eval/judge", "eval/hacking_gap_sd")
+_HEADLINE_EVAL_KEYS = ("eval/strict", "eval/score", "eval/reward", "eval/judge", "eval/hacking_gap_sd", "eval/hue_spread")
 
 
 def write_report(run_dir: Path) -> Path:
@@ -88,6 +88,7 @@ def render_report(run_dir: Path, flags: dict, records: list[dict]) -> str:
                   "| rollout | " + " | ".join(f"`{k}`" for k in keys) + " |", "|---" * (len(keys) + 1) + "|"]
         for r in evals:
             lines.append(f"| {r['rollout']} | " + " | ".join(_number(r.get(k)) for k in keys) + " |")
+        lines.append("")  # a line right under a table would render as one more of its rows
     gaps = [r for r in records if "eval/hacking_gap_sd" in r]
     if gaps:
         last = gaps[-1]
