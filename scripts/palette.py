@@ -11,7 +11,7 @@ import numpy as np
 from PIL import Image
 
 from diffrl.evaluation.diversity import palette
-from diffrl.evaluation.reward_eval import GRID_IMAGES
+from diffrl.evaluation.reward_eval import GRID_CAPTION_LINES, GRID_COLUMNS, GRID_IMAGES
 from diffrl.utils.images import grid_cells
 
 
@@ -21,7 +21,7 @@ def images_of(path: Path, n: int, size: tuple[int, int] | None) -> np.ndarray:
         return np.stack([np.asarray(Image.open(f).convert("RGB")) for f in files])
     if size is None:
         raise SystemExit(f"{path}: a grid needs --size HxW (one image's height and width)")
-    return grid_cells(path, n=n, ncols=8, height=size[0], width=size[1], caption_lines=3)  # save_eval_grid's layout
+    return grid_cells(path, n=n, ncols=GRID_COLUMNS, height=size[0], width=size[1], caption_lines=GRID_CAPTION_LINES)
 
 
 def main() -> None:

@@ -43,6 +43,7 @@ from diffrl.utils.images import fit_image, save_grid, to_uint8
 from diffrl.utils.size import sample_size
 
 GRID_IMAGES = 32
+GRID_COLUMNS, GRID_CAPTION_LINES = 8, 3  # an evaluation grid's layout (`save_eval_grid`; scripts/palette.py reads it)
 VIDEO_FPS = 16  # a video's playback rate when its family samples at none (Wan2.2: WanPipeline's export rate)
 
 
@@ -271,7 +272,7 @@ def save_eval_grid(result: RewardEval, path: Path, limit: int = GRID_IMAGES) -> 
     if result.sources:
         images, captions = with_sources(images, captions, result.sources)
     with atomic_path(path) as tmp:
-        save_grid(images, tmp, ncols=8, captions=captions, caption_lines=3)
+        save_grid(images, tmp, ncols=GRID_COLUMNS, captions=captions, caption_lines=GRID_CAPTION_LINES)
     return path
 
 

@@ -54,6 +54,19 @@ def wrap_caption(text: str, fits: Callable[[str], bool], max_lines: int) -> list
     return shown
 
 
+_PAD = 2  # pixels between a grid's cells and around them
+
+
+def _caption_height(lines: int) -> int:
+    return 11 * lines + 2
+
+
+def _cell_origin(k: int, ncols: int, cell_w: int, row_h: int) -> tuple[int, int]:
+    """Where cell k (row-major) of a grid starts: its image's top-left pixel."""
+    row, col = divmod(k, ncols)
+    return _PAD + col * (cell_w + _PAD), _PAD + row * (row_h + _PAD)
+
+
 def save_grid(
     images: torch.Tensor | np.ndarray,
     path: str | Path,
@@ -69,18 +82,16 @@ def save_grid(
     array = to_uint8(images) if isinstance(images, torch.Tensor) else np.asarray(images, dtype=np.uint8)
     n, h, w, _ = array.shape
     cell_w, cell_h = w * scale, h * scale
-    caption_h = 11 * caption_lines + 2 if captions else 0
-    pad = 2
+    caption_h = _caption_height(caption_lines) if captions else 0
     nrows = (n + ncols - 1) // ncols
-    grid = Image.new("RGB", (ncols * (cell_w + pad) + pad, nrows * (cell_h + caption_h + pad) + pad), (40, 40, 40))
+    grid = Image.new("RGB", (ncols * (cell_w + _PAD) + _PAD, nrows * (cell_h + caption_h + _PAD) + _PAD), (40, 40, 40))
     draw = ImageDraw.Draw(grid)
     font = ImageFont.load_default()
 
     def fits(line: str) -> bool:
         return draw.textlength(line, font=font) <= cell_w - 2
     for k in range(n):
-        row, col = divmod(k, ncols)
-        x0, y0 = pad + col * (cell_w + pad), pad + row * (cell_h + caption_h + pad)
+        x0, y0 = _cell_origin(k, ncols, cell_w, cell_h + caption_h)
         grid.paste(Image.fromarray(array[k]).resize((cell_w, cell_h), Image.NEAREST), (x0, y0))
         if captions:
             for j, line in enumerate(wrap_caption(captions[k], fits, caption_lines)):
@@ -96,12 +107,11 @@ def grid_cells(path: str | Path, *, n: int, ncols: int, height: int, width: int,
     """The first `n` images of a grid `save_grid` wrote (cells of `height` × `width` images, its `ncols`, `scale`
     and caption settings) as [n, height, width, 3] uint8: exactly the images it was given, its nearest upscale undone."""
     grid = np.asarray(Image.open(path).convert("RGB"))
-    pad, cell_w, cell_h = 2, width * scale, height * scale
-    caption_h = 11 * caption_lines + 2 if captioned else 0
+    cell_w, cell_h = width * scale, height * scale
+    caption_h = _caption_height(caption_lines) if captioned else 0
     cells = []
     for k in range(n):
-        row, col = divmod(k, ncols)
-        x0, y0 = pad + col * (cell_w + pad), pad + row * (cell_h + caption_h + pad)
+        x0, y0 = _cell_origin(k, ncols, cell_w, cell_h + caption_h)
         cell = grid[y0 : y0 + cell_h : scale, x0 : x0 + cell_w : scale]
         if cell.shape[:2] != (height, width):
             raise ValueError(f"{path}: no cell {k} of {height}×{width} at {ncols} columns (the grid is "
