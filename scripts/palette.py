@@ -1,6 +1,7 @@
-"""`eval/hue_spread` and `eval/chroma` (diffrl/evaluation/diversity.py) of evaluation grids (`grid.png`, as `diffrl train` writes them under eval/rollout-N/ and
-device calls bring them back) or of evaluation folders (their images/*.png): the first N images of each.
-Usage: palette.py [--n 32] [--size HxW] GRID.png|EVAL_DIR …  (--size: one image's size, for a grid)"""
+"""The held-out images' palette (`eval/hue_spread`, `eval/chroma`: diffrl/evaluation/diversity.py) of evaluation
+grids (`grid.png`, as `diffrl train` writes them under eval/rollout-N/ and device calls bring them back) or of
+evaluation folders (their images/*.png): the first N images of each.
+Usage: palette.py [--n 32] [--size HxW] GRID.png|EVAL_DIR …  (--size: one image's height and width, for a grid)"""
 
 from __future__ import annotations
 
