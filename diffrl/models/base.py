@@ -367,9 +367,11 @@ class FamilyAdapter(ABC):
                 uncond, cond = self.split_pair(both, latents.tokens.shape[0])
                 both = None
             if both is None:
-                v_uncond = self.run_transformer(transformer, latents, sigma, uncond)
-                if self.detach_uncond:
-                    v_uncond = v_uncond.detach()  # its graph is freed here: no backward through these rows
+                # Detached, the unconditional half runs with no graph at all (its activations are never kept, and a
+                # compiled block takes its inference graph): the engine's rollouts run it the same way, so a replay
+                # still matches them.
+                with torch.no_grad() if self.detach_uncond else contextlib.nullcontext():
+                    v_uncond = self.run_transformer(transformer, latents, sigma, uncond)
                 v_cond = self.run_transformer(transformer, latents, sigma, cond)
             else:
                 doubled = Latents(torch.cat([latents.tokens, latents.tokens]), latents.ids)
