@@ -6,7 +6,8 @@ import numpy as np
 import pytest
 import torch
 
-from diffrl.evaluation.diversity import palette, srgb_to_lab
+from diffrl.evaluation.diversity import palette
+from diffrl.utils.colour import srgb_to_lab
 from diffrl.utils.images import grid_cells, save_grid, to_uint8
 
 

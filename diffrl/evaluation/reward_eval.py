@@ -37,6 +37,7 @@ from diffrl.evaluation.sampling import TEST_SEED, generate
 from diffrl.models.base import FamilyAdapter
 from diffrl.rewards import _parse_weights, checked_rewards, get_reward
 from diffrl.rewards.frames import on_frames
+from diffrl.rewards.groups import pointwise_spec
 from diffrl.utils.atomic import atomic_path, write_text_atomic
 from diffrl.utils.blocking import run_blocking
 from diffrl.utils.images import fit_image, save_grid, to_uint8
@@ -92,7 +93,8 @@ def tag_name(spec: str) -> str:
 def reward_components(reward: str | Callable | Sequence[RewardComponent],
                       device: str | None = None) -> list[RewardComponent]:
     """The components of a reward spec (`ocr`, `pickscore@/path`, `multi:ocr=1,jpeg_compressibility=0.5`,
-    `module:function`), of a scorer already built (one component, `reward`), or components as given.
+    `module:function`; a group reward's `rank:ocr` is its pointwise `ocr`), of a scorer already built (one
+    component, `reward`), or components as given.
     `device` (specs only): where model rewards load and score (`cpu`, `cuda:N`; None or `auto`: CUDA when
     present)."""
     if isinstance(reward, str):
@@ -103,6 +105,7 @@ def reward_components(reward: str | Callable | Sequence[RewardComponent],
             parts = [(reward, 1.0)]
         components, seen = [], set()
         for spec, weight in parts:
+            spec = pointwise_spec(spec)  # a group reward's ranks or novelty among one model's seeds judge nothing
             name = tag_name(spec)
             if name in seen:  # two components reduce to one tag (e.g. two pickscore checkpoints)
                 name = f"{name}_{len(seen)}"

@@ -73,7 +73,8 @@ def reward_catalogue() -> str:
     out.append("a VLM judge: vlm@http://HOST:PORT/v1,model=NAME[,question=TEXT] (an OpenAI-compatible API; the score "
                "is P(Yes) of its answer)")
     out.append("group rewards: rank:SPEC (ranks within a prompt's group, in [0, 1]), pairwise:SPEC or pairwise@T:SPEC "
-               "(mean Bradley–Terry preference over the group)")
+               "(mean Bradley–Terry preference over the group), diverse:SPEC or diverse@W:SPEC (SPEC plus W times "
+               "the sample's colour novelty in its group)")
     out.append("combined: multi:NAME=WEIGHT,NAME=WEIGHT (a weighted sum; e.g. multi:ocr=1,jpeg_compressibility=0.5)")
     out.append(f"custom: {CUSTOM_SIGNATURE}")
     return "\n".join(out)
@@ -125,7 +126,7 @@ def get_reward(name: str, device: str | None = None) -> Callable:
     except KeyError:
         raise ValueError(f"unknown reward {name!r}; known: {', '.join(sorted(_REWARDS))}; model rewards "
                          f"{', '.join(f'{m}@PATH' for m in sorted(_MODEL_REWARDS))}; remote@URL (a reward server); "
-                         "vlm@URL,model=NAME (a VLM judge); rank:SPEC and pairwise:SPEC (group rewards); "
+                         "vlm@URL,model=NAME (a VLM judge); rank:SPEC, pairwise:SPEC and diverse:SPEC (group rewards); "
                          "multi:NAME=W,NAME=W; or a "
                          f"custom one as {CUSTOM_SIGNATURE} (`diffrl rewards` lists them)") from None
 

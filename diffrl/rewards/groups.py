@@ -6,6 +6,12 @@
 - `pairwise:SPEC` (`pairwise@T:SPEC` for a temperature T, default 1): a preference reward made from a pointwise one.
   Each pair of a group is judged by the Bradley–Terry probability `σ((s_i − s_j) / T)` that sample i is preferred
   to j, and a sample scores its mean preference over the others (0.5 alone, or when all are equal).
+- `diverse@W:SPEC` (`diverse:SPEC`: W = 0.25): SPEC's value plus W times the sample's colour novelty in its group,
+  against the collapse of every image onto one palette that a reward blind to colour lets RL make (the OCR world's
+  runs: light text on saturated magenta for every prompt). Novelty is the mean, over the group's other samples, of
+  the angle between the two images' average hues (CIELAB a*b*, `utils/colour.py`) over π, each pair weighted by
+  how coloured both are (`c / (c + 5)` of each chroma c), so a grey image's ill-defined hue earns little: 0 when
+  the whole group shares one hue, up to about 1 for one sample opposite the others.
 
 A group is every sample of one prompt that the reward is given at once: in a rollout, the trainer scores a prompt's
 whole group when its last microgroup lands (`scores_groups`), so scoring still overlaps the other groups'
@@ -19,11 +25,39 @@ import inspect
 import math
 from collections.abc import Callable
 
-PREFIXES = ("rank:", "pairwise:", "pairwise@")
+import numpy as np
+
+from diffrl.utils.colour import mean_ab
+
+PREFIXES = ("rank:", "pairwise:", "pairwise@", "diverse:", "diverse@")
+DIVERSE_WEIGHT = 0.25
+_CHROMA_HALF = 5.0  # the chroma (a*b* units) at which an image's hue counts half in `colour_novelty`
 
 
 def is_group_reward(spec: str) -> bool:
     return spec.startswith(PREFIXES)
+
+
+def pointwise_spec(spec: str) -> str:
+    """The pointwise reward a group reward wraps (`rank:ocr` → `ocr`), or `spec` itself. What a held-out evaluation
+    scores: ranks or novelty among one model's own seeds say nothing of its quality."""
+    while is_group_reward(spec):
+        spec = spec.partition(":")[2]
+    return spec
+
+
+def colour_novelty(ab: np.ndarray) -> list[float]:
+    """Each image's mean chroma-weighted hue distance to the others (`diverse@`), from their average a*b* `[N, 2]`;
+    0 alone."""
+    n = len(ab)
+    if n == 1:
+        return [0.0]
+    hue = np.arctan2(ab[:, 1], ab[:, 0])
+    chroma = np.hypot(ab[:, 0], ab[:, 1])
+    colourful = chroma / (chroma + _CHROMA_HALF)
+    apart = np.abs(np.angle(np.exp(1j * (hue[:, None] - hue[None, :])))) / np.pi  # [N, N] in [0, 1]
+    weighted = apart * colourful[:, None] * colourful[None, :]
+    return [float(v) for v in weighted.sum(axis=1) / (n - 1)]
 
 
 def ranks01(values: list[float]) -> list[float]:
@@ -58,18 +92,34 @@ def mean_preference(values: list[float], temperature: float) -> list[float]:
             for i in range(n)]
 
 
+def _parameter(spec: str, kind: str, name: str, default: float) -> float:
+    """The number after `@` in a group reward's prefix (`pairwise@2:…`), or `default` without one. `name`: what
+    the number is, and its letter in the docs (`temperature T`)."""
+    if "@" not in kind:
+        return default
+    prefix, _, number = kind.partition("@")
+    what, letter = name.split()
+    try:
+        value = float(number)
+    except ValueError:
+        raise ValueError(f"reward {spec!r}: the {what} in {prefix}@{letter}: is a number") from None
+    if not value > 0:
+        raise ValueError(f"reward {spec!r}: the {what} in {prefix}@{letter}: must be > 0")
+    return value
+
+
 def group_reward(spec: str, inner: Callable) -> Callable:
-    """The group reward of `spec` (`rank:…`, `pairwise:…`, `pairwise@T:…`) over the pointwise reward `inner`."""
+    """The group reward of `spec` (`rank:…`, `pairwise[@T]:…`, `diverse[@W]:…`) over the pointwise reward `inner`."""
     kind, _, _ = spec.partition(":")
-    temperature = 1.0
-    if kind.startswith("pairwise@"):
-        try:
-            temperature = float(kind.removeprefix("pairwise@"))
-        except ValueError:
-            raise ValueError(f"reward {spec!r}: the temperature in pairwise@T: is a number") from None
-        if not temperature > 0:
-            raise ValueError(f"reward {spec!r}: the temperature in pairwise@T: must be > 0")
-    transform = ranks01 if kind == "rank" else (lambda values: mean_preference(values, temperature))
+    if kind.startswith("pairwise"):
+        temperature = _parameter(spec, kind, "temperature T", 1.0)
+        transform = lambda values, images: mean_preference(values, temperature)  # noqa: E731
+    elif kind.startswith("diverse"):
+        weight = _parameter(spec, kind, "weight W", DIVERSE_WEIGHT)
+        transform = lambda values, images: [v + weight * n for v, n in  # noqa: E731
+                                            zip(values, colour_novelty(mean_ab(images)), strict=True)]
+    else:
+        transform = lambda values, images: ranks01(values)  # noqa: E731
 
     async def score(images, prompts, metadata=None) -> list[float]:
         values = inner(images, prompts, metadata)
@@ -81,7 +131,7 @@ def group_reward(spec: str, inner: Callable) -> Callable:
             groups.setdefault(prompt, []).append(i)
         out = [0.0] * len(values)
         for members in groups.values():
-            for i, value in zip(members, transform([values[i] for i in members]), strict=True):
+            for i, value in zip(members, transform([values[i] for i in members], [images[i] for i in members]), strict=True):
                 out[i] = value
         return out
 
