@@ -78,7 +78,7 @@ def test_diverse_adds_the_weighted_novelty_to_the_pointwise_value_within_each_pr
     assert got == pytest.approx([0.1 + 0.5 * novelty_a[0], 0.2 + 0.5 * novelty_a[1], 0.3 + 0.5 * novelty_b[0],
                                  0.4 + 0.5 * novelty_b[1]], abs=1e-6)  # the planted values are float32
     default = asyncio.run(get_reward("diverse:rewards_for_tests:by_index")(images, prompts, None))
-    assert default[0] == pytest.approx(0.1 + 0.25 * novelty_a[0], abs=1e-6)
+    assert default[0] == pytest.approx(0.1 + 4 * novelty_a[0], abs=1e-6)
     # The hue is CIELAB's: red's a*b* angle, not RGB's.
     lab = srgb_to_lab(torch.tensor(red, dtype=torch.float64).numpy())
     assert mean_ab(_painted([red], value=red[0]))[0] == pytest.approx(lab[1:], abs=1e-4)

@@ -6,7 +6,8 @@
 - `pairwise:SPEC` (`pairwise@T:SPEC` for a temperature T, default 1): a preference reward made from a pointwise one.
   Each pair of a group is judged by the Bradley–Terry probability `σ((s_i − s_j) / T)` that sample i is preferred
   to j, and a sample scores its mean preference over the others (0.5 alone, or when all are equal).
-- `diverse@W:SPEC` (`diverse:SPEC`: W = 0.25): SPEC's value plus W times the sample's colour novelty in its group,
+- `diverse@W:SPEC` (`diverse:SPEC`: W = 4, the weight that held the OCR world's palette on the CPU where 0.25 and 1
+  did not, docs/ocr-world.md): SPEC's value plus W times the sample's colour novelty in its group,
   against the collapse of every image onto one palette that a reward blind to colour lets RL make (the OCR world's
   runs: light text on saturated magenta for every prompt). Novelty is the mean, over the group's other samples, of
   the angle between the two images' average hues (CIELAB a*b*, `utils/colour.py`) over π, each pair weighted by
@@ -30,7 +31,7 @@ import numpy as np
 from diffrl.utils.colour import mean_ab
 
 PREFIXES = ("rank:", "pairwise:", "pairwise@", "diverse:", "diverse@")
-DIVERSE_WEIGHT = 0.25
+DIVERSE_WEIGHT = 4.0
 _CHROMA_HALF = 5.0  # the chroma (a*b* units) at which an image's hue counts half in `colour_novelty`
 
 
@@ -92,13 +93,12 @@ def mean_preference(values: list[float], temperature: float) -> list[float]:
             for i in range(n)]
 
 
-def _parameter(spec: str, kind: str, name: str, default: float) -> float:
-    """The number after `@` in a group reward's prefix (`pairwise@2:…`), or `default` without one. `name`: what
-    the number is, and its letter in the docs (`temperature T`)."""
+def _parameter(spec: str, kind: str, what: str, letter: str, default: float) -> float:
+    """The number after `@` in a group reward's prefix (`pairwise@2:…`), or `default` without one; `what` and
+    `letter` name it in errors (`the temperature in pairwise@T:`)."""
     if "@" not in kind:
         return default
     prefix, _, number = kind.partition("@")
-    what, letter = name.split()
     try:
         value = float(number)
     except ValueError:
@@ -112,10 +112,10 @@ def group_reward(spec: str, inner: Callable) -> Callable:
     """The group reward of `spec` (`rank:…`, `pairwise[@T]:…`, `diverse[@W]:…`) over the pointwise reward `inner`."""
     kind, _, _ = spec.partition(":")
     if kind.startswith("pairwise"):
-        temperature = _parameter(spec, kind, "temperature T", 1.0)
+        temperature = _parameter(spec, kind, "temperature", "T", 1.0)
         transform = lambda values, images: mean_preference(values, temperature)  # noqa: E731
     elif kind.startswith("diverse"):
-        weight = _parameter(spec, kind, "weight W", DIVERSE_WEIGHT)
+        weight = _parameter(spec, kind, "weight", "W", DIVERSE_WEIGHT)
         transform = lambda values, images: [v + weight * n for v, n in  # noqa: E731
                                             zip(values, colour_novelty(mean_ab(images)), strict=True)]
     else:
@@ -131,7 +131,8 @@ def group_reward(spec: str, inner: Callable) -> Callable:
             groups.setdefault(prompt, []).append(i)
         out = [0.0] * len(values)
         for members in groups.values():
-            for i, value in zip(members, transform([values[i] for i in members], [images[i] for i in members]), strict=True):
+            scored = transform([values[i] for i in members], [images[i] for i in members])
+            for i, value in zip(members, scored, strict=True):
                 out[i] = value
         return out
 
