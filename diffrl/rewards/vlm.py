@@ -7,8 +7,14 @@ Each image goes to the judge with a yes/no question about its prompt; the score 
 space. When neither word is among the top tokens, the answer's text decides (1 for yes, 0 for no); an answer that
 is neither stops the run with one line naming the server and what it said.
 
-Spec: `vlm@http://HOST:PORT/v1,model=NAME[,concurrency=N][,timeout=S][,question=TEXT]`. `question` goes last and
-takes the rest of the spec, commas included; `{prompt}` in it stands for the sample's prompt. The API key is
+An image-conditioned sample (an edit, an image-to-video clip: the metadata's `condition_images`) is judged with its
+sources: the message holds the source images first and the output last, and the default question asks whether the
+instruction was carried out on the source (for a video: whether the clip continues from its first frame), since an
+output alone cannot tell an edit done from a picture that merely fits the text. `sources=no` sends the output alone.
+
+Spec: `vlm@http://HOST:PORT/v1,model=NAME[,concurrency=N][,timeout=S][,sources=yes|no][,question=TEXT]`. `question`
+goes last and takes the rest of the spec, commas included; `{prompt}` in it stands for the sample's prompt (the
+instruction, for an edit); one question serves every sample, with or without sources. The API key is
 `DIFFRL_VLM_API_KEY` (else `OPENAI_API_KEY`, else a placeholder, which local servers accept).
 
 Serving a real judge, e.g. with vLLM: `vllm serve Qwen/Qwen2.5-VL-7B-Instruct --port 8000` on the judge's machine, then
@@ -26,12 +32,22 @@ from dataclasses import dataclass
 
 import torch
 
+from diffrl.data.condition_images import CONDITION_IMAGES_KEY
 from diffrl.rewards.frames import as_frames
 from diffrl.rewards.remote import png_base64
 from diffrl.utils.images import to_uint8
 
-OPTIONS = ("model", "concurrency", "timeout", "question")
+OPTIONS = ("model", "concurrency", "timeout", "sources", "question")
 DEFAULT_QUESTION = 'Does this image show "{prompt}"? Answer Yes or No.'
+# With sources: the message's images are the sources, then the output.
+EDIT_QUESTION = ('The last image was made from the image before it by following the instruction "{prompt}". Was '
+                 'the instruction carried out, with everything it does not ask to change left as it was? Answer Yes '
+                 'or No.')
+EDITS_QUESTION = ('The last image was made from the {count} images before it by following the instruction '
+                  '"{prompt}". Was the instruction carried out, with everything it does not ask to change left as it '
+                  'was? Answer Yes or No.')
+VIDEO_QUESTION = ('The first image is the starting frame of a video and the second is a frame of that video. Does '
+                  'the video continue from that starting frame and show "{prompt}"? Answer Yes or No.')
 TOP_LOGPROBS = 20  # the most the OpenAI API returns per position
 
 
@@ -56,9 +72,10 @@ class VlmJudge:
 
     url: str
     model: str
-    question: str = DEFAULT_QUESTION
+    question: str | None = None  # None: DEFAULT_QUESTION, or with sources EDIT(S)_QUESTION / VIDEO_QUESTION
     concurrency: int = 8
     timeout: float = 120.0
+    sources: bool = True
 
     def __post_init__(self):
         if not self.url.startswith(("http://", "https://")):
@@ -76,9 +93,14 @@ class VlmJudge:
         client = AsyncOpenAI(base_url=self.url, api_key=key, timeout=self.timeout, max_retries=3)
         slots = asyncio.Semaphore(self.concurrency)
 
-        async def judge(pixels, prompt: str) -> float:
-            content = [{"type": "image_url", "image_url": {"url": f"data:image/png;base64,{png_base64(pixels)}"}},
-                       {"type": "text", "text": self.question.replace("{prompt}", prompt)}]
+        def picture(pixels) -> dict:
+            return {"type": "image_url", "image_url": {"url": f"data:image/png;base64,{png_base64(pixels)}"}}
+
+        async def judge(pixels, prompt: str, sources: list, video: bool) -> float:
+            question = self.question or self._default_question(len(sources), video)
+            text = question.replace("{prompt}", prompt).replace("{count}", str(len(sources)))
+            content = [*(picture(to_uint8(s[None].float())[0]) for s in sources), picture(pixels),
+                       {"type": "text", "text": text}]
             async with slots:
                 answer = await client.chat.completions.create(
                     model=self.model, messages=[{"role": "user", "content": content}], max_tokens=1, temperature=0,
@@ -95,24 +117,45 @@ class VlmJudge:
                                  "no; ask a question it answers with Yes or No (question=…)")
             return score
 
-        frames, frame_prompts, _, f = as_frames(images, list(prompts), metadata)  # a video: each frame judged
+        frames, frame_prompts, frame_metadata, f = as_frames(images, list(prompts), metadata)  # a video: by frame
+        frame_sources = [list((m or {}).get(CONDITION_IMAGES_KEY) or ()) if self.sources else []
+                         for m in (frame_metadata or [None] * len(frame_prompts))]
         try:
-            scores = await asyncio.gather(*(judge(p, prompt) for p, prompt in zip(to_uint8(frames), frame_prompts,
-                                                                                   strict=True)))
+            scores = await asyncio.gather(*(judge(p, prompt, sources, f > 1) for p, prompt, sources in zip(
+                to_uint8(frames), frame_prompts, frame_sources, strict=True)))
         finally:
             await client.close()
         return [sum(scores[i:i + f]) / f for i in range(0, len(scores), f)]
 
+    @staticmethod
+    def _default_question(sources: int, video: bool) -> str:
+        if not sources:
+            return DEFAULT_QUESTION
+        if video:
+            return VIDEO_QUESTION
+        return EDIT_QUESTION if sources == 1 else EDITS_QUESTION
+
 
 def vlm_judge(url: str, options: dict[str, str]) -> VlmJudge:
     """The judge of a `vlm@URL,OPTION=VALUE…` spec."""
-    kinds = {"model": str, "question": str, "concurrency": int, "timeout": float}
+    kinds = {"model": str, "question": str, "concurrency": int, "timeout": float, "sources": _yes_no}
     values = {}
     for key, value in options.items():
         try:
             values[key] = kinds[key](value)
         except ValueError:
-            raise ValueError(f"reward vlm@{url}: {key}={value!r} is not a {kinds[key].__name__}") from None
+            raise ValueError(f"reward vlm@{url}: {key}={value!r} is not a {_kind_name(kinds[key])}") from None
     if "model" not in values:
         raise ValueError(f"reward vlm@{url}: name the judge's model: vlm@{url},model=NAME")
     return VlmJudge(url, **values)
+
+
+def _yes_no(value: str) -> bool:
+    words = {"yes": True, "true": True, "1": True, "no": False, "false": False, "0": False}
+    if value.strip().lower() not in words:
+        raise ValueError(value)
+    return words[value.strip().lower()]
+
+
+def _kind_name(kind) -> str:
+    return "yes or no" if kind is _yes_no else kind.__name__
