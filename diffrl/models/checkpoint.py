@@ -27,23 +27,20 @@ from diffrl.utils.manifest import verify_checkpoint
 
 
 def load_model(base_path: Path, checkpoint: Path | None = None, *, family: str | None = None,
-               device: torch.device | str = "cpu") -> FamilyAdapter:
-    """The base model, or the base model with `checkpoint` applied (see the module docstring)."""
+               device: torch.device | str = "cpu", dtype: torch.dtype | None = None) -> FamilyAdapter:
+    """The base model, or the base model with `checkpoint` applied (see the module docstring); `dtype`: the
+    family's load dtype (None: its default)."""
     family_cls = resolve_family(family, base_path)  # a checkpoint is of its base model's family
+    dtype_kw = {} if dtype is None else {"dtype": dtype}
     if checkpoint is None:
-        return family_cls.load(base_path, device=device)
-    checkpoint = Path(checkpoint)
-    if (checkpoint / "manifest.json").is_file():  # a run checkpoint: its files must match what was written
-        problem = verify_checkpoint(checkpoint)
-        if problem is not None:
-            raise ModelLoadError(f"damaged checkpoint: {checkpoint} ({problem})")
-    check_checkpoint(checkpoint)
+        return family_cls.load(base_path, device=device, **dtype_kw)
+    checkpoint = open_checkpoint(checkpoint)
     for full in (checkpoint, checkpoint / "model"):
         if _is_full_model(full):
-            return family_cls.load(full, device=device)
-    model = family_cls.load(base_path, device=device)
-    lora_dir = checkpoint / "lora" if (checkpoint / "lora").is_dir() else checkpoint
-    if _has_lora(lora_dir):
+            return family_cls.load(full, device=device, **dtype_kw)
+    model = family_cls.load(base_path, device=device, **dtype_kw)
+    lora_dir = lora_folder(checkpoint)
+    if lora_dir is not None:
         try:
             _apply_lora(model, lora_dir)
         except WeightsMismatch as err:
@@ -121,6 +118,61 @@ def _another_base(problem: str, model: FamilyAdapter, base_path: Path, checkpoin
     run = f" (its run trained {trained})" if trained else ""
     return ModelLoadError(f"{problem} the {model.name} model at {base_path}{run}; pass the base model the run "
                           "trained (--model-path, or --base for diffrl compare)")
+
+
+def open_checkpoint(checkpoint: Path) -> Path:
+    """`checkpoint`, verified against its manifest when it is a run checkpoint and checked to hold a model (no weights
+    read), else a ModelLoadError naming it."""
+    checkpoint = Path(checkpoint)
+    if (checkpoint / "manifest.json").is_file():  # a run checkpoint: its files must match what was written
+        problem = verify_checkpoint(checkpoint)
+        if problem is not None:
+            raise ModelLoadError(f"damaged checkpoint: {checkpoint} ({problem})")
+    return check_checkpoint(checkpoint)
+
+
+def lora_folder(checkpoint: Path) -> Path | None:
+    """The folder holding a checkpoint's PEFT adapter(s) (`lora/`, or the checkpoint itself), or None when it holds
+    full weights."""
+    lora_dir = checkpoint / "lora" if (checkpoint / "lora").is_dir() else checkpoint
+    return lora_dir if _has_lora(lora_dir) else None
+
+
+def load_lora_weights(model: FamilyAdapter, lora_dir: Path, rank: int, alpha: float, targets: list[str]) -> None:
+    """Copy the adapter saved in `lora_dir` into the adapter "default" of `model.transformer` (made by
+    `models.lora.add_lora` with this rank, alpha and targets): a LoRA run's warm start. An adapter of another rank,
+    alpha or target set is refused naming the flags that would match it; tensors are checked as `_apply_lora` does."""
+    from peft import set_peft_model_state_dict
+
+    files = _lora_files(model, lora_dir)
+    for folder, _ in files:
+        try:
+            config = json.loads((folder / "adapter_config.json").read_text())
+            theirs = (int(config["r"]), float(config["lora_alpha"]), config["target_modules"])
+        except (OSError, ValueError, KeyError, TypeError) as err:
+            raise ModelLoadError(f"{folder / 'adapter_config.json'}: not a PEFT LoRA config ({err})") from None
+        their_targets = sorted(set(theirs[2])) if isinstance(theirs[2], list) else theirs[2]
+        if (theirs[0], theirs[1], their_targets) != (rank, float(alpha), sorted(set(targets))):
+            shown = ", ".join(their_targets) if isinstance(their_targets, list) else repr(their_targets)
+            raise ModelLoadError(
+                f"{folder}: its adapter (rank {theirs[0]}, alpha {theirs[1]:g}, targets {shown}) is not this run's "
+                f"(rank {rank}, alpha {float(alpha):g}, targets {', '.join(sorted(set(targets)))}); pass --lora-rank "
+                f"{theirs[0]} --lora-alpha {theirs[1]:g} --lora-target-modules {shown.replace(', ', ' ')}")
+    state = {}
+    for folder, prefix in files:
+        state.update({f"base_model.model.{prefix}{k.removeprefix('base_model.model.')}": v
+                      for k, v in read_weights(folder / "adapter_model.safetensors").items()})
+    try:
+        result = set_peft_model_state_dict(model.transformer, state, adapter_name="default")
+    except RuntimeError as err:
+        lines = str(err).strip().splitlines()
+        raise ModelLoadError(f"{lora_dir}: its adapter does not fit the {model.name} model "
+                             f"({(lines[1] if len(lines) > 1 else lines[0]).strip()})") from None
+    missing = [k for k in result.missing_keys if "lora_" in k]
+    if result.unexpected_keys or missing:
+        problem = (f"keys of no module here, e.g. {result.unexpected_keys[0]}" if result.unexpected_keys
+                   else f"{len(missing)} adapter tensors of this model missing, e.g. {missing[0]}")
+        raise ModelLoadError(f"{lora_dir}: its adapter does not fit the {model.name} model ({problem})")
 
 
 def check_checkpoint(checkpoint: Path) -> Path:

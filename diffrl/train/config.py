@@ -38,6 +38,13 @@ class ModelConfig:
     diffusion_model_family: str | None = None
     """The model family (demo, sd3, flux3_image, qwen_image, krea2, wan2_2, ltx2, cosmos3); None: detected
     from the model folder."""
+    init_from: Path | None = None
+    """Start from this checkpoint's weights instead of the base model's own: a run checkpoint
+    (RUN/checkpoints/rollout-N or best), a PEFT adapter folder, or a full model or transformer folder of the same
+    family. A LoRA adapter warm-starts the run's adapter (its rank, alpha and targets must be the run's); full
+    weights replace the transformer's (a LoRA run then trains a fresh adapter on them). Not a resume: the optimizer,
+    the rollout count, the seeds and the EMA start fresh. --diffusion-kl-beta's base is the model the run starts
+    from with its adapter switched off: the loaded full weights, or for a LoRA warm start the --model-path model."""
     resolution: int | None = None
     """Side in pixels of the square images rolled out and evaluated (shorthand for --height N --width N);
     None: --height/--width, else the family's default (e.g. 1024 for SD3.5, whose published Flow-GRPO
@@ -108,6 +115,8 @@ class ModelConfig:
         _require(self.lora_rank >= 1 and self.lora_alpha > 0,
                  f"--lora-rank must be >= 1 and --lora-alpha > 0 (got {self.lora_rank}, {self.lora_alpha})")
         self.size()  # refuses --resolution with --height/--width, one side alone, or a side below 1
+        _require(self.init_from is None or Path(self.init_from).is_dir(),
+                 f"--init-from {self.init_from}: no such directory (a run checkpoint, an adapter or a model folder)")
         self.speed_options().check()
         _require(self.gradient_checkpointing_interval >= 1,
                  f"--gradient-checkpointing-interval must be >= 1 (got {self.gradient_checkpointing_interval})")

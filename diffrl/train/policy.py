@@ -20,6 +20,7 @@ import contextlib
 import copy
 import math
 import os
+from pathlib import Path
 from collections.abc import Sequence
 
 import torch
@@ -27,6 +28,7 @@ import torch
 from diffrl.serving.colocated import ColocatedEngineClient
 from diffrl.models.checkpointing import enable_gradient_checkpointing
 from diffrl.models.compile import block_kinds_at_recompile_limit, uncompiled_block_kinds
+from diffrl.models.checkpoint import load_lora_weights
 from diffrl.models.lora import LoraSpec, add_lora
 from diffrl.train.ema import ParameterEMA
 from diffrl.train.objectives import OBJECTIVES
@@ -105,7 +107,7 @@ def in_process_training_graph_rows(cfg, graph: str) -> int | None:
 
 
 class Policy:
-    def __init__(self, cfg, family, parallel: Parallel, device: torch.device):
+    def __init__(self, cfg, family, parallel: Parallel, device: torch.device, init_lora: Path | None = None):
         m, a, o = cfg.model, cfg.algorithm, cfg.optim
         self.family, self.parallel, self.device = family, parallel, device
         self.use_lora, self.kl_reference = m.use_lora, a.kl_reference
@@ -129,6 +131,8 @@ class Policy:
             if not any("lora_" in n for n, _ in transformer.named_parameters()):
                 raise ValueError(f"--lora-target-modules {', '.join(targets)}: no module of the {family.name} "
                                  "transformer matches")
+            if init_lora is not None:  # --init-from: the run's adapter starts as the saved one (before any copy)
+                load_lora_weights(family, init_lora, self.lora.rank, self.lora.alpha, self.lora.target_modules)
         # Attention kernel, fused projections, decode batch: after LoRA (whose targets --fuse-qkv checks),
         # before the engine's copy is made, so that both run the same forward.
         speed = m.speed_options()

@@ -33,7 +33,6 @@ from diffrl.serving.colocated import ColocatedEngineClient
 from diffrl.engine.engine import Engine
 from diffrl.engine.spec import EngineSpec, build_engine
 from diffrl.errors import RequestError
-from diffrl.models import resolve_family
 from diffrl.models.demo import SHIPPED_DEMO_MODEL
 from diffrl.rewards import multi_weights
 from diffrl.rewards.colocate import InProcessRewards
@@ -70,6 +69,7 @@ from diffrl.train.replay import (
 )
 from diffrl.train.report import run_summary, write_report
 from diffrl.train.wandb_run import WandbRun, require_wandb
+from diffrl.train.warm_start import warm_start
 from diffrl.utils import determinism
 from diffrl.utils.compile_settings import compile_setting
 from diffrl.utils.device import resolve_device
@@ -172,13 +172,12 @@ class Trainer:
         torch.manual_seed(cfg.seed)
         # bf16 forwards: load every component in bf16 (Policy upcasts what is trained to fp32 masters).
         dtype = torch.bfloat16 if bf16_forward(cfg.model, self.device) else torch.float32
-        family = resolve_family(cfg.model.diffusion_model_family, cfg.model.model_path).load(
-            cfg.model.model_path, device=self.device, dtype=dtype)
+        family, init_lora = warm_start(cfg.model, self.device, dtype)
         check_family_flags(cfg, family)
         if cfg.model.offload_text_encoder:
             family.offload_text_encoders_to_cpu()
         self.task.check_family(family)
-        self.policy = Policy(cfg, family, self.parallel, self.device)
+        self.policy = Policy(cfg, family, self.parallel, self.device, init_lora=init_lora)
         self.objective = build_objective(cfg, self.policy)
         self.checkpointer = Checkpointer(out, self.policy, keep_last=cfg.checkpoint.keep_last_checkpoints)
         self.fingerprint = fingerprint(cfg, family.name)  # what a rollout record must share with this run
