@@ -35,13 +35,22 @@ class EvalSettings:
         return cls(num_steps=e.eval_num_steps or r.diffusion_num_steps,
                    guidance_scale=r.diffusion_guidance_scale if rollout_cfg else e.eval_guidance_scale,
                    guidance_scale_2=r.diffusion_guidance_scale_2 if rollout_cfg else None,
-                   resolution=cfg.model.resolution, height=cfg.model.height, width=cfg.model.width,
-                   num_frames=cfg.model.num_frames, negative_prompt=r.negative_prompt,
+                   **eval_size(cfg),
+                   num_frames=cfg.model.num_frames if e.eval_num_frames is None else e.eval_num_frames,
+                   negative_prompt=r.negative_prompt,
                    reward_frames=cfg.task.reward_frames)
 
     def size(self) -> dict:
         """The size keywords of the evaluation functions."""
         return {"resolution": self.resolution, "height": self.height, "width": self.width}
+
+
+def eval_size(cfg) -> dict:
+    """The held-out samples' size keywords: --eval-resolution / --eval-height and --eval-width, else the rollouts'."""
+    e, m = cfg.eval, cfg.model
+    if e.eval_resolution is None and e.eval_height is None:
+        return {"resolution": m.resolution, "height": m.height, "width": m.width}
+    return {"resolution": e.eval_resolution, "height": e.eval_height, "width": e.eval_width}
 
 
 @dataclass

@@ -511,6 +511,15 @@ class EvalConfig:
     eval_num_steps: int | None = None
     """ODE steps of the held-out evaluation; None: the rollout's --diffusion-num-steps. (Flow-GRPO and
     DiffusionNFT roll out with few steps and evaluate with more, e.g. 10 and 40.)"""
+    eval_resolution: int | None = None
+    """Side of the square held-out samples (as --resolution); None: --eval-height/--eval-width, else the rollouts'
+    size. (Published recipes roll out small and evaluate at the model's own size, e.g. 384² and 1024².)"""
+    eval_height: int | None = None
+    """Height of the held-out samples, with --eval-width; None: the rollouts'."""
+    eval_width: int | None = None
+    """Width of the held-out samples, with --eval-height."""
+    eval_num_frames: int | None = None
+    """Frames of each held-out video (video families); None: the rollouts' --num-frames."""
     eval_log_images: int = 8
     """Evaluation images logged to TensorBoard at each evaluation."""
     eval_before_train: bool = True
@@ -532,6 +541,9 @@ class EvalConfig:
                  f"(got {self.eval_num_prompts}, {self.n_samples_per_eval_prompt})")
         _require(self.eval_num_steps is None or self.eval_num_steps >= 1,
                  f"--eval-num-steps must be >= 1, got {self.eval_num_steps}")
+        sample_size(self.eval_resolution, self.eval_height, self.eval_width, flags="--eval-")
+        _require(self.eval_num_frames is None or self.eval_num_frames >= 1,
+                 f"--eval-num-frames must be >= 1, got {self.eval_num_frames}")
 
 
 @dataclass

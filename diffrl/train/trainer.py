@@ -74,6 +74,7 @@ from diffrl.utils import determinism
 from diffrl.utils.compile_settings import compile_setting
 from diffrl.utils.device import resolve_device
 from diffrl.utils.folders import check_output_dir
+from diffrl.utils.size import sample_size, size_flags
 
 
 def validate_config(cfg: TrainConfig) -> None:
@@ -108,6 +109,22 @@ def check_family_flags(cfg: TrainConfig, family) -> None:
             family.check_size(height, width, num_frames=m.num_frames)
         except RequestError as err:
             raise ValueError(f"--num-frames {m.num_frames}: {err.message}") from None
+    e = cfg.eval
+    eval_size = sample_size(e.eval_resolution, e.eval_height, e.eval_width, flags="--eval-")
+    eval_flags = size_flags(e.eval_resolution, e.eval_height, e.eval_width).replace("--", "--eval-")
+    if eval_size is not None:
+        try:
+            family.check_size(*eval_size)
+        except RequestError as err:
+            raise ValueError(f"{eval_flags}: {err.message}") from None
+    if e.eval_num_frames is not None:
+        if not family.generates_video:
+            raise ValueError(f"--eval-num-frames {e.eval_num_frames}: the {family.name} family generates images, not "
+                             "video")
+        try:
+            family.check_size(*(eval_size or size or family.default_size()), num_frames=e.eval_num_frames)
+        except RequestError as err:
+            raise ValueError(f"--eval-num-frames {e.eval_num_frames}: {err.message}") from None
 
 
 def validate_parallel(cfg: TrainConfig, parallel: Parallel) -> None:
