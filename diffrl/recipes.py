@@ -160,8 +160,8 @@ _LTX23_GRPO = dict(diffusion_model_family="ltx2", loss_type="flow_grpo", reward=
 # frames of 480², 8 steps (28 to evaluate) with CFG 3.5 for both experts, SDE at noise 0.9 on step 1, 48 prompts
 # × 16 samples in 2 optimizer steps, per-prompt mean and std, no KL, clip 1e-4, advantage clip 5, LoRA r64/α128,
 # bf16 forward, lr 1e-4, AdamW β2 0.999, weight decay 1e-4, grad clip 1, micro-batches of one sample, evaluations and
-# checkpoints every 20 rollouts. Not expressed here: its adapters on the high-noise expert alone (here on both, the
-# targets of wan22-grpo-pickscore), its EMA for evaluation and its 21-frame 720² evaluations. Microgroups of 8 (as
+# checkpoints every 20 rollouts, 21-frame 720² evaluations. Not expressed here: its adapters on the high-noise expert
+# alone (here on both, the targets of wan22-grpo-pickscore) and its EMA for evaluation. Microgroups of 8 (as
 # wan22-grpo-pickscore) and the 300 rollouts are ours.
 _WAN22_I2V_GRPO = dict(_WAN22_GRPO, num_frames=5, diffusion_num_steps=8, eval_num_steps=28,
                        diffusion_guidance_scale=3.5, diffusion_guidance_scale_2=None, diffusion_noise_level=0.9,
@@ -169,7 +169,8 @@ _WAN22_I2V_GRPO = dict(_WAN22_GRPO, num_frames=5, diffusion_num_steps=8, eval_nu
                        diffusion_adv_clip_max=5.0, diffusion_kl_beta=0.0, rollout_batch_size=48,
                        n_samples_per_prompt=16, rollout_microgroup_size=8, global_batch_size=384,
                        num_steps_per_rollout=2, micro_batch_size=1, lr=1e-4, grad_clip=1.0, num_rollout=300,
-                       eval_interval=20, checkpoint_interval=20, condition_images="required")
+                       eval_interval=20, checkpoint_interval=20, eval_resolution=720, eval_num_frames=21,
+                       condition_images="required")
 # Flow-GRPO image to video on LTX-2.3 with PickScore: ltx23-grpo-pickscore's settings (miles_diffusion's LTX-2.3
 # run, above: 57 frames of 512 × 768, 24 steps, CPS at noise 0.8 on 3 steps drawn from steps 0-9, CFG 1, 8 × 8,
 # microgroup 1, PickScore on 3 frames), the first frame from each row: on LTX2ImageToVideoPipeline's checkpoint or
@@ -223,27 +224,28 @@ _FLUX1_GRPO = dict(diffusion_model_family="flux1", loss_type="flow_grpo", reward
 # outputs, 10 steps with true CFG 4, SDE at noise 1.0 on one step drawn per rollout from steps 1-3, 48 prompts × 16
 # samples in 2 optimizer steps, per-prompt mean and std, no KL, clip 1e-4, advantage clip 5, LoRA r64/α128 on both
 # streams' attention and MLPs (its default targets), bf16 forward, lr 3e-4, AdamW β2 0.999, weight decay 1e-4, grad
-# clip 1, micro-batches of one sample; 40-step evaluations. Not expressed here: its 384² reference images while
-# training (a checkpoint setting here: `"diffrl": {"vae_image_area": 147456}` in model_index.json; 1024² otherwise,
-# the pipeline's), its GDPO aggregation (one reward here), its EMA for evaluation and its 1024² evaluations.
+# clip 1, micro-batches of one sample; 40-step evaluations at 1024². Not expressed here: its 384² reference images
+# while training (a checkpoint setting here: `"diffrl": {"vae_image_area": 147456}` in model_index.json; 1024²
+# otherwise, the pipeline's), its GDPO aggregation (one reward here) and its EMA for evaluation.
 # Microgroups of 16, gradient checkpointing and the intervals are ours.
 _QWEN_EDIT_GRPO = dict(_QWEN_GRPO, resolution=384, diffusion_noise_level=1.0, diffusion_sde_window_range=(1, 4),
                        diffusion_num_sde_steps=1, globalize_reward_std=False, diffusion_adv_clip_max=5.0,
                        diffusion_kl_beta=0.0, rollout_batch_size=48, n_samples_per_prompt=16,
                        rollout_microgroup_size=16, global_batch_size=384, micro_batch_size=1, grad_clip=1.0,
-                       eval_num_steps=40, num_rollout=300, eval_interval=30, checkpoint_interval=30,
-                       condition_images="required")
+                       eval_num_steps=40, eval_resolution=1024, num_rollout=300, eval_interval=30,
+                       checkpoint_interval=30, condition_images="required")
 
 # Flow-GRPO on FLUX.1 Kontext (instruction editing; --prompt-data rows name each edit's source under `image`) with
 # PickScore: X-GenGroup/Flow-Factory's examples/grpo/lora/flux1_kontext/default.yaml: 384² outputs from 384² sources
 # (resize the sources to 384² beforehand: the engine takes them at their own size), 10 steps without true CFG, SDE at
 # noise 0.9 on one step drawn per rollout from steps 1-3, 48 prompts × 16 samples in 2 optimizer steps, per-prompt
 # mean and std, no KL, clip 1e-4, advantage clip 5, LoRA r64/α128, bf16 forward, lr 3e-4, AdamW β2 0.999, weight
-# decay 1e-4, grad clip 1, micro-batches of one sample; 20-step evaluations. Not expressed here: its embedded
-# guidance 2.5 (a checkpoint setting here: `"diffrl": {"guidance": 2.5}` in model_index.json; 3.5 otherwise), its
-# EMA for evaluation and its 512² evaluations. Microgroups of 16, gradient checkpointing and the intervals are ours.
+# decay 1e-4, grad clip 1, micro-batches of one sample; 20-step evaluations at 512². Not expressed here: its embedded
+# guidance 2.5 (a checkpoint setting here: `"diffrl": {"guidance": 2.5}` in model_index.json; 3.5 otherwise) and its
+# EMA for evaluation. Microgroups of 16, gradient checkpointing and the intervals are ours.
 _FLUX1_KONTEXT_GRPO = dict(diffusion_model_family="flux1", loss_type="flow_grpo", reward="pickscore", resolution=384,
                            use_lora=True, lora_rank=64, lora_alpha=128.0, diffusion_num_steps=10, eval_num_steps=20,
+                           eval_resolution=512,
                            diffusion_guidance_scale=1.0, diffusion_noise_level=0.9, diffusion_sde_window_range=(1, 4),
                            diffusion_num_sde_steps=1, diffusion_clip_range=1e-4, diffusion_adv_clip_max=5.0,
                            diffusion_kl_beta=0.0, rollout_batch_size=48, n_samples_per_prompt=16,
@@ -256,12 +258,12 @@ _FLUX1_KONTEXT_GRPO = dict(diffusion_model_family="flux1", loss_type="flow_grpo"
 # steps with CFG g = 4 in Z-Image's form (our scale s = g + 1 = 5), SDE at noise 0.7 on one step drawn per rollout
 # from steps 1-3, 48 prompts × 16 samples in 2 optimizer steps, per-prompt mean and std, no KL, clip 1e-4, advantage
 # clip 5, LoRA r64/α128 on the family's default targets (that file's default list), fp32 masters with a bf16
-# forward, lr 3e-4, AdamW β2 0.999, weight decay 1e-4, grad clip 1, micro-batches of one sample. Not expressed
-# here: its GDPO aggregation of several rewards (one reward here), its EMA for evaluation, and its 40-step
-# evaluations at 1024². Microgroups of 16 (one request per prompt), gradient checkpointing and the intervals are ours.
+# forward, lr 3e-4, AdamW β2 0.999, weight decay 1e-4, grad clip 1, micro-batches of one sample; 40-step evaluations
+# at 1024². Not expressed here: its GDPO aggregation of several rewards (one reward here) and its EMA for
+# evaluation. Microgroups of 16 (one request per prompt), gradient checkpointing and the intervals are ours.
 _Z_IMAGE_GRPO = dict(diffusion_model_family="z_image", loss_type="flow_grpo", reward="pickscore", resolution=512,
                      use_lora=True, lora_rank=64, lora_alpha=128.0, diffusion_num_steps=10, eval_num_steps=40,
-                     diffusion_guidance_scale=5.0, diffusion_noise_level=0.7, diffusion_sde_window_range=(1, 4),
+                     eval_resolution=1024, diffusion_guidance_scale=5.0, diffusion_noise_level=0.7, diffusion_sde_window_range=(1, 4),
                      diffusion_num_sde_steps=1, diffusion_clip_range=1e-4, diffusion_adv_clip_max=5.0,
                      diffusion_kl_beta=0.0, rollout_batch_size=48, n_samples_per_prompt=16,
                      rollout_microgroup_size=16, global_batch_size=384, num_steps_per_rollout=2, micro_batch_size=1,
@@ -269,18 +271,20 @@ _Z_IMAGE_GRPO = dict(diffusion_model_family="z_image", loss_type="flow_grpo", re
                      gradient_checkpointing=True, num_rollout=300, eval_interval=40, checkpoint_interval=40,
                      eval_images_per_category=0)
 # The same on Z-Image-Turbo: the same file for the turbo checkpoint (examples/grpo/lora/z_image_turbo): 6 steps
-# without CFG (g = 0), 10 to evaluate; the SDE step, batch and optimizer as above.
-_Z_IMAGE_TURBO_GRPO = dict(_Z_IMAGE_GRPO, diffusion_num_steps=6, eval_num_steps=10, diffusion_guidance_scale=1.0)
+# without CFG (g = 0), 10 to evaluate at the rollouts' 512²; the SDE step, batch and optimizer as above.
+_Z_IMAGE_TURBO_GRPO = dict(_Z_IMAGE_GRPO, diffusion_num_steps=6, eval_num_steps=10, eval_resolution=None,
+                           diffusion_guidance_scale=1.0)
 
 # Flow-GRPO on FLUX.2 [klein] (the step-distilled 4B / 9B) with PickScore: X-GenGroup/Flow-Factory's
 # examples/grpo/lora/flux2_klein/default.yaml: 384², the distilled 4 steps (10 to evaluate) without CFG, SDE at noise
 # 0.5 on one step drawn per rollout from steps 1-2, 48 prompts × 16 samples in 2 optimizer steps, per-prompt mean and
 # std, no KL, clip 1e-4, advantage clip 5, LoRA r64/α128 on the family's default targets (that model's default list),
 # fp32 masters with a bf16 forward, lr 3e-4, AdamW β2 0.999, weight decay 1e-4, grad clip 1, micro-batches of one
-# sample. Not expressed here: its EMA for evaluation and its evaluations at 1024². Microgroups of 16 (one request
-# per prompt), gradient checkpointing and the intervals are ours.
+# sample; evaluations at 1024². Not expressed here: its EMA for evaluation. Microgroups of 16 (one request per
+# prompt), gradient checkpointing and the intervals are ours.
 _FLUX2_KLEIN_GRPO = dict(diffusion_model_family="flux2", loss_type="flow_grpo", reward="pickscore", resolution=384,
                          use_lora=True, lora_rank=64, lora_alpha=128.0, diffusion_num_steps=4, eval_num_steps=10,
+                         eval_resolution=1024,
                          diffusion_guidance_scale=1.0, diffusion_noise_level=0.5, diffusion_sde_window_range=(1, 3),
                          diffusion_num_sde_steps=1, diffusion_clip_range=1e-4, diffusion_adv_clip_max=5.0,
                          diffusion_kl_beta=0.0, rollout_batch_size=48, n_samples_per_prompt=16,
@@ -292,8 +296,8 @@ _FLUX2_KLEIN_GRPO = dict(diffusion_model_family="flux2", loss_type="flow_grpo", 
 # evaluate), noise 0.7 on one step drawn from steps 1-3; the batch and optimizer as above.
 _FLUX2_KLEIN_BASE_GRPO = dict(_FLUX2_KLEIN_GRPO, diffusion_num_steps=8, eval_num_steps=28, diffusion_guidance_scale=4.0,
                               diffusion_noise_level=0.7, diffusion_sde_window_range=(1, 4))
-# Flow-GRPO on FLUX.2 [dev] (examples/grpo/lora/flux2/t2i.yaml): 512², 8 steps (28 to evaluate) with the embedded
-# guidance 4 (the family's default checkpoint setting) and no true CFG, noise 1.0 on one step drawn from steps 1-3;
+# Flow-GRPO on FLUX.2 [dev] (examples/grpo/lora/flux2/t2i.yaml): 512², 8 steps (28 to evaluate at 1024²) with the
+# embedded guidance 4 (the family's default checkpoint setting) and no true CFG, noise 1.0 on one step drawn from steps 1-3;
 # the batch and optimizer as above. Not expressed here: that file's reward is a CLIP text-alignment term (weight 1)
 # beside PickScore (0.5) aggregated by GDPO: `--reward multi:clipscore@DIR=1,pickscore@DIR=0.5
 # --advantage-aggregation gdpo` gives it. 32 B parameters and a 24 B text encoder: an H200 with
@@ -306,15 +310,16 @@ _FLUX2_DEV_GRPO = dict(_FLUX2_KLEIN_GRPO, resolution=512, diffusion_num_steps=8,
 # them beforehand, the engine takes a reference at its own size (downscaled only above 1024², as the pipeline).
 # Flow-Factory has no FLUX.2 [klein] editing example: the klein recipes apply to an editing prompt set as they are.
 _FLUX2_DEV_EDIT_GRPO = dict(_FLUX2_DEV_GRPO, resolution=384, diffusion_num_steps=10, eval_num_steps=28,
-                            condition_images="required")
+                            eval_resolution=512, condition_images="required")
 # DiffusionNFT on FLUX.2 [klein] base with PickScore (examples/nft/lora/flux2_klein_base/default.yaml): 384², 8-step
 # ODE rollouts with CFG 4 under the EMA old policy (ramp 0.001 up to 0.5, no flat rollouts), NFT β 0.1, advantage
 # clip 5, 48 prompts × 16 samples in one optimizer step, LoRA r64/α128, lr 1e-4, AdamW β2 0.999, weight decay 1e-4,
-# grad clip 1, bf16 forward, micro-batches of one sample. That file trains 2 timesteps per sample drawn from the
-# noisier half of the schedule; here 2 of the 8 drawn from all of it (timestep fraction 0.25). Microgroups of 16,
+# grad clip 1, bf16 forward, micro-batches of one sample, 28-step evaluations at 1024². That file trains 2 timesteps
+# per sample drawn from the noisier half of the schedule; here 2 of the 8 drawn from all of it (timestep fraction 0.25). Microgroups of 16,
 # gradient checkpointing and the intervals are ours.
 _FLUX2_KLEIN_BASE_NFT = dict(diffusion_model_family="flux2", loss_type="nft", reward="pickscore", resolution=384,
                              use_lora=True, lora_rank=64, lora_alpha=128.0, diffusion_num_steps=8, eval_num_steps=28,
+                             eval_resolution=1024,
                              diffusion_guidance_scale=1.0, nft_rollout_guidance_scale=4.0, diffusion_nft_beta=0.1,
                              nft_timestep_fraction=0.25, nft_ema_ramp=0.001, nft_ema_max=0.5, nft_ema_flat=0,
                              diffusion_adv_clip_max=5.0, rollout_batch_size=48, n_samples_per_prompt=16,
@@ -469,6 +474,13 @@ SIZED: dict[str, dict[str, dict]] = {
         "cpu": dict(loss_type="flow_grpo", use_lora=False, lr=1e-5, diffusion_sde_window_range=(0, 4)),
     },
 }
+# A recipe's CPU size evaluates at its rollouts' size and frame count: the published evaluation sizes (1024², 21
+# frames of 720²) are for the real model on a GPU; a tiny model (tests, a recipe tried on a CPU) cannot always make
+# them, and a CPU takes long to.
+_EVAL_SIZE_FLAGS = ("eval_resolution", "eval_height", "eval_width", "eval_num_frames")
+for _sizes in SIZED.values():
+    _sizes["cpu"] = {k: v for k, v in _sizes["cpu"].items() if k not in _EVAL_SIZE_FLAGS}
+
 
 
 # One line each for `diffrl recipes`.

@@ -88,3 +88,15 @@ def test_a_size_or_frame_count_the_family_cannot_make_is_refused_before_training
         Trainer(_config(sd3_dir, tmp_path / "odd", prompts, eval_resolution=18))
     with pytest.raises(ValueError, match="--eval-num-frames 5: the sd3 family generates images"):
         Trainer(_config(sd3_dir, tmp_path / "video", prompts, eval_num_frames=5))
+
+
+def test_recipes_evaluate_at_the_published_size_on_a_gpu_and_at_the_rollouts_on_a_cpu():
+    from diffrl.recipes import recipe_overrides
+
+    published = {"z-image-grpo-pickscore": (1024, None), "z-image-turbo-grpo-pickscore": (None, None),
+                 "flux2-klein-grpo-pickscore": (1024, None), "flux1-kontext-grpo-pickscore": (512, None),
+                 "qwen-image-edit-grpo-pickscore": (1024, None), "wan22-i2v-grpo-pickscore": (720, 21)}
+    for name, (resolution, frames) in published.items():
+        gpu, cpu = recipe_overrides(f"{name}-gpu"), recipe_overrides(name, device="cpu")
+        assert (gpu.get("eval_resolution"), gpu.get("eval_num_frames")) == (resolution, frames), name
+        assert "eval_resolution" not in cpu and "eval_num_frames" not in cpu, name
