@@ -3,8 +3,9 @@
 Accepted layouts (those of the public Flow-GRPO prompt sets: ocr, pickscore, geneval):
 - a `.txt` file, one prompt per line (blank lines skipped);
 - a `.jsonl` file, one JSON object per line: `--input-key` (default `prompt`) is the prompt, `image` or
-  `images` name its condition images (an edit's source; `condition_images.py`), every other key is that
-  prompt's metadata and reaches the reward (e.g. GenEval's `tag`, `include`) beside the keys diffrl sets for
+  `images` name its condition images (an edit's source; `condition_images.py`), `negative_prompt` (a string) is
+  that prompt's own unconditional prompt for CFG in rollouts and evaluation (else `--negative-prompt`), every other
+  key is that prompt's metadata and reaches the reward (e.g. GenEval's `tag`, `include`) beside the keys diffrl sets for
   each sample (`SAMPLE_KEYS`), which a file may therefore not use;
 - a directory with `train.txt` / `test.txt` or `train_metadata.jsonl` / `test_metadata.jsonl`
   (the jsonl file wins when both exist: it carries the metadata).
@@ -34,6 +35,13 @@ DEFAULT_INPUT_KEY = "prompt"
 # group and index in the group (rollout/manager.py). A prompt's own key of one of these names would be
 # overwritten before the reward sees it, so a file using one is refused.
 SAMPLE_KEYS = ("seed", "group_index", "sample_index", CONDITION_IMAGES_KEY)
+NEGATIVE_PROMPT_KEY = "negative_prompt"  # a row's own unconditional prompt (kept in its metadata too)
+
+
+def negative_prompt_of(metadata: dict | None, default: str) -> str:
+    """A prompt's unconditional prompt for CFG: its row's `negative_prompt`, else the run's `default`."""
+    own = (metadata or {}).get(NEGATIVE_PROMPT_KEY)
+    return own if isinstance(own, str) else default
 
 
 @dataclass(frozen=True)
@@ -121,6 +129,9 @@ def _read_jsonl(path: Path, input_key: str) -> list[PromptRecord]:
         if taken := [k for k in SAMPLE_KEYS if k in row]:
             raise ValueError(f"prompt data {path}:{number}: metadata key {taken[0]!r} is set by diffrl for each "
                              "sample (keys it sets: " + ", ".join(SAMPLE_KEYS) + "); rename it in the file")
+        if not isinstance(row.get(NEGATIVE_PROMPT_KEY, ""), str):
+            raise ValueError(f"prompt data {path}:{number}: {NEGATIVE_PROMPT_KEY!r} must be a string, got "
+                             f"{type(row[NEGATIVE_PROMPT_KEY]).__name__}")
         images = row_images(row, path.parent, f"prompt data {path}:{number}")
         records.append(PromptRecord(prompt, row, images, number))
     return records

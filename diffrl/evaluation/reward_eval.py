@@ -31,7 +31,7 @@ from PIL import Image, PngImagePlugin
 from diffrl.utils.progress import tqdm
 
 from diffrl.data.condition_images import CONDITION_IMAGES_KEY, with_condition_images
-from diffrl.data.prompts import PromptRecord
+from diffrl.data.prompts import PromptRecord, negative_prompt_of
 from diffrl.evaluation.diversity import palette
 from diffrl.evaluation.sampling import TEST_SEED, generate
 from diffrl.models.base import FamilyAdapter
@@ -248,7 +248,8 @@ def _sample_and_score(family, expanded, seeds, components, *, num_steps, guidanc
         sources = [[i.read() for i in r.images] for _, r in part]
         images = generate(family, prompts, part_seeds, num_steps=num_steps, guidance_scale=guidance_scale,
                           guidance_scale_2=guidance_scale_2, batch_size=batch_size, **size, num_frames=num_frames,
-                          negative_prompt=negative_prompt, images=sources if any(sources) else None)
+                          negative_prompt=[negative_prompt_of(r.metadata, negative_prompt) for _, r in part],
+                          images=sources if any(sources) else None)
         metadata = [with_condition_images({**r.metadata, "seed": s}, source)
                     for (_, r), s, source in zip(part, part_seeds, sources, strict=True)]
         totals, rewards = score_components(components, images, prompts, metadata)

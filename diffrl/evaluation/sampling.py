@@ -74,7 +74,7 @@ def generate(
     progress: bool = False,
     resolution: int | None = None,
     num_frames: int | None = None,
-    negative_prompt: str = "",
+    negative_prompt: str | Sequence[str] = "",
     height: int | None = None,
     width: int | None = None,
     guidance_scale_2: float | None = None,
@@ -83,7 +83,7 @@ def generate(
     """ODE samples, image k from (prompts[k], seeds[k]); images [N, 3, H, W] (a video family:
     [N, 3, F, H, W]) in [0, 1] on CPU, `height` × `width` pixels or square `resolution` pixels a side
     (None: the family's default size). `negative_prompt` is the unconditional side of CFG (used only
-    when guidance_scale > 1); `guidance_scale_2` the second expert's CFG scale (families with one; None:
+    when guidance_scale > 1), one for all or one per image; `guidance_scale_2` the second expert's CFG scale (families with one; None:
     guidance_scale). `images[k]`: sample k's condition images (encoded files; an edit's source)."""
     if len(prompts) != len(seeds):
         raise ValueError(f"{len(prompts)} prompts but {len(seeds)} seeds")
@@ -93,15 +93,20 @@ def generate(
     # CPU generators: a seed gives the same initial noise on every device (CUDA generators draw other
     # numbers), so a checkpoint scored on a GPU and on a CPU sees the same images up to numerics. ODE
     # sampling draws nothing after the initial noise, so this costs one copy.
-    sampling = dict(negative_prompt=negative_prompt, num_inference_steps=num_steps, guidance_scale=guidance_scale,
-                    guidance_scale_2=guidance_scale_2, height=height, width=width, generator_device="cpu", **frames)
-    longest_text = max(map(len, [*prompts, negative_prompt]))
+    negatives = [negative_prompt] * len(prompts) if isinstance(negative_prompt, str) else list(negative_prompt)
+    if len(negatives) != len(prompts):
+        raise ValueError(f"{len(prompts)} prompts but {len(negatives)} negative prompts")
+    sampling = dict(num_inference_steps=num_steps, guidance_scale=guidance_scale, guidance_scale_2=guidance_scale_2,
+                    height=height, width=width, generator_device="cpu", **frames)
+    longest_text = max(map(len, [*prompts, *negatives]))
     sources, images = images, []
+    # A request holds one prompt, one negative prompt and one set of condition images.
+    keys = [(p, n, tuple(sources[k]) if sources is not None else ()) for k, (p, n) in enumerate(zip(prompts, negatives))]
     starts = range(0, len(prompts), batch_size)
     for start in tqdm(starts, desc="sampling", disable=not progress, dynamic_ncols=True):
         end = min(start + batch_size, len(prompts))
-        keys = prompts if sources is None else [(p, tuple(i)) for p, i in zip(prompts, sources, strict=True)]
         requests = [RolloutRequest(prompt=prompts[lo], seed=seeds[lo], num_outputs_per_prompt=hi - lo, **sampling,
+                                   negative_prompt=negatives[lo],
                                    **({"image_path": list(sources[lo])} if sources is not None and sources[lo] else {}))
                     for lo, hi in request_runs(keys, seeds, start, end)]
         # An engine per chunk, whose batch is exactly the chunk: what a sample is batched with is fixed.

@@ -21,6 +21,7 @@ from dataclasses import dataclass
 import torch
 
 from diffrl.data.condition_images import with_condition_images
+from diffrl.data.prompts import NEGATIVE_PROMPT_KEY
 from diffrl.engine.protocol import RolloutOutput, RolloutRequest
 from diffrl.errors import RequestError
 from diffrl.rewards import checked_rewards
@@ -108,6 +109,8 @@ class RolloutManager:
         for offset, (prompt, meta, pictures) in enumerate(zip(prompts, metadata, images)):
             base = group_seed_base(cfg.rollout_seed, first + offset, cfg.n_samples_per_prompt)
             fields = {**(request or {}), **({"image_path": list(pictures)} if pictures else {})}
+            if isinstance(meta.get(NEGATIVE_PROMPT_KEY), str):  # the row's own unconditional prompt
+                fields["negative_prompt"] = meta[NEGATIVE_PROMPT_KEY]
             parts = [self._microgroup(prompt, meta, fields, first + offset, idx, size, base + idx, stats,
                                       score=not whole_groups)
                      for idx, size in microgroups(cfg.n_samples_per_prompt, cfg.rollout_microgroup_size)]
