@@ -14,11 +14,14 @@ from PIL import Image
 
 from diffrl.serving.server import serving_in_thread
 from diffrl.rewards import get_reward
-from diffrl.rewards.vlm import (DEFAULT_QUESTION, EDIT_QUESTION, EDITS_QUESTION, VIDEO_QUESTION, JudgeError,
-                                yes_probability)
+from diffrl.rewards.vlm import (DEFAULT_QUESTION, EDIT_QUESTION, EDITS_QUESTION, RUBRICS, VIDEO_QUESTION,
+                                JudgeError, yes_probability)
 from diffrl.utils.images import to_uint8
 
 import openai  # noqa: E402,F401  (the test extras install the client; the judge imports it lazily)
+
+
+BY_QUESTION = {"carried out": 0.9, "as it was": 0.2, "artifacts": 0.6, "alpha": 0.3, "beta": 0.7}
 
 
 def judge_app(mode: str = "logprobs"):
@@ -40,7 +43,12 @@ def judge_app(mode: str = "logprobs"):
         images = [pixels(part) for part in image_parts]
         seen.append({"model": body["model"], "text": text_part["text"], "max_tokens": body["max_tokens"],
                      "top_logprobs": body.get("top_logprobs"), "images": images})
-        p = 1 - float(np.abs(images[-1] - images[0]).mean()) if mode == "edit" else float(images[-1].mean())
+        if mode == "edit":
+            p = 1 - float(np.abs(images[-1] - images[0]).mean())
+        elif mode == "by_question":  # P(yes) set by the question: a rubric's aspects answered apart
+            p = next((v for key, v in BY_QUESTION.items() if key in text_part["text"]), 0.5)
+        else:
+            p = float(images[-1].mean())
         p = min(max(p, 1e-6), 1 - 1e-6)
         top = [("Yes", 0.7 * p), (" yes", 0.3 * p), ("No", 0.6 * (1 - p)), ("no", 0.2 * (1 - p)), ("Maybe", 0.2 * (1 - p))]
 
@@ -49,7 +57,7 @@ def judge_app(mode: str = "logprobs"):
 
         content = "Yes" if p >= 0.5 else "No"
         logprobs = {"content": [{**entry(content, dict(top)[content]), "top_logprobs": [entry(*t) for t in top]}]}
-        if mode not in ("logprobs", "edit"):
+        if mode not in ("logprobs", "edit", "by_question"):
             logprobs, content = None, ("No." if mode == "text" else "Perhaps")
         return {"id": "chatcmpl-1", "object": "chat.completion", "created": 0, "model": body["model"],
                 "choices": [{"index": 0, "message": {"role": "assistant", "content": content}, "logprobs": logprobs,
@@ -151,3 +159,32 @@ def test_an_image_to_video_clip_is_judged_frame_by_frame_beside_its_first_frame(
 def test_the_sources_option_takes_yes_or_no():
     with pytest.raises(ValueError, match="sources='maybe' is not a yes or no"):
         get_reward("vlm@http://127.0.0.1:1/v1,model=m,sources=maybe")
+
+
+def _judged(p):  # the stub's P(yes) against "No" and "no" (its "Maybe" counts for neither)
+    return p / (p + 0.8 * (1 - p))
+
+
+def test_a_rubric_asks_each_aspect_and_scores_their_mean():
+    source = torch.zeros(3, 8, 8)
+    metadata = [{"condition_images": [source]}]
+    app, seen = judge_app("by_question")
+    with serving_in_thread(app) as url:
+        (edit,) = score(get_reward(f"vlm@{url}/v1,model=m,rubric=edit"), source[None], ["paint it"], metadata)
+        (own,) = score(get_reward(f"vlm@{url}/v1,model=m,question=alpha {{prompt}}? || beta, with commas?"),
+                       source[None], ["x"])
+    assert edit == pytest.approx((_judged(0.9) + _judged(0.2) + _judged(0.6)) / 3)
+    assert own == pytest.approx((_judged(0.3) + _judged(0.7)) / 2)
+    edit_texts = sorted(s["text"] for s in seen[:3])
+    assert edit_texts == sorted(q.replace("{prompt}", "paint it") for q in RUBRICS["edit"])
+    assert all(len(s["images"]) == 2 for s in seen[:3]) and [len(s["images"]) for s in seen[3:]] == [1, 1]
+    assert sorted(s["text"] for s in seen[3:]) == ["alpha x?", "beta, with commas?"]
+
+
+def test_rubric_options_are_checked():
+    with pytest.raises(ValueError, match="rubric='style' is none of edit, image"):
+        get_reward("vlm@http://127.0.0.1:1/v1,model=m,rubric=style")
+    with pytest.raises(ValueError, match="rubric= and question= both ask the questions"):
+        get_reward("vlm@http://127.0.0.1:1/v1,model=m,rubric=edit,question=Is it?")
+    with pytest.raises(ValueError, match="an empty question"):
+        get_reward("vlm@http://127.0.0.1:1/v1,model=m,question=Is it? || ")

@@ -97,7 +97,7 @@ def get_reward(name: str, device: str | None = None) -> Callable:
         url, _, rest = path.partition(",")
         rest, _, question = rest.partition("question=")  # the question takes the rest, commas included
         options = _spec_options(name, filter(None, rest.rstrip(",").split(",")), vlm.OPTIONS,
-                                "model=NAME, concurrency=N, timeout=S, sources=yes|no, question=TEXT (last)")
+                                "model=NAME, concurrency=N, timeout=S, sources=yes|no, rubric=edit|image, question=TEXT (last)")
         return vlm.vlm_judge(url, {**options, **({"question": question} if question else {})})
     if model == "remote":
         url, *option_parts = path.split(",")

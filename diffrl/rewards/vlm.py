@@ -12,9 +12,14 @@ sources: the message holds the source images first and the output last, and the 
 instruction was carried out on the source (for a video: whether the clip continues from its first frame), since an
 output alone cannot tell an edit done from a picture that merely fits the text. `sources=no` sends the output alone.
 
-Spec: `vlm@http://HOST:PORT/v1,model=NAME[,concurrency=N][,timeout=S][,sources=yes|no][,question=TEXT]`. `question`
-goes last and takes the rest of the spec, commas included; `{prompt}` in it stands for the sample's prompt (the
-instruction, for an edit); one question serves every sample, with or without sources. The API key is
+A rubric asks several yes/no questions of each sample and scores their mean P(yes): `rubric=edit` (the instruction
+carried out; what it does not ask to change kept; no artifacts) or `rubric=image` (the prompt shown; well composed;
+no artifacts), or several questions of one's own separated by ` || ` in `question`. One aspect alone is what RL
+exploits: an edit judged only on "was it done" learns to repaint the whole picture.
+
+Spec: `vlm@http://HOST:PORT/v1,model=NAME[,concurrency=N][,timeout=S][,sources=yes|no][,rubric=edit|image]
+[,question=TEXT]`. `question` goes last and takes the rest of the spec, commas included; `{prompt}` in it stands for
+the sample's prompt (the instruction, for an edit); one question serves every sample, with or without sources. The API key is
 `DIFFRL_VLM_API_KEY` (else `OPENAI_API_KEY`, else a placeholder, which local servers accept).
 
 Serving a real judge, e.g. with vLLM: `vllm serve Qwen/Qwen2.5-VL-7B-Instruct --port 8000` on the judge's machine, then
@@ -37,7 +42,8 @@ from diffrl.rewards.frames import as_frames
 from diffrl.rewards.remote import png_base64
 from diffrl.utils.images import to_uint8
 
-OPTIONS = ("model", "concurrency", "timeout", "sources", "question")
+OPTIONS = ("model", "concurrency", "timeout", "sources", "rubric", "question")
+QUESTION_SEPARATOR = " || "  # several questions in `question=`: a rubric of one's own
 DEFAULT_QUESTION = 'Does this image show "{prompt}"? Answer Yes or No.'
 # With sources: the message's images are the sources, then the output.
 EDIT_QUESTION = ('The last image was made from the image before it by following the instruction "{prompt}". Was '
@@ -46,6 +52,17 @@ EDIT_QUESTION = ('The last image was made from the image before it by following 
 EDITS_QUESTION = ('The last image was made from the {count} images before it by following the instruction '
                   '"{prompt}". Was the instruction carried out, with everything it does not ask to change left as it '
                   'was? Answer Yes or No.')
+RUBRICS = {
+    "edit": ('The last image was made from the image(s) before it by following the instruction "{prompt}". Was the '
+             'instruction carried out? Answer Yes or No.',
+             'The last image was made from the image(s) before it by following the instruction "{prompt}". Is '
+             'everything the instruction does not ask to change (subjects, background, layout, colours, style) as it '
+             'was? Answer Yes or No.',
+             'Is the last image free of visible artifacts, distortions and broken details? Answer Yes or No.'),
+    "image": ('Does this image show "{prompt}"? Answer Yes or No.',
+              'Is this image well composed and pleasing to look at? Answer Yes or No.',
+              'Is this image free of visible artifacts, distortions and broken details? Answer Yes or No.'),
+}
 VIDEO_QUESTION = ('The first image is the starting frame of a video and the second is a frame of that video. Does '
                   'the video continue from that starting frame and show "{prompt}"? Answer Yes or No.')
 TOP_LOGPROBS = 20  # the most the OpenAI API returns per position
@@ -73,6 +90,7 @@ class VlmJudge:
     url: str
     model: str
     question: str | None = None  # None: DEFAULT_QUESTION, or with sources EDIT(S)_QUESTION / VIDEO_QUESTION
+    rubric: str | None = None  # a RUBRICS name: its questions instead of one
     concurrency: int = 8
     timeout: float = 120.0
     sources: bool = True
@@ -84,6 +102,12 @@ class VlmJudge:
             raise ValueError(f"reward vlm@{self.url}: name the judge's model: vlm@{self.url},model=NAME")
         if self.concurrency < 1 or self.timeout <= 0:
             raise ValueError(f"reward vlm@{self.url}: concurrency >= 1 and timeout > 0")
+        if self.rubric is not None and self.rubric not in RUBRICS:
+            raise ValueError(f"reward vlm@{self.url}: rubric={self.rubric!r} is none of {', '.join(RUBRICS)}")
+        if self.rubric is not None and self.question is not None:
+            raise ValueError(f"reward vlm@{self.url}: rubric= and question= both ask the questions; give one")
+        if self.question is not None and not all(q.strip() for q in self.question.split(QUESTION_SEPARATOR)):
+            raise ValueError(f"reward vlm@{self.url}: an empty question in {self.question!r}")
 
     async def __call__(self, images: torch.Tensor, prompts, metadata=None) -> list[float]:
         # The client library is an optional dependency (`pip install diffrl[judge]`): imported where it is used.
@@ -97,7 +121,10 @@ class VlmJudge:
             return {"type": "image_url", "image_url": {"url": f"data:image/png;base64,{png_base64(pixels)}"}}
 
         async def judge(pixels, prompt: str, sources: list, video: bool) -> float:
-            question = self.question or self._default_question(len(sources), video)
+            questions = self._questions(len(sources), video)
+            return sum(await asyncio.gather(*(ask(pixels, prompt, sources, q) for q in questions))) / len(questions)
+
+        async def ask(pixels, prompt: str, sources: list, question: str) -> float:
             text = question.replace("{prompt}", prompt).replace("{count}", str(len(sources)))
             content = [*(picture(to_uint8(s[None].float())[0]) for s in sources), picture(pixels),
                        {"type": "text", "text": text}]
@@ -127,6 +154,13 @@ class VlmJudge:
             await client.close()
         return [sum(scores[i:i + f]) / f for i in range(0, len(scores), f)]
 
+    def _questions(self, sources: int, video: bool) -> list[str]:
+        if self.rubric is not None:
+            return list(RUBRICS[self.rubric])
+        if self.question is not None:
+            return self.question.split(QUESTION_SEPARATOR)
+        return [self._default_question(sources, video)]
+
     @staticmethod
     def _default_question(sources: int, video: bool) -> str:
         if not sources:
@@ -138,7 +172,7 @@ class VlmJudge:
 
 def vlm_judge(url: str, options: dict[str, str]) -> VlmJudge:
     """The judge of a `vlm@URL,OPTION=VALUE…` spec."""
-    kinds = {"model": str, "question": str, "concurrency": int, "timeout": float, "sources": _yes_no}
+    kinds = {"model": str, "question": str, "concurrency": int, "timeout": float, "sources": _yes_no, "rubric": str}
     values = {}
     for key, value in options.items():
         try:
