@@ -168,7 +168,13 @@ def test_evaluation_uses_the_rollouts_negative_prompt(tiny_model_dir, tmp_path, 
     import diffrl.evaluation.sampling as sampling
 
     seen, real = [], sampling.generate
-    monkeypatch.setattr(sampling, "generate", lambda *a, **k: (seen.append(k.get("negative_prompt")), real(*a, **k))[1])
+
+    def spy(*args, **kwargs):  # one negative prompt for all, or one per image (a prompt set's rows may carry theirs)
+        negative = kwargs.get("negative_prompt")
+        seen.extend([negative] if isinstance(negative, str) else negative)
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(sampling, "generate", spy)
     import diffrl.evaluation.reward_eval as reward_eval
     import diffrl.evaluation.shapes as shapes_eval
 

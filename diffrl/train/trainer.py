@@ -84,9 +84,10 @@ def validate_config(cfg: TrainConfig) -> None:
         require_wandb()  # before any model loads
 
 
-def check_family_flags(cfg: TrainConfig, family) -> None:
-    """What the loaded family decides: the size it can make (--resolution or --height/--width),
-    --num-frames and --reward-frames only for video, --diffusion-guidance-scale-2 only with a second expert."""
+def check_family_flags(cfg: TrainConfig, family, evaluates: bool = True) -> None:
+    """What the loaded family decides: the size it can make (--resolution or --height/--width; the held-out size too
+    when the run evaluates), --num-frames and --reward-frames only for video, --diffusion-guidance-scale-2 only with a
+    second expert."""
     m, size = cfg.model, cfg.model.size()
     scale_2 = cfg.rollout.diffusion_guidance_scale_2
     if scale_2 is not None and not family.uses_guidance_scale_2:
@@ -109,6 +110,12 @@ def check_family_flags(cfg: TrainConfig, family) -> None:
             family.check_size(height, width, num_frames=m.num_frames)
         except RequestError as err:
             raise ValueError(f"--num-frames {m.num_frames}: {err.message}") from None
+    if evaluates:
+        check_eval_size(cfg, family, size)
+
+
+def check_eval_size(cfg: TrainConfig, family, size: tuple[int, int] | None) -> None:
+    """--eval-resolution / --eval-height --eval-width and --eval-num-frames against what the family can make."""
     e = cfg.eval
     eval_size = sample_size(e.eval_resolution, e.eval_height, e.eval_width, flags="--eval-")
     eval_flags = size_flags(e.eval_resolution, e.eval_height, e.eval_width).replace("--", "--eval-")
@@ -190,7 +197,7 @@ class Trainer:
         # bf16 forwards: load every component in bf16 (Policy upcasts what is trained to fp32 masters).
         dtype = torch.bfloat16 if bf16_forward(cfg.model, self.device) else torch.float32
         family, init_lora = warm_start(cfg.model, self.device, dtype)
-        check_family_flags(cfg, family)
+        check_family_flags(cfg, family, evaluates=self.task.evaluates)
         if cfg.model.offload_text_encoder:
             family.offload_text_encoders_to_cpu()
         self.task.check_family(family)
