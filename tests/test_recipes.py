@@ -35,9 +35,9 @@ GPU_SPEED = {
     "qwen-image-grpo-pickscore": {"compile": True},
     "flux3-klein-nft-pickscore": {"compile": True},
     "flux3-klein-grpo-hps": {"compile": True},
-    # compiled with gradient checkpointing: the engine samples in the trainer's graph (exact first pass)
-    "sd35-grpo-ocr": {"compile": True},
-    "sd35-grpo-pickscore": {"compile": True},
+    # compiled without checkpointing, CFG's unconditional half without gradients: micro-batches of 16 pairs fit
+    "sd35-grpo-ocr": {"compile": True, "micro_batch_size": 16},
+    "sd35-grpo-pickscore": {"compile": True, "micro_batch_size": 16},
 }
 # video recipe → (frames, SDE type, noise level, SDE step strategy, frames the reward sees)
 VIDEO = {
@@ -143,3 +143,12 @@ def test_a_size_flag_replaces_the_recipes_size_of_the_other_kind():
 def test_every_recipe_name_resolves():
     for name in recipe_names():
         recipe_config(name, "cpu").check()
+
+
+@pytest.mark.parametrize("name", ["sd3-grpo", "sd35-grpo-ocr", "sd35-grpo-pickscore"])
+def test_the_sd35_gpu_recipes_detach_cfgs_unconditional_half_as_the_published_code(name):
+    """On a GPU the SD3.5 recipes take the published train step's gradient (CFG's unconditional half detached), run
+    in the rollout too so that the replay stays exact; the CPU size keeps the full CFG gradient."""
+    gpu, cpu = recipe_config(name, "cuda"), recipe_config(name, "cpu")
+    assert gpu.algorithm.detach_uncond and not gpu.model.gradient_checkpointing and gpu.optim.micro_batch_size == 16
+    assert not cpu.algorithm.detach_uncond
