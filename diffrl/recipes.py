@@ -160,9 +160,9 @@ _LTX23_GRPO = dict(diffusion_model_family="ltx2", loss_type="flow_grpo", reward=
 # frames of 480², 8 steps (28 to evaluate) with CFG 3.5 for both experts, SDE at noise 0.9 on step 1, 48 prompts
 # × 16 samples in 2 optimizer steps, per-prompt mean and std, no KL, clip 1e-4, advantage clip 5, LoRA r64/α128,
 # bf16 forward, lr 1e-4, AdamW β2 0.999, weight decay 1e-4, grad clip 1, micro-batches of one sample, evaluations and
-# checkpoints every 20 rollouts, 21-frame 720² evaluations. Not expressed here: its adapters on the high-noise expert
-# alone (here on both, the targets of wan22-grpo-pickscore) and its EMA for evaluation. Microgroups of 8 (as
-# wan22-grpo-pickscore) and the 300 rollouts are ours.
+# checkpoints every 20 rollouts, 21-frame 720² evaluations, adapters on the high-noise expert alone (the one that
+# takes the trained step 1). Not expressed here: its EMA for evaluation. Microgroups of 8 (as wan22-grpo-pickscore)
+# and the 300 rollouts are ours.
 _WAN22_I2V_GRPO = dict(_WAN22_GRPO, num_frames=5, diffusion_num_steps=8, eval_num_steps=28,
                        diffusion_guidance_scale=3.5, diffusion_guidance_scale_2=None, diffusion_noise_level=0.9,
                        diffusion_sde_window_range=(1, 2), diffusion_num_sde_steps=1, globalize_reward_std=False,
@@ -170,7 +170,7 @@ _WAN22_I2V_GRPO = dict(_WAN22_GRPO, num_frames=5, diffusion_num_steps=8, eval_nu
                        n_samples_per_prompt=16, rollout_microgroup_size=8, global_batch_size=384,
                        num_steps_per_rollout=2, micro_batch_size=1, lr=1e-4, grad_clip=1.0, num_rollout=300,
                        eval_interval=20, checkpoint_interval=20, eval_resolution=720, eval_num_frames=21,
-                       condition_images="required")
+                       lora_components=("transformer",), condition_images="required")
 # Flow-GRPO image to video on LTX-2.3 with PickScore: ltx23-grpo-pickscore's settings (miles_diffusion's LTX-2.3
 # run, above: 57 frames of 512 × 768, 24 steps, CPS at noise 0.8 on 3 steps drawn from steps 0-9, CFG 1, 8 × 8,
 # microgroup 1, PickScore on 3 frames), the first frame from each row: on LTX2ImageToVideoPipeline's checkpoint or

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import math
+import re
 
 import torch
 from pydantic import BaseModel, ConfigDict, Field, field_validator
@@ -24,6 +25,9 @@ class LoraSpec(BaseModel):
     rank: int = Field(ge=1, le=65536)
     alpha: float = Field(gt=0, le=1e6)
     target_modules: list[str] = Field(min_length=1, max_length=256)
+    components: list[str] = Field(default_factory=list, max_length=16)
+    """The transformer's top-level parts that get the adapter (Wan2.2's experts: `transformer`, `transformer_2`);
+    empty: all of it."""
 
     @field_validator("rank", "alpha", mode="before")
     @classmethod
@@ -35,12 +39,12 @@ class LoraSpec(BaseModel):
             raise ValueError(f"must be a number, not {kind} ({json.dumps(value)[:40]})")
         return value
 
-    @field_validator("target_modules")
+    @field_validator("target_modules", "components")
     @classmethod
     def _sorted(cls, names: list[str]) -> list[str]:  # order-free, so two specs compare with ==
         for name in names:
             if not 1 <= len(name) <= 256:
-                raise ValueError("each target module name must have 1 to 256 characters")
+                raise ValueError("each name must have 1 to 256 characters")
         return sorted(set(names))
 
 
@@ -57,6 +61,26 @@ def check_lora(transformer: torch.nn.Module, spec: LoraSpec, max_rank: int) -> N
         if not any(name == target or name.endswith("." + target) for name, _ in layers):
             raise RequestError("target_modules", f"{target!r} matches no linear, conv or embedding layer of "
                                                  f"this transformer")
+    parts = adaptable_parts(transformer)
+    if unknown := [c for c in spec.components if c not in parts]:
+        raise RequestError("components", f"{unknown[0]!r} is no part of this transformer (its parts: "
+                                         f"{', '.join(parts) or 'none: it is one module'})")
+
+
+def adaptable_parts(transformer: torch.nn.Module) -> list[str]:
+    """The names of the transformer's direct children that hold adaptable layers, when it is a container of
+    several models (Wan2.2's `WanExperts`: `transformer`, `transformer_2`); [] for a single model."""
+    names = [name for name, child in transformer.named_children()
+             if isinstance(child, torch.nn.Module) and hasattr(child, "config")
+             and any(isinstance(m, _LORA_LAYERS) for m in child.modules())]
+    return names if len(names) > 1 else []
+
+
+def _excluded_parts(transformer: torch.nn.Module, components: list[str]) -> str | None:
+    """peft's `exclude_modules` (a regex, full match) for every part not in `components`; None: nothing excluded.
+    The targets stay the plain suffixes, so an expert's saved adapter loads into that expert alone as well."""
+    others = [p for p in adaptable_parts(transformer) if components and p not in components]
+    return rf"(?:{'|'.join(map(re.escape, others))})\..*" if others else None
 
 
 def add_lora(transformer: torch.nn.Module, spec: LoraSpec) -> None:
@@ -66,7 +90,8 @@ def add_lora(transformer: torch.nn.Module, spec: LoraSpec) -> None:
 
     try:
         transformer.add_adapter(LoraConfig(r=spec.rank, lora_alpha=spec.alpha, init_lora_weights="gaussian",
-                                           target_modules=list(spec.target_modules)))
+                                           target_modules=list(spec.target_modules),
+                                           exclude_modules=_excluded_parts(transformer, spec.components)))
     except Exception:
         remove_lora(transformer)
         raise
@@ -138,4 +163,8 @@ def current_lora(transformer: torch.nn.Module) -> LoraSpec | None:
     config = getattr(transformer, "peft_config", {}).get("default")
     if config is None:
         return None
-    return LoraSpec(rank=config.r, alpha=config.lora_alpha, target_modules=list(config.target_modules))
+    excluded = getattr(config, "exclude_modules", None)  # what `add_lora` wrote for `components`, or None
+    components = ([] if not excluded else
+                  [p for p in adaptable_parts(transformer) if not re.fullmatch(excluded, f"{p}.x")])
+    return LoraSpec(rank=config.r, alpha=config.lora_alpha, target_modules=list(config.target_modules),
+                    components=components)

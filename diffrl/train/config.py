@@ -64,6 +64,10 @@ class ModelConfig:
     """LoRA scale numerator: the adapter's update is scaled by alpha / rank."""
     lora_target_modules: tuple[str, ...] = ()
     """Module names (or suffixes) the adapter wraps; empty: the family's default set."""
+    lora_components: tuple[str, ...] = ()
+    """With --use-lora, the parts of the model that get the adapter, for a family made of several (Wan2.2's experts:
+    `transformer` the high-noise one, `transformer_2` the low-noise one); empty: all of them. The others sample as
+    they were loaded, cost no adapter matmuls, and are left out of the checkpoint."""
     mixed_precision: Literal["auto", "no", "bf16"] = "auto"
     """Transformer forward precision for rollouts and training alike (trained weights stay fp32
     masters): auto = bf16 autocast on CUDA, fp32 elsewhere."""
@@ -115,6 +119,9 @@ class ModelConfig:
         _require(self.lora_rank >= 1 and self.lora_alpha > 0,
                  f"--lora-rank must be >= 1 and --lora-alpha > 0 (got {self.lora_rank}, {self.lora_alpha})")
         self.size()  # refuses --resolution with --height/--width, one side alone, or a side below 1
+        _require(self.use_lora or not self.lora_components,
+                 f"--lora-components {' '.join(self.lora_components)} chooses where a LoRA goes; a full finetune "
+                 "(--no-use-lora) trains every part")
         _require(self.init_from is None or Path(self.init_from).is_dir(),
                  f"--init-from {self.init_from}: no such directory (a run checkpoint, an adapter or a model folder)")
         self.speed_options().check()

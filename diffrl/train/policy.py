@@ -29,7 +29,7 @@ from diffrl.serving.colocated import ColocatedEngineClient
 from diffrl.models.checkpointing import enable_gradient_checkpointing
 from diffrl.models.compile import block_kinds_at_recompile_limit, uncompiled_block_kinds
 from diffrl.models.checkpoint import load_lora_weights
-from diffrl.models.lora import LoraSpec, add_lora
+from diffrl.models.lora import LoraSpec, adaptable_parts, add_lora
 from diffrl.train.ema import ParameterEMA
 from diffrl.train.objectives import OBJECTIVES
 from diffrl.train.parallel import Parallel, full_tensor, shard_transformer
@@ -121,8 +121,13 @@ class Policy:
             enable_gradient_checkpointing(transformer, family.block_lists, m.gradient_checkpointing_interval,
                                           keep=m.gradient_checkpointing_keeps)
         targets = list(m.lora_target_modules or family.lora_target_modules)
-        self.lora = LoraSpec(rank=m.lora_rank, alpha=m.lora_alpha, target_modules=targets) if m.use_lora else None
+        self.lora = (LoraSpec(rank=m.lora_rank, alpha=m.lora_alpha, target_modules=targets,
+                              components=list(m.lora_components)) if m.use_lora else None)
         if self.lora is not None:
+            parts = adaptable_parts(transformer)
+            if unknown := [c for c in m.lora_components if c not in parts]:
+                raise ValueError(f"--lora-components {unknown[0]}: the {family.name} model's parts are "
+                                 f"{', '.join(parts) or 'none (it is one model: leave the flag out)'}")
             try:
                 add_lora(transformer, self.lora)
             except ValueError as err:  # PEFT's own refusal when no module matches names neither flag nor family

@@ -521,8 +521,12 @@ class Trainer:
                 bad = ~torch.isfinite(loss.detach())
                 nonfinite_loss = bad if nonfinite_loss is None else nonfinite_loss | bad
                 # A non-finite loss's gradients are dropped with its step (every rank runs the same backward
-                # passes, as FSDP's collectives need).
-                (loss * weight).backward()
+                # passes, as FSDP's collectives need). A loss that reaches no trained parameter has no backward:
+                # its pairs all went to a part without the adapter (--lora-components).
+                if loss.requires_grad:
+                    (loss * weight).backward()
+                else:
+                    step_stats["train/untrained_part_pairs"] = step_stats.get("train/untrained_part_pairs", 0.0) + len(batch)
                 for key, value in stats.items():
                     step_stats[key] = step_stats.get(key, 0.0) + value.double() * weight
             grad_norm = policy.step(cfg.optim.grad_clip, cfg.algorithm.ema_decay, nonfinite_loss=nonfinite_loss)
