@@ -150,7 +150,7 @@ def test_sd3_grpo_help_names_the_size_it_shows(capsys, monkeypatch):
     out = " ".join(capsys.readouterr().out.split())
     assert "The defaults below are its GPU size: --device auto, and a CUDA device seems present: /dev/nvidia0" in out
     assert "--recipe sd3-grpo --device cpu --help` shows its CPU size" in out
-    assert "differ in --compile, --gradient-checkpointing" in out
+    assert "differ in --compile, --detach-uncond, --gradient-checkpointing, --micro-batch-size." in out
 
 
 @pytest.mark.parametrize("visible", ["", "-1", " -1,0", "none"])

@@ -158,12 +158,8 @@ def load_lora_weights(model: FamilyAdapter, lora_dir: Path, rank: int, alpha: fl
                 f"{folder}: its adapter (rank {theirs[0]}, alpha {theirs[1]:g}, targets {shown}) is not this run's "
                 f"(rank {rank}, alpha {float(alpha):g}, targets {', '.join(sorted(set(targets)))}); pass --lora-rank "
                 f"{theirs[0]} --lora-alpha {theirs[1]:g} --lora-target-modules {shown.replace(', ', ' ')}")
-    state = {}
-    for folder, prefix in files:
-        state.update({f"base_model.model.{prefix}{k.removeprefix('base_model.model.')}": v
-                      for k, v in read_weights(folder / "adapter_model.safetensors").items()})
     try:
-        result = set_peft_model_state_dict(model.transformer, state, adapter_name="default")
+        result = set_peft_model_state_dict(model.transformer, _adapter_state(files), adapter_name="default")
     except RuntimeError as err:
         lines = str(err).strip().splitlines()
         raise ModelLoadError(f"{lora_dir}: its adapter does not fit the {model.name} model "
@@ -216,14 +212,22 @@ def _lora_files(model: FamilyAdapter, lora_dir: Path) -> list[tuple[Path, str]]:
     return folders
 
 
+def _adapter_state(files: list[tuple[Path, str]]) -> dict[str, torch.Tensor]:
+    """The adapters' tensors under PEFT's names in the whole transformer (each folder's keys under its prefix);
+    `read_weights` names a file that is missing or corrupt."""
+    state = {}
+    for folder, prefix in files:
+        state.update({f"base_model.model.{prefix}{k.removeprefix('base_model.model.')}": v
+                      for k, v in read_weights(folder / "adapter_model.safetensors").items()})
+    return state
+
+
 def _apply_lora(model: FamilyAdapter, lora_dir: Path) -> None:
     from peft import LoraConfig, set_peft_model_state_dict
 
-    transformer, state = model.transformer, {}
+    transformer = model.transformer
     files = _lora_files(model, lora_dir)
-    for folder, prefix in files:  # read_weights names the file when it is missing or corrupt
-        state.update({f"base_model.model.{prefix}{k.removeprefix('base_model.model.')}": v
-                      for k, v in read_weights(folder / "adapter_model.safetensors").items()})
+    state = _adapter_state(files)
     weights = files[0][0] / "adapter_model.safetensors"
     transformer.add_adapter(LoraConfig.from_pretrained(str(files[0][0])))
     try:
