@@ -2,9 +2,9 @@
 
 - Flow-GRPO: one pair per (sample, trained SDE step i): (x_i, x_{i+1}, σ_i, σ_{i+1}, logp_old, A).
 - The forward-process methods (DiffusionNFT, AWM, SFT): one pair per (sample, timestep t): (x0, t, ε, A) with
-  x_t = (1 − t)·x0 + t·ε; the timesteps are the rollout schedule's σ's without the terminal 0, the first
-  int(0.99·K) of a per-sample shuffle; ε comes from a generator seeded by the sample's seed, so pairs are
-  reproducible.
+  x_t = (1 − t)·x0 + t·ε; the timesteps are the rollout schedule's σ's without the terminal 0 (those of the steps
+  inside the training range, `candidate_steps`: all by default), the first int(0.99·K) of a per-sample shuffle; ε
+  comes from a generator seeded by the sample's seed, so pairs are reproducible.
 - Diffusion-DPO: one pair per (prompt group, timestep): its best and worst sample (by advantage), one t and one ε
   for both.
 - DGPO and CRD: one pair per (prompt group, timestep): every sample of the group, one t and one ε for all.
@@ -127,12 +127,14 @@ def nft_pairs(
     advantages: torch.Tensor,
     conds: Sequence[torch.Tensor],
     timestep_fraction: float = 0.99,
+    timestep_range: tuple[float, float] = (0.0, 1.0),
 ) -> NftPairs:
     schedule = sigmas[:-1]  # without the terminal 0
-    per_sample = _timesteps_kept(schedule, timestep_fraction)
+    steps = candidate_steps(len(schedule), timestep_range)
+    per_sample = _timesteps_kept(steps, timestep_fraction)
     rows = {name: [] for name in ("x0", "t", "noise", "advantages", "cond")}
     for s, seed in enumerate(seeds):
-        g, order = _shuffled_timesteps(seed, schedule, per_sample)
+        g, order = _shuffled_timesteps(seed, steps, per_sample)
         for k in order:
             rows["x0"].append(x0[s])
             rows["t"].append(schedule[k])
@@ -142,18 +144,30 @@ def nft_pairs(
     return NftPairs(**{k: torch.stack([torch.as_tensor(v) for v in vs]) for k, vs in rows.items()})
 
 
-def _timesteps_kept(schedule: torch.Tensor, timestep_fraction: float) -> int:
-    kept = int(len(schedule) * timestep_fraction)
+def candidate_steps(num_steps: int, timestep_range: tuple[float, float]) -> list[int]:
+    """The schedule steps k (of `num_steps`, terminal excluded) whose place along the denoising, k / num_steps (0: the
+    first, noisiest step), lies in [start, end): the steps the re-noising methods may train."""
+    start, end = timestep_range
+    steps = [k for k in range(num_steps) if start <= k / num_steps < end]
+    if not steps:
+        raise ValueError(f"--train-timestep-range {start:g} {end:g} holds no step of a {num_steps}-step schedule "
+                         f"(step k sits at k/{num_steps})")
+    return steps
+
+
+
+def _timesteps_kept(steps: list[int], timestep_fraction: float) -> int:
+    kept = int(len(steps) * timestep_fraction)
     if kept < 1:
-        raise ValueError(f"timestep fraction {timestep_fraction} keeps no timestep of a {len(schedule)}-step schedule")
+        raise ValueError(f"timestep fraction {timestep_fraction} keeps none of the {len(steps)} steps it may train")
     return kept
 
 
-def _shuffled_timesteps(seed: int, schedule: torch.Tensor, kept: int) -> tuple[torch.Generator, list[int]]:
-    """The first `kept` of a shuffle of the schedule's steps, from a generator seeded by `seed`, which then draws
+def _shuffled_timesteps(seed: int, steps: list[int], kept: int) -> tuple[torch.Generator, list[int]]:
+    """The first `kept` of a shuffle of the candidate `steps`, from a generator seeded by `seed`, which then draws
     the pairs' noise (so a sample's or group's pairs are reproducible from its seed alone)."""
     g = torch.Generator().manual_seed(int(seed))
-    return g, torch.randperm(len(schedule), generator=g)[:kept].tolist()
+    return g, [steps[i] for i in torch.randperm(len(steps), generator=g)[:kept].tolist()]
 
 
 def preference_pairs(
@@ -164,18 +178,20 @@ def preference_pairs(
     conds: Sequence[torch.Tensor],
     group_size: int,
     timestep_fraction: float = 0.99,
+    timestep_range: tuple[float, float] = (0.0, 1.0),
 ) -> PreferencePairs:
     """Samples come in groups of `group_size` (one prompt each, in order). A group whose advantages are all equal
     has no preference and makes no pair."""
     schedule = sigmas[:-1]
-    per_group = _timesteps_kept(schedule, timestep_fraction)
+    steps = candidate_steps(len(schedule), timestep_range)
+    per_group = _timesteps_kept(steps, timestep_fraction)
     rows = {name: [] for name in ("chosen", "rejected", "t", "noise", "cond")}
     for start in range(0, len(seeds), group_size):
         adv = advantages[start:start + group_size]
         best, worst = start + int(adv.argmax()), start + int(adv.argmin())
         if adv[best - start] == adv[worst - start]:
             continue
-        g, order = _shuffled_timesteps(seeds[start], schedule, per_group)
+        g, order = _shuffled_timesteps(seeds[start], steps, per_group)
         for k in order:
             rows["chosen"].append(x0[best])
             rows["rejected"].append(x0[worst])
@@ -195,15 +211,17 @@ def group_pairs(
     conds: Sequence[torch.Tensor],
     group_size: int,
     timestep_fraction: float = 0.99,
+    timestep_range: tuple[float, float] = (0.0, 1.0),
 ) -> GroupPairs:
     """Samples come in groups of `group_size` (one prompt each, in order); each group makes int(K·fraction) pairs."""
     if len(seeds) % group_size:
         raise ValueError(f"{len(seeds)} samples do not make whole groups of {group_size}")
     schedule = sigmas[:-1]
-    per_group = _timesteps_kept(schedule, timestep_fraction)
+    steps = candidate_steps(len(schedule), timestep_range)
+    per_group = _timesteps_kept(steps, timestep_fraction)
     rows = {name: [] for name in ("x0", "advantages", "t", "noise", "cond")}
     for start in range(0, len(seeds), group_size):
-        g, order = _shuffled_timesteps(seeds[start], schedule, per_group)
+        g, order = _shuffled_timesteps(seeds[start], steps, per_group)
         for k in order:
             rows["x0"].append(x0[start:start + group_size])
             rows["advantages"].append(advantages[start:start + group_size])
