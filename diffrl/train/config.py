@@ -237,7 +237,12 @@ class AlgorithmConfig:
     """Keep an EMA of the trained weights (--ema-decay per optimizer step) and evaluate, pick
     checkpoints/best and save models with it. DiffusionNFT's old policy is a separate EMA."""
     ema_decay: float = 0.9
-    """With --use-ema: the EMA's decay per optimizer step."""
+    """With --use-ema: the EMA's decay per update (one update per --ema-update-interval optimizer steps)."""
+    ema_update_interval: int = 1
+    """With --use-ema: update the EMA once every this many optimizer steps."""
+    ema_warmup: int = 0
+    """With --use-ema: the u-th update (from 1) decays by min(--ema-decay, u / (W + u − 1)), the warm-up of diffusers'
+    and timm's EMAs, so the first weights are not held long; 0: --ema-decay from the first update."""
     diffusion_nft_beta: float = 1.0
     """DiffusionNFT's β: how far the positive and negative implicit policies lie from the old policy."""
     nft_adaptive_weighting: bool = True
@@ -269,6 +274,11 @@ class AlgorithmConfig:
                  f"--diffusion-adv-clip-max must be > 0, got {self.diffusion_adv_clip_max}")
         _require(self.diffusion_kl_beta >= 0, f"--diffusion-kl-beta must be >= 0, got {self.diffusion_kl_beta}")
         _require(0 <= self.ema_decay <= 1, f"--ema-decay must be in [0, 1], got {self.ema_decay}")
+        _require(self.ema_update_interval >= 1 and self.ema_warmup >= 0,
+                 f"--ema-update-interval must be >= 1 and --ema-warmup >= 0 (got {self.ema_update_interval}, "
+                 f"{self.ema_warmup})")
+        _require(self.use_ema or (self.ema_update_interval == 1 and self.ema_warmup == 0),
+                 "--ema-update-interval and --ema-warmup shape the evaluation EMA: pass --use-ema")
         _require(self.nft_rollout_guidance_scale >= 1 and (self.nft_rollout_guidance_scale == 1 or self.loss_type == "nft"),
                  f"--nft-rollout-guidance-scale must be >= 1 and applies to --loss-type nft only "
                  f"(got {self.nft_rollout_guidance_scale} with --loss-type {self.loss_type})")

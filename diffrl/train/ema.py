@@ -13,6 +13,12 @@ import torch
 from diffrl.utils.offload import host_copy
 
 
+def warmed_up_decay(decay: float, update: int, warmup: int) -> float:
+    """The decay of an EMA's `update`-th update (from 1): min(decay, update / (warmup + update − 1)), diffusers' and
+    timm's warm-up ((1 + t) / (W + t) with t = update − 1); `warmup` 0 is `decay` throughout."""
+    return decay if warmup == 0 else min(decay, update / (warmup + update - 1))
+
+
 def _local(t: torch.Tensor) -> torch.Tensor:
     """A parameter's own storage: the local shard of an FSDP2 (DTensor) parameter, else itself."""
     return t.to_local() if hasattr(t, "to_local") else t

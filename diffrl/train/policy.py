@@ -30,7 +30,7 @@ from diffrl.models.checkpointing import enable_gradient_checkpointing
 from diffrl.models.compile import block_kinds_at_recompile_limit, uncompiled_block_kinds
 from diffrl.models.checkpoint import load_lora_weights
 from diffrl.models.lora import LoraSpec, adaptable_parts, add_lora
-from diffrl.train.ema import ParameterEMA
+from diffrl.train.ema import ParameterEMA, warmed_up_decay
 from diffrl.train.objectives import OBJECTIVES
 from diffrl.train.parallel import Parallel, full_tensor, shard_transformer
 from diffrl.utils.offload import OptimizerOffload, release_cached
@@ -181,6 +181,7 @@ class Policy:
         own_ema = objective.needs_ema(cfg)
         self.ema = ParameterEMA(self.params) if (a.use_ema or own_ema) else None
         self.eval_ema = (ParameterEMA(self.params) if own_ema else self.ema) if a.use_ema else None
+        self.ema_update_interval, self.ema_warmup = a.ema_update_interval, a.ema_warmup
         self.extra_emas: dict[str, ParameterEMA] = {}  # snapshots an objective keeps (saved with the checkpoint)
         # The base model of a full finetune (a KL anchor, a preference method's reference): the starting weights,
         # taken before any resume loads later ones (an EMA that is never updated). LoRA gets it by disabling the
@@ -299,8 +300,9 @@ class Policy:
             return None
         self.optimizer.step()
         self.weight_version += 1
-        if self.eval_ema is not None:
-            self.eval_ema.update(ema_decay)
+        if self.eval_ema is not None and self.weight_version % self.ema_update_interval == 0:
+            update = self.weight_version // self.ema_update_interval  # (the count survives a resume with it)
+            self.eval_ema.update(warmed_up_decay(ema_decay, update, self.ema_warmup))
         return norm
 
     @contextlib.contextmanager
