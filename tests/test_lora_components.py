@@ -68,3 +68,20 @@ def test_bad_components_are_refused_naming_the_flag(wan_dir, tmp_path, tiny_mode
         Trainer(TrainConfig.flat(model_path=tiny_model_dir, output_dir=tmp_path / "b", lora_components=("transformer",)))
     with pytest.raises(ValueError, match="a full finetune \\(--no-use-lora\\) trains every part"):
         TrainConfig.flat(use_lora=False, lora_components=("transformer",)).check()
+
+
+def test_an_engine_given_the_spec_hosts_the_same_adapter_as_the_trainer(wan_dir):
+    """A remote engine receives the trainer's `LoraSpec` as JSON (`POST /lora_adapter`): its adapter has the trainer's
+    parameter names, so weight updates carrying the high-noise expert's tensors land; the same spec again is a no-op
+    and another one is refused."""
+    from diffrl.engine.engine import Engine
+
+    trainer_side = load_model(wan_dir)
+    spec = LoraSpec(rank=2, alpha=4.0, target_modules=list(trainer_side.lora_target_modules), components=["transformer"])
+    add_lora(trainer_side.transformer, spec)
+    engine = Engine(load_model(wan_dir))
+    assert engine.add_lora_adapter(LoraSpec.model_validate_json(spec.model_dump_json()))
+    assert _lora_names(engine.family.transformer) == _lora_names(trainer_side.transformer)
+    assert not engine.add_lora_adapter(spec)
+    with pytest.raises(RequestError, match="already has a different LoRA adapter"):
+        engine.add_lora_adapter(spec.model_copy(update={"components": []}))
