@@ -315,13 +315,13 @@ _FLUX2_DEV_EDIT_GRPO = dict(_FLUX2_DEV_GRPO, resolution=384, diffusion_num_steps
 # ODE rollouts with CFG 4 under the EMA old policy (ramp 0.001 up to 0.5, no flat rollouts), NFT β 0.1, advantage
 # clip 5, 48 prompts × 16 samples in one optimizer step, LoRA r64/α128, lr 1e-4, AdamW β2 0.999, weight decay 1e-4,
 # grad clip 1, bf16 forward, micro-batches of one sample, 28-step evaluations at 1024², 2 timesteps per sample drawn
-# from the noisier half of the schedule (the 4 first of the 8 steps, half of them). Microgroups of 16, gradient
-# checkpointing and the intervals are ours.
+# from the steps of σ ≥ 0.5 (its timestep_range 0.5; there stratified over them, here 2 of a shuffle). Microgroups of
+# 16, gradient checkpointing and the intervals are ours.
 _FLUX2_KLEIN_BASE_NFT = dict(diffusion_model_family="flux2", loss_type="nft", reward="pickscore", resolution=384,
                              use_lora=True, lora_rank=64, lora_alpha=128.0, diffusion_num_steps=8, eval_num_steps=28,
                              eval_resolution=1024,
                              diffusion_guidance_scale=1.0, nft_rollout_guidance_scale=4.0, diffusion_nft_beta=0.1,
-                             nft_timestep_fraction=0.5, train_timestep_range=(0.0, 0.5), nft_ema_ramp=0.001,
+                             train_timesteps=2, train_timestep_range=(0.0, 0.5), nft_ema_ramp=0.001,
                              nft_ema_max=0.5, nft_ema_flat=0,
                              diffusion_adv_clip_max=5.0, rollout_batch_size=48, n_samples_per_prompt=16,
                              rollout_microgroup_size=16, global_batch_size=768, num_steps_per_rollout=1,

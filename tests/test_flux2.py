@@ -203,9 +203,6 @@ def test_flux2_nft_recipe_is_flow_factorys_setting(klein_dir):
     a, r, o = config.algorithm, config.rollout, config.optim
     assert (a.loss_type, a.diffusion_nft_beta, a.nft_rollout_guidance_scale, r.diffusion_num_steps) == (
         "nft", 0.1, 4.0, 8)
-    from diffrl.algorithms.pairs import candidate_steps
-
-    steps = candidate_steps(r.diffusion_num_steps, a.train_timestep_range)
-    assert steps == [0, 1, 2, 3] and int(len(steps) * a.nft_timestep_fraction) == 2  # 2 of the noisier half, as that file
+    assert (a.train_timesteps, a.train_timestep_range) == (2, (0.0, 0.5))  # 2 of the steps of σ ≥ 0.5, as that file
     assert (r.rollout_batch_size, r.n_samples_per_prompt, o.num_steps_per_rollout, o.lr) == (48, 16, 1, 1e-4)
     validate_config(config)

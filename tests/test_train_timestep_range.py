@@ -1,5 +1,7 @@
-"""`--train-timestep-range START END`: the methods trained on re-noised clean samples (DiffusionNFT, AWM, SFT, DPO,
-DGPO, CRD) draw their timesteps from the steps whose place along the denoising, k/K, lies in [START, END)."""
+"""`--train-timestep-range START END` and `--train-timesteps N`: the methods trained on re-noised clean samples
+(DiffusionNFT, AWM, SFT, DPO, DGPO, CRD) draw their timesteps from the schedule steps whose σ lies in [1 − END,
+1 − START] (a fraction of the way from noise to image, as Flow-Factory's timestep_range), N of them or
+--nft-timestep-fraction of them."""
 
 import pytest
 import torch
@@ -16,10 +18,12 @@ def _inputs(n=4):
 
 
 def test_the_pairs_come_from_the_steps_in_the_range_only():
-    assert candidate_steps(8, (0.0, 0.5)) == [0, 1, 2, 3] and candidate_steps(8, (0.5, 1.0)) == [4, 5, 6, 7]
-    assert candidate_steps(10, (0.0, 0.9)) == list(range(9))
-    noisier = nft_pairs(*_inputs(), timestep_fraction=0.5, timestep_range=(0.0, 0.5))
-    assert len(noisier.t) == 4 * 2 and set(noisier.t.tolist()) <= set(SIGMAS[:4].tolist())
+    schedule = SIGMAS[:-1]  # 1, 0.875, …, 0.125
+    assert candidate_steps(schedule, (0.0, 0.5)) == [0, 1, 2, 3, 4] and candidate_steps(schedule, (0.5, 1.0)) == [4, 5, 6, 7]
+    shifted = torch.tensor([1.0, 0.95, 0.9, 0.8, 0.6, 0.3])  # a shifted schedule: most steps are noisy
+    assert candidate_steps(shifted, (0.0, 0.5)) == [0, 1, 2, 3, 4] and candidate_steps(shifted, (0.5, 0.9)) == [5]
+    noisier = nft_pairs(*_inputs(), timestep_count=2, timestep_range=(0.0, 0.5))
+    assert len(noisier.t) == 4 * 2 and set(noisier.t.tolist()) <= set(SIGMAS[:5].tolist())
     for build, extra in ((preference_pairs, {"group_size": 2}), (group_pairs, {"group_size": 2})):
         pairs = build(*_inputs(), timestep_fraction=1.0, timestep_range=(0.5, 1.0), **extra)
         assert set(pairs.t.tolist()) <= set(SIGMAS[4:8].tolist()) and len(pairs.t) > 0
@@ -40,16 +44,26 @@ def test_the_whole_range_draws_what_it_drew_before():
 
 @pytest.mark.parametrize("flags, message", [
     ({"train_timestep_range": (0.5, 0.5)}, "--train-timestep-range 0.5 0.5 must satisfy 0 <= start < end <= 1"),
-    ({"train_timestep_range": (0.01, 0.05)}, "--train-timestep-range 0.01 0.05 holds no step of a 10-step schedule"),
-    ({"train_timestep_range": (0.0, 0.2), "nft_timestep_fraction": 0.4},
-     "--nft-timestep-fraction 0.4 keeps none of the 2 steps"),
+    ({"train_timesteps": 0}, "--train-timesteps must be >= 1"),
 ])
-def test_a_range_that_trains_nothing_is_refused(flags, message):
+def test_a_bad_range_or_count_is_refused(flags, message):
     with pytest.raises(ValueError, match=message):
         TrainConfig.flat(loss_type="nft", diffusion_num_steps=10, diffusion_guidance_scale=1.0, **flags).check()
 
 
-def test_an_nft_run_trains_in_the_noisier_half(tiny_model_dir, tmp_path, monkeypatch):
+def test_a_range_that_trains_nothing_on_the_familys_schedule_is_refused_at_start(tiny_model_dir, tmp_path):
+    from diffrl.train.trainer import Trainer
+    from test_trainer import tiny_config
+
+    flags = dict(loss_type="nft", diffusion_guidance_scale=1.0, diffusion_num_steps=4, diffusion_sde_window_range=None)
+    with pytest.raises(ValueError, match=r"--train-timestep-range 0.99 1 \(σ from 0 to 0.01\) holds no step"):
+        Trainer(tiny_config(tiny_model_dir, tmp_path / "a", train_timestep_range=(0.99, 1.0), **flags))
+    with pytest.raises(ValueError, match="--nft-timestep-fraction 0.3 keeps none of the 1 steps"):
+        Trainer(tiny_config(tiny_model_dir, tmp_path / "b", train_timestep_range=(0.0, 0.01), nft_timestep_fraction=0.3,
+                            **flags))
+
+
+def test_an_nft_run_trains_the_noisiest_steps_only(tiny_model_dir, tmp_path, monkeypatch):
     import diffrl.train.objectives.base as objectives
 
     seen, real = [], objectives.ForwardProcessObjective.re_noised_pairs
@@ -64,11 +78,12 @@ def test_an_nft_run_trains_in_the_noisier_half(tiny_model_dir, tmp_path, monkeyp
     from test_trainer import tiny_config
 
     cfg = tiny_config(tiny_model_dir, tmp_path / "run", loss_type="nft", diffusion_guidance_scale=1.0,
-                      diffusion_num_steps=4, diffusion_sde_window_range=None, train_timestep_range=(0.0, 0.5),
-                      nft_timestep_fraction=1.0)
+                      diffusion_num_steps=4, diffusion_sde_window_range=None, train_timestep_range=(0.0, 0.2),
+                      train_timesteps=2)
     trainer = Trainer(cfg)
     record = trainer.rollout_and_update(0)
     assert torch.isfinite(torch.tensor(record["train/loss"]))
     (t, sigmas), = seen
     assert len(t) == 6 * 2  # 2 groups × 3 samples, 2 steps each
-    assert set(t.tolist()) == set(sigmas[:2].tolist())  # the noisier half of the 4 steps, and all of it
+    noisy = {x for x in sigmas[:-1].tolist() if x >= 0.8 - 1e-6}
+    assert set(t.tolist()) == noisy and len(noisy) == 2  # the 2 steps of σ ≥ 0.8 of the demo's 4 (1, 0.9, 0.75, 0.5)

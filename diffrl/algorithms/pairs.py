@@ -2,9 +2,9 @@
 
 - Flow-GRPO: one pair per (sample, trained SDE step i): (x_i, x_{i+1}, σ_i, σ_{i+1}, logp_old, A).
 - The forward-process methods (DiffusionNFT, AWM, SFT): one pair per (sample, timestep t): (x0, t, ε, A) with
-  x_t = (1 − t)·x0 + t·ε; the timesteps are the rollout schedule's σ's without the terminal 0 (those of the steps
-  inside the training range, `candidate_steps`: all by default), the first int(0.99·K) of a per-sample shuffle; ε
-  comes from a generator seeded by the sample's seed, so pairs are reproducible.
+  x_t = (1 − t)·x0 + t·ε; the timesteps are the rollout schedule's σ's without the terminal 0 (those inside the
+  training range, `candidate_steps`: all by default), the first int(0.99·K) (or a set count) of a per-sample
+  shuffle; ε comes from a generator seeded by the sample's seed, so pairs are reproducible.
 - Diffusion-DPO: one pair per (prompt group, timestep): its best and worst sample (by advantage), one t and one ε
   for both.
 - DGPO and CRD: one pair per (prompt group, timestep): every sample of the group, one t and one ε for all.
@@ -128,10 +128,11 @@ def nft_pairs(
     conds: Sequence[torch.Tensor],
     timestep_fraction: float = 0.99,
     timestep_range: tuple[float, float] = (0.0, 1.0),
+    timestep_count: int | None = None,
 ) -> NftPairs:
     schedule = sigmas[:-1]  # without the terminal 0
-    steps = candidate_steps(len(schedule), timestep_range)
-    per_sample = _timesteps_kept(steps, timestep_fraction)
+    steps = candidate_steps(schedule, timestep_range)
+    per_sample = _timesteps_kept(steps, timestep_fraction, timestep_count)
     rows = {name: [] for name in ("x0", "t", "noise", "advantages", "cond")}
     for s, seed in enumerate(seeds):
         g, order = _shuffled_timesteps(seed, steps, per_sample)
@@ -144,20 +145,22 @@ def nft_pairs(
     return NftPairs(**{k: torch.stack([torch.as_tensor(v) for v in vs]) for k, vs in rows.items()})
 
 
-def candidate_steps(num_steps: int, timestep_range: tuple[float, float]) -> list[int]:
-    """The schedule steps k (of `num_steps`, terminal excluded) whose place along the denoising, k / num_steps (0: the
-    first, noisiest step), lies in [start, end): the steps the re-noising methods may train."""
+def candidate_steps(schedule: torch.Tensor, timestep_range: tuple[float, float]) -> list[int]:
+    """The steps k of a schedule (its σ's, terminal excluded) that the re-noising methods may train: those whose σ
+    lies in [1 − end, 1 − start], the range read as a fraction of the way from pure noise (σ = 1, the scheduler's
+    time 1000) to the clean image (σ = 0), as Flow-Factory's `timestep_range` is."""
     start, end = timestep_range
-    steps = [k for k in range(num_steps) if start <= k / num_steps < end]
+    steps = [k for k, sigma in enumerate(schedule.tolist()) if 1 - end - 1e-6 <= sigma <= 1 - start + 1e-6]
     if not steps:
-        raise ValueError(f"--train-timestep-range {start:g} {end:g} holds no step of a {num_steps}-step schedule "
-                         f"(step k sits at k/{num_steps})")
+        raise ValueError(f"--train-timestep-range {start:g} {end:g} (σ from {1 - end:g} to {1 - start:g}) holds no "
+                         f"step of the schedule (σ {', '.join(f'{x:.3f}' for x in schedule.tolist())})")
     return steps
 
 
-
-def _timesteps_kept(steps: list[int], timestep_fraction: float) -> int:
-    kept = int(len(steps) * timestep_fraction)
+def _timesteps_kept(steps: list[int], timestep_fraction: float, count: int | None = None) -> int:
+    """How many of the candidate `steps` a sample (or group) trains: `count` (at most all of them), else
+    int(len · fraction)."""
+    kept = min(count, len(steps)) if count is not None else int(len(steps) * timestep_fraction)
     if kept < 1:
         raise ValueError(f"timestep fraction {timestep_fraction} keeps none of the {len(steps)} steps it may train")
     return kept
@@ -179,12 +182,13 @@ def preference_pairs(
     group_size: int,
     timestep_fraction: float = 0.99,
     timestep_range: tuple[float, float] = (0.0, 1.0),
+    timestep_count: int | None = None,
 ) -> PreferencePairs:
     """Samples come in groups of `group_size` (one prompt each, in order). A group whose advantages are all equal
     has no preference and makes no pair."""
     schedule = sigmas[:-1]
-    steps = candidate_steps(len(schedule), timestep_range)
-    per_group = _timesteps_kept(steps, timestep_fraction)
+    steps = candidate_steps(schedule, timestep_range)
+    per_group = _timesteps_kept(steps, timestep_fraction, timestep_count)
     rows = {name: [] for name in ("chosen", "rejected", "t", "noise", "cond")}
     for start in range(0, len(seeds), group_size):
         adv = advantages[start:start + group_size]
@@ -212,13 +216,14 @@ def group_pairs(
     group_size: int,
     timestep_fraction: float = 0.99,
     timestep_range: tuple[float, float] = (0.0, 1.0),
+    timestep_count: int | None = None,
 ) -> GroupPairs:
     """Samples come in groups of `group_size` (one prompt each, in order); each group makes int(K·fraction) pairs."""
     if len(seeds) % group_size:
         raise ValueError(f"{len(seeds)} samples do not make whole groups of {group_size}")
     schedule = sigmas[:-1]
-    steps = candidate_steps(len(schedule), timestep_range)
-    per_group = _timesteps_kept(steps, timestep_fraction)
+    steps = candidate_steps(schedule, timestep_range)
+    per_group = _timesteps_kept(steps, timestep_fraction, timestep_count)
     rows = {name: [] for name in ("x0", "advantages", "t", "noise", "cond")}
     for start in range(0, len(seeds), group_size):
         g, order = _shuffled_timesteps(seeds[start], steps, per_group)

@@ -259,9 +259,12 @@ class AlgorithmConfig:
     """The methods on ODE samples (nft, awm, dpo, dgpo, crd, sft) train each sample (or group) at the first
     int(K·fraction) of its shuffled K schedule timesteps (DiffusionNFT's name and default)."""
     train_timestep_range: tuple[float, float] = (0.0, 1.0)
-    """The methods on ODE samples: the part of the denoising their timesteps come from, as fractions of it (step k
-    of K sits at k/K; 0 the first, noisiest step). 0 0.5: the noisier half's steps only (as Flow-Factory's
-    timestep_range); --nft-timestep-fraction then keeps that fraction of them."""
+    """The methods on ODE samples: the part of the way from noise to image their timesteps come from, START END as
+    fractions of it (the schedule steps whose σ lies in [1 − END, 1 − START]; Flow-Factory's timestep_range).
+    0 0.5: the steps of σ ≥ 0.5 only; --nft-timestep-fraction (or --train-timesteps) then picks among them."""
+    train_timesteps: int | None = None
+    """The methods on ODE samples: train each sample (or group) at exactly this many of its candidate steps (at most
+    all of them), instead of --nft-timestep-fraction of them."""
     nft_rollout_guidance_scale: float = 1.0
     """CFG of NFT's rollouts (1: CFG-free, as DiffusionNFT samples). Above 1 the old policy's guided
     samples are the data; the loss still trains the conditional velocity alone."""
@@ -756,13 +759,12 @@ class TrainConfig:
                      f"--diffusion-sde-window-range {lo},{hi}")
         lo, hi = a.train_timestep_range
         _require(0 <= lo < hi <= 1, f"--train-timestep-range {lo:g} {hi:g} must satisfy 0 <= start < end <= 1")
-        if a.loss_type not in SDE_LOSS_TYPES:
-            from diffrl.algorithms.pairs import candidate_steps  # deferred: it imports torch (train --help)
-
-            trainable = len(candidate_steps(r.diffusion_num_steps, a.train_timestep_range))
-            _require(int(trainable * a.nft_timestep_fraction) >= 1,
-                     f"--nft-timestep-fraction {a.nft_timestep_fraction} keeps none of the {trainable} steps of "
-                     f"--diffusion-num-steps {r.diffusion_num_steps} in --train-timestep-range {lo:g} {hi:g}")
+        _require(a.train_timesteps is None or a.train_timesteps >= 1,
+                 f"--train-timesteps must be >= 1, got {a.train_timesteps}")
+        _require(a.loss_type in SDE_LOSS_TYPES or a.train_timesteps is not None
+                 or int(r.diffusion_num_steps * a.nft_timestep_fraction) >= 1,
+                 f"--nft-timestep-fraction {a.nft_timestep_fraction} keeps no timestep of "
+                 f"--diffusion-num-steps {r.diffusion_num_steps}")
         _require(self.replay.load_rollout_data is None or not (self.engine.engine_urls or self.placement.ray_engines
                                                                or self.engine.colocate),
                  "--load-rollout-data trains without engines: drop --engine-urls, --ray-engines and --colocate")

@@ -28,7 +28,8 @@ import torch
 from diffrl.utils.progress import tqdm
 
 from diffrl.algorithms.advantages import compute_advantages
-from diffrl.algorithms.pairs import micro_batch_bounds
+from diffrl.algorithms.methods import SDE_LOSS_TYPES
+from diffrl.algorithms.pairs import candidate_steps, micro_batch_bounds
 from diffrl.serving.colocated import ColocatedEngineClient
 from diffrl.engine.engine import Engine
 from diffrl.engine.spec import EngineSpec, build_engine
@@ -112,6 +113,22 @@ def check_family_flags(cfg: TrainConfig, family, evaluates: bool = True) -> None
             raise ValueError(f"--num-frames {m.num_frames}: {err.message}") from None
     if evaluates:
         check_eval_size(cfg, family, size)
+    check_training_steps(cfg, family, size)
+
+
+def check_training_steps(cfg: TrainConfig, family, size: tuple[int, int] | None) -> None:
+    """A re-noising method's --train-timestep-range and --nft-timestep-fraction / --train-timesteps against the
+    family's own schedule at the run's size (shifts differ by family and size): they must keep a step."""
+    a, r = cfg.algorithm, cfg.rollout
+    if a.loss_type in SDE_LOSS_TYPES:
+        return
+    height, width = size or family.default_size()
+    frames = {"num_frames": cfg.model.num_frames or family.default_num_frames} if family.generates_video else {}
+    schedule = family.sigmas(r.diffusion_num_steps, height, width, **frames)[:-1]
+    steps = candidate_steps(schedule, a.train_timestep_range)  # names the flag when it holds none
+    if a.train_timesteps is None and int(len(steps) * a.nft_timestep_fraction) < 1:
+        raise ValueError(f"--nft-timestep-fraction {a.nft_timestep_fraction} keeps none of the {len(steps)} steps in "
+                         f"--train-timestep-range {a.train_timestep_range[0]:g} {a.train_timestep_range[1]:g}")
 
 
 def check_eval_size(cfg: TrainConfig, family, size: tuple[int, int] | None) -> None:
