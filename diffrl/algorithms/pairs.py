@@ -15,6 +15,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass, fields
+from typing import Literal
 
 import torch
 
@@ -126,19 +127,16 @@ def nft_pairs(
     sigmas: torch.Tensor,
     advantages: torch.Tensor,
     conds: Sequence[torch.Tensor],
-    timestep_fraction: float = 0.99,
-    timestep_range: tuple[float, float] = (0.0, 1.0),
-    timestep_count: int | None = None,
+    timesteps: TimestepChoice | None = None,
 ) -> NftPairs:
+    choice = timesteps or TimestepChoice()
     schedule = sigmas[:-1]  # without the terminal 0
-    steps = candidate_steps(schedule, timestep_range)
-    per_sample = _timesteps_kept(steps, timestep_fraction, timestep_count)
     rows = {name: [] for name in ("x0", "t", "noise", "advantages", "cond")}
     for s, seed in enumerate(seeds):
-        g, order = _shuffled_timesteps(seed, steps, per_sample)
-        for k in order:
+        g, ts = choice.draw(seed, schedule)
+        for t in ts:
             rows["x0"].append(x0[s])
-            rows["t"].append(schedule[k])
+            rows["t"].append(t)
             rows["noise"].append(torch.randn(x0[s].shape, generator=g))
             rows["advantages"].append(advantages[s])
             rows["cond"].append(conds[s])
@@ -157,20 +155,48 @@ def candidate_steps(schedule: torch.Tensor, timestep_range: tuple[float, float])
     return steps
 
 
-def _timesteps_kept(steps: list[int], timestep_fraction: float, count: int | None = None) -> int:
-    """How many of the candidate `steps` a sample (or group) trains: `count` (at most all of them), else
-    int(len · fraction)."""
-    kept = min(count, len(steps)) if count is not None else int(len(steps) * timestep_fraction)
-    if kept < 1:
-        raise ValueError(f"timestep fraction {timestep_fraction} keeps none of the {len(steps)} steps it may train")
-    return kept
+@dataclass(frozen=True)
+class TimestepChoice:
+    """Which timesteps a re-noising method trains each sample (or group) at. `sampling`: "schedule" = `count` (else
+    int(len · fraction)) of a shuffle of the schedule's steps inside `range` (`candidate_steps`); "uniform" and
+    "logit_normal" = as many values drawn continuously (stratified, then shuffled): u in (0, 1) uniform, or the
+    sigmoid of a standard normal, warped by `shift` (u ← s·u / (1 + (s − 1)·u): s > 1 moves them toward the image), mapped to the
+    range's fraction start + u·(end − start) of the way from noise to image, σ = 1 − that (clamped to [0.01, 1] of
+    the way as Flow-Factory's samplers do)."""
 
+    fraction: float = 0.99
+    range: tuple[float, float] = (0.0, 1.0)
+    count: int | None = None
+    sampling: Literal["schedule", "uniform", "logit_normal"] = "schedule"
+    shift: float = 1.0
 
-def _shuffled_timesteps(seed: int, steps: list[int], kept: int) -> tuple[torch.Generator, list[int]]:
-    """The first `kept` of a shuffle of the candidate `steps`, from a generator seeded by `seed`, which then draws
-    the pairs' noise (so a sample's or group's pairs are reproducible from its seed alone)."""
-    g = torch.Generator().manual_seed(int(seed))
-    return g, [steps[i] for i in torch.randperm(len(steps), generator=g)[:kept].tolist()]
+    def kept(self, available: int) -> int:
+        """How many timesteps a sample (or group) trains, of `available` (the candidate steps, or with continuous
+        sampling the schedule's steps): `count` (for the schedule's steps at most all of them), else
+        int(available · fraction)."""
+        if self.count is not None:
+            return min(self.count, available) if self.sampling == "schedule" else self.count
+        kept = int(available * self.fraction)
+        if kept < 1:
+            raise ValueError(f"timestep fraction {self.fraction} keeps none of the {available} steps it may train")
+        return kept
+
+    def draw(self, seed: int, schedule: torch.Tensor) -> tuple[torch.Generator, list[torch.Tensor]]:
+        """The timesteps of the sample (or group) seeded `seed`, from a generator seeded by it, which then draws the
+        pairs' noise (so its pairs are reproducible from its seed alone)."""
+        g = torch.Generator().manual_seed(int(seed))
+        if self.sampling == "schedule":
+            steps = candidate_steps(schedule, self.range)
+            n = self.kept(len(steps))
+            return g, [schedule[steps[i]] for i in torch.randperm(len(steps), generator=g)[:n].tolist()]
+        n = self.kept(len(schedule))
+        base = ((torch.arange(n) + torch.rand(n, generator=g)) / n).clamp(1e-7, 1 - 1e-7)
+        u = base if self.sampling == "uniform" else torch.sigmoid(torch.distributions.Normal(0.0, 1.0).icdf(base))
+        u = u[torch.randperm(n, generator=g)]
+        u = self.shift * u / (1 + (self.shift - 1) * u)
+        start, end = self.range
+        sigma = 1 - (start + u * (end - start)).clamp(0.01, 1.0)
+        return g, [x.to(schedule.dtype) for x in sigma]
 
 
 def preference_pairs(
@@ -180,26 +206,23 @@ def preference_pairs(
     advantages: torch.Tensor,
     conds: Sequence[torch.Tensor],
     group_size: int,
-    timestep_fraction: float = 0.99,
-    timestep_range: tuple[float, float] = (0.0, 1.0),
-    timestep_count: int | None = None,
+    timesteps: TimestepChoice | None = None,
 ) -> PreferencePairs:
     """Samples come in groups of `group_size` (one prompt each, in order). A group whose advantages are all equal
     has no preference and makes no pair."""
+    choice = timesteps or TimestepChoice()
     schedule = sigmas[:-1]
-    steps = candidate_steps(schedule, timestep_range)
-    per_group = _timesteps_kept(steps, timestep_fraction, timestep_count)
     rows = {name: [] for name in ("chosen", "rejected", "t", "noise", "cond")}
     for start in range(0, len(seeds), group_size):
         adv = advantages[start:start + group_size]
         best, worst = start + int(adv.argmax()), start + int(adv.argmin())
         if adv[best - start] == adv[worst - start]:
             continue
-        g, order = _shuffled_timesteps(seeds[start], steps, per_group)
-        for k in order:
+        g, ts = choice.draw(seeds[start], schedule)
+        for t in ts:
             rows["chosen"].append(x0[best])
             rows["rejected"].append(x0[worst])
-            rows["t"].append(schedule[k])
+            rows["t"].append(t)
             rows["noise"].append(torch.randn(x0[best].shape, generator=g))
             rows["cond"].append(conds[best])
     if not rows["t"]:
@@ -214,23 +237,20 @@ def group_pairs(
     advantages: torch.Tensor,
     conds: Sequence[torch.Tensor],
     group_size: int,
-    timestep_fraction: float = 0.99,
-    timestep_range: tuple[float, float] = (0.0, 1.0),
-    timestep_count: int | None = None,
+    timesteps: TimestepChoice | None = None,
 ) -> GroupPairs:
     """Samples come in groups of `group_size` (one prompt each, in order); each group makes int(K·fraction) pairs."""
     if len(seeds) % group_size:
         raise ValueError(f"{len(seeds)} samples do not make whole groups of {group_size}")
+    choice = timesteps or TimestepChoice()
     schedule = sigmas[:-1]
-    steps = candidate_steps(schedule, timestep_range)
-    per_group = _timesteps_kept(steps, timestep_fraction, timestep_count)
     rows = {name: [] for name in ("x0", "advantages", "t", "noise", "cond")}
     for start in range(0, len(seeds), group_size):
-        g, order = _shuffled_timesteps(seeds[start], steps, per_group)
-        for k in order:
+        g, ts = choice.draw(seeds[start], schedule)
+        for t in ts:
             rows["x0"].append(x0[start:start + group_size])
             rows["advantages"].append(advantages[start:start + group_size])
-            rows["t"].append(schedule[k])
+            rows["t"].append(t)
             rows["noise"].append(torch.randn(x0[start].shape, generator=g))
             rows["cond"].append(conds[start])
     return GroupPairs(**{k: torch.stack([torch.as_tensor(v) for v in vs]) for k, vs in rows.items()})

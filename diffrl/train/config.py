@@ -265,9 +265,25 @@ class AlgorithmConfig:
     train_timesteps: int | None = None
     """The methods on ODE samples: train each sample (or group) at exactly this many of its candidate steps (at most
     all of them), instead of --nft-timestep-fraction of them."""
+    train_timestep_sampling: Literal["schedule", "uniform", "logit_normal"] = "schedule"
+    """The methods on ODE samples: schedule = the rollout schedule's own σ's (DiffusionNFT's); uniform and
+    logit_normal = as many σ's drawn continuously inside --train-timestep-range (stratified; logit_normal: the
+    sigmoid of a standard normal, the flow-matching pretraining density), warped by --train-timestep-shift."""
+    train_timestep_shift: float = 1.0
+    """With --train-timestep-sampling uniform or logit_normal: u ← s·u / (1 + (s − 1)·u) before the range is applied,
+    u the fraction of the way from noise to image (s > 1 moves the draws toward the image, lower σ; Flow-Factory's
+    time_shift, 3 by default there for logit_normal)."""
     nft_rollout_guidance_scale: float = 1.0
     """CFG of NFT's rollouts (1: CFG-free, as DiffusionNFT samples). Above 1 the old policy's guided
     samples are the data; the loss still trains the conditional velocity alone."""
+
+    def timestep_choice(self):
+        """The re-noising methods' timesteps (`algorithms.pairs.TimestepChoice`) from the flags above."""
+        from diffrl.algorithms.pairs import TimestepChoice  # deferred: it imports torch (train --help)
+
+        return TimestepChoice(fraction=self.nft_timestep_fraction, range=tuple(self.train_timestep_range),
+                              count=self.train_timesteps, sampling=self.train_timestep_sampling,
+                              shift=self.train_timestep_shift)
 
     def check(self) -> None:
         # Values that would train silently wrong: a negative KL pushes away from the reference, a clip range or
@@ -761,6 +777,7 @@ class TrainConfig:
         _require(0 <= lo < hi <= 1, f"--train-timestep-range {lo:g} {hi:g} must satisfy 0 <= start < end <= 1")
         _require(a.train_timesteps is None or a.train_timesteps >= 1,
                  f"--train-timesteps must be >= 1, got {a.train_timesteps}")
+        _require(a.train_timestep_shift > 0, f"--train-timestep-shift must be > 0, got {a.train_timestep_shift}")
         _require(a.loss_type in SDE_LOSS_TYPES or a.train_timesteps is not None
                  or int(r.diffusion_num_steps * a.nft_timestep_fraction) >= 1,
                  f"--nft-timestep-fraction {a.nft_timestep_fraction} keeps no timestep of "

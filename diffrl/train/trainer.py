@@ -125,9 +125,12 @@ def check_training_steps(cfg: TrainConfig, family, size: tuple[int, int] | None)
     height, width = size or family.default_size()
     frames = {"num_frames": cfg.model.num_frames or family.default_num_frames} if family.generates_video else {}
     schedule = family.sigmas(r.diffusion_num_steps, height, width, **frames)[:-1]
-    steps = candidate_steps(schedule, a.train_timestep_range)  # names the flag when it holds none
-    if a.train_timesteps is None and int(len(steps) * a.nft_timestep_fraction) < 1:
-        raise ValueError(f"--nft-timestep-fraction {a.nft_timestep_fraction} keeps none of the {len(steps)} steps in "
+    if a.train_timestep_sampling != "schedule":  # continuous draws need no step of the schedule in the range
+        available = len(schedule)
+    else:
+        available = len(candidate_steps(schedule, a.train_timestep_range))  # names the flag when it holds none
+    if a.train_timesteps is None and int(available * a.nft_timestep_fraction) < 1:
+        raise ValueError(f"--nft-timestep-fraction {a.nft_timestep_fraction} keeps none of the {available} steps in "
                          f"--train-timestep-range {a.train_timestep_range[0]:g} {a.train_timestep_range[1]:g}")
 
 

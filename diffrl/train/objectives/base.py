@@ -209,9 +209,7 @@ class ForwardProcessObjective(Objective):
         self._ids_to_device(env)
         x0 = torch.stack([s.output.dit_trajectory.latents[0] for s in samples])
         return build(x0, [s.seed for s in samples], samples[0].output.dit_trajectory.sigmas, advantages, cond,
-                     timestep_fraction=self.cfg.algorithm.nft_timestep_fraction,
-                     timestep_range=self.cfg.algorithm.train_timestep_range,
-                     timestep_count=self.cfg.algorithm.train_timesteps, **options)
+                     timesteps=self.cfg.algorithm.timestep_choice(), **options)
 
     def conditional_velocity(self, x0: torch.Tensor, noise: torch.Tensor, t: torch.Tensor, cond: torch.Tensor,
                              env: dict) -> torch.Tensor:
