@@ -35,7 +35,9 @@ TRAIN_DESCRIPTION = """Train a flow-matching model with RL (GRPO-style or Diffus
 Defaults come from, in order: the built-in defaults, --recipe NAME (`diffrl recipes` lists them), --config FILE (a
 run's config.json, or YAML/JSON of the same tree or flat names), then the flags given. `--resume --output-dir RUN`
 continues RUN with its own config.json (flags given still override). --print-config prints the resolved
-configuration as JSON (usable as --config) and exits."""
+configuration as JSON (usable as --config) and exits. --flow-factory-config FILE.yaml reads a Flow-Factory run file
+as flags placed before the ones given (docs/coming-from-flow-factory.md); miles-diffusion's flags are translated as
+they come (docs/coming-from-miles.md)."""
 
 
 
@@ -169,6 +171,19 @@ def refuse_other_objectives_flags(args: list[str], loss_type: str) -> None:
                              f"--loss-type {' or '.join(owners)})")
 
 
+def flow_factory_args(path: str, rest: list[str]):
+    """`--flow-factory-config FILE`: the file's keys as diffrl flags (`flow_factory_config.translate_file`); a file
+    naming rewards needs `--reward` among the flags given (its rewards are hub names, diffrl's local folders)."""
+    from diffrl.cli.flow_factory_config import translate_file
+
+    peer = translate_file(path)
+    given = {arg.partition("=")[0] for arg in rest}
+    if peer.names_rewards and "--reward" not in given:
+        raise ValueError(f"--flow-factory-config {path} names its rewards by hub name; pass --reward with local "
+                         "models (e.g. --reward pickscore@DIR; docs/rewards.md)")
+    return peer
+
+
 def _take_flag(args: list[str], flag: str, with_value: bool) -> tuple[list[str], str | bool | None]:
     """`args` without `flag` (and its value), and the value (True for a switch; None when absent)."""
     rest, value, i = [], None, 0
@@ -296,7 +311,9 @@ def parse(argv: list[str]):
     from diffrl.train.config import TrainConfig
 
     if argv[:1] in (["train"], ["bench-train"]):
-        miles = translate(argv[1:])
+        rest, flow_factory = _take_flag(argv[1:], "--flow-factory-config", with_value=True)
+        peer = flow_factory_args(flow_factory, rest) if flow_factory else None
+        miles = translate([*(peer.args if peer else []), *rest])  # the flags given after the file win
         args, print_config = _take_flag(published_spellings(miles.args), "--print-config", with_value=False)
         default, size_note = _train_defaults(args, f"diffrl {argv[0]}")
         args, _ = _take_flag(args, "--config", with_value=True)
@@ -318,6 +335,8 @@ def parse(argv: list[str]):
         if os.environ.get("RANK", "0") == "0":  # each miles-diffusion flag once, with diffrl's name for it
             for note in miles.notes:
                 print(f"miles-diffusion flag {note}")
+            for note in peer.notes if peer else ():
+                print(f"Flow-Factory {note}")
         return config
     return tyro.extras.subcommand_cli_from_dict(  # a known subcommand's flags alone: its --help loads only its module
         _subcommands(argv[0] if argv else None), args=argv,

@@ -1,0 +1,260 @@
+"""A Flow-Factory run file (its YAML), translated into `diffrl train`'s flags (docs/coming-from-flow-factory.md).
+
+`diffrl train --flow-factory-config FILE.yaml [diffrl flags …]` reads the file's sections (launch keys at the top,
+`data`, `model`, `log`, `train`, `scheduler`, `eval`, `rewards`, `eval_rewards`) and turns each key into the diffrl
+flags that mean the same; flags given after it win. Like the miles-diffusion translation (`miles_flags.py`), every key
+is translated, accepted as a no-op with the reason printed once, or refused in one line saying what to do instead;
+a key it does not know is refused by name rather than dropped. Rewards name models by their hub names there and by
+local folders here, so a file with `rewards` needs `--reward` beside it.
+
+`translate_file(path)` returns diffrl's arguments, the start-up notes and whether the file names rewards.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from pathlib import Path
+
+TRAINERS = {"grpo": "flow_grpo", "grpo-guard": "grpo_guard", "grpo_guard": "grpo_guard", "nft": "nft", "awm": "awm",
+            "dpo": "dpo", "dgpo": "dgpo", "crd": "crd"}
+DYNAMICS = {"Flow-SDE": "sde", "Dance-SDE": "dance", "CPS": "cps"}
+TIME_SAMPLING = {"discrete": "schedule", "uniform": "uniform", "logit_normal": "logit_normal"}
+# Keys whose value diffrl has no use for: what it does instead.
+IGNORED = {
+    "main_process_port": "torchrun picks its own rendezvous", "data.preprocessing_batch_size": "prompts are "
+    "encoded by the engine, once per request", "data.dataloader_num_workers": "prompts are read once, in order",
+    "data.force_reprocess": "nothing is cached to disk", "data.cache_dir": "nothing is cached to disk",
+    "data.sampler_type": "each rollout draws whole prompt groups", "log.save_model_only": "a checkpoint holds the "
+    "model and the training state (--keep-last-checkpoints bounds them)", "train.offload_samples_to_cpu": "rollout "
+    "samples keep only the trained steps' latents", "eval.seed": "held-out seeds are fixed (10000 + k)",
+    "eval.per_device_batch_size": "evaluation batches by itself", "train.gradient_accumulation_steps": "an optimizer "
+    "step accumulates its micro-batches (--micro-batch-size)", "model.model_type": "the family is read from the "
+    "model folder (--diffusion-model-family names it when not)", "train.ref_param_device": "the reference stays on "
+    "the GPU (--offload-reference moves a full finetune's to the host)",
+}
+
+
+@dataclass
+class Translation:
+    args: list[str] = field(default_factory=list)
+    notes: list[str] = field(default_factory=list)
+    names_rewards: bool = False
+
+
+def _flatten(tree: dict, prefix: str = "") -> dict:
+    flat = {}
+    for key, value in tree.items():
+        name = f"{prefix}{key}"
+        if isinstance(value, dict) and name in ("data", "model", "log", "train", "scheduler", "eval"):
+            flat.update(_flatten(value, f"{name}."))
+        else:
+            flat[name] = value
+    return flat
+
+
+def _size(value, flags: tuple[str, str, str]) -> list[str]:
+    square, height, width = flags
+    if isinstance(value, (list, tuple)) and len(value) == 2:
+        return [height, str(value[0]), width, str(value[1])]
+    return [square, str(value)]
+
+
+def translate_file(path: str | Path) -> Translation:
+    import yaml  # a dependency of the config loader already (`--config FILE.yaml`)
+
+    path = Path(path)
+    try:
+        tree = yaml.safe_load(path.read_text(encoding="utf-8")) or {}
+    except OSError as err:
+        raise ValueError(f"--flow-factory-config {path}: {err.strerror or err}") from None
+    except yaml.YAMLError as err:
+        raise ValueError(f"--flow-factory-config {path}: not valid YAML ({err})") from None
+    if not isinstance(tree, dict):
+        raise ValueError(f"--flow-factory-config {path}: expected a mapping of sections, got {type(tree).__name__}")
+    flat, out = _flatten(tree), Translation()
+    unknown = []
+
+    def add(key: str, *args: str, note: str | None = None) -> None:
+        out.args.extend(args)
+        out.notes.append(f"{key}: {note}" if note else f"{key} → {' '.join(args)}")
+
+    steps_per_rollout = flat.get("train.gradient_step_per_epoch") or 1
+    for key, value in flat.items():
+        if value is None:
+            continue  # Flow-Factory's "unset": diffrl's default
+        if key in IGNORED:
+            add(key, note=f"not needed: {IGNORED[key]}")
+        elif key in ("launcher", "num_processes", "config_file"):
+            add(key, note="run several GPUs as `torchrun --nproc-per-node N -m diffrl.cli.main train …` (FSDP2)")
+        elif key == "mixed_precision":
+            if value not in ("bf16", "no"):
+                raise ValueError(f"{path}: mixed_precision {value!r}: diffrl runs bf16 or no (fp32)")
+            add(key, "--mixed-precision", value)
+        elif key == "data.dataset_dir":
+            folder = Path(value).expanduser()
+            train, test = folder / "train.jsonl", folder / "test.jsonl"
+            add(key, "--prompt-data", str(train if train.is_file() else folder),
+                *(["--eval-prompt-data", str(test)] if train.is_file() and test.is_file() else []))
+        elif key == "data.max_dataset_size":
+            raise ValueError(f"{path}: data.max_dataset_size {value}: cut the prompt file instead")
+        elif key == "model.finetune_type":
+            add(key, "--use-lora" if value == "lora" else "--no-use-lora")
+        elif key in ("model.lora_rank", "model.lora_alpha"):
+            add(key, "--" + key.split(".")[1].replace("_", "-"), str(value))
+        elif key == "model.target_modules":
+            if value == "default":
+                add(key, note="the family's own targets, diffrl's default too")
+            elif isinstance(value, list):
+                add(key, "--lora-target-modules", *map(str, value))
+            else:
+                raise ValueError(f"{path}: model.target_modules {value!r}: name the modules (a list), or 'default'")
+        elif key == "model.target_components":
+            add(key, "--lora-components", *([value] if isinstance(value, str) else map(str, value)))
+        elif key == "model.model_name_or_path":
+            add(key, "--model-path", str(value), note=f"--model-path {value} (a local diffusers folder: diffrl "
+                                                      "downloads nothing)")
+        elif key == "model.resume_path":
+            kind = flat.get("model.resume_type")
+            if kind == "state":
+                raise ValueError(f"{path}: model.resume_type state continues a Flow-Factory run; a diffrl run "
+                                 "continues its own folder with --resume")
+            add(key, "--init-from", str(value))
+        elif key == "model.resume_type":
+            continue  # read with resume_path
+        elif key == "log.logging_backend":
+            if value == "swanlab":
+                raise ValueError(f"{path}: log.logging_backend swanlab: diffrl logs to TensorBoard and W&B "
+                                 "(--use-wandb)")
+            add(key, *(["--use-wandb"] if value == "wandb" else []),
+                note=None if value == "wandb" else "TensorBoard files are always written")
+        elif key == "log.project":
+            add(key, "--wandb-project", str(value))
+        elif key == "log.run_name":
+            add(key, "--wandb-run-name", str(value))
+        elif key == "log.save_dir":
+            add(key, "--output-dir", str(value))
+        elif key == "log.save_freq":
+            add(key, "--checkpoint-interval", str(value if value > 0 else 10**9))
+        elif key == "train.trainer_type":
+            if value not in TRAINERS:
+                raise ValueError(f"{path}: train.trainer_type {value!r}: diffrl's methods are "
+                                 f"{', '.join(sorted(TRAINERS))} (docs/algorithms.md)")
+            add(key, "--loss-type", TRAINERS[value])
+        elif key == "train.advantage_aggregation":
+            add(key, "--advantage-aggregation", value)
+        elif key == "train.clip_range":
+            add(key, "--diffusion-clip-range", str(value))
+        elif key == "train.adv_clip_range":
+            bound = value
+            if isinstance(value, (list, tuple)):
+                if len(value) != 2 or value[0] != -value[1]:
+                    raise ValueError(f"{path}: train.adv_clip_range {value}: diffrl clips advantages symmetrically")
+                bound = value[1]
+            add(key, "--diffusion-adv-clip-max", str(bound))
+        elif key in ("train.kl_type", "train.kl_beta"):
+            add(key, "--kl-type" if key.endswith("type") else "--diffusion-kl-beta", str(value))
+        elif key == "train.resolution":
+            add(key, *_size(value, ("--resolution", "--height", "--width")))
+        elif key in ("train.condition_image_size", "eval.condition_image_size"):
+            add(key, note="the engine takes a source at its own size: resize the sources beforehand")
+        elif key == "train.num_inference_steps":
+            add(key, "--diffusion-num-steps", str(value))
+        elif key == "train.guidance_scale":
+            add(key, "--diffusion-guidance-scale", str(value))
+        elif key == "train.per_device_batch_size":
+            add(key, "--micro-batch-size", str(value))
+        elif key == "train.group_size":
+            add(key, "--n-samples-per-prompt", str(value))
+        elif key == "train.unique_sample_num_per_epoch":
+            add(key, "--rollout-batch-size", str(value))
+        elif key == "train.gradient_step_per_epoch":
+            add(key, "--num-steps-per-rollout", str(value))
+        elif key == "train.global_std":
+            add(key, "--globalize-reward-std" if value else "--no-globalize-reward-std")
+        elif key == "train.learning_rate":
+            add(key, "--lr", str(value))
+        elif key == "train.adam_weight_decay":
+            add(key, "--weight-decay", str(value))
+        elif key == "train.adam_betas":
+            add(key, "--adam-beta1", str(value[0]), "--adam-beta2", str(value[1]))
+        elif key == "train.adam_epsilon":
+            if float(value) != 1e-8:
+                raise ValueError(f"{path}: train.adam_epsilon {value}: diffrl's AdamW keeps torch's 1e-8")
+            add(key, note="torch's default, 1e-8, as diffrl's")
+        elif key == "train.max_grad_norm":
+            add(key, "--grad-clip", str(value))
+        elif key == "train.ema_decay":
+            add(key, *(["--use-ema", "--ema-decay", str(value)] if value > 0 else []),
+                note=None if value > 0 else "0: no EMA")
+        elif key == "train.ema_update_interval":
+            if flat.get("train.ema_decay"):
+                add(key, "--ema-update-interval", str(int(value) * int(steps_per_rollout)),
+                    note=f"--ema-update-interval {int(value) * int(steps_per_rollout)} (optimizer steps: {value} "
+                         f"rollouts of {steps_per_rollout})")
+        elif key in ("train.ema_device", "train.ema_decay_schedule"):
+            add(key, note="not expressed: the EMA lives on the GPU, its decay constant (--ema-warmup adds diffusers' "
+                          "warm-up, counted in updates)")
+        elif key == "train.enable_gradient_checkpointing":
+            add(key, "--gradient-checkpointing" if value else "--no-gradient-checkpointing")
+        elif key == "train.seed":
+            add(key, "--seed", str(value))
+        elif key == "train.timestep_range":
+            start, end = (value if isinstance(value, (list, tuple)) else (0.0, value))
+            add(key, "--train-timestep-range", str(start), str(end))
+        elif key == "train.num_train_timesteps":
+            if value:
+                add(key, "--train-timesteps", str(value))
+        elif key == "train.time_sampling_strategy":
+            if value not in TIME_SAMPLING:
+                raise ValueError(f"{path}: train.time_sampling_strategy {value!r}: diffrl draws "
+                                 f"{', '.join(TIME_SAMPLING)} (as schedule, uniform, logit_normal)")
+            add(key, "--train-timestep-sampling", TIME_SAMPLING[value])
+        elif key == "train.time_shift":
+            if flat.get("train.time_sampling_strategy", "discrete") != "discrete":
+                add(key, "--train-timestep-shift", str(value))
+            else:
+                add(key, note="used by continuous sampling only")
+        elif key == "scheduler.dynamics_type":
+            if value == "ODE":
+                add(key, note="ODE rollouts come with the method (nft, awm, dpo, dgpo, crd)")
+            elif value in DYNAMICS:
+                add(key, "--diffusion-sde-type", DYNAMICS[value])
+            else:
+                raise ValueError(f"{path}: scheduler.dynamics_type {value!r}: diffrl's are "
+                                 f"{', '.join([*DYNAMICS, 'ODE'])}")
+        elif key == "scheduler.noise_level":
+            add(key, "--diffusion-noise-level", str(value))
+        elif key == "scheduler.num_sde_steps":
+            add(key, "--diffusion-num-sde-steps", str(value))
+        elif key == "scheduler.sde_steps":
+            steps = sorted(int(s) for s in value)
+            add(key, "--diffusion-sde-window-range", f"{steps[0]},{steps[-1] + 1}",
+                "--diffusion-sde-step-strategy", "random")
+        elif key == "scheduler.seed":
+            add(key, "--rollout-seed", str(value))
+        elif key == "eval.resolution":
+            add(key, *_size(value, ("--eval-resolution", "--eval-height", "--eval-width")))
+        elif key == "eval.num_frames":
+            add(key, "--eval-num-frames", str(value))
+        elif key == "eval.num_inference_steps":
+            add(key, "--eval-num-steps", str(value))
+        elif key == "eval.guidance_scale":
+            add(key, "--eval-guidance-scale", str(value))
+        elif key == "eval.eval_freq":
+            add(key, *(["--eval-interval", str(value)] if value > 0 else ["--eval-num-prompts", "0"]))
+        elif key in ("rewards", "eval_rewards"):
+            out.names_rewards = out.names_rewards or key == "rewards"
+            names = ", ".join(str(r.get("reward_model", r.get("name"))) for r in value if isinstance(r, dict))
+            flag = "--reward" if key == "rewards" else "--eval-reward"
+            add(key, note=f"{names}: pass {flag} with local models (e.g. multi:pickscore@DIR=1,clipscore@DIR=0.5; "
+                          "docs/rewards.md)")
+        else:
+            unknown.append(key)
+    if unknown:
+        raise ValueError(f"{path}: no diffrl setting for {', '.join(unknown)} (docs/coming-from-flow-factory.md); "
+                         "remove the key or set the diffrl flag yourself")
+    samples = flat.get("train.unique_sample_num_per_epoch"), flat.get("train.group_size")
+    if all(samples):
+        total = samples[0] * samples[1]
+        out.args += ["--global-batch-size", str(total // int(steps_per_rollout))]
+    return out

@@ -1,0 +1,126 @@
+"""`diffrl train --flow-factory-config FILE.yaml`: a run file in Flow-Factory's layout (its sections and key names,
+written here for the test) becomes diffrl's settings; flags given after it win; every key is translated, accepted
+with its reason, or refused by name."""
+
+import pytest
+
+from diffrl.cli.flow_factory_config import translate_file
+from diffrl.cli.main import parse
+
+RUN = """
+launcher: "accelerate"
+num_processes: 8
+mixed_precision: "bf16"
+data:
+  dataset_dir: "{data}"
+  dataloader_num_workers: 16
+model:
+  finetune_type: 'lora'
+  lora_rank: 64
+  lora_alpha: 128
+  target_modules: "default"
+  model_name_or_path: "{model}"
+  model_type: "z-image"
+  resume_path: null
+log:
+  logging_backend: "tensorboard"
+  save_dir: "{out}"
+  save_freq: 20
+train:
+  trainer_type: 'nft'
+  advantage_aggregation: 'sum'
+  adv_clip_range: [-5.0, 5.0]
+  kl_type: 'v-based'
+  kl_beta: 0
+  resolution: [384, 512]
+  num_inference_steps: 8
+  guidance_scale: 1.0
+  per_device_batch_size: 2
+  group_size: 16
+  global_std: false
+  unique_sample_num_per_epoch: 48
+  gradient_step_per_epoch: 2
+  learning_rate: 1.0e-4
+  adam_weight_decay: 1.0e-4
+  adam_betas: [0.9, 0.999]
+  max_grad_norm: 1.0
+  ema_decay: 0.9
+  ema_update_interval: 4
+  enable_gradient_checkpointing: true
+  seed: 42
+  num_train_timesteps: 2
+  time_sampling_strategy: logit_normal
+  time_shift: 3.0
+  timestep_range: 0.5
+scheduler:
+  dynamics_type: "ODE"
+  seed: 7
+eval:
+  resolution: 1024
+  num_inference_steps: 28
+  guidance_scale: 4.0
+  eval_freq: 20
+rewards:
+  - name: "pick_score"
+    reward_model: "PickScore"
+    weight: 1
+"""
+
+
+@pytest.fixture
+def run_file(tmp_path):
+    data = tmp_path / "data"
+    data.mkdir()
+    (data / "train.jsonl").write_text('{"prompt": "a cat"}\n')
+    (data / "test.jsonl").write_text('{"prompt": "a dog"}\n')
+    path = tmp_path / "nft.yaml"
+    path.write_text(RUN.format(data=data, model=tmp_path / "z-image", out=tmp_path / "run"))
+    return path
+
+
+def test_the_run_file_becomes_diffrls_settings(run_file, tmp_path):
+    config = parse(["train", "--flow-factory-config", str(run_file), "--reward", "jpeg_compressibility",
+                    "--lr", "2e-4"])
+    m, a, r, o, e = config.model, config.algorithm, config.rollout, config.optim, config.eval
+    assert (m.use_lora, m.lora_rank, m.lora_alpha, m.height, m.width, m.mixed_precision) == (True, 64, 128.0, 384,
+                                                                                             512, "bf16")
+    assert str(m.model_path) == str(tmp_path / "z-image") and m.gradient_checkpointing
+    assert (a.loss_type, a.diffusion_adv_clip_max, a.kl_type, a.diffusion_kl_beta) == ("nft", 5.0, "v-based", 0.0)
+    assert (a.train_timesteps, a.train_timestep_sampling, a.train_timestep_shift, a.train_timestep_range) == (
+        2, "logit_normal", 3.0, (0.0, 0.5))
+    assert (a.use_ema, a.ema_decay, a.ema_update_interval) == (True, 0.9, 8)  # 4 rollouts of 2 optimizer steps
+    assert (r.n_samples_per_prompt, r.rollout_batch_size, o.num_steps_per_rollout, o.global_batch_size) == (16, 48, 2,
+                                                                                                           384)
+    assert (r.diffusion_num_steps, r.diffusion_guidance_scale, o.micro_batch_size, o.weight_decay, o.grad_clip) == (
+        8, 1.0, 2, 1e-4, 1.0)
+    assert o.lr == 2e-4  # the flag given after the file wins over its 1e-4
+    assert (config.seed, r.rollout_seed, e.eval_resolution, e.eval_num_steps, e.eval_guidance_scale,
+            e.eval_interval) == (42, 7, 1024, 28, 4.0, 20)
+    assert str(config.task.prompt_data).endswith("train.jsonl") and str(config.task.eval_prompt_data).endswith(
+        "test.jsonl")
+    assert config.checkpoint.checkpoint_interval == 20 and str(config.checkpoint.output_dir) == str(tmp_path / "run")
+
+
+def test_rewards_need_local_models_and_unknown_keys_are_refused(run_file, tmp_path):
+    with pytest.raises(ValueError, match="names its rewards by hub name; pass --reward"):
+        parse(["train", "--flow-factory-config", str(run_file)])
+    bad = tmp_path / "bad.yaml"
+    bad.write_text("train:\n  trainer_type: grpo\n  mystery_knob: 3\nlog:\n  logging_backend: swanlab\n")
+    with pytest.raises(ValueError, match="swanlab: diffrl logs to TensorBoard and W&B"):
+        translate_file(bad)
+    bad.write_text("train:\n  trainer_type: grpo\n  mystery_knob: 3\n")
+    with pytest.raises(ValueError, match=r"no diffrl setting for train.mystery_knob"):
+        translate_file(bad)
+    bad.write_text("train:\n  adv_clip_range: [-2.0, 5.0]\n")
+    with pytest.raises(ValueError, match="clips advantages symmetrically"):
+        translate_file(bad)
+
+
+def test_a_grpo_file_maps_its_sde_window(tmp_path):
+    path = tmp_path / "grpo.yaml"
+    path.write_text("train:\n  trainer_type: grpo\n  clip_range: 1.0e-4\nscheduler:\n  dynamics_type: Flow-SDE\n"
+                    "  noise_level: 0.7\n  num_sde_steps: 1\n  sde_steps: [1, 2, 3]\n")
+    out = translate_file(path)
+    assert out.args == ["--loss-type", "flow_grpo", "--diffusion-clip-range", "0.0001", "--diffusion-sde-type", "sde",
+                        "--diffusion-noise-level", "0.7", "--diffusion-num-sde-steps", "1",
+                        "--diffusion-sde-window-range", "1,4", "--diffusion-sde-step-strategy", "random"]
