@@ -124,3 +124,22 @@ def test_a_grpo_file_maps_its_sde_window(tmp_path):
     assert out.args == ["--loss-type", "flow_grpo", "--diffusion-clip-range", "0.0001", "--diffusion-sde-type", "sde",
                         "--diffusion-noise-level", "0.7", "--diffusion-num-sde-steps", "1",
                         "--diffusion-sde-window-range", "1,4", "--diffusion-sde-step-strategy", "random"]
+
+
+def test_an_nft_files_sampling_ema_is_diffusion_nfts_old_policy(tmp_path):
+    """With `off_policy` the EMA that samples (a piecewise-linear decay: flat steps, ramp, `ema_decay` its maximum) is
+    DiffusionNFT's old policy, diffrl's --nft-ema-*; without it NFT samples the current weights: decay 0."""
+    path = tmp_path / "nft.yaml"
+    path.write_text("train:\n  trainer_type: nft\n  nft_beta: 0.1\n  off_policy: true\n"
+                    "  ema_decay_schedule: piecewise_linear\n  flat_steps: 0\n  ramp_rate: 0.001\n  ema_decay: 0.5\n"
+                    "  ema_update_interval: 1\n  ema_device: cuda\n")
+    config = parse(["train", "--flow-factory-config", str(path)])
+    a = config.algorithm
+    assert (a.loss_type, a.diffusion_nft_beta, a.nft_ema_max, a.nft_ema_flat, a.nft_ema_ramp, a.use_ema) == (
+        "nft", 0.1, 0.5, 0, 0.001, False)
+    path.write_text("train:\n  trainer_type: nft\n  off_policy: false\n  ema_decay: 0.9\n")
+    a = parse(["train", "--flow-factory-config", str(path)]).algorithm
+    assert (a.nft_ema_max, a.use_ema, a.ema_decay) == (0.0, True, 0.9)
+    path.write_text("train:\n  trainer_type: awm\n  off_policy: true\n")
+    with pytest.raises(ValueError, match="train.off_policy with --loss-type awm: diffrl samples the current weights"):
+        translate_file(path)

@@ -209,3 +209,20 @@ def test_a_directory_without_a_test_split_trains_with_eval_num_prompts_0(tmp_pat
     with pytest.raises(FileNotFoundError, match=r"no test_metadata.jsonl or test.txt in it.*--eval-prompt-data.*"
                                                 r"--eval-num-prompts 0"):
         PromptSetTask(cfg.task, cfg.eval, EvalSettings.from_config(cfg))
+
+
+def test_train_num_prompts_keeps_the_first_prompts_in_file_order(tmp_path):
+    """--train-num-prompts N (Flow-Factory's max_dataset_size): the first N training prompts, in file order, are the
+    ones a run draws from (and resume's fingerprint covers)."""
+    from diffrl.tasks.base import EvalSettings
+    from diffrl.tasks.prompt_set import PromptSetTask
+
+    (tmp_path / "train.txt").write_text("a cat\na dog\na bird\na fish\n")
+    cfg = tiny_config(tmp_path / "no-model", tmp_path / "run", prompt_data=tmp_path / "train.txt", train_num_prompts=2,
+                      reward="rewards_for_tests:darkness")
+    task = PromptSetTask(cfg.task, cfg.eval, EvalSettings.from_config(cfg))
+    assert [r.prompt for r in task.train.records] == ["a cat", "a dog"]
+    assert {p.prompt for p in task.draw(0, 6)} == {"a cat", "a dog"}
+    with pytest.raises(ValueError, match="--train-num-prompts 0 needs --prompt-data and a count >= 1"):
+        tiny_config(tmp_path / "no-model", tmp_path / "run", prompt_data=tmp_path / "train.txt",
+                    train_num_prompts=0).check()

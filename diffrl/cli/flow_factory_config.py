@@ -59,6 +59,34 @@ def _size(value, flags: tuple[str, str, str]) -> list[str]:
     return [square, str(value)]
 
 
+_OLD_POLICY_KEYS = ("train.off_policy", "train.ema_decay", "train.ema_decay_schedule", "train.flat_steps",
+                    "train.ramp_rate", "train.ema_update_interval", "train.ema_device")
+
+
+def _old_policy(flat: dict, path: Path, add) -> set[str]:
+    """An NFT file's EMA: with `off_policy` it is DiffusionNFT's old policy (a piecewise-linear decay: flat, ramp,
+    `ema_decay` as its maximum), diffrl's --nft-ema-* flags; without it NFT samples the current weights, which
+    diffrl's old policy does at decay 0, and the EMA keys are the evaluation EMA's. The keys translated here."""
+    if flat.get("train.trainer_type") != "nft":
+        return set()
+    if not flat.get("train.off_policy"):
+        add("train.off_policy", "--nft-ema-max", "0", note="--nft-ema-max 0 (false: rollouts from the current "
+                                                           "weights, diffrl's old policy at decay 0)")
+        return {"train.off_policy"}
+    schedule = flat.get("train.ema_decay_schedule", "power")
+    if schedule != "piecewise_linear" or (flat.get("train.ema_update_interval") or 1) != 1:
+        raise ValueError(f"{path}: an NFT old policy of ema_decay_schedule {schedule!r} updated every "
+                         f"{flat.get('train.ema_update_interval') or 1} epochs: diffrl's is piecewise linear, updated "
+                         "every rollout (--nft-ema-flat, --nft-ema-ramp, --nft-ema-max)")
+    args = ["--nft-ema-max", str(flat.get("train.ema_decay", 0.5))]
+    if flat.get("train.flat_steps") is not None:
+        args += ["--nft-ema-flat", str(flat["train.flat_steps"])]
+    if flat.get("train.ramp_rate") is not None:
+        args += ["--nft-ema-ramp", str(flat["train.ramp_rate"])]
+    add("train.off_policy", *args, note=f"{' '.join(args)} (the EMA that samples is DiffusionNFT's old policy)")
+    return {k for k in _OLD_POLICY_KEYS if k in flat}
+
+
 def translate_file(path: str | Path) -> Translation:
     import yaml  # a dependency of the config loader already (`--config FILE.yaml`)
 
@@ -79,8 +107,9 @@ def translate_file(path: str | Path) -> Translation:
         out.notes.append(f"{key}: {note}" if note else f"{key} → {' '.join(args)}")
 
     steps_per_rollout = flat.get("train.gradient_step_per_epoch") or 1
+    old_policy = _old_policy(flat, path, add)  # the EMA keys when they are NFT's old policy, already translated
     for key, value in flat.items():
-        if value is None:
+        if value is None or key in old_policy:
             continue  # Flow-Factory's "unset": diffrl's default
         if key in IGNORED:
             add(key, note=f"not needed: {IGNORED[key]}")
@@ -96,7 +125,7 @@ def translate_file(path: str | Path) -> Translation:
             add(key, "--prompt-data", str(train if train.is_file() else folder),
                 *(["--eval-prompt-data", str(test)] if train.is_file() and test.is_file() else []))
         elif key == "data.max_dataset_size":
-            raise ValueError(f"{path}: data.max_dataset_size {value}: cut the prompt file instead")
+            add(key, "--train-num-prompts", str(value), "--eval-num-prompts", str(value))
         elif key == "model.finetune_type":
             add(key, "--use-lora" if value == "lora" else "--no-use-lora")
         elif key in ("model.lora_rank", "model.lora_alpha"):
@@ -242,6 +271,33 @@ def translate_file(path: str | Path) -> Translation:
             add(key, "--eval-guidance-scale", str(value))
         elif key == "eval.eval_freq":
             add(key, *(["--eval-interval", str(value)] if value > 0 else ["--eval-num-prompts", "0"]))
+        elif key == "train.nft_beta":
+            add(key, "--diffusion-nft-beta", str(value))
+        elif key == "train.dpo_beta":
+            add(key, "--dpo-beta", str(value))
+        elif key == "train.num_frames":
+            add(key, "--num-frames", str(value))
+        elif key == "train.guidance_scale_2":
+            add(key, "--diffusion-guidance-scale-2", str(value))
+        elif key == "train.num_inner_epochs":
+            if value != 1:
+                raise ValueError(f"{path}: train.num_inner_epochs {value}: diffrl passes over a rollout's pairs once "
+                                 "(--num-steps-per-rollout sets its optimizer steps)")
+            add(key, note="one pass over a rollout's pairs, as diffrl's")
+        elif key == "model.master_weight_dtype":
+            if str(value) not in ("fp32", "float32"):
+                raise ValueError(f"{path}: model.master_weight_dtype {value}: diffrl keeps fp32 masters")
+            add(key, note="diffrl keeps the trained weights in fp32")
+        elif key in ("train.auto_resize", "eval.auto_resize"):
+            add(key, note="the engine takes a source at its own size: resize the sources beforehand")
+        elif key == "data.enable_preprocess":
+            add(key, note="not needed: prompts are encoded by the engine, once per request")
+        elif key == "train.off_policy" and not value:
+            add(key, note="rollouts from the current weights, as diffrl's")
+        elif key == "train.off_policy":
+            raise ValueError(f"{path}: train.off_policy with --loss-type "
+                             f"{TRAINERS.get(flat.get('train.trainer_type'), '?')}: diffrl samples the current weights "
+                             "there (DiffusionNFT's old policy: --loss-type nft)")
         elif key in ("rewards", "eval_rewards"):
             out.names_rewards = out.names_rewards or key == "rewards"
             names = ", ".join(str(r.get("reward_model", r.get("name"))) for r in value if isinstance(r, dict))

@@ -55,8 +55,8 @@ class PromptSetTask:
 
     def __init__(self, task_cfg, eval_cfg, settings: EvalSettings, seed: int = 0):
         path = task_cfg.prompt_data
-        self.train = PromptStream(load_prompts(path, "train", task_cfg.input_key), seed=seed,
-                                  source=f"--prompt-data {path}")
+        records = load_prompts(path, "train", task_cfg.input_key)[: task_cfg.train_num_prompts]  # None: all
+        self.train = PromptStream(records, seed=seed, source=f"--prompt-data {path}")
         if clash := next((kind_of(r) for r in self.train.records if kind_of(r) in RESERVED_KINDS), None):
             raise ValueError(f"prompt data {path}: the prompt kind {clash!r} (metadata {'/'.join(KIND_KEYS)}) would "
                              f"overwrite the metric rollout/reward/{clash} that diffrl logs; rename it in the file")

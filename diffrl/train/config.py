@@ -446,6 +446,8 @@ class TaskConfig:
     """Held-out prompts (same formats); None: the test split of a --prompt-data directory."""
     input_key: str = "prompt"
     """The key of a .jsonl file's prompt (refused when every prompt file read is a .txt: it has no keys)."""
+    train_num_prompts: int | None = None
+    """With --prompt-data: train on only the first this many training prompts, in file order (None: all)."""
     reward: str = "shapes"
     """The reward spec: a name (shapes, ocr, jpeg_compressibility, …), NAME@PATH for a model reward,
     multi:NAME=W,… or module:function (`diffrl rewards` lists them)."""
@@ -506,6 +508,8 @@ class TaskConfig:
                  f"--reward-frames must be >= 1 (or unset: every frame), got {self.reward_frames}")
         _require(self.prompt_data is not None or self.eval_prompt_data is None,
                  "--eval-prompt-data needs --prompt-data (the shapes world has its own test split)")
+        _require(self.train_num_prompts is None or (self.train_num_prompts >= 1 and self.prompt_data is not None),
+                 f"--train-num-prompts {self.train_num_prompts} needs --prompt-data and a count >= 1")
         if self.reward_schedule:  # names, numbers and ranges checked before anything loads
             parse_schedule(self.reward_schedule,
                            multi_weights(self.reward) if self.reward.startswith("multi:") else {})
