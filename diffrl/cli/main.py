@@ -13,6 +13,7 @@ import os
 import sys
 from pathlib import Path
 
+from diffrl.cli.flow_factory_config import translate_file
 from diffrl.cli.miles_flags import translate
 from diffrl.errors import AnotherFamilysCheckpoint, EngineUnavailable, ModelLoadError, RewardUnavailable
 
@@ -174,8 +175,6 @@ def refuse_other_objectives_flags(args: list[str], loss_type: str) -> None:
 def flow_factory_args(path: str, rest: list[str]):
     """`--flow-factory-config FILE`: the file's keys as diffrl flags (`flow_factory_config.translate_file`); a file
     naming rewards needs `--reward` among the flags given (its rewards are hub names, diffrl's local folders)."""
-    from diffrl.cli.flow_factory_config import translate_file
-
     peer = translate_file(path)
     given = {arg.partition("=")[0] for arg in rest}
     if peer.names_rewards and "--reward" not in given:
