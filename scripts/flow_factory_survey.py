@@ -1,12 +1,16 @@
-"""Run `--flow-factory-config`'s translation over every example YAML of a Flow-Factory checkout and count what stops
-it: `python scripts/flow_factory_survey.py PATH/TO/Flow-Factory` (docs/coming-from-flow-factory.md)."""
+"""Run `--flow-factory-config` over every example YAML of a Flow-Factory checkout (its translation, then diffrl's
+parse of the result, with a stand-in --reward) and count what stops it:
+`python scripts/flow_factory_survey.py PATH/TO/Flow-Factory` (docs/coming-from-flow-factory.md)."""
 
 import collections
+import contextlib
+import io
 import re
 import sys
 from pathlib import Path
 
 from diffrl.cli.flow_factory_config import translate_file
+from diffrl.cli.main import parse
 
 
 def main(root: str) -> None:
@@ -15,6 +19,8 @@ def main(root: str) -> None:
     for file in files:
         try:
             translate_file(file)
+            with contextlib.redirect_stdout(io.StringIO()):  # its start-up notes
+                parse(["train", "--flow-factory-config", str(file), "--reward", "jpeg_compressibility"])
             whole += 1
         except ValueError as err:
             unknown = re.search(r"no diffrl setting for (.*) \(docs", str(err))

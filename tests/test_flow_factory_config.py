@@ -143,3 +143,14 @@ def test_an_nft_files_sampling_ema_is_diffusion_nfts_old_policy(tmp_path):
     path.write_text("train:\n  trainer_type: awm\n  off_policy: true\n")
     with pytest.raises(ValueError, match="train.off_policy with --loss-type awm: diffrl samples the current weights"):
         translate_file(path)
+
+
+def test_keys_the_method_does_not_read_are_left_out_saying_so(tmp_path):
+    """An NFT file may carry GRPO's clip range and SDE settings (Flow-Factory's defaults); diffrl refuses those flags
+    under --loss-type nft, so the translation leaves them out with a note, and the file parses."""
+    path = tmp_path / "nft.yaml"
+    path.write_text("train:\n  trainer_type: nft\n  clip_range: 1.0e-4\nscheduler:\n  noise_level: 0.7\n")
+    out = translate_file(path)
+    assert "--diffusion-clip-range" not in out.args and "--diffusion-noise-level" not in out.args
+    assert "train.clip_range: not read by --loss-type nft" in out.notes
+    assert parse(["train", "--flow-factory-config", str(path)]).algorithm.loss_type == "nft"

@@ -120,3 +120,11 @@ def test_an_nft_run_trains_at_continuous_timesteps(tiny_model_dir, tmp_path):
                       train_timestep_shift=3.0, train_timesteps=3)
     record = Trainer(cfg).rollout_and_update(0)
     assert torch.isfinite(torch.tensor(record["train/loss"])) and record["train/grad_norm"] > 0
+
+
+def test_the_timestep_flags_are_refused_for_a_method_that_trains_sde_steps():
+    from diffrl.cli.main import parse
+
+    with pytest.raises(ValueError, match="--train-timesteps sets the re-noised training timesteps; --loss-type "
+                                         "flow_grpo does not read it"):
+        parse(["train", "--loss-type", "flow_grpo", "--train-timesteps", "2"])

@@ -170,15 +170,21 @@ class TimestepChoice:
     sampling: Literal["schedule", "uniform", "logit_normal"] = "schedule"
     shift: float = 1.0
 
-    def kept(self, available: int) -> int:
-        """How many timesteps a sample (or group) trains, of `available` (the candidate steps, or with continuous
-        sampling the schedule's steps): `count` (for the schedule's steps at most all of them), else
-        int(available · fraction)."""
+    def per_sample(self, schedule: torch.Tensor) -> int:
+        """How many timesteps a sample (or group) trains on this schedule (its σ's, terminal excluded); a ValueError
+        naming the flags when none."""
+        available = len(candidate_steps(schedule, self.range)) if self.sampling == "schedule" else len(schedule)
+        return self._kept(available)
+
+    def _kept(self, available: int) -> int:
+        """Of `available` (the candidate steps, or with continuous sampling the schedule's steps): `count` (for the
+        schedule's steps at most all of them), else int(available · fraction)."""
         if self.count is not None:
             return min(self.count, available) if self.sampling == "schedule" else self.count
         kept = int(available * self.fraction)
         if kept < 1:
-            raise ValueError(f"timestep fraction {self.fraction} keeps none of the {available} steps it may train")
+            raise ValueError(f"--nft-timestep-fraction {self.fraction} keeps none of the {available} steps in "
+                             f"--train-timestep-range {self.range[0]:g} {self.range[1]:g}")
         return kept
 
     def draw(self, seed: int, schedule: torch.Tensor) -> tuple[torch.Generator, list[torch.Tensor]]:
@@ -187,9 +193,9 @@ class TimestepChoice:
         g = torch.Generator().manual_seed(int(seed))
         if self.sampling == "schedule":
             steps = candidate_steps(schedule, self.range)
-            n = self.kept(len(steps))
+            n = self._kept(len(steps))
             return g, [schedule[steps[i]] for i in torch.randperm(len(steps), generator=g)[:n].tolist()]
-        n = self.kept(len(schedule))
+        n = self._kept(len(schedule))
         base = ((torch.arange(n) + torch.rand(n, generator=g)) / n).clamp(1e-7, 1 - 1e-7)
         u = base if self.sampling == "uniform" else torch.sigmoid(torch.distributions.Normal(0.0, 1.0).icdf(base))
         u = u[torch.randperm(n, generator=g)]

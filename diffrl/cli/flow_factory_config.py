@@ -34,6 +34,15 @@ IGNORED = {
 }
 
 
+# Keys only some methods read: under another --loss-type diffrl refuses their flags, so they are left out, saying so.
+READ_BY = {
+    ("scheduler.noise_level", "scheduler.num_sde_steps", "scheduler.sde_steps"): ("flow_grpo", "grpo_guard"),
+    ("train.clip_range",): ("flow_grpo", "grpo_guard", "awm"),
+    ("train.timestep_range", "train.num_train_timesteps", "train.time_sampling_strategy", "train.time_shift"):
+        ("nft", "awm", "dpo", "dgpo", "crd"),
+}
+
+
 @dataclass
 class Translation:
     args: list[str] = field(default_factory=list)
@@ -108,9 +117,14 @@ def translate_file(path: str | Path) -> Translation:
 
     steps_per_rollout = flat.get("train.gradient_step_per_epoch") or 1
     old_policy = _old_policy(flat, path, add)  # the EMA keys when they are NFT's old policy, already translated
+    loss_type = TRAINERS.get(flat.get("train.trainer_type", "grpo"), "flow_grpo")
     for key, value in flat.items():
         if value is None or key in old_policy:
             continue  # Flow-Factory's "unset": diffrl's default
+        readers = next((methods for keys, methods in READ_BY.items() if key in keys), None)
+        if readers is not None and loss_type not in readers:
+            add(key, note=f"not read by --loss-type {loss_type}")
+            continue
         if key in IGNORED:
             add(key, note=f"not needed: {IGNORED[key]}")
         elif key in ("launcher", "num_processes", "config_file"):

@@ -141,6 +141,7 @@ def _size_from_flags(default: TrainConfig, args: list[str]) -> TrainConfig:
 # Flags only some objectives read: given on the command line to another, they would be ignored.
 # (A recipe's own values for them are left alone: switching a recipe's --loss-type keeps its other settings.)
 _SDE = ("flow_grpo", "grpo_guard")
+_RENOISED = ("nft", "awm", "dpo", "dgpo", "crd", "sft")  # trained on clean samples re-noised at chosen timesteps
 
 
 def _only_for() -> tuple:
@@ -152,6 +153,8 @@ def _only_for() -> tuple:
          ("--diffusion-sde-window-range", "--diffusion-num-sde-steps", "--diffusion-sde-type", "--diffusion-noise-level",
           "--diffusion-sde-step-strategy", "--diffusion-sde-window-shift-interval", "--diffusion-sde-window-stride")),
         ((*_SDE, "awm"), "the clipped policy ratio", ("--diffusion-clip-range",)),
+        (_RENOISED, "the re-noised training timesteps", ("--train-timestep-range", "--train-timesteps",
+                                                         "--train-timestep-sampling", "--train-timestep-shift")),
         (("nft",), "DiffusionNFT's loss and old policy", ("--diffusion-nft-beta", "--nft-adaptive-weighting",
                                                           "--no-nft-adaptive-weighting", "--nft-ema-ramp", "--nft-ema-max",
                                                           "--nft-ema-flat")),

@@ -29,7 +29,7 @@ from diffrl.utils.progress import tqdm
 
 from diffrl.algorithms.advantages import compute_advantages
 from diffrl.algorithms.methods import SDE_LOSS_TYPES
-from diffrl.algorithms.pairs import candidate_steps, micro_batch_bounds
+from diffrl.algorithms.pairs import micro_batch_bounds
 from diffrl.serving.colocated import ColocatedEngineClient
 from diffrl.engine.engine import Engine
 from diffrl.engine.spec import EngineSpec, build_engine
@@ -125,13 +125,7 @@ def check_training_steps(cfg: TrainConfig, family, size: tuple[int, int] | None)
     height, width = size or family.default_size()
     frames = {"num_frames": cfg.model.num_frames or family.default_num_frames} if family.generates_video else {}
     schedule = family.sigmas(r.diffusion_num_steps, height, width, **frames)[:-1]
-    if a.train_timestep_sampling != "schedule":  # continuous draws need no step of the schedule in the range
-        available = len(schedule)
-    else:
-        available = len(candidate_steps(schedule, a.train_timestep_range))  # names the flag when it holds none
-    if a.train_timesteps is None and int(available * a.nft_timestep_fraction) < 1:
-        raise ValueError(f"--nft-timestep-fraction {a.nft_timestep_fraction} keeps none of the {available} steps in "
-                         f"--train-timestep-range {a.train_timestep_range[0]:g} {a.train_timestep_range[1]:g}")
+    a.timestep_choice().per_sample(schedule)  # a ValueError naming the flags when they keep no step
 
 
 def check_eval_size(cfg: TrainConfig, family, size: tuple[int, int] | None) -> None:
