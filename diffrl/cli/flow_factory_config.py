@@ -19,6 +19,23 @@ TRAINERS = {"grpo": "flow_grpo", "grpo-guard": "grpo_guard", "grpo_guard": "grpo
             "dpo": "dpo", "dgpo": "dgpo", "crd": "crd"}
 DYNAMICS = {"Flow-SDE": "sde", "Dance-SDE": "dance", "CPS": "cps"}
 TIME_SAMPLING = {"discrete": "schedule", "uniform": "uniform", "logit_normal": "logit_normal"}
+# Keys that are diffrl flags under another name, their value unchanged.
+RENAMED = {
+    "model.lora_rank": "--lora-rank", "model.lora_alpha": "--lora-alpha", "log.project": "--wandb-project",
+    "log.run_name": "--wandb-run-name", "log.save_dir": "--output-dir",
+    "train.advantage_aggregation": "--advantage-aggregation", "train.clip_range": "--diffusion-clip-range",
+    "train.kl_type": "--kl-type", "train.kl_beta": "--diffusion-kl-beta",
+    "train.num_inference_steps": "--diffusion-num-steps", "train.guidance_scale": "--diffusion-guidance-scale",
+    "train.guidance_scale_2": "--diffusion-guidance-scale-2", "train.num_frames": "--num-frames",
+    "train.per_device_batch_size": "--micro-batch-size", "train.group_size": "--n-samples-per-prompt",
+    "train.unique_sample_num_per_epoch": "--rollout-batch-size",
+    "train.gradient_step_per_epoch": "--num-steps-per-rollout", "train.learning_rate": "--lr",
+    "train.adam_weight_decay": "--weight-decay", "train.max_grad_norm": "--grad-clip", "train.seed": "--seed",
+    "train.nft_beta": "--diffusion-nft-beta", "train.dpo_beta": "--dpo-beta",
+    "scheduler.noise_level": "--diffusion-noise-level", "scheduler.num_sde_steps": "--diffusion-num-sde-steps",
+    "scheduler.seed": "--rollout-seed", "eval.num_frames": "--eval-num-frames",
+    "eval.num_inference_steps": "--eval-num-steps", "eval.guidance_scale": "--eval-guidance-scale",
+}
 # Keys whose value diffrl has no use for: what it does instead.
 IGNORED = {
     "main_process_port": "torchrun picks its own rendezvous", "data.preprocessing_batch_size": "prompts are "
@@ -125,7 +142,9 @@ def translate_file(path: str | Path) -> Translation:
         if readers is not None and loss_type not in readers:
             add(key, note=f"not read by --loss-type {loss_type}")
             continue
-        if key in IGNORED:
+        if key in RENAMED:
+            add(key, RENAMED[key], str(value))
+        elif key in IGNORED:
             add(key, note=f"not needed: {IGNORED[key]}")
         elif key in ("launcher", "num_processes", "config_file"):
             add(key, note="run several GPUs as `torchrun --nproc-per-node N -m diffrl.cli.main train …` (FSDP2)")
@@ -142,8 +161,6 @@ def translate_file(path: str | Path) -> Translation:
             add(key, "--train-num-prompts", str(value), "--eval-num-prompts", str(value))
         elif key == "model.finetune_type":
             add(key, "--use-lora" if value == "lora" else "--no-use-lora")
-        elif key in ("model.lora_rank", "model.lora_alpha"):
-            add(key, "--" + key.split(".")[1].replace("_", "-"), str(value))
         elif key == "model.target_modules":
             if value == "default":
                 add(key, note="the family's own targets, diffrl's default too")
@@ -170,12 +187,6 @@ def translate_file(path: str | Path) -> Translation:
                                  "(--use-wandb)")
             add(key, *(["--use-wandb"] if value == "wandb" else []),
                 note=None if value == "wandb" else "TensorBoard files are always written")
-        elif key == "log.project":
-            add(key, "--wandb-project", str(value))
-        elif key == "log.run_name":
-            add(key, "--wandb-run-name", str(value))
-        elif key == "log.save_dir":
-            add(key, "--output-dir", str(value))
         elif key == "log.save_freq":
             add(key, "--checkpoint-interval", str(value if value > 0 else 10**9))
         elif key == "train.trainer_type":
@@ -183,10 +194,6 @@ def translate_file(path: str | Path) -> Translation:
                 raise ValueError(f"{path}: train.trainer_type {value!r}: diffrl's methods are "
                                  f"{', '.join(sorted(TRAINERS))} (docs/algorithms.md)")
             add(key, "--loss-type", TRAINERS[value])
-        elif key == "train.advantage_aggregation":
-            add(key, "--advantage-aggregation", value)
-        elif key == "train.clip_range":
-            add(key, "--diffusion-clip-range", str(value))
         elif key == "train.adv_clip_range":
             bound = value
             if isinstance(value, (list, tuple)):
@@ -194,38 +201,18 @@ def translate_file(path: str | Path) -> Translation:
                     raise ValueError(f"{path}: train.adv_clip_range {value}: diffrl clips advantages symmetrically")
                 bound = value[1]
             add(key, "--diffusion-adv-clip-max", str(bound))
-        elif key in ("train.kl_type", "train.kl_beta"):
-            add(key, "--kl-type" if key.endswith("type") else "--diffusion-kl-beta", str(value))
         elif key == "train.resolution":
             add(key, *_size(value, ("--resolution", "--height", "--width")))
         elif key in ("train.condition_image_size", "eval.condition_image_size"):
             add(key, note="the engine takes a source at its own size: resize the sources beforehand")
-        elif key == "train.num_inference_steps":
-            add(key, "--diffusion-num-steps", str(value))
-        elif key == "train.guidance_scale":
-            add(key, "--diffusion-guidance-scale", str(value))
-        elif key == "train.per_device_batch_size":
-            add(key, "--micro-batch-size", str(value))
-        elif key == "train.group_size":
-            add(key, "--n-samples-per-prompt", str(value))
-        elif key == "train.unique_sample_num_per_epoch":
-            add(key, "--rollout-batch-size", str(value))
-        elif key == "train.gradient_step_per_epoch":
-            add(key, "--num-steps-per-rollout", str(value))
         elif key == "train.global_std":
             add(key, "--globalize-reward-std" if value else "--no-globalize-reward-std")
-        elif key == "train.learning_rate":
-            add(key, "--lr", str(value))
-        elif key == "train.adam_weight_decay":
-            add(key, "--weight-decay", str(value))
         elif key == "train.adam_betas":
             add(key, "--adam-beta1", str(value[0]), "--adam-beta2", str(value[1]))
         elif key == "train.adam_epsilon":
             if float(value) != 1e-8:
                 raise ValueError(f"{path}: train.adam_epsilon {value}: diffrl's AdamW keeps torch's 1e-8")
             add(key, note="torch's default, 1e-8, as diffrl's")
-        elif key == "train.max_grad_norm":
-            add(key, "--grad-clip", str(value))
         elif key == "train.ema_decay":
             add(key, *(["--use-ema", "--ema-decay", str(value)] if value > 0 else []),
                 note=None if value > 0 else "0: no EMA")
@@ -239,8 +226,6 @@ def translate_file(path: str | Path) -> Translation:
                           "warm-up, counted in updates)")
         elif key == "train.enable_gradient_checkpointing":
             add(key, "--gradient-checkpointing" if value else "--no-gradient-checkpointing")
-        elif key == "train.seed":
-            add(key, "--seed", str(value))
         elif key == "train.timestep_range":
             start, end = (value if isinstance(value, (list, tuple)) else (0.0, value))
             add(key, "--train-timestep-range", str(start), str(end))
@@ -265,34 +250,14 @@ def translate_file(path: str | Path) -> Translation:
             else:
                 raise ValueError(f"{path}: scheduler.dynamics_type {value!r}: diffrl's are "
                                  f"{', '.join([*DYNAMICS, 'ODE'])}")
-        elif key == "scheduler.noise_level":
-            add(key, "--diffusion-noise-level", str(value))
-        elif key == "scheduler.num_sde_steps":
-            add(key, "--diffusion-num-sde-steps", str(value))
         elif key == "scheduler.sde_steps":
             steps = sorted(int(s) for s in value)
             add(key, "--diffusion-sde-window-range", f"{steps[0]},{steps[-1] + 1}",
                 "--diffusion-sde-step-strategy", "random")
-        elif key == "scheduler.seed":
-            add(key, "--rollout-seed", str(value))
         elif key == "eval.resolution":
             add(key, *_size(value, ("--eval-resolution", "--eval-height", "--eval-width")))
-        elif key == "eval.num_frames":
-            add(key, "--eval-num-frames", str(value))
-        elif key == "eval.num_inference_steps":
-            add(key, "--eval-num-steps", str(value))
-        elif key == "eval.guidance_scale":
-            add(key, "--eval-guidance-scale", str(value))
         elif key == "eval.eval_freq":
             add(key, *(["--eval-interval", str(value)] if value > 0 else ["--eval-num-prompts", "0"]))
-        elif key == "train.nft_beta":
-            add(key, "--diffusion-nft-beta", str(value))
-        elif key == "train.dpo_beta":
-            add(key, "--dpo-beta", str(value))
-        elif key == "train.num_frames":
-            add(key, "--num-frames", str(value))
-        elif key == "train.guidance_scale_2":
-            add(key, "--diffusion-guidance-scale-2", str(value))
         elif key == "train.num_inner_epochs":
             if value != 1:
                 raise ValueError(f"{path}: train.num_inner_epochs {value}: diffrl passes over a rollout's pairs once "

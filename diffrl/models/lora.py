@@ -71,8 +71,7 @@ def adaptable_parts(transformer: torch.nn.Module) -> list[str]:
     """The names of the transformer's direct children that hold adaptable layers, when it is a container of
     several models (Wan2.2's `WanExperts`: `transformer`, `transformer_2`); [] for a single model."""
     names = [name for name, child in transformer.named_children()
-             if isinstance(child, torch.nn.Module) and hasattr(child, "config")
-             and any(isinstance(m, _LORA_LAYERS) for m in child.modules())]
+             if hasattr(child, "config") and any(isinstance(m, _LORA_LAYERS) for m in child.modules())]
     return names if len(names) > 1 else []
 
 

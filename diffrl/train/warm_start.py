@@ -12,24 +12,18 @@ from pathlib import Path
 import torch
 
 from diffrl.errors import ModelLoadError
-from diffrl.models import resolve_family
 from diffrl.models.checkpoint import load_model, lora_folder, open_checkpoint
 
 
 def warm_start(model_cfg, device: torch.device, dtype: torch.dtype):
     """(the family to train, the folder of a LoRA adapter to copy into the run's adapter or None)."""
-    if model_cfg.init_from is None:
-        family = resolve_family(model_cfg.diffusion_model_family, model_cfg.model_path).load(
-            model_cfg.model_path, device=device, dtype=dtype)
-        return family, None
-    checkpoint = open_checkpoint(Path(model_cfg.init_from))
-    adapter = lora_folder(checkpoint)
-    if adapter is None:
-        return load_model(model_cfg.model_path, checkpoint, family=model_cfg.diffusion_model_family, device=device,
-                          dtype=dtype), None
-    if not model_cfg.use_lora:
-        raise ModelLoadError(f"--init-from {model_cfg.init_from} holds a LoRA adapter ({adapter}): it warm-starts a "
-                             "LoRA run (--use-lora); a full finetune starts from full weights")
-    family = resolve_family(model_cfg.diffusion_model_family, model_cfg.model_path).load(
-        model_cfg.model_path, device=device, dtype=dtype)
-    return family, adapter
+    adapter, family = None, model_cfg.diffusion_model_family
+    if model_cfg.init_from is not None:
+        checkpoint = open_checkpoint(Path(model_cfg.init_from))
+        adapter = lora_folder(checkpoint)
+        if adapter is None:  # full weights: the model itself
+            return load_model(model_cfg.model_path, checkpoint, family=family, device=device, dtype=dtype), None
+        if not model_cfg.use_lora:
+            raise ModelLoadError(f"--init-from {model_cfg.init_from} holds a LoRA adapter ({adapter}): it warm-starts "
+                                 "a LoRA run (--use-lora); a full finetune starts from full weights")
+    return load_model(model_cfg.model_path, family=family, device=device, dtype=dtype), adapter
