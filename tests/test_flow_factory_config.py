@@ -154,3 +154,12 @@ def test_keys_the_method_does_not_read_are_left_out_saying_so(tmp_path):
     assert "--diffusion-clip-range" not in out.args and "--diffusion-noise-level" not in out.args
     assert "train.clip_range: not read by --loss-type nft" in out.notes
     assert parse(["train", "--flow-factory-config", str(path)]).algorithm.loss_type == "nft"
+
+
+def test_a_wan_files_flow_shift_and_second_eval_scale_become_flags(tmp_path):
+    path = tmp_path / "wan.yaml"
+    path.write_text("scheduler:\n  flow_shift: 3.0\neval:\n  guidance_scale: 4.0\n  guidance_scale_2: 3.0\n")
+    out = translate_file(path)
+    assert out.args == ["--flow-shift", "3.0", "--eval-guidance-scale", "4.0", "--eval-guidance-scale-2", "3.0"]
+    cfg = parse(["train", "--flow-factory-config", str(path), "--reward", "jpeg_compressibility"])
+    assert (cfg.model.flow_shift, cfg.eval.eval_guidance_scale, cfg.eval.eval_guidance_scale_2) == (3.0, 4.0, 3.0)

@@ -79,6 +79,8 @@ class EvaluateConfig:
     """With --width, instead of --resolution: a size that is not square (e.g. video at 512 × 768)."""
     width: int | None = None
     """With --height: the width in pixels."""
+    flow_shift: float | None = None
+    """A static schedule shift in place of the model's (as `diffrl train --flow-shift`); default: the run's."""
     reward_frames: int | None = None
     """With --prompt-data, video: the reward sees this many evenly spaced frames of each video (as the trained
     run's --reward-frames); default every frame."""

@@ -196,7 +196,8 @@ def evaluate(cfg: EvaluateConfig) -> dict:
     cfg = replace(cfg, seed=0 if cfg.seed is None else cfg.seed,
                   guidance_scale=SHAPES_GUIDANCE_SCALE if cfg.guidance_scale is None else cfg.guidance_scale)
     device = resolve_device(cfg.device)
-    family = load_model(cfg.model_path, cfg.checkpoint, family=cfg.diffusion_model_family, device=device)
+    family = load_model(cfg.model_path, cfg.checkpoint, family=cfg.diffusion_model_family, device=device,
+                        flow_shift="run" if cfg.flow_shift is None else cfg.flow_shift)
     check_family_values(cfg, family)
     SpeedOptions(float8=cfg.float8).apply(family)
     if cfg.max_prompts_per_category is None:
@@ -267,7 +268,8 @@ def evaluate_edit_world(cfg: EvaluateConfig, run: Run) -> dict:
     cfg = replace(cfg, guidance_scale=SHAPES_GUIDANCE_SCALE if cfg.guidance_scale is None else cfg.guidance_scale)
     negative_prompt = held_out_protocol(run).get("negative_prompt", "")
     device = resolve_device(cfg.device)
-    family = load_model(cfg.model_path, cfg.checkpoint, family=cfg.diffusion_model_family, device=device)
+    family = load_model(cfg.model_path, cfg.checkpoint, family=cfg.diffusion_model_family, device=device,
+                        flow_shift="run" if cfg.flow_shift is None else cfg.flow_shift)
     check_edit_family(family)
     check_family_values(replace(cfg, resolution=size, height=None, width=None), family)
     SpeedOptions(float8=cfg.float8).apply(family)
@@ -319,7 +321,8 @@ def evaluate_prompt_data(cfg: EvaluateConfig) -> dict:
     if cfg.eval_reward is not None:
         check_prompts(cfg.eval_reward, [r.prompt for r in records], f"--eval-reward: prompt data {cfg.prompt_data}")
     device = resolve_device(cfg.device)
-    family = load_model(cfg.model_path, cfg.checkpoint, family=cfg.diffusion_model_family, device=device)
+    family = load_model(cfg.model_path, cfg.checkpoint, family=cfg.diffusion_model_family, device=device,
+                        flow_shift="run" if cfg.flow_shift is None else cfg.flow_shift)
     check_family_values(cfg, family)
     SpeedOptions(float8=cfg.float8).apply(family)
     cfg = replace(cfg, seed=TEST_SEED if cfg.seed is None else cfg.seed,

@@ -33,8 +33,9 @@ RENAMED = {
     "train.adam_weight_decay": "--weight-decay", "train.max_grad_norm": "--grad-clip", "train.seed": "--seed",
     "train.nft_beta": "--diffusion-nft-beta", "train.dpo_beta": "--dpo-beta",
     "scheduler.noise_level": "--diffusion-noise-level", "scheduler.num_sde_steps": "--diffusion-num-sde-steps",
-    "scheduler.seed": "--rollout-seed", "eval.num_frames": "--eval-num-frames",
+    "scheduler.seed": "--rollout-seed", "scheduler.flow_shift": "--flow-shift", "eval.num_frames": "--eval-num-frames",
     "eval.num_inference_steps": "--eval-num-steps", "eval.guidance_scale": "--eval-guidance-scale",
+    "eval.guidance_scale_2": "--eval-guidance-scale-2",
 }
 # Keys whose value diffrl has no use for: what it does instead.
 IGNORED = {

@@ -30,7 +30,8 @@ def held_out_protocol(run: Run) -> dict:
     return {
         "num_steps": f.get("eval_num_steps") or f.get("diffusion_num_steps"),
         "guidance_scale": f.get("diffusion_guidance_scale") if own_cfg else f.get("eval_guidance_scale"),
-        "guidance_scale_2": f.get("diffusion_guidance_scale_2") if own_cfg else None,
+        "guidance_scale_2": (f.get("eval_guidance_scale_2") if f.get("eval_guidance_scale_2") is not None
+                             else f.get("diffusion_guidance_scale_2") if own_cfg else None),
         "resolution": f.get("resolution"), "height": f.get("height"), "width": f.get("width"),
         "num_frames": f.get("num_frames"), "negative_prompt": f.get("negative_prompt") or "",
         "reward_frames": f.get("reward_frames"),

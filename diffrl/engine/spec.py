@@ -44,6 +44,8 @@ class EngineSpec:
     detach_uncond: bool = False
     """CFG's halves as two forwards, the unconditional one detached (`FamilyAdapter.detach_uncond`): a trainer's
     `--detach-uncond`, so the engine's forward is the replay's."""
+    flow_shift: float | None = None
+    """A static schedule shift in place of the checkpoint's (`FamilyAdapter.set_flow_shift`; a trainer's --flow-shift)."""
     offload_text_encoder: bool = False
     compile: bool = False
     compile_eager_numerics: bool = True
@@ -95,6 +97,8 @@ def load_family(spec: EngineSpec, device: torch.device | str | None = None) -> F
     if spec.autocast_dtype is not None:
         family.autocast_dtype = DTYPES[spec.autocast_dtype]
     family.detach_uncond = spec.detach_uncond
+    if spec.flow_shift is not None:
+        family.set_flow_shift(spec.flow_shift)
     if spec.offload_text_encoder:
         family.offload_text_encoders_to_cpu()
     speed = spec.speed()

@@ -70,6 +70,7 @@ from diffrl.models.compile import compile_blocks
 from diffrl.models.components import (
     Component,
     checkpoint_root,
+    flow_shifted_scheduler,
     load_components,
     read_json,
     read_model_index,
@@ -335,6 +336,15 @@ class FamilyAdapter(ABC):
     @abstractmethod
     def prepare_latents(self, generators: Sequence[torch.Generator], height: int, width: int) -> Latents:
         """Initial noise, one row per generator (per-sample streams, see `diffrl.sampling.noise`)."""
+
+    def set_flow_shift(self, shift: float) -> None:
+        """Sample and train with the static flow shift `shift` in place of the checkpoint's schedule shift (static or
+        resolution-dependent): `--flow-shift`. Families whose schedule is their scheduler's take a reshifted copy of
+        it; the others override this."""
+        scheduler = getattr(self, "scheduler", None)
+        if scheduler is None:
+            raise ModelLoadError(f"{self.name}: its schedule takes no flow shift")
+        self.scheduler = flow_shifted_scheduler(self.name, scheduler, shift)
 
     @abstractmethod
     def sigmas(self, num_steps: int, height: int, width: int) -> torch.Tensor:

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import json
 from pathlib import Path
+from typing import Literal
 
 import torch
 
@@ -27,9 +28,21 @@ from diffrl.utils.manifest import verify_checkpoint
 
 
 def load_model(base_path: Path, checkpoint: Path | None = None, *, family: str | None = None,
-               device: torch.device | str = "cpu", dtype: torch.dtype | None = None) -> FamilyAdapter:
+               device: torch.device | str = "cpu", dtype: torch.dtype | None = None,
+               flow_shift: float | Literal["run"] | None = "run") -> FamilyAdapter:
     """The base model, or the base model with `checkpoint` applied (see the module docstring); `dtype`: the
-    family's load dtype (None: its default)."""
+    family's load dtype (None: its default). `flow_shift`: a static schedule shift (`set_flow_shift`); "run": the
+    one the checkpoint's run trained with (its --flow-shift) if any; None: the model's own."""
+    model = _load_model(base_path, checkpoint, family=family, device=device, dtype=dtype)
+    if flow_shift == "run":
+        flow_shift = None if checkpoint is None else _run_flags(checkpoint).get("flow_shift")
+    if flow_shift is not None:
+        model.set_flow_shift(float(flow_shift))
+    return model
+
+
+def _load_model(base_path: Path, checkpoint: Path | None, *, family: str | None, device: torch.device | str,
+                dtype: torch.dtype | None) -> FamilyAdapter:
     family_cls = resolve_family(family, base_path)  # a checkpoint is of its base model's family
     dtype_kw = {} if dtype is None else {"dtype": dtype}
     if checkpoint is None:

@@ -254,6 +254,26 @@ def refuse_scheduler_options(family: str, scheduler, options: Iterable[str]) -> 
                              "sampling module reproduces)")
 
 
+def flow_shifted_scheduler(family: str, scheduler, shift: float):
+    """A copy of a flow-matching `scheduler` whose σ's are shifted statically by `shift`
+    (σ' = shift·σ / (1 + (shift − 1)·σ)) in place of its own static or resolution-dependent shift: what diffusers'
+    pipelines get from a scheduler built with `shift=` (FlowMatchEuler) or `flow_shift=` (UniPC, DPM-Solver), e.g.
+    Wan's 3.0 at 480p and 5.0 at 720p. A ModelLoadError when the scheduler has no such setting."""
+    if not shift > 0:
+        raise ModelLoadError(f"{family}: a flow shift must be > 0, got {shift}")
+    config = dict(scheduler.config)
+    if "shift" in config:
+        overrides = {"shift": shift}
+    elif "flow_shift" in config and config.get("use_flow_sigmas"):
+        overrides = {"flow_shift": shift}
+    else:
+        raise ModelLoadError(f"{family}: its {type(scheduler).__name__} takes no flow shift (diffusers' `shift` or "
+                             "`flow_shift` with use_flow_sigmas)")
+    if config.get("use_dynamic_shifting"):
+        overrides["use_dynamic_shifting"] = False  # one shift at every resolution, as the override asks
+    return type(scheduler).from_config(scheduler.config, **overrides)  # keywords: the config's defaults yield to them
+
+
 def scheduler_sigmas(family: str, scheduler, num_steps: int, device: torch.device | str) -> torch.Tensor:
     """A scheduler's σ's after `set_timesteps`, fp32 on `device`, checked to be N steps ending at σ = 0 (the
     shared steps integrate to the terminal σ; a scheduler with another final σ would stop short)."""

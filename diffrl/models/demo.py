@@ -18,7 +18,7 @@ from __future__ import annotations
 import functools
 import json
 from collections.abc import Callable, Sequence
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 from typing import TYPE_CHECKING
 
@@ -28,7 +28,7 @@ from safetensors.torch import save_file
 from diffrl.assets import SHIPPED_DEMO_MODEL, SHIPPED_EDIT_MODEL, SHIPPED_OCR_MODEL  # noqa: F401  (re-exported)
 from diffrl.data.ocr.glyph_grid import GlyphGrid
 from diffrl.data.ocr.quotes import first_quoted
-from diffrl.errors import RequestError
+from diffrl.errors import ModelLoadError, RequestError
 from diffrl.models.base import (
     Component,
     FamilyAdapter,
@@ -260,6 +260,11 @@ class DemoFamily(FamilyAdapter):
 
     def sigmas(self, num_steps: int, height: int, width: int) -> torch.Tensor:
         return make_sigmas(num_steps, shift=self.config.shift, device=self.device)
+
+    def set_flow_shift(self, shift: float) -> None:
+        if not shift > 0:
+            raise ModelLoadError(f"demo: a flow shift must be > 0, got {shift}")
+        self.config = replace(self.config, shift=float(shift))  # a full finetune saved after samples so too
 
     @property
     def text_length(self) -> int:

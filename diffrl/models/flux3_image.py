@@ -191,7 +191,7 @@ class Flux3ImageFamily(FamilyAdapter):
 
         scheduler_dir = None if self.root is None else self.root / "scheduler"
         if scheduler_dir is not None and (scheduler_dir / "scheduler_config.json").is_file():
-            scheduler = FlowMatchEulerDiscreteScheduler.from_pretrained(scheduler_dir)
+            scheduler = FlowMatchEulerDiscreteScheduler.from_pretrained(scheduler_dir, shift=self.shift)
         else:  # no scheduler config: diffusers' default scheduler at FLUX 3's shift, as `_static_shift` reads it
             scheduler = FlowMatchEulerDiscreteScheduler(shift=self.shift)
         blocks = Flux3AutoBlocks()
@@ -218,6 +218,11 @@ class Flux3ImageFamily(FamilyAdapter):
 
     def sigmas(self, num_steps: int, height: int, width: int) -> torch.Tensor:
         return make_sigmas(num_steps, shift=self.shift, device=self.device)
+
+    def set_flow_shift(self, shift: float) -> None:
+        if not shift > 0:
+            raise ModelLoadError(f"flux3_image: a flow shift must be > 0, got {shift}")
+        self.shift = float(shift)
 
     def text_window(self, prompt: str) -> tuple[torch.Tensor, torch.Tensor]:
         """The prompt through the chat template, right-padded to a multiple of the pad size: (ids, mask) [1, L]."""

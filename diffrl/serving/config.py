@@ -24,6 +24,9 @@ class ServeConfig:
     full weights are served as they are."""
     diffusion_model_family: str | None = None
     """The model family (sd3, flux3_image, wan2_2, …); default: the run's, else detected from the model folder."""
+    flow_shift: float | None = None
+    """A static schedule shift in place of the model's (as `diffrl train --flow-shift`); default: the --checkpoint
+    run's, else the model's own."""
     host: str = "127.0.0.1"
     """Loopback by default; binding elsewhere exposes the engine to the network."""
     port: int = 30000

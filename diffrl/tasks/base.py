@@ -34,7 +34,8 @@ class EvalSettings:
         rollout_cfg = e.eval_guidance_scale is None  # the rollouts' CFG, both experts' scales; else the override's
         return cls(num_steps=e.eval_num_steps or r.diffusion_num_steps,
                    guidance_scale=r.diffusion_guidance_scale if rollout_cfg else e.eval_guidance_scale,
-                   guidance_scale_2=r.diffusion_guidance_scale_2 if rollout_cfg else None,
+                   guidance_scale_2=(e.eval_guidance_scale_2 if e.eval_guidance_scale_2 is not None
+                                     else r.diffusion_guidance_scale_2 if rollout_cfg else None),
                    **eval_size(cfg),
                    num_frames=cfg.model.num_frames if e.eval_num_frames is None else e.eval_num_frames,
                    negative_prompt=r.negative_prompt,

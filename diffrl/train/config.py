@@ -56,6 +56,10 @@ class ModelConfig:
     """Width in pixels of the samples, with --height."""
     num_frames: int | None = None
     """Frames of each rolled-out video (video families, e.g. wan2_2); None: the family's default."""
+    flow_shift: float | None = None
+    """Sample and train with this static schedule shift (σ' = s·σ / (1 + (s − 1)·σ)) in place of the checkpoint's own,
+    static or resolution-dependent (e.g. Wan's 3.0 at 480p, 5.0 at 720p; diffusers' scheduler `shift` /
+    `flow_shift`). None: the checkpoint's. Its checkpoints, served or evaluated, sample with it too."""
     use_lora: bool = True
     """Train a LoRA adapter on the transformer (--no-use-lora: a full finetune of the transformer)."""
     lora_rank: int = 8
@@ -545,6 +549,9 @@ class EvalConfig:
     are not noise). 0: no held-out evaluation."""
     eval_guidance_scale: float | None = None
     """None: the rollout guidance scale."""
+    eval_guidance_scale_2: float | None = None
+    """The held-out CFG scale of a second (low-noise) expert (Wan2.2); None: the rollouts' --diffusion-guidance-scale-2
+    when --eval-guidance-scale is unset, else --eval-guidance-scale."""
     val_images_per_category: int = 0
     """Shapes world, > 0: at each evaluation also score this many images per category of a fixed subset
     of the *train* prompts (`--val-prompts-per-category` of each, seeds 20 000 + k), and keep
@@ -575,6 +582,8 @@ class EvalConfig:
         _require(self.eval_log_images >= 0, f"--eval-log-images must be >= 0, got {self.eval_log_images}")
         _require(self.eval_guidance_scale is None or self.eval_guidance_scale >= 0,
                  f"--eval-guidance-scale must be >= 0, got {self.eval_guidance_scale}")
+        _require(self.eval_guidance_scale_2 is None or self.eval_guidance_scale_2 >= 0,
+                 f"--eval-guidance-scale-2 must be >= 0, got {self.eval_guidance_scale_2}")
         _require(self.eval_images_per_category >= 0, f"--eval-images-per-category must be >= 0 (0: no held-out "
                                                      f"evaluation), got {self.eval_images_per_category}")
         _require(self.val_images_per_category >= 0 and self.val_prompts_per_category >= 1,
@@ -782,6 +791,8 @@ class TrainConfig:
         _require(a.train_timesteps is None or a.train_timesteps >= 1,
                  f"--train-timesteps must be >= 1, got {a.train_timesteps}")
         _require(a.train_timestep_shift > 0, f"--train-timestep-shift must be > 0, got {a.train_timestep_shift}")
+        _require(self.model.flow_shift is None or self.model.flow_shift > 0,
+                 f"--flow-shift must be > 0, got {self.model.flow_shift}")
         _require(a.loss_type in SDE_LOSS_TYPES or a.train_timesteps is not None
                  or int(r.diffusion_num_steps * a.nft_timestep_fraction) >= 1,
                  f"--nft-timestep-fraction {a.nft_timestep_fraction} keeps no timestep of "

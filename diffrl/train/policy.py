@@ -115,6 +115,8 @@ class Policy:
         bf16 = bf16_forward(m, device)
         family.autocast_dtype = torch.bfloat16 if bf16 else None  # the engine shares the family
         family.detach_uncond = a.detach_uncond  # likewise: rollouts run CFG's halves as the replay does
+        if m.flow_shift is not None:  # likewise: the schedule rollouts sample and the trainer replays
+            family.set_flow_shift(m.flow_shift)
         if not m.use_lora and not parallel.enabled:
             transformer.float()  # a full finetune trains fp32 masters (the family may load in bf16)
         if m.gradient_checkpointing:  # active only when gradients are (training)
