@@ -24,7 +24,7 @@ def main(root: str) -> None:
             whole += 1
         except ValueError as err:
             unknown = re.search(r"no diffrl setting for (.*) \(docs", str(err))
-            for reason in unknown.group(1).split(", ") if unknown else [str(err).split(": ", 1)[1][:100]]:
+            for reason in unknown.group(1).split(", ") if unknown else [str(err).split(": ", 1)[-1][:100]]:
                 stops[reason] += 1
     print(f"{whole} of {len(files)} example files translate whole; what stops the others (files):")
     for reason, count in stops.most_common():

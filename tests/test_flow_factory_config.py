@@ -163,3 +163,39 @@ def test_a_wan_files_flow_shift_and_second_eval_scale_become_flags(tmp_path):
     assert out.args == ["--flow-shift", "3.0", "--eval-guidance-scale", "4.0", "--eval-guidance-scale-2", "3.0"]
     cfg = parse(["train", "--flow-factory-config", str(path), "--reward", "jpeg_compressibility"])
     assert (cfg.model.flow_shift, cfg.eval.eval_guidance_scale, cfg.eval.eval_guidance_scale_2) == (3.0, 4.0, 3.0)
+
+
+def test_a_dgpo_file_gets_the_reference_codes_old_policy_options(tmp_path):
+    """Flow-Factory's DGPO clips against an old policy unless told not to, and calls its β dpo_beta."""
+    path = tmp_path / "dgpo.yaml"
+    path.write_text("train:\n  trainer_type: dgpo\n  dpo_beta: 10\n  clip_range: 5.0e-2\n  use_shared_noise: true\n"
+                    "  clip_kl: false\n  kl_cfg: 1.0\n  ema_ref_max_decay: 0.3\n  ema_ref_ramp_rate: 0.001\n"
+                    "  ema_ref_device: cuda\n")
+    out = translate_file(path)
+    assert out.args == ["--dgpo-clip-dsm", "--dgpo-switch-ema-ref", "200", "--dgpo-ema-ref-max-decay", "0.3",
+                        "--dgpo-ema-ref-ramp-rate", "0.001", "--loss-type", "dgpo", "--dgpo-beta", "10",
+                        "--diffusion-clip-range", "0.05"]
+    g = parse(["train", "--flow-factory-config", str(path)]).dgpo
+    assert (g.dgpo_beta, g.dgpo_clip_dsm, g.dgpo_switch_ema_ref) == (10.0, True, 200)
+    path.write_text("train:\n  trainer_type: dgpo\n  clip_dsm: false\n")
+    assert translate_file(path).args == ["--loss-type", "dgpo"]  # no old policy: nothing to switch to
+    for bad, why in (("use_shared_noise: false", "re-noises a group with one ε"), ("kl_cfg: 4.5", "without CFG")):
+        path.write_text(f"train:\n  trainer_type: dgpo\n  {bad}\n")
+        with pytest.raises(ValueError, match=why):
+            translate_file(path)
+
+
+def test_a_crd_files_own_keys_become_its_flags(tmp_path):
+    path = tmp_path / "crd.yaml"
+    path.write_text("train:\n  trainer_type: crd\n  crd_beta: 2.0\n  crd_loss_type: bce\n"
+                    "  old_model_decay: '0-0.25-0.005-0.999'\n  sampling_model_decay: medium\n"
+                    "  reward_adaptive_kl: false\n  use_old_for_loss: true\n  adaptive_logp: true\n  weight_temp: -1.0\n")
+    out = translate_file(path)
+    c = parse(["train", "--flow-factory-config", str(path)]).crd
+    assert (c.crd_beta, c.crd_loss, c.crd_reward_adaptive_kl) == (2.0, "bce", False)
+    assert c.crd_old_decay == (0.0, 0.25, 0.005, 0.999) and c.crd_sampling_decay == (75.0, 0.0, 0.0075, 0.999)
+    assert "--crd-sampling-decay" in out.args
+    for bad in ("weight_temp: 0.5", "use_old_for_loss: false", "sampling_model_decay: 'a-b'"):
+        path.write_text(f"train:\n  trainer_type: crd\n  {bad}\n")
+        with pytest.raises(ValueError, match=bad.split(":")[0]):
+            translate_file(path)

@@ -60,7 +60,7 @@ def test_train_refuses_a_flag_that_its_task_would_ignore(tmp_path, capsys, flags
      "it (drop it, or use --loss-type flow_grpo or grpo_guard)"),
     (["train", "--recipe", "shapes-grpo", "--loss-type", "sft", "--diffusion-clip-range=1e-3"],
      "--diffusion-clip-range sets the clipped policy ratio; --loss-type sft does not read it "
-     "(drop it, or use --loss-type flow_grpo or grpo_guard or awm)"),
+     "(drop it, or use --loss-type flow_grpo or grpo_guard or awm or dgpo)"),
     (["train", "--recipe", "shapes-nft", "--dpo-beta", "500"],
      "--dpo-beta sets --loss-type dpo's own settings; --loss-type nft does not read it (drop it, or use --loss-type "
      "dpo)"),

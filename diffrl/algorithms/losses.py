@@ -245,15 +245,28 @@ def dpo_loss(err_chosen: torch.Tensor, err_rejected: torch.Tensor, ref_err_chose
 
 
 def dgpo_loss(err: torch.Tensor, ref_err: torch.Tensor, advantages: torch.Tensor, *, beta: float,
-              adv_clip_max: float) -> PreferenceTerms:
+              adv_clip_max: float, frozen: torch.Tensor | None = None) -> PreferenceTerms:
     """DGPO (arXiv 2510.08425): a group's samples with positive advantage are preferred to those with negative
     advantage, each weighted by |A|: `L_g = −log σ(−(β/n)·Σ_i A_i·(ℓ_θ(x_i) − ℓ_ref(x_i)))`, averaged over
     groups. `err`, `ref_err`, `advantages`: `[G, n]` (A clamped to ±c). Its gradient is Flow-Factory's
-    gradient-equivalent loss `σ(β/n·Σ A·Δℓ)·A·ℓ_θ` times β/n."""
+    gradient-equivalent loss `σ(β/n·Σ A·Δℓ)·A·ℓ_θ` times β/n. `frozen` (`[G, n]` bool, `dgpo_clip_mask`): samples
+    whose error counts in their group's sum but passes no gradient (the reference code's clipped DSM)."""
     adv = advantages.clamp(-adv_clip_max, adv_clip_max)
+    if frozen is not None:
+        err = torch.where(frozen, err.detach(), err)
     z = -(beta / err.shape[1]) * (adv * (err - ref_err)).sum(1)
     loss = -F.logsigmoid(z).mean()
     return PreferenceTerms(loss, (z.detach() > 0).float().mean(), z.detach().mean())
+
+
+def dgpo_clip_mask(err: torch.Tensor, old_err: torch.Tensor, advantages: torch.Tensor, *, clip_range: float,
+                   adv_clip_max: float) -> torch.Tensor:
+    """DGPO's PPO-style clip on the flow-matching error (the reference code's `clip_dsm`): with the likelihood ratio
+    `ρ = exp(ℓ_old − ℓ_θ)` against the old policy, a sample is clipped (True) once its update has gone far enough in
+    the direction its advantage asks: `ρ > 1 + ε` for A > 0, `ρ < 1 − ε` for A ≤ 0. Any shape; no gradient."""
+    ratio = torch.exp(old_err.detach() - err.detach())
+    adv = advantages.clamp(-adv_clip_max, adv_clip_max)
+    return torch.where(adv > 0, ratio > 1 + clip_range, ratio < 1 - clip_range)
 
 
 CRD_LOSSES = ("mse", "bce")

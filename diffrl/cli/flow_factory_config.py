@@ -55,7 +55,7 @@ IGNORED = {
 # Keys only some methods read: under another --loss-type diffrl refuses their flags, so they are left out, saying so.
 READ_BY = {
     ("scheduler.noise_level", "scheduler.num_sde_steps", "scheduler.sde_steps"): ("flow_grpo", "grpo_guard"),
-    ("train.clip_range",): ("flow_grpo", "grpo_guard", "awm"),
+    ("train.clip_range",): ("flow_grpo", "grpo_guard", "awm", "dgpo"),
     ("train.timestep_range", "train.num_train_timesteps", "train.time_sampling_strategy", "train.time_shift"):
         ("nft", "awm", "dpo", "dgpo", "crd"),
 }
@@ -114,6 +114,80 @@ def _old_policy(flat: dict, path: Path, add) -> set[str]:
     return {k for k in _OLD_POLICY_KEYS if k in flat}
 
 
+_DGPO_KEYS = ("train.clip_dsm", "train.clip_kl", "train.use_ema_ref", "train.switch_ema_ref", "train.ema_ref_max_decay",
+              "train.ema_ref_ramp_rate", "train.ema_ref_device", "train.use_shared_noise", "train.kl_cfg")
+# CRD's snapshot schedules by preset name or number: (start step, start value, slope, end value).
+_CRD_DECAY_PRESETS = {"none": (0, 0.0, 0.0, 0.0), "slow": (0, 0.0, 0.001, 0.5), "medium": (75, 0.0, 0.0075, 0.999),
+                      "offline": (0, 1.0, 0.0, 1.0), "fast": (0, 0.0, 0.02, 0.99), "moderate": (0, 0.0, 0.01, 0.5),
+                      "6": (0, 0.0, 0.0075, 0.999)}
+for _number, _name in enumerate(("none", "slow", "medium", "offline", "fast", "moderate")):
+    _CRD_DECAY_PRESETS[str(_number)] = _CRD_DECAY_PRESETS[_name]
+_CRD_KEYS = ("train.crd_beta", "train.crd_loss_type", "train.old_model_decay", "train.sampling_model_decay",
+             "train.reward_adaptive_kl", "train.use_old_for_loss", "train.adaptive_logp", "train.weight_temp",
+             "train.kl_cfg")
+
+
+def _crd_decay(key: str, value, path: Path) -> list[str]:
+    """A CRD schedule, "start-value-slope-end" or a preset, as the four numbers of --crd-*-decay."""
+    text = str(value)
+    if text in _CRD_DECAY_PRESETS:
+        return [f"{v:g}" for v in _CRD_DECAY_PRESETS[text]]
+    parts = text.split("-")
+    if len(parts) == 4:
+        try:
+            return [f"{float(v):g}" for v in parts]
+        except ValueError:
+            pass
+    raise ValueError(f"{path}: {key} {value!r}: expected 'start_step-start_value-slope-end_value' or one of "
+                     f"{', '.join(_CRD_DECAY_PRESETS)}")
+
+
+def _method_options(flat: dict, path: Path, add) -> set[str]:
+    """DGPO's and CRD's own keys, read together: DGPO's defaults differ from diffrl's (its reference code clips the
+    error against an old policy unless told not to), and a value diffrl does not implement stops the run. The keys
+    translated here."""
+    method = flat.get("train.trainer_type")
+    kl_cfg = flat.get("train.kl_cfg")
+    if method in ("dgpo", "crd") and kl_cfg is not None and float(kl_cfg) != 1.0:
+        raise ValueError(f"{path}: train.kl_cfg {kl_cfg}: diffrl's KL reference runs without CFG (kl_cfg 1)")
+    if method == "dgpo":
+        if not flat.get("train.use_shared_noise", True):
+            raise ValueError(f"{path}: train.use_shared_noise false: diffrl's DGPO re-noises a group with one ε")
+        options = {"--dgpo-clip-dsm": flat.get("train.clip_dsm", True), "--dgpo-clip-kl": flat.get("train.clip_kl"),
+                   "--dgpo-use-ema-ref": flat.get("train.use_ema_ref")}
+        args = [flag for flag, on in options.items() if on]
+        if args:  # the old policy exists
+            args += ["--dgpo-switch-ema-ref", str(flat.get("train.switch_ema_ref", 200))]
+            for key, flag in (("train.ema_ref_max_decay", "--dgpo-ema-ref-max-decay"),
+                              ("train.ema_ref_ramp_rate", "--dgpo-ema-ref-ramp-rate")):
+                if flat.get(key) is not None:
+                    args += [flag, str(flat[key])]
+        add("train.trainer_type", *args, note=f"DGPO's options: {' '.join(args) or 'no old policy'} (Flow-Factory's "
+                                              "defaults for keys not given)")
+        return {k for k in _DGPO_KEYS if k in flat}
+    if method == "crd":
+        for key, wanted, what in (("train.use_old_for_loss", True, "the implicit reward against the old snapshot"),
+                                  ("train.adaptive_logp", True, "adaptively weighted errors")):
+            if flat.get(key, wanted) != wanted:
+                raise ValueError(f"{path}: {key} {flat[key]}: diffrl's CRD always uses {what}")
+        if float(flat.get("train.weight_temp", -1.0)) >= 0:
+            raise ValueError(f"{path}: train.weight_temp {flat['train.weight_temp']}: diffrl's CRD centers each group "
+                             "by its plain mean (weight_temp < 0)")
+        args = []
+        for key, flag in (("train.crd_beta", "--crd-beta"), ("train.crd_loss_type", "--crd-loss")):
+            if flat.get(key) is not None:
+                args += [flag, str(flat[key])]
+        for key, flag in (("train.old_model_decay", "--crd-old-decay"),
+                          ("train.sampling_model_decay", "--crd-sampling-decay")):
+            if flat.get(key) is not None:
+                args += [flag, *_crd_decay(key, flat[key], path)]
+        if flat.get("train.reward_adaptive_kl") is not None:
+            args.append("--crd-reward-adaptive-kl" if flat["train.reward_adaptive_kl"] else "--no-crd-reward-adaptive-kl")
+        add("train.trainer_type", *args, note=f"CRD's options: {' '.join(args) or 'diffrl defaults'}")
+        return {k for k in _CRD_KEYS if k in flat}
+    return set()
+
+
 def translate_file(path: str | Path) -> Translation:
     import yaml  # a dependency of the config loader already (`--config FILE.yaml`)
 
@@ -135,6 +209,7 @@ def translate_file(path: str | Path) -> Translation:
 
     steps_per_rollout = flat.get("train.gradient_step_per_epoch") or 1
     old_policy = _old_policy(flat, path, add)  # the EMA keys when they are NFT's old policy, already translated
+    old_policy |= _method_options(flat, path, add)  # DGPO's and CRD's own keys, likewise
     loss_type = TRAINERS.get(flat.get("train.trainer_type", "grpo"), "flow_grpo")
     for key, value in flat.items():
         if value is None or key in old_policy:
@@ -143,7 +218,9 @@ def translate_file(path: str | Path) -> Translation:
         if readers is not None and loss_type not in readers:
             add(key, note=f"not read by --loss-type {loss_type}")
             continue
-        if key in RENAMED:
+        if key == "train.dpo_beta" and loss_type == "dgpo":
+            add(key, "--dgpo-beta", str(value))  # one key for both methods' β
+        elif key in RENAMED:
             add(key, RENAMED[key], str(value))
         elif key in IGNORED:
             add(key, note=f"not needed: {IGNORED[key]}")

@@ -152,7 +152,7 @@ def _only_for() -> tuple:
         (_SDE, "the SDE steps of Flow-GRPO and its relatives",
          ("--diffusion-sde-window-range", "--diffusion-num-sde-steps", "--diffusion-sde-type", "--diffusion-noise-level",
           "--diffusion-sde-step-strategy", "--diffusion-sde-window-shift-interval", "--diffusion-sde-window-stride")),
-        ((*_SDE, "awm"), "the clipped policy ratio", ("--diffusion-clip-range",)),
+        ((*_SDE, "awm", "dgpo"), "the clipped policy ratio", ("--diffusion-clip-range",)),
         (_RENOISED, "the re-noised training timesteps", ("--train-timestep-range", "--train-timesteps",
                                                          "--train-timestep-sampling", "--train-timestep-shift")),
         (("nft",), "DiffusionNFT's loss and old policy", ("--diffusion-nft-beta", "--nft-adaptive-weighting",

@@ -366,9 +366,34 @@ class DgpoConfig:
 
     dgpo_beta: float = 100.0
     """β of DGPO's group preference loss."""
+    dgpo_clip_dsm: bool = False
+    """PPO-style clip on each sample's flow-matching error against the old policy (a fast EMA of the weights): a
+    sample whose likelihood ratio exp(ℓ_old − ℓ_θ) has moved past 1 ± --diffusion-clip-range in the direction its
+    advantage asks passes no gradient (it still counts in its group's preference). The reference code's default
+    (with --diffusion-clip-range 0.05)."""
+    dgpo_clip_kl: bool = False
+    """The same clip on the KL term (--diffusion-kl-beta)."""
+    dgpo_use_ema_ref: bool = False
+    """The preference relative to the old policy's error instead of the frozen base model's."""
+    dgpo_switch_ema_ref: int | None = None
+    """With an old policy (--dgpo-clip-dsm, --dgpo-clip-kl or --dgpo-use-ema-ref): rollouts sample under it after
+    this many optimizer steps (the reference code's 200); None: always the current weights."""
+    dgpo_ema_ref_max_decay: float = 0.3
+    """The old policy's decay per optimizer step k is min(this, --dgpo-ema-ref-ramp-rate · k)."""
+    dgpo_ema_ref_ramp_rate: float = 0.001
+    """See --dgpo-ema-ref-max-decay."""
+
+    def keeps_old_policy(self) -> bool:
+        return self.dgpo_clip_dsm or self.dgpo_clip_kl or self.dgpo_use_ema_ref
 
     def check(self) -> None:
         _require(self.dgpo_beta > 0, f"--dgpo-beta must be > 0, got {self.dgpo_beta}")
+        _require(0 <= self.dgpo_ema_ref_max_decay <= 1 and self.dgpo_ema_ref_ramp_rate >= 0,
+                 f"--dgpo-ema-ref-max-decay must be in [0, 1] and --dgpo-ema-ref-ramp-rate >= 0 (got "
+                 f"{self.dgpo_ema_ref_max_decay}, {self.dgpo_ema_ref_ramp_rate})")
+        _require(self.dgpo_switch_ema_ref is None or (self.dgpo_switch_ema_ref >= 0 and self.keeps_old_policy()),
+                 "--dgpo-switch-ema-ref samples under DGPO's old policy, which is kept with --dgpo-clip-dsm, "
+                 "--dgpo-clip-kl or --dgpo-use-ema-ref (and must be >= 0)")
 
 
 @dataclass

@@ -549,6 +549,7 @@ class Trainer:
                 totals["train/skipped_steps"] = totals.get("train/skipped_steps", 0.0) + 1
                 continue
             step_stats["train/grad_norm"] = grad_norm
+            self.objective.after_optimizer_step(policy.weight_version)
             for key, value in step_stats.items():
                 totals[key] = totals.get(key, 0.0) + value / len(chunks)
         totals.update(self.objective.update_stats())

@@ -186,6 +186,9 @@ class Objective:
     def after_update(self, k: int) -> None:
         """After rollout k's optimizer steps."""
 
+    def after_optimizer_step(self, steps: int) -> None:
+        """After each optimizer step that was taken; `steps`: the run's count of them so far (resumes with the run)."""
+
 
 class ForwardProcessObjective(Objective):
     """The methods trained on re-noised clean samples: ODE rollouts, only the final latent kept, and the
