@@ -199,3 +199,28 @@ def test_a_crd_files_own_keys_become_its_flags(tmp_path):
         path.write_text(f"train:\n  trainer_type: crd\n  {bad}\n")
         with pytest.raises(ValueError, match=bad.split(":")[0]):
             translate_file(path)
+
+
+def test_awm_and_dpo_files_take_their_methods_keys(tmp_path):
+    path = tmp_path / "awm.yaml"
+    path.write_text("train:\n  trainer_type: awm\n  awm_weighting: 'ghuber'\n  ghuber_power: 0.25\n  kl_weight: 'Uniform'\n"
+                    "  ema_kl_beta: 1\n  ema_decay: 0.3\n  warmup_steps: 1000\n"
+                    "  time_sampling_strategy: discrete_wo_init\n")
+    w = parse(["train", "--flow-factory-config", str(path)])
+    assert (w.awm.awm_weighting, w.awm.awm_ghuber_power, w.awm.awm_ema_kl_beta, w.awm.awm_ema_decay) == (
+        "ghuber", 0.25, 1.0, 0.3)
+    assert w.algorithm.train_timestep_sampling == "schedule_without_first"
+    path.write_text("train:\n  trainer_type: dpo\n  beta: 100.0\n  weighting_scheme: logit_normal\n  logit_mean: 0.0\n"
+                    "  logit_std: 1.0\n")
+    d = parse(["train", "--flow-factory-config", str(path)])
+    assert (d.dpo.dpo_beta, d.algorithm.train_timestep_sampling, d.algorithm.train_timesteps) == (100.0, "logit_normal", 1)
+    path.write_text("train:\n  trainer_type: dpo\n  logit_std: 2.0\n")
+    with pytest.raises(ValueError, match="logit_std"):
+        translate_file(path)
+
+
+def test_a_component_default_target_trains_that_component_alone(tmp_path):
+    """Wan2.2 I2V's example shards both experts (target_components) but adapts the high-noise one (transformer.default)."""
+    path = tmp_path / "wan.yaml"
+    path.write_text("model:\n  target_components: ['transformer', 'transformer_2']\n  target_modules: 'transformer.default'\n")
+    assert translate_file(path).args == ["--lora-components", "transformer"]

@@ -128,3 +128,17 @@ def test_the_timestep_flags_are_refused_for_a_method_that_trains_sde_steps():
     with pytest.raises(ValueError, match="--train-timesteps sets the re-noised training timesteps; --loss-type "
                                          "flow_grpo does not read it"):
         parse(["train", "--loss-type", "flow_grpo", "--train-timesteps", "2"])
+
+
+def test_the_noisiest_candidate_can_be_always_or_never_trained():
+    """Flow-Factory's discrete_with_init / discrete_wo_init: the first (noisiest) step of the range always among a
+    sample's timesteps, or never."""
+    schedule = SIGMAS[:-1]  # candidates in (0, 0.5): steps 0…4, σ 1 … 0.5
+    for seed in range(20):
+        always = TimestepChoice(count=2, range=(0.0, 0.5), sampling="schedule_with_first").draw(seed, schedule)[1]
+        never = TimestepChoice(count=2, range=(0.0, 0.5), sampling="schedule_without_first").draw(seed, schedule)[1]
+        assert float(always[0]) == 1.0 and len(always) == 2 and float(always[1]) < 1.0
+        assert all(0.5 <= float(s) < 1.0 for s in never) and len(never) == 2
+    assert TimestepChoice(range=(0.0, 0.5), fraction=1.0, sampling="schedule_without_first").per_sample(schedule) == 4
+    with pytest.raises(ValueError, match="schedule_without_first leaves no step"):
+        TimestepChoice(range=(0.9, 1.0), sampling="schedule_without_first").per_sample(SIGMAS[:-1])

@@ -157,8 +157,9 @@ def test_the_condition_travels_in_the_conditioning_and_on_the_wire(i2v):
     assert encoded[:, :4, 0].eq(1).all() and encoded[:, :4, 1:].eq(0).all()  # the first-frame mask
     cond = i2v.condition_on_images(i2v.encode_prompts(["a red cat", "a dog"]), encoded)
     latents = torch.zeros(2, 4, 2, 2, 4)
-    text, condition = i2v.unpack_conditioning(cond, latents)
+    text, condition, image_embeds = i2v.unpack_conditioning(cond, latents)
     assert text.shape == (2, TEXT_TOKENS, 32) and torch.equal(condition, encoded.expand(2, -1, -1, -1, -1))
+    assert image_embeds is None  # Wan2.2's A14B I2V has no image encoder
     wire = i2v.cond_kwargs_to_wire(cond, torch.zeros(0, 1))
     back, _ = Wan22Family.cond_kwargs_from_wire(wire)
     assert torch.equal(back.embeds, cond.embeds[:1]) and torch.equal(back.ids, cond.ids)
@@ -177,12 +178,12 @@ def test_requests_without_a_first_frame_or_with_two_are_refused_by_name(i2v):
     assert err.value.field == "image_path"
 
 
-def test_wan21_image_to_video_and_mismatched_transformers_are_refused_at_load(i2v_dir, tmp_path):
+def test_image_embeddings_in_a_two_expert_or_ti2v_checkpoint_are_refused_at_load(i2v_dir, tmp_path):
     broken = tmp_path / "wan-i2v-broken"
     shutil.copytree(i2v_dir, broken)
     config = broken / "transformer" / "config.json"
     config.write_text(json.dumps({**json.loads(config.read_text()), "image_dim": 1280}))
-    with pytest.raises(ModelLoadError, match=r"image_dim=1280: a Wan2.1 image-to-video checkpoint \(CLIP"):
+    with pytest.raises(ModelLoadError, match=r"image_dim=1280 in a two-expert checkpoint, which no Wan pipeline"):
         Wan22Family.load(broken)
     index = broken / "model_index.json"
     index.write_text(json.dumps({**json.loads(index.read_text()), "expand_timesteps": True}))

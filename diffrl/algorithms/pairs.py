@@ -158,7 +158,8 @@ def candidate_steps(schedule: torch.Tensor, timestep_range: tuple[float, float])
 @dataclass(frozen=True)
 class TimestepChoice:
     """Which timesteps a re-noising method trains each sample (or group) at. `sampling`: "schedule" = `count` (else
-    int(len · fraction)) of a shuffle of the schedule's steps inside `range` (`candidate_steps`); "uniform" and
+    int(len · fraction)) of a shuffle of the schedule's steps inside `range` (`candidate_steps`), with
+    "schedule_with_first" the noisiest of them always among them, with "schedule_without_first" never; "uniform" and
     "logit_normal" = as many values drawn continuously (stratified, then shuffled): u in (0, 1) uniform, or the
     sigmoid of a standard normal, warped by `shift` (u ← s·u / (1 + (s − 1)·u): s > 1 moves them toward the image), mapped to the
     range's fraction start + u·(end − start) of the way from noise to image, σ = 1 − that (clamped to [0.01, 1] of
@@ -167,20 +168,32 @@ class TimestepChoice:
     fraction: float = 0.99
     range: tuple[float, float] = (0.0, 1.0)
     count: int | None = None
-    sampling: Literal["schedule", "uniform", "logit_normal"] = "schedule"
+    sampling: Literal["schedule", "schedule_with_first", "schedule_without_first", "uniform",
+                      "logit_normal"] = "schedule"
     shift: float = 1.0
 
     def per_sample(self, schedule: torch.Tensor) -> int:
         """How many timesteps a sample (or group) trains on this schedule (its σ's, terminal excluded); a ValueError
         naming the flags when none."""
-        available = len(candidate_steps(schedule, self.range)) if self.sampling == "schedule" else len(schedule)
+        available = len(self._steps(schedule)) if self.sampling.startswith("schedule") else len(schedule)
         return self._kept(available)
+
+    def _steps(self, schedule: torch.Tensor) -> list[int]:
+        """The schedule's candidate steps; "schedule_without_first" leaves out the noisiest of them (Flow-Factory's
+        discrete_wo_init), where the velocity's target is nearly all noise."""
+        steps = candidate_steps(schedule, self.range)
+        if self.sampling != "schedule_without_first":
+            return steps
+        if len(steps) < 2:
+            raise ValueError(f"--train-timestep-sampling schedule_without_first leaves no step of --train-timestep-range "
+                             f"{self.range[0]:g} {self.range[1]:g} (it holds {len(steps)})")
+        return steps[1:]
 
     def _kept(self, available: int) -> int:
         """Of `available` (the candidate steps, or with continuous sampling the schedule's steps): `count` (for the
         schedule's steps at most all of them), else int(available · fraction)."""
         if self.count is not None:
-            return min(self.count, available) if self.sampling == "schedule" else self.count
+            return min(self.count, available) if self.sampling.startswith("schedule") else self.count
         kept = int(available * self.fraction)
         if kept < 1:
             raise ValueError(f"--nft-timestep-fraction {self.fraction} keeps none of the {available} steps in "
@@ -191,9 +204,13 @@ class TimestepChoice:
         """The timesteps of the sample (or group) seeded `seed`, from a generator seeded by it, which then draws the
         pairs' noise (so its pairs are reproducible from its seed alone)."""
         g = torch.Generator().manual_seed(int(seed))
-        if self.sampling == "schedule":
-            steps = candidate_steps(schedule, self.range)
+        if self.sampling.startswith("schedule"):
+            steps = self._steps(schedule)
             n = self._kept(len(steps))
+            if self.sampling == "schedule_with_first":  # the noisiest candidate always, the others drawn
+                rest = steps[1:]
+                picked = [steps[0], *(rest[i] for i in torch.randperm(len(rest), generator=g)[:n - 1].tolist())]
+                return g, [schedule[k] for k in picked]
             return g, [schedule[steps[i]] for i in torch.randperm(len(steps), generator=g)[:n].tolist()]
         n = self._kept(len(schedule))
         base = ((torch.arange(n) + torch.rand(n, generator=g)) / n).clamp(1e-7, 1 - 1e-7)

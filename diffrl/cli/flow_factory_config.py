@@ -18,7 +18,8 @@ from pathlib import Path
 TRAINERS = {"grpo": "flow_grpo", "grpo-guard": "grpo_guard", "grpo_guard": "grpo_guard", "nft": "nft", "awm": "awm",
             "dpo": "dpo", "dgpo": "dgpo", "crd": "crd"}
 DYNAMICS = {"Flow-SDE": "sde", "Dance-SDE": "dance", "CPS": "cps"}
-TIME_SAMPLING = {"discrete": "schedule", "uniform": "uniform", "logit_normal": "logit_normal"}
+TIME_SAMPLING = {"discrete": "schedule", "discrete_with_init": "schedule_with_first",
+                 "discrete_wo_init": "schedule_without_first", "uniform": "uniform", "logit_normal": "logit_normal"}
 # Keys that are diffrl flags under another name, their value unchanged.
 RENAMED = {
     "model.lora_rank": "--lora-rank", "model.lora_alpha": "--lora-alpha", "log.project": "--wandb-project",
@@ -165,6 +166,45 @@ def _method_options(flat: dict, path: Path, add) -> set[str]:
         add("train.trainer_type", *args, note=f"DGPO's options: {' '.join(args) or 'no old policy'} (Flow-Factory's "
                                               "defaults for keys not given)")
         return {k for k in _DGPO_KEYS if k in flat}
+    if method == "awm":
+        from diffrl.algorithms.losses import AWM_WEIGHTINGS  # deferred: torch, which `train --help` does without
+
+        args = []
+        if flat.get("train.awm_weighting") is not None:
+            weighting = str(flat["train.awm_weighting"]).lower()
+            if weighting not in AWM_WEIGHTINGS:
+                raise ValueError(f"{path}: train.awm_weighting {flat['train.awm_weighting']!r}: diffrl's are "
+                                 f"{', '.join(AWM_WEIGHTINGS)}")
+            args += ["--awm-weighting", weighting]
+        if flat.get("train.ghuber_power") is not None:
+            args += ["--awm-ghuber-power", str(flat["train.ghuber_power"])]
+        if flat.get("train.ema_kl_beta"):  # a KL to the EMA, which is also the one evaluation uses
+            args += ["--awm-ema-kl-beta", str(flat["train.ema_kl_beta"])]
+            if flat.get("train.ema_decay") is not None:
+                args += ["--awm-ema-decay", str(flat["train.ema_decay"])]
+        if flat.get("train.kl_weight") not in (None, "Uniform", "uniform"):
+            raise ValueError(f"{path}: train.kl_weight {flat['train.kl_weight']!r}: the KL is weighted uniformly")
+        add("train.trainer_type", *args, note=f"AWM's options: {' '.join(args) or 'diffrl defaults'} (the KL anchor's "
+                                              "decay is constant per rollout: ema_decay_schedule and warmup_steps are "
+                                              "not expressed)")
+        return {k for k in ("train.awm_weighting", "train.ghuber_power", "train.ema_kl_beta", "train.kl_weight",
+                            "train.warmup_steps") if k in flat}
+    if method == "dpo":
+        scheme = flat.get("train.weighting_scheme", "logit_normal")  # Flow-Factory's DPO defaults
+        if scheme not in ("logit_normal", "uniform"):
+            raise ValueError(f"{path}: train.weighting_scheme {scheme!r}: diffrl's are logit_normal and uniform")
+        if (float(flat.get("train.logit_mean", 0.0)), float(flat.get("train.logit_std", 1.0))) != (0.0, 1.0):
+            raise ValueError(f"{path}: train.logit_mean / logit_std {flat.get('train.logit_mean')} / "
+                             f"{flat.get('train.logit_std')}: diffrl's logit-normal timesteps are the standard one's")
+        args = ["--train-timestep-sampling", scheme, "--train-timestep-shift", str(flat.get("train.time_shift", 1.0))]
+        if flat.get("train.num_train_timesteps") is None:
+            args += ["--train-timesteps", "1"]
+        if flat.get("train.beta") is not None:
+            args += ["--dpo-beta", str(flat["train.beta"])]
+        add("train.trainer_type", *args, note=f"DPO's options: {' '.join(args)} (Flow-Factory's defaults for keys not "
+                                              "given)")
+        return {k for k in ("train.beta", "train.weighting_scheme", "train.logit_mean", "train.logit_std",
+                            "train.time_shift") if k in flat}
     if method == "crd":
         for key, wanted, what in (("train.use_old_for_loss", True, "the implicit reward against the old snapshot"),
                                   ("train.adaptive_logp", True, "adaptively weighted errors")):
@@ -242,10 +282,15 @@ def translate_file(path: str | Path) -> Translation:
         elif key == "model.target_modules":
             if value == "default":
                 add(key, note="the family's own targets, diffrl's default too")
+            elif isinstance(value, str) and value.endswith(".default"):
+                component = value.removesuffix(".default")  # the family's own targets, on that component alone
+                add(key, "--lora-components", component)
             elif isinstance(value, list):
                 add(key, "--lora-target-modules", *map(str, value))
             else:
                 raise ValueError(f"{path}: model.target_modules {value!r}: name the modules (a list), or 'default'")
+        elif key == "model.target_components" and str(flat.get("model.target_modules", "")).endswith(".default"):
+            add(key, note="the components sharded together; the adapter goes where target_modules names")
         elif key == "model.target_components":
             add(key, "--lora-components", *([value] if isinstance(value, str) else map(str, value)))
         elif key == "model.model_name_or_path":
@@ -313,10 +358,10 @@ def translate_file(path: str | Path) -> Translation:
         elif key == "train.time_sampling_strategy":
             if value not in TIME_SAMPLING:
                 raise ValueError(f"{path}: train.time_sampling_strategy {value!r}: diffrl draws "
-                                 f"{', '.join(TIME_SAMPLING)} (as schedule, uniform, logit_normal)")
+                                 f"{', '.join(TIME_SAMPLING)}")
             add(key, "--train-timestep-sampling", TIME_SAMPLING[value])
         elif key == "train.time_shift":
-            if flat.get("train.time_sampling_strategy", "discrete") != "discrete":
+            if not flat.get("train.time_sampling_strategy", "discrete").startswith("discrete"):
                 add(key, "--train-timestep-shift", str(value))
             else:
                 add(key, note="used by continuous sampling only")

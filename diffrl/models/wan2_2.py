@@ -44,9 +44,14 @@ others the step's); the output's first frame is the image's latents. Our state's
 velocity is `(x − c) / σ` (the x0 it predicts is the image's latents `c`), so the last ODE step lands on `c`, to
 rounding, and the model's own output for those tokens, which the pipeline discards, is not used.
 
+Wan2.1 image-to-video (a `WanImageToVideoPipeline` checkpoint with `image_encoder/` and `image_processor/`, its
+transformer with `image_dim`, one expert) conditions as A14B I2V does and also on the source's CLIP embeddings: the
+image as given through the CLIP image processor, the vision model's penultimate hidden states `[1, 257, 1280]`,
+which the transformer puts before the 512 text tokens (its attention reads the image tokens as all but the last
+512). They travel flattened after the condition's values in the same rows.
+
 Not reproduced: the solver. Our steps are the shared Euler ODE / SDE of `diffrl.sampling`; a checkpoint
-whose scheduler is UniPC (as Wan's published ones) gets UniPC's flow σ's with our steps. Wan2.1 image-to-video
-(a CLIP image encoder) is refused.
+whose scheduler is UniPC (as Wan's published ones) gets UniPC's flow σ's with our steps.
 """
 
 from __future__ import annotations
@@ -90,6 +95,7 @@ class WanSettings:
     scheduler_class: str
     image_to_video: bool = False  # WanImageToVideoPipeline (A14B I2V): the first frame's latents as extra channels
     ti2v: bool = False  # expand_timesteps (TI2V-5B): an optional first frame replaces the first latent frame
+    image_embeds: bool = False  # Wan2.1 I2V: also the image's CLIP embeddings, as image tokens before the text
 
 
 class WanExperts(PeftAdapterMixin, torch.nn.Module):
@@ -136,8 +142,9 @@ class WanExperts(PeftAdapterMixin, torch.nn.Module):
 
     def _route(self, hidden_states, timestep, encoder_hidden_states, **kwargs) -> torch.Tensor:
         def run(expert, rows):
+            per_row = {k: v[rows] for k, v in kwargs.items() if k == "encoder_hidden_states_image" and v is not None}
             return expert(hidden_states[rows], timestep[rows], encoder_hidden_states[rows], return_dict=False,
-                          **kwargs)[0]
+                          **{**kwargs, **per_row})[0]
 
         everything = slice(None)
         if self.transformer_2 is None:
@@ -203,6 +210,8 @@ class Wan22Family(FamilyAdapter):
         self.adopt_components(transformer, _run_per_sample_layers_row_by_row, vae=vae, text_encoder=text_encoder,
                               tokenizer=tokenizer, scheduler=scheduler)
         self.image_to_video, self.ti2v = image_to_video, ti2v
+        self.image_encoder = self.image_processor = None  # Wan2.1 I2V's CLIP vision model (`set_image_encoder`)
+        self.image_embed_shape: tuple[int, int] | None = None
         self.accepts_image_conditioning = self.condition_images_need_size = image_to_video or ti2v
         self.requires_image_conditioning = image_to_video
         self.max_condition_images = 1 if self.accepts_image_conditioning else 0
@@ -231,7 +240,8 @@ class Wan22Family(FamilyAdapter):
         pipe = (WanImageToVideoPipeline if image else WanPipeline)(
             tokenizer=self.tokenizer, text_encoder=self.text_encoder, vae=self.vae, scheduler=self.scheduler,
             transformer=self.transformer.transformer, transformer_2=self.transformer.transformer_2,
-            boundary_ratio=self.boundary_ratio, **extra)
+            boundary_ratio=self.boundary_ratio, **extra,
+            **({"image_encoder": self.image_encoder, "image_processor": self.image_processor} if image else {}))
         pipe.set_progress_bar_config(disable=True)
         return pipe
 
@@ -247,17 +257,19 @@ class Wan22Family(FamilyAdapter):
             raise ModelLoadError(f"wan2_2: {root} is a TI2V checkpoint (expand_timesteps: per-token timesteps) with "
                                  "two experts, which this adapter does not reproduce (TI2V-5B has one)")
         image_to_video = pipeline == "WanImageToVideoPipeline" and not ti2v
+        image_embeds = False
         if image_to_video or ti2v:
             import json
 
             config = root / "transformer" / "config.json"
             image_dim = json.loads(config.read_text()).get("image_dim") if config.is_file() else None
-            if image_dim is not None:
-                raise ModelLoadError(f"wan2_2: {config} sets image_dim={image_dim}: a Wan2.1 image-to-video "
-                                     "checkpoint (CLIP image embeddings), which this adapter does not sample; it "
-                                     "samples Wan2.2 A14B image-to-video")
+            if image_dim is not None and (ti2v or index.get("boundary_ratio") is not None):
+                raise ModelLoadError(f"wan2_2: {config} sets image_dim={image_dim} in a "
+                                     f"{'TI2V' if ti2v else 'two-expert'} checkpoint, which no Wan pipeline samples "
+                                     "(CLIP image embeddings are Wan2.1 image-to-video's, one expert)")
+            image_embeds = image_dim is not None
         scheduler_name, _ = read_flow_scheduler("wan2_2", root, SCHEDULERS, pipeline)
-        return WanSettings(index.get("boundary_ratio"), scheduler_name, image_to_video, ti2v)
+        return WanSettings(index.get("boundary_ratio"), scheduler_name, image_to_video, ti2v, image_embeds)
 
     @classmethod
     def checkpoint_components(cls, settings: WanSettings) -> list[Component]:
@@ -267,6 +279,10 @@ class Wan22Family(FamilyAdapter):
                                                                 kind="scheduler") for c in cls.components]
         if settings.boundary_ratio is not None:
             table.append(Component("transformer_2", "diffusers:WanTransformer3DModel", optional=True))
+        if settings.image_embeds:  # Wan2.1 I2V: the image's CLIP embeddings condition every block
+            table += [Component("image_encoder", "transformers:CLIPVisionModel"),
+                      Component("image_processor", "transformers:CLIPImageProcessor", kind="tokenizer",
+                                config_file="preprocessor_config.json")]
         return table
 
     @classmethod
@@ -284,10 +300,24 @@ class Wan22Family(FamilyAdapter):
                                      f"in_channels={config.in_channels}; image-to-video takes {expected} (the VAE's "
                                      f"{vae_config.z_dim} latent channels twice and a "
                                      f"{vae_config.scale_factor_temporal}-channel first-frame mask)")
+        if settings.image_embeds and max_sequence_length != 512:
+            raise ModelLoadError("wan2_2: Wan2.1 image-to-video reads its image tokens as all but the last 512 of "
+                                 f"the conditioning (diffusers' WanAttnProcessor), so the text window is 512, not "
+                                 f"{max_sequence_length}")
         experts = WanExperts(parts["transformer"], parts.get("transformer_2"), boundary)
-        return cls(experts, parts["vae"], parts["text_encoder"], parts["tokenizer"], scheduler,
-                   boundary_ratio=boundary_ratio, max_sequence_length=max_sequence_length,
-                   image_to_video=settings.image_to_video, ti2v=settings.ti2v)
+        family = cls(experts, parts["vae"], parts["text_encoder"], parts["tokenizer"], scheduler,
+                     boundary_ratio=boundary_ratio, max_sequence_length=max_sequence_length,
+                     image_to_video=settings.image_to_video, ti2v=settings.ti2v)
+        if settings.image_embeds:
+            family.set_image_encoder(parts["image_encoder"], parts["image_processor"])
+        return family
+
+    def set_image_encoder(self, image_encoder, image_processor) -> None:
+        """Wan2.1 image-to-video: the CLIP vision model whose penultimate hidden states (`[1, T, D]`, T its patches
+        and the class token) condition every block beside the text, as `WanImageToVideoPipeline.encode_image`."""
+        config = image_encoder.config
+        self.image_encoder, self.image_processor = image_encoder, image_processor
+        self.image_embed_shape = ((config.image_size // config.patch_size) ** 2 + 1, config.hidden_size)
 
     def save(self, path: str | Path) -> None:
         """Each expert in diffusers layout (`transformer/`, `transformer_2/`), what a full finetune changes."""
@@ -359,7 +389,7 @@ class Wan22Family(FamilyAdapter):
         if height is None or width is None:
             height, width = self.default_size()
         num_frames = self.default_num_frames if num_frames is None else num_frames
-        image = images[0]
+        image = source = images[0]
         if (height, width) != tuple(image.shape[1:]):  # the pipeline's video processor: PIL, Lanczos
             import numpy as np
             from PIL import Image
@@ -380,7 +410,23 @@ class Wan22Family(FamilyAdapter):
         t = self.vae_scale_temporal
         mask = torch.zeros(1, t, latents.shape[2], latents.shape[3], latents.shape[4], device=latents.device)
         mask[:, :, 0] = 1  # the first frame (repeated t times, as the pipeline's mask) is given, the rest generated
-        return torch.cat([mask, latents], dim=1)
+        condition = torch.cat([mask, latents], dim=1)
+        if self.image_encoder is None:
+            return condition
+        # Wan2.1: the source as given (the processor resizes it itself), flattened after the condition's values.
+        return torch.cat([condition.flatten(), self._clip_embeds(source).flatten()])[None]
+
+    def _clip_embeds(self, image: torch.Tensor) -> torch.Tensor:
+        """`WanImageToVideoPipeline.encode_image` of one uint8 image `[3, H, W]`: the CLIP vision model's penultimate
+        hidden states `[1, T, D]`, fp32."""
+        from PIL import Image
+
+        pil = Image.fromarray(image.permute(1, 2, 0).numpy())
+        pixels = self.image_processor(images=pil, return_tensors="pt").pixel_values
+        encoder_dtype = next(self.image_encoder.parameters()).dtype
+        out = self.image_encoder(pixel_values=pixels.to(self.image_encoder.device, encoder_dtype),
+                                 output_hidden_states=True)
+        return out.hidden_states[-2].float()
 
     def condition_on_images(self, cond: PromptEmbeds, encoded: torch.Tensor) -> PromptEmbeds:
         """Image-to-video: the condition's values laid into rows after the text tokens (`pack_image_rows`), with an
@@ -390,21 +436,26 @@ class Wan22Family(FamilyAdapter):
                             torch.cat([cond.ids, cond.ids.new_zeros(rows.shape[1], cond.ids.shape[1])]))
 
     def unpack_conditioning(self, cond: PromptEmbeds, latents: torch.Tensor) -> tuple[torch.Tensor,
+                                                                                     torch.Tensor | None,
                                                                                      torch.Tensor | None]:
         """(text tokens `[B, L, D]`, the image-to-video condition `[B, 4 + C, F', H', W']` for latents
-        `[B, C, F', H', W']`, or None without one)."""
+        `[B, C, F', H', W']` or None without one, Wan2.1's CLIP image embeddings `[B, T, D']` or None)."""
         length = self.max_sequence_length
         text = cond.embeds[:, :length]
         if not self.accepts_image_conditioning or (self.ti2v and cond.embeds.shape[1] <= length):
-            return text, None  # TI2V without an image: text to video
+            return text, None, None  # TI2V without an image: text to video
         if cond.embeds.shape[1] <= length:
             raise RequestError("image_path", "this Wan image-to-video checkpoint needs one condition image")
         _, channels, *grid = latents.shape
         if self.ti2v:  # the first frame's latents
             grid[0] = 1
         count = (channels if self.ti2v else self.vae_scale_temporal + channels) * math.prod(grid)
-        condition = unpack_image_rows(cond.embeds[:, length:], 1, count)
-        return text, condition.view(condition.shape[0], -1, *grid)
+        extra = 0 if self.image_embed_shape is None else math.prod(self.image_embed_shape)
+        values = unpack_image_rows(cond.embeds[:, length:], 1, count + extra)[:, 0]
+        condition = values[:, :count].reshape(len(values), -1, *grid)
+        if self.image_embed_shape is None:
+            return text, condition, None
+        return text, condition, values[:, count:].reshape(len(values), *self.image_embed_shape)
 
     def encode_prompts(self, prompts: Sequence[str]) -> PromptEmbeds:
         # The pipeline's own text cleaning.
@@ -435,15 +486,16 @@ class Wan22Family(FamilyAdapter):
         dtype = transformer.dtype  # not the first parameter's: Wan keeps some modules in fp32
         # WanPipeline's timestep: the scheduler's (σ·num_train_timesteps; an integer for UniPC) in fp32, whatever the
         # weights' dtype.
-        text, condition = self.unpack_conditioning(cond, latents.tokens)
+        text, condition, image_embeds = self.unpack_conditioning(cond, latents.tokens)
         hidden, timestep = latents.tokens, self.model_timesteps(sigma)
         if condition is not None and self.ti2v:  # TI2V: the image's latents as the first frame, at timestep 0
             return self._run_ti2v(transformer, hidden, sigma, timestep, text, condition.to(hidden))
         if condition is not None:  # image-to-video: the condition after the noise on the channel axis
             hidden = torch.cat([hidden, condition.to(hidden)], dim=1)
+        extra = {} if image_embeds is None else {"encoder_hidden_states_image": image_embeds.to(dtype)}
         with self.forward_precision():
             return transformer(hidden_states=hidden.to(dtype), timestep=timestep,
-                               encoder_hidden_states=text.to(dtype), return_dict=False)[0].float()
+                               encoder_hidden_states=text.to(dtype), return_dict=False, **extra)[0].float()
 
     def _run_ti2v(self, transformer, latents, sigma, timestep, text, condition) -> torch.Tensor:
         """`WanImageToVideoPipeline(expand_timesteps=True)`'s forward: the first latent frame replaced by the image's

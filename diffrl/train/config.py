@@ -269,8 +269,11 @@ class AlgorithmConfig:
     train_timesteps: int | None = None
     """The methods on ODE samples: train each sample (or group) at exactly this many of its candidate steps (at most
     all of them), instead of --nft-timestep-fraction of them."""
-    train_timestep_sampling: Literal["schedule", "uniform", "logit_normal"] = "schedule"
-    """The methods on ODE samples: schedule = the rollout schedule's own σ's (DiffusionNFT's); uniform and
+    train_timestep_sampling: Literal["schedule", "schedule_with_first", "schedule_without_first", "uniform",
+                                     "logit_normal"] = "schedule"
+    """The methods on ODE samples: schedule = the rollout schedule's own σ's (DiffusionNFT's), a random subset of those
+    in --train-timestep-range (schedule_with_first: always with the noisiest of them; schedule_without_first: never,
+    as Flow-Factory's discrete_with_init / discrete_wo_init); uniform and
     logit_normal = as many σ's drawn continuously inside --train-timestep-range (stratified; logit_normal: the
     sigmoid of a standard normal, the flow-matching pretraining density), warped by --train-timestep-shift."""
     train_timestep_shift: float = 1.0

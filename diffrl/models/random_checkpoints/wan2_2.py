@@ -45,7 +45,7 @@ def save_random_checkpoint(path: str | Path, sizes: WanSizes | None = None, *, s
                            boundary_ratio: float = 0.875, scheduler: str = "euler", shift: float = 3.0,
                            shared_experts: bool = False, device: str | torch.device = "cpu",
                            dtype: torch.dtype = torch.float32, image_to_video: bool = False,
-                           ti2v: bool = False) -> Path:
+                           ti2v: bool = False, clip_image: bool = False) -> Path:
     """A Wan checkpoint in diffusers layout with random weights (default sizes: `tiny()`) and a tokenizer made in
     code: two experts switched at `boundary_ratio` (Wan2.2), or one (Wan2.1-style, no boundary). `scheduler`:
     "euler" (FlowMatchEulerDiscreteScheduler) or "unipc" (Wan's published kind, flow σ's). `shared_experts`: the
@@ -53,7 +53,9 @@ def save_random_checkpoint(path: str | Path, sizes: WanSizes | None = None, *, s
     two experts' compute and memory on half the disk (Wan2.2 A14B at real size: 29 GB instead of 58).
     `image_to_video`: a `WanImageToVideoPipeline` checkpoint (Wan2.2 A14B I2V: the transformer takes the noise, the
     4-channel first-frame mask and the condition image's latents; no image encoder). `ti2v`: a TI2V-5B-style
-    checkpoint (`WanPipeline` with `expand_timesteps`, one expert; the transformer as text-to-video's)."""
+    checkpoint (`WanPipeline` with `expand_timesteps`, one expert; the transformer as text-to-video's). `clip_image`:
+    with `image_to_video`, Wan2.1 I2V's layout: one expert whose blocks also attend to a CLIP vision model's
+    penultimate hidden states of the source (`image_encoder/`, `image_processor/`; a tiny CLIP at `tiny()` sizes)."""
     from diffusers import (
         AutoencoderKLWan,
         WanImageToVideoPipeline,
@@ -63,7 +65,7 @@ def save_random_checkpoint(path: str | Path, sizes: WanSizes | None = None, *, s
     from transformers import UMT5Config, UMT5EncoderModel
 
     sizes = sizes or tiny()
-    two_experts = two_experts and not ti2v
+    two_experts = two_experts and not ti2v and not clip_image
     torch.manual_seed(seed)
     tokenizer = build_word_tokenizer(TOKENIZER_WORDS, 512)
     width = sizes.text_encoder["d_model"]
@@ -78,11 +80,22 @@ def save_random_checkpoint(path: str | Path, sizes: WanSizes | None = None, *, s
         if image_to_video:  # the noise, the mask (the VAE's temporal factor: 4 channels) and the image's latents
             z_dim = sizes.vae.get("z_dim", 16)
             transformer.update(in_channels=2 * z_dim + 4, out_channels=z_dim)
+        image_encoder = image_processor = None
+        if image_to_video and clip_image:
+            from transformers import CLIPImageProcessor, CLIPVisionConfig, CLIPVisionModel
+
+            # A tiny CLIP ViT (28² pixels in 14² patches: 4 patches and the class token); Wan2.1's is ViT-H/14 at 224².
+            image_encoder = stored(CLIPVisionModel(CLIPVisionConfig(
+                hidden_size=16, intermediate_size=32, num_hidden_layers=2, num_attention_heads=2, image_size=28,
+                patch_size=14)))
+            image_processor = CLIPImageProcessor(size={"shortest_edge": 28}, crop_size={"height": 28, "width": 28})
+            inner = transformer.get("num_attention_heads", 40) * transformer.get("attention_head_dim", 128)
+            transformer.update(image_dim=16, added_kv_proj_dim=inner)
         experts = [stored(WanTransformer3DModel(text_dim=width, **transformer))
                    for _ in range(2 if two_experts and not shared_experts else 1)]
         vae = stored(AutoencoderKLWan(**sizes.vae))
     sched = flow_scheduler(scheduler, shift)
-    extra = {"image_encoder": None, "image_processor": None} if image_to_video else {}
+    extra = {"image_encoder": image_encoder, "image_processor": image_processor} if image_to_video else {}
     if ti2v:
         extra = {"expand_timesteps": True}
     pipe = (WanImageToVideoPipeline if image_to_video else WanPipeline)(
