@@ -141,4 +141,4 @@ def test_the_noisiest_candidate_can_be_always_or_never_trained():
         assert all(0.5 <= float(s) < 1.0 for s in never) and len(never) == 2
     assert TimestepChoice(range=(0.0, 0.5), fraction=1.0, sampling="schedule_without_first").per_sample(schedule) == 4
     with pytest.raises(ValueError, match="schedule_without_first leaves no step"):
-        TimestepChoice(range=(0.9, 1.0), sampling="schedule_without_first").per_sample(SIGMAS[:-1])
+        TimestepChoice(range=(0.8, 0.9), sampling="schedule_without_first").per_sample(SIGMAS[:-1])  # σ 0.125 alone
