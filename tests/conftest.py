@@ -48,3 +48,12 @@ def restorable_runs(tmp_path_factory):
         return run
 
     return fresh
+
+
+@pytest.fixture
+def wan_i2v_prompt_clean(monkeypatch):
+    """WanImageToVideoPipeline's prompt cleaning calls ftfy unguarded (WanPipeline's, which ours is, skips it when
+    ftfy is not installed, as here): the same cleaning for ASCII prompts (`pytest.mark.usefixtures` it)."""
+    from diffusers.pipelines.wan import pipeline_wan, pipeline_wan_i2v
+
+    monkeypatch.setattr(pipeline_wan_i2v, "prompt_clean", pipeline_wan.prompt_clean)

@@ -120,3 +120,16 @@ def assert_registry_finds(family_cls, checkpoint_dir: Path, tmp_path: Path, name
     (neutral / "model_index.json").write_text(json.dumps(index))
     assert resolve_family(None, neutral) is family_cls
     assert resolve_family(family_cls.name) is family_cls
+
+
+def random_png(seed: int, size: tuple[int, int]) -> bytes:
+    """A random RGB picture of `size` (height, width) as PNG bytes: a condition image for the editing and
+    image-to-video tests."""
+    import io
+
+    import numpy as np
+    from PIL import Image
+
+    buffer = io.BytesIO()
+    Image.fromarray(np.random.default_rng(seed).integers(0, 256, (*size, 3), dtype=np.uint8)).save(buffer, format="PNG")
+    return buffer.getvalue()

@@ -179,7 +179,9 @@ def test_a_dgpo_file_gets_the_reference_codes_old_policy_options(tmp_path):
     assert (g.dgpo_beta, g.dgpo_clip_dsm, g.dgpo_switch_ema_ref) == (10.0, True, 200)
     path.write_text("train:\n  trainer_type: dgpo\n  clip_dsm: false\n")
     assert translate_file(path).args == ["--loss-type", "dgpo"]  # no old policy: nothing to switch to
-    for bad, why in (("use_shared_noise: false", "re-noises a group with one ε"), ("kl_cfg: 4.5", "without CFG")):
+    path.write_text("train:\n  trainer_type: dgpo\n  kl_cfg: 4.5\n")
+    assert parse(["train", "--flow-factory-config", str(path)]).algorithm.kl_cfg == 4.5  # a guided reference
+    for bad, why in (("use_shared_noise: false", "re-noises a group with one ε"),):
         path.write_text(f"train:\n  trainer_type: dgpo\n  {bad}\n")
         with pytest.raises(ValueError, match=why):
             translate_file(path)

@@ -19,7 +19,7 @@ from diffrl.errors import RequestError
 from diffrl.models.flux1 import Flux1Family
 from diffrl.models.random_checkpoints.flux1 import save_random_checkpoint
 from diffrl.sampling import make_generators
-from family_checks import write_conditioned_prompt_set
+from family_checks import random_png, write_conditioned_prompt_set
 
 TOLERANCE = 1e-5  # fp32 on CPU through two code paths (measured: ≤ 8.1e-7)
 HEIGHT, WIDTH = 32, 48
@@ -37,10 +37,7 @@ def kontext(kontext_dir) -> Flux1Family:
 
 def png(seed: int, size=(30, 42)) -> bytes:
     """A random RGB picture as PNG bytes (30×42 is not a multiple of the tiny model's 4 pixels: it is resized)."""
-    pixels = np.random.default_rng(seed).integers(0, 256, (*size, 3), dtype=np.uint8)
-    buffer = io.BytesIO()
-    Image.fromarray(pixels).save(buffer, format="PNG")
-    return buffer.getvalue()
+    return random_png(seed, size)
 
 
 def _request(**fields) -> RolloutRequest:

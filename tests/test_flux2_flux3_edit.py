@@ -20,6 +20,7 @@ from diffrl.models.flux3_image import Flux3ImageFamily
 from diffrl.models.random_checkpoints.flux2 import save_random_checkpoint as save_flux2, tiny as tiny_flux2
 from diffrl.models.random_checkpoints.flux3_image import save_random_checkpoint as save_flux3
 from diffrl.sampling import make_generators
+from family_checks import random_png
 
 TOLERANCE = 1e-5  # fp32 on CPU through two code paths
 HEIGHT, WIDTH, STEPS, SEED = 32, 48, 3, 3
@@ -54,10 +55,7 @@ def flux3(flux3_dir) -> Flux3ImageFamily:
 def png(seed: int, size=(66, 83)) -> bytes:
     """A random RGB picture as PNG bytes ((height, width); 66x83 is not a multiple of the tiny models' 4-pixel
     token: FLUX.2 and several FLUX 3 references crop it, one FLUX 3 reference is padded)."""
-    pixels = np.random.default_rng(seed).integers(0, 256, (*size, 3), dtype=np.uint8)
-    buffer = io.BytesIO()
-    Image.fromarray(pixels).save(buffer, format="PNG")
-    return buffer.getvalue()
+    return random_png(seed, size)
 
 
 def _generate(family, sources, negative="", cfg=1.0):

@@ -20,7 +20,7 @@ from diffrl.data.condition_images import CONDITION_IMAGES_KEY
 from diffrl.models.random_checkpoints.ltx2 import save_random_checkpoint as save_ltx_checkpoint
 from diffrl.models.random_checkpoints.wan2_2 import save_random_checkpoint as save_wan_checkpoint
 from diffrl.recipes import recipe_config
-from family_checks import save_ltx2_i2v_checkpoint, write_conditioned_prompt_set
+from family_checks import random_png, save_ltx2_i2v_checkpoint, write_conditioned_prompt_set
 
 PROMPTS = ("the cat walks", "the dog runs")
 # Each recipe's tiny run: the checkpoint's size, and flags that shrink the recipe's batch and steps (its SDE kind,
@@ -35,10 +35,7 @@ SHRINK = ["--num-rollout", "2", "--rollout-batch-size", "2", "--n-samples-per-pr
 
 
 def png(seed: int, size: tuple[int, int]) -> bytes:
-    pixels = np.random.default_rng(seed).integers(0, 256, (*size, 3), dtype=np.uint8)
-    buffer = io.BytesIO()
-    Image.fromarray(pixels).save(buffer, format="PNG")
-    return buffer.getvalue()
+    return random_png(seed, size)
 
 
 SEEN: dict[str, list[torch.Tensor]] = {}

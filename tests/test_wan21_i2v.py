@@ -16,7 +16,7 @@ from diffrl.engine.protocol import RolloutRequest
 from diffrl.models.random_checkpoints.wan2_2 import save_random_checkpoint
 from diffrl.models.wan2_2 import Wan22Family
 from diffrl.sampling import make_generators
-from family_checks import write_conditioned_prompt_set
+from family_checks import random_png, write_conditioned_prompt_set
 
 TOLERANCE = 1e-5  # fp32 on CPU through two code paths
 HEIGHT, WIDTH, FRAMES = 16, 32, 5
@@ -33,18 +33,11 @@ def wan21(wan21_dir) -> Wan22Family:
     return Wan22Family.load(wan21_dir)  # the text window must be 512: the transformer reads image tokens before it
 
 
-@pytest.fixture(autouse=True)
-def _prompt_clean_without_ftfy(monkeypatch):
-    from diffusers.pipelines.wan import pipeline_wan, pipeline_wan_i2v
-
-    monkeypatch.setattr(pipeline_wan_i2v, "prompt_clean", pipeline_wan.prompt_clean)
+pytestmark = pytest.mark.usefixtures("wan_i2v_prompt_clean")
 
 
 def png(seed: int, size=(20, 36)) -> bytes:
-    pixels = np.random.default_rng(seed).integers(0, 256, (*size, 3), dtype=np.uint8)
-    buffer = io.BytesIO()
-    Image.fromarray(pixels).save(buffer, format="PNG")
-    return buffer.getvalue()
+    return random_png(seed, size)
 
 
 def _source(seed: int) -> torch.Tensor:

@@ -19,7 +19,7 @@ from diffrl.errors import ModelLoadError, RequestError
 from diffrl.models.random_checkpoints.wan2_2 import save_random_checkpoint
 from diffrl.models.wan2_2 import Wan22Family
 from diffrl.sampling import make_generators
-from family_checks import write_conditioned_prompt_set
+from family_checks import random_png, write_conditioned_prompt_set
 
 TOLERANCE = 1e-5  # fp32 on CPU through two code paths (measured: ≤ 1.1e-6)
 HEIGHT, WIDTH, FRAMES = 16, 32, 5  # latents [4, 2, 2, 4]; the transformer takes 4 + 4 + 4 channels
@@ -46,21 +46,12 @@ def ti2v(ti2v_dir) -> Wan22Family:
     return Wan22Family.load(ti2v_dir, max_sequence_length=TEXT_TOKENS)
 
 
-@pytest.fixture(autouse=True)
-def _prompt_clean_without_ftfy(monkeypatch):
-    """WanImageToVideoPipeline's prompt cleaning calls ftfy unguarded (WanPipeline's, which ours is, skips it when
-    ftfy is not installed, as here): the same cleaning for ASCII prompts."""
-    from diffusers.pipelines.wan import pipeline_wan, pipeline_wan_i2v
-
-    monkeypatch.setattr(pipeline_wan_i2v, "prompt_clean", pipeline_wan.prompt_clean)
+pytestmark = pytest.mark.usefixtures("wan_i2v_prompt_clean")
 
 
 def png(seed: int, size=(20, 36)) -> bytes:
     """A random RGB picture as PNG bytes (20×36, not the video's 16×32: resized as the pipeline resizes it)."""
-    pixels = np.random.default_rng(seed).integers(0, 256, (*size, 3), dtype=np.uint8)
-    buffer = io.BytesIO()
-    Image.fromarray(pixels).save(buffer, format="PNG")
-    return buffer.getvalue()
+    return random_png(seed, size)
 
 
 def _request(**fields) -> RolloutRequest:

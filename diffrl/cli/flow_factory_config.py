@@ -150,7 +150,7 @@ def _method_options(flat: dict, path: Path, add) -> set[str]:
     method = flat.get("train.trainer_type")
     kl_cfg = flat.get("train.kl_cfg")
     if method in ("dgpo", "crd") and kl_cfg is not None and float(kl_cfg) != 1.0:
-        raise ValueError(f"{path}: train.kl_cfg {kl_cfg}: diffrl's KL reference runs without CFG (kl_cfg 1)")
+        add("train.kl_cfg", "--kl-cfg", str(kl_cfg))  # a guided reference
     if method == "dgpo":
         if not flat.get("train.use_shared_noise", True):
             raise ValueError(f"{path}: train.use_shared_noise false: diffrl's DGPO re-noises a group with one ε")

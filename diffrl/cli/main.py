@@ -155,6 +155,7 @@ def _only_for() -> tuple:
         ((*_SDE, "awm", "dgpo"), "the clipped policy ratio", ("--diffusion-clip-range",)),
         (_RENOISED, "the re-noised training timesteps", ("--train-timestep-range", "--train-timesteps",
                                                          "--train-timestep-sampling", "--train-timestep-shift")),
+        (("dgpo", "crd"), "the guided KL reference of DGPO and CRD", ("--kl-cfg",)),
         (("nft",), "DiffusionNFT's loss and old policy", ("--diffusion-nft-beta", "--nft-adaptive-weighting",
                                                           "--no-nft-adaptive-weighting", "--nft-ema-ramp", "--nft-ema-max",
                                                           "--nft-ema-flat")),

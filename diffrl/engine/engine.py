@@ -318,7 +318,8 @@ class Engine:
         sde_steps = tuple(sorted(sde_steps))
         key = (height, width, num_frames, guidance, guidance_2, sde_type, sde_steps, return_steps,
                req.num_inference_steps, req.rollout, req.rollout_noise_level, req.rollout_log_prob_no_const,
-               req.rollout_return_dit_trajectory, req.rollout_return_denoising_env, str(generator_device))
+               req.rollout_return_dit_trajectory, req.rollout_return_denoising_env,
+               req.rollout_return_denoising_env and req.rollout_return_negative_env, str(generator_device))
         return _Plan(height, width, guidance, sde_type, sde_steps, return_steps, key, num_frames=num_frames,
                      guidance_scale_2=guidance_2, generator_device=generator_device)
 
@@ -627,8 +628,9 @@ class Engine:
             size = (dict(height=plan.height, width=plan.width, num_frames=plan.num_frames)
                     if family.condition_images_need_size else None)
             conds = self._encode([t.req.prompt for t in batch], images, encoded_images, size)
+            negative_env = req0.rollout_return_denoising_env and req0.rollout_return_negative_env  # the batch's key
             unconds = (self._encode([t.req.negative_prompt for t in batch], images, encoded_images, size)
-                       if plan.guidance_scale > 1.0 else None)
+                       if plan.guidance_scale > 1.0 or negative_env else None)
         if len(batch) > 1 and not (_same_ids(conds) and _same_ids(unconds or [])):
             outputs = []  # text lengths differ: no shared batch, one request at a time
             for t in batch:
@@ -638,7 +640,8 @@ class Engine:
                     outputs.append(t.abandoned() or RequestCancelled("abandoned"))
             return outputs
         cond = _concat([c.repeat(n) for c, n in zip(conds, sizes)])
-        uncond = _concat([u.repeat(n) for u, n in zip(unconds, sizes)]) if unconds is not None else None
+        uncond = (_concat([u.repeat(n) for u, n in zip(unconds, sizes)])
+                  if unconds is not None and plan.guidance_scale > 1.0 else None)  # encoded for the env alone: no CFG
         seeds = [t.req.seed + i for t in batch for i in range(t.req.num_outputs_per_prompt)]
         generators = make_generators(seeds, device=plan.generator_device)
         latents = family.prepare_latents(generators, plan.height, plan.width, **_frames(plan.num_frames),

@@ -118,6 +118,9 @@ class RolloutRequest(BaseModel):
     rollout_return_step_indices: list[int] | None = Field(None, max_length=MAX_STEPS + 2)
     """Steps whose entering latents come back (default: each SDE step and the one after)."""
     rollout_return_denoising_env: bool = False
+    rollout_return_negative_env: bool = False
+    """With rollout_return_denoising_env, a diffrl extension: the negative prompt's conditioning comes back in the env
+    even when the request runs without CFG (its sampling unchanged), for a trainer whose KL reference is guided."""
     rollout_return_dit_trajectory: bool = False
     rollout_log_prob_no_const: bool = False
     generator_device: str | None = None

@@ -228,6 +228,11 @@ class AlgorithmConfig:
     """What --diffusion-kl-beta pulls toward: base = the starting weights (LoRA: the adapter
     disabled; full finetune: a frozen copy of the trained parameters, sharded like them), ema =
     the EMA (needs --use-ema, or DiffusionNFT, whose EMA is its old policy)."""
+    kl_cfg: float = 1.0
+    """DGPO and CRD: the CFG scale of the base model's velocity their KL term (and DGPO's preference) compares with;
+    above 1 the reference is guided, uncond + s·(cond − uncond), so the policy learns the guided model's velocity
+    without CFG (CRD's published OCR setting: 4.5). Rollouts then also return the negative prompt's conditioning (a
+    diffrl engine's `rollout_return_negative_env`). 1: unguided."""
     globalize_reward_std: bool = False
     """Normalize advantages by the reward std of the whole batch instead of each prompt group's."""
     globalize_reward_mean: bool = False
@@ -299,6 +304,7 @@ class AlgorithmConfig:
         _require(self.diffusion_adv_clip_max > 0,
                  f"--diffusion-adv-clip-max must be > 0, got {self.diffusion_adv_clip_max}")
         _require(self.diffusion_kl_beta >= 0, f"--diffusion-kl-beta must be >= 0, got {self.diffusion_kl_beta}")
+        _require(self.kl_cfg >= 1, f"--kl-cfg must be >= 1 (1: an unguided reference), got {self.kl_cfg}")
         _require(0 <= self.ema_decay <= 1, f"--ema-decay must be in [0, 1], got {self.ema_decay}")
         _require(self.ema_update_interval >= 1 and self.ema_warmup >= 0,
                  f"--ema-update-interval must be >= 1 and --ema-warmup >= 0 (got {self.ema_update_interval}, "

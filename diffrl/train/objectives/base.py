@@ -118,7 +118,8 @@ class Objective:
         """Forwards without gradients the loss runs per sample of a train pair, beside the trained one: the KL
         reference here, and each method's own other weights (its old policy, its base model). The benchmarks'
         FLOP counts read it."""
-        return float(cfg.algorithm.diffusion_kl_beta > 0)
+        a = cfg.algorithm
+        return float(a.diffusion_kl_beta > 0) * (2.0 if a.kl_cfg > 1 else 1.0)  # a guided reference: both halves
 
     @contextlib.contextmanager
     def rollout_weights_in(self, step: int):
@@ -199,16 +200,23 @@ class ForwardProcessObjective(Objective):
 
     def request(self, k: int) -> dict:
         n_steps, scale = self.cfg.rollout.diffusion_num_steps, self.rollout_guidance_scale()
+        guided_reference = {"rollout_return_negative_env": True} if self.cfg.algorithm.kl_cfg > 1 else {}
         return self._sized(dict(num_inference_steps=n_steps, guidance_scale=scale,
                                 **(self._second_expert() if scale > 1 else {}),
                                 rollout=False, rollout_return_dit_trajectory=True,
-                                rollout_return_step_indices=[n_steps], rollout_return_denoising_env=True))
+                                rollout_return_step_indices=[n_steps], rollout_return_denoising_env=True,
+                                **guided_reference))
 
     def re_noised_pairs(self, build, samples: Sequence, advantages: torch.Tensor, env: dict, **options):
         """`build(x0, seeds, sigmas, advantages, conds, …)` (algorithms/pairs.py) over the samples' clean latents,
         with the schedule's timesteps and the pairs' `cond` as rows of `env["cond_rows"]` (on the device).
         `env["cond"]` holds one conditioning per sample."""
         env["cond_rows"], cond = conditioning_rows(env["cond"], self.device)
+        if self.cfg.algorithm.kl_cfg > 1:  # the guided reference's negative conditioning, row for row with cond_rows
+            first = {}
+            for sample, row in enumerate(cond):
+                first.setdefault(int(row), sample)
+            env["uncond_rows"] = torch.stack([env["uncond"][first[r]] for r in range(len(first))]).to(self.device)
         self._ids_to_device(env)
         x0 = torch.stack([s.output.dit_trajectory.latents[0] for s in samples])
         return build(x0, [s.seed for s in samples], samples[0].output.dit_trajectory.sigmas, advantages, cond,
@@ -219,3 +227,12 @@ class ForwardProcessObjective(Objective):
         """v(x_t, t | prompt) at x_t = (1 − t)·x0 + t·ε, for the policy's current weights (the caller picks others
         by swapping them in)."""
         return self._velocity(noised(x0, noise, t), t, cond, None, 1.0, env)
+
+    def reference_velocity(self, x0: torch.Tensor, noise: torch.Tensor, t: torch.Tensor, cond: torch.Tensor,
+                           uncond: torch.Tensor | None, env: dict) -> torch.Tensor:
+        """The velocity a guided KL reference compares with (--kl-cfg), for the weights swapped in by the caller: with
+        CFG at that scale above 1 (`uncond`: the negative conditioning's rows, as `cond`'s), else conditional."""
+        scale = self.cfg.algorithm.kl_cfg
+        if scale <= 1:
+            return self.conditional_velocity(x0, noise, t, cond, env)
+        return self._velocity(noised(x0, noise, t), t, cond, uncond, scale, env)

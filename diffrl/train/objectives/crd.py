@@ -14,7 +14,7 @@ from diffrl.algorithms.losses import adaptive_mse, crd_loss, snapshot_decay, v_k
 from diffrl.algorithms.pairs import GroupPairs, group_pairs
 from diffrl.train.ema import ParameterEMA
 from diffrl.train.objectives.base import ForwardProcessObjective, detached
-from diffrl.train.objectives.dpo import group_rows
+from diffrl.train.objectives.dpo import group_conditioning, group_rows
 
 
 class CenteredRewardDistillation(ForwardProcessObjective):
@@ -39,6 +39,7 @@ class CenteredRewardDistillation(ForwardProcessObjective):
     def loss(self, batch: GroupPairs, env: dict, step: int) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
         a, c, dev = self.cfg.algorithm, self.cfg.crd, self.device
         x0, noise, t, cond = group_rows(batch, env["cond_rows"], dev)
+        uncond = group_conditioning(batch, env.get("uncond_rows"), dev)
         target = (noise - x0).float()
 
         def velocity():
@@ -49,8 +50,8 @@ class CenteredRewardDistillation(ForwardProcessObjective):
             old_err = adaptive_mse(velocity().float() - target)
         v_ref = None
         if a.diffusion_kl_beta > 0:
-            with torch.no_grad(), self.policy.base_model():
-                v_ref = velocity()
+            with torch.no_grad(), self.policy.base_model():  # guided at --kl-cfg above 1: the teacher
+                v_ref = self.reference_velocity(x0, noise, t, cond, uncond, env)
         v = velocity()
         shape = batch.advantages.shape
         err = adaptive_mse(v.float() - target)

@@ -25,16 +25,17 @@ class _AgainstBase(ForwardProcessObjective):
     def forwards_without_grad(cls, cfg) -> float:
         # The base model's velocity; a KL term (--diffusion-kl-beta) against the base reuses it.
         a = cfg.algorithm
-        return 1.0 + float(a.diffusion_kl_beta > 0 and a.kl_reference == "ema")
+        base = 2.0 if a.kl_cfg > 1 else 1.0  # guided at --kl-cfg: both halves
+        return base + float(a.diffusion_kl_beta > 0 and a.kl_reference == "ema")
 
-    def base_and_kl_reference(self, velocity) -> tuple[torch.Tensor, torch.Tensor | None]:
-        """The base model's velocity and the KL term's reference velocity (None without --diffusion-kl-beta), with no
-        graph: the one forward when the KL reference is the base. Run first: swapping parameters after v_θ's graph
-        is built would corrupt it."""
+    def base_and_kl_reference(self, velocity, base_velocity=None) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """The base model's velocity (`base_velocity`, else `velocity`: DGPO's is guided at --kl-cfg) and the KL term's
+        reference velocity (None without --diffusion-kl-beta), with no graph: the one forward when the KL reference is
+        the base. Run first: swapping parameters after v_θ's graph is built would corrupt it."""
         a = self.cfg.algorithm
         with torch.no_grad():
             with self.policy.base_model():
-                v_base = velocity()
+                v_base = (base_velocity or velocity)()
             if a.diffusion_kl_beta <= 0:
                 return v_base, None
             if a.kl_reference == "base":
@@ -84,8 +85,14 @@ def group_rows(batch: GroupPairs, cond_rows: torch.Tensor, device) -> tuple[torc
     flat = x0.flatten(0, 1)
     noise = batch.noise.to(device).repeat_interleave(size, dim=0)
     t = batch.t.to(device).repeat_interleave(size)
-    cond = cond_rows[batch.cond.to(device)].repeat_interleave(size, dim=0)
-    return flat, noise, t, cond
+    return flat, noise, t, group_conditioning(batch, cond_rows, device)
+
+
+def group_conditioning(batch: GroupPairs, rows: torch.Tensor | None, device) -> torch.Tensor | None:
+    """Per sample of a micro-batch of group pairs, its row of `rows` (the conditioning, or the negative one)."""
+    if rows is None:
+        return None
+    return rows[batch.cond.to(device)].repeat_interleave(batch.x0.shape[1], dim=0)
 
 
 class GroupPreference(_AgainstBase):
@@ -121,10 +128,14 @@ class GroupPreference(_AgainstBase):
     def loss(self, batch: GroupPairs, env: dict, step: int) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
         a, g = self.cfg.algorithm, self.cfg.dgpo
         x0, noise, t, cond = group_rows(batch, env["cond_rows"], self.device)
+        uncond = group_conditioning(batch, env.get("uncond_rows"), self.device)
         shape, adv = batch.advantages.shape, batch.advantages.to(self.device)
 
         def velocity():
             return self.conditional_velocity(x0, noise, t, cond, env)
+
+        def reference():  # the base model's, guided at --kl-cfg above 1 (the reference code's ref_v)
+            return self.reference_velocity(x0, noise, t, cond, uncond, env)
 
         # Every other weights' velocity first, with no graph (see base_and_kl_reference).
         v_old = None
@@ -133,7 +144,7 @@ class GroupPreference(_AgainstBase):
                 v_old = velocity()
         v_base, v_ref = (None, None)
         if not g.dgpo_use_ema_ref or a.diffusion_kl_beta > 0:
-            v_base, v_ref = self.base_and_kl_reference(velocity)
+            v_base, v_ref = self.base_and_kl_reference(velocity, reference)
         v = velocity()
         err = flow_matching_error(v, x0, noise).view(shape)
         ref_err = flow_matching_error(v_old if g.dgpo_use_ema_ref else v_base, x0, noise).view(shape)
