@@ -226,3 +226,15 @@ def test_a_component_default_target_trains_that_component_alone(tmp_path):
     path = tmp_path / "wan.yaml"
     path.write_text("model:\n  target_components: ['transformer', 'transformer_2']\n  target_modules: 'transformer.default'\n")
     assert translate_file(path).args == ["--lora-components", "transformer"]
+
+
+def test_an_ltx2_audio_video_files_guidance_keys_are_what_diffrl_samples_or_refused(tmp_path):
+    path = tmp_path / "ltx2.yaml"
+    keys = "  frame_rate: 24.0\n  stg_scale: 0.0\n  modality_scale: 1.0\n  guidance_rescale: 0.0\n  audio_stg_scale: null\n"
+    path.write_text(f"model:\n  model_type: ltx2_t2av\ntrain:\n{keys}  prompt_enhancement_seed: 10\neval:\n{keys}")
+    out = translate_file(path)
+    assert out.args == [] and any("returns the video alone" in n for n in out.notes)
+    for bad in ("stg_scale: 1.0", "frame_rate: 25.0", "audio_guidance_scale: 3.0"):
+        path.write_text(f"train:\n  {bad}\n")
+        with pytest.raises(ValueError, match=bad.split(":")[0]):
+            translate_file(path)

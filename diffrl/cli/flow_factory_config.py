@@ -228,6 +228,40 @@ def _method_options(flat: dict, path: Path, add) -> set[str]:
     return set()
 
 
+# LTX-2's guidance and rate keys, in training and evaluation: the values diffrl's ltx2 adapter samples with (its
+# pipeline's spatio-temporal guidance, modality isolation and guidance rescale off; the checkpoint's 24 fps; an audio
+# setting left unset follows the video one); another value stops the run.
+_LTX2_AS_IS = {"stg_scale": 0.0, "modality_scale": 1.0, "guidance_rescale": 0.0, "frame_rate": 24.0,
+               "audio_guidance_scale": None, "audio_stg_scale": None, "audio_modality_scale": None,
+               "audio_guidance_rescale": None}
+
+
+def _ltx2_keys(flat: dict, path: Path, add) -> set[str]:
+    """LTX-2 files' own keys: accepted with a note where their value is what the ltx2 adapter does, else refused."""
+    keys = set()
+    if str(flat.get("model.model_type", "")).endswith(("t2av", "i2av")):
+        add("model.model_type", note="the family is read from the model folder; diffrl's ltx2 denoises the audio with "
+                                     "the video but returns the video alone, so rewards score video (audio rewards "
+                                     "have nothing to score)")
+        keys.add("model.model_type")
+    for section in ("train", "eval"):
+        for name, value in _LTX2_AS_IS.items():
+            key = f"{section}.{name}"
+            if key not in flat:
+                continue
+            given = flat[key]
+            if (given is None) != (value is None) or (value is not None and float(given) != value):
+                raise ValueError(f"{path}: {key} {given}: diffrl's ltx2 samples with {name} "
+                                 f"{'unset (the video setting)' if value is None else value}")
+            add(key, note="what diffrl's ltx2 samples with")
+            keys.add(key)
+        key = f"{section}.prompt_enhancement_seed"
+        if key in flat:
+            add(key, note="not needed: diffrl encodes the prompt as given (no prompt enhancement)")
+            keys.add(key)
+    return keys
+
+
 def translate_file(path: str | Path) -> Translation:
     import yaml  # a dependency of the config loader already (`--config FILE.yaml`)
 
@@ -250,6 +284,7 @@ def translate_file(path: str | Path) -> Translation:
     steps_per_rollout = flat.get("train.gradient_step_per_epoch") or 1
     old_policy = _old_policy(flat, path, add)  # the EMA keys when they are NFT's old policy, already translated
     old_policy |= _method_options(flat, path, add)  # DGPO's and CRD's own keys, likewise
+    old_policy |= _ltx2_keys(flat, path, add)
     loss_type = TRAINERS.get(flat.get("train.trainer_type", "grpo"), "flow_grpo")
     for key, value in flat.items():
         if value is None or key in old_policy:
