@@ -105,9 +105,9 @@ def test_rewards_need_local_models_and_unknown_keys_are_refused(run_file, tmp_pa
     with pytest.raises(ValueError, match="names its rewards by hub name; pass --reward"):
         parse(["train", "--flow-factory-config", str(run_file)])
     bad = tmp_path / "bad.yaml"
-    bad.write_text("train:\n  trainer_type: grpo\n  mystery_knob: 3\nlog:\n  logging_backend: swanlab\n")
-    with pytest.raises(ValueError, match="swanlab: diffrl logs to TensorBoard and W&B"):
-        translate_file(bad)
+    swan = tmp_path / "swan.yaml"
+    swan.write_text("log:\n  logging_backend: swanlab\n  project: P\n  run_name: R\n")
+    assert translate_file(swan).args == ["--use-swanlab", "--swanlab-project", "P", "--swanlab-run-name", "R"]
     bad.write_text("train:\n  trainer_type: grpo\n  mystery_knob: 3\n")
     with pytest.raises(ValueError, match=r"no diffrl setting for train.mystery_knob"):
         translate_file(bad)

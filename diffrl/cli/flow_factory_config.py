@@ -293,7 +293,9 @@ def translate_file(path: str | Path) -> Translation:
         if readers is not None and loss_type not in readers:
             add(key, note=f"not read by --loss-type {loss_type}")
             continue
-        if key == "train.dpo_beta" and loss_type == "dgpo":
+        if key in ("log.project", "log.run_name") and flat.get("log.logging_backend") == "swanlab":
+            add(key, "--swanlab-project" if key == "log.project" else "--swanlab-run-name", str(value))
+        elif key == "train.dpo_beta" and loss_type == "dgpo":
             add(key, "--dgpo-beta", str(value))  # one key for both methods' β
         elif key in RENAMED:
             add(key, RENAMED[key], str(value))
@@ -340,11 +342,8 @@ def translate_file(path: str | Path) -> Translation:
         elif key == "model.resume_type":
             continue  # read with resume_path
         elif key == "log.logging_backend":
-            if value == "swanlab":
-                raise ValueError(f"{path}: log.logging_backend swanlab: diffrl logs to TensorBoard and W&B "
-                                 "(--use-wandb)")
-            add(key, *(["--use-wandb"] if value == "wandb" else []),
-                note=None if value == "wandb" else "TensorBoard files are always written")
+            tracked = {"wandb": ["--use-wandb"], "swanlab": ["--use-swanlab"]}.get(value, [])
+            add(key, *tracked, note=None if tracked else "TensorBoard files are always written")
         elif key == "log.save_freq":
             add(key, "--checkpoint-interval", str(value if value > 0 else 10**9))
         elif key == "train.trainer_type":

@@ -657,6 +657,18 @@ class CheckpointConfig:
     """Default: the run folder's name."""
     wandb_mode: str = "online"
     """online, or offline (written under the run folder, `wandb sync` later)."""
+    use_swanlab: bool = False
+    """Also log metrics and evaluation images to SwanLab (the `swanlab` package; its key from SWANLAB_API_KEY or
+    `swanlab login`, never from a flag)."""
+    swanlab_project: str = "diffrl"
+    """With --use-swanlab: the SwanLab project."""
+    swanlab_group: str | None = None
+    """With --use-swanlab: the experiment group (runs to compare together)."""
+    swanlab_run_name: str | None = None
+    """With --use-swanlab: the experiment's name; default: the run folder's name."""
+    swanlab_mode: Literal["online", "local", "offline", "disabled"] = "online"
+    """online, offline (written under the run folder's swanlog/, `swanlab sync` later), local (there too, for a local
+    dashboard: `pip install 'swanlab[dashboard]'`, `swanlab watch RUN/swanlog`) or disabled."""
 
     def check(self) -> None:
         _require(self.checkpoint_interval >= 1, "--checkpoint-interval must be >= 1")

@@ -46,12 +46,12 @@ def best_by_selection(records: list[dict], key: str = "val/strict") -> dict | No
 
 
 class MetricsLogger:
-    def __init__(self, run_dir: Path, resume_rollout: int | None = None, wandb=None):
+    def __init__(self, run_dir: Path, resume_rollout: int | None = None, trackers: tuple = ()):
         """`resume_rollout`: the rollout index a resumed run continues from (its checkpoint's); the
-        records of later rollouts, which the run does again, are dropped first. `wandb`: a `WandbRun` that
-        gets every record and image too."""
+        records of later rollouts, which the run does again, are dropped first. `trackers`: `TrackedRun`s (W&B,
+        SwanLab) that get every record and image too."""
         self.run_dir = run_dir
-        self.wandb = wandb
+        self.trackers = list(trackers)
         self.path = run_dir / "metrics.jsonl"
         if resume_rollout is not None and self.path.exists():
             self._truncate_to(resume_rollout)
@@ -79,8 +79,8 @@ class MetricsLogger:
         self._file.flush()
         for key, value in record.items():
             self._tb.add_scalar(key, value, rollout)
-        if self.wandb is not None:
-            self.wandb.log(rollout, record)
+        for tracker in self.trackers:
+            tracker.log(rollout, record)
 
     def sync(self) -> None:
         """Make the logged records durable (before a checkpoint that counts them as done)."""
@@ -94,8 +94,8 @@ class MetricsLogger:
         self._tb.add_images(tag, images.float().clamp(0, 1), step)
         if captions:
             self._tb.add_text(f"{tag}/captions", "\n\n".join(f"{i}: {c}" for i, c in enumerate(captions)), step)
-        if self.wandb is not None:
-            self.wandb.log_images(tag, images, step, captions)
+        for tracker in self.trackers:
+            tracker.log_images(tag, images, step, captions)
 
     def log_rollout_samples(self, samples, step: int, limit: int = 8) -> None:
         """The first `limit` samples of a rollout (a video by its first frame) with their rewards and prompts,
@@ -143,5 +143,5 @@ class MetricsLogger:
     def close(self) -> None:
         self._file.close()
         self._tb.close()
-        if self.wandb is not None:
-            self.wandb.finish()
+        for tracker in self.trackers:
+            tracker.finish()

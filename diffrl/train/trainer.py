@@ -69,7 +69,7 @@ from diffrl.train.replay import (
     save_rollout,
 )
 from diffrl.train.report import run_summary, write_report
-from diffrl.train.wandb_run import WandbRun, require_wandb
+from diffrl.train.trackers import TrackedRun, asked_trackers, require_tracker
 from diffrl.train.warm_start import warm_start
 from diffrl.utils import determinism
 from diffrl.utils.compile_settings import compile_setting
@@ -81,8 +81,8 @@ from diffrl.utils.size import sample_size, size_flags
 def validate_config(cfg: TrainConfig) -> None:
     """Refuse contradictory settings up front, naming the flags (each section checks its own)."""
     cfg.check()
-    if cfg.checkpoint.use_wandb:
-        require_wandb()  # before any model loads
+    for tracker in asked_trackers(cfg.checkpoint):
+        require_tracker(tracker)  # before any model loads
 
 
 def check_family_flags(cfg: TrainConfig, family, evaluates: bool = True) -> None:
@@ -253,14 +253,13 @@ class Trainer:
             config = {"tree": dataclasses.asdict(cfg), "flags": cfg.as_flat_dict(), "determinism": self.determinism}
             (out / "config.json").write_text(json.dumps(config, default=str, indent=2) + "\n")
             # A resumed run drops the records of the rollouts after its checkpoint: it does them again.
-            wandb = None
-            if cfg.checkpoint.use_wandb:
-                wandb = WandbRun(out, cfg.checkpoint, json.loads(json.dumps(cfg.as_flat_dict(), default=str)))
+            flat = json.loads(json.dumps(cfg.as_flat_dict(), default=str))
+            trackers = [TrackedRun(name, out, cfg.checkpoint, flat) for name in asked_trackers(cfg.checkpoint)]
             # A resumed run drops the records after its checkpoint; one that found none drops every record.
             resume_rollout = None
             if cfg.checkpoint.resume:
                 resume_rollout = self.rollout_index if self.resumed_from is not None else -1
-            self.metrics = MetricsLogger(out, resume_rollout=resume_rollout, wandb=wandb)
+            self.metrics = MetricsLogger(out, resume_rollout=resume_rollout, trackers=trackers)
 
     def _rollout_engines(self, family, extra_engines: Sequence, reward_fn) -> tuple[Engine, RolloutManager]:
         """The in-process engine (sharing the policy's family) and the manager over it and any remote ones;
