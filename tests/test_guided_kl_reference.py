@@ -70,3 +70,26 @@ def test_kl_cfg_is_refused_where_no_method_reads_it_and_below_one(tiny_model_dir
                          "--output-dir", str(tmp_path / "r")]) == 2
         assert message in capsys.readouterr().err
     assert not (tmp_path / "r").exists()
+
+
+def test_the_negative_conditioning_of_an_unguided_request_crosses_both_wire_formats(tiny_family):
+    """A trainer with a guided reference behind `diffrl serve`: the env's negative half arrives over sglang's JSON
+    (as `neg_cond_kwargs`) and the compact msgpack alike, equal to the in-process one."""
+    import asyncio
+
+    from diffrl.rollout import HttpEngineClient
+    from diffrl.serving.server import create_app, serving_in_thread
+
+    engine = Engine(tiny_family, EngineConfig(max_outputs_per_request=4))
+    request = RolloutRequest(prompt="a red circle", negative_prompt="blue", seed=3, num_outputs_per_prompt=2,
+                             num_inference_steps=3, guidance_scale=1.0, rollout_return_denoising_env=True,
+                             rollout_return_negative_env=True, rollout_return_dit_trajectory=True)
+    in_process = engine.generate(request)[0].denoising_env
+    with serving_in_thread(create_app(engine)) as url:
+        for wire in ("compact", "sglang"):
+            client = HttpEngineClient(url, **({"wire_format": "sglang"} if wire == "sglang" else {}))
+            try:
+                env = asyncio.run(client.generate(request))[0].denoising_env
+            finally:
+                client.close()
+            assert torch.equal(env["negative_prompt_embeds"], in_process["negative_prompt_embeds"]), wire
