@@ -428,6 +428,9 @@ def translate_file(path: str | Path) -> Translation:
             add(key, note="the engine takes a source at its own size: resize the sources beforehand")
         elif key == "data.enable_preprocess":
             add(key, note="not needed: prompts are encoded by the engine, once per request")
+        elif key in ("train.strength", "eval.strength"):
+            raise ValueError(f"{path}: {key} {value}: video-to-video (sampling from a noised input video) is not a mode "
+                             "diffrl has; its Wan models take text, or a first frame (image to video)")
         elif key == "train.off_policy" and not value:
             add(key, note="rollouts from the current weights, as diffrl's")
         elif key == "train.off_policy":
