@@ -93,3 +93,13 @@ def test_the_negative_conditioning_of_an_unguided_request_crosses_both_wire_form
             finally:
                 client.close()
             assert torch.equal(env["negative_prompt_embeds"], in_process["negative_prompt_embeds"]), wire
+
+
+def test_a_rollout_without_the_negative_conditioning_is_refused_not_read_as_zeros(tiny_model_dir, tmp_path):
+    """An engine that drops the extension (an sglang server does, without a word) would leave the negative half zeros."""
+    trainer = Trainer(parse(["train", "--loss-type", "crd", *SMALL, "--kl-cfg", "4.5", "--diffusion-kl-beta", "0.1",
+                             "--model-path", str(tiny_model_dir), "--output-dir", str(tmp_path / "run")]))
+    request = trainer.objective.request
+    trainer.objective.request = lambda k: {**request(k), "rollout_return_negative_env": False}
+    with pytest.raises(RuntimeError, match="returned no negative conditioning"):
+        trainer.rollout_and_update(0)

@@ -213,6 +213,10 @@ class ForwardProcessObjective(Objective):
         `env["cond"]` holds one conditioning per sample."""
         env["cond_rows"], cond = conditioning_rows(env["cond"], self.device)
         if self.cfg.algorithm.kl_cfg > 1:  # the guided reference's negative conditioning, row for row with cond_rows
+            if any(s.output.denoising_env is not None and "negative_prompt_embeds" not in s.output.denoising_env
+                   for s in samples):
+                raise RuntimeError("--kl-cfg: the engine returned no negative conditioning for an unguided rollout "
+                                   "(an sglang server drops diffrl's rollout_return_negative_env); use diffrl engines")
             first = {}
             for sample, row in enumerate(cond):
                 first.setdefault(int(row), sample)
