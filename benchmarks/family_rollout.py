@@ -43,6 +43,8 @@ REAL_SIZES = {
     "flux2": RealSize({"model": "klein-4b"}, {}, 9),
     "krea2": RealSize({}, {}, 26),  # 12.8 B
     "qwen_image": RealSize({}, {}, 41),  # 20.4 B
+    # Qwen-Image 2.1: the class defaults' 7.12 B transformer, a 2-layer Qwen3-VL of its 4,096 text width, the 0.34 B VAE.
+    "qwen_image21": RealSize({}, {}, 17),
     # Wan2.2 A14B: two 14.3 B experts, the second a link to the first's files (58 GB would be written otherwise),
     # UMT5-XXL's width in 2 layers (0.39 B), the VAE (0.13 B).
     "wan2_2": RealSize({}, {"shared_experts": True}, 30),

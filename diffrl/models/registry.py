@@ -2,7 +2,7 @@
 
 Resolution order (docs/architecture.md, "Model families"): an explicit `--diffusion-model-family`, then the
 environment variable `DIFFRL_MODEL_FAMILY`, then the checkpoint directory's name matched against each family's
-`name_patterns`, then the checkpoint's transformer class (`transformer/config.json`'s `_class_name`, else
+`name_patterns` (several matching: the one that loads its transformer class), then the checkpoint's transformer class (`transformer/config.json`'s `_class_name`, else
 `model_index.json`'s entry for `transformer`) when exactly one family loads it (of those that share the class, the
 one whose other folders and classes the checkpoint has: FLUX 3 beside the demo model). Family modules register
 themselves with `register_family` (`families.py`, below them, so that they need not import this module, which
@@ -38,7 +38,12 @@ def resolve_family(explicit: str | None = None, model_path: str | Path | None = 
         matches = [cls for cls in _FAMILIES.values() if any(p in dir_name for p in cls.name_patterns)]
         if len(matches) == 1:
             return matches[0]
-        if len(matches) > 1:
+        if len(matches) > 1:  # e.g. "qwen-image-2.1" is Qwen-Image's name too: the transformer class decides
+            found = checkpoint_class(Path(model_path), "transformer")
+            owners = set(checkpoint_families(Path(model_path), "transformer", found)) if found else set()
+            by_class = [cls for cls in matches if cls.name in owners]
+            if len(by_class) == 1:
+                return by_class[0]
             names = ", ".join(sorted(cls.name for cls in matches))
             raise ValueError(f"checkpoint name {dir_name!r} matches several families ({names}); "
                              "pass --diffusion-model-family")
@@ -71,6 +76,7 @@ def _import_builtin_families() -> None:
     import diffrl.models.ltx2  # noqa: F401
     import diffrl.models.lumina2  # noqa: F401
     import diffrl.models.qwen_image  # noqa: F401
+    import diffrl.models.qwen_image21  # noqa: F401
     import diffrl.models.sana  # noqa: F401
     import diffrl.models.sd3  # noqa: F401
     import diffrl.models.wan2_2  # noqa: F401

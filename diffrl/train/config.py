@@ -36,7 +36,7 @@ class ModelConfig:
     model_path: Path = SHIPPED_DEMO_MODEL
     """Local diffusers-format model directory to train (default: the shipped demo model)."""
     diffusion_model_family: str | None = None
-    """The model family (demo, sd3, flux3_image, qwen_image, krea2, wan2_2, ltx2, cosmos3); None: detected
+    """The model family (demo, sd3, flux3_image, qwen_image, qwen_image21, krea2, wan2_2, ltx2, cosmos3, …); None: detected
     from the model folder."""
     init_from: Path | None = None
     """Start from this checkpoint's weights instead of the base model's own: a run checkpoint
