@@ -212,6 +212,7 @@ def test_awm_and_dpo_files_take_their_methods_keys(tmp_path):
     assert (w.awm.awm_weighting, w.awm.awm_ghuber_power, w.awm.awm_ema_kl_beta, w.awm.awm_ema_decay) == (
         "ghuber", 0.25, 1.0, 0.3)
     assert w.algorithm.train_timestep_sampling == "schedule_without_first"
+    assert (w.awm.awm_ema_schedule, w.awm.awm_ema_warmup) == ("power", 1000)  # Flow-Factory's default schedule
     path.write_text("train:\n  trainer_type: dpo\n  beta: 100.0\n  weighting_scheme: logit_normal\n  logit_mean: 0.0\n"
                     "  logit_std: 1.0\n")
     d = parse(["train", "--flow-factory-config", str(path)])

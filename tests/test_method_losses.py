@@ -512,3 +512,17 @@ def test_adaptive_mse_value_and_stop_gradient():
     got.sum().backward()
     want = [2 * x / (N * d) for r, d in zip(rows(e), denom) for x in r]
     close(e.grad, want, rel=1e-10, abs_=1e-300)
+
+
+def test_awm_ema_schedules_are_flow_factorys_per_rollout():
+    """--awm-ema-schedule: constant, linear (d·min(k/W, 1)) and power (min(d, (1 + k)/(W + k))), k the rollout from 0."""
+    from types import SimpleNamespace
+
+    from diffrl.train.objectives.awm import awm_ema_decay
+
+    def decay(schedule, k):
+        return awm_ema_decay(SimpleNamespace(awm_ema_decay=0.3, awm_ema_schedule=schedule, awm_ema_warmup=10), k)
+
+    assert [decay("constant", k) for k in (0, 5, 50)] == [0.3, 0.3, 0.3]
+    assert [decay("linear", k) for k in (0, 5, 10, 50)] == pytest.approx([0.0, 0.15, 0.3, 0.3])
+    assert [decay("power", k) for k in (0, 1, 50)] == pytest.approx([0.1, 2 / 11, 0.3])

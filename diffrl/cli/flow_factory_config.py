@@ -182,13 +182,20 @@ def _method_options(flat: dict, path: Path, add) -> set[str]:
             args += ["--awm-ema-kl-beta", str(flat["train.ema_kl_beta"])]
             if flat.get("train.ema_decay") is not None:
                 args += ["--awm-ema-decay", str(flat["train.ema_decay"])]
+            schedule = flat.get("train.ema_decay_schedule", "power")  # Flow-Factory's default
+            if schedule not in ("constant", "linear", "power"):
+                raise ValueError(f"{path}: an AWM EMA of ema_decay_schedule {schedule!r}: diffrl's KL anchor decays "
+                                 "constant, linear or power (--awm-ema-schedule)")
+            args += ["--awm-ema-schedule", schedule]
+            if schedule != "constant":  # in rollouts: its EMA steps once per epoch
+                args += ["--awm-ema-warmup", str(int(flat.get("train.warmup_steps") or 10))]
         if flat.get("train.kl_weight") not in (None, "Uniform", "uniform"):
             raise ValueError(f"{path}: train.kl_weight {flat['train.kl_weight']!r}: the KL is weighted uniformly")
-        add("train.trainer_type", *args, note=f"AWM's options: {' '.join(args) or 'diffrl defaults'} (the KL anchor's "
-                                              "decay is constant per rollout: ema_decay_schedule and warmup_steps are "
-                                              "not expressed)")
+        add("train.trainer_type", *args, note=f"AWM's options: {' '.join(args) or 'diffrl defaults'} (the KL anchor "
+                                              "steps once per rollout, as Flow-Factory's EMA once per epoch)")
+        anchor = ("train.warmup_steps", "train.ema_decay_schedule") if flat.get("train.ema_kl_beta") else ()
         return {k for k in ("train.awm_weighting", "train.ghuber_power", "train.ema_kl_beta", "train.kl_weight",
-                            "train.warmup_steps") if k in flat}
+                            *anchor) if k in flat}
     if method == "dpo":
         scheme = flat.get("train.weighting_scheme", "logit_normal")  # Flow-Factory's DPO defaults
         if scheme not in ("logit_normal", "uniform"):

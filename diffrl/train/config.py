@@ -351,11 +351,18 @@ class AwmConfig:
     """Weight of a v-based KL to an EMA of the trained weights (a moving anchor; 0: none)."""
     awm_ema_decay: float = 0.9
     """Decay of that EMA, once per rollout."""
+    awm_ema_schedule: Literal["constant", "linear", "power"] = "constant"
+    """How that decay reaches --awm-ema-decay over the first --awm-ema-warmup rollouts (rollout k from 0): constant;
+    linear, decay · min(k / W, 1); power, min(decay, (1 + k) / (W + k)) (Flow-Factory's EMA schedules of those names,
+    stepped once per rollout as its EMA once per epoch)."""
+    awm_ema_warmup: int = 10
+    """W of --awm-ema-schedule linear or power, in rollouts."""
 
     def check(self) -> None:
         _require(0 < self.awm_ghuber_power <= 1, f"--awm-ghuber-power must be in (0, 1], got {self.awm_ghuber_power}")
         _require(self.awm_ema_kl_beta >= 0, f"--awm-ema-kl-beta must be >= 0, got {self.awm_ema_kl_beta}")
         _require(0 <= self.awm_ema_decay <= 1, f"--awm-ema-decay must be in [0, 1], got {self.awm_ema_decay}")
+        _require(self.awm_ema_warmup >= 1, f"--awm-ema-warmup must be >= 1, got {self.awm_ema_warmup}")
 
 
 @dataclass

@@ -13,6 +13,7 @@ import torch
 
 from diffrl.algorithms.losses import awm_log_prob, awm_loss, flow_matching_error, v_kl
 from diffrl.algorithms.pairs import NftPairs, nft_pairs
+from diffrl.train.ema import warmed_up_decay
 from diffrl.train.objectives.base import ForwardProcessObjective, detached
 
 
@@ -70,4 +71,13 @@ class AdvantageWeightedMatching(ForwardProcessObjective):
 
     def after_update(self, k: int) -> None:
         if self.cfg.awm.awm_ema_kl_beta > 0:
-            self.policy.ema.update(self.cfg.awm.awm_ema_decay)
+            self.policy.ema.update(awm_ema_decay(self.cfg.awm, k))
+
+
+def awm_ema_decay(w, k: int) -> float:
+    """The KL anchor's decay after rollout k (from 0) under --awm-ema-schedule (`AwmConfig`)."""
+    if w.awm_ema_schedule == "linear":
+        return w.awm_ema_decay * min(k / w.awm_ema_warmup, 1.0)
+    if w.awm_ema_schedule == "power":
+        return warmed_up_decay(w.awm_ema_decay, k + 1, w.awm_ema_warmup)  # min(d, (1 + k) / (W + k))
+    return w.awm_ema_decay
