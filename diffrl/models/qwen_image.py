@@ -152,24 +152,26 @@ def load_processor(folder: Path, dtype=None):
     (building `Qwen2VLProcessor` itself needs its video processor, which needs torchvision)."""
     from transformers import AutoImageProcessor, AutoTokenizer
 
+    from transformers import Qwen2VLProcessor
+
     image_processor = AutoImageProcessor.from_pretrained(str(folder), local_files_only=True)
-    return image_processor_only()(image_processor=image_processor,
-                                  tokenizer=AutoTokenizer.from_pretrained(str(folder), local_files_only=True))
+    return without_video(Qwen2VLProcessor)(image_processor=image_processor,
+                                           tokenizer=AutoTokenizer.from_pretrained(str(folder), local_files_only=True))
 
 
 @functools.cache
-def image_processor_only():
-    from transformers import Qwen2VLProcessor
+def without_video(processor_class: type) -> type:
+    """A Qwen-VL processor class that takes no video processor (the Qwen-Image families never send video, and
+    building one needs torchvision)."""
 
-    class QwenVLImageProcessor(Qwen2VLProcessor):
-        """Qwen2VLProcessor without a video processor (this family never sends video)."""
-
+    class ImagesOnly(processor_class):
         def check_argument_for_proper_class(self, argument_name, argument):
             if argument_name == "video_processor" and argument is None:
                 return None
             return super().check_argument_for_proper_class(argument_name, argument)
 
-    return QwenVLImageProcessor
+    ImagesOnly.__name__ = ImagesOnly.__qualname__ = f"{processor_class.__name__}ImagesOnly"
+    return ImagesOnly
 
 
 def _check_template_prefix(tokenizer, template: str = PROMPT_TEMPLATE, drop: int = TEMPLATE_DROP_TOKENS) -> None:

@@ -33,7 +33,6 @@ pipeline's KV cache of the text prefix (an inference shortcut: the same values).
 from __future__ import annotations
 
 import copy
-import functools
 from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -53,7 +52,7 @@ from diffrl.models.base import (
 from diffrl.models.batch_invariance import embed_rows_one_at_a_time
 from diffrl.models.components import read_settings, refuse_scheduler_options
 from diffrl.models.flux1 import flux_sigmas
-from diffrl.models.qwen_image import _conditioning, image_position_ids, pad_text, text_lengths
+from diffrl.models.qwen_image import _conditioning, image_position_ids, pad_text, text_lengths, without_video
 from diffrl.models.vae_latents import decode_images
 from diffrl.sampling.noise import randn_per_sample
 from diffrl.sampling.schedule import resolution_mu
@@ -74,28 +73,13 @@ class QwenImage21Settings:
 
 def load_processor(folder: Path, dtype=None):
     """The `processor/` folder as a text-and-image Qwen3-VL processor (its video processor needs torchvision)."""
-    from transformers import AutoImageProcessor, AutoTokenizer
+    from transformers import AutoImageProcessor, AutoTokenizer, Qwen3VLProcessor
 
     chat = folder / "chat_template.jinja"
-    return text_and_image_processor()(
+    return without_video(Qwen3VLProcessor)(
         image_processor=AutoImageProcessor.from_pretrained(str(folder), local_files_only=True),
         tokenizer=AutoTokenizer.from_pretrained(str(folder), local_files_only=True),
         chat_template=chat.read_text() if chat.is_file() else None)
-
-
-@functools.cache
-def text_and_image_processor():
-    from transformers import Qwen3VLProcessor
-
-    class Qwen3VLImageProcessor(Qwen3VLProcessor):
-        """Qwen3VLProcessor without a video processor (this family never sends video)."""
-
-        def check_argument_for_proper_class(self, argument_name, argument):
-            if argument_name == "video_processor" and argument is None:
-                return None
-            return super().check_argument_for_proper_class(argument_name, argument)
-
-    return Qwen3VLImageProcessor
 
 
 def _row_invariant(transformer) -> None:
