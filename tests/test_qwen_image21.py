@@ -144,3 +144,22 @@ def test_velocity_with_true_cfg_pairs_lengths_in_one_batch(q21):
     v_u = q21.run_transformer(q21.transformer, latents, sigma, uncond)
     torch.testing.assert_close(guided, v_u + 3.0 * (v_c - v_u), rtol=1e-6, atol=1e-6)
     assert isinstance(cond, PromptEmbeds)
+
+
+def test_the_first_pass_replays_prompts_of_different_lengths_exactly(q21_dir, tmp_path):
+    """Flow-GRPO with true CFG on two prompts of different lengths: the trainer pads them to one tensor and each row
+    still runs at its own length, so the replay's log-probs are the rollout's, bit for bit (eager, CPU)."""
+    from diffrl.cli.main import parse
+    from diffrl.train.trainer import Trainer
+
+    prompts = tmp_path / "prompts.txt"
+    prompts.write_text("a red cat\na big blue dog on a green square\n")
+    cfg = parse(["train", "--model-path", str(q21_dir), "--loss-type", "flow_grpo", "--num-rollout", "1",
+                 "--rollout-batch-size", "2", "--n-samples-per-prompt", "2", "--rollout-microgroup-size", "2",
+                 "--global-batch-size", "4", "--num-steps-per-rollout", "1", "--micro-batch-size", "4", "--use-lora",
+                 "--lora-rank", "2", "--lr", "1e-3", "--device", "cpu", "--reward", "jpeg_compressibility",
+                 "--prompt-data", str(prompts), "--resolution", "64", "--diffusion-num-steps", "2",
+                 "--diffusion-guidance-scale", "3.0", "--diffusion-sde-window-range", "0", "2",
+                 "--eval-images-per-category", "0", "--output-dir", str(tmp_path / "run")])
+    record = Trainer(cfg).rollout_and_update(0)
+    assert record["train/log_prob_mean_abs_diff"] == 0.0 and record["train/first_pass_clipfrac"] == 0.0
