@@ -53,6 +53,12 @@ def _wan_i2v(path: Path) -> Path:
     return save_random_checkpoint(path, image_to_video=True)
 
 
+def _wan21_i2v(path: Path) -> Path:
+    from diffrl.models.random_checkpoints.wan2_2 import save_random_checkpoint
+
+    return save_random_checkpoint(path, image_to_video=True, clip_image=True)
+
+
 # checkpoint builder, the condition images' size (height, width), the run's size and step flags
 IMAGE = ["--height", "32", "--width", "48", "--diffusion-num-steps", "2", "--diffusion-guidance-scale", "2.0",
          "--diffusion-sde-window-range", "0", "2"]
@@ -64,6 +70,9 @@ CASES = {
     "wan2.2-i2v": (_wan_i2v, (20, 36), ["--height", "16", "--width", "32", "--num-frames", "5",
                                         "--diffusion-num-steps", "2", "--diffusion-guidance-scale", "4.5",
                                         "--diffusion-sde-window-range", "0", "2"]),
+    "wan2.1-i2v": (_wan21_i2v, (20, 36), ["--height", "16", "--width", "32", "--num-frames", "5",
+                                          "--diffusion-num-steps", "2", "--diffusion-guidance-scale", "4.5",
+                                          "--diffusion-sde-window-range", "0", "2"]),
     "ltx-2.3-i2v": (save_ltx2_i2v_checkpoint, (60, 100),
                     ["--height", "64", "--width", "96", "--num-frames", "9", "--diffusion-num-steps", "3",
                      "--diffusion-sde-type", "cps", "--diffusion-noise-level", "0.8", "--diffusion-guidance-scale",
