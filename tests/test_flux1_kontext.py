@@ -110,7 +110,7 @@ def test_condition_images_are_decoded_off_the_event_loop(kontext, monkeypatch):
     from diffrl.engine import engine as engine_module
 
     def slow(*args):
-        time.sleep(0.5)
+        time.sleep(1.5)  # far above the bound below: a loop blocked by it shows, a busy 2-core machine's jitter not
         return decode(*args)
 
     decode = engine_module.request_images
@@ -127,7 +127,7 @@ def test_condition_images_are_decoded_off_the_event_loop(kontext, monkeypatch):
         return await work, gaps
 
     outputs, gaps = asyncio.run(ticks_during_a_request())
-    assert len(outputs) == 2 and max(gaps) < 0.3
+    assert len(outputs) == 2 and max(gaps) < 1.0
 
 
 def write_editing_set(folder: Path) -> Path:
