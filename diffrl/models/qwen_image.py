@@ -242,6 +242,28 @@ def text_lengths(embeds: torch.Tensor) -> torch.Tensor:
     return embeds[:, 0, 0]
 
 
+def forward_by_group(keys: Sequence, rows: torch.Tensor, forward) -> torch.Tensor:
+    """`forward(index, key)` over the rows sharing each key (`index`: their positions, a tensor on `rows`' device),
+    the outputs put back in row order: one transformer call per group of rows that must run alone (one call when
+    all share a key)."""
+    groups = list(dict.fromkeys(keys))
+    if len(groups) == 1:
+        return forward(None, groups[0])
+    out = None
+    for key in groups:
+        index = torch.tensor([k for k, other in enumerate(keys) if other == key], device=rows.device)
+        part = forward(index, key)
+        out = part.new_empty(len(keys), *part.shape[1:]) if out is None else out
+        out[index] = part
+    return out
+
+
+def paired_padded(uncond: PromptEmbeds, cond: PromptEmbeds) -> PromptEmbeds:
+    """CFG's halves as one batch: the shorter text zero-padded to the longer (behind the header of lengths)."""
+    length = max(cond.embeds.shape[1], uncond.embeds.shape[1]) - 1
+    return PromptEmbeds(torch.cat([pad_text(uncond.embeds, length), pad_text(cond.embeds, length)]), cond.ids)
+
+
 def _conditioning(texts: Sequence[torch.Tensor], images: EditImages | None = None) -> PromptEmbeds:
     """`[B, 1 + R + L, D]`: the header token, the reference tokens in R rows (editing), each text `[L_k, D]`,
     zero-padded to the longest (see the module docstring)."""
@@ -507,8 +529,7 @@ class QwenImageFamily(FamilyAdapter):
 
     def pair_conditionings(self, uncond: PromptEmbeds, cond: PromptEmbeds) -> PromptEmbeds:
         """Always one forward: the shorter text is zero-padded to the longer (see the module docstring)."""
-        length = max(cond.embeds.shape[1], uncond.embeds.shape[1]) - 1
-        return PromptEmbeds(torch.cat([pad_text(uncond.embeds, length), pad_text(cond.embeds, length)]), cond.ids)
+        return paired_padded(uncond, cond)
 
     def run_transformer(self, transformer, latents, sigma, cond) -> torch.Tensor:
         x, embeds = latents.tokens, cond.embeds
@@ -516,19 +537,14 @@ class QwenImageFamily(FamilyAdapter):
         width = 3 + 2 * self.max_condition_images if self.settings.edit else 1
         h, w, *values = torch.cat([latents.ids[-1, 1:] + 1, embeds[:, 0, :width].flatten()]).tolist()
         headers = [tuple(int(v) for v in values[k * width : (k + 1) * width]) for k in range(x.shape[0])]
-        kinds = list(dict.fromkeys(header[1:] for header in headers))
-        if len(kinds) == 1:
-            return self._forward(transformer, latents, sigma, cond, (int(h), int(w)), headers)
-        # Reference images of different sizes: one forward per size, the rows put back in order.
-        out = None
-        for kind in kinds:
-            rows = [k for k, header in enumerate(headers) if header[1:] == kind]
-            index = torch.tensor(rows, device=x.device)
-            part = self._forward(transformer, Latents(x[index], latents.ids), sigma[index] if sigma.dim() else sigma,
-                                 PromptEmbeds(embeds[index], cond.ids), (int(h), int(w)), [headers[k] for k in rows])
-            out = part.new_empty(x.shape[0], *part.shape[1:]) if out is None else out
-            out[index] = part
-        return out
+        def forward(index, kind):  # reference images of different sizes: one forward per size
+            if index is None:
+                return self._forward(transformer, latents, sigma, cond, (int(h), int(w)), headers)
+            return self._forward(transformer, Latents(x[index], latents.ids), sigma[index] if sigma.dim() else sigma,
+                                 PromptEmbeds(embeds[index], cond.ids), (int(h), int(w)),
+                                 [headers[k] for k in index.tolist()])
+
+        return forward_by_group([header[1:] for header in headers], x, forward)
 
     def _forward(self, transformer, latents, sigma, cond, grid, headers) -> torch.Tensor:
         """One forward over rows whose reference images (if any) have the same sizes."""

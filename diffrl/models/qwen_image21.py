@@ -52,7 +52,14 @@ from diffrl.models.base import (
 from diffrl.models.batch_invariance import embed_rows_one_at_a_time
 from diffrl.models.components import read_settings, refuse_scheduler_options
 from diffrl.models.flux1 import flux_sigmas
-from diffrl.models.qwen_image import _conditioning, image_position_ids, pad_text, text_lengths, without_video
+from diffrl.models.qwen_image import (
+    _conditioning,
+    forward_by_group,
+    image_position_ids,
+    paired_padded,
+    text_lengths,
+    without_video,
+)
 from diffrl.models.vae_latents import decode_images
 from diffrl.sampling.noise import randn_per_sample
 from diffrl.sampling.schedule import resolution_mu
@@ -228,23 +235,19 @@ class QwenImage21Family(FamilyAdapter):
 
     def pair_conditionings(self, uncond: PromptEmbeds, cond: PromptEmbeds) -> PromptEmbeds:
         """One batch of both halves, padded to the longer; the forward still runs each at its own length."""
-        length = max(cond.embeds.shape[1], uncond.embeds.shape[1]) - 1
-        return PromptEmbeds(torch.cat([pad_text(uncond.embeds, length), pad_text(cond.embeds, length)]), cond.ids)
+        return paired_padded(uncond, cond)
 
     def run_transformer(self, transformer, latents, sigma, cond) -> torch.Tensor:
         x, embeds = latents.tokens, cond.embeds
         h, w, *lengths = torch.cat([latents.ids[-1, 1:] + 1, text_lengths(embeds).to(latents.ids)]).tolist()
-        groups = list(dict.fromkeys(int(n) for n in lengths))
-        if len(groups) == 1:
-            return self._forward(transformer, x, sigma, embeds[:, 1 : 1 + groups[0]], (int(h), int(w)))
-        out = None  # one forward per text length, the rows put back in order
-        for length in groups:
-            index = torch.tensor([k for k, n in enumerate(lengths) if int(n) == length], device=x.device)
-            part = self._forward(transformer, x[index], sigma[index] if sigma.dim() else sigma,
+
+        def forward(index, length):  # the rows of one text length (module docstring)
+            if index is None:
+                return self._forward(transformer, x, sigma, embeds[:, 1 : 1 + length], (int(h), int(w)))
+            return self._forward(transformer, x[index], sigma[index] if sigma.dim() else sigma,
                                  embeds[index, 1 : 1 + length], (int(h), int(w)))
-            out = part.new_empty(x.shape[0], *part.shape[1:]) if out is None else out
-            out[index] = part
-        return out
+
+        return forward_by_group([int(n) for n in lengths], x, forward)
 
     def _forward(self, transformer, x, sigma, text, grid) -> torch.Tensor:
         """Rows whose texts all have the given length: no padding, so no mask (as the pipeline for one prompt)."""
