@@ -106,15 +106,16 @@ def image_position_ids(h: int, w: int, device=None) -> torch.Tensor:
 
 # The FLUX.1 layout that Chroma (`chroma.py`, a FLUX.1 [schnell] derivative) shares: the schedule, the packed noise
 # and the decode of `FluxPipeline` and `ChromaPipeline`. The schedule is also Lumina 2's and Qwen-Image's.
-def flux_sigmas(scheduler, num_steps: int, image_tokens: int, device) -> torch.Tensor:
-    """The scheduler's own sigmas `[N + 1]` for `linspace(1, 1/N, N)` with μ linear in the number of image tokens
-    (the scheduler's `base/max_image_seq_len` and `base/max_shift`, defaults 256, 4096, 0.5, 1.15); a static-shift
-    scheduler ignores μ, as in the pipelines."""
+def flux_sigmas(scheduler, num_steps: int, image_tokens: int, device, base=None) -> torch.Tensor:
+    """The scheduler's own sigmas `[N + 1]` for `linspace(1, 1/N, N)` (or the `base` σ's a checkpoint configures) with
+    μ linear in the number of image tokens (the scheduler's `base/max_image_seq_len` and `base/max_shift`, defaults
+    256, 4096, 0.5, 1.15); a static-shift scheduler ignores μ, as in the pipelines."""
     config = scheduler.config
     mu = resolution_mu(image_tokens, config.get("base_image_seq_len", 256), config.get("max_image_seq_len", 4096),
                        config.get("base_shift", 0.5), config.get("max_shift", 1.15))
     scheduler = copy.deepcopy(scheduler)  # set_timesteps changes the scheduler's state
-    scheduler.set_timesteps(sigmas=np.linspace(1.0, 1 / num_steps, num_steps), mu=mu, device="cpu")
+    sigmas = np.linspace(1.0, 1 / num_steps, num_steps) if base is None else list(base)
+    scheduler.set_timesteps(sigmas=sigmas, mu=mu, device="cpu")
     return scheduler.sigmas.to(device=device, dtype=torch.float32)
 
 

@@ -32,7 +32,6 @@ pipeline's KV cache of the text prefix (an inference shortcut: the same values).
 
 from __future__ import annotations
 
-import copy
 from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -62,7 +61,6 @@ from diffrl.models.qwen_image import (
 )
 from diffrl.models.vae_latents import decode_images
 from diffrl.sampling.noise import randn_per_sample
-from diffrl.sampling.schedule import resolution_mu
 
 SYSTEM_PROMPT = "Comprehend and analyze the provided prompt."
 SYSTEM_TURN = f"<|im_start|>system\n{SYSTEM_PROMPT}<|im_end|>\n"
@@ -173,17 +171,10 @@ class QwenImage21Family(FamilyAdapter):
     def sigmas(self, num_steps: int, height: int, width: int) -> torch.Tensor:
         image_tokens = (height // PIXELS_PER_TOKEN) * (width // PIXELS_PER_TOKEN)
         configured = self.settings.sample_sigmas
-        if configured is None:
-            return flux_sigmas(self.scheduler, num_steps, image_tokens, self.device)
-        if num_steps != len(configured):
+        if configured is not None and num_steps != len(configured):
             raise RequestError("num_inference_steps", f"this Qwen-Image 2.1 checkpoint samples its configured "
                                                       f"{len(configured)} steps (sample_sigmas), not {num_steps}")
-        config = self.scheduler.config
-        mu = resolution_mu(image_tokens, config.get("base_image_seq_len", 256), config.get("max_image_seq_len", 4096),
-                           config.get("base_shift", 0.5), config.get("max_shift", 1.15))
-        scheduler = copy.deepcopy(self.scheduler)  # set_timesteps changes the scheduler's state
-        scheduler.set_timesteps(sigmas=list(configured), mu=mu, device="cpu")
-        return scheduler.sigmas.to(device=self.device, dtype=torch.float32)
+        return flux_sigmas(self.scheduler, num_steps, image_tokens, self.device, base=configured)
 
     # ---------------------------------------------------------------- conditioning
     def _encode_one(self, prompt: str) -> torch.Tensor:

@@ -72,10 +72,11 @@ class DiffusionDpo(_AgainstBase):
         ref, err = flow_matching_error(v_base, x0, noise), flow_matching_error(v, x0, noise)
         terms = dpo_loss(err[:n], err[n:], ref[:n], ref[n:], beta=self.cfg.dpo.dpo_beta)
         kl = self.kl_term(v, v_ref).mean()
-        stats = {"train/loss": terms.loss + kl_beta * kl, "train/implicit_accuracy": terms.implicit_accuracy,
+        loss = terms.loss + kl_beta * kl
+        stats = {"train/loss": loss, "train/implicit_accuracy": terms.implicit_accuracy,
                  "train/preference_margin": terms.margin, "train/chosen_error": err[:n].mean(),
                  "train/rejected_error": err[n:].mean(), "train/kl_loss": kl}
-        return terms.loss + kl_beta * kl, detached(stats)
+        return loss, detached(stats)
 
 
 def group_rows(batch: GroupPairs, cond_rows: torch.Tensor, device) -> tuple[torch.Tensor, ...]:
