@@ -81,6 +81,9 @@ class EvaluateConfig:
     """With --height: the width in pixels."""
     flow_shift: float | None = None
     """A static schedule shift in place of the model's (as `diffrl train --flow-shift`); default: the run's."""
+    condition_image_size: int | None = None
+    """Image-conditioned models: each condition image sized to at most N × N pixels of area (as `diffrl train
+    --condition-image-size`); default: the run's, else the pipeline's own sizing."""
     reward_frames: int | None = None
     """With --prompt-data, video: the reward sees this many evenly spaced frames of each video (as the trained
     run's --reward-frames); default every frame."""

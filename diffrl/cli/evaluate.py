@@ -46,6 +46,11 @@ _PROMPT_DATA_ONLY = {"input_key": None, "num_prompts": "--max-prompts-per-catego
                      "reward_frames": None}
 
 
+def _or_run(value):
+    """A flag's value, or "run" (`load_model`: the checkpoint's run's value) when it was not given."""
+    return "run" if value is None else value
+
+
 def refuse_other_mode(cfg, flags: dict[str, str | None], prompt_data: bool) -> None:
     """A ValueError naming the first flag of `flags` set away from its default: a flag of the shapes evaluation given
     with --prompt-data, or the reverse, which the command would ignore. Names the flag this mode takes instead."""
@@ -197,7 +202,8 @@ def evaluate(cfg: EvaluateConfig) -> dict:
                   guidance_scale=SHAPES_GUIDANCE_SCALE if cfg.guidance_scale is None else cfg.guidance_scale)
     device = resolve_device(cfg.device)
     family = load_model(cfg.model_path, cfg.checkpoint, family=cfg.diffusion_model_family, device=device,
-                        flow_shift="run" if cfg.flow_shift is None else cfg.flow_shift)
+                        flow_shift=_or_run(cfg.flow_shift),
+                        condition_image_size=_or_run(cfg.condition_image_size))
     check_family_values(cfg, family)
     SpeedOptions(float8=cfg.float8).apply(family)
     if cfg.max_prompts_per_category is None:
@@ -269,7 +275,8 @@ def evaluate_edit_world(cfg: EvaluateConfig, run: Run) -> dict:
     negative_prompt = held_out_protocol(run).get("negative_prompt", "")
     device = resolve_device(cfg.device)
     family = load_model(cfg.model_path, cfg.checkpoint, family=cfg.diffusion_model_family, device=device,
-                        flow_shift="run" if cfg.flow_shift is None else cfg.flow_shift)
+                        flow_shift=_or_run(cfg.flow_shift),
+                        condition_image_size=_or_run(cfg.condition_image_size))
     check_edit_family(family)
     check_family_values(replace(cfg, resolution=size, height=None, width=None), family)
     SpeedOptions(float8=cfg.float8).apply(family)
@@ -322,7 +329,8 @@ def evaluate_prompt_data(cfg: EvaluateConfig) -> dict:
         check_prompts(cfg.eval_reward, [r.prompt for r in records], f"--eval-reward: prompt data {cfg.prompt_data}")
     device = resolve_device(cfg.device)
     family = load_model(cfg.model_path, cfg.checkpoint, family=cfg.diffusion_model_family, device=device,
-                        flow_shift="run" if cfg.flow_shift is None else cfg.flow_shift)
+                        flow_shift=_or_run(cfg.flow_shift),
+                        condition_image_size=_or_run(cfg.condition_image_size))
     check_family_values(cfg, family)
     SpeedOptions(float8=cfg.float8).apply(family)
     cfg = replace(cfg, seed=TEST_SEED if cfg.seed is None else cfg.seed,

@@ -87,6 +87,16 @@ def _size(value, flags: tuple[str, str, str]) -> list[str]:
     return [square, str(value)]
 
 
+def _condition_side(value) -> tuple[int, bool]:
+    """Flow-Factory's `condition_image_size` (a side, or [height, width]: a largest area) as diffrl's
+    --condition-image-size, the side of a square of that area; and whether that area is exact."""
+    if isinstance(value, (list, tuple)) and len(value) == 2:
+        area = int(value[0]) * int(value[1])
+        side = round(area ** 0.5)
+        return side, side * side == area
+    return int(value), True
+
+
 _OLD_POLICY_KEYS = ("train.off_policy", "train.ema_decay", "train.ema_decay_schedule", "train.flat_steps",
                     "train.ramp_rate", "train.ema_update_interval", "train.ema_device")
 
@@ -367,8 +377,14 @@ def translate_file(path: str | Path) -> Translation:
             add(key, "--diffusion-adv-clip-max", str(bound))
         elif key == "train.resolution":
             add(key, *_size(value, ("--resolution", "--height", "--width")))
-        elif key in ("train.condition_image_size", "eval.condition_image_size"):
-            add(key, note="the engine takes a source at its own size: resize the sources beforehand")
+        elif key == "train.condition_image_size":
+            side, exact = _condition_side(value)
+            add(key, "--condition-image-size", str(side),
+                note=None if exact else f"--condition-image-size {side} (the side of the area {value} holds)")
+        elif key == "eval.condition_image_size":
+            same = _condition_side(value) == _condition_side(flat.get("train.condition_image_size") or value)
+            add(key, note="the same as training" if same else "diffrl's evaluation during a run samples with the "
+                "training size; re-judge a checkpoint at this one with `diffrl eval --condition-image-size N`")
         elif key == "train.global_std":
             add(key, "--globalize-reward-std" if value else "--no-globalize-reward-std")
         elif key == "train.adam_betas":

@@ -46,6 +46,8 @@ class EngineSpec:
     `--detach-uncond`, so the engine's forward is the replay's."""
     flow_shift: float | None = None
     """A static schedule shift in place of the checkpoint's (`FamilyAdapter.set_flow_shift`; a trainer's --flow-shift)."""
+    condition_image_size: int | None = None
+    """The side of a condition image's largest area (`FamilyAdapter.set_condition_image_area`; --condition-image-size)."""
     offload_text_encoder: bool = False
     compile: bool = False
     compile_eager_numerics: bool = True
@@ -99,6 +101,8 @@ def load_family(spec: EngineSpec, device: torch.device | str | None = None) -> F
     family.detach_uncond = spec.detach_uncond
     if spec.flow_shift is not None:
         family.set_flow_shift(spec.flow_shift)
+    if spec.condition_image_size is not None:
+        family.set_condition_image_area(spec.condition_image_size ** 2)
     if spec.offload_text_encoder:
         family.offload_text_encoders_to_cpu()
     speed = spec.speed()

@@ -148,6 +148,8 @@ class FamilyAdapter(ABC):
     # A family whose prompt encoding reads the condition images (Qwen-Image-Edit: Qwen2.5-VL sees them) implements
     # `encode_prompts_with_images` instead of `condition_on_images`.
     prompt_sees_images: bool = False
+    # A run's cap on a condition image's area in pixels (`set_condition_image_area`); None: the pipeline's sizing.
+    condition_image_area: int | None = None
     # Guidance scale used when a request leaves it unset.
     default_guidance_scale: ClassVar[float] = 1.0
     # Denoising steps when a request over HTTP leaves `num_inference_steps` null or out, as sglang-diffusion takes
@@ -336,6 +338,18 @@ class FamilyAdapter(ABC):
     @abstractmethod
     def prepare_latents(self, generators: Sequence[torch.Generator], height: int, width: int) -> Latents:
         """Initial noise, one row per generator (per-sample streams, see `diffrl.sampling.noise`)."""
+
+    def set_condition_image_area(self, area: int) -> None:
+        """Size each condition image to at most `area` pixels (downscaled, aspect kept) before it is encoded, in place
+        of the pipeline's own cap: `--condition-image-size`, as Flow-Factory's `condition_image_size` trains editing
+        models on smaller sources than they sample with. Families that size a source themselves read
+        `condition_image_area`; the others refuse here."""
+        if not self.accepts_image_conditioning:
+            raise ModelLoadError(f"--condition-image-size: {self.display_name or self.name} takes no condition images")
+        if self.condition_images_need_size:
+            raise ModelLoadError(f"--condition-image-size: {self.display_name or self.name} sizes its first frame to the "
+                                 "output (--height/--width), not by area")
+        self.condition_image_area = int(area)
 
     def set_flow_shift(self, shift: float) -> None:
         """Sample and train with the static flow shift `shift` in place of the checkpoint's schedule shift (static or

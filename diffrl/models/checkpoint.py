@@ -29,15 +29,22 @@ from diffrl.utils.manifest import verify_checkpoint
 
 def load_model(base_path: Path, checkpoint: Path | None = None, *, family: str | None = None,
                device: torch.device | str = "cpu", dtype: torch.dtype | None = None,
-               flow_shift: float | Literal["run"] | None = "run") -> FamilyAdapter:
+               flow_shift: float | Literal["run"] | None = "run",
+               condition_image_size: int | Literal["run"] | None = "run") -> FamilyAdapter:
     """The base model, or the base model with `checkpoint` applied (see the module docstring); `dtype`: the
-    family's load dtype (None: its default). `flow_shift`: a static schedule shift (`set_flow_shift`); "run": the
-    one the checkpoint's run trained with (its --flow-shift) if any; None: the model's own."""
+    family's load dtype (None: its default). `flow_shift`: a static schedule shift (`set_flow_shift`);
+    `condition_image_size`: the side of the largest condition image area (`set_condition_image_area`); for each, "run":
+    the one the checkpoint's run trained with (its --flow-shift, --condition-image-size) if any; None: the model's own."""
     model = _load_model(base_path, checkpoint, family=family, device=device, dtype=dtype)
+    run = {} if checkpoint is None or "run" not in (flow_shift, condition_image_size) else _run_flags(checkpoint)
     if flow_shift == "run":
-        flow_shift = None if checkpoint is None else _run_flags(checkpoint).get("flow_shift")
+        flow_shift = run.get("flow_shift")
     if flow_shift is not None:
         model.set_flow_shift(float(flow_shift))
+    if condition_image_size == "run":
+        condition_image_size = run.get("condition_image_size")
+    if condition_image_size is not None:
+        model.set_condition_image_area(int(condition_image_size) ** 2)
     return model
 
 

@@ -307,6 +307,10 @@ class DemoFamily(FamilyAdapter):
         noise = randn_per_sample((len(generators), 3, height, width), generators, device=self.device)
         return Latents(patchify(noise, self.config.patch_size), self.prepare_ids())
 
+    def set_condition_image_area(self, area: int) -> None:
+        raise ModelLoadError("--condition-image-size: the demo model takes condition images at its own size "
+                             f"({self.config.width}x{self.config.height})")
+
     def encode_condition_images(self, images) -> tuple[torch.Tensor, torch.Tensor]:
         """Condition images `uint8 [3, H, W]` at the model's size → their tokens `[1, S, 3·p·p]` and ids `[S, 4]`."""
         tokens, ids = [], []

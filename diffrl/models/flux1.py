@@ -62,6 +62,7 @@ from diffrl.models.base import (
 from diffrl.models.batch_invariance import embed_rows_one_at_a_time
 from diffrl.models.components import check_max_sequence_length, read_settings, refuse_scheduler_options
 from diffrl.models.condition_rows import pack_image_rows, unpack_image_rows
+from diffrl.models.flux2_vae import downscale_to_area
 from diffrl.models.qwen_vae import pack_latents
 from diffrl.models.vae_latents import decode_images
 from diffrl.sampling import randn_per_sample, resolution_mu
@@ -278,6 +279,8 @@ class Flux1Family(FamilyAdapter):
         """`uint8 [3, H, W]` → (packed latents `[1, S, C]`, ids `(1, row, column)` `[S, 3]`), as
         `FluxKontextPipeline` prepares its `image` without `_auto_resize`."""
         step = self.pixels_per_token
+        if self.condition_image_area is not None:  # a run's cap (--condition-image-size), before the pipeline's sizing
+            image = downscale_to_area(image, self.condition_image_area)
         height, width = image.shape[1] // step * step, image.shape[2] // step * step
         if not height or not width:
             raise RequestError("image_path", f"the condition image is {image.shape[2]}x{image.shape[1]} pixels; FLUX.1 "

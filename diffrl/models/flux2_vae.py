@@ -86,11 +86,18 @@ def _lanczos_to_area(pil, area: int):
     return pil.resize((int(pil.width * scale), int(pil.height * scale)), Image.Resampling.LANCZOS)
 
 
+def downscale_to_area(image: torch.Tensor, max_area: int) -> torch.Tensor:
+    """`uint8 [3, H, W]` above `max_area` pixels downscaled to that area (Lanczos, aspect kept, sides truncated);
+    otherwise unchanged."""
+    if image.shape[1] * image.shape[2] <= max_area:
+        return image
+    return _tensor(_lanczos_to_area(_pil(image), max_area))
+
+
 def crop_reference(image: torch.Tensor, step: int, max_area: int = 1024 * 1024) -> torch.Tensor:
     """`uint8 [3, H, W]` sized as FLUX.2's pipelines size every reference (and FLUX 3's each of several): above
     `max_area` pixels downscaled to it (Lanczos), then center-cropped to multiples of `step` (one token's pixels)."""
-    if image.shape[1] * image.shape[2] > max_area:
-        image = _tensor(_lanczos_to_area(_pil(image), max_area))
+    image = downscale_to_area(image, max_area)
     height, width = image.shape[1] // step * step, image.shape[2] // step * step
     if not height or not width:
         raise ValueError(f"a {image.shape[2]}x{image.shape[1]} condition image is smaller than one {step}x{step} token")
@@ -111,6 +118,8 @@ def fill_reference(image: torch.Tensor, step: int, max_area: int = 4 * 1024 * 10
     def canvas(height: int, width: int) -> tuple[int, int]:
         return tuple(min(max_side, max(min_side, -(-side // step) * step)) for side in (height, width))
 
+    if min_side * min_side > max_area:  # no canvas would fit: the search below would never end
+        raise ValueError(f"a reference area of {max_area} pixels is below the smallest canvas, {min_side}x{min_side}")
     src_h, src_w = image.shape[1:]
     scale = min(1.0, math.sqrt(max_area / (src_w * src_h)), max_side / max(src_h, src_w))
     while True:

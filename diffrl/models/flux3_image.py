@@ -269,7 +269,8 @@ class Flux3ImageFamily(FamilyAdapter):
         step, latents, ids = self.pixels_per_token, [], []
         for i, image in enumerate(images):
             try:
-                sized = fill_reference(image, step) if len(images) == 1 else crop_reference(image, step)
+                cap = {} if self.condition_image_area is None else {"max_area": self.condition_image_area}
+                sized = fill_reference(image, step, **cap) if len(images) == 1 else crop_reference(image, step, **cap)
             except ValueError as err:
                 raise RequestError("image_path", f"image_path[{i}]: {err}") from None
             latent = encode_reference(self.vae, sized, device=self.device)

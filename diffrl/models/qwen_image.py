@@ -65,7 +65,7 @@ import contextlib
 import functools
 import math
 from collections.abc import Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 
 import numpy as np
@@ -357,6 +357,12 @@ class QwenImageFamily(FamilyAdapter):
             pipeline = QwenImageEditPlusPipeline if self.settings.edit == "edit_plus" else QwenImageEditPipeline
             return self.pipeline_over_components(pipeline, processor=self.processor)
         return self.pipeline_over_components(QwenImagePipeline)
+
+    def set_condition_image_area(self, area: int) -> None:
+        """The reference images' area (`vae_image_area`, the pipelines' 1024²): sources are resized to it, up or down,
+        as the pipelines resize to theirs; what the text encoder sees (Plus: 384²) stays."""
+        super().set_condition_image_area(area)
+        self.settings = replace(self.settings, vae_image_area=int(area))
 
     @contextlib.contextmanager
     def reference_image_areas(self):

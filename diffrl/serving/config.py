@@ -27,6 +27,9 @@ class ServeConfig:
     flow_shift: float | None = None
     """A static schedule shift in place of the model's (as `diffrl train --flow-shift`); default: the --checkpoint
     run's, else the model's own."""
+    condition_image_size: int | None = None
+    """Image-conditioned models: each condition image sized to at most N × N pixels of area (as `diffrl train
+    --condition-image-size`); default: the --checkpoint run's, else the pipeline's own sizing."""
     host: str = "127.0.0.1"
     """Loopback by default; binding elsewhere exposes the engine to the network."""
     port: int = 30000

@@ -21,6 +21,9 @@ from diffrl.rollout.layout import check_batch_invariant
 from diffrl.rollout.settings import RolloutSettings
 from diffrl.utils.size import sample_size, size_flags
 
+# --condition-image-size's least side: FLUX 3's image processor pads a reference to a 64x64 canvas at least.
+MIN_CONDITION_IMAGE_SIZE = 64
+
 # This module imports nothing that imports torch or httpx (tests/test_cli_help.py checks): `diffrl train --help`
 # builds its parser from these dataclasses. The checks that read the rewards' or the models' modules import them
 # where they run (deferred), when a run starts.
@@ -60,6 +63,12 @@ class ModelConfig:
     """Sample and train with this static schedule shift (σ' = s·σ / (1 + (s − 1)·σ)) in place of the checkpoint's own,
     static or resolution-dependent (e.g. Wan's 3.0 at 480p, 5.0 at 720p; diffusers' scheduler `shift` /
     `flow_shift`). None: the checkpoint's. Its checkpoints, served or evaluated, sample with it too."""
+    condition_image_size: int | None = None
+    """Image-conditioned models: each condition image is sized to at most N × N pixels of area (aspect kept) before it
+    is encoded, in place of the pipeline's own cap (Qwen-Image-Edit's 1024², resized to exactly N² as its pipelines
+    resize; FLUX.1 Kontext, FLUX.2 and FLUX 3 editing: downscaled when larger), as Flow-Factory's
+    `condition_image_size` trains on smaller sources than the model samples with. None: the pipeline's sizing. Its
+    checkpoints, served or evaluated, take the same size unless told otherwise."""
     use_lora: bool = True
     """Train a LoRA adapter on the transformer (--no-use-lora: a full finetune of the transformer)."""
     lora_rank: int = 8
@@ -846,6 +855,9 @@ class TrainConfig:
         _require(a.train_timestep_shift > 0, f"--train-timestep-shift must be > 0, got {a.train_timestep_shift}")
         _require(self.model.flow_shift is None or self.model.flow_shift > 0,
                  f"--flow-shift must be > 0, got {self.model.flow_shift}")
+        _require(self.model.condition_image_size is None or self.model.condition_image_size >= MIN_CONDITION_IMAGE_SIZE,
+                 f"--condition-image-size must be at least {MIN_CONDITION_IMAGE_SIZE} pixels, got "
+                 f"{self.model.condition_image_size}")
         _require(a.loss_type in SDE_LOSS_TYPES or a.train_timesteps is not None
                  or int(r.diffusion_num_steps * a.nft_timestep_fraction) >= 1,
                  f"--nft-timestep-fraction {a.nft_timestep_fraction} keeps no timestep of "

@@ -25,7 +25,7 @@ def engine_spec(cfg: TrainConfig, device: torch.device, family: str | None = Non
         model_path=str(m.model_path), family=family or m.diffusion_model_family, device=str(device),
         dtype="bfloat16" if bf16 else "float32", transformer_dtype=None if m.use_lora else "float32",
         autocast_dtype="bfloat16" if bf16 else None, detach_uncond=cfg.algorithm.detach_uncond,
-        flow_shift=m.flow_shift, offload_text_encoder=m.offload_text_encoder,
+        flow_shift=m.flow_shift, condition_image_size=m.condition_image_size, offload_text_encoder=m.offload_text_encoder,
         **dataclasses.asdict(m.speed_options()),
         max_outputs_per_request=max(64, cfg.rollout.rollout_microgroup_size),
         max_batch_outputs=determinism.engine_batch_outputs(cfg.engine.engine_max_batch_outputs, cfg.deterministic_mode),

@@ -117,6 +117,8 @@ class Policy:
         family.detach_uncond = a.detach_uncond  # likewise: rollouts run CFG's halves as the replay does
         if m.flow_shift is not None:  # likewise: the schedule rollouts sample and the trainer replays
             family.set_flow_shift(m.flow_shift)
+        if m.condition_image_size is not None:  # the in-process engine encodes the run's sources with it
+            family.set_condition_image_area(m.condition_image_size ** 2)
         if not m.use_lora and not parallel.enabled:
             transformer.float()  # a full finetune trains fp32 masters (the family may load in bf16)
         if m.gradient_checkpointing:  # active only when gradients are (training)

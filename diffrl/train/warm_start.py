@@ -24,8 +24,9 @@ def warm_start(model_cfg, device: torch.device, dtype: torch.dtype):
         adapter = lora_folder(checkpoint)
         if adapter is None:  # full weights: the model itself
             return load_model(model_cfg.model_path, checkpoint, family=family, device=device, dtype=dtype,
-                              flow_shift=None), None
+                              flow_shift=None, condition_image_size=None), None
         if not model_cfg.use_lora:
             raise ModelLoadError(f"--init-from {model_cfg.init_from} holds a LoRA adapter ({adapter}): it warm-starts "
                                  "a LoRA run (--use-lora); a full finetune starts from full weights")
-    return load_model(model_cfg.model_path, family=family, device=device, dtype=dtype, flow_shift=None), adapter
+    return load_model(model_cfg.model_path, family=family, device=device, dtype=dtype, flow_shift=None,
+                      condition_image_size=None), adapter

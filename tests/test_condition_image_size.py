@@ -1,0 +1,168 @@
+"""`--condition-image-size N`: each condition image sized to at most N² pixels of area before it is encoded, in place
+of the pipeline's own sizing (Flow-Factory's `condition_image_size`), in training, serving and evaluation alike."""
+
+import io
+import json
+
+import numpy as np
+import pytest
+import torch
+from PIL import Image
+from family_checks import random_png, write_conditioned_prompt_set
+
+from diffrl.cli.main import main as cli_main
+from diffrl.engine.engine import Engine, EngineConfig
+from diffrl.engine.protocol import RolloutRequest
+from diffrl.engine.spec import EngineSpec, load_family
+from diffrl.errors import ModelLoadError
+from diffrl.models.checkpoint import load_model
+from diffrl.models.flux1 import Flux1Family
+from diffrl.models.flux2 import Flux2Family
+from diffrl.models.flux3_image import Flux3ImageFamily
+from diffrl.models.qwen_image import QwenImageFamily
+from diffrl.models.random_checkpoints.flux1 import save_random_checkpoint as save_flux1
+from diffrl.models.random_checkpoints.flux2 import save_random_checkpoint as save_flux2, tiny as tiny_flux2
+from diffrl.models.random_checkpoints.flux3_image import save_random_checkpoint as save_flux3
+from diffrl.models.random_checkpoints.qwen_image import save_random_checkpoint as save_qwen
+from diffrl.models.random_checkpoints.wan2_2 import save_random_checkpoint as save_wan
+from diffrl.sampling import make_generators
+from diffrl.serving.config import ServeConfig
+from diffrl.serving.server import engine_spec as serve_spec
+
+TOLERANCE = 1e-5  # fp32 on CPU through two code paths, as the families' own pipeline tests
+HEIGHT, WIDTH = 32, 48
+SOURCE_SIZE = (96, 144)  # (height, width): 13 824 pixels, above every cap below
+
+
+@pytest.fixture(scope="module")
+def kontext_dir(tmp_path_factory):
+    return save_flux1(tmp_path_factory.mktemp("models") / "flux1-kontext-tiny", kontext=True)
+
+
+def generate(family, sources: list[bytes], steps=2) -> torch.Tensor:
+    engine = Engine(family, EngineConfig(max_outputs_per_request=4))
+    outputs = engine.generate(RolloutRequest(prompt="make the cat red", seed=3, num_outputs_per_prompt=2,
+                                             num_inference_steps=steps, guidance_scale=1.0, height=HEIGHT,
+                                             width=WIDTH, image_path=sources))
+    return torch.stack([o.generated_output for o in outputs])
+
+
+def downscaled_png(source: bytes, area: int) -> bytes:
+    """The source downscaled to `area` pixels (Lanczos, aspect kept, sides truncated): what a user resizing the
+    sources beforehand would hand the engine."""
+    pil = Image.open(io.BytesIO(source))
+    scale = (area / (pil.width * pil.height)) ** 0.5
+    buffer = io.BytesIO()
+    pil.resize((int(pil.width * scale), int(pil.height * scale)), Image.Resampling.LANCZOS).save(buffer, "PNG")
+    return buffer.getvalue()
+
+
+def load(model: str, kontext_dir, tmp_path):
+    if model == "kontext":
+        return Flux1Family.load(kontext_dir)
+    if model == "flux2-klein":
+        return Flux2Family.load(save_flux2(tmp_path / "flux2-klein-base-tiny", tiny_flux2("klein")))
+    return Flux3ImageFamily.load(save_flux3(tmp_path / "flux3-image-tiny"))
+
+
+@pytest.mark.parametrize("model", ["kontext", "flux2-klein", "flux3"])
+def test_a_capped_source_samples_as_the_source_downscaled_beforehand(model, kontext_dir, tmp_path):
+    """FLUX.1 Kontext, FLUX.2 and FLUX 3 (several references: each cropped, as FLUX.2's) take a source at its own size
+    up to their pipeline's cap: with the run's cap a large source gives what the same source downscaled to that area
+    gives without it, and not what the full source gives (the check can fail)."""
+    area = 80 * 96  # FLUX.2 refuses a reference under 64 pixels a side: this one keeps 71
+    sources = [random_png(0, SOURCE_SIZE)] + ([random_png(2, (120, 80))] if model == "flux3" else [])
+    plain = load(model, kontext_dir, tmp_path / "a")
+    full = generate(plain, sources)
+    beforehand = generate(plain, [downscaled_png(source, area) for source in sources])
+    capped_family = load(model, kontext_dir, tmp_path / "b")
+    capped_family.set_condition_image_area(area)
+    capped = generate(capped_family, sources)
+    torch.testing.assert_close(capped, beforehand, rtol=0, atol=TOLERANCE)
+    assert (capped - full).abs().max() > 30 * TOLERANCE
+    small = [random_png(1, (64, 72))] * len(sources)  # below the cap: unchanged (a cap, not a target)
+    torch.testing.assert_close(generate(capped_family, small), generate(plain, small), rtol=0, atol=TOLERANCE)
+
+
+def test_a_single_flux3_reference_fills_a_canvas_within_the_cap(tmp_path):
+    """One FLUX 3 reference is kept whole and padded to a canvas of whole tokens (`fill_reference`): the cap bounds
+    that canvas, as the pipeline's own 4 MP cap does."""
+    family = Flux3ImageFamily.load(save_flux3(tmp_path / "flux3-image-tiny"))
+    source = _tensor(random_png(0, SOURCE_SIZE))
+    tokens_full = family.encode_condition_images([source])[0].shape[1]
+    family.set_condition_image_area(64 * 80)
+    tokens = family.encode_condition_images([source])[0].shape[1]
+    assert tokens < tokens_full and tokens * family.pixels_per_token ** 2 <= 64 * 80
+
+
+def test_qwen_image_edit_takes_it_as_its_reference_area_and_equals_its_pipeline_at_that_area(tmp_path):
+    """Qwen-Image-Edit Plus resizes every source to its reference area (1024² in the pipelines; the tiny checkpoint's
+    32²): the run's size replaces that area, up or down, and the engine still equals QwenImageEditPlusPipeline run
+    at that area. What its text encoder sees (the VL area) stays."""
+    family = QwenImageFamily.load(save_qwen(tmp_path / "qwen-image-edit-plus-tiny", edit="QwenImageEditPlusPipeline"))
+    source = random_png(0, (30, 42))
+    before = family.encode_condition_images([_tensor(source)])
+    family.set_condition_image_area(64 * 64)  # up from 32²: the pipelines resize to their area either way
+    after = family.encode_condition_images([_tensor(source)])
+    assert family.settings.vae_image_area == 64 * 64 and family.settings.vl_image_area == 32 * 32
+    assert after.tokens.shape[1] > before.tokens.shape[1] and after.grids != before.grids  # more reference tokens
+    assert [v.size for v in after.vision] == [v.size for v in before.vision]
+    ours = generate(family, [source])
+    noise = family.prepare_latents(make_generators([3, 4]), HEIGHT, WIDTH).tokens
+    with family.reference_image_areas():
+        reference = family.reference_pipeline()(
+            image=[Image.open(io.BytesIO(source))], prompt="make the cat red", latents=noise, num_inference_steps=2,
+            height=HEIGHT, width=WIDTH, num_images_per_prompt=2, output_type="pt").images
+    torch.testing.assert_close(ours, reference, rtol=0, atol=TOLERANCE)
+
+
+def _tensor(png: bytes) -> torch.Tensor:
+    return torch.from_numpy(np.array(Image.open(io.BytesIO(png)).convert("RGB"))).permute(2, 0, 1)
+
+
+def test_families_that_size_their_sources_otherwise_refuse_it_by_name(tiny_family, tmp_path):
+    with pytest.raises(ModelLoadError, match="^--condition-image-size: the demo model takes condition images at its "):
+        tiny_family.set_condition_image_area(256)
+    i2v = load_model(save_wan(tmp_path / "wan-i2v-tiny", image_to_video=True), condition_image_size=None)
+    with pytest.raises(ModelLoadError, match="^--condition-image-size: .* sizes its first frame to the output"):
+        i2v.set_condition_image_area(256)
+    t2v = load_model(save_wan(tmp_path / "wan-t2v-tiny"), condition_image_size=None)
+    with pytest.raises(ModelLoadError, match="^--condition-image-size: .* takes no condition images$"):
+        t2v.set_condition_image_area(256)
+
+
+def test_an_engine_spec_and_a_server_carry_it(kontext_dir):
+    spec = serve_spec(ServeConfig(model_path=kontext_dir, condition_image_size=64, device="cpu"))
+    assert EngineSpec.from_json(spec.to_json()).condition_image_size == 64  # to engine processes
+    assert load_family(spec).condition_image_area == 64 * 64
+    assert load_family(EngineSpec(model_path=str(kontext_dir))).condition_image_area is None
+
+
+def test_a_run_trains_with_it_and_its_checkpoint_samples_with_it(kontext_dir, tmp_path):
+    from test_flux1_kontext import _train
+
+    prompts = write_conditioned_prompt_set(tmp_path / "data", "edits", ("make the cat red", "remove the dog"),
+                                           random_png(0, SOURCE_SIZE), random_png(1, SOURCE_SIZE))
+    run = tmp_path / "run"
+    seen = []
+
+    def reward(images, prompts, metadata):
+        seen.extend(tuple(m["condition_images"][0].shape) for m in metadata)
+        return [float(image.mean()) for image in images]
+
+    records, _ = _train(kontext_dir, prompts, run, "flow_grpo", num_rollout=1, reward_fn=reward,
+                        condition_image_size=64)
+    assert [r for r in records if "train/loss" in r][0]["train/log_prob_mean_abs_diff"] < 1e-4
+    assert set(seen) == {(3, *SOURCE_SIZE)}  # the reward judges against the source as given
+    assert json.loads((run / "config.json").read_text())["flags"]["condition_image_size"] == 64
+    checkpoint = run / "checkpoints" / "rollout-00001"
+    assert load_model(kontext_dir, checkpoint).condition_image_area == 64 * 64  # the run's
+    assert load_model(kontext_dir, checkpoint, condition_image_size=80).condition_image_area == 80 * 80
+    assert load_model(kontext_dir, checkpoint, condition_image_size=None).condition_image_area is None
+
+
+def test_a_size_below_flux3s_smallest_canvas_is_refused_by_name(kontext_dir, tmp_path, capsys):
+    assert cli_main(["train", "--model-path", str(kontext_dir), "--condition-image-size", "48", "--output-dir",
+                     str(tmp_path / "r"), "--device", "cpu"]) == 2
+    assert "--condition-image-size must be at least 64 pixels, got 48" in capsys.readouterr().err
+    assert not (tmp_path / "r").exists()
