@@ -225,9 +225,8 @@ _FLUX1_GRPO = dict(diffusion_model_family="flux1", loss_type="flow_grpo", reward
 # samples in 2 optimizer steps, per-prompt mean and std, no KL, clip 1e-4, advantage clip 5, LoRA r64/α128 on both
 # streams' attention and MLPs (its default targets), bf16 forward, lr 3e-4, AdamW β2 0.999, weight decay 1e-4, grad
 # clip 1, micro-batches of one sample; 384² reference images while training (--condition-image-size; the pipelines'
-# area is 1024²); 40-step evaluations at 1024². Not expressed here: its 1024² references to evaluate (evaluation
-# during the run samples with the training size; `diffrl eval --condition-image-size 1024` re-judges a checkpoint at
-# the pipeline's), its GDPO aggregation (one reward here) and its EMA for evaluation. Microgroups of 16, gradient
+# area is 1024²); 40-step evaluations at 1024² with 1024² references. Not expressed here: its GDPO aggregation (one
+# reward here) and its EMA for evaluation. Microgroups of 16, gradient
 # checkpointing and the intervals are ours, and so is the engine's bound of one microgroup per batch (two in flight,
 # so that one is scored while the next denoises): with 1024² references one batch of 16 (32 rows with CFG, 4.7 k
 # tokens each) peaked at 69.9 GiB on an 80 GB H100 (BENCHMARKS.md), where the default bound would batch four.
@@ -236,13 +235,13 @@ _QWEN_EDIT_GRPO = dict(_QWEN_GRPO, resolution=384, diffusion_noise_level=1.0, di
                        diffusion_kl_beta=0.0, rollout_batch_size=48, n_samples_per_prompt=16,
                        rollout_microgroup_size=16, global_batch_size=384, micro_batch_size=1, grad_clip=1.0,
                        eval_num_steps=40, eval_resolution=1024, num_rollout=300, eval_interval=30,
-                       checkpoint_interval=30, condition_image_size=384, engine_concurrency=2,
+                       checkpoint_interval=30, condition_image_size=384, eval_condition_image_size=1024,
+                       engine_concurrency=2,
                        engine_max_batch_outputs=16, condition_images="required")
 
 # Flow-GRPO on FLUX.1 Kontext (instruction editing; --prompt-data rows name each edit's source under `image`) with
 # PickScore: X-GenGroup/Flow-Factory's examples/grpo/lora/flux1_kontext/default.yaml: 384² outputs from sources of at
-# most 384² of area (--condition-image-size; 512² there to evaluate, the training size here), 10 steps without true
-# CFG, SDE at noise 0.9 on one step drawn per rollout from steps 1-3, 48 prompts × 16 samples in 2 optimizer steps, per-prompt
+# most 384² of area (--condition-image-size; 512² to evaluate), 10 steps without true CFG, SDE at noise 0.9 on one step drawn per rollout from steps 1-3, 48 prompts × 16 samples in 2 optimizer steps, per-prompt
 # mean and std, no KL, clip 1e-4, advantage clip 5, LoRA r64/α128, bf16 forward, lr 3e-4, AdamW β2 0.999, weight
 # decay 1e-4, grad clip 1, micro-batches of one sample; 20-step evaluations at 512². Not expressed here: its embedded
 # guidance 2.5 (a checkpoint setting here: `"diffrl": {"guidance": 2.5}` in model_index.json; 3.5 otherwise) and its
@@ -257,7 +256,7 @@ _FLUX1_KONTEXT_GRPO = dict(diffusion_model_family="flux1", loss_type="flow_grpo"
                            micro_batch_size=1, lr=3e-4, adam_beta2=0.999, weight_decay=1e-4, grad_clip=1.0,
                            mixed_precision="bf16", gradient_checkpointing=True, num_rollout=300, eval_interval=30,
                            checkpoint_interval=30, eval_images_per_category=0, condition_image_size=384,
-                           condition_images="required")
+                           eval_condition_image_size=512, condition_images="required")
 
 # Flow-GRPO on Z-Image with PickScore: X-GenGroup/Flow-Factory's examples/grpo/lora/z_image/default.yaml: 512², 10
 # steps with CFG g = 4 in Z-Image's form (our scale s = g + 1 = 5), SDE at noise 0.7 on one step drawn per rollout
@@ -312,11 +311,11 @@ _FLUX2_DEV_GRPO = dict(_FLUX2_KLEIN_GRPO, resolution=512, diffusion_num_steps=8,
 # Flow-GRPO editing on FLUX.2 [dev] (--prompt-data rows name each edit's references under `image`/`images`):
 # examples/grpo/lora/flux2/i2i.yaml: 384² outputs, 10 steps (28 to evaluate) with the embedded guidance 4, PickScore
 # alone; everything else as the t2i recipe above; its sources sized to at most 384² of area (--condition-image-size;
-# the pipeline's cap is 1024²). Not expressed here: its 512² sources to evaluate (evaluation during the run samples
-# with the training size; `diffrl eval --condition-image-size 512` re-judges a checkpoint at that one).
+# the pipeline's cap is 1024²), 512² to evaluate.
 # Flow-Factory has no FLUX.2 [klein] editing example: the klein recipes apply to an editing prompt set as they are.
 _FLUX2_DEV_EDIT_GRPO = dict(_FLUX2_DEV_GRPO, resolution=384, diffusion_num_steps=10, eval_num_steps=28,
-                            eval_resolution=512, condition_image_size=384, condition_images="required")
+                            eval_resolution=512, condition_image_size=384, eval_condition_image_size=512,
+                            condition_images="required")
 # DiffusionNFT on FLUX.2 [klein] base with PickScore (examples/nft/lora/flux2_klein_base/default.yaml): 384², 8-step
 # ODE rollouts with CFG 4 under the EMA old policy (ramp 0.001 up to 0.5, no flat rollouts), NFT β 0.1, advantage
 # clip 5, 48 prompts × 16 samples in one optimizer step, LoRA r64/α128, lr 1e-4, AdamW β2 0.999, weight decay 1e-4,

@@ -104,7 +104,7 @@ def test_qwen_image_edit_takes_it_as_its_reference_area_and_equals_its_pipeline_
     before = family.encode_condition_images([_tensor(source)])
     family.set_condition_image_area(64 * 64)  # up from 32²: the pipelines resize to their area either way
     after = family.encode_condition_images([_tensor(source)])
-    assert family.settings.vae_image_area == 64 * 64 and family.settings.vl_image_area == 32 * 32
+    assert family.reference_area == 64 * 64 and family.settings.vl_image_area == 32 * 32
     assert after.tokens.shape[1] > before.tokens.shape[1] and after.grids != before.grids  # more reference tokens
     assert [v.size for v in after.vision] == [v.size for v in before.vision]
     ours = generate(family, [source])
@@ -166,3 +166,40 @@ def test_a_size_below_flux3s_smallest_canvas_is_refused_by_name(kontext_dir, tmp
                      str(tmp_path / "r"), "--device", "cpu"]) == 2
     assert "--condition-image-size must be at least 64 pixels, got 48" in capsys.readouterr().err
     assert not (tmp_path / "r").exists()
+
+
+def test_the_held_out_evaluation_sizes_its_sources_apart_from_the_rollouts(kontext_dir, tmp_path):
+    """--eval-condition-image-size: the run's evaluation encodes its sources at that size, its rollouts at
+    --condition-image-size, and the family keeps the rollouts' size after evaluating."""
+    from test_flux1_kontext import HEIGHT as H, WIDTH as W
+
+    from diffrl.train.config import TrainConfig
+    from diffrl.train.trainer import Trainer
+
+    prompts = write_conditioned_prompt_set(tmp_path / "data", "edits", ("make the cat red", "remove the dog"),
+                                           random_png(0, SOURCE_SIZE), random_png(1, SOURCE_SIZE))
+    cfg = TrainConfig.flat(
+        output_dir=tmp_path / "run", model_path=kontext_dir, prompt_data=prompts, eval_prompt_data=prompts,
+        loss_type="nft", num_rollout=1, rollout_batch_size=2, n_samples_per_prompt=2, rollout_microgroup_size=2,
+        global_batch_size=4, num_steps_per_rollout=1, micro_batch_size=4, diffusion_num_steps=2, height=H, width=W,
+        diffusion_guidance_scale=1.0, device="cpu", lora_rank=2, reward="jpeg_compressibility", eval_interval=1,
+        eval_num_prompts=2, eval_images_per_category=0, condition_image_size=64, eval_condition_image_size=80)
+    trainer = Trainer(cfg)
+    family, areas = trainer.engine.family, []
+    encode = family.encode_condition_images
+
+    def spy(images):
+        areas.append(family.condition_image_area)
+        return encode(images)
+
+    family.encode_condition_images = spy
+    trainer.train()
+    assert areas[0] == 80 * 80 and 64 * 64 in areas and areas[-1] == 80 * 80  # evaluations first and last
+    assert family.condition_image_area == 64 * 64
+
+
+def test_an_evaluation_size_on_a_family_without_condition_images_is_refused_at_start(tiny_model_dir, tmp_path,
+                                                                                     capsys):
+    assert cli_main(["train", "--model-path", str(tiny_model_dir), "--eval-condition-image-size", "128",
+                     "--output-dir", str(tmp_path / "r"), "--device", "cpu", "--num-rollout", "1"]) == 2
+    assert "--condition-image-size: the demo model takes condition images at its own size" in capsys.readouterr().err

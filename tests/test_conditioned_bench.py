@@ -20,7 +20,8 @@ TINY = {
     "flux1-kontext-grpo-pickscore": (["--height", "32", "--width", "48"], "FluxKontextPipeline",
                                      {"diffusion_num_steps": 4, "n_samples_per_prompt": 2}),
     "qwen-image-edit-grpo-pickscore": (["--height", "32", "--width", "48"], "QwenImageEditPlusPipeline",
-                                       {"diffusion_num_steps": 4, "n_samples_per_prompt": 2}),
+                                       {"diffusion_num_steps": 4, "n_samples_per_prompt": 2,
+                                        "condition_image_size": 64}),  # the recipe's 384² references: 576 tokens
     "flux2-dev-edit-grpo-pickscore": (["--height", "64", "--width", "64"], "Flux2Pipeline",
                                       {"diffusion_num_steps": 4, "n_samples_per_prompt": 2}),
     # The family's own checkpoints: LTX-2.3's does image to video on rows with a first frame, FLUX 3 Klein's edits.

@@ -299,6 +299,7 @@ def test_kontext_recipe_is_flow_factorys_setting(kontext_dir, tmp_path):
     assert (m.diffusion_model_family, cfg.algorithm.loss_type, m.size()) == ("flux1", "flow_grpo", (384, 384))
     assert (r.diffusion_num_steps, r.diffusion_noise_level, r.diffusion_sde_window_range) == (10, 0.9, (1, 4))
     assert (r.rollout_batch_size, r.n_samples_per_prompt, o.num_steps_per_rollout, o.lr) == (48, 16, 2, 3e-4)
+    assert (m.condition_image_size, cfg.eval.eval_condition_image_size) == (384, 512)
     validate_config(cfg)
 
 

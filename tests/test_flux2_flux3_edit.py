@@ -245,3 +245,4 @@ def test_flux2_dev_edit_recipe_is_flow_factorys_i2i_setting(tmp_path):
     assert (m.diffusion_model_family, cfg.algorithm.loss_type, m.size()) == ("flux2", "flow_grpo", (384, 384))
     assert (r.diffusion_num_steps, r.diffusion_noise_level, r.diffusion_sde_window_range) == (10, 1.0, (1, 4))
     assert (r.rollout_batch_size, r.n_samples_per_prompt, o.num_steps_per_rollout, o.lr) == (48, 16, 2, 3e-4)
+    assert (m.condition_image_size, cfg.eval.eval_condition_image_size) == (384, 512)

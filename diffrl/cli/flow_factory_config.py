@@ -377,14 +377,10 @@ def translate_file(path: str | Path) -> Translation:
             add(key, "--diffusion-adv-clip-max", str(bound))
         elif key == "train.resolution":
             add(key, *_size(value, ("--resolution", "--height", "--width")))
-        elif key == "train.condition_image_size":
+        elif key in ("train.condition_image_size", "eval.condition_image_size"):
             side, exact = _condition_side(value)
-            add(key, "--condition-image-size", str(side),
-                note=None if exact else f"--condition-image-size {side} (the side of the area {value} holds)")
-        elif key == "eval.condition_image_size":
-            same = _condition_side(value) == _condition_side(flat.get("train.condition_image_size") or value)
-            add(key, note="the same as training" if same else "diffrl's evaluation during a run samples with the "
-                "training size; re-judge a checkpoint at this one with `diffrl eval --condition-image-size N`")
+            flag = "--condition-image-size" if key.startswith("train.") else "--eval-condition-image-size"
+            add(key, flag, str(side), note=None if exact else f"{flag} {side} (the side of the area {value} holds)")
         elif key == "train.global_std":
             add(key, "--globalize-reward-std" if value else "--no-globalize-reward-std")
         elif key == "train.adam_betas":

@@ -344,12 +344,31 @@ class FamilyAdapter(ABC):
         of the pipeline's own cap: `--condition-image-size`, as Flow-Factory's `condition_image_size` trains editing
         models on smaller sources than they sample with. Families that size a source themselves read
         `condition_image_area`; the others refuse here."""
+        self.check_condition_image_area()
+        self.condition_image_area = int(area)
+
+    @contextlib.contextmanager
+    def condition_images_sized(self, area: int | None):
+        """Within it, condition images are sized to at most `area` pixels (`set_condition_image_area`); None changes
+        nothing. A run's held-out evaluation at another size than its rollouts (`--eval-condition-image-size`)."""
+        if area is None:
+            yield
+            return
+        self.check_condition_image_area()
+        saved, self.condition_image_area = self.condition_image_area, int(area)
+        try:
+            yield
+        finally:
+            self.condition_image_area = saved
+
+    def check_condition_image_area(self) -> None:
+        """Refuse a cap on the condition images' area where the family sizes them otherwise (one line, naming the
+        flag)."""
         if not self.accepts_image_conditioning:
             raise ModelLoadError(f"--condition-image-size: {self.display_name or self.name} takes no condition images")
         if self.condition_images_need_size:
             raise ModelLoadError(f"--condition-image-size: {self.display_name or self.name} sizes its first frame to the "
                                  "output (--height/--width), not by area")
-        self.condition_image_area = int(area)
 
     def set_flow_shift(self, shift: float) -> None:
         """Sample and train with the static flow shift `shift` in place of the checkpoint's schedule shift (static or

@@ -307,7 +307,7 @@ class DemoFamily(FamilyAdapter):
         noise = randn_per_sample((len(generators), 3, height, width), generators, device=self.device)
         return Latents(patchify(noise, self.config.patch_size), self.prepare_ids())
 
-    def set_condition_image_area(self, area: int) -> None:
+    def check_condition_image_area(self) -> None:
         raise ModelLoadError("--condition-image-size: the demo model takes condition images at its own size "
                              f"({self.config.width}x{self.config.height})")
 

@@ -65,7 +65,7 @@ import contextlib
 import functools
 import math
 from collections.abc import Sequence
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import numpy as np
@@ -358,11 +358,12 @@ class QwenImageFamily(FamilyAdapter):
             return self.pipeline_over_components(pipeline, processor=self.processor)
         return self.pipeline_over_components(QwenImagePipeline)
 
-    def set_condition_image_area(self, area: int) -> None:
-        """The reference images' area (`vae_image_area`, the pipelines' 1024²): sources are resized to it, up or down,
-        as the pipelines resize to theirs; what the text encoder sees (Plus: 384²) stays."""
-        super().set_condition_image_area(area)
-        self.settings = replace(self.settings, vae_image_area=int(area))
+    @property
+    def reference_area(self) -> int:
+        """The reference images' area: a run's `condition_image_area` (--condition-image-size) in place of
+        `vae_image_area` (the pipelines' 1024²); sources are resized to it, up or down, as the pipelines resize to
+        theirs. What the text encoder sees (Plus: `vl_image_area`) stays."""
+        return self.condition_image_area or self.settings.vae_image_area
 
     @contextlib.contextmanager
     def reference_image_areas(self):
@@ -371,7 +372,7 @@ class QwenImageFamily(FamilyAdapter):
         from diffusers.pipelines.qwenimage import pipeline_qwenimage_edit as edit
         from diffusers.pipelines.qwenimage import pipeline_qwenimage_edit_plus as plus
 
-        vae_area, vl_area = self.settings.vae_image_area, self.settings.vl_image_area
+        vae_area, vl_area = self.reference_area, self.settings.vl_image_area
         saved = edit.calculate_dimensions, plus.CONDITION_IMAGE_SIZE, plus.VAE_IMAGE_SIZE, plus.calculate_dimensions
 
         def edit_dimensions(area, ratio):  # Edit's call passes 1024²; Plus's module function is patched below
@@ -445,7 +446,7 @@ class QwenImageFamily(FamilyAdapter):
         std = torch.tensor(config.latents_std).view(1, -1, 1, 1, 1)
         for image in images:
             pil = Image.fromarray(image.permute(1, 2, 0).numpy())
-            width, height = calculate_dimensions(self.settings.vae_image_area, pil.width / pil.height)
+            width, height = calculate_dimensions(self.reference_area, pil.width / pil.height)
             if not width or not height:
                 raise RequestError("image_path", f"a condition image of {pil.width}x{pil.height} pixels is too narrow "
                                                  "for Qwen-Image-Edit's resize (a side rounds to 0)")

@@ -621,6 +621,10 @@ class EvalConfig:
     """Width of the held-out samples, with --eval-height."""
     eval_num_frames: int | None = None
     """Frames of each held-out video (video families); None: the rollouts' --num-frames."""
+    eval_condition_image_size: int | None = None
+    """Image-conditioned models: the held-out evaluation's condition images sized to at most N × N pixels of area (as
+    --condition-image-size, which rollouts use); None: the rollouts' sizing. (Flow-Factory's editing examples train on
+    384² sources and evaluate on 512² or 1024² ones.)"""
     eval_log_images: int = 8
     """Evaluation images logged to TensorBoard at each evaluation."""
     eval_before_train: bool = True
@@ -634,6 +638,9 @@ class EvalConfig:
                  f"--eval-guidance-scale must be >= 0, got {self.eval_guidance_scale}")
         _require(self.eval_guidance_scale_2 is None or self.eval_guidance_scale_2 >= 0,
                  f"--eval-guidance-scale-2 must be >= 0, got {self.eval_guidance_scale_2}")
+        _require(self.eval_condition_image_size is None or self.eval_condition_image_size >= MIN_CONDITION_IMAGE_SIZE,
+                 f"--eval-condition-image-size must be at least {MIN_CONDITION_IMAGE_SIZE} pixels, got "
+                 f"{self.eval_condition_image_size}")
         _require(self.eval_images_per_category >= 0, f"--eval-images-per-category must be >= 0 (0: no held-out "
                                                      f"evaluation), got {self.eval_images_per_category}")
         _require(self.val_images_per_category >= 0 and self.val_prompts_per_category >= 1,

@@ -119,6 +119,8 @@ class Policy:
             family.set_flow_shift(m.flow_shift)
         if m.condition_image_size is not None:  # the in-process engine encodes the run's sources with it
             family.set_condition_image_area(m.condition_image_size ** 2)
+        if cfg.eval.eval_condition_image_size is not None:  # refused now, not at the first evaluation
+            family.check_condition_image_area()
         if not m.use_lora and not parallel.enabled:
             transformer.float()  # a full finetune trains fp32 masters (the family may load in bf16)
         if m.gradient_checkpointing:  # active only when gradients are (training)

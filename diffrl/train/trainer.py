@@ -560,10 +560,13 @@ class Trainer:
         """The task's evaluation of the weights evaluation uses (the --use-ema EMA, else the current ones)."""
         if self.engine is None or not self.task.evaluates:  # replaying records samples nothing; or no task eval
             return {}
+        size = self.cfg.eval.eval_condition_image_size
         with self.policy.engine_weights(self.policy.eval_ema):
             if not self.parallel.is_main:
                 return {}
-            outcome = self.task.evaluate(self.engine.family, k, self.out / "eval")
+            family = self.engine.family
+            with family.condition_images_sized(None if size is None else size * size):
+                outcome = self.task.evaluate(family, k, self.out / "eval")
         if outcome.images is not None and len(outcome.images):
             self.metrics.log_images("eval/images", outcome.images, k, outcome.captions)
         return outcome.metrics
