@@ -389,8 +389,11 @@ SIZED: dict[str, dict[str, dict]] = {
     # compiled"). The first rollout pays the compilation (about a minute). NFT on a GPU also trains without
     # checkpointing: compiled it peaks at 73.1 GiB, inside an 80 GB card, at 6.05 s per sample on one H100 (53.6% MFU
     # end to end) against 7.11 s checkpointed; eager it would need 103.8 GiB, so --no-compile on an 80 GB card needs
-    # --gradient-checkpointing back.
-    "flux3-klein-nft-pickscore": {"gpu": dict(_FLUX3_NFT, compile=True, gradient_checkpointing=False),
+    # --gradient-checkpointing back. That peak held the random checkpoint's 8-layer text encoder (0.43 B); a real one
+    # (Qwen3-VL-4B, 4.4 B) adds about 7.5 GiB, past an 80 GB card, so on a GPU it stays in host memory between encodes
+    # (--offload-text-encoder: one pinned copy in per prompt's batch, nothing back; its cost is not measured yet).
+    "flux3-klein-nft-pickscore": {"gpu": dict(_FLUX3_NFT, compile=True, gradient_checkpointing=False,
+                                              offload_text_encoder=True),
                                   "cpu": _FLUX3_NFT},
     # FLUX 3 Image Klein's own editing mode (its transformer's reference images): the family's NFT recipe above on a
     # prompt set whose rows name their sources (`image`/`images`); no peer publishes FLUX 3 editing settings. The
@@ -419,10 +422,13 @@ SIZED: dict[str, dict[str, dict]] = {
     # compiled blocks: 8.25 s per sample on one H200 against 29.2 s with the published microgroup 1 and micro-batch
     # 1, eager. The same samples (seeds fix them) and the same gradient (micro-batches are weighted by their
     # share of the step) up to batch-dependent rounding; first-pass |Δ log p| 6.7e-7 (BENCHMARKS.md, as above).
-    "ltx23-grpo-pickscore": {"gpu": dict(_LTX23_GRPO, rollout_microgroup_size=8, micro_batch_size=4, compile=True),
+    # Its 63.8 GiB peak there held a 2-layer text encoder (0.45 B); LTX-2.3's real Gemma 3 12B adds about 22 GiB, so
+    # on a GPU it stays in host memory between encodes (--offload-text-encoder; not measured yet), as in the I2V one.
+    "ltx23-grpo-pickscore": {"gpu": dict(_LTX23_GRPO, rollout_microgroup_size=8, micro_batch_size=4, compile=True,
+                                         offload_text_encoder=True),
                              "cpu": _LTX23_GRPO},
     "wan22-i2v-grpo-pickscore": {"gpu": _WAN22_I2V_GRPO, "cpu": _WAN22_I2V_GRPO},
-    "ltx23-i2v-grpo-pickscore": {"gpu": _LTX23_I2V_GRPO, "cpu": _LTX23_I2V_GRPO},
+    "ltx23-i2v-grpo-pickscore": {"gpu": dict(_LTX23_I2V_GRPO, offload_text_encoder=True), "cpu": _LTX23_I2V_GRPO},
     # On a GPU micro-batches of 16 pairs (one prompt's rows batched): 0.78 s per sample against 2.32 at micro-batch 1.
     "cosmos3-grpo": {"gpu": dict(_COSMOS3_GRPO, micro_batch_size=16), "cpu": _COSMOS3_GRPO},
     "shapes-nft": {

@@ -80,6 +80,7 @@ from diffrl.models.components import (
 from diffrl.models.families import register_family, registered_families
 from diffrl.models.weights import load_weights
 from diffrl.utils.compile_settings import compile_settings
+from diffrl.utils.offload import FrozenOffload
 
 # What family modules import from here (`ModelLoadError`, `Component` and `read_json` are re-exported).
 __all__ = ["Component", "FamilyAdapter", "Latents", "ModelLoadError", "PromptEmbeds", "read_json", "register_family",
@@ -511,34 +512,33 @@ class FamilyAdapter(ABC):
         return next(self.transformer.parameters()).device
 
     # ---------------------------------------------------------------- text encoders off the GPU
-    # With `offload_text_encoders` (`--offload-text-encoder`) the text encoders live on the CPU and visit
-    # the transformer's device only while prompts are encoded: their memory (Qwen-Image's is 7 B
-    # parameters) is free for rollouts and training, at the cost of one copy each way per encode block.
+    # With `offload_text_encoders` (`--offload-text-encoder`) the text encoders live in (pinned) host memory and visit
+    # the transformer's device only while prompts are encoded: their memory (Qwen-Image's is 8 B parameters) is free
+    # for rollouts and training, at the cost of one copy in per encode block (frozen: nothing is copied back).
     offload_text_encoders: bool = False
+    _text_encoder_offload = None
 
     def text_encoder_modules(self) -> list[torch.nn.Module]:
         encoders = getattr(self, "text_encoders", None) or [getattr(self, "text_encoder", None)]
         return [m for m in encoders if m is not None]
 
     def offload_text_encoders_to_cpu(self) -> None:
+        if self._text_encoder_offload is None:
+            self._text_encoder_offload = FrozenOffload(self.text_encoder_modules())
         self.offload_text_encoders = True
-        for module in self.text_encoder_modules():
-            module.to("cpu")
 
     @contextlib.contextmanager
     def text_encoders_on_device(self):
         """Inside the block the text encoders are on the compute device (a no-op without offload)."""
-        if not self.offload_text_encoders:
-            yield
+        offload = self._text_encoder_offload
+        if not self.offload_text_encoders or offload is None or offload.visiting is not None:
+            yield  # not offloaded, or already visiting (an encode inside an encode block)
             return
-        device, modules = self.device, self.text_encoder_modules()
-        for module in modules:
-            module.to(device)
+        offload.visit(self.device)
         try:
             yield
         finally:
-            for module in modules:
-                module.to("cpu")
+            offload.leave()
 
     def compile(self, *, mode: str | None = None, eager_numerics: bool = True, dynamic: bool = False) -> int:
         """`--compile`: compile what the family's forward runs, regionally (`models/compile.py`; `dynamic`: symbolic

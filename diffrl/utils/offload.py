@@ -116,6 +116,46 @@ class ModuleOffload:
         return sum(t.numel() * t.element_size() for t in moved)
 
 
+class FrozenOffload:
+    """Modules whose weights never change (a frozen text encoder) kept in host memory (pinned where a GPU is) and
+    visiting a device: `visit` copies them in, `leave` drops the device copies without copying anything back, since
+    the host copy is still exactly theirs. One copy per visit, none per leave: half of `ModuleOffload`'s traffic, and
+    from pinned memory (an 8 GiB encoder visits in well under a second on PCIe 4)."""
+
+    def __init__(self, modules: Iterable[torch.nn.Module]):
+        found: dict[int, torch.Tensor] = {}
+        for module in modules:
+            for tensor in (*module.parameters(), *module.buffers()):
+                found.setdefault(id(tensor), tensor)
+        self._tensors = list(found.values())
+        pin = torch.cuda.is_available()
+        with torch.no_grad():
+            for tensor in self._tensors:
+                if tensor.device.type != "cpu" or (pin and not tensor.data.is_pinned()):
+                    tensor.data = tensor.data.to("cpu").pin_memory() if pin else tensor.data.to("cpu")
+        self._host = [tensor.data for tensor in self._tensors]
+        self.visiting: torch.device | None = None
+
+    @staticmethod
+    def to_device(host: torch.Tensor, device: torch.device) -> torch.Tensor:
+        return host.to(device, non_blocking=True)  # later work on the device's stream runs after the copy
+
+    @torch.no_grad()
+    def visit(self, device: torch.device | str) -> None:
+        device = torch.device(device)
+        for tensor, host in zip(self._tensors, self._host, strict=True):
+            tensor.data = self.to_device(host, device)
+        self.visiting = device
+
+    @torch.no_grad()
+    def leave(self) -> None:
+        """Back to the host copies; the device copies go to the allocator's cache, which reuses their blocks only
+        after the work queued on them (stream-ordered), so nothing waits here."""
+        for tensor, host in zip(self._tensors, self._host, strict=True):
+            tensor.data = host
+        self.visiting = None
+
+
 class OptimizerOffload:
     """An optimizer's state tensors (Adam's moments and step counts) moved to host memory and back. `offload`
     keeps no reference to the device tensors and returns once the host copies are complete; their memory
