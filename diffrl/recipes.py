@@ -225,9 +225,9 @@ _FLUX1_GRPO = dict(diffusion_model_family="flux1", loss_type="flow_grpo", reward
 # samples in 2 optimizer steps, per-prompt mean and std, no KL, clip 1e-4, advantage clip 5, LoRA r64/α128 on both
 # streams' attention and MLPs (its default targets), bf16 forward, lr 3e-4, AdamW β2 0.999, weight decay 1e-4, grad
 # clip 1, micro-batches of one sample; 384² reference images while training (--condition-image-size; the pipelines'
-# area is 1024²); 40-step evaluations at 1024² with 1024² references. Not expressed here: its GDPO aggregation (one
-# reward here) and its EMA for evaluation. Microgroups of 16, gradient
-# checkpointing and the intervals are ours, and so is the engine's bound of one microgroup per batch (two in flight,
+# area is 1024²); 40-step evaluations at 1024² with 1024² references, one image at a time. Not expressed here: its
+# GDPO aggregation (one reward here) and its EMA for evaluation. Microgroups of 16, gradient checkpointing and the
+# intervals are ours, and so is the engine's bound of one microgroup per batch (two in flight,
 # so that one is scored while the next denoises): with 1024² references one batch of 16 (32 rows with CFG, 4.7 k
 # tokens each) peaked at 69.9 GiB on an 80 GB H100 (BENCHMARKS.md), where the default bound would batch four.
 _QWEN_EDIT_GRPO = dict(_QWEN_GRPO, resolution=384, diffusion_noise_level=1.0, diffusion_sde_window_range=(1, 4),
@@ -236,16 +236,17 @@ _QWEN_EDIT_GRPO = dict(_QWEN_GRPO, resolution=384, diffusion_noise_level=1.0, di
                        rollout_microgroup_size=16, global_batch_size=384, micro_batch_size=1, grad_clip=1.0,
                        eval_num_steps=40, eval_resolution=1024, num_rollout=300, eval_interval=30,
                        checkpoint_interval=30, condition_image_size=384, eval_condition_image_size=1024,
-                       engine_concurrency=2,
+                       eval_batch_size=1, engine_concurrency=2,
                        engine_max_batch_outputs=16, condition_images="required")
 
 # Flow-GRPO on FLUX.1 Kontext (instruction editing; --prompt-data rows name each edit's source under `image`) with
 # PickScore: X-GenGroup/Flow-Factory's examples/grpo/lora/flux1_kontext/default.yaml: 384² outputs from sources of at
-# most 384² of area (--condition-image-size; 512² to evaluate), 10 steps without true CFG, SDE at noise 0.9 on one step drawn per rollout from steps 1-3, 48 prompts × 16 samples in 2 optimizer steps, per-prompt
-# mean and std, no KL, clip 1e-4, advantage clip 5, LoRA r64/α128, bf16 forward, lr 3e-4, AdamW β2 0.999, weight
-# decay 1e-4, grad clip 1, micro-batches of one sample; 20-step evaluations at 512². Not expressed here: its embedded
-# guidance 2.5 (a checkpoint setting here: `"diffrl": {"guidance": 2.5}` in model_index.json; 3.5 otherwise) and its
-# EMA for evaluation. Microgroups of 16, gradient checkpointing and the intervals are ours.
+# most 384² of area (--condition-image-size; 512² to evaluate), 10 steps without true CFG, SDE at noise 0.9 on one
+# step drawn per rollout from steps 1-3, 48 prompts × 16 samples in 2 optimizer steps, per-prompt mean and std, no KL,
+# clip 1e-4, advantage clip 5, LoRA r64/α128, bf16 forward, lr 3e-4, AdamW β2 0.999, weight decay 1e-4, grad clip 1,
+# micro-batches of one sample; 20-step evaluations at 512². Not expressed here: its embedded guidance 2.5 (a
+# checkpoint setting here: `"diffrl": {"guidance": 2.5}` in model_index.json; 3.5 otherwise) and its EMA for
+# evaluation. Microgroups of 16, gradient checkpointing and the intervals are ours.
 _FLUX1_KONTEXT_GRPO = dict(diffusion_model_family="flux1", loss_type="flow_grpo", reward="pickscore", resolution=384,
                            use_lora=True, lora_rank=64, lora_alpha=128.0, diffusion_num_steps=10, eval_num_steps=20,
                            eval_resolution=512,

@@ -168,9 +168,11 @@ def test_a_size_below_flux3s_smallest_canvas_is_refused_by_name(kontext_dir, tmp
     assert not (tmp_path / "r").exists()
 
 
-def test_the_held_out_evaluation_sizes_its_sources_apart_from_the_rollouts(kontext_dir, tmp_path):
+def test_the_held_out_evaluation_sizes_its_sources_apart_from_the_rollouts(kontext_dir, tmp_path, monkeypatch):
     """--eval-condition-image-size: the run's evaluation encodes its sources at that size, its rollouts at
-    --condition-image-size, and the family keeps the rollouts' size after evaluating."""
+    --condition-image-size, and the family keeps the rollouts' size after evaluating. --eval-batch-size 1 denoises
+    the held-out samples one at a time (Qwen-Image-Edit's recipe, for 1024² outputs from 1024² references)."""
+    from diffrl.evaluation import sampling
     from test_flux1_kontext import HEIGHT as H, WIDTH as W
 
     from diffrl.train.config import TrainConfig
@@ -183,7 +185,11 @@ def test_the_held_out_evaluation_sizes_its_sources_apart_from_the_rollouts(konte
         loss_type="nft", num_rollout=1, rollout_batch_size=2, n_samples_per_prompt=2, rollout_microgroup_size=2,
         global_batch_size=4, num_steps_per_rollout=1, micro_batch_size=4, diffusion_num_steps=2, height=H, width=W,
         diffusion_guidance_scale=1.0, device="cpu", lora_rank=2, reward="jpeg_compressibility", eval_interval=1,
-        eval_num_prompts=2, eval_images_per_category=0, condition_image_size=64, eval_condition_image_size=80)
+        eval_num_prompts=2, eval_images_per_category=0, condition_image_size=64, eval_condition_image_size=80,
+        eval_batch_size=1)
+    batches, build_engine = [], sampling.build_engine
+    monkeypatch.setattr(sampling, "build_engine", lambda spec, **kw: (batches.append(spec.max_batch_outputs),
+                                                                      build_engine(spec, **kw))[1])
     trainer = Trainer(cfg)
     family, areas = trainer.engine.family, []
     encode = family.encode_condition_images
@@ -196,6 +202,7 @@ def test_the_held_out_evaluation_sizes_its_sources_apart_from_the_rollouts(konte
     trainer.train()
     assert areas[0] == 80 * 80 and 64 * 64 in areas and areas[-1] == 80 * 80  # evaluations first and last
     assert family.condition_image_area == 64 * 64
+    assert batches == [1] * 4  # two evaluations of two held-out samples, one at a time
 
 
 def test_an_evaluation_size_on_a_family_without_condition_images_is_refused_at_start(tiny_model_dir, tmp_path,

@@ -245,11 +245,14 @@ def test_an_ltx2_audio_video_files_guidance_keys_are_what_diffrl_samples_or_refu
                                                       ("[512, 288]", 384, True), ("[300, 200]", 245, False)])
 def test_an_editing_files_condition_image_sizes_are_the_sides_of_their_areas(tmp_path, train, side, exact):
     path = tmp_path / "edit.yaml"
-    path.write_text(f"train:\n  condition_image_size: {train}\neval:\n  condition_image_size: [1024, 1024]\n")
+    path.write_text(f"train:\n  condition_image_size: {train}\neval:\n  condition_image_size: [1024, 1024]\n"
+                    "  per_device_batch_size: 1\n")
     out = translate_file(path)
-    assert out.args == ["--condition-image-size", str(side), "--eval-condition-image-size", "1024"]
+    assert out.args == ["--condition-image-size", str(side), "--eval-condition-image-size", "1024",
+                        "--eval-batch-size", "1"]
     assert any(n.startswith("train.condition_image_size") and (n.endswith(f"→ --condition-image-size {side}")
                                                                if exact else "the side of the area" in n)
                for n in out.notes)
     cfg = parse(["train", "--flow-factory-config", str(path), "--reward", "jpeg_compressibility"])
-    assert (cfg.model.condition_image_size, cfg.eval.eval_condition_image_size) == (side, 1024)
+    assert (cfg.model.condition_image_size, cfg.eval.eval_condition_image_size, cfg.eval.eval_batch_size) == (
+        side, 1024, 1)

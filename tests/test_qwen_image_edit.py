@@ -192,6 +192,7 @@ def test_qwen_image_edit_recipe_is_flow_factorys_setting(plus_dir, tmp_path):
     assert (r.diffusion_sde_window_range, r.diffusion_num_sde_steps) == ((1, 4), 1)
     assert (r.rollout_batch_size, r.n_samples_per_prompt, o.num_steps_per_rollout, o.lr) == (48, 16, 2, 3e-4)
     assert (m.condition_image_size, cfg.eval.eval_condition_image_size) == (384, 1024)  # its references
+    assert cfg.eval.eval_batch_size == 1  # its evaluation's per_device_batch_size
     assert (cfg.engine.engine_max_batch_outputs, cfg.engine.engine_concurrency) == (16, 2)  # fits 80 GB (recipes.py)
     validate_config(cfg)
 

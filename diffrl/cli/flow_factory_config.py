@@ -29,6 +29,7 @@ RENAMED = {
     "train.num_inference_steps": "--diffusion-num-steps", "train.guidance_scale": "--diffusion-guidance-scale",
     "train.guidance_scale_2": "--diffusion-guidance-scale-2", "train.num_frames": "--num-frames",
     "train.per_device_batch_size": "--micro-batch-size", "train.group_size": "--n-samples-per-prompt",
+    "eval.per_device_batch_size": "--eval-batch-size",
     "train.unique_sample_num_per_epoch": "--rollout-batch-size",
     "train.gradient_step_per_epoch": "--num-steps-per-rollout", "train.learning_rate": "--lr",
     "train.adam_weight_decay": "--weight-decay", "train.max_grad_norm": "--grad-clip", "train.seed": "--seed",
@@ -46,7 +47,7 @@ IGNORED = {
     "data.sampler_type": "each rollout draws whole prompt groups", "log.save_model_only": "a checkpoint holds the "
     "model and the training state (--keep-last-checkpoints bounds them)", "train.offload_samples_to_cpu": "rollout "
     "samples keep only the trained steps' latents", "eval.seed": "held-out seeds are fixed (10000 + k)",
-    "eval.per_device_batch_size": "evaluation batches by itself", "train.gradient_accumulation_steps": "an optimizer "
+    "train.gradient_accumulation_steps": "an optimizer "
     "step accumulates its micro-batches (--micro-batch-size)", "model.model_type": "the family is read from the "
     "model folder (--diffusion-model-family names it when not)", "train.ref_param_device": "the reference stays on "
     "the GPU (--offload-reference moves a full finetune's to the host)",

@@ -156,7 +156,8 @@ class PromptSetTask:
             seed=TEST_SEED, num_steps=s.num_steps, guidance_scale=s.guidance_scale,
             guidance_scale_2=s.guidance_scale_2, **s.size(),
             num_frames=s.num_frames, negative_prompt=s.negative_prompt, out_dir=out_dir / f"rollout-{k:05d}",
-            reward_device=self.reward_device, reward_frames=s.reward_frames, judge=self.judge)
+            reward_device=self.reward_device, reward_frames=s.reward_frames, judge=self.judge,
+            batch_size=self.eval_cfg.eval_batch_size)
         shown = min(self.eval_cfg.eval_log_images, len(result.rows))
         metrics = dict(result.summary)
         if self.judge is not None:

@@ -627,6 +627,9 @@ class EvalConfig:
     384² sources and evaluate on 512² or 1024² ones.)"""
     eval_log_images: int = 8
     """Evaluation images logged to TensorBoard at each evaluation."""
+    eval_batch_size: int = 16
+    """With --prompt-data: held-out samples denoised as one batch (memory, and the batch a sample is computed in:
+    fixed for a run). Large outputs with large references want fewer (Qwen-Image-Edit at 1024²: 1, as Flow-Factory)."""
     eval_before_train: bool = True
     """Evaluate the starting weights before the first rollout (--no-eval-before-train: the first evaluation is
     after --eval-interval rollouts)."""
@@ -634,6 +637,7 @@ class EvalConfig:
     def check(self) -> None:
         _require(self.eval_interval >= 1, "--eval-interval must be >= 1")
         _require(self.eval_log_images >= 0, f"--eval-log-images must be >= 0, got {self.eval_log_images}")
+        _require(self.eval_batch_size >= 1, f"--eval-batch-size must be >= 1, got {self.eval_batch_size}")
         _require(self.eval_guidance_scale is None or self.eval_guidance_scale >= 0,
                  f"--eval-guidance-scale must be >= 0, got {self.eval_guidance_scale}")
         _require(self.eval_guidance_scale_2 is None or self.eval_guidance_scale_2 >= 0,
