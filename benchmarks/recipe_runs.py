@@ -405,6 +405,9 @@ def main(argv: list[str] | None = None) -> dict:
         "load_s": load_s, "gflop_per_forward": flops / 1e9,
         "transformer_params_b": sum(p.numel() for p in trainer.policy.transformer.parameters()) / 1e9,
         "trained_params_m": sum(p.numel() for p in trainer.policy.params) / 1e6,
+        # The random checkpoint's text encoders are shallow: a real one's size less this is what the peak lacks.
+        "text_encoder_params_b": sum(p.numel() for module in trainer.policy.family.text_encoder_modules()
+                                     for p in module.parameters()) / 1e9,
         "max_memory_gib": None, "rollouts": [], "stopped": None,
         # The image-conditioned checkpoint built for the recipe (None: the family's own), and the prompt set's
         # condition images: per row, distinct in all, and their size.

@@ -52,7 +52,7 @@ def test_an_image_conditioned_recipe_runs_on_its_variant_with_condition_images(r
     report = json.loads(out.read_text())
     rows = report["rollouts"]
     assert len(rows) == 2 and all(row["seconds_per_sample"] > 0 and row["train_pairs"] > 0 for row in rows)
-    assert report["gflop_per_forward"] > 0 and report["stopped"] is None
+    assert report["gflop_per_forward"] > 0 and report["stopped"] is None and report["text_encoder_params_b"] > 0
     variant = recipe_runs.recipe_variant(recipe)
     index = json.loads((checkpoint / "model_index.json").read_text())
     if variant is None:
