@@ -132,9 +132,11 @@ def test_families_that_size_their_sources_otherwise_refuse_it_by_name(tiny_famil
 
 
 def test_an_engine_spec_and_a_server_carry_it(kontext_dir):
-    spec = serve_spec(ServeConfig(model_path=kontext_dir, condition_image_size=64, device="cpu"))
+    spec = serve_spec(ServeConfig(model_path=kontext_dir, condition_image_size=64, device="cpu",
+                                  offload_text_encoder=True))
     assert EngineSpec.from_json(spec.to_json()).condition_image_size == 64  # to engine processes
-    assert load_family(spec).condition_image_area == 64 * 64
+    served = load_family(spec)
+    assert served.condition_image_area == 64 * 64 and served.offload_text_encoders  # and the encoders' place
     assert load_family(EngineSpec(model_path=str(kontext_dir))).condition_image_area is None
 
 

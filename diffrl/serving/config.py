@@ -30,6 +30,9 @@ class ServeConfig:
     condition_image_size: int | None = None
     """Image-conditioned models: each condition image sized to at most N × N pixels of area (as `diffrl train
     --condition-image-size`); default: the --checkpoint run's, else the pipeline's own sizing."""
+    offload_text_encoder: bool = False
+    """Keep the (frozen) text encoders in host memory between encodes, as `diffrl train --offload-text-encoder`: their
+    GPU memory goes to denoising batches (LTX-2.3's Gemma 3 12B is 22 GiB), for one copy in per batch's encode."""
     host: str = "127.0.0.1"
     """Loopback by default; binding elsewhere exposes the engine to the network."""
     port: int = 30000

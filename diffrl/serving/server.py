@@ -451,7 +451,7 @@ def engine_spec(cfg: ServeConfig) -> EngineSpec:
     limits.pop("max_outputs_per_request"), limits.pop("max_batch_outputs")
     common = dict(device=str(resolve_device(cfg.device)), max_outputs_per_request=cfg.max_outputs_per_request,
                   max_batch_outputs=cfg.max_batch_outputs, limits=limits, flow_shift=cfg.flow_shift,
-                  condition_image_size=cfg.condition_image_size,
+                  condition_image_size=cfg.condition_image_size, offload_text_encoder=cfg.offload_text_encoder,
                   **dataclasses.asdict(SpeedOptions.of(cfg)))  # eager numerics kept with --compile, as in training
     if cfg.checkpoint is not None:
         run = find_run(cfg.checkpoint)
