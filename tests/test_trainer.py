@@ -526,3 +526,18 @@ def test_keep_last_checkpoints_removes_the_older_ones(tiny_model_dir, tmp_path):
     assert resumed.rollout_index == 3
     with pytest.raises(ValueError, match="--keep-last-checkpoints must be >= 1"):
         validate_config(tiny_config(tiny_model_dir, tmp_path / "x", keep_last_checkpoints=0))
+
+
+def test_overlapping_encode_blocks_share_one_visit_of_the_offloaded_encoder(tiny_family, monkeypatch):
+    """Two engines sharing a family may encode at once: the encoder visits once and leaves when the last block ends."""
+    from diffrl.utils.offload import FrozenOffload
+
+    visits = []
+    monkeypatch.setattr(FrozenOffload, "to_device", staticmethod(lambda h, device: (visits.append(1), h.clone())[1]))
+    tiny_family.offload_text_encoders_to_cpu()
+    offload = tiny_family._text_encoder_offload
+    with tiny_family.text_encoders_on_device():
+        with tiny_family.text_encoders_on_device():
+            assert offload.visiting is not None
+        assert offload.visiting is not None  # the outer block still uses it
+    assert offload.visiting is None and len(visits) == len(offload._tensors)  # one copy of each tensor, once

@@ -51,6 +51,7 @@ from __future__ import annotations
 
 import contextlib
 import copy
+import threading
 from abc import ABC, abstractmethod
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, replace
@@ -525,20 +526,28 @@ class FamilyAdapter(ABC):
     def offload_text_encoders_to_cpu(self) -> None:
         if self._text_encoder_offload is None:
             self._text_encoder_offload = FrozenOffload(self.text_encoder_modules())
+            self._text_encoder_users, self._text_encoder_lock = 0, threading.Lock()
         self.offload_text_encoders = True
 
     @contextlib.contextmanager
     def text_encoders_on_device(self):
-        """Inside the block the text encoders are on the compute device (a no-op without offload)."""
+        """Inside the block the text encoders are on the compute device (a no-op without offload). Blocks may nest
+        or overlap (two engines sharing the family): the encoders leave when the last one ends."""
         offload = self._text_encoder_offload
-        if not self.offload_text_encoders or offload is None or offload.visiting is not None:
-            yield  # not offloaded, or already visiting (an encode inside an encode block)
+        if not self.offload_text_encoders or offload is None:
+            yield
             return
-        offload.visit(self.device)
+        with self._text_encoder_lock:
+            if offload.visiting is None:
+                offload.visit(self.device)
+            self._text_encoder_users += 1
         try:
             yield
         finally:
-            offload.leave()
+            with self._text_encoder_lock:
+                self._text_encoder_users -= 1
+                if self._text_encoder_users == 0:
+                    offload.leave()
 
     def compile(self, *, mode: str | None = None, eager_numerics: bool = True, dynamic: bool = False) -> int:
         """`--compile`: compile what the family's forward runs, regionally (`models/compile.py`; `dynamic`: symbolic
