@@ -239,3 +239,44 @@ def test_diffrl_eval_samples_an_editing_set_at_the_size_it_is_given(kontext_dir,
     # the same samples none (at most a rounding step on a few)
     assert same.max() <= 1 and (same > 0).float().mean() < 0.01
     assert (other > 0).float().mean() > 0.1
+
+
+def test_a_runs_held_out_protocol_is_its_evaluation_size_and_sources():
+    """What `diffrl eval RUN` and `diffrl compare RUN` repeat: the run's held-out size, frames and source size where
+    it set them apart from its rollouts', else the rollouts'."""
+    from pathlib import Path
+
+    from diffrl.cli.runs import Run, held_out_protocol
+
+    own = held_out_protocol(Run(Path("r"), None, {"resolution": 384, "condition_image_size": 384, "num_frames": 5}))
+    assert (own["resolution"], own["condition_image_size"], own["num_frames"]) == (384, 384, 5)
+    apart = held_out_protocol(Run(Path("r"), None, {
+        "resolution": 384, "eval_resolution": 1024, "condition_image_size": 384, "eval_condition_image_size": 1024,
+        "num_frames": 5, "eval_num_frames": 21}))
+    assert (apart["resolution"], apart["condition_image_size"], apart["num_frames"]) == (1024, 1024, 21)
+    wide = held_out_protocol(Run(Path("r"), None, {"resolution": 384, "eval_height": 512, "eval_width": 768}))
+    assert (wide["resolution"], wide["height"], wide["width"]) == (None, 512, 768)
+
+
+def test_compare_judges_base_and_trained_on_one_source_size(kontext_dir, tmp_path, monkeypatch):
+    """`diffrl compare RUN --prompt-data …`: both columns load with the run's held-out source size (not the base at
+    the pipeline's and the trained model at its run's), or with --condition-image-size when given."""
+    from test_flux1_kontext import _train
+
+    from diffrl.cli import compare as compare_module
+
+    prompts = write_conditioned_prompt_set(tmp_path / "data", "edits", ("make the cat red", "remove the dog"),
+                                           random_png(0, SOURCE_SIZE), random_png(1, SOURCE_SIZE))
+    run = tmp_path / "run"
+    _train(kontext_dir, prompts, run, "nft", num_rollout=1, condition_image_size=64, eval_condition_image_size=80,
+           reward_fn=lambda images, prompts, metadata: [float(image.mean()) for image in images])
+    loads, load = [], compare_module.load_model
+    monkeypatch.setattr(compare_module, "load_model",
+                        lambda *a, **kw: (loads.append(kw.get("condition_image_size", "run")), load(*a, **kw))[1])
+    common = ["compare", str(run), "--prompt-data", str(prompts), "--reward", "jpeg_compressibility",
+              "--num-steps", "1", "--guidance-scale", "2", "--device", "cpu"]
+    assert cli_main([*common, "--output-dir", str(tmp_path / "c1")]) == 0
+    assert loads == [80, 80]  # the run's held-out size for both columns
+    loads.clear()
+    assert cli_main([*common, "--condition-image-size", "96", "--output-dir", str(tmp_path / "c2")]) == 0
+    assert loads == [96, 96]

@@ -88,7 +88,7 @@ def compare(cfg: CompareConfig) -> dict:
         return compare_by_prompt_data(cfg)
     refuse_other_mode(cfg, {"input_key": None, "tie_margin": None, "n_samples_per_eval_prompt": "--num-seeds",
                             "reward_device": None, "negative_prompt": None, "reward_frames": None,
-                            "num_frames": None}, prompt_data=False)
+                            "num_frames": None, "condition_image_size": None}, prompt_data=False)
     if cfg.world == EDIT_WORLD:
         return compare_edit_world(cfg)
     check_shapes_family(cfg.diffusion_model_family, cfg.base, "compare", cfg.guidance_scale_2)
@@ -229,8 +229,10 @@ def compare_by_prompt_data(cfg: CompareConfig) -> dict:
     device = resolve_device(cfg.device)
     seed = TEST_SEED if cfg.seed is None else cfg.seed
     out = cfg.output_dir
-    # The models one at a time: a large family's base and trained copies need not fit together.
-    base = load_model(cfg.base, cfg.base_checkpoint, family=cfg.diffusion_model_family, device=device)
+    # The models one at a time: a large family's base and trained copies need not fit together. Both take one
+    # condition image size (None: the pipeline's), not each its own run's.
+    sized = dict(condition_image_size=cfg.condition_image_size)
+    base = load_model(cfg.base, cfg.base_checkpoint, family=cfg.diffusion_model_family, device=device, **sized)
     check_family_values(cfg, base)
     if cfg.base_checkpoint is None:
         check_fits(base, cfg.base, cfg.trained)  # before the base's images, not after
@@ -255,7 +257,7 @@ def compare_by_prompt_data(cfg: CompareConfig) -> dict:
                                              guidance_scale_2=scales_2[column], out_dir=out / column, **common)
     del base
     gc.collect()
-    trained = load_model(cfg.base, cfg.trained, family=cfg.diffusion_model_family, device=device)
+    trained = load_model(cfg.base, cfg.trained, family=cfg.diffusion_model_family, device=device, **sized)
     evals["trained"] = evaluate_with_reward(trained, records, components, guidance_scale=scales["trained"],
                                             guidance_scale_2=scales_2["trained"], out_dir=out / "trained", **common)
     rows, totals = compare_by_reward({c: evals[c].per_prompt() for c in REWARD_COLUMNS}, cfg.tie_margin)

@@ -152,6 +152,10 @@ class CompareConfig:
     """With --prompt-data, video: the reward sees this many evenly spaced frames of each video (default: all)."""
     num_frames: int | None = None
     """With --prompt-data, video families: frames per sample (default: the family's)."""
+    condition_image_size: int | None = None
+    """With an editing --prompt-data: every column's condition images sized to at most N × N pixels of area (as
+    `diffrl train --condition-image-size`); default: the run's held-out size, else the pipeline's own sizing. One
+    size for all columns: the base is judged on the sources the trained model is."""
     batch_size: int = 16
     """With --prompt-data: images sampled, and scored by --reward (and --eval-reward), per batch (memory, not
     results); the shapes world samples 64 at a time."""

@@ -29,6 +29,7 @@ from diffrl.models.demo import SHIPPED_DEMO_MODEL
 from diffrl.models.registry import resolve_family
 from diffrl.models.speed import SpeedOptions
 from diffrl.rewards import check_prompts, default_device
+from diffrl.train.config import MIN_CONDITION_IMAGE_SIZE
 from diffrl.evaluation.shapes_edit import DEFAULT_SIZE, evaluate_held_out
 from diffrl.utils.atomic import atomic_path, write_text_atomic
 from diffrl.utils.device import resolve_device
@@ -79,6 +80,9 @@ def check_values(cfg) -> None:
         value, least = getattr(cfg, name, None), 1 if name in _AT_LEAST_ONE else 0
         if value is not None and value < least:
             raise ValueError(f"--{name.replace('_', '-')} must be >= {least}, got {value}")
+    side = getattr(cfg, "condition_image_size", None)
+    if side is not None and side < MIN_CONDITION_IMAGE_SIZE:
+        raise ValueError(f"--condition-image-size must be at least {MIN_CONDITION_IMAGE_SIZE} pixels, got {side}")
     sample_size(getattr(cfg, "resolution", None), getattr(cfg, "height", None), getattr(cfg, "width", None))
 
 
@@ -112,7 +116,7 @@ def check_shapes_family(family: str | None, model_path: Path, command: str, guid
 
 _SAMPLING_FROM_RUN = {"model_path": "model_path", "diffusion_model_family": "diffusion_model_family",
                       "num_steps": "num_steps", "guidance_scale": "guidance_scale", "guidance_scale_2": "guidance_scale_2",
-                      "num_frames": "num_frames"}
+                      "num_frames": "num_frames", "condition_image_size": "condition_image_size"}
 _SIZE = {"resolution": "resolution", "height": "height", "width": "width"}
 
 

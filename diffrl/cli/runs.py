@@ -27,14 +27,18 @@ def held_out_protocol(run: Run) -> dict:
         return {}
     f = run.flags
     own_cfg = f.get("eval_guidance_scale") is None  # the rollouts' CFG (both experts), else the override
+    own_size = f.get("eval_resolution") is None and f.get("eval_height") is None  # the rollouts' size, else its own
     return {
         "num_steps": f.get("eval_num_steps") or f.get("diffusion_num_steps"),
         "guidance_scale": f.get("diffusion_guidance_scale") if own_cfg else f.get("eval_guidance_scale"),
         "guidance_scale_2": (f.get("eval_guidance_scale_2") if f.get("eval_guidance_scale_2") is not None
                              else f.get("diffusion_guidance_scale_2") if own_cfg else None),
-        "resolution": f.get("resolution"), "height": f.get("height"), "width": f.get("width"),
-        "num_frames": f.get("num_frames"), "negative_prompt": f.get("negative_prompt") or "",
-        "reward_frames": f.get("reward_frames"),
+        "resolution": f.get("resolution") if own_size else f.get("eval_resolution"),
+        "height": f.get("height") if own_size else f.get("eval_height"),
+        "width": f.get("width") if own_size else f.get("eval_width"),
+        "num_frames": f.get("eval_num_frames") or f.get("num_frames"),
+        "condition_image_size": f.get("eval_condition_image_size") or f.get("condition_image_size"),
+        "negative_prompt": f.get("negative_prompt") or "", "reward_frames": f.get("reward_frames"),
     }
 
 
