@@ -541,3 +541,22 @@ def test_overlapping_encode_blocks_share_one_visit_of_the_offloaded_encoder(tiny
             assert offload.visiting is not None
         assert offload.visiting is not None  # the outer block still uses it
     assert offload.visiting is None and len(visits) == len(offload._tensors)  # one copy of each tensor, once
+
+
+def test_an_engine_batch_whose_prompts_are_cached_leaves_the_offloaded_encoder_where_it_is(tiny_family, monkeypatch):
+    """The engine brings an offloaded text encoder to the device only when a prompt of the batch is not cached."""
+    from diffrl.engine.engine import Engine
+    from diffrl.engine.protocol import RolloutRequest
+    from diffrl.utils.offload import FrozenOffload
+
+    visits = []
+    monkeypatch.setattr(FrozenOffload, "to_device", staticmethod(lambda h, device: (visits.append(1), h.clone())[1]))
+    tiny_family.offload_text_encoders_to_cpu()
+    engine, per_visit = Engine(tiny_family), len(tiny_family._text_encoder_offload._tensors)
+    request = RolloutRequest(prompt="a red circle", seed=1, num_inference_steps=1, guidance_scale=1.0)
+    engine.generate(request)
+    assert len(visits) == per_visit and engine.prompt_encodes == 1
+    engine.generate(request.model_copy(update={"seed": 2}))  # the same prompt, the same weights: cached
+    assert len(visits) == per_visit and engine.prompt_encodes == 1
+    engine.generate(request.model_copy(update={"prompt": "a blue square"}))
+    assert len(visits) == 2 * per_visit and engine.prompt_encodes == 2

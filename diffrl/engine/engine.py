@@ -32,6 +32,7 @@ import resource
 import threading
 import time
 from collections import OrderedDict
+from collections.abc import Callable
 from concurrent.futures import Future, InvalidStateError, ThreadPoolExecutor
 from dataclasses import dataclass, field, replace
 from typing import Literal
@@ -561,13 +562,15 @@ class Engine:
             return compare_tensor_checksums(module_name, module, expected)
 
     def _encode(self, prompts: list[str], images: list[tuple[torch.Tensor, ...]] | None = None,
-                encoded_images: dict[str, object] | None = None, size: dict | None = None) -> list[PromptEmbeds]:
+                encoded_images: dict[str, object] | None = None, size: dict | None = None,
+                encoders: Callable[[], None] = lambda: None) -> list[PromptEmbeds]:
         """Each prompt's conditioning, with its request's condition images folded in; a prompt (or prompt and
         images) seen in this batch, or earlier under the same weights, is not encoded again (encoding is
         deterministic, and nothing mutates an encoding once made). `encoded_images`: the batch's condition images
         by digest, each encoded once (a request's prompt and negative prompt share them). `size`: the output's
         height, width and num_frames, for a family whose condition images are encoded at the output's size
-        (`condition_images_need_size`; part of the cache key then)."""
+        (`condition_images_need_size`; part of the cache key then). `encoders()` comes before a text encoder runs
+        (`FamilyAdapter.text_encoders_when_needed`: an offloaded one visits the device only on a cache miss)."""
         size_key = f"@{sorted(size.items())}" if size else ""
         encode_images = (lambda pictures: self.family.encode_condition_images(pictures, **size)) if size else \
             self.family.encode_condition_images
@@ -582,19 +585,23 @@ class Engine:
                 encoded = self._prompts.get(key, self.weight_version)
             if encoded is None and digest is not None and self.family.prompt_sees_images:
                 if digest not in encoded_images:  # the prompt's encoding reads the images (Qwen-Image-Edit)
+                    encoders()  # a family may hold its image encoder with its text encoders (HunyuanVideo 1.5)
                     encoded_images[digest] = encode_images(pictures)
                     self.image_encodes += 1
+                encoders()
                 encoded = fresh[key] = self.family.encode_prompts_with_images([prompt], encoded_images[digest])
                 self.prompt_encodes += 1
                 self._prompts.put(key, encoded)
             if encoded is None:
                 encoded = self._prompts.get(prompt, self.weight_version) if digest is not None else None
                 if encoded is None:
+                    encoders()
                     encoded = self.family.encode_prompts([prompt])
                     self.prompt_encodes += 1
                     self._prompts.put(prompt, encoded)
                 if digest is not None:
                     if digest not in encoded_images:
+                        encoders()
                         encoded_images[digest] = encode_images(pictures)
                         self.image_encodes += 1
                     encoded = self.family.condition_on_images(encoded, encoded_images[digest])
@@ -623,13 +630,13 @@ class Engine:
         # Each distinct prompt of the batch is encoded once, then repeated to its requests' outputs: the
         # microgroups of one group (M = 1: one request per sample) share a prompt and a negative prompt, and a
         # real text encoder (T5-XXL, Qwen2.5-VL) costs a forward of billions of parameters per prompt.
-        with family.text_encoders_on_device():
+        with family.text_encoders_when_needed() as encoders:
             images, encoded_images = [t.images for t in batch], {}
             size = (dict(height=plan.height, width=plan.width, num_frames=plan.num_frames)
                     if family.condition_images_need_size else None)
-            conds = self._encode([t.req.prompt for t in batch], images, encoded_images, size)
+            conds = self._encode([t.req.prompt for t in batch], images, encoded_images, size, encoders)
             negative_env = req0.rollout_return_denoising_env and req0.rollout_return_negative_env  # the batch's key
-            unconds = (self._encode([t.req.negative_prompt for t in batch], images, encoded_images, size)
+            unconds = (self._encode([t.req.negative_prompt for t in batch], images, encoded_images, size, encoders)
                        if plan.guidance_scale > 1.0 or negative_env else None)
         if len(batch) > 1 and not (_same_ids(conds) and _same_ids(unconds or [])):
             outputs = []  # text lengths differ: no shared batch, one request at a time

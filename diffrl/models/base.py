@@ -549,6 +549,20 @@ class FamilyAdapter(ABC):
                 if self._text_encoder_users == 0:
                     offload.leave()
 
+    @contextlib.contextmanager
+    def text_encoders_when_needed(self):
+        """Yields `ensure`: its first call brings the text encoders to the device (`text_encoders_on_device`) for
+        the rest of the block. An engine batch whose prompts are all cached never moves an offloaded encoder."""
+        with contextlib.ExitStack() as stack:
+            visiting = []
+
+            def ensure() -> None:
+                if not visiting:
+                    stack.enter_context(self.text_encoders_on_device())
+                    visiting.append(True)
+
+            yield ensure
+
     def compile(self, *, mode: str | None = None, eager_numerics: bool = True, dynamic: bool = False) -> int:
         """`--compile`: compile what the family's forward runs, regionally (`models/compile.py`; `dynamic`: symbolic
         sizes from the first call): by default its repeated blocks; returns how many. A family whose forward
