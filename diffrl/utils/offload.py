@@ -120,7 +120,7 @@ class FrozenOffload:
     """Modules whose weights never change (a frozen text encoder) kept in host memory (pinned where a GPU is) and
     visiting a device: `visit` copies them in, `leave` drops the device copies without copying anything back, since
     the host copy is still exactly theirs. One copy per visit, none per leave: half of `ModuleOffload`'s traffic, and
-    from pinned memory (an 8 GiB encoder visits in well under a second on PCIe 4)."""
+    from pinned memory, which the device can copy from without staging."""
 
     def __init__(self, modules: Iterable[torch.nn.Module]):
         found: dict[int, torch.Tensor] = {}
