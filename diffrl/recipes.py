@@ -391,8 +391,9 @@ SIZED: dict[str, dict[str, dict]] = {
     # checkpointing: compiled it peaks at 73.1 GiB, inside an 80 GB card, at 6.05 s per sample on one H100 (53.6% MFU
     # end to end) against 7.11 s checkpointed; eager it would need 103.8 GiB, so --no-compile on an 80 GB card needs
     # --gradient-checkpointing back. That peak held the random checkpoint's 8-layer text encoder (0.43 B); a real one
-    # (Qwen3-VL-4B, 4.4 B) adds about 7.5 GiB, past an 80 GB card, so on a GPU it stays in host memory between encodes
-    # (--offload-text-encoder: one pinned copy in per prompt's batch, nothing back; its cost is not measured yet).
+    # (Qwen3-VL-4B, 4.44 B) adds 7.5 GiB (benchmarks/text_encoder_sizes.py), past an 80 GB card, so on a GPU it stays in
+    # host memory between encodes (--offload-text-encoder: one pinned copy in per batch that encodes, nothing back;
+    # its cost is not measured yet).
     "flux3-klein-nft-pickscore": {"gpu": dict(_FLUX3_NFT, compile=True, gradient_checkpointing=False,
                                               offload_text_encoder=True),
                                   "cpu": _FLUX3_NFT},
@@ -423,8 +424,9 @@ SIZED: dict[str, dict[str, dict]] = {
     # compiled blocks: 8.25 s per sample on one H200 against 29.2 s with the published microgroup 1 and micro-batch
     # 1, eager. The same samples (seeds fix them) and the same gradient (micro-batches are weighted by their
     # share of the step) up to batch-dependent rounding; first-pass |Δ log p| 6.7e-7 (BENCHMARKS.md, as above).
-    # Its 63.8 GiB peak there held a 2-layer text encoder (0.45 B); LTX-2.3's real Gemma 3 12B adds about 22 GiB, so
-    # on a GPU it stays in host memory between encodes (--offload-text-encoder; not measured yet), as in the I2V one.
+    # Its 63.8 GiB peak there held a 2-layer text encoder (0.45 B); LTX-2.3's real Gemma 3 12B adds 21.9 GiB
+    # (benchmarks/text_encoder_sizes.py), so on a GPU it stays in host memory between encodes (--offload-text-encoder;
+    # not measured yet), as in the I2V one.
     "ltx23-grpo-pickscore": {"gpu": dict(_LTX23_GRPO, rollout_microgroup_size=8, micro_batch_size=4, compile=True,
                                          offload_text_encoder=True),
                              "cpu": _LTX23_GRPO},
