@@ -85,12 +85,7 @@ class ModuleOffload:
         return bool(self._moved)
 
     def _tensors(self) -> list[torch.Tensor]:
-        found: dict[int, torch.Tensor] = {}
-        for module in self.modules:
-            for tensor in (*module.parameters(), *module.buffers()):
-                if _same_device(tensor.device, self.device):
-                    found.setdefault(id(tensor), tensor)
-        return list(found.values())
+        return [t for t in _module_tensors(self.modules) if _same_device(t.device, self.device)]
 
     @torch.no_grad()
     def offload(self) -> int:
@@ -123,11 +118,7 @@ class FrozenOffload:
     from pinned memory, which the device can copy from without staging."""
 
     def __init__(self, modules: Iterable[torch.nn.Module]):
-        found: dict[int, torch.Tensor] = {}
-        for module in modules:
-            for tensor in (*module.parameters(), *module.buffers()):
-                found.setdefault(id(tensor), tensor)
-        self._tensors = list(found.values())
+        self._tensors = _module_tensors(modules)
         pin = torch.cuda.is_available()
         with torch.no_grad():
             for tensor in self._tensors:
@@ -189,6 +180,15 @@ class OptimizerOffload:
                 if (id(state), key) in devices:
                     state[key] = value.to(devices[(id(state), key)], non_blocking=True)
         _synchronize(devices.values())
+
+
+def _module_tensors(modules: Iterable[torch.nn.Module]) -> list[torch.Tensor]:
+    """Every parameter and buffer of `modules`, each once (tied weights and shared submodules included)."""
+    found: dict[int, torch.Tensor] = {}
+    for module in modules:
+        for tensor in (*module.parameters(), *module.buffers()):
+            found.setdefault(id(tensor), tensor)
+    return list(found.values())
 
 
 def _same_device(a: torch.device, b: torch.device) -> bool:
