@@ -17,6 +17,7 @@ pipeline on the same weights, in the same run, for families with a `reference_pi
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -62,11 +63,30 @@ REAL_SIZES = {
 }
 
 
+# Each family's transformer keywords that count its blocks (one per kind of block), for a shallow checkpoint.
+DEPTH_KEYS = {
+    "sd3": ("num_layers",), "flux3_image": ("num_layers", "num_single_layers"),
+    "flux1": ("num_layers", "num_single_layers"), "flux2": ("num_layers", "num_single_layers"),
+    "krea2": ("num_layers",), "qwen_image": ("num_layers",), "qwen_image21": ("num_layers",), "wan2_2": ("num_layers",),
+    "ltx2": ("num_layers",), "cosmos3": ("num_hidden_layers",), "z_image": ("n_layers",),
+}
+
+
+def shallow(sizes, family: str, depth: int):
+    """`sizes` (a random_checkpoints module's sizes, real widths) with `depth` blocks of each kind: every block and
+    every shape a block sees stays the real model's, so the compiled graphs are the real model's graphs (what a
+    first-pass exactness check needs) at a fraction of the time to build, load and run."""
+    if family not in DEPTH_KEYS:
+        raise SystemExit(f"--depth: no block counts known for {family} (DEPTH_KEYS)")
+    return dataclasses.replace(sizes, transformer={**sizes.transformer, **dict.fromkeys(DEPTH_KEYS[family], depth)})
+
+
 def make_checkpoint(family: str, path: Path, device: torch.device, tiny: bool = False,
-                    size: RealSize | None = None) -> None:
+                    size: RealSize | None = None, depth: int | None = None) -> None:
     """A random checkpoint at the family's real size in bf16, built on `device` (the GPU: a minute, not the CPU's
     many); `tiny`: the module's `tiny()` sizes in fp32 instead (CPU tests of the benchmark scripts). `size`: in
-    place of `REAL_SIZES[family]` (another variant of the family: an image-conditioned one)."""
+    place of `REAL_SIZES[family]` (another variant of the family: an image-conditioned one). `depth`: real widths
+    with that many blocks of each kind (`shallow`)."""
     import gc
     import importlib
     import shutil
@@ -84,11 +104,13 @@ def make_checkpoint(family: str, path: Path, device: torch.device, tiny: bool = 
         module.save_random_checkpoint(partial, **size.save)
     else:
         free = shutil.disk_usage(path.parent).free / 1e9
-        if size.disk_gb is not None and free < size.disk_gb + 2:
+        if size.disk_gb is not None and depth is None and free < size.disk_gb + 2:  # shallow: a few GB
             raise SystemExit(f"a random {family} checkpoint needs about {size.disk_gb:.0f} GB; {free:.0f} GB are free "
                              f"under {path.parent}")
-        module.save_random_checkpoint(partial, module.real(**size.real), device=device, dtype=torch.bfloat16,
-                                      **size.save)
+        sizes = module.real(**size.real)
+        if depth is not None:
+            sizes = shallow(sizes, family, depth)
+        module.save_random_checkpoint(partial, sizes, device=device, dtype=torch.bfloat16, **size.save)
     partial.rename(path)
     gc.collect()  # the built modules, off the device before the run loads the checkpoint
     if device.type == "cuda":

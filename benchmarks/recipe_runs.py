@@ -105,13 +105,14 @@ def recipe_variant(recipe: str) -> Variant | None:
     return VARIANTS.get(recipe)
 
 
-def checkpoint_name(recipe: str) -> str:
+def checkpoint_name(recipe: str, depth: int | None = None) -> str:
     """The random checkpoint's folder name for `recipe` (scripts/device/bench_recipes.sh keeps them in runs/):
     `<family>-random`, or `<family>-<variant>-random` for an image-conditioned variant, so that a text-only
-    checkpoint of the family is never taken for it, nor it for one."""
+    checkpoint of the family is never taken for it, nor it for one; `-depth<N>` before `-random` for a shallow one."""
     family = recipe_overrides(recipe, "cuda")["diffusion_model_family"]
     variant = recipe_variant(recipe)
-    return f"{family}-{variant.name}-random" if variant else f"{family}-random"
+    name = f"{family}-{variant.name}" if variant else family
+    return f"{name}-depth{depth}-random" if depth is not None else f"{name}-random"
 
 
 def check_variant(path: Path, variant: Variant) -> None:
@@ -325,6 +326,9 @@ def main(argv: list[str] | None = None) -> dict:
     parser.add_argument("--reward", default=None, help="default: the recipe's, on a random real-size checkpoint")
     parser.add_argument("--device", default="cuda", help="cpu: a dry run of the script on a small checkpoint")
     parser.add_argument("--tiny", action="store_true", help="tiny random checkpoints (the family's and PickScore's)")
+    parser.add_argument("--depth", type=int, default=None,
+                        help="a missing checkpoint is built with the real widths and this many blocks of each kind: "
+                             "the real model's compiled graphs (first-pass exactness), not its cost")
     parser.add_argument("--peak-tflops", type=float, default=790.0, help="dense bf16 peak (H200: 790)")
     parser.add_argument("--flags", default="{}", help="more TrainConfig fields, as JSON")
     parser.add_argument("--out", default=None)
@@ -344,7 +348,7 @@ def main(argv: list[str] | None = None) -> dict:
     variant = recipe_variant(args.recipe)
     if not args.checkpoint.exists():
         make_checkpoint(family, args.checkpoint, torch.device(args.device), tiny=args.tiny,
-                        size=variant.size(family) if variant else None)
+                        size=variant.size(family) if variant else None, depth=args.depth)
     elif variant:
         check_variant(args.checkpoint, variant)
     reward = args.reward or overrides["reward"]
@@ -398,7 +402,8 @@ def main(argv: list[str] | None = None) -> dict:
     size = m.size() or trainer.policy.family.default_size()
     results = {
         "recipe": args.recipe, "family": family, "device": torch.cuda.get_device_name() if cuda else "cpu",
-        "tiny": args.tiny, "height": size[0], "width": size[1],
+        "tiny": args.tiny, "depth": args.depth,  # None: the real model's blocks; N: N of each kind (shallow)
+        "height": size[0], "width": size[1],
         "num_frames": m.num_frames if trainer.policy.family.generates_video else None,
         "rollout_batch_size": r.rollout_batch_size, "recipe_rollout_batch_size": overrides["rollout_batch_size"],
         "samples_per_rollout": samples, "rollout_microgroup_size": r.rollout_microgroup_size, "cuts": cuts,

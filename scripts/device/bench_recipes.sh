@@ -14,6 +14,9 @@
 #   JOBS="wan22-i2v-grpo-pickscore:2 flux1-kontext-grpo-pickscore:4 qwen-image-edit-grpo-pickscore:2 \
 #         flux3-klein-edit-nft-pickscore:2 ltx23-i2v-grpo-pickscore:1" ROLLOUTS=2
 # flux2-dev-edit-grpo-pickscore:2 alone: its 66 GB checkpoint needs nvidia-h200-x2's disk and an H200's memory.
+# DEPTH=N: real widths with N blocks of each kind (checkpoints runs/<name>-depthN-random): the real model's compiled
+# graphs in minutes, for a first-pass exactness check of every recipe (ROLLOUTS=1), not for its cost.
+# JOB_TIMEOUT=S stops a job after S seconds (the JSON keeps its finished rollouts) so the next one still runs.
 set -uo pipefail
 bash scripts/device/install_wheels.sh || exit 1
 export PYTHONPATH=/tmp/site:$PWD PYTHONUNBUFFERED=1 OMP_NUM_THREADS=8 PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True
@@ -23,15 +26,15 @@ quiet() { tr '\r' '\n' | grep -v "Loading\|float32\|torchvision\|^ *$\|Writing m
 for job in ${JOBS:?JOBS=recipe:groups ...}; do
   recipe=${job%%:*}; groups=${job##*:}
   # <family>-random, or <family>-<variant>-random for an image-conditioned variant (never a text-only one's)
-  name=$(cd benchmarks && python3 -c "from recipe_runs import checkpoint_name; print(checkpoint_name('$recipe'))")
+  name=$(cd benchmarks && python3 -c "from recipe_runs import checkpoint_name; print(checkpoint_name('$recipe', ${DEPTH:-None}))")
   [[ -n $name ]] || { echo "== $recipe: no checkpoint name (unknown recipe?)" | tee -a "$OUT/log.txt"; continue; }
   ckpt=$PWD/runs/$name
   if [[ -z ${KEEP:-} ]]; then  # a stopped build's .partial folder too
     for other in runs/*-random runs/*-random.partial; do [[ -d $other && $other != runs/$name ]] && rm -rf "$other"; done
   fi
   echo "== $recipe ($groups groups) $(date +%T)"
-  (cd benchmarks && python3 recipe_runs.py --recipe "$recipe" --checkpoint "$ckpt" --rollout-batch-size "$groups" \
-    --num-rollout "${ROLLOUTS:-3}" ${FLAGS:-} --work-dir "$PWD/../runs/recipe-bench" --out "$OUT/recipe_${recipe}${TAG:-}.json") 2>&1 | quiet \
+  (cd benchmarks && timeout "${JOB_TIMEOUT:-0}" python3 recipe_runs.py --recipe "$recipe" --checkpoint "$ckpt" --rollout-batch-size "$groups" \
+    --num-rollout "${ROLLOUTS:-3}" ${DEPTH:+--depth $DEPTH} ${FLAGS:-} --work-dir "$PWD/../runs/recipe-bench" --out "$OUT/recipe_${recipe}${TAG:-}.json") 2>&1 | quiet \
     | grep -v '^    \|^[{}]' | tee -a "$OUT/log.txt"
   nvidia-smi --query-gpu=memory.used --format=csv,noheader
 done
