@@ -122,7 +122,13 @@ def test_model_flops_per_pair_count_what_the_model_needs_not_the_recompute():
         return train_forward_equivalents(parse(["train", *flags]))
 
     assert forwards("--recipe", "sd3-grpo") == 2  # LoRA Flow-GRPO without KL
-    assert forwards("--recipe", "sd3-grpo", "--detach-uncond") == 1.5  # no backward through CFG's unconditional half
+    # No backward through CFG's unconditional half, and no forward of it either: the rollout hands it over.
+    assert forwards("--recipe", "sd3-grpo", "--detach-uncond") == 1.0
+    assert forwards("--recipe", "sd3-grpo", "--detach-uncond", "--no-reuse-rollout-uncond") == 1.5
+    # Only the first of two optimizer steps holds the rollout's weights; engines elsewhere compute it.
+    assert forwards("--recipe", "sd3-grpo", "--detach-uncond", "--num-steps-per-rollout", "2",
+                    "--global-batch-size", "32") == 1.25
+    assert forwards("--recipe", "sd3-grpo", "--detach-uncond", "--engine-urls", "http://127.0.0.1:1") == 1.5
     assert forwards("--recipe", "flux3-klein-nft-pickscore", "--detach-uncond") == 3  # NFT trains without CFG
     assert forwards("--recipe", "sd35-grpo-ocr") == 3  # + the KL reference
     assert forwards("--recipe", "flux3-klein-grpo-hps") == 3  # full finetune: a backward of 2

@@ -62,6 +62,12 @@ class GrpoPairs(PairBatch):
     advantages: torch.Tensor
     cond: torch.Tensor  # [P, L, D] prompt embeddings
     uncond: torch.Tensor  # [P, L, D] negative-prompt embeddings (zeros when CFG is off)
+    # [P, *latent] CFG's unconditional velocity at x as the rollout computed it; [P] zeros when it did not return one
+    uncond_velocity: torch.Tensor
+
+    @property
+    def has_uncond_velocity(self) -> bool:
+        return self.uncond_velocity.dim() > 1
 
 
 @dataclass
@@ -100,13 +106,17 @@ def grpo_pairs(
     conds: Sequence[torch.Tensor],
     unconds: Sequence[torch.Tensor],
     trained_steps: Sequence[int],
+    uncond_velocities: Sequence[torch.Tensor] | None = None,
 ) -> GrpoPairs:
     """`trajectories[s]` holds sample s's latents at `step_indices`; `log_probs[s]` its log-probs at
     `trained_steps` (the SDE steps, ascending) or, as sglang-diffusion reports them, one per denoising
-    step of the schedule (`len(sigmas) - 1` values, 0 on ODE steps): either is read the same way."""
+    step of the schedule (`len(sigmas) - 1` values, 0 on ODE steps): either is read the same way.
+    `uncond_velocities[s]`: sample s's unconditional velocity at each of `trained_steps` (the engine's
+    `uncond_velocities`, one per SDE step), or None."""
     position = {step: k for k, step in enumerate(step_indices)}
     num_steps = len(sigmas) - 1
-    rows = {name: [] for name in ("x", "x_next", "sigma", "sigma_next", "old_log_prob", "advantages", "cond", "uncond")}
+    rows = {name: [] for name in ("x", "x_next", "sigma", "sigma_next", "old_log_prob", "advantages", "cond", "uncond",
+                                  "uncond_velocity")}
     for s, trajectory in enumerate(trajectories):
         for j, i in enumerate(trained_steps):
             rows["x"].append(trajectory[position[i]])
@@ -118,6 +128,7 @@ def grpo_pairs(
             rows["advantages"].append(advantages[s])
             rows["cond"].append(conds[s])
             rows["uncond"].append(unconds[s])
+            rows["uncond_velocity"].append(torch.tensor(0.0) if uncond_velocities is None else uncond_velocities[s][j])
     return GrpoPairs(**{k: torch.stack([torch.as_tensor(v) for v in vs]) for k, vs in rows.items()})
 
 

@@ -89,7 +89,18 @@ def train_forward_equivalents(cfg: TrainConfig) -> float:
     pair 2, a group row its group). Gradient checkpointing's recomputed forward is not counted, by MFU's
     convention (it is work the hardware does, not work the model needs)."""
     samples = OBJECTIVES[cfg.algorithm.loss_type].pair_size(cfg)
-    return samples * (1 + trained_backward(cfg) + no_grad_forwards_per_pair(cfg))
+    return samples * (trained_forward(cfg) + trained_backward(cfg) + no_grad_forwards_per_pair(cfg))
+
+
+def trained_forward(cfg: TrainConfig) -> float:
+    """A train pair's forward in forwards of its velocity: 1, less CFG's unconditional half on the pairs of each
+    rollout's first optimizer step when the rollout hands that half over (`--reuse-rollout-uncond` with
+    `--detach-uncond`, rolled out by the in-process engine alone: `FlowGrpo.reuses_rollout_uncond`)."""
+    a, e = cfg.algorithm, cfg.engine
+    reused = (a.loss_type in ("flow_grpo", "grpo_guard") and a.detach_uncond and a.reuse_rollout_uncond
+              and trains_with_cfg(cfg) and e.local_engine and not e.engine_urls and not e.colocate
+              and cfg.placement.ray_engines == 0)
+    return 1.0 - 0.5 / cfg.optim.num_steps_per_rollout if reused else 1.0
 
 
 def trained_backward(cfg: TrainConfig) -> float:
@@ -117,7 +128,10 @@ def estimate_flops(cfg: TrainConfig, family) -> dict:
     train_pair = gflop[train_cfg] * train_forward_equivalents(cfg)
     step = "CFG step (cond + uncond)" if rollout_cfg > 1 else "step"
     how = (f"{r.diffusion_num_steps} rollout steps × {_gflop(gflop[rollout_cfg])} per {step} + each trained step "
-           f"× {_gflop(train_pair)} (its forward, {_gflop(gflop[train_cfg])}, and a backward of ≈ {backward:g}× the "
+           f"× {_gflop(train_pair)} (its forward, {_gflop(gflop[train_cfg])}"
+           + (f" × {trained_forward(cfg):g} (CFG's unconditional half taken from the rollout on its first optimizer "
+              "step)" if trained_forward(cfg) < 1 else "")
+           + f", and a backward of ≈ {backward:g}× the "
            + ("forward: LoRA, input gradients only" if m.use_lora
               else "forward: full finetune, input and weight gradients")
            + (", through CFG's conditional half alone" if backward < backward_factor(cfg) else "")

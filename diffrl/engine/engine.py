@@ -320,9 +320,16 @@ class Engine:
         key = (height, width, num_frames, guidance, guidance_2, sde_type, sde_steps, return_steps,
                req.num_inference_steps, req.rollout, req.rollout_noise_level, req.rollout_log_prob_no_const,
                req.rollout_return_dit_trajectory, req.rollout_return_denoising_env,
-               req.rollout_return_denoising_env and req.rollout_return_negative_env, str(generator_device))
+               req.rollout_return_denoising_env and req.rollout_return_negative_env, str(generator_device),
+               self._returns_uncond_velocity(req, guidance))
         return _Plan(height, width, guidance, sde_type, sde_steps, return_steps, key, num_frames=num_frames,
                      guidance_scale_2=guidance_2, generator_device=generator_device)
+
+    def _returns_uncond_velocity(self, req: RolloutRequest, guidance: float) -> bool:
+        """Whether this request's outputs carry CFG's unconditional velocities: asked for, on SDE steps, with CFG
+        on and the half run apart (otherwise there is no such half to return, and none comes back)."""
+        return (req.rollout_return_uncond_velocity and req.rollout and guidance > 1.0
+                and self.family.reuses_uncond_velocity)
 
     # ------------------------------------------------------------------ generation
     def generate(self, req: RolloutRequest, cancel: threading.Event | None = None) -> list[RolloutOutput]:
@@ -674,13 +681,14 @@ class Engine:
             live = [k for k in live if k not in gone]
             return rows
 
+        uncond_steps = plan.sde_steps if self._returns_uncond_velocity(req0, plan.guidance_scale) else ()
         result = denoise(
             family, latents, sigmas, cond, uncond, plan.guidance_scale, generators=generators,
             sde_type=plan.sde_type, noise_level=req0.rollout_noise_level, sde_step_indices=plan.sde_steps,
             return_step_indices=plan.return_steps if req0.rollout_return_dit_trajectory else (),
             log_prob_no_const=req0.rollout_log_prob_no_const, guidance_scale_2=plan.guidance_scale_2,
             keep_rows=keep_rows, training_graph=self.config.forward_graph == "training",
-            training_graph_rows=self.config.training_graph_rows,
+            training_graph_rows=self.config.training_graph_rows, uncond_step_indices=uncond_steps,
         )
         # Both queued before either is read back: the decode starts without waiting for the host.
         finite = torch.isfinite(result.latents).flatten(1).all(1)
@@ -697,6 +705,8 @@ class Engine:
         timesteps = family.model_timesteps(sigmas_cpu[steps])
         kept = {s: result.trajectory[s].cpu() for s in plan.return_steps} if req0.rollout_return_dit_trajectory else {}
         log_probs = result.log_probs.cpu()
+        uncond_velocities = (torch.stack([result.uncond_velocities[s] for s in uncond_steps], dim=1).cpu()
+                             if uncond_steps else None)  # [B, K, *latent_shape]
         outputs, row = [], 0  # `result` holds the rows of the `live` requests only
         for k, t in enumerate(batch):
             req, n = t.req, t.req.num_outputs_per_prompt
@@ -725,6 +735,7 @@ class Engine:
                     rollout_log_probs=log_probs[row + i] if req.rollout else None,
                     dit_trajectory=trajectory, denoising_env=env if i == 0 else None,
                     weight_version=self.weight_version, inference_time_s=elapsed, peak_memory_mb=peak_mb,
+                    uncond_velocities=None if uncond_velocities is None else uncond_velocities[row + i],
                 ))
             outputs.append(mine)
             row += n

@@ -122,6 +122,10 @@ class RolloutRequest(BaseModel):
     """With rollout_return_denoising_env, a diffrl extension: the negative prompt's conditioning comes back in the env
     even when the request runs without CFG (its sampling unchanged), for a trainer whose KL reference is guided."""
     rollout_return_dit_trajectory: bool = False
+    rollout_return_uncond_velocity: bool = False
+    """A diffrl extension: with CFG on and the family's unconditional half run apart (`EngineSpec.detach_uncond`),
+    each output also returns that half's velocity at every SDE step (`RolloutOutput.uncond_velocities`), which a
+    trainer replaying the steps under the same weights takes in place of a forward. Otherwise nothing comes back."""
     rollout_log_prob_no_const: bool = False
     generator_device: str | None = None
     """Where each output's generator lives: "cpu" (CPU generators, the same noise on any machine) or
@@ -203,3 +207,7 @@ class RolloutOutput:
     weight_version: int
     inference_time_s: float
     peak_memory_mb: float
+    # CFG's unconditional velocity at each SDE step, ascending `[K, *latent_shape]` fp32, when the request asked for
+    # it and the engine ran the half apart (`rollout_return_uncond_velocity`); the compact form carries it, the
+    # sglang JSON form does not.
+    uncond_velocities: torch.Tensor | None = None

@@ -397,14 +397,42 @@ class FamilyAdapter(ABC):
         **guidance_options,
     ) -> torch.Tensor:
         """Predicted velocity for `latents` at `sigma` ([B]); CFG when guidance_scale > 1, a single
-        conditional forward otherwise. `guidance_options` (e.g. `guidance_scale_2`) go to `combine_guidance`."""
+        conditional forward otherwise. `guidance_options` (e.g. `guidance_scale_2`) go to `combine_guidance`.
+        A family changes `velocity_and_uncond`, never this: the engine calls that one."""
+        return self.velocity_and_uncond(transformer, latents, sigma, cond, uncond, guidance_scale,
+                                        **guidance_options)[0]
+
+    @property
+    def reuses_uncond_velocity(self) -> bool:
+        """Whether CFG's unconditional half can be handed to `velocity_and_uncond` by the rollout that computed it:
+        the half runs apart with no graph (`detach_uncond`), so under the same weights the rollout's value is what
+        a replay would compute."""
+        return self.detach_uncond
+
+    def velocity_and_uncond(
+        self,
+        transformer: torch.nn.Module,
+        latents: Latents,
+        sigma: torch.Tensor,
+        cond: PromptEmbeds,
+        uncond: PromptEmbeds | None,
+        guidance_scale: float,
+        *,
+        uncond_velocity: torch.Tensor | None = None,
+        **guidance_options,
+    ) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """`velocity`, and CFG's unconditional velocity (None without CFG). `uncond_velocity`: that half as a rollout
+        computed it under these weights (`reuses_uncond_velocity`), taken in place of its forward."""
+        if uncond_velocity is not None and not self.reuses_uncond_velocity:
+            raise ValueError(f"{self.name}: an unconditional velocity is taken only with detach_uncond (its half "
+                             "then runs apart, with no graph)")
         # A rollout step's σ is one value for every row (known without a sync): the per-row timestep
         # layers then run once for the batch (`diffrl.models.batch_invariance`).
         with rows_share_one_timestep(one_value_for_all_rows(sigma)):
             sigma = torch.as_tensor(sigma, device=latents.tokens.device, dtype=torch.float32)
             sigma = sigma.expand(latents.tokens.shape[0])
             if guidance_scale <= 1.0:
-                return self.run_transformer(transformer, latents, sigma, cond)
+                return self.run_transformer(transformer, latents, sigma, cond), None
             if uncond is None:
                 raise ValueError("guidance_scale > 1 needs the unconditional (negative) conditioning")
             both = self.pair_conditionings(uncond, cond)
@@ -415,14 +443,17 @@ class FamilyAdapter(ABC):
                 # Detached, the unconditional half runs with no graph at all (its activations are never kept, and a
                 # compiled block takes its inference graph): the engine's rollouts run it the same way, so a replay
                 # still matches them.
-                with torch.no_grad() if self.detach_uncond else contextlib.nullcontext():
-                    v_uncond = self.run_transformer(transformer, latents, sigma, uncond)
+                v_uncond = uncond_velocity
+                if v_uncond is None:
+                    with torch.no_grad() if self.detach_uncond else contextlib.nullcontext():
+                        v_uncond = self.run_transformer(transformer, latents, sigma, uncond)
                 v_cond = self.run_transformer(transformer, latents, sigma, cond)
             else:
                 doubled = Latents(torch.cat([latents.tokens, latents.tokens]), latents.ids)
                 v_uncond, v_cond = self.run_transformer(transformer, doubled, torch.cat([sigma, sigma]), both).chunk(2)
-            return self.combine_guidance(v_uncond, v_cond, guidance_scale, transformer=transformer, sigma=sigma,
-                                         **guidance_options)
+            guided = self.combine_guidance(v_uncond, v_cond, guidance_scale, transformer=transformer, sigma=sigma,
+                                           **guidance_options)
+            return guided, v_uncond
 
     def model_timesteps(self, sigma: torch.Tensor) -> torch.Tensor:
         """The scheduler's timestep for σ: σ·timestep_scale, truncated where the scheduler's are integers."""

@@ -419,10 +419,10 @@ class Ltx2Family(FamilyAdapter):
         return x.permute(0, 4, 1, 5, 2, 6, 3, 7).reshape(b, -1, g.frames, g.height, g.width)
 
     # ---------------------------------------------------------------- the transformer
-    def velocity(self, transformer, latents, sigma, cond, uncond, guidance_scale, **guidance_options):
+    def velocity_and_uncond(self, transformer, latents, sigma, cond, uncond, guidance_scale, **options):
         # The CFG combination works on x0 = x − σ·v, so it needs the latents too.
-        return super().velocity(transformer, latents, sigma, cond, uncond, guidance_scale, x=latents.tokens,
-                                **guidance_options)
+        return super().velocity_and_uncond(transformer, latents, sigma, cond, uncond, guidance_scale,
+                                           x=latents.tokens, **options)
 
     def run_transformer(self, transformer, latents, sigma, cond) -> torch.Tensor:
         x = latents.tokens

@@ -296,8 +296,9 @@ def request_fields(request: RolloutRequest, image_bytes: bool = False) -> dict:
     a diffrl server reads it too. Condition images given as bytes go as `data:` URLs (`image_bytes`: stay bytes,
     for a msgpack body)."""
     fields = request.model_dump(exclude_none=True)
-    if not fields.get("rollout_return_negative_env"):  # diffrl's extension, sent only when asked: sglang lacks it
-        fields.pop("rollout_return_negative_env", None)
+    for extension in ("rollout_return_negative_env", "rollout_return_uncond_velocity"):
+        if not fields.get(extension):  # diffrl's extensions, sent only when asked: sglang lacks them
+            fields.pop(extension, None)
     if "image_path" in fields and not image_bytes:  # image bytes travel in JSON as data: URLs (paths stay paths on the server's disk)
         fields["image_path"] = [data_url(i) if isinstance(i, bytes) else i for i in fields["image_path"]]
     if "guidance_scale_2" in fields:

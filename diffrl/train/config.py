@@ -229,6 +229,14 @@ class AlgorithmConfig:
     its Qwen-Image step and Flow-Factory differentiate both halves, the default). The halves then run as two
     forwards, in the rollouts too (the replay must be their forward), and the backward covers the conditional rows
     only: a quarter (LoRA) to a third (full finetune) less training work per pair."""
+    reuse_rollout_uncond: bool = True
+    """With --detach-uncond, the first optimizer step of a rollout takes CFG's unconditional velocity from the rollout
+    (an in-process engine returns it, `rollout_return_uncond_velocity`) instead of computing it again: the weights
+    are the ones that sampled and the half carries no gradient, so the forward would give the same value wherever
+    the replay runs the rollout's graph at its batch shape (bit for bit in the compiled SD3.5 recipes; within
+    rounding where a kernel rounds a row by its batch), and a pair costs the conditional forward and its backward
+    alone. Later optimizer steps (new weights), remote engines and replayed rollouts compute it.
+    --no-reuse-rollout-uncond computes it always (one more forward per pair)."""
     kl_type: Literal["x-based", "v-based"] | None = None
     """What --diffusion-kl-beta measures: x-based = the SDE step's means, mean((μ_θ − μ_ref)²)/(2σ²) (Flow-GRPO);
     v-based = the velocities, mean((v_θ − v_ref)²) (DanceGRPO). None: x-based for the SDE methods; the methods

@@ -138,14 +138,16 @@ class Objective:
         for key in ("text_ids", "negative_text_ids", "image_ids"):
             env[key] = env[key].to(self.device)
 
-    def _velocity(self, x, sigma, cond, uncond, guidance_scale, env):
+    def _velocity(self, x, sigma, cond, uncond, guidance_scale, env, uncond_velocity=None):
+        """The family's velocity for these rows; `uncond_velocity`: CFG's unconditional half as the rollout computed
+        it under the live weights (`FamilyAdapter.velocity_and_uncond`), in place of its forward."""
         family = self.policy.family
         text_ids, negative_ids = env["text_ids"].to(self.device), env["negative_text_ids"].to(self.device)
-        return family.velocity(
+        return family.velocity_and_uncond(
             family.transformer, Latents(x, env["image_ids"].to(self.device)), sigma,
             PromptEmbeds(cond, text_ids), PromptEmbeds(uncond, negative_ids) if uncond is not None else None,
-            guidance_scale, **(self._second_expert() if uncond is not None else {}),
-        )
+            guidance_scale, uncond_velocity=uncond_velocity, **(self._second_expert() if uncond is not None else {}),
+        )[0]
 
     def _second_expert(self) -> dict:
         """The second expert's CFG scale, for requests and the replay, when the run sets one."""

@@ -56,7 +56,18 @@ class FlowGrpo(Objective):
         return self._sized(dict(num_inference_steps=r.diffusion_num_steps, guidance_scale=r.diffusion_guidance_scale,
                                 **self._second_expert(), rollout=True, rollout_sde_type=r.diffusion_sde_type,
                                 rollout_noise_level=r.diffusion_noise_level, rollout_sde_step_indices=self.window,
-                                rollout_return_dit_trajectory=True, rollout_return_denoising_env=True))
+                                rollout_return_dit_trajectory=True, rollout_return_denoising_env=True,
+                                **({"rollout_return_uncond_velocity": True} if self.reuses_rollout_uncond() else {})))
+
+    def reuses_rollout_uncond(self) -> bool:
+        """Whether the first optimizer step takes CFG's unconditional velocity from the rollout
+        (--reuse-rollout-uncond): the half is detached, and the one engine is this process's, sampling with the
+        trained family itself in the replay's precision, so its value is what the replay's forward computes (bit for
+        bit where the replay runs the rollout's graph at its batch shape)."""
+        a, policy = self.cfg.algorithm, self.policy
+        return (a.detach_uncond and a.reuse_rollout_uncond and self.cfg.rollout.diffusion_guidance_scale > 1.0
+                and policy.local_engine is not None and not policy.remote_engines
+                and policy.engine_family is policy.family)
 
     def pairs(self, samples: Sequence, advantages: torch.Tensor, env: dict) -> GrpoPairs:
         """Pairs whose `cond` / `uncond` are rows of `env["cond_rows"]` / `env["uncond_rows"]` (on the device)."""
@@ -69,7 +80,17 @@ class FlowGrpo(Objective):
             env["uncond_rows"], uncond = conditioning_rows(env["uncond"], self.device)
         return grpo_pairs([t.latents for t in trajectories], trajectories[0].latent_step_indices.tolist(),
                           [s.output.rollout_log_probs for s in samples], trajectories[0].sigmas, advantages,
-                          cond, uncond, self.window)
+                          cond, uncond, self.window, self._rollout_uncond_velocities(samples))
+
+    def _rollout_uncond_velocities(self, samples: Sequence) -> list[torch.Tensor] | None:
+        """Each sample's unconditional velocity at the trained steps, when every sample came back with one (one per
+        trained step) from the weights the trainer holds now; else None (the replay computes them)."""
+        outputs = [s.output for s in samples]
+        if not self.reuses_rollout_uncond() or not outputs or any(
+                o.uncond_velocities is None or len(o.uncond_velocities) != len(self.window)
+                or o.weight_version != self.policy.weight_version for o in outputs):
+            return None
+        return [o.uncond_velocities for o in outputs]
 
     def start_update(self) -> None:
         super().start_update()
@@ -101,8 +122,8 @@ class FlowGrpo(Objective):
         cond = env["cond_rows"][batch.cond.to(dev)]
         uncond = env["uncond_rows"][batch.uncond.to(dev)] if guidance > 1.0 else None
 
-        def velocity():
-            return self._velocity(x, sigma, cond, uncond, guidance, env)
+        def velocity(uncond_velocity=None):
+            return self._velocity(x, sigma, cond, uncond, guidance, env, uncond_velocity)
 
         def step_of(v):  # the engine's transition, scoring the rollout's x_next instead of drawing one
             return transition(r.diffusion_sde_type, x, v, sigma, sigma_next, r.diffusion_noise_level,
@@ -117,7 +138,8 @@ class FlowGrpo(Objective):
         old_mean = self.rollout_step_mean(step, velocity, step_of)
         # The family's forward precision is the engine's too, so the first pass reproduces its log-probs
         # (exactly in fp32; bf16 kernels may round differently at the trainer's batch size).
-        v = velocity()
+        # At the first optimizer step the weights are the rollout's: its unconditional half stands for this forward's.
+        v = velocity(batch.uncond_velocity.to(dev) if step == 0 and batch.has_uncond_velocity else None)
         out = step_of(v)
         old_log_prob = batch.old_log_prob.to(dev)
         kl = None
