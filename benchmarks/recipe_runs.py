@@ -96,6 +96,9 @@ VARIANTS = {
     # FLUX.2 [dev]: the 32.2 B transformer and a 3-layer text encoder of Mistral Small's width, about 66 GB on disk.
     "flux2-dev-edit-grpo-pickscore": Variant("dev", "Flux2Pipeline", real={"model": "dev"}, disk_gb=66),
 }
+# Text-only recipes of a family's other model (the same folder as its image-conditioned recipe where they share one):
+# FLUX.2 [dev] generates and edits with one transformer, where the family's REAL_SIZES is FLUX.2 [klein] 4B.
+VARIANTS["flux2-dev-grpo-pickscore"] = VARIANTS["flux2-dev-edit-grpo-pickscore"]
 
 
 def recipe_variant(recipe: str) -> Variant | None:

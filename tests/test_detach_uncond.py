@@ -212,3 +212,14 @@ def test_a_replayed_or_remote_rollout_computes_the_half(tiny_model_dir, tmp_path
     trainer.policy.remote_engines = []
     off = Trainer(tiny_config(tiny_model_dir, tmp_path / "off", detach_uncond=True, reuse_rollout_uncond=False))
     assert "rollout_return_uncond_velocity" not in off.objective.request(0)
+
+
+def test_no_family_changes_velocity_itself():
+    """The engine calls `velocity_and_uncond`; a family that overrode `velocity` would sample one way in the trainer's
+    plain calls and another in the engine's: each family changes `velocity_and_uncond` instead."""
+    from diffrl.models.base import FamilyAdapter
+    from diffrl.models.registry import family_names, get_family
+
+    names = family_names()
+    assert "ltx2" in names and "sd3" in names
+    assert [n for n in names if get_family(n).velocity is not FamilyAdapter.velocity] == []

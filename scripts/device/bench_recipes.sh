@@ -17,6 +17,8 @@
 # DEPTH=N: real widths with N blocks of each kind (checkpoints runs/<name>-depthN-random): the real model's compiled
 # graphs in minutes, for a first-pass exactness check of every recipe (ROLLOUTS=1), not for its cost.
 # JOB_TIMEOUT=S stops a job after S seconds (the JSON keeps its finished rollouts) so the next one still runs.
+# WORK (default runs/recipe-bench): the jobs' work folder (prompt files, reward checkpoints); lanes of jobs run side by
+# side on one GPU (DEPTH checks, whose timings do not count) each need their own, and KEEP=1.
 set -uo pipefail
 bash scripts/device/install_wheels.sh || exit 1
 export PYTHONPATH=/tmp/site:$PWD PYTHONUNBUFFERED=1 OMP_NUM_THREADS=8 PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True
@@ -34,7 +36,7 @@ for job in ${JOBS:?JOBS=recipe:groups ...}; do
   fi
   echo "== $recipe ($groups groups) $(date +%T)"
   (cd benchmarks && timeout "${JOB_TIMEOUT:-0}" python3 recipe_runs.py --recipe "$recipe" --checkpoint "$ckpt" --rollout-batch-size "$groups" \
-    --num-rollout "${ROLLOUTS:-3}" ${DEPTH:+--depth $DEPTH} ${FLAGS:-} --work-dir "$PWD/../runs/recipe-bench" --out "$OUT/recipe_${recipe}${TAG:-}.json") 2>&1 | quiet \
+    --num-rollout "${ROLLOUTS:-3}" ${DEPTH:+--depth $DEPTH} ${FLAGS:-} --work-dir "$PWD/../${WORK:-runs/recipe-bench}" --out "$OUT/recipe_${recipe}${TAG:-}.json") 2>&1 | quiet \
     | grep -v '^    \|^[{}]' | tee -a "$OUT/log.txt"
   nvidia-smi --query-gpu=memory.used --format=csv,noheader
 done
