@@ -130,7 +130,7 @@ def wrap_phases(trainer, stack: contextlib.ExitStack) -> None:
     patch = lambda obj, attr, wrapper: stack.enter_context(mock.patch.object(obj, attr, wrapper))
     for family in {id(f): f for f in (policy.family, policy.engine_family)}.values():
         patch(family, "encode_prompts", _timed("encode", family.encode_prompts))
-        patch(family, "velocity", _timed("transformer", family.velocity))
+        patch(family, "velocity_and_uncond", _timed("transformer", family.velocity_and_uncond))
         patch(family, "decode", _timed("decode", family.decode))
     patch(engine_module, "denoise", _timed("denoise", engine_module.denoise))
     if trainer.engine is not None:

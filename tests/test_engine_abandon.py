@@ -48,7 +48,7 @@ def _one_batch(family, monkeypatch, requests, drops: dict[int, list[tuple[int, s
                                          batch_wait_s=0.2))
     events = [threading.Event() for _ in requests]
     batches, sizes, answered, pending = [], [], {}, []
-    run_batch, velocity = engine._run_batch, family.velocity
+    run_batch, velocity = engine._run_batch, family.velocity_and_uncond
 
     def record_batch(batch):
         batches.append(batch)
@@ -68,7 +68,7 @@ def _one_batch(family, monkeypatch, requests, drops: dict[int, list[tuple[int, s
         return velocity(transformer, latents, *args, **kwargs)
 
     monkeypatch.setattr(engine, "_run_batch", record_batch)
-    monkeypatch.setattr(family, "velocity", counted)
+    monkeypatch.setattr(family, "velocity_and_uncond", counted)
 
     async def together():
         return await asyncio.gather(*(engine.agenerate(r, e) for r, e in zip(requests, events)), return_exceptions=True)
@@ -145,14 +145,14 @@ def test_the_server_keeps_answering_exactly_after_a_batchmate_left(tiny_family, 
     staying = {"prompt": "a red circle", "seed": 7, "num_outputs_per_prompt": 2, **settings}
     leaving = {**staying, "prompt": "two blue squares", "seed": 40, "num_outputs_per_prompt": 3}
     expected = engine.generate(RolloutRequest(**staying))
-    velocity, sizes = tiny_family.velocity, []
+    velocity, sizes = tiny_family.velocity_and_uncond, []
 
     def slow(transformer, latents, *args, **kwargs):  # time to leave while both requests are denoised
         sizes.append(latents.tokens.shape[0])
         time.sleep(0.1 if sizes[-1] == 5 else 0)
         return velocity(transformer, latents, *args, **kwargs)
 
-    monkeypatch.setattr(tiny_family, "velocity", slow)
+    monkeypatch.setattr(tiny_family, "velocity_and_uncond", slow)
     compact = {"accept": "application/msgpack"}
     with serving_in_thread(create_app(engine)) as url:
         host, port = url.removeprefix("http://").split(":")

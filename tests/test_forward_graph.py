@@ -82,7 +82,7 @@ def test_the_training_graph_in_pieces_samples_what_the_whole_batch_does(tiny_fam
     gives every output what the whole batch gives, bit for bit on a CPU, and leaves no graph."""
     family = tiny_family
     pieces = []
-    velocity = family.velocity
+    velocity = family.velocity_and_uncond
 
     def counted(transformer, latents, *args, **kwargs):
         pieces.append(latents.tokens.shape[0])
@@ -91,12 +91,12 @@ def test_the_training_graph_in_pieces_samples_what_the_whole_batch_does(tiny_fam
     outputs = {}
     for rows in (None, 2):
         pieces.clear()
-        family.velocity = counted
+        family.velocity_and_uncond = counted
         try:
             engine = Engine(family, EngineConfig(forward_graph="training", training_graph_rows=rows))
             outputs[rows] = engine.generate(RolloutRequest(**REQUEST))
         finally:
-            del family.velocity
+            del family.velocity_and_uncond
         assert pieces == [3] * 3 if rows is None else pieces == [2, 1] * 3  # 3 steps
     for a, b in zip(outputs[None], outputs[2], strict=True):
         assert torch.equal(a.rollout_log_probs, b.rollout_log_probs)

@@ -146,14 +146,14 @@ def test_body_prompt_and_work_per_request_are_bounded(tiny_family):
 
 def _slow(family, monkeypatch, step_s=0.05) -> list[float]:
     """Make each denoising step take `step_s`; returns the list of step start times."""
-    real, steps = family.velocity, []
+    real, steps = family.velocity_and_uncond, []
 
     def velocity(*args, **kwargs):
         steps.append(time.monotonic())
         time.sleep(step_s)
         return real(*args, **kwargs)
 
-    monkeypatch.setattr(family, "velocity", velocity)
+    monkeypatch.setattr(family, "velocity_and_uncond", velocity)
     return steps
 
 

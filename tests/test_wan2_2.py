@@ -370,13 +370,13 @@ def test_the_second_experts_scale_reaches_rollout_and_replay(wan_dir, tmp_path, 
         reward="rewards_for_tests:darkness", output_dir=tmp_path / "run", resolution=HEIGHT, num_frames=FRAMES)
     trainer = Trainer(cfg)
     family, calls = trainer.policy.family, []
-    real = family.velocity
+    real = family.velocity_and_uncond
 
     def velocity(*args, **kwargs):
         calls.append((torch.is_grad_enabled(), kwargs.get("guidance_scale_2")))
         return real(*args, **kwargs)
 
-    monkeypatch.setattr(family, "velocity", velocity)
+    monkeypatch.setattr(family, "velocity_and_uncond", velocity)
     assert trainer.objective.request(0)["guidance_scale_2"] == 2.0
     trainer.rollout_and_update(0)
     assert {grad for grad, _ in calls} == {False, True}  # the engine's steps and the trainer's replay
