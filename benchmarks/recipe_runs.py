@@ -276,7 +276,9 @@ def forward_flops(trainer: Trainer, prompt: str, image: torch.Tensor | None = No
     family, cfg = trainer.policy.family, trainer.cfg
     height, width = cfg.model.size() or family.default_size()
     frames = {"num_frames": cfg.model.num_frames} if family.generates_video else {}  # None: the family's default
-    with torch.no_grad():
+    # An offloaded text encoder (the recipe's --offload-text-encoder) visits the device for the encode, as the engine
+    # brings it for a batch that encodes.
+    with torch.no_grad(), family.text_encoders_on_device():
         if image is None:
             cond = family.encode_prompts([prompt])
         else:
@@ -285,8 +287,9 @@ def forward_flops(trainer: Trainer, prompt: str, image: torch.Tensor | None = No
             encoded = family.encode_condition_images([image], **size)
             cond = (family.encode_prompts_with_images([prompt], encoded) if family.prompt_sees_images
                     else family.condition_on_images(family.encode_prompts([prompt]), encoded))
-            if family.latents_need_conditioning:  # LTX-2 image to video: the first frame's tokens leave the state
-                frames["cond"] = cond
+    with torch.no_grad():
+        if family.latents_need_conditioning and image is not None:
+            frames["cond"] = cond  # LTX-2 image to video: the first frame's tokens leave the state
         latents = family.prepare_latents(make_generators([0], device="cpu"), height, width, **frames)
         sigma = torch.full((1,), 0.5, device=family.device)
         counter = flop_counter()

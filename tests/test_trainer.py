@@ -560,3 +560,30 @@ def test_an_engine_batch_whose_prompts_are_cached_leaves_the_offloaded_encoder_w
     assert len(visits) == per_visit and engine.prompt_encodes == 1
     engine.generate(request.model_copy(update={"prompt": "a blue square"}))
     assert len(visits) == 2 * per_visit and engine.prompt_encodes == 2
+
+
+def test_the_flop_counters_encode_on_the_visiting_copies_of_an_offloaded_encoder(tiny_model_dir, tmp_path, monkeypatch):
+    """`diffrl bench-train`'s and recipe_runs.py's FLOP counts encode a prompt themselves: with the recipe's
+    --offload-text-encoder the encoder must visit the device for it (on the host copy a GPU run's text embeddings came
+    out on the CPU and the transformer refused them)."""
+    from benchmark_scripts import load_benchmark
+
+    from diffrl.cli.bench import transformer_gflop
+    from diffrl.utils.offload import FrozenOffload
+
+    trainer = Trainer(tiny_config(tiny_model_dir, tmp_path / "run", offload_text_encoder=True))
+    family = trainer.policy.family
+    (encoder,) = family.text_encoder_modules()
+    host = {name: p.data.data_ptr() for name, p in encoder.named_parameters()}
+    monkeypatch.setattr(FrozenOffload, "to_device", staticmethod(lambda h, device: h.clone()))
+    on_visit, real_encode = [], family.encode_prompts
+
+    def encode(prompts):
+        on_visit.append(all(p.data_ptr() != host[n] for n, p in encoder.named_parameters()))
+        return real_encode(prompts)
+
+    monkeypatch.setattr(family, "encode_prompts", encode)
+    assert transformer_gflop(family, 1, (64, 64), 2.0) > 0
+    assert load_benchmark("recipe_runs", monkeypatch).forward_flops(trainer, "a red circle") > 0
+    assert len(on_visit) == 3 and all(on_visit)  # cond and uncond, then the recipe's one prompt
+    assert all(p.data_ptr() == host[n] for n, p in encoder.named_parameters())  # gone again after

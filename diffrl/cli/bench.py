@@ -65,8 +65,9 @@ def _step_inputs(family, batch: int, size: tuple[int, int], guidance: float, num
     device = family.device
     latents = family.prepare_latents(make_generators(range(batch), device=device), *size,
                                      **_frames(family, num_frames))
-    cond = family.encode_prompts([PROMPT]).repeat(batch)
-    uncond = family.encode_prompts([""]).repeat(batch) if guidance > 1 else None
+    with family.text_encoders_on_device():  # an offloaded encoder (--offload-text-encoder) visits for the encode
+        cond = family.encode_prompts([PROMPT]).repeat(batch)
+        uncond = family.encode_prompts([""]).repeat(batch) if guidance > 1 else None
     return latents, torch.full((batch,), 0.5, device=device), cond, uncond
 
 
