@@ -370,8 +370,10 @@ _EDIT_CPU = dict(_EDIT, diffusion_num_steps=4, num_rollout=22, rollout_batch_siz
 # graph (--engine-forward-graph auto → training), in pieces of the trainer's micro-batch since nothing is
 # checkpointed. CFG's unconditional half runs without gradients in the rollout and the replay alike
 # (--detach-uncond: the published code's own gradient), which lets a micro-batch hold 16 pairs in the memory 8
-# took: on one H100, 0.347 s per sample against the published code's 0.814 on the same machine, first-pass
-# |Δ log p| 0 and clipfrac 0, 55.9 GiB (BENCHMARKS.md, "One compiled graph for the rollout and its replay").
+# took, and the replay takes that half from the rollout instead of computing it again (--reuse-rollout-uncond, one
+# optimizer step per rollout): on one H100, 0.286 s per sample against the published code's 0.812 in the same call,
+# first-pass |Δ log p| 0 and clipfrac 0, 56.1 GiB (BENCHMARKS.md, "One compiled graph for the rollout and its
+# replay").
 # --gradient-checkpointing trades speed for memory; --no-compile gives eager back (0.83 s).
 _SD3_GPU = dict(compile=True, gradient_checkpointing=False, detach_uncond=True, micro_batch_size=16)
 
@@ -408,18 +410,23 @@ SIZED: dict[str, dict[str, dict]] = {
     # clipfrac 0 at clip 1e-4 (|Δ log p| 0.8-3.7e-6); Z-Image 0.82 s once its third rollout is compiled, clipfrac 0
     # (|Δ log p| 1.5e-8 on the first rollout, 2.6-3.1e-5 after an update) (BENCHMARKS.md, "FLUX.1 [dev] and Z-Image").
     "flux1-grpo-pickscore": {"gpu": dict(_FLUX1_GRPO, compile=True), "cpu": _FLUX1_GRPO},
-    "flux1-kontext-grpo-pickscore": {"gpu": _FLUX1_KONTEXT_GRPO, "cpu": _FLUX1_KONTEXT_GRPO},
-    "qwen-image-edit-grpo-pickscore": {"gpu": _QWEN_EDIT_GRPO, "cpu": _QWEN_EDIT_GRPO},
-    "krea2-nft-ocr": {"gpu": _KREA2_NFT, "cpu": _KREA2_NFT},
-    "krea2-nft-pickscore": {"gpu": (_krea_pick := dict(_KREA2_NFT, reward="pickscore")), "cpu": _krea_pick},
-    "wan22-grpo-pickscore": {"gpu": _WAN22_GRPO, "cpu": _WAN22_GRPO},
+    # Compiled on a GPU as well, these and the FLUX.2, Krea-2, Wan2.2 I2V and Cosmos3 recipes below except
+    # flux2-klein-base-grpo-pickscore and ltx23-i2v-grpo-pickscore: on one H100, each recipe's first rollout with
+    # real-width blocks (two of each kind) clipped none of its first pass at clip 1e-4 (|Δ log p| 1e-9 to 2.1e-6), and
+    # its NFT runs compiled every block (BENCHMARKS.md, "Every recipe's first pass, compiled").
+    "flux1-kontext-grpo-pickscore": {"gpu": dict(_FLUX1_KONTEXT_GRPO, compile=True), "cpu": _FLUX1_KONTEXT_GRPO},
+    "qwen-image-edit-grpo-pickscore": {"gpu": dict(_QWEN_EDIT_GRPO, compile=True), "cpu": _QWEN_EDIT_GRPO},
+    "krea2-nft-ocr": {"gpu": dict(_KREA2_NFT, compile=True), "cpu": _KREA2_NFT},
+    "krea2-nft-pickscore": {"gpu": dict(_krea_pick := dict(_KREA2_NFT, reward="pickscore"), compile=True),
+                            "cpu": _krea_pick},
+    "wan22-grpo-pickscore": {"gpu": dict(_WAN22_GRPO, compile=True), "cpu": _WAN22_GRPO},
     "z-image-grpo-pickscore": {"gpu": dict(_Z_IMAGE_GRPO, compile=True), "cpu": _Z_IMAGE_GRPO},
     "z-image-turbo-grpo-pickscore": {"gpu": dict(_Z_IMAGE_TURBO_GRPO, compile=True), "cpu": _Z_IMAGE_TURBO_GRPO},
-    "flux2-klein-grpo-pickscore": {"gpu": _FLUX2_KLEIN_GRPO, "cpu": _FLUX2_KLEIN_GRPO},
+    "flux2-klein-grpo-pickscore": {"gpu": dict(_FLUX2_KLEIN_GRPO, compile=True), "cpu": _FLUX2_KLEIN_GRPO},
     "flux2-klein-base-grpo-pickscore": {"gpu": _FLUX2_KLEIN_BASE_GRPO, "cpu": _FLUX2_KLEIN_BASE_GRPO},
-    "flux2-klein-base-nft-pickscore": {"gpu": _FLUX2_KLEIN_BASE_NFT, "cpu": _FLUX2_KLEIN_BASE_NFT},
-    "flux2-dev-grpo-pickscore": {"gpu": _FLUX2_DEV_GRPO, "cpu": _FLUX2_DEV_GRPO},
-    "flux2-dev-edit-grpo-pickscore": {"gpu": _FLUX2_DEV_EDIT_GRPO, "cpu": _FLUX2_DEV_EDIT_GRPO},
+    "flux2-klein-base-nft-pickscore": {"gpu": dict(_FLUX2_KLEIN_BASE_NFT, compile=True), "cpu": _FLUX2_KLEIN_BASE_NFT},
+    "flux2-dev-grpo-pickscore": {"gpu": dict(_FLUX2_DEV_GRPO, compile=True), "cpu": _FLUX2_DEV_GRPO},
+    "flux2-dev-edit-grpo-pickscore": {"gpu": dict(_FLUX2_DEV_EDIT_GRPO, compile=True), "cpu": _FLUX2_DEV_EDIT_GRPO},
     # On a GPU: one request per prompt's 8 videos (denoised as one batch), training micro-batches of 4 pairs and
     # compiled blocks: 8.25 s per sample on one H200 against 29.2 s with the published microgroup 1 and micro-batch
     # 1, eager. The same samples (seeds fix them) and the same gradient (micro-batches are weighted by their
@@ -430,10 +437,10 @@ SIZED: dict[str, dict[str, dict]] = {
     "ltx23-grpo-pickscore": {"gpu": dict(_LTX23_GRPO, rollout_microgroup_size=8, micro_batch_size=4, compile=True,
                                          offload_text_encoder=True),
                              "cpu": _LTX23_GRPO},
-    "wan22-i2v-grpo-pickscore": {"gpu": _WAN22_I2V_GRPO, "cpu": _WAN22_I2V_GRPO},
+    "wan22-i2v-grpo-pickscore": {"gpu": dict(_WAN22_I2V_GRPO, compile=True), "cpu": _WAN22_I2V_GRPO},
     "ltx23-i2v-grpo-pickscore": {"gpu": dict(_LTX23_I2V_GRPO, offload_text_encoder=True), "cpu": _LTX23_I2V_GRPO},
     # On a GPU micro-batches of 16 pairs (one prompt's rows batched): 0.78 s per sample against 2.32 at micro-batch 1.
-    "cosmos3-grpo": {"gpu": dict(_COSMOS3_GRPO, micro_batch_size=16), "cpu": _COSMOS3_GRPO},
+    "cosmos3-grpo": {"gpu": dict(_COSMOS3_GRPO, micro_batch_size=16, compile=True), "cpu": _COSMOS3_GRPO},
     "shapes-nft": {
         # DiffusionNFT: CFG-free ODE rollouts under the EMA old policy, full finetune.
         # Cosine decay over 60 rollouts: at a constant rate, or over more rollouts, the held-out
