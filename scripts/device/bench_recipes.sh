@@ -19,6 +19,7 @@
 # JOB_TIMEOUT=S stops a job after S seconds (the JSON keeps its finished rollouts) so the next one still runs.
 # WORK (default runs/recipe-bench): the jobs' work folder (prompt files, reward checkpoints); lanes of jobs run side by
 # side on one GPU (DEPTH checks, whose timings do not count) each need their own, and KEEP=1.
+# A call brings back at most 8 files: end one that runs more jobs than that with `bash scripts/device/pack_out.sh`.
 set -uo pipefail
 bash scripts/device/install_wheels.sh || exit 1
 export PYTHONPATH=/tmp/site:$PWD PYTHONUNBUFFERED=1 OMP_NUM_THREADS=8 PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True
