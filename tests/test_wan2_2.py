@@ -495,3 +495,84 @@ def test_diffrl_compare_takes_the_second_experts_scale(wan_dir, tmp_path):
     used = {c: json.loads((out / c / "report.json").read_text())["config"]["guidance_scale_2"]
             for c in ("base_cfg", "base_nocfg", "trained")}
     assert used == {"base_cfg": 2.0, "base_nocfg": None, "trained": 2.0}
+
+
+# ---------------------------------------------------------------- --offload-idle-expert
+def _expert_storage(expert) -> dict[str, int]:
+    return {name: p.data_ptr() for name, p in expert.named_parameters()}
+
+
+def test_an_idle_experts_weights_wait_on_the_host_and_the_samples_do_not_change(wan_dir, monkeypatch):
+    """With the idle expert offloaded a request samples bit for bit what it does without; during a forward its expert
+    holds visiting copies while the other holds none. On a CPU a visit would take the host tensor itself: here it
+    copies, as on a GPU, so which copy each expert holds can be seen."""
+    from diffrl.utils.offload import FrozenOffload
+
+    monkeypatch.setattr(FrozenOffload, "to_device", staticmethod(lambda host, device: host.clone()))
+    family = Wan22Family.load(wan_dir, max_sequence_length=TEXT_TOKENS)
+    request = RolloutRequest(prompt="a cat", negative_prompt="", seed=3, num_outputs_per_prompt=2, height=HEIGHT,
+                             width=WIDTH, num_frames=FRAMES, num_inference_steps=3, guidance_scale=4.5,
+                             guidance_scale_2=2.0, rollout=True, rollout_sde_step_indices=[0, 1],
+                             rollout_return_dit_trajectory=True)
+    before = Engine(family).generate(request)
+    experts = family.transformer
+    held = family.offload_idle_expert(torch.device("cpu"))
+    assert held == sum(p.numel() * p.element_size() for e in experts.experts for p in e.parameters()) + sum(
+        b.numel() * b.element_size() for e in experts.experts for b in e.buffers())
+    offload = experts.expert_offload
+    host = {id(e): _expert_storage(e) for e in experts.experts}
+    seen = []
+    for expert in experts.experts:
+        def look(module, args, expert=expert):
+            other = experts.transformer_2 if expert is experts.transformer else experts.transformer
+            seen.append((_expert_storage(expert) != host[id(expert)], _expert_storage(other) == host[id(other)]))
+        expert.register_forward_pre_hook(look)
+    after = Engine(family).generate(request)
+    for a, b in zip(before, after, strict=True):
+        assert torch.equal(a.generated_output, b.generated_output) and torch.equal(a.rollout_log_probs, b.rollout_log_probs)
+    # 3 steps with CFG (the halves batched): high, high... then low; every forward on visiting copies of its own
+    # expert, the other on its host copy.
+    assert seen and all(mine and other_home for mine, other_home in seen)
+    assert offload.visits == 2 and family.device == torch.device("cpu")  # high noise in, then low noise in
+
+
+def test_a_run_offloading_the_idle_expert_trains_as_one_keeping_both(wan_dir, tmp_path):
+    from diffrl.train.config import TrainConfig
+    from diffrl.train.trainer import Trainer
+
+    results = []
+    for offload in (False, True):
+        cfg = TrainConfig.flat(
+            model_path=wan_dir, loss_type="flow_grpo", num_rollout=1, rollout_batch_size=1, n_samples_per_prompt=2,
+            rollout_microgroup_size=2, global_batch_size=2, num_steps_per_rollout=1, micro_batch_size=2,
+            diffusion_num_steps=3, diffusion_sde_window_range=(0, 3), diffusion_num_sde_steps=2,
+            diffusion_guidance_scale=4.5, diffusion_guidance_scale_2=2.0, eval_images_per_category=0, device="cpu",
+            use_lora=True, lora_rank=2, reward="rewards_for_tests:darkness", output_dir=tmp_path / f"run-{offload}",
+            resolution=HEIGHT, num_frames=FRAMES, offload_idle_expert=offload)
+        trainer = Trainer(cfg)
+        adapters = {n: p.data_ptr() for n, p in trainer.policy.transformer.named_parameters() if p.requires_grad}
+        record = trainer.rollout_and_update(0)
+        # The trained adapters never moved; the optimizer stepped them in place.
+        assert {n: p.data_ptr() for n, p in trainer.policy.transformer.named_parameters() if p.requires_grad} == adapters
+        results.append((record, [p.detach().clone() for p in trainer.policy.params]))
+    (kept, weights_kept), (offloaded, weights_offloaded) = results
+    assert offloaded["train/log_prob_mean_abs_diff"] == kept["train/log_prob_mean_abs_diff"]
+    assert offloaded["train/loss"] == kept["train/loss"] and offloaded["train/grad_norm"] == kept["train/grad_norm"]
+    assert all(torch.equal(a, b) for a, b in zip(weights_kept, weights_offloaded, strict=True))
+
+
+def test_offloading_an_idle_expert_is_refused_where_there_is_none_or_nothing_frozen(wan_one_expert, wan_dir,
+                                                                                    tiny_family, tmp_path):
+    from diffrl.train.config import TrainConfig
+    from diffrl.train.trainer import Trainer
+
+    for family in (wan_one_expert, tiny_family):
+        with pytest.raises(ModelLoadError, match="--offload-idle-expert: the .* runs one transformer"):
+            family.offload_idle_expert(torch.device("cpu"))
+    cfg = TrainConfig.flat(model_path=wan_dir, loss_type="nft", num_rollout=1, rollout_batch_size=1,
+                           n_samples_per_prompt=2, rollout_microgroup_size=2, global_batch_size=2, micro_batch_size=2,
+                           diffusion_num_steps=2, eval_images_per_category=0, device="cpu", use_lora=False,
+                           reward="rewards_for_tests:darkness", output_dir=tmp_path / "run", resolution=HEIGHT,
+                           num_frames=FRAMES, offload_idle_expert=True)
+    with pytest.raises(ValueError, match="--offload-idle-expert .* needs --use-lora"):
+        Trainer(cfg)

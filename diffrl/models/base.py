@@ -223,7 +223,7 @@ class FamilyAdapter(ABC):
     def forward_precision(self):
         """The context every transformer call of `velocity` runs in: `autocast_dtype`, `attention_backend` and the
         compiler settings of compiled blocks (`compile_settings`: torch keeps those per thread)."""
-        device_type = next(self.transformer.parameters()).device.type
+        device_type = self.device.type
         with torch.autocast(device_type, dtype=self.autocast_dtype or torch.float32,
                             enabled=self.autocast_dtype is not None), attention_context(self.attention_backend), \
                 compile_settings():
@@ -542,6 +542,12 @@ class FamilyAdapter(ABC):
     @property
     def device(self) -> torch.device:
         return next(self.transformer.parameters()).device
+
+    def offload_idle_expert(self, device: torch.device) -> int:
+        """Keep each expert's frozen weights in host memory while another expert denoises (`--offload-idle-expert`);
+        returns the bytes that now wait on the host. Only a family of several experts (Wan2.2 A14B) has one idle."""
+        raise ModelLoadError(f"--offload-idle-expert: the {self.name} family runs one transformer; only a checkpoint "
+                             "with two experts (Wan2.2 A14B) has an idle one")
 
     # ---------------------------------------------------------------- text encoders off the GPU
     # With `offload_text_encoders` (`--offload-text-encoder`) the text encoders live in (pinned) host memory and visit

@@ -56,8 +56,10 @@ whose scheduler is UniPC (as Wan's published ones) gets UniPC's flow σ's with o
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import math
+import threading
 from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -83,6 +85,7 @@ from diffrl.models.condition_rows import pack_image_rows, unpack_image_rows
 from diffrl.models.components import read_flow_scheduler, scheduler_sigmas
 from diffrl.models.vae_latents import decode_images, latent_noise
 from diffrl.models.weights import load_weights
+from diffrl.utils.offload import FrozenOffload
 
 SCHEDULERS = ("FlowMatchEulerDiscreteScheduler", "UniPCMultistepScheduler")
 
@@ -98,6 +101,40 @@ class WanSettings:
     image_embeds: bool = False  # Wan2.1 I2V: also the image's CLIP embeddings, as image tokens before the text
 
 
+class ExpertOffload:
+    """Each expert's frozen weights (its parameters that take no gradient, and its buffers) in pinned host memory, on
+    the device only while a forward needs them (`--offload-idle-expert`): Wan2.2 A14B's steps run one 14 B expert at a
+    time, so the other's 28.6 GB (bf16) wait on the host. An expert leaves only when a forward asks for the other and no
+    forward is using it (threads of one engine may denoise batches on both sides of the boundary at once); a trained
+    adapter's parameters never move. The copy in costs one expert's bytes over PCIe; nothing is copied back."""
+
+    def __init__(self, experts: Sequence[torch.nn.Module], device: torch.device):
+        self.device = torch.device(device)
+        self.offloads = {id(e): FrozenOffload([e], frozen_only=True) for e in experts}
+        self.users = dict.fromkeys(self.offloads, 0)
+        self._lock = threading.Lock()
+        self.visits = 0  # copies in so far (what the switches cost)
+
+    @contextlib.contextmanager
+    def resident(self, experts: Sequence[torch.nn.Module]):
+        needed = {id(e) for e in experts}
+        with self._lock:
+            for key, offload in self.offloads.items():  # the idle ones out first: at most one expert's bytes extra
+                if key not in needed and offload.visiting is not None and self.users[key] == 0:
+                    offload.leave()
+            for key in needed:
+                if self.offloads[key].visiting is None:
+                    self.offloads[key].visit(self.device)
+                    self.visits += 1
+                self.users[key] += 1
+        try:
+            yield
+        finally:
+            with self._lock:
+                for key in needed:
+                    self.users[key] -= 1
+
+
 class WanExperts(PeftAdapterMixin, torch.nn.Module):
     """Wan2.2's experts as one module: rows whose timestep is ≥ `boundary_timestep` go to `transformer`
     (high noise), the others to `transformer_2` (low noise). With one expert (Wan2.1, or no boundary)
@@ -111,6 +148,7 @@ class WanExperts(PeftAdapterMixin, torch.nn.Module):
         self.transformer = transformer
         self.transformer_2 = transformer_2
         self.boundary_timestep = boundary_timestep
+        self.expert_offload: ExpertOffload | None = None  # --offload-idle-expert
 
     @property
     def experts(self) -> list[torch.nn.Module]:
@@ -152,9 +190,19 @@ class WanExperts(PeftAdapterMixin, torch.nn.Module):
         high = self.high_noise(timestep)
         if not isinstance(self, FSDPModule):  # one expert for the whole batch (every engine step): no split
             if bool(high.all()):
-                return run(self.transformer, everything)
+                with self._resident([self.transformer]):
+                    return run(self.transformer, everything)
             if not bool(high.any()):
-                return run(self.transformer_2, everything)
+                with self._resident([self.transformer_2]):
+                    return run(self.transformer_2, everything)
+        with self._resident(self.experts):
+            return self._route_rows(run, high, hidden_states)
+
+    def _resident(self, experts: Sequence[torch.nn.Module]):
+        """The experts' weights on the device for the block (`ExpertOffload`; a no-op without it)."""
+        return contextlib.nullcontext() if self.expert_offload is None else self.expert_offload.resident(experts)
+
+    def _route_rows(self, run, high: torch.Tensor, hidden_states: torch.Tensor) -> torch.Tensor:
         # Each row to its expert (a training micro-batch mixes steps). Sharded by FSDP2 under torchrun, every
         # expert runs on every rank, on one row when none of this rank's is its: ranks whose micro-batches
         # route differently still gather (forward) and reduce (backward) the same units, in the same order.
@@ -224,6 +272,20 @@ class Wan22Family(FamilyAdapter):
         self.integer_timesteps = type(scheduler).__name__ == "UniPCMultistepScheduler"  # as the pipeline's t
         self.vae_scale_temporal = vae.config.scale_factor_temporal
         self.vae_scale_spatial = vae.config.scale_factor_spatial
+
+    @property
+    def device(self) -> torch.device:
+        """The compute device; with the experts' weights on the host between forwards, the one they visit."""
+        offload = self.transformer.expert_offload
+        return offload.device if offload is not None else super().device
+
+    def offload_idle_expert(self, device: torch.device) -> int:
+        experts = self.transformer
+        if experts.transformer_2 is None:
+            return super().offload_idle_expert(device)
+        if experts.expert_offload is None:
+            experts.expert_offload = ExpertOffload(experts.experts, device)
+        return sum(o.nbytes for o in experts.expert_offload.offloads.values())
 
     @property
     def expert_config(self):

@@ -87,6 +87,10 @@ class ModelConfig:
     offload_text_encoder: bool = False
     """Keep the text encoders on the CPU and move them to the GPU only to encode prompts (frees their memory
     for rollouts and training; costs a copy each way per encode)."""
+    offload_idle_expert: bool = False
+    """Wan2.2 A14B: keep each expert's frozen weights in pinned host memory while the other denoises (its 28.6 GB in
+    bf16), copied in when a step needs it (`ExpertOffload`): an engine batch switches expert once, at the boundary.
+    With --use-lora (the adapters stay on the device), one process."""
     gradient_checkpointing: bool = False
     """Recompute each block's activations in the backward pass (less memory, ~1/3 more compute)."""
     gradient_checkpointing_interval: int = 1

@@ -216,6 +216,11 @@ class Trainer:
             family.offload_text_encoders_to_cpu()
         self.task.check_family(family)
         self.policy = Policy(cfg, family, self.parallel, self.device, init_lora=init_lora)
+        if cfg.model.offload_idle_expert:  # after the adapters are in: they stay on the device
+            if not cfg.model.use_lora or self.parallel.enabled:
+                raise ValueError("--offload-idle-expert keeps frozen weights on the host: it needs --use-lora (a full "
+                                 "finetune trains every weight) and one process (not torchrun)")
+            family.offload_idle_expert(self.device)
         self.objective = build_objective(cfg, self.policy)
         self.checkpointer = Checkpointer(out, self.policy, keep_last=cfg.checkpoint.keep_last_checkpoints)
         self.fingerprint = fingerprint(cfg, family.name)  # what a rollout record must share with this run

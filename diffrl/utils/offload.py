@@ -117,8 +117,11 @@ class FrozenOffload:
     the host copy is still exactly theirs. One copy per visit, none per leave: half of `ModuleOffload`'s traffic, and
     from pinned memory, which the device can copy from without staging."""
 
-    def __init__(self, modules: Iterable[torch.nn.Module]):
-        self._tensors = _module_tensors(modules)
+    def __init__(self, modules: Iterable[torch.nn.Module], *, frozen_only: bool = False):
+        """`frozen_only`: the parameters that take no gradient and the buffers; trained parameters (a LoRA adapter's)
+        stay where they are."""
+        self._tensors = [t for t in _module_tensors(modules)
+                         if not (frozen_only and isinstance(t, torch.nn.Parameter) and t.requires_grad)]
         pin = torch.cuda.is_available()
         with torch.no_grad():
             for tensor in self._tensors:
@@ -126,6 +129,10 @@ class FrozenOffload:
                     tensor.data = tensor.data.to("cpu").pin_memory() if pin else tensor.data.to("cpu")
         self._host = [tensor.data for tensor in self._tensors]
         self.visiting: torch.device | None = None
+
+    @property
+    def nbytes(self) -> int:
+        return sum(t.numel() * t.element_size() for t in self._host)
 
     @staticmethod
     def to_device(host: torch.Tensor, device: torch.device) -> torch.Tensor:
