@@ -13,17 +13,22 @@ from PIL import Image
 from diffrl.recipes import recipe_names, recipe_overrides
 
 # Per recipe: a size its tiny checkpoint takes (FLUX.2 takes references of at least 64 px a side), its model index's
-# pipeline class, and steps and samples cut to CPU size (the SDE window keeps room for the recipe's SDE steps).
+# pipeline class, and steps and samples cut to CPU size (the SDE window keeps room for the recipe's SDE steps). The
+# recipes compile on a GPU; these runs of their paths stay eager (compiling on 2 cores costs minutes, and on a CPU the
+# Qwen-Image families' checkpointed blocks, compiled, recompute other tensors than their forward saved; not seen on a
+# GPU, where both Qwen-Image recipes ran compiled and checkpointed: BENCHMARKS.md; JOURNAL.md, 2026-12-07).
 TINY = {
     "wan22-i2v-grpo-pickscore": (["--height", "16", "--width", "32", "--num-frames", "5"], "WanImageToVideoPipeline",
-                                 {"diffusion_num_steps": 2, "eval_num_steps": 2, "n_samples_per_prompt": 2}),
+                                 {"diffusion_num_steps": 2, "eval_num_steps": 2, "n_samples_per_prompt": 2,
+                                  "compile": False}),
     "flux1-kontext-grpo-pickscore": (["--height", "32", "--width", "48"], "FluxKontextPipeline",
-                                     {"diffusion_num_steps": 4, "n_samples_per_prompt": 2}),
+                                     {"diffusion_num_steps": 4, "n_samples_per_prompt": 2, "compile": False}),
     "qwen-image-edit-grpo-pickscore": (["--height", "32", "--width", "48"], "QwenImageEditPlusPipeline",
                                        {"diffusion_num_steps": 4, "n_samples_per_prompt": 2,
-                                        "condition_image_size": 64}),  # the recipe's 384² references: 576 tokens
+                                        "condition_image_size": 64,  # the recipe's 384² references: 576 tokens
+                                        "compile": False}),
     "flux2-dev-edit-grpo-pickscore": (["--height", "64", "--width", "64"], "Flux2Pipeline",
-                                      {"diffusion_num_steps": 4, "n_samples_per_prompt": 2}),
+                                      {"diffusion_num_steps": 4, "n_samples_per_prompt": 2, "compile": False}),
     # The family's own checkpoints: LTX-2.3's does image to video on rows with a first frame, FLUX 3 Klein's edits.
     "ltx23-i2v-grpo-pickscore": (["--height", "64", "--width", "96", "--num-frames", "9"], "LTX2Pipeline",
                                  {"diffusion_num_steps": 4, "diffusion_sde_window_range": [0, 4],
