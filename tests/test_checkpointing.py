@@ -12,6 +12,7 @@ from diffrl.models.checkpointing import block_of, checkpointed_blocks, enable_gr
 from diffrl.models.registry import resolve_family
 from diffrl.sampling import make_generators
 from diffrl.train.config import TrainConfig
+from test_compile import needs_compiler
 
 # Families whose forward reaches the checkpointing hook differently: diffusers' blocks called as `(block, *args)`
 # (sd3, flux3_image's three block lists), a function of the block first (cosmos3), two experts behind one
@@ -162,3 +163,69 @@ def test_a_training_run_with_every_other_block_checkpointed_updates_as_without(t
         params[bool(flags)] = [p.detach().clone() for p in trainer.policy.params]
     for a, b in zip(params[False], params[True], strict=True):
         torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-7)
+
+
+class _ReadsSharedTimestep(torch.nn.Module):
+    """A block whose path depends on `rows_share_one_timestep`, as a row-wise modulation layer's does; it records
+    the state each time it runs."""
+
+    def __init__(self):
+        super().__init__()
+        self.linear, self.seen = torch.nn.Linear(4, 4), []
+
+    def forward(self, x):
+        from diffrl.models.batch_invariance import shared_timestep
+
+        self.seen.append(shared_timestep())
+        return self.linear(x) * 2 if shared_timestep() else self.linear(x)
+
+
+class _Stack(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.blocks = torch.nn.ModuleList([_ReadsSharedTimestep(), _ReadsSharedTimestep()])
+        self.gradient_checkpointing, self._gradient_checkpointing_func = False, None
+
+    def enable_gradient_checkpointing(self, gradient_checkpointing_func=None):
+        self.gradient_checkpointing, self._gradient_checkpointing_func = True, gradient_checkpointing_func
+
+    def forward(self, x):
+        for block in self.blocks:
+            x = self._gradient_checkpointing_func(block, x) if self.gradient_checkpointing else block(x)
+        return x
+
+
+@pytest.mark.parametrize("keep", ["inputs", "matmuls"])
+def test_a_blocks_recomputation_runs_under_its_forwards_shared_timestep_state(keep):
+    """The backward runs after `rows_share_one_timestep` is left; a checkpointed block recomputes under the state its
+    forward ran in, so it takes the same path (compiled, another path is another graph, whose saved tensors torch's
+    checkpoint refuses: compiled tiny Qwen-Image on a CPU)."""
+    from diffrl.models.batch_invariance import rows_share_one_timestep
+
+    stack = _Stack()
+    enable_gradient_checkpointing(stack, ["blocks"], keep=keep)
+    x = torch.randn(3, 4, requires_grad=True)
+    with rows_share_one_timestep(True):
+        out = stack(x)
+    out.sum().backward()
+    assert [b.seen for b in stack.blocks] == [[True, True], [True, True]]  # forward, then recomputation
+
+
+@pytest.mark.slow  # inductor on 2 cores
+@needs_compiler
+def test_compiled_checkpointed_qwen_image_replays_its_rollout(tmp_path):
+    """Tiny Qwen-Image (row-wise modulations on a CPU), compiled and checkpointed: its update stopped on torch's
+    checkpoint check before the recomputation took the forward's state; now the first pass replays exactly."""
+    from diffrl.models.random_checkpoints.qwen_image import save_random_checkpoint
+    from diffrl.train.trainer import Trainer
+
+    torch._dynamo.reset()
+    cfg = TrainConfig.flat(
+        model_path=save_random_checkpoint(tmp_path / "qwen-image-tiny"), loss_type="flow_grpo", num_rollout=1,
+        rollout_batch_size=1, n_samples_per_prompt=2, rollout_microgroup_size=2, global_batch_size=2,
+        num_steps_per_rollout=1, micro_batch_size=2, diffusion_num_steps=3, diffusion_sde_window_range=(0, 2),
+        diffusion_num_sde_steps=1, diffusion_guidance_scale=4.0, eval_images_per_category=0, device="cpu",
+        use_lora=True, lora_rank=2, reward="rewards_for_tests:darkness", output_dir=tmp_path / "run", resolution=32,
+        compile=True, gradient_checkpointing=True)
+    record = Trainer(cfg).rollout_and_update(0)
+    assert record["train/log_prob_mean_abs_diff"] == 0.0 and record["compile/uncompiled_block_kinds"] == 0

@@ -14,9 +14,8 @@ from diffrl.recipes import recipe_names, recipe_overrides
 
 # Per recipe: a size its tiny checkpoint takes (FLUX.2 takes references of at least 64 px a side), its model index's
 # pipeline class, and steps and samples cut to CPU size (the SDE window keeps room for the recipe's SDE steps). The
-# recipes compile on a GPU; these runs of their paths stay eager (compiling on 2 cores costs minutes, and on a CPU the
-# Qwen-Image families' checkpointed blocks, compiled, recompute other tensors than their forward saved; not seen on a
-# GPU, where both Qwen-Image recipes ran compiled and checkpointed: BENCHMARKS.md; JOURNAL.md, 2026-12-07).
+# recipes compile on a GPU; these runs of their paths stay eager (compiling on 2 cores costs minutes; compiled and
+# checkpointed training is tested in tests/test_checkpointing.py and tests/test_compile*.py).
 TINY = {
     "wan22-i2v-grpo-pickscore": (["--height", "16", "--width", "32", "--num-frames", "5"], "WanImageToVideoPipeline",
                                  {"diffusion_num_steps": 2, "eval_num_steps": 2, "n_samples_per_prompt": 2,

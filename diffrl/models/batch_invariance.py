@@ -48,6 +48,11 @@ def rows_share_one_timestep(shared: bool) -> Iterator[None]:
         _SHARED_TIMESTEP.on = before
 
 
+def shared_timestep() -> bool:
+    """Whether this thread's forward runs under `rows_share_one_timestep(True)`."""
+    return getattr(_SHARED_TIMESTEP, "on", False)
+
+
 class _RowWiseForward:
     def forward(self, sample, *args, **kwargs):
         one_row = super().forward  # outside the comprehension: zero-argument super needs this frame

@@ -21,12 +21,14 @@ largest activations; the memory falls between checkpointing and none.
 
 from __future__ import annotations
 
+import contextlib
 import functools
 from collections.abc import Sequence
 
 import torch
 from torch.utils.checkpoint import CheckpointPolicy, create_selective_checkpoint_contexts
 
+from diffrl.models.batch_invariance import rows_share_one_timestep, shared_timestep
 from diffrl.models.blocks import repeated_blocks
 
 
@@ -59,6 +61,24 @@ def _saved_ops() -> frozenset:
     return frozenset(getattr(torch.ops.aten, name).default for name in names if hasattr(torch.ops.aten, name))
 
 
+def _recompute_as_forward(selective=None):
+    """A checkpoint's `context_fn`, called as the block's forward runs: the recomputation in the backward pass runs
+    under the forward's `rows_share_one_timestep` state (and `selective`'s contexts, for --gradient-checkpointing-keeps
+    matmuls). The backward runs after the forward's state is gone, and a row-wise layer (`batch_invariance`) takes
+    another path without it: eager that path happened to save tensors of the same shapes, compiled it is another
+    graph, and torch's checkpoint stopped on the mismatch (Qwen-Image's modulations on a CPU)."""
+    forward, recompute = selective() if selective is not None else (contextlib.nullcontext(), contextlib.nullcontext())
+    return forward, _entered(recompute, rows_share_one_timestep(shared_timestep()))
+
+
+@contextlib.contextmanager
+def _entered(*managers):
+    with contextlib.ExitStack() as stack:
+        for manager in managers:
+            stack.enter_context(manager)
+        yield
+
+
 def _keep_matmuls(saved: frozenset, ctx, op, *args, **kwargs) -> CheckpointPolicy:
     return CheckpointPolicy.MUST_SAVE if op in saved else CheckpointPolicy.PREFER_RECOMPUTE
 
@@ -71,18 +91,16 @@ def enable_gradient_checkpointing(transformer: torch.nn.Module, block_lists: Seq
         raise ValueError(f"--gradient-checkpointing-keeps must be one of {', '.join(KEEPS)}, got {keep!r}")
     blocks = repeated_blocks(transformer, block_lists)
     chosen = {id(block) for block in checkpointed_blocks(blocks, interval)}
-    if len(chosen) == len(blocks) and keep == "inputs":
-        transformer.enable_gradient_checkpointing()  # the model's own: every block
-        return len(blocks)
-    options = {}
+    selective = None
     if keep == "matmuls":
-        policy = functools.partial(_keep_matmuls, _saved_ops())
-        options["context_fn"] = functools.partial(create_selective_checkpoint_contexts, policy)
+        selective = functools.partial(create_selective_checkpoint_contexts,
+                                      functools.partial(_keep_matmuls, _saved_ops()))
+    context_fn = functools.partial(_recompute_as_forward, selective)
 
-    def checkpoint_chosen(fn, *args):
+    def checkpoint_chosen(fn, *args, **kwargs):
         if id(block_of(fn, args)) not in chosen:
-            return fn(*args)
-        return torch.utils.checkpoint.checkpoint(fn, *args, use_reentrant=False, **options)
+            return fn(*args, **kwargs)
+        return torch.utils.checkpoint.checkpoint(fn, *args, use_reentrant=False, context_fn=context_fn, **kwargs)
 
     transformer.enable_gradient_checkpointing(gradient_checkpointing_func=checkpoint_chosen)
     return len(chosen)
