@@ -94,12 +94,8 @@ def train_forward_equivalents(cfg: TrainConfig) -> float:
 
 def trained_forward(cfg: TrainConfig) -> float:
     """A train pair's forward in forwards of its velocity: 1, less CFG's unconditional half on the pairs of each
-    rollout's first optimizer step when the rollout hands that half over (`--reuse-rollout-uncond` with
-    `--detach-uncond`, rolled out by the in-process engine alone: `FlowGrpo.reuses_rollout_uncond`)."""
-    a, e = cfg.algorithm, cfg.engine
-    reused = (a.loss_type in ("flow_grpo", "grpo_guard") and a.detach_uncond and a.reuse_rollout_uncond
-              and trains_with_cfg(cfg) and e.local_engine and not e.engine_urls and not e.colocate
-              and cfg.placement.ray_engines == 0)
+    rollout's first optimizer step when the rollout hands that half over (`Objective.hands_over_uncond`)."""
+    reused = OBJECTIVES[cfg.algorithm.loss_type].hands_over_uncond(cfg)
     return 1.0 - 0.5 / cfg.optim.num_steps_per_rollout if reused else 1.0
 
 

@@ -114,6 +114,12 @@ class Objective:
         return {"sample": 1, "preference": 2, "group": cfg.rollout.n_samples_per_prompt}[rows]
 
     @classmethod
+    def hands_over_uncond(cls, cfg) -> bool:
+        """Whether the run's configuration lets the rollout hand CFG's unconditional velocity to the first optimizer
+        step (--reuse-rollout-uncond); the methods that replay no rollout step have none to take."""
+        return False
+
+    @classmethod
     def forwards_without_grad(cls, cfg) -> float:
         """Forwards without gradients the loss runs per sample of a train pair, beside the trained one: the KL
         reference here, and each method's own other weights (its old policy, its base model). The benchmarks'

@@ -59,14 +59,21 @@ class FlowGrpo(Objective):
                                 rollout_return_dit_trajectory=True, rollout_return_denoising_env=True,
                                 **({"rollout_return_uncond_velocity": True} if self.reuses_rollout_uncond() else {})))
 
+    @classmethod
+    def hands_over_uncond(cls, cfg) -> bool:
+        """--reuse-rollout-uncond with the half detached and CFG on, rolled out by the in-process engine alone (no
+        engine URLs, no --colocate or Ray engines)."""
+        a, e = cfg.algorithm, cfg.engine
+        return (a.detach_uncond and a.reuse_rollout_uncond and cfg.rollout.diffusion_guidance_scale > 1.0
+                and e.local_engine and not e.engine_urls and not e.colocate and cfg.placement.ray_engines == 0)
+
     def reuses_rollout_uncond(self) -> bool:
-        """Whether the first optimizer step takes CFG's unconditional velocity from the rollout
-        (--reuse-rollout-uncond): the half is detached, and the one engine is this process's, sampling with the
-        trained family itself in the replay's precision, so its value is what the replay's forward computes (bit for
-        bit where the replay runs the rollout's graph at its batch shape)."""
-        a, policy = self.cfg.algorithm, self.policy
-        return (a.detach_uncond and a.reuse_rollout_uncond and self.cfg.rollout.diffusion_guidance_scale > 1.0
-                and policy.local_engine is not None and not policy.remote_engines
+        """Whether the first optimizer step takes CFG's unconditional velocity from the rollout: the configuration
+        allows it (`hands_over_uncond`), and the one engine is this process's, sampling with the trained family itself
+        in the replay's precision, so its value is what the replay's forward computes (bit for bit where the replay
+        runs the rollout's graph at its batch shape)."""
+        policy = self.policy
+        return (self.hands_over_uncond(self.cfg) and policy.local_engine is not None and not policy.remote_engines
                 and policy.engine_family is policy.family)
 
     def pairs(self, samples: Sequence, advantages: torch.Tensor, env: dict) -> GrpoPairs:
