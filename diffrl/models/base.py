@@ -349,6 +349,11 @@ class FamilyAdapter(ABC):
         self.check_condition_image_area()
         self.condition_image_area = int(area)
 
+    def condition_area_cap(self) -> dict:
+        """`max_area=` for the reference-sizing helpers (`flux2_vae.crop_reference`, `fill_reference`) when a run caps
+        the condition images' area; nothing (the pipeline's cap) otherwise."""
+        return {} if self.condition_image_area is None else {"max_area": self.condition_image_area}
+
     @contextlib.contextmanager
     def condition_images_sized(self, area: int | None):
         """Within it, condition images are sized to at most `area` pixels (`set_condition_image_area`); None changes

@@ -294,8 +294,8 @@ class Flux2Family(FamilyAdapter):
             if min(height, width) < 64 or max(height / width, width / height) > 8:
                 raise RequestError("image_path", f"image_path[{i}] is {width}x{height} pixels; FLUX.2 takes references "
                                                  "of at least 64 pixels a side and at most an 8:1 aspect ratio")
-            cap = {} if self.condition_image_area is None else {"max_area": self.condition_image_area}
-            latent = encode_reference(self.vae, crop_reference(image, self.pixels_per_token, **cap), device=self.device)
+            sized = crop_reference(image, self.pixels_per_token, **self.condition_area_cap())
+            latent = encode_reference(self.vae, sized, device=self.device)
             latents.append(latent)
             ids.append(reference_ids(*latent.shape[-2:], t=10.0 * (i + 1), device=self.device))
         return pack_references(latents, ids)

@@ -269,7 +269,7 @@ class Flux3ImageFamily(FamilyAdapter):
         step, latents, ids = self.pixels_per_token, [], []
         for i, image in enumerate(images):
             try:
-                cap = {} if self.condition_image_area is None else {"max_area": self.condition_image_area}
+                cap = self.condition_area_cap()
                 sized = fill_reference(image, step, **cap) if len(images) == 1 else crop_reference(image, step, **cap)
             except ValueError as err:
                 raise RequestError("image_path", f"image_path[{i}]: {err}") from None
