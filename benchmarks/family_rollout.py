@@ -151,6 +151,7 @@ def main() -> None:
     parser.add_argument("--float8", action="store_true", help="the blocks' linear layers as FP8 matmuls")
     parser.add_argument("--no-pipeline", action="store_true", help="skip diffusers' pipeline (the baseline)")
     parser.add_argument("--lora-rank", type=int, default=0, help="an adapter of this rank, as a LoRA run holds the model")
+    parser.add_argument("--fold-lora", action="store_true", help="with --lora-rank: folded in no-grad forwards (NFT)")
     parser.add_argument("--autocast", action="store_true", help="bf16 autocast, as the training loop's forwards")
     parser.add_argument("--out", default=None)
     args = parser.parse_args()
@@ -162,7 +163,7 @@ def main() -> None:
         ms=tuple(args.ms), steps=args.steps, guidance_scale=args.guidance_scale, repeats=args.repeats, peak_tflops=args.peak_tflops, compile=args.compile, eager_numerics=args.eager_numerics,
         compile_mode=args.compile_mode, attention_backend=args.attention_backend, fuse_qkv=args.fuse_qkv,
         vae_decode_batch=args.vae_decode_batch, float8=args.float8, reference_pipeline=not args.no_pipeline,
-        lora_rank=args.lora_rank, autocast=args.autocast))
+        lora_rank=args.lora_rank, fold_lora=args.fold_lora, autocast=args.autocast))
     emit(results, args.out)
 
 

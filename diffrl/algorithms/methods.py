@@ -11,6 +11,10 @@ the README's method table and `docs/algorithms.md` describe the same rows.
 - `reference`: whether the loss itself reads the frozen base model (every method can add a KL term to it).
 - `rows`: what one train pair holds: `sample` (one sample at one timestep), `preference` (a chosen and a
   rejected sample of one prompt), `group` (all samples of one prompt at one shared timestep and noise).
+- `folds_lora`: whether its forwards without gradients with the adapter on (the rollout, an old policy) only
+  sample and give regression targets, so that they may run a LoRA adapter folded into the weights
+  (`--fold-lora-without-grad`, `models/lora.py`), which rounds differently from the trained forward; false where
+  the loss sets such a forward against a trained one in a ratio (a replayed log-prob, an old policy's likelihood).
 """
 
 from __future__ import annotations
@@ -28,6 +32,7 @@ class Method:
     sampler: Literal["current", "old"]
     reference: bool
     rows: Literal["sample", "preference", "group"]
+    folds_lora: bool = False
 
 
 METHODS: dict[str, Method] = {m.name: m for m in (
@@ -35,12 +40,13 @@ METHODS: dict[str, Method] = {m.name: m for m in (
            "sde", "current", False, "sample"),
     Method("grpo_guard", "GRPO-Guard / TempFlow-GRPO: the policy ratio normalized per timestep", "arXiv 2510.22319",
            "sde", "current", False, "sample"),
-    Method("nft", "DiffusionNFT", "arXiv 2509.16117", "ode", "old", False, "sample"),
+    Method("nft", "DiffusionNFT", "arXiv 2509.16117", "ode", "old", False, "sample", folds_lora=True),
     Method("awm", "Advantage Weighted Matching", "arXiv 2509.25050", "ode", "current", False, "sample"),
     Method("dpo", "online Diffusion-DPO", "arXiv 2311.12908", "ode", "current", True, "preference"),
     Method("dgpo", "Direct Group Preference Optimization", "arXiv 2510.08425", "ode", "current", True, "group"),
     Method("crd", "Centered Reward Distillation", "arXiv 2603.14128", "ode", "old", False, "group"),
-    Method("sft", "reward-filtered fine-tuning (RAFT)", "arXiv 2304.06767", "ode", "current", False, "sample"),
+    Method("sft", "reward-filtered fine-tuning (RAFT)", "arXiv 2304.06767", "ode", "current", False, "sample",
+           folds_lora=True),
 )}
 
 LOSS_TYPES = tuple(METHODS)

@@ -179,6 +179,8 @@ def bench(cfg: BenchConfig) -> dict:
         raise ValueError(f"--dtype must be float32 or bfloat16, got {cfg.dtype!r}")
     if cfg.lora_rank < 0:
         raise ValueError(f"--lora-rank must be >= 0, got {cfg.lora_rank}")
+    if cfg.fold_lora and not cfg.lora_rank:
+        raise ValueError("--fold-lora folds an adapter: pass --lora-rank N too")
     if cfg.n < 1 or not cfg.ms or any(not 1 <= m <= cfg.n for m in cfg.ms) or cfg.repeats < 1:
         raise ValueError(f"--ms must lie in 1..--n ({cfg.n}) and --repeats be >= 1; got --ms {list(cfg.ms)}, "
                          f"--repeats {cfg.repeats}")
@@ -192,7 +194,8 @@ def bench(cfg: BenchConfig) -> dict:
         model_path, device=device, dtype=getattr(torch, cfg.dtype))
     if cfg.lora_rank:  # before the speed options, as the policy adds it (FP8 and compilation see the adapter)
         add_lora(family.transformer, LoraSpec(rank=cfg.lora_rank, alpha=2.0 * cfg.lora_rank,
-                                              target_modules=list(family.lora_target_modules)))
+                                              target_modules=list(family.lora_target_modules),
+                                              fold_without_grad=cfg.fold_lora))
     if cfg.autocast:
         family.autocast_dtype = torch.bfloat16
     speed.apply(family)  # the engine's and the pipeline's transformer alike (the pipeline skips the SDPA choice)
@@ -214,7 +217,7 @@ def bench(cfg: BenchConfig) -> dict:
                "eager_numerics": cfg.compile and cfg.eager_numerics,
                "compile_mode": cfg.compile_mode if cfg.compile else None, "attention_backend": cfg.attention_backend,
                "fuse_qkv": cfg.fuse_qkv, "vae_decode_batch": cfg.vae_decode_batch, "float8": cfg.float8,
-               "lora_rank": cfg.lora_rank, "autocast": cfg.autocast,
+               "lora_rank": cfg.lora_rank, "fold_lora": cfg.fold_lora, "autocast": cfg.autocast,
                "transformer_one_sample_per_forward": one_per_forward, "transformer": {}, "engine": {}}
     reps = 5 if on_gpu else 1
     batches = sorted({1, cfg.n})

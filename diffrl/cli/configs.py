@@ -241,6 +241,9 @@ class BenchConfig:
     lora_rank: int = 0
     """Time the model as a LoRA training run's engine holds it: an adapter of this rank (α = 2·rank, fp32 factors, the
     family's LoRA targets) on the weights; 0: none. With --autocast, the LoRA loop's rollout forward."""
+    fold_lora: bool = False
+    """With --lora-rank: the adapter folded into the weights in the no-gradient forwards timed here, as a DiffusionNFT
+    run samples (`diffrl train --fold-lora-without-grad`)."""
     autocast: bool = False
     """Run the forwards under bf16 autocast, as the training loop does on a GPU (`--mixed-precision`); with
     `--dtype float32` that is a full finetune's rollout forward over fp32 masters."""

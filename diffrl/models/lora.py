@@ -28,6 +28,12 @@ class LoraSpec(BaseModel):
     components: list[str] = Field(default_factory=list, max_length=16)
     """The transformer's top-level parts that get the adapter (Wan2.2's experts: `transformer`, `transformer_2`);
     empty: all of it."""
+    fold_without_grad: bool = False
+    """Forwards without gradients (sampling, an old policy's target) run each adapted linear layer as one matmul with
+    the adapter folded into a copy of its weight (W + s·B·A, rounded once to the forward's dtype), instead of the
+    base matmul plus the adapter's two thin ones and their adds, which read and write activation-sized tensors
+    (`_LoraLayer._folded_forward`). The result differs from the unfolded one by that rounding (none while B = 0): for methods whose
+    no-gradient forwards are targets, not the other side of a ratio with a trained forward."""
 
     @field_validator("rank", "alpha", mode="before")
     @classmethod
@@ -100,6 +106,7 @@ def add_lora(transformer: torch.nn.Module, spec: LoraSpec) -> None:
         if "lora_" in name and param.dtype != torch.float32:
             param.data = param.data.float()
     keep_autocast_inputs(transformer)
+    set_lora_folding(transformer, spec.fold_without_grad)
 
 
 def keep_autocast_inputs(transformer: torch.nn.Module) -> None:
@@ -113,12 +120,59 @@ def keep_autocast_inputs(transformer: torch.nn.Module) -> None:
     from peft.tuners.lora import LoraLayer
 
     for module in transformer.modules():
-        if isinstance(module, LoraLayer) and not isinstance(module, _KeepAutocastInput) and all(
+        if isinstance(module, LoraLayer) and not isinstance(module, _LoraLayer) and all(
                 isinstance(d, torch.nn.Identity) for d in module.lora_dropout.values()):
             module.__class__ = _keep_autocast_input_class(type(module))
 
 
-class _KeepAutocastInput:
+def set_lora_folding(transformer: torch.nn.Module, enabled: bool) -> int:
+    """Whether the adapter's linear layers fold it into their weight in forwards without gradients
+    (`LoraSpec.fold_without_grad`); returns how many layers can (linear layers without dropout)."""
+    layers = [m for m in transformer.modules() if isinstance(m, _LoraLayer) and m.foldable()]
+    for layer in layers:
+        layer.fold_without_grad = enabled
+    return len(layers)
+
+
+def lora_folding(transformer: torch.nn.Module) -> bool:
+    """Whether the transformer's adapter folds in forwards without gradients (`set_lora_folding`)."""
+    return any(getattr(m, "fold_without_grad", False) for m in transformer.modules() if isinstance(m, _LoraLayer))
+
+
+class _LoraLayer:
+    """peft's LoRA layer, changed in two ways: the input under autocast is not cast to fp32 and back
+    (`keep_autocast_inputs`), and a linear layer may fold its adapter in forwards without gradients."""
+
+    fold_without_grad = False
+
+    def foldable(self) -> bool:
+        from peft.tuners.lora import Linear
+
+        return isinstance(self, Linear) and type(self.get_base_layer()) is torch.nn.Linear  # not an FP8 linear
+
+    def forward(self, x, *args, **kwargs):
+        if (self.fold_without_grad and not torch.is_grad_enabled() and not args and not kwargs
+                and not self.disable_adapters and not self.merged):
+            adapters = [a for a in self.active_adapters if a in self.lora_A]
+            if len(adapters) == 1 and adapters[0] not in getattr(self, "lora_variant", {}):  # not DoRA and the like
+                return self._folded_forward(x, adapters[0])
+        return super().forward(x, *args, **kwargs)
+
+    def _folded_forward(self, x: torch.Tensor, adapter: str) -> torch.Tensor:
+        """y = x·(W + s·B·A)ᵀ + bias as one matmul. The product B·A is [out, in] (a weight's size, written once per
+        forward) where the unfolded path writes and reads [tokens, out] and [tokens, rank] tensors of every
+        row; both terms add in fp32 and round once to the matmul's dtype."""
+        base = self.get_base_layer()
+        lora_a, lora_b = self.lora_A[adapter].weight, self.lora_B[adapter].weight
+        if torch.is_autocast_enabled(x.device.type):
+            dtype = torch.get_autocast_dtype(x.device.type)
+        else:
+            dtype = x.dtype
+        with torch.autocast(x.device.type, enabled=False):
+            weight = (base.weight.float() + (lora_b.float() @ lora_a.float()) * self.scaling[adapter]).to(dtype)
+            bias = None if base.bias is None else base.bias.to(dtype)
+            return torch.nn.functional.linear(x.to(dtype), weight, bias)
+
     def _cast_input_dtype(self, x, dtype: torch.dtype):
         if (isinstance(x, torch.Tensor) and x.is_floating_point() and x.device.type in ("cuda", "cpu")
                 and torch.is_autocast_enabled(x.device.type)
@@ -134,7 +188,7 @@ def _keep_autocast_input_class(cls: type) -> type:
     """One subclass per peft layer class (a subclass rather than a patched method: deep copies of the model,
     an old policy or a reference, keep it)."""
     if cls not in _CLASSES:
-        _CLASSES[cls] = type(cls.__name__, (_KeepAutocastInput, cls), {"__module__": cls.__module__})
+        _CLASSES[cls] = type(cls.__name__, (_LoraLayer, cls), {"__module__": cls.__module__})
     return _CLASSES[cls]
 
 
@@ -166,4 +220,4 @@ def current_lora(transformer: torch.nn.Module) -> LoraSpec | None:
     components = ([] if not excluded else
                   [p for p in adaptable_parts(transformer) if not re.fullmatch(excluded, f"{p}.x")])
     return LoraSpec(rank=config.r, alpha=config.lora_alpha, target_modules=list(config.target_modules),
-                    components=components)
+                    components=components, fold_without_grad=lora_folding(transformer))

@@ -77,6 +77,12 @@ class ModelConfig:
     """LoRA scale numerator: the adapter's update is scaled by alpha / rank."""
     lora_target_modules: tuple[str, ...] = ()
     """Module names (or suffixes) the adapter wraps; empty: the family's default set."""
+    fold_lora_without_grad: Literal["auto", "on", "off"] = "auto"
+    """With --use-lora, forwards without gradients (the rollouts, DiffusionNFT's old policy) run each adapted linear
+    layer as one matmul with the adapter folded into its weight (W + s·B·A, rounded once), which saves the adapter's
+    thin matmuls and the activation-sized tensors they read and write (`models/lora.py`). Its rounding differs from
+    the trained forward's, so only methods whose no-gradient forwards are sampling and targets take it (nft, sft;
+    `algorithms/methods.py`); auto: on for those, off for the others."""
     lora_components: tuple[str, ...] = ()
     """With --use-lora, the parts of the model that get the adapter, for a family made of several (Wan2.2's experts:
     `transformer` the high-noise one, `transformer_2` the low-noise one); empty: all of them. The others sample as
@@ -146,6 +152,13 @@ class ModelConfig:
                  f"--gradient-checkpointing-interval must be >= 1 (got {self.gradient_checkpointing_interval})")
         _require(self.gradient_checkpointing or self.gradient_checkpointing_keeps == "inputs",
                  "--gradient-checkpointing-keeps matmuls needs --gradient-checkpointing")
+
+    def folds_lora(self, loss_type: str) -> bool:
+        """Whether the run's adapter folds in forwards without gradients (--fold-lora-without-grad; auto: the
+        method's `folds_lora`)."""
+        if not self.use_lora or self.fold_lora_without_grad == "off":
+            return False
+        return self.fold_lora_without_grad == "on" or METHODS[loss_type].folds_lora
 
     def speed_options(self):
         """The forward's speed settings, as the engine processes and the policy apply them."""
@@ -894,6 +907,12 @@ class TrainConfig:
         _require(not (is_group_reward(self.task.reward) and self.placement.ray_reward_workers),
                  f"--reward {self.task.reward} scores a prompt's whole group at once, which --ray-reward-workers' "
                  "actors do not yet; use --reward-workers N")
+        _require(self.model.fold_lora_without_grad != "on" or METHODS[a.loss_type].folds_lora,
+                 f"--fold-lora-without-grad on with --loss-type {a.loss_type}: its loss sets a no-gradient forward "
+                 "against a trained one (a replayed log-prob or an old policy's likelihood), which the fold's rounding "
+                 "would move; only " + ", ".join(n for n, m in METHODS.items() if m.folds_lora) + " take it")
+        _require(self.model.use_lora or self.model.fold_lora_without_grad != "on",
+                 "--fold-lora-without-grad on folds a LoRA adapter; a full finetune (--no-use-lora) has none")
         _require(not (o.offload_reference and self.model.use_lora),
                  "--offload-reference keeps a full finetune's copy of its starting weights on the host; with "
                  "--use-lora the base is the adapter switched off and there is no copy (drop one of them)")

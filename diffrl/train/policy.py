@@ -128,7 +128,8 @@ class Policy:
                                           keep=m.gradient_checkpointing_keeps)
         targets = list(m.lora_target_modules or family.lora_target_modules)
         self.lora = (LoraSpec(rank=m.lora_rank, alpha=m.lora_alpha, target_modules=targets,
-                              components=list(m.lora_components)) if m.use_lora else None)
+                              components=list(m.lora_components), fold_without_grad=m.folds_lora(a.loss_type))
+                     if m.use_lora else None)
         if self.lora is not None:
             parts = adaptable_parts(transformer)
             if unknown := [c for c in m.lora_components if c not in parts]:
