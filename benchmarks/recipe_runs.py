@@ -270,6 +270,7 @@ def forward_flops(trainer: Trainer, prompt: str, image: torch.Tensor | None = No
     """FLOPs of one transformer forward for one sample at the run's size (conditional branch only); `image`
     (`uint8 [3, H, W]`): with this condition image folded into the conditioning as the engine folds it (an editing
     family's reference tokens lengthen the sequence)."""
+    from diffrl.models.lora import lora_unfolded
     from diffrl.sampling import make_generators
     from diffrl.utils.flops import flop_counter
 
@@ -293,7 +294,7 @@ def forward_flops(trainer: Trainer, prompt: str, image: torch.Tensor | None = No
         latents = family.prepare_latents(make_generators([0], device="cpu"), height, width, **frames)
         sigma = torch.full((1,), 0.5, device=family.device)
         counter = flop_counter()
-        with counter:
+        with counter, lora_unfolded(family.transformer):  # the model's work, folded or not (--fold-lora-without-grad)
             family.velocity(family.transformer, latents, sigma, cond, None, 1.0)
     return float(counter.get_total_flops())
 

@@ -130,3 +130,17 @@ def test_a_compiled_folded_forward_matches_the_eager_one():
         eager = folded(x)
         compiled = torch.compile(folded)(x)
     torch.testing.assert_close(compiled, eager, rtol=1e-5, atol=1e-5)
+
+
+def test_flop_counts_count_the_model_work_folded_or_not(tiny_model_dir):
+    from diffrl.cli.bench import transformer_gflop
+    from diffrl.models.checkpoint import load_model
+
+    counts = []
+    for fold in (False, True):
+        family = load_model(tiny_model_dir)
+        add_lora(family.transformer, LoraSpec(rank=4, alpha=8.0, target_modules=list(family.lora_target_modules),
+                                              fold_without_grad=fold))
+        counts.append(transformer_gflop(family, 2, family.default_size(), 1.0))
+        assert lora_folding(family.transformer) == fold  # restored after the count
+    assert counts[0] == counts[1] > 0

@@ -29,7 +29,7 @@ from diffrl.engine.spec import EngineSpec, build_engine
 from diffrl.models import resolve_family
 from diffrl.models.compile import uncompiled_block_kinds
 from diffrl.models.demo import SHIPPED_DEMO_MODEL
-from diffrl.models.lora import LoraSpec, add_lora
+from diffrl.models.lora import LoraSpec, add_lora, lora_unfolded
 from diffrl.models.speed import SpeedOptions
 from diffrl.rollout import InProcessEngineClient, RolloutManager, RolloutSettings
 from diffrl.sampling import make_generators
@@ -76,7 +76,7 @@ def transformer_gflop(family, batch: int, size: tuple[int, int], guidance: float
     """GFLOP per sample of one denoising step's transformer work (cond + uncond when CFG is on), counted
     eagerly (before any compilation: the counter does not see inside compiled graphs)."""
     latents, sigma, cond, uncond = _step_inputs(family, batch, size, guidance, num_frames)
-    with flop_counter() as counter:
+    with flop_counter() as counter, lora_unfolded(family.transformer):
         family.velocity(family.transformer, latents, sigma, cond, uncond, guidance)
     return counter.get_total_flops() / batch / 1e9
 

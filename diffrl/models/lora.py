@@ -3,6 +3,7 @@ the adapter an engine adds has the parameter names the trainer pushes into it.""
 
 from __future__ import annotations
 
+import contextlib
 import json
 import math
 import re
@@ -132,6 +133,18 @@ def set_lora_folding(transformer: torch.nn.Module, enabled: bool) -> int:
     for layer in layers:
         layer.fold_without_grad = enabled
     return len(layers)
+
+
+@contextlib.contextmanager
+def lora_unfolded(transformer: torch.nn.Module):
+    """The adapter unfolded inside the block: FLOP counts count the model's work (the adapter's matmuls on the
+    activations), which MFU is stated against, the same with or without the fold."""
+    folded = lora_folding(transformer)
+    set_lora_folding(transformer, False)
+    try:
+        yield
+    finally:
+        set_lora_folding(transformer, folded)
 
 
 def lora_folding(transformer: torch.nn.Module) -> bool:
