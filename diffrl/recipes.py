@@ -410,10 +410,10 @@ SIZED: dict[str, dict[str, dict]] = {
     # clipfrac 0 at clip 1e-4 (|Δ log p| 0.8-3.7e-6); Z-Image 0.82 s once its third rollout is compiled, clipfrac 0
     # (|Δ log p| 1.5e-8 on the first rollout, 2.6-3.1e-5 after an update) (BENCHMARKS.md, "FLUX.1 [dev] and Z-Image").
     "flux1-grpo-pickscore": {"gpu": dict(_FLUX1_GRPO, compile=True), "cpu": _FLUX1_GRPO},
-    # Compiled on a GPU as well, these and the FLUX.2, Krea-2, Wan2.2 I2V and Cosmos3 recipes below except
-    # flux2-klein-base-grpo-pickscore and ltx23-i2v-grpo-pickscore: on one H100, each recipe's first rollout with
-    # real-width blocks (two of each kind) clipped none of its first pass at clip 1e-4 (|Δ log p| 1e-9 to 2.1e-6), and
-    # its NFT runs compiled every block (BENCHMARKS.md, "Every recipe's first pass, compiled").
+    # Compiled on a GPU as well, these and the FLUX.2, Krea-2, Wan2.2 I2V, LTX-2.3 I2V and Cosmos3 recipes below: on
+    # one H100, each recipe's first rollout with real-width blocks (two of each kind) clipped none of its first pass at
+    # clip 1e-4 (|Δ log p| 0 to 2.1e-6), and its NFT runs compiled every block (BENCHMARKS.md, "Every recipe's first
+    # pass, compiled").
     "flux1-kontext-grpo-pickscore": {"gpu": dict(_FLUX1_KONTEXT_GRPO, compile=True), "cpu": _FLUX1_KONTEXT_GRPO},
     "qwen-image-edit-grpo-pickscore": {"gpu": dict(_QWEN_EDIT_GRPO, compile=True), "cpu": _QWEN_EDIT_GRPO},
     "krea2-nft-ocr": {"gpu": dict(_KREA2_NFT, compile=True), "cpu": _KREA2_NFT},
@@ -423,7 +423,7 @@ SIZED: dict[str, dict[str, dict]] = {
     "z-image-grpo-pickscore": {"gpu": dict(_Z_IMAGE_GRPO, compile=True), "cpu": _Z_IMAGE_GRPO},
     "z-image-turbo-grpo-pickscore": {"gpu": dict(_Z_IMAGE_TURBO_GRPO, compile=True), "cpu": _Z_IMAGE_TURBO_GRPO},
     "flux2-klein-grpo-pickscore": {"gpu": dict(_FLUX2_KLEIN_GRPO, compile=True), "cpu": _FLUX2_KLEIN_GRPO},
-    "flux2-klein-base-grpo-pickscore": {"gpu": _FLUX2_KLEIN_BASE_GRPO, "cpu": _FLUX2_KLEIN_BASE_GRPO},
+    "flux2-klein-base-grpo-pickscore": {"gpu": dict(_FLUX2_KLEIN_BASE_GRPO, compile=True), "cpu": _FLUX2_KLEIN_BASE_GRPO},
     "flux2-klein-base-nft-pickscore": {"gpu": dict(_FLUX2_KLEIN_BASE_NFT, compile=True), "cpu": _FLUX2_KLEIN_BASE_NFT},
     "flux2-dev-grpo-pickscore": {"gpu": dict(_FLUX2_DEV_GRPO, compile=True), "cpu": _FLUX2_DEV_GRPO},
     "flux2-dev-edit-grpo-pickscore": {"gpu": dict(_FLUX2_DEV_EDIT_GRPO, compile=True), "cpu": _FLUX2_DEV_EDIT_GRPO},
@@ -438,7 +438,11 @@ SIZED: dict[str, dict[str, dict]] = {
                                          offload_text_encoder=True),
                              "cpu": _LTX23_GRPO},
     "wan22-i2v-grpo-pickscore": {"gpu": dict(_WAN22_I2V_GRPO, compile=True), "cpu": _WAN22_I2V_GRPO},
-    "ltx23-i2v-grpo-pickscore": {"gpu": dict(_LTX23_I2V_GRPO, offload_text_encoder=True), "cpu": _LTX23_I2V_GRPO},
+    # Text to video's GPU shape (a prompt's 8 videos in one request, micro-batches of 4, compiled): at real widths with
+    # two blocks of each kind, its compiled first rollout on one H100 clipped none of its first pass (|Δ log p| 0).
+    "ltx23-i2v-grpo-pickscore": {"gpu": dict(_LTX23_I2V_GRPO, rollout_microgroup_size=8, micro_batch_size=4,
+                                             compile=True, offload_text_encoder=True),
+                                 "cpu": _LTX23_I2V_GRPO},
     # On a GPU micro-batches of 16 pairs (one prompt's rows batched): 0.78 s per sample against 2.32 at micro-batch 1.
     "cosmos3-grpo": {"gpu": dict(_COSMOS3_GRPO, micro_batch_size=16, compile=True), "cpu": _COSMOS3_GRPO},
     "shapes-nft": {

@@ -65,9 +65,10 @@ def _first_frames(folder: Path, size: tuple[int, int]) -> tuple[Path, dict[str, 
     return write_conditioned_prompt_set(folder, "i2v", PROMPTS, *frames.values()), frames
 
 
-def _train(capsys, recipe: str, model_dir: Path, prompts: Path, out: Path, size: list[str]) -> tuple[int, str]:
+def _train(capsys, recipe: str, model_dir: Path, prompts: Path, out: Path, size: list[str],
+           extra: tuple[str, ...] = ()) -> tuple[int, str]:
     code = cli_main(["train", "--recipe", recipe, "--model-path", str(model_dir), "--prompt-data", str(prompts),
-                     "--reward", "test_i2v_recipes:brightness_seeing_the_first_frame", *size, *SHRINK,
+                     "--reward", "test_i2v_recipes:brightness_seeing_the_first_frame", *size, *SHRINK, *extra,
                      "--output-dir", str(out)])
     return code, capsys.readouterr().err
 
@@ -79,15 +80,18 @@ def _one_error_line(err: str) -> str:
     return lines[-1]
 
 
-@pytest.mark.parametrize("recipe", ["wan22-i2v-grpo-pickscore", "ltx23-i2v-grpo-pickscore"])
-def test_the_recipe_trains_two_rollouts_on_first_frames(recipe, request, tmp_path, capsys):
+@pytest.mark.parametrize("recipe, extra", [
+    ("wan22-i2v-grpo-pickscore", ()), ("ltx23-i2v-grpo-pickscore", ()),
+    # LTX-2.3's GPU shape: a prompt's videos in one request, several pairs per micro-batch
+    ("ltx23-i2v-grpo-pickscore", ("--rollout-microgroup-size", "2", "--micro-batch-size", "2"))])
+def test_the_recipe_trains_two_rollouts_on_first_frames(recipe, extra, request, tmp_path, capsys):
     """The recipe's CPU variant, shrunk: two Flow-GRPO rollouts whose trainer replays the engine's log-probs, and
     the reward sees each prompt's own first frame beside every one of its videos."""
     wan = recipe.startswith("wan")
     model_dir = request.getfixturevalue("wan_i2v_dir" if wan else "ltx_i2v_dir")
     prompts, frames = _first_frames(tmp_path / "data", (20, 36) if wan else (60, 100))
     SEEN.clear()
-    code, err = _train(capsys, recipe, model_dir, prompts, tmp_path / "run", WAN_SIZE if wan else LTX_SIZE)
+    code, err = _train(capsys, recipe, model_dir, prompts, tmp_path / "run", WAN_SIZE if wan else LTX_SIZE, extra)
     assert code == 0, err
     records = [json.loads(line) for line in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
     trained = [r for r in records if "train/loss" in r]
@@ -95,6 +99,7 @@ def test_the_recipe_trains_two_rollouts_on_first_frames(recipe, request, tmp_pat
     assert trained[-1]["train/log_prob_mean_abs_diff"] < 1e-4
     flags = json.loads((tmp_path / "run" / "config.json").read_text())["flags"]
     assert flags["recipe"] == recipe and flags["diffusion_sde_type"] == ("sde" if wan else "cps")
+    assert flags["rollout_microgroup_size"] == (2 if extra else 1)
     # 2 rollouts × 2 prompts × 2 samples, each scored with its prompt's first frame, decoded from the file.
     assert sorted(SEEN) == sorted(PROMPTS) and sum(map(len, SEEN.values())) == 8
     for prompt, seen in SEEN.items():
@@ -121,14 +126,16 @@ def test_the_recipes_have_the_settings_they_cite():
             1e-4, 5.0, 0.0, False)
         assert (m.lora_rank, m.lora_alpha, m.mixed_precision, wan.eval.eval_num_steps) == (64, 128.0, "bf16", 28)
         assert wan.task.reward_frames is None  # PickScore's mean over every frame
-        ltx, t2v = recipe_config("ltx23-i2v-grpo-pickscore", device), recipe_config("ltx23-grpo-pickscore", "cpu")
+        ltx, t2v = recipe_config("ltx23-i2v-grpo-pickscore", device), recipe_config("ltx23-grpo-pickscore", device)
         ltx.check()
-        # Text to video's settings; only the rows' first frames (and the run's saying it needs them) differ, and on a
-        # GPU the text encoder's place: host memory between encodes, for an 80 GB card (recipes.py).
-        assert ltx.model.offload_text_encoder == (device == "cuda")
-        assert ltx.replace(recipe=None, condition_images="auto", offload_text_encoder=False) == t2v.replace(recipe=None)
+        # Text to video's settings on each size (on a GPU its batching, compilation and the text encoder in host
+        # memory between encodes, for an 80 GB card); only the rows' first frames, and the run's saying it needs
+        # them, differ.
+        assert ltx.model.offload_text_encoder == ltx.model.compile == (device == "cuda")
+        assert ltx.replace(recipe=None, condition_images="auto") == t2v.replace(recipe=None)
         r = ltx.rollout
-        assert (r.diffusion_sde_type, r.diffusion_guidance_scale, r.rollout_microgroup_size) == ("cps", 1.0, 1)
+        assert (r.diffusion_sde_type, r.diffusion_guidance_scale, r.rollout_microgroup_size) == (
+            "cps", 1.0, 8 if device == "cuda" else 1)
         assert wan.task.condition_images == ltx.task.condition_images == "required"
 
 

@@ -22,3 +22,14 @@ def test_fill_normal_draws_what_the_cpu_generator_draws_into_a_parameter_on_any_
         assert torch.equal(on_gpu.data.cpu(), want)
     else:
         pytest.skip("no GPU: the copy onto a CUDA parameter is checked where one exists")
+
+
+def test_built_in_makes_modules_in_the_stored_dtype_and_restores_the_default():
+    from diffrl.models.random_checkpoints import built_in
+
+    with built_in("cpu", torch.bfloat16):
+        layer = torch.nn.Linear(4, 3)
+    assert layer.weight.dtype == torch.bfloat16 and torch.get_default_dtype() == torch.float32
+    with pytest.raises(RuntimeError), built_in("cpu", torch.bfloat16):
+        raise RuntimeError("a failed build")
+    assert torch.get_default_dtype() == torch.float32

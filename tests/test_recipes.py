@@ -158,12 +158,12 @@ def test_the_sd35_gpu_recipes_detach_cfgs_unconditional_half_as_the_published_co
     assert not cpu.algorithm.detach_uncond
 
 
-def test_every_real_model_recipe_compiles_on_a_gpu_but_the_two_not_yet_measured():
-    """Each recipe of a published model compiles on a GPU once its compiled first pass was measured there (clipfrac 0,
-    BENCHMARKS.md "Every recipe's first pass, compiled"); the two left have no such figure yet. The demo-world
-    recipes (tiny models, a few ms per forward) stay eager."""
+def test_every_real_model_recipe_compiles_on_a_gpu():
+    """Each recipe of a published model compiles on a GPU, its compiled first pass measured there (clipfrac 0,
+    BENCHMARKS.md "Every recipe's first pass, compiled"). The demo-world recipes (tiny models, a few ms per forward)
+    stay eager."""
     from diffrl.recipes import recipe_names
 
     eager = {n for n in recipe_names() if not n.endswith("-gpu") and not recipe_config(n, "cuda").model.compile}
     demo = {n for n in eager if n.startswith(("shapes-", "ocr-"))}
-    assert eager - demo == {"flux2-klein-base-grpo-pickscore", "ltx23-i2v-grpo-pickscore"}
+    assert eager - demo == set() and demo

@@ -8,7 +8,22 @@ and returns its path. The demo model is built in memory instead (`demo.random_fa
 `family.save(path)` writes it).
 """
 
+import contextlib
+
 import torch
+
+
+@contextlib.contextmanager
+def built_in(device: str | torch.device, dtype: torch.dtype):
+    """Modules constructed inside the block are made on `device` with `dtype` parameters: a real-size model built
+    straight in its stored dtype (LTX-2.3's 22 B transformer and text stack in fp32 would not fit an 80 GB GPU)."""
+    previous = torch.get_default_dtype()
+    torch.set_default_dtype(dtype)
+    try:
+        with torch.device(device):
+            yield
+    finally:
+        torch.set_default_dtype(previous)
 
 
 @torch.no_grad()

@@ -16,6 +16,7 @@ from pathlib import Path
 import torch
 
 from diffrl.models.ltx2 import Ltx2Family
+from diffrl.models.random_checkpoints import built_in
 from diffrl.models.random_checkpoints.tokenizers import build_word_tokenizer
 
 # The scheduler LTX-2 ships: a token-count dynamic shift, stretched so that the last σ before 0 is 0.1.
@@ -146,7 +147,7 @@ def save_random_checkpoint(path: str | Path, sizes: Ltx2Sizes | None = None, *, 
     tokenizer = build_word_tokenizer(WORDS, 1024)
     words = len(tokenizer)
     text_width = sizes.text["hidden_size"]
-    with torch.device(device):
+    with built_in(device, dtype):
         # Gemma's image marker tokens sit past the tokenizer's words, where no prompt reaches them.
         text_encoder = Gemma3ForConditionalGeneration(Gemma3Config(
             text_config=dict(vocab_size=words + 3, **sizes.text), vision_config=sizes.vision,
