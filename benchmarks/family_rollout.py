@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import json
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -81,12 +82,39 @@ def shallow(sizes, family: str, depth: int):
     return dataclasses.replace(sizes, transformer={**sizes.transformer, **dict.fromkeys(DEPTH_KEYS[family], depth)})
 
 
+def real_block_counts(sizes, family: str, folder: Path) -> dict[str, int]:
+    """The real model's block counts (`DEPTH_KEYS`) for the transformer saved in `folder`: the sizes' own, else its
+    class's defaults (a `real()` that leaves a count to the class)."""
+    import inspect
+
+    import diffusers
+
+    cls = getattr(diffusers, json.loads((folder / "config.json").read_text())["_class_name"])
+    defaults = inspect.signature(cls.__init__).parameters
+    return {key: sizes.transformer.get(key, defaults[key].default) for key in DEPTH_KEYS[family]}
+
+
+def save_weightless(module, family: str, sizes, path: Path, **keywords) -> None:
+    """`module.save_random_checkpoint(path, sizes, **keywords)` with the transformer's weights drawn at load: built and
+    saved with one block of each kind, then its config given `sizes`' block counts back and its weights removed
+    (`make_weightless`)."""
+    from diffrl.models.random_checkpoints import make_weightless
+
+    module.save_random_checkpoint(path, shallow(sizes, family, 1), **keywords)
+    for folder in ("transformer", "transformer_2"):  # a linked expert shares the first's folder
+        if (path / folder / "config.json").is_file() and not (path / folder).is_symlink():
+            make_weightless(path / folder, real_block_counts(sizes, family, path / folder))
+
+
 def make_checkpoint(family: str, path: Path, device: torch.device, tiny: bool = False,
-                    size: RealSize | None = None, depth: int | None = None) -> None:
+                    size: RealSize | None = None, depth: int | None = None, weightless: bool = False) -> None:
     """A random checkpoint at the family's real size in bf16, built on `device` (the GPU: a minute, not the CPU's
     many); `tiny`: the module's `tiny()` sizes in fp32 instead (CPU tests of the benchmark scripts). `size`: in
     place of `REAL_SIZES[family]` (another variant of the family: an image-conditioned one). `depth`: real widths
-    with that many blocks of each kind (`shallow`)."""
+    with that many blocks of each kind (`shallow`). `weightless`: the transformer's weights are drawn when the
+    checkpoint loads instead of stored (`random_checkpoints.make_weightless`: its default initialization, where a
+    stored one may have had some tables redrawn), so that it costs no disk: for cost measurements of models whose
+    checkpoint would not fit the disk, never for exactness checks."""
     import gc
     import importlib
     import shutil
@@ -100,17 +128,24 @@ def make_checkpoint(family: str, path: Path, device: torch.device, tiny: bool = 
     partial = path.with_name(path.name + ".partial")
     shutil.rmtree(partial, ignore_errors=True)
     path.parent.mkdir(parents=True, exist_ok=True)
+    if weightless and depth is not None:
+        raise SystemExit("a weightless checkpoint is the model at its full depth (not --depth)")
     if tiny:
-        module.save_random_checkpoint(partial, **size.save)
+        sizes, keywords = module.tiny(), dict(size.save)
     else:
         free = shutil.disk_usage(path.parent).free / 1e9
-        if size.disk_gb is not None and depth is None and free < size.disk_gb + 2:  # shallow: a few GB
+        stored = depth is None and not weightless  # shallow or weightless: a few GB
+        if size.disk_gb is not None and stored and free < size.disk_gb + 2:
             raise SystemExit(f"a random {family} checkpoint needs about {size.disk_gb:.0f} GB; {free:.0f} GB are free "
-                             f"under {path.parent}")
+                             f"under {path.parent} (--weightless keeps the transformer off the disk)")
         sizes = module.real(**size.real)
         if depth is not None:
             sizes = shallow(sizes, family, depth)
-        module.save_random_checkpoint(partial, sizes, device=device, dtype=torch.bfloat16, **size.save)
+        keywords = dict(size.save, device=device, dtype=torch.bfloat16)
+    if weightless:
+        save_weightless(module, family, sizes, partial, **keywords)
+    else:
+        module.save_random_checkpoint(partial, sizes, **keywords)
     partial.rename(path)
     gc.collect()  # the built modules, off the device before the run loads the checkpoint
     if device.type == "cuda":

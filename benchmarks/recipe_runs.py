@@ -108,14 +108,23 @@ def recipe_variant(recipe: str) -> Variant | None:
     return VARIANTS.get(recipe)
 
 
-def checkpoint_name(recipe: str, depth: int | None = None) -> str:
+def checkpoint_name(recipe: str, depth: int | None = None, weightless: bool = False) -> str:
     """The random checkpoint's folder name for `recipe` (scripts/device/bench_recipes.sh keeps them in runs/):
     `<family>-random`, or `<family>-<variant>-random` for an image-conditioned variant, so that a text-only
-    checkpoint of the family is never taken for it, nor it for one; `-depth<N>` before `-random` for a shallow one."""
+    checkpoint of the family is never taken for it, nor it for one; `-depth<N>` before `-random` for a shallow one,
+    `-weightless` for one whose transformer is drawn at load."""
     family = recipe_overrides(recipe, "cuda")["diffusion_model_family"]
     variant = recipe_variant(recipe)
     name = f"{family}-{variant.name}" if variant else family
-    return f"{name}-depth{depth}-random" if depth is not None else f"{name}-random"
+    name = f"{name}-depth{depth}" if depth is not None else name
+    return f"{name}-weightless-random" if weightless else f"{name}-random"
+
+
+def weightless_checkpoint(path: Path) -> bool:
+    """Whether the checkpoint's transformer is drawn at load (`--weightless`)."""
+    from diffrl.models.components import RANDOM_INIT_FILE
+
+    return (path / "transformer" / RANDOM_INIT_FILE).is_file()
 
 
 def check_variant(path: Path, variant: Variant) -> None:
@@ -336,6 +345,9 @@ def main(argv: list[str] | None = None) -> dict:
     parser.add_argument("--depth", type=int, default=None,
                         help="a missing checkpoint is built with the real widths and this many blocks of each kind: "
                              "the real model's compiled graphs (first-pass exactness), not its cost")
+    parser.add_argument("--weightless", action="store_true",
+                        help="a missing checkpoint's transformer is drawn at load instead of stored (no disk: for the "
+                             "cost of models whose checkpoint would not fit it, not for exactness)")
     parser.add_argument("--peak-tflops", type=float, default=790.0, help="dense bf16 peak (H200: 790)")
     parser.add_argument("--flags", default="{}", help="more TrainConfig fields, as JSON")
     parser.add_argument("--out", default=None)
@@ -355,7 +367,7 @@ def main(argv: list[str] | None = None) -> dict:
     variant = recipe_variant(args.recipe)
     if not args.checkpoint.exists():
         make_checkpoint(family, args.checkpoint, torch.device(args.device), tiny=args.tiny,
-                        size=variant.size(family) if variant else None, depth=args.depth)
+                        size=variant.size(family) if variant else None, depth=args.depth, weightless=args.weightless)
     elif variant:
         check_variant(args.checkpoint, variant)
     reward = args.reward or overrides["reward"]
@@ -410,6 +422,7 @@ def main(argv: list[str] | None = None) -> dict:
     results = {
         "recipe": args.recipe, "family": family, "device": torch.cuda.get_device_name() if cuda else "cpu",
         "tiny": args.tiny, "depth": args.depth,  # None: the real model's blocks; N: N of each kind (shallow)
+        "weightless": weightless_checkpoint(args.checkpoint),
         "height": size[0], "width": size[1],
         "num_frames": m.num_frames if trainer.policy.family.generates_video else None,
         "rollout_batch_size": r.rollout_batch_size, "recipe_rollout_batch_size": overrides["rollout_batch_size"],

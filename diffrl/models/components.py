@@ -23,6 +23,10 @@ from diffrl.models.weights import require_finite_modules
 
 # The file every folder of a kind holds, read before loading so that a missing or corrupt one is named.
 CONFIG_FILES = {"model": "config.json", "tokenizer": "tokenizer_config.json", "scheduler": "scheduler_config.json"}
+# A diffusers model folder holding this file and its config.json but no weight files gets random weights drawn at
+# load, from the file's seed, on the load's device in its dtype: the benchmarks' real-size random transformers
+# without tens of GB on disk (`random_checkpoints.make_weightless`; FLUX.2 [dev]'s 32 B would not fit a 64 GB disk).
+RANDOM_INIT_FILE = "diffrl_random_init.json"
 
 
 def read_json(path: Path) -> dict:
@@ -57,7 +61,7 @@ class Component:
         """The diffusers/transformers class this folder holds, as a checkpoint's `_class_name` spells it."""
         return self.loader.partition(":")[2] if isinstance(self.loader, str) else self.class_name
 
-    def load(self, root: Path, dtype: torch.dtype) -> Any:
+    def load(self, root: Path, dtype: torch.dtype, device: torch.device | str = "cpu") -> Any:
         folder = root / self.folder
         if callable(self.loader):
             return self.loader(folder, dtype)
@@ -65,9 +69,33 @@ class Component:
         cls = getattr(importlib.import_module(package), name)
         if self.kind != "model":
             return cls.from_pretrained(str(folder), local_files_only=True)
+        if package == "diffusers" and (folder / RANDOM_INIT_FILE).is_file():
+            return drawn_at_load(cls, folder, dtype, device)
         if package == "diffusers":
             return cls.from_pretrained(folder, torch_dtype=dtype, local_files_only=True)
         return cls.from_pretrained(str(folder), dtype=dtype, local_files_only=True)
+
+
+def drawn_at_load(cls, folder: Path, dtype: torch.dtype, device: torch.device | str) -> torch.nn.Module:
+    """The diffusers model `cls` of `folder`'s config.json with its default random initialization, drawn from the seed
+    of `folder`'s RANDOM_INIT_FILE (the same weights on one device and torch version), built on `device` in `dtype`.
+    A folder that also holds weight files is refused: which weights were meant would be a guess."""
+    from diffrl.models.random_checkpoints import built_in  # deferred: the checkpoint builders import the families
+
+    marker = folder / RANDOM_INIT_FILE
+    weights = sorted(p.name for p in folder.iterdir() if p.suffix in (".safetensors", ".bin") or p.name.endswith(
+        ".index.json"))
+    if weights:
+        raise ModelLoadError(f"{folder} holds {RANDOM_INIT_FILE} (random weights drawn at load) and weight files "
+                             f"({weights[0]}): remove one of them")
+    seed = read_json(marker).get("seed")
+    if not isinstance(seed, int) or isinstance(seed, bool) or not 0 <= seed < 2**63:
+        raise ModelLoadError(f"corrupt file: {marker} (its seed must be an integer from 0, got {seed!r})")
+    device = torch.device(device)
+    with torch.random.fork_rng(devices=[device] if device.type == "cuda" else []):  # the caller's RNG as it was
+        torch.manual_seed(seed)
+        with built_in(device, dtype), torch.no_grad():
+            return cls.from_config(cls.load_config(folder))
 
 
 def checkpoint_root(model_path: str | Path) -> Path:
@@ -118,7 +146,7 @@ def load_components(root: Path, table: Iterable[Component], *, label: str, devic
     for component in wanted:
         read_json(root / component.config_path)
     try:
-        parts.update({component.folder: component.load(root, dtype) for component in wanted})
+        parts.update({component.folder: component.load(root, dtype, device) for component in wanted})
     except (OSError, ValueError) as err:
         first_line = (str(err).splitlines() or [type(err).__name__])[0]
         raise ModelLoadError(f"cannot load the {label} checkpoint {root}: {first_line}") from None

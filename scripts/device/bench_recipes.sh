@@ -16,6 +16,8 @@
 # flux2-dev-edit-grpo-pickscore:2 alone: its 66 GB checkpoint needs nvidia-h200-x2's disk and an H200's memory.
 # DEPTH=N: real widths with N blocks of each kind (checkpoints runs/<name>-depthN-random): the real model's compiled
 # graphs in minutes, for a first-pass exactness check of every recipe (ROLLOUTS=1), not for its cost.
+# WEIGHTLESS=1: the transformer's random weights are drawn when the run loads it, not stored (runs/<name>-weightless-
+# random): a real-size model whose checkpoint would not fit the disk (FLUX.2 [dev], 66 GB), for its cost only.
 # JOB_TIMEOUT=S stops a job after S seconds (the JSON keeps its finished rollouts) so the next one still runs.
 # WORK (default runs/recipe-bench): the jobs' work folder (prompt files, reward checkpoints); lanes of jobs run side by
 # side on one GPU (DEPTH checks, whose timings do not count) each need their own, and KEEP=1.
@@ -26,10 +28,11 @@ export PYTHONPATH=/tmp/site:$PWD PYTHONUNBUFFERED=1 OMP_NUM_THREADS=8 PYTORCH_CU
 nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader
 df -h . | tail -1
 quiet() { tr '\r' '\n' | grep -v "Loading\|float32\|torchvision\|^ *$\|Writing model\|^train " ; }
+weightless=False; [[ -n ${WEIGHTLESS:-} ]] && weightless=True
 for job in ${JOBS:?JOBS=recipe:groups ...}; do
   recipe=${job%%:*}; groups=${job##*:}
   # <family>-random, or <family>-<variant>-random for an image-conditioned variant (never a text-only one's)
-  name=$(cd benchmarks && python3 -c "from recipe_runs import checkpoint_name; print(checkpoint_name('$recipe', ${DEPTH:-None}))")
+  name=$(cd benchmarks && python3 -c "from recipe_runs import checkpoint_name; print(checkpoint_name('$recipe', ${DEPTH:-None}, $weightless))")
   [[ -n $name ]] || { echo "== $recipe: no checkpoint name (unknown recipe?)" | tee -a "$OUT/log.txt"; continue; }
   ckpt=$PWD/runs/$name
   if [[ -z ${KEEP:-} ]]; then  # a stopped build's .partial folder too
@@ -37,7 +40,7 @@ for job in ${JOBS:?JOBS=recipe:groups ...}; do
   fi
   echo "== $recipe ($groups groups) $(date +%T)"
   (cd benchmarks && timeout "${JOB_TIMEOUT:-0}" python3 recipe_runs.py --recipe "$recipe" --checkpoint "$ckpt" --rollout-batch-size "$groups" \
-    --num-rollout "${ROLLOUTS:-3}" ${DEPTH:+--depth $DEPTH} ${FLAGS:-} --work-dir "$PWD/../${WORK:-runs/recipe-bench}" --out "$OUT/recipe_${recipe}${TAG:-}.json") 2>&1 | quiet \
+    --num-rollout "${ROLLOUTS:-3}" ${DEPTH:+--depth $DEPTH} ${WEIGHTLESS:+--weightless} ${FLAGS:-} --work-dir "$PWD/../${WORK:-runs/recipe-bench}" --out "$OUT/recipe_${recipe}${TAG:-}.json") 2>&1 | quiet \
     | grep -v '^    \|^[{}]' | tee -a "$OUT/log.txt"
   nvidia-smi --query-gpu=memory.used --format=csv,noheader
 done

@@ -9,6 +9,8 @@ and returns its path. The demo model is built in memory instead (`demo.random_fa
 """
 
 import contextlib
+import json
+from pathlib import Path
 
 import torch
 
@@ -32,3 +34,19 @@ def fill_normal_(param: torch.Tensor, std: float, generator: torch.Generator) ->
     seed gives the same weights whether the checkpoint is built on the CPU or a GPU (a CPU generator cannot draw
     into a CUDA tensor, and a CUDA generator would draw other numbers)."""
     param.copy_(torch.randn(param.shape, generator=generator, device="cpu", dtype=torch.float32).mul_(std))
+
+
+def make_weightless(folder: str | Path, config_updates: dict, seed: int = 0) -> None:
+    """Turn a saved diffusers model folder into one whose weights are drawn at load (`components.RANDOM_INIT_FILE`):
+    its config.json updated with `config_updates` (a shallow build's block counts set back to the real model's), its
+    weight files removed, the seed written. The model then costs no disk, and its load builds it on the device."""
+    from diffrl.models.components import RANDOM_INIT_FILE
+
+    folder = Path(folder)
+    config_file = folder / "config.json"
+    config = json.loads(config_file.read_text())
+    config_file.write_text(json.dumps({**config, **config_updates}, indent=2) + "\n")
+    for path in folder.iterdir():
+        if path.suffix in (".safetensors", ".bin") or path.name.endswith(".index.json"):
+            path.unlink()
+    (folder / RANDOM_INIT_FILE).write_text(json.dumps({"seed": seed}) + "\n")
