@@ -13,7 +13,7 @@
 # prompts.jsonl of generated condition images, e.g.
 #   JOBS="wan22-i2v-grpo-pickscore:2 flux1-kontext-grpo-pickscore:4 qwen-image-edit-grpo-pickscore:2 \
 #         flux3-klein-edit-nft-pickscore:2 ltx23-i2v-grpo-pickscore:1" ROLLOUTS=2
-# flux2-dev-edit-grpo-pickscore:2 alone: its 66 GB checkpoint needs nvidia-h200-x2's disk and an H200's memory.
+# flux2-dev-edit-grpo-pickscore:2 alone, with WEIGHTLESS=1 (its 66 GB checkpoint would not fit the disk), on an H200.
 # DEPTH=N: real widths with N blocks of each kind (checkpoints runs/<name>-depthN-random): the real model's compiled
 # graphs in minutes, for a first-pass exactness check of every recipe (ROLLOUTS=1), not for its cost.
 # WEIGHTLESS=1: the transformer's random weights are drawn when the run loads it, not stored (runs/<name>-weightless-
