@@ -536,7 +536,10 @@ def test_an_idle_experts_weights_wait_on_the_host_and_the_samples_do_not_change(
     assert offload.visits == 2 and family.device == torch.device("cpu")  # high noise in, then low noise in
 
 
-def test_a_run_offloading_the_idle_expert_trains_as_one_keeping_both(wan_dir, tmp_path):
+@pytest.mark.parametrize("compile_blocks", [False, pytest.param(True, marks=pytest.mark.slow)])
+def test_a_run_offloading_the_idle_expert_trains_as_one_keeping_both(wan_dir, tmp_path, compile_blocks):
+    """Also with the experts' blocks compiled, as the GPU recipes run them: a compiled block reads the weights its
+    expert holds when it runs, wherever they waited."""
     from diffrl.train.config import TrainConfig
     from diffrl.train.trainer import Trainer
 
@@ -548,7 +551,7 @@ def test_a_run_offloading_the_idle_expert_trains_as_one_keeping_both(wan_dir, tm
             diffusion_num_steps=3, diffusion_sde_window_range=(0, 3), diffusion_num_sde_steps=2,
             diffusion_guidance_scale=4.5, diffusion_guidance_scale_2=2.0, eval_images_per_category=0, device="cpu",
             use_lora=True, lora_rank=2, reward="rewards_for_tests:darkness", output_dir=tmp_path / f"run-{offload}",
-            resolution=HEIGHT, num_frames=FRAMES, offload_idle_expert=offload)
+            resolution=HEIGHT, num_frames=FRAMES, offload_idle_expert=offload, compile=compile_blocks)
         trainer = Trainer(cfg)
         adapters = {n: p.data_ptr() for n, p in trainer.policy.transformer.named_parameters() if p.requires_grad}
         record = trainer.rollout_and_update(0)
