@@ -25,7 +25,7 @@ def test_fill_normal_draws_what_the_cpu_generator_draws_into_a_parameter_on_any_
 
 
 def test_built_in_makes_modules_in_the_stored_dtype_and_restores_the_default():
-    from diffrl.models.random_checkpoints import built_in
+    from diffrl.utils.device import built_in
 
     with built_in("cpu", torch.bfloat16):
         layer = torch.nn.Linear(4, 3)

@@ -20,6 +20,7 @@ import torch
 from diffrl.errors import AnotherFamilysCheckpoint, ModelLoadError
 from diffrl.models.families import family_names, get_family
 from diffrl.models.weights import require_finite_modules
+from diffrl.utils.device import built_in
 
 # The file every folder of a kind holds, read before loading so that a missing or corrupt one is named.
 CONFIG_FILES = {"model": "config.json", "tokenizer": "tokenizer_config.json", "scheduler": "scheduler_config.json"}
@@ -80,8 +81,6 @@ def drawn_at_load(cls, folder: Path, dtype: torch.dtype, device: torch.device | 
     """The diffusers model `cls` of `folder`'s config.json with its default random initialization, drawn from the seed
     of `folder`'s RANDOM_INIT_FILE (the same weights on one device and torch version), built on `device` in `dtype`.
     A folder that also holds weight files is refused: which weights were meant would be a guess."""
-    from diffrl.models.random_checkpoints import built_in  # deferred: the checkpoint builders import the families
-
     marker = folder / RANDOM_INIT_FILE
     weights = sorted(p.name for p in folder.iterdir() if p.suffix in (".safetensors", ".bin") or p.name.endswith(
         ".index.json"))

@@ -36,3 +36,16 @@ def autocast(device: torch.device, bf16: bool):
     if bf16 and device.type == "cuda":
         return torch.autocast("cuda", dtype=torch.bfloat16)
     return contextlib.nullcontext()
+
+
+@contextlib.contextmanager
+def built_in(device: str | torch.device, dtype: torch.dtype):
+    """Modules constructed inside the block are made on `device` with `dtype` parameters: a real-size model built
+    straight in its stored dtype (LTX-2.3's 22 B transformer and text stack in fp32 would not fit an 80 GB GPU)."""
+    previous = torch.get_default_dtype()
+    torch.set_default_dtype(dtype)
+    try:
+        with torch.device(device):
+            yield
+    finally:
+        torch.set_default_dtype(previous)

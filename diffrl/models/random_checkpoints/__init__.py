@@ -8,24 +8,12 @@ and returns its path. The demo model is built in memory instead (`demo.random_fa
 `family.save(path)` writes it).
 """
 
-import contextlib
 import json
 from pathlib import Path
 
 import torch
 
-
-@contextlib.contextmanager
-def built_in(device: str | torch.device, dtype: torch.dtype):
-    """Modules constructed inside the block are made on `device` with `dtype` parameters: a real-size model built
-    straight in its stored dtype (LTX-2.3's 22 B transformer and text stack in fp32 would not fit an 80 GB GPU)."""
-    previous = torch.get_default_dtype()
-    torch.set_default_dtype(dtype)
-    try:
-        with torch.device(device):
-            yield
-    finally:
-        torch.set_default_dtype(previous)
+from diffrl.models.components import RANDOM_INIT_FILE
 
 
 @torch.no_grad()
@@ -40,8 +28,6 @@ def make_weightless(folder: str | Path, config_updates: dict, seed: int = 0) -> 
     """Turn a saved diffusers model folder into one whose weights are drawn at load (`components.RANDOM_INIT_FILE`):
     its config.json updated with `config_updates` (a shallow build's block counts set back to the real model's), its
     weight files removed, the seed written. The model then costs no disk, and its load builds it on the device."""
-    from diffrl.models.components import RANDOM_INIT_FILE
-
     folder = Path(folder)
     config_file = folder / "config.json"
     config = json.loads(config_file.read_text())

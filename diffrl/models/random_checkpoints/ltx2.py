@@ -16,8 +16,8 @@ from pathlib import Path
 import torch
 
 from diffrl.models.ltx2 import Ltx2Family
-from diffrl.models.random_checkpoints import built_in
 from diffrl.models.random_checkpoints.tokenizers import build_word_tokenizer
+from diffrl.utils.device import built_in
 
 # The scheduler LTX-2 ships: a token-count dynamic shift, stretched so that the last σ before 0 is 0.1.
 SCHEDULER = {"use_dynamic_shifting": True, "base_shift": 0.95, "max_shift": 2.05, "base_image_seq_len": 1024,
