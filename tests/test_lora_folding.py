@@ -144,3 +144,24 @@ def test_flop_counts_count_the_model_work_folded_or_not(tiny_model_dir):
         counts.append(transformer_gflop(family, 2, family.default_size(), 1.0))
         assert lora_folding(family.transformer) == fold  # restored after the count
     assert counts[0] == counts[1] > 0
+
+
+def test_evaluate_samples_a_lora_checkpoint_as_its_run_did(tiny_model_dir, tmp_path):
+    """`diffrl evaluate` and `compare` load a LoRA checkpoint folded where its run's method folds (NFT) and unfolded
+    where it does not (Flow-GRPO) or where no run is beside it."""
+    import shutil
+
+    from diffrl.models.checkpoint import load_model
+    from diffrl.train.trainer import train
+    from test_trainer import tiny_config
+
+    checkpoints = {}
+    for loss_type, folds in (("nft", True), ("flow_grpo", False)):
+        run = tmp_path / loss_type
+        train(tiny_config(tiny_model_dir, run, loss_type=loss_type, use_lora=True, eval_images_per_category=0,
+                          **({"global_batch_size": 6, "num_steps_per_rollout": 1} if loss_type == "nft" else {})))
+        checkpoints[loss_type] = run / "checkpoints" / "rollout-00001"
+        assert lora_folding(load_model(tiny_model_dir, checkpoints[loss_type]).transformer) == folds
+    loose = shutil.copytree(checkpoints["nft"], tmp_path / "loose")
+    assert not lora_folding(load_model(tiny_model_dir, loose).transformer)
+    assert not lora_folding(load_model(tiny_model_dir).transformer)  # the base model: no adapter

@@ -51,3 +51,9 @@ METHODS: dict[str, Method] = {m.name: m for m in (
 
 LOSS_TYPES = tuple(METHODS)
 SDE_LOSS_TYPES = tuple(name for name, m in METHODS.items() if m.rollout == "sde")
+
+
+def folds_lora(loss_type: str, choice: str = "auto") -> bool:
+    """Whether a LoRA run of `loss_type` folds its adapter in no-gradient forwards under --fold-lora-without-grad
+    `choice` (auto: the method's `folds_lora`); the trainer and `diffrl evaluate` of its checkpoints read it here."""
+    return choice == "on" or (choice == "auto" and loss_type in METHODS and METHODS[loss_type].folds_lora)

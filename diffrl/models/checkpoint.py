@@ -20,8 +20,10 @@ from typing import Literal
 
 import torch
 
+from diffrl.algorithms.methods import folds_lora
 from diffrl.errors import ModelLoadError, WeightsMismatch
 from diffrl.models.base import FamilyAdapter
+from diffrl.models.lora import current_lora, keep_autocast_inputs, set_lora_folding
 from diffrl.models.registry import resolve_family
 from diffrl.models.weights import read_weights
 from diffrl.utils.manifest import verify_checkpoint
@@ -34,9 +36,13 @@ def load_model(base_path: Path, checkpoint: Path | None = None, *, family: str |
     """The base model, or the base model with `checkpoint` applied (see the module docstring); `dtype`: the
     family's load dtype (None: its default). `flow_shift`: a static schedule shift (`set_flow_shift`);
     `condition_image_size`: the side of the largest condition image area (`set_condition_image_area`); for each, "run":
-    the one the checkpoint's run trained with (its --flow-shift, --condition-image-size) if any; None: the model's own."""
+    the one the checkpoint's run trained with (its --flow-shift, --condition-image-size) if any; None: the model's own.
+    A LoRA checkpoint samples as its run sampled: its adapter folded into the weights where the run's method folds
+    it (--fold-lora-without-grad), unfolded otherwise and without a run."""
     model = _load_model(base_path, checkpoint, family=family, device=device, dtype=dtype)
-    run = {} if checkpoint is None or "run" not in (flow_shift, condition_image_size) else _run_flags(checkpoint)
+    run = {} if checkpoint is None else _run_flags(checkpoint)
+    if current_lora(model.transformer) is not None:  # sampled as its run sampled: folded where the method folds
+        set_lora_folding(model.transformer, folds_lora(run.get("loss_type", ""), run.get("fold_lora_without_grad", "auto")))
     if flow_shift == "run":
         flow_shift = run.get("flow_shift")
     if flow_shift is not None:
@@ -250,6 +256,7 @@ def _apply_lora(model: FamilyAdapter, lora_dir: Path) -> None:
     state = _adapter_state(files)
     weights = files[0][0] / "adapter_model.safetensors"
     transformer.add_adapter(LoraConfig.from_pretrained(str(files[0][0])))
+    keep_autocast_inputs(transformer)  # the layers the trainer's adapter has (`models.lora.add_lora`)
     try:
         result = set_peft_model_state_dict(transformer, state)
     except RuntimeError as err:  # torch's "Error(s) in loading state_dict …", a line per tensor of other sizes

@@ -15,7 +15,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Literal
 
-from diffrl.algorithms.methods import METHODS, SDE_LOSS_TYPES
+from diffrl.algorithms.methods import METHODS, SDE_LOSS_TYPES, folds_lora
 from diffrl.assets import SHIPPED_DEMO_MODEL
 from diffrl.rollout.layout import check_batch_invariant
 from diffrl.rollout.settings import RolloutSettings
@@ -156,9 +156,7 @@ class ModelConfig:
     def folds_lora(self, loss_type: str) -> bool:
         """Whether the run's adapter folds in forwards without gradients (--fold-lora-without-grad; auto: the
         method's `folds_lora`)."""
-        if not self.use_lora or self.fold_lora_without_grad == "off":
-            return False
-        return self.fold_lora_without_grad == "on" or METHODS[loss_type].folds_lora
+        return self.use_lora and folds_lora(loss_type, self.fold_lora_without_grad)
 
     def speed_options(self):
         """The forward's speed settings, as the engine processes and the policy apply them."""
