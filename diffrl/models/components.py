@@ -77,16 +77,19 @@ class Component:
         return cls.from_pretrained(str(folder), dtype=dtype, local_files_only=True)
 
 
+def weight_files(folder: Path) -> list[Path]:
+    """A diffusers model folder's weight files (safetensors or .bin shards and their index), sorted by name."""
+    return sorted(p for p in folder.iterdir() if p.suffix in (".safetensors", ".bin") or p.name.endswith(".index.json"))
+
+
 def drawn_at_load(cls, folder: Path, dtype: torch.dtype, device: torch.device | str) -> torch.nn.Module:
     """The diffusers model `cls` of `folder`'s config.json with its default random initialization, drawn from the seed
     of `folder`'s RANDOM_INIT_FILE (the same weights on one device and torch version), built on `device` in `dtype`.
     A folder that also holds weight files is refused: which weights were meant would be a guess."""
     marker = folder / RANDOM_INIT_FILE
-    weights = sorted(p.name for p in folder.iterdir() if p.suffix in (".safetensors", ".bin") or p.name.endswith(
-        ".index.json"))
-    if weights:
+    if weights := weight_files(folder):
         raise ModelLoadError(f"{folder} holds {RANDOM_INIT_FILE} (random weights drawn at load) and weight files "
-                             f"({weights[0]}): remove one of them")
+                             f"({weights[0].name}): remove one of them")
     seed = read_json(marker).get("seed")
     if not isinstance(seed, int) or isinstance(seed, bool) or not 0 <= seed < 2**63:
         raise ModelLoadError(f"corrupt file: {marker} (its seed must be an integer from 0, got {seed!r})")

@@ -13,7 +13,7 @@ from pathlib import Path
 
 import torch
 
-from diffrl.models.components import RANDOM_INIT_FILE
+from diffrl.models.components import RANDOM_INIT_FILE, weight_files
 
 
 @torch.no_grad()
@@ -32,7 +32,6 @@ def make_weightless(folder: str | Path, config_updates: dict, seed: int = 0) -> 
     config_file = folder / "config.json"
     config = json.loads(config_file.read_text())
     config_file.write_text(json.dumps({**config, **config_updates}, indent=2) + "\n")
-    for path in folder.iterdir():
-        if path.suffix in (".safetensors", ".bin") or path.name.endswith(".index.json"):
-            path.unlink()
+    for path in weight_files(folder):
+        path.unlink()
     (folder / RANDOM_INIT_FILE).write_text(json.dumps({"seed": seed}) + "\n")
