@@ -180,6 +180,8 @@ _WAN22_I2V_GRPO = dict(_WAN22_GRPO, num_frames=5, diffusion_num_steps=8, eval_nu
 # text-to-video recipe's GPU batching and compilation (8 videos per request, micro-batches of 4, compiled) are
 # measured for text to video only; `--rollout-microgroup-size 8 --micro-batch-size 4 --compile` asks for them.
 _LTX23_I2V_GRPO = dict(_LTX23_GRPO, condition_images="required")
+# LTX-2.3's GPU shape, text and image to video alike (the recipes' comments below say what it measured).
+_LTX23_GPU = dict(rollout_microgroup_size=8, micro_batch_size=4, compile=True, offload_text_encoder=True)
 
 # Flow-GRPO on Cosmos3 with PickScore, text-to-image: radixark/miles_diffusion's
 # scripts/run_diffusion_grpo_cosmos3_pickscore_t2i_4gpu.py (Cosmos3-Nano, LoRA on the generation tower): one frame
@@ -423,26 +425,24 @@ SIZED: dict[str, dict[str, dict]] = {
     "z-image-grpo-pickscore": {"gpu": dict(_Z_IMAGE_GRPO, compile=True), "cpu": _Z_IMAGE_GRPO},
     "z-image-turbo-grpo-pickscore": {"gpu": dict(_Z_IMAGE_TURBO_GRPO, compile=True), "cpu": _Z_IMAGE_TURBO_GRPO},
     "flux2-klein-grpo-pickscore": {"gpu": dict(_FLUX2_KLEIN_GRPO, compile=True), "cpu": _FLUX2_KLEIN_GRPO},
-    "flux2-klein-base-grpo-pickscore": {"gpu": dict(_FLUX2_KLEIN_BASE_GRPO, compile=True), "cpu": _FLUX2_KLEIN_BASE_GRPO},
+    "flux2-klein-base-grpo-pickscore": {"gpu": dict(_FLUX2_KLEIN_BASE_GRPO, compile=True),
+                                        "cpu": _FLUX2_KLEIN_BASE_GRPO},
     "flux2-klein-base-nft-pickscore": {"gpu": dict(_FLUX2_KLEIN_BASE_NFT, compile=True), "cpu": _FLUX2_KLEIN_BASE_NFT},
     "flux2-dev-grpo-pickscore": {"gpu": dict(_FLUX2_DEV_GRPO, compile=True), "cpu": _FLUX2_DEV_GRPO},
     "flux2-dev-edit-grpo-pickscore": {"gpu": dict(_FLUX2_DEV_EDIT_GRPO, compile=True), "cpu": _FLUX2_DEV_EDIT_GRPO},
-    # On a GPU: one request per prompt's 8 videos (denoised as one batch), training micro-batches of 4 pairs and
-    # compiled blocks: 8.25 s per sample on one H200 against 29.2 s with the published microgroup 1 and micro-batch
-    # 1, eager. The same samples (seeds fix them) and the same gradient (micro-batches are weighted by their
+    # On a GPU (_LTX23_GPU): one request per prompt's 8 videos (denoised as one batch), training micro-batches of 4
+    # pairs and compiled blocks: 8.25 s per sample on one H200 against 29.2 s with the published microgroup 1 and
+    # micro-batch 1, eager. The same samples (seeds fix them) and the same gradient (micro-batches are weighted by their
     # share of the step) up to batch-dependent rounding; first-pass |Δ log p| 6.7e-7 (BENCHMARKS.md, as above).
     # Its 63.8 GiB peak there held a 2-layer text encoder (0.45 B); LTX-2.3's real Gemma 3 12B adds 21.9 GiB
     # (benchmarks/text_encoder_sizes.py), so on a GPU it stays in host memory between encodes (--offload-text-encoder;
     # not measured yet), as in the I2V one.
-    "ltx23-grpo-pickscore": {"gpu": dict(_LTX23_GRPO, rollout_microgroup_size=8, micro_batch_size=4, compile=True,
-                                         offload_text_encoder=True),
-                             "cpu": _LTX23_GRPO},
+    "ltx23-grpo-pickscore": {"gpu": dict(_LTX23_GRPO, **_LTX23_GPU), "cpu": _LTX23_GRPO},
     "wan22-i2v-grpo-pickscore": {"gpu": dict(_WAN22_I2V_GRPO, compile=True), "cpu": _WAN22_I2V_GRPO},
-    # Text to video's GPU shape (a prompt's 8 videos in one request, micro-batches of 4, compiled): at real widths with
-    # two blocks of each kind, its compiled first rollout on one H100 clipped none of its first pass (|Δ log p| 0).
-    "ltx23-i2v-grpo-pickscore": {"gpu": dict(_LTX23_I2V_GRPO, rollout_microgroup_size=8, micro_batch_size=4,
-                                             compile=True, offload_text_encoder=True),
-                                 "cpu": _LTX23_I2V_GRPO},
+    # Text to video's GPU shape. Compiled, at real widths with two blocks of each kind, its first rollout on one H100
+    # clipped none of its first pass (|Δ log p| 0), measured at microgroup 1 and micro-batch 1; at this shape the
+    # image-to-video first pass is not measured yet (text to video's was 6.7e-7 at real size).
+    "ltx23-i2v-grpo-pickscore": {"gpu": dict(_LTX23_I2V_GRPO, **_LTX23_GPU), "cpu": _LTX23_I2V_GRPO},
     # On a GPU micro-batches of 16 pairs (one prompt's rows batched): 0.78 s per sample against 2.32 at micro-batch 1.
     "cosmos3-grpo": {"gpu": dict(_COSMOS3_GRPO, micro_batch_size=16, compile=True), "cpu": _COSMOS3_GRPO},
     "shapes-nft": {

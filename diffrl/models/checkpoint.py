@@ -42,7 +42,8 @@ def load_model(base_path: Path, checkpoint: Path | None = None, *, family: str |
     model = _load_model(base_path, checkpoint, family=family, device=device, dtype=dtype)
     run = {} if checkpoint is None else _run_flags(checkpoint)
     if current_lora(model.transformer) is not None:  # sampled as its run sampled: folded where the method folds
-        set_lora_folding(model.transformer, folds_lora(run.get("loss_type", ""), run.get("fold_lora_without_grad", "auto")))
+        folds = folds_lora(run.get("loss_type", ""), run.get("fold_lora_without_grad", "auto"))
+        set_lora_folding(model.transformer, folds)
     if flow_shift == "run":
         flow_shift = run.get("flow_shift")
     if flow_shift is not None:

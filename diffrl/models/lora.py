@@ -33,8 +33,8 @@ class LoraSpec(BaseModel):
     """Forwards without gradients (sampling, an old policy's target) run each adapted linear layer as one matmul with
     the adapter folded into a copy of its weight (W + s·B·A, rounded once to the forward's dtype), instead of the
     base matmul plus the adapter's two thin ones and their adds, which read and write activation-sized tensors
-    (`_LoraLayer._folded_forward`). The result differs from the unfolded one by that rounding (none while B = 0): for methods whose
-    no-gradient forwards are targets, not the other side of a ratio with a trained forward."""
+    (`_LoraLayer._folded_forward`). The result differs from the unfolded one by that rounding (none while B = 0): for
+    methods whose no-gradient forwards are targets, not the other side of a ratio with a trained forward."""
 
     @field_validator("rank", "alpha", mode="before")
     @classmethod
